@@ -1,0 +1,392 @@
+"""Commit protocol: exactly-once outputs and exact progress across crashes and resumes.
+
+Storage layout (below the job's storage path)::
+
+    outputs/commit_<n>/rank_<r>/...   committed files written through upload_path() (published)
+    result.json                       final result of a finished job (metrics, counts)
+    _tbp/job.json                     the job's fingerprint and plan, written once at its first start
+    _tbp/commits/<n>.json             commit record n: the durable truth (see below)
+    _tbp/states/<n>/rank_<r>.pt       rank r's reducer summaries and processor state at commit n
+    _tbp/staging/<n>/rank_<r>/...     files of commit n before they are published
+    _tbp/lock, _tbp/lease.json        the job lock
+
+Protocol of commit ``n`` (the numbers go on across attempts):
+
+1. Every rank runs ``on_checkpoint_start()``; files written through ``upload_path()`` since commit
+   ``n - 1`` are already in (or, on object stores, finish uploading to) ``staging/<n>/rank_<r>/``.
+   Each rank writes ``states/<n>/rank_<r>.pt`` when it has reducers or processor state.
+2. The ranks exchange votes (one ``all_gather_object``): status, batches completed since the last
+   commit, whether a state file was written.
+3. If every vote is OK, rank 0 writes ``commits/<n>.json`` atomically. **This write is the commit
+   point**: the record holds the cumulative set of committed global batches, the state files of
+   this and of earlier attempts, and the job's fingerprint.
+4. Rank 0 tells every rank the outcome (one broadcast); then each rank *publishes* its stage:
+   ``staging/<n>/rank_<r>`` moves to ``outputs/commit_<n>/rank_<r>`` (one atomic rename locally).
+5. Rank 0 deletes what the new record no longer needs (older records and state files).
+
+Crash anywhere: every step is idempotent and the next start repairs storage under the job lock
+before any work (:meth:`CheckpointStore.repair`): stages of commits ``<= n`` (the latest record)
+are published, stages and states of commits ``> n`` were never committed and are deleted. So a
+file appears under ``outputs/`` only once the record covering it is durable, the batches of an
+uncommitted step are processed again and their old files never become visible: every example's
+output is committed exactly once.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
+from torch_batch_process.progress import RangeSet
+from torch_batch_process.storage import TMP_MARKER, Storage
+
+logger = logging.getLogger(__name__)
+
+INTERNAL_DIR = "_tbp"
+JOB_FILE = f"{INTERNAL_DIR}/job.json"
+COMMITS_DIR = f"{INTERNAL_DIR}/commits"
+STATES_DIR = f"{INTERNAL_DIR}/states"
+STAGING_DIR = f"{INTERNAL_DIR}/staging"
+OUTPUTS_DIR = "outputs"
+RESULT_FILE = "result.json"
+ATTEMPT_FILE = f"{INTERNAL_DIR}/attempt.json"
+
+RECORD_FORMAT = "torch_batch_process/commit/1"
+JOB_FORMAT = "torch_batch_process/job/1"
+
+_COMMIT_DIGITS = 8
+
+
+def commit_name(commit: int) -> str:
+    """Zero-padded name of commit ``commit`` (sorts in commit order)."""
+    return f"{commit:0{_COMMIT_DIGITS}d}"
+
+
+def staging_dir(commit: int, rank: int | None = None) -> str:
+    """Relative path of the stage of ``commit`` (of one rank when ``rank`` is given)."""
+    base = f"{STAGING_DIR}/{commit_name(commit)}"
+    return base if rank is None else f"{base}/rank_{rank}"
+
+
+def outputs_dir(commit: int, rank: int | None = None) -> str:
+    """Relative path of the published outputs of ``commit`` (of one rank when given)."""
+    base = f"{OUTPUTS_DIR}/commit_{commit_name(commit)}"
+    return base if rank is None else f"{base}/rank_{rank}"
+
+
+def state_file(commit: int, rank: int) -> str:
+    """Relative path of rank ``rank``'s state file at ``commit``."""
+    return f"{STATES_DIR}/{commit_name(commit)}/rank_{rank}.pt"
+
+
+@dataclass
+class JobSpec:
+    """What identifies a job: a resume must match it exactly (its fingerprint)."""
+
+    dataset_length: int
+    batch_size: int
+    processor: str
+    max_batches: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dataset_length": self.dataset_length,
+            "batch_size": self.batch_size,
+            "processor": self.processor,
+            "max_batches": self.max_batches,
+        }
+
+    def differences(self, stored: dict[str, Any]) -> list[str]:
+        """Human-readable differences between this spec and a stored one."""
+        mine = self.to_json()
+        keys = sorted(set(mine) | set(stored))
+        return [f"{key}: stored {stored.get(key)!r}, now {mine.get(key)!r}" for key in keys if stored.get(key) != mine.get(key)]
+
+
+@dataclass
+class JobInfo:
+    """Contents of ``_tbp/job.json``: the fingerprint and the plan fixed at the job's first start."""
+
+    spec: dict[str, Any]
+    planned_batches: int
+    job_name: str
+    created: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": JOB_FORMAT,
+            "spec": self.spec,
+            "planned_batches": self.planned_batches,
+            "job_name": self.job_name,
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> JobInfo:
+        try:
+            if value.get("format") != JOB_FORMAT:
+                raise ValueError(f"unknown format {value.get('format')!r}")
+            return cls(
+                spec=dict(value["spec"]),
+                planned_batches=int(value["planned_batches"]),
+                job_name=str(value["job_name"]),
+                created=float(value["created"]),
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"job file {where} is not a valid job record: {exc}") from exc
+
+
+@dataclass
+class CommitRecord:
+    """A durable commit: the state of the job right after commit ``commit``."""
+
+    commit: int
+    attempt: int
+    world_size: int
+    committed: RangeSet
+    state_files: list[str | None]
+    """State file of each rank of this attempt at this commit (``None``: that rank wrote none)."""
+    frozen_state_files: list[str]
+    """Last state files of the ranks of earlier attempts: extra reducer slots."""
+    reducers: list[dict[str, Any]]
+    finished: bool = False
+    result: dict[str, Any] | None = None
+    time: float = field(default_factory=time.time)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": RECORD_FORMAT,
+            "commit": self.commit,
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            "committed": self.committed.to_json(),
+            "state_files": self.state_files,
+            "frozen_state_files": self.frozen_state_files,
+            "reducers": self.reducers,
+            "finished": self.finished,
+            "result": self.result,
+            "time": self.time,
+            "stats": self.stats,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> CommitRecord:
+        try:
+            if value.get("format") != RECORD_FORMAT:
+                raise ValueError(f"unknown format {value.get('format')!r}")
+            return cls(
+                commit=int(value["commit"]),
+                attempt=int(value["attempt"]),
+                world_size=int(value["world_size"]),
+                committed=RangeSet.from_json(value["committed"]),
+                state_files=list(value["state_files"]),
+                frozen_state_files=list(value["frozen_state_files"]),
+                reducers=list(value["reducers"]),
+                finished=bool(value["finished"]),
+                result=value.get("result"),
+                time=float(value["time"]),
+                stats=dict(value.get("stats") or {}),
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"commit record {where} is not a valid record: {exc}") from exc
+
+    def referenced_files(self) -> set[str]:
+        """State files this record needs."""
+        return {f for f in self.state_files if f} | set(self.frozen_state_files)
+
+    def slot_files(self) -> list[str]:
+        """State files whose reducer summaries are slots of the final reduction."""
+        return list(self.frozen_state_files) + [f for f in self.state_files if f]
+
+
+class CheckpointStore:
+    """Reads and writes the job's records, states, stages and outputs on a :class:`Storage`."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    # ------------------------------------------------------------------ reading
+
+    def load_job(self) -> JobInfo | None:
+        """The stored job info, ``None`` for a fresh storage path."""
+        try:
+            raw = self.storage.read_bytes(JOB_FILE)
+        except FileNotFoundError:
+            return None
+        return JobInfo.from_json(_parse_json(raw, self.storage.url_of(JOB_FILE)), self.storage.url_of(JOB_FILE))
+
+    def commit_numbers(self) -> list[int]:
+        """Numbers of the commit records present, ascending."""
+        numbers = []
+        for name in self.storage.list(COMMITS_DIR):
+            stem = name[: -len(".json")] if name.endswith(".json") else ""
+            if stem.isdigit():
+                numbers.append(int(stem))
+        return sorted(numbers)
+
+    def load_latest(self) -> CommitRecord | None:
+        """The latest commit record, ``None`` when nothing was committed.
+
+        Raises:
+            CheckpointCorruptError: the latest record exists but cannot be read; never falls back.
+        """
+        numbers = self.commit_numbers()
+        if not numbers:
+            return None
+        rel = f"{COMMITS_DIR}/{commit_name(numbers[-1])}.json"
+        where = self.storage.url_of(rel)
+        try:
+            raw = self.storage.read_bytes(rel)
+        except FileNotFoundError as exc:  # deleted between list and read: another job's GC
+            raise CheckpointCorruptError(f"commit record {where} vanished while reading it") from exc
+        record = CommitRecord.from_json(_parse_json(raw, where), where)
+        if record.commit != numbers[-1]:
+            raise CheckpointCorruptError(f"commit record {where} says it is commit {record.commit}")
+        return record
+
+    def load_state(self, rel: str) -> dict[str, Any]:
+        """Loads a state file written by :meth:`write_state`."""
+        where = self.storage.url_of(rel)
+        try:
+            raw = self.storage.read_bytes(rel)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"state file {where} referenced by the last commit is missing") from exc
+        try:
+            state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unpickling error means a damaged file
+            raise CheckpointCorruptError(f"state file {where} cannot be read: {exc}") from exc
+        if not isinstance(state, dict) or "reducers" not in state:
+            raise CheckpointCorruptError(f"state file {where} is not a torch_batch_process state file")
+        return state
+
+    # ------------------------------------------------------------------ writing
+
+    def write_job(self, job: JobInfo) -> None:
+        self.storage.write_json(JOB_FILE, job.to_json(), fsync=True)
+
+    def write_state(self, commit: int, rank: int, reducers: list[Any], processor: Any) -> str:
+        """Writes rank ``rank``'s state at ``commit``; returns its relative path."""
+        buffer = io.BytesIO()
+        torch.save({"reducers": reducers, "processor": processor}, buffer)
+        rel = state_file(commit, rank)
+        self.storage.write_bytes(rel, buffer.getvalue(), fsync=True)
+        return rel
+
+    def write_record(self, record: CommitRecord) -> None:
+        """Writes a commit record atomically: the commit point."""
+        self.storage.write_json(f"{COMMITS_DIR}/{commit_name(record.commit)}.json", record.to_json(), fsync=True)
+
+    def next_attempt(self, latest: CommitRecord | None, world_size: int) -> int:
+        """Counts this start as a new attempt (also attempts that crashed before their first commit)."""
+        previous = latest.attempt if latest else 0
+        try:
+            stored = self.storage.read_json(ATTEMPT_FILE)
+            previous = max(previous, int(stored.get("attempt", 0)))
+        except (FileNotFoundError, ValueError, AttributeError, TypeError):
+            pass
+        attempt = previous + 1
+        self.storage.write_json(ATTEMPT_FILE, {"attempt": attempt, "started": time.time(), "world_size": world_size})
+        return attempt
+
+    def write_result(self, result: dict[str, Any]) -> None:
+        self.storage.write_json(RESULT_FILE, result)
+
+    def publish(self, commit: int, rank: int | None = None) -> None:
+        """Moves the stage of ``commit`` (one rank's, or all of it) into ``outputs/``; idempotent."""
+        if rank is not None:
+            self.storage.move(staging_dir(commit, rank), outputs_dir(commit, rank))
+            return
+        for name in self.storage.list(staging_dir(commit)):
+            if name.startswith("rank_"):
+                self.storage.move(f"{staging_dir(commit)}/{name}", f"{outputs_dir(commit)}/{name}")
+        self.storage.delete(staging_dir(commit), recursive=True)
+
+    # -------------------------------------------------------------- maintenance
+
+    def repair(self, latest: CommitRecord | None) -> None:
+        """Brings storage in line with the latest record after a crash (rank 0, under the job lock).
+
+        Publishes the stages of committed commits, deletes stages and state files of commits that
+        never became durable, and removes temporary files of interrupted writes.
+        """
+        last = latest.commit if latest else 0
+        for name in self.storage.list(STAGING_DIR):
+            if not name.isdigit():
+                self.storage.delete(f"{STAGING_DIR}/{name}", recursive=True)
+                continue
+            number = int(name)
+            if not any(entry.startswith("rank_") for entry in self.storage.list(staging_dir(number))):
+                self.storage.delete(staging_dir(number), recursive=True)  # nothing staged, or already published
+            elif number <= last:
+                logger.info("publishing the outputs of commit %d, interrupted before they were published", number)
+                self.publish(number)
+            else:
+                logger.info("discarding the uncommitted outputs of commit %d", number)
+                self.storage.delete(staging_dir(number), recursive=True)
+        keep = latest.referenced_files() if latest else set()
+        keep_dirs = {rel.rsplit("/", 1)[0] for rel in keep}
+        for name in self.storage.list(STATES_DIR):
+            rel_dir = f"{STATES_DIR}/{name}"
+            if rel_dir not in keep_dirs:
+                self.storage.delete(rel_dir, recursive=True)
+        for name in self.storage.list(COMMITS_DIR):
+            if TMP_MARKER in name:
+                self.storage.delete(f"{COMMITS_DIR}/{name}")
+        for name in self.storage.list(INTERNAL_DIR):
+            if TMP_MARKER in name:
+                self.storage.delete(f"{INTERNAL_DIR}/{name}")
+
+    def collect_garbage(self, record: CommitRecord, previous: CommitRecord | None) -> None:
+        """Deletes what ``record`` supersedes: older records and unreferenced state files."""
+        if previous is not None:
+            keep = record.referenced_files()
+            for rel in previous.referenced_files() - keep:
+                self.storage.delete(rel)
+                if self.storage.is_local:
+                    try:
+                        self.storage.delete(rel.rsplit("/", 1)[0])  # the folder, once empty
+                    except Exception:  # noqa: BLE001 - not empty yet: another rank's file stays
+                        pass
+        for number in self.commit_numbers():
+            if number < record.commit:
+                self.storage.delete(f"{COMMITS_DIR}/{commit_name(number)}.json")
+        if self.storage.is_local and previous is not None:
+            try:
+                self.storage.delete(staging_dir(previous.commit))
+            except Exception:  # noqa: BLE001 - a rank may still be publishing into it
+                pass
+
+    def erase(self) -> None:
+        """Deletes everything the library stored (``resume=False``): records, states, outputs."""
+        for rel in (COMMITS_DIR, STATES_DIR, STAGING_DIR, OUTPUTS_DIR, JOB_FILE, RESULT_FILE, ATTEMPT_FILE, "metrics.jsonl"):
+            self.storage.delete(rel, recursive=True)
+
+
+def _parse_json(raw: bytes, where: str) -> Any:
+    import json
+
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointCorruptError(
+            f"{where} is corrupt ({exc}). The job cannot resume from it; to start the job afresh, "
+            "pass resume=False (this erases the stored progress and outputs) or use a new storage_path."
+        ) from exc
+
+
+def check_fingerprint(job: JobInfo, spec: JobSpec, url: str) -> None:
+    """Raises :class:`JobMismatchError` when the stored job is not this one."""
+    differences = spec.differences(job.spec)
+    if differences:
+        raise JobMismatchError(
+            f"storage_path {url!r} holds another job ({'; '.join(differences)}). Nothing was changed. "
+            "To resume it, run it with its original settings; to start this job afresh there, pass "
+            "resume=False (this erases the stored progress and outputs), or use a new storage_path."
+        )

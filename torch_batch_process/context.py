@@ -1,0 +1,157 @@
+"""The context handed to each processor: device, reducers, outputs, metrics, ranks, hparams."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_batch_process.device import to_device
+from torch_batch_process.distributed import DistributedInfo
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.outputs import OutputStager
+from torch_batch_process.reducers import MetricReducer, ReducerRegistry
+from torch_batch_process.result import to_jsonable
+
+HPARAMS_ENV = "TBP_HPARAMS"
+
+
+class TorchBatchProcessorContext:
+    """What a :class:`~torch_batch_process.TorchBatchProcessor` gets in ``__init__``.
+
+    Attributes:
+        device: this rank's device (``cuda:<local_rank>``, ``mps`` or ``cpu``).
+        distributed: ranks of this process (``get_rank()``, ``get_size()``, ``get_local_rank()``...)
+            and object collectives (``allgather``, ``gather``, ``broadcast``), as in Determined.
+        storage_path: URL (or local path) of the job's storage.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        distributed: DistributedInfo,
+        stager: OutputStager,
+        storage_path: str,
+        tensorboard_path: Path,
+        metrics_sink: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.device = device
+        self.distributed = distributed
+        self.storage_path = storage_path
+        self._stager = stager
+        self._tensorboard_path = tensorboard_path
+        self._metrics_sink = metrics_sink
+        self._reducers = ReducerRegistry()
+        self._warned_types: set[type] = set()
+        self._hparams: dict[str, Any] | None = None
+
+    def to_device(self, data: Any, warned_types: set[type] | None = None) -> Any:
+        """Moves tensors (and numpy arrays, as tensors) nested in ``data`` to this rank's device.
+
+        Copies from pinned memory are non-blocking. See :func:`torch_batch_process.to_device`.
+        """
+        return to_device(data, self.device, self._warned_types if warned_types is None else warned_types)
+
+    def prepare_model_for_inference(self, model: nn.Module) -> nn.Module:
+        """Puts ``model`` in eval mode on this rank's device and returns it."""
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(
+                f"prepare_model_for_inference(model=...) takes a torch.nn.Module, got {type(model).__name__}"
+            )
+        model.eval()
+        model.to(self.device)
+        return model
+
+    def wrap_reducer(
+        self,
+        reducer: MetricReducer | Callable[[list[Any]], Any],
+        name: str | None = None,
+        for_training: bool = True,
+        for_validation: bool = True,
+    ) -> MetricReducer:
+        """Registers a metric reducer whose result appears in the job's ``metrics``.
+
+        Args:
+            reducer: a :class:`MetricReducer`, or a function that receives the flat list of every
+                value passed to the returned object's ``update(value)``, over all ranks.
+            name: the metric's name; ``None`` when the reducer returns a dict of metrics.
+            for_training: accepted for compatibility with Determined; ignored.
+            for_validation: accepted for compatibility with Determined; ignored.
+
+        Returns:
+            ``reducer`` itself, or for a function a reducer with an ``update(value)`` method.
+        """
+        del for_training, for_validation
+        return self._reducers.wrap(reducer, name)
+
+    def upload_path(self) -> contextlib.AbstractContextManager[Path]:
+        """A context manager yielding a fresh local folder for output files.
+
+        Everything written in the folder inside the ``with`` block becomes part of the next commit and
+        appears under ``<storage_path>/outputs/commit_<n>/rank_<r>/`` once that commit is durable,
+        exactly once even if the job is killed and resumed. If the block raises, its files are
+        discarded. File names must be unique among this rank's uploads between two commits.
+        """
+        return self._stager.upload_path()
+
+    def report_metrics(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
+        """Records metrics; they are written to ``<storage_path>/metrics.jsonl`` at the next commit.
+
+        Args:
+            group: name of the series (no ``.``), e.g. ``"inference"``.
+            steps_completed: the step the metrics belong to (e.g. batches processed so far).
+            metrics: JSON-serializable values (numbers, strings, lists, dicts).
+        """
+        if not isinstance(group, str) or not group or "." in group:
+            raise InvalidArgumentError(f"report_metrics(group={group!r}): a non-empty str without '.' is required")
+        if not isinstance(steps_completed, int) or isinstance(steps_completed, bool) or steps_completed < 0:
+            raise InvalidArgumentError(f"report_metrics(steps_completed={steps_completed!r}): a non-negative int is required")
+        if not isinstance(metrics, dict):
+            raise InvalidArgumentError(f"report_metrics(metrics=...): a dict is required, got {type(metrics).__name__}")
+        clean = {str(k): to_jsonable(v) for k, v in metrics.items()}
+        try:
+            json.dumps(clean)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"report_metrics(metrics=...): values must be JSON-serializable ({exc})") from exc
+        self._metrics_sink(
+            {"group": group, "steps_completed": steps_completed, "rank": self.distributed.rank, "metrics": clean}
+        )
+
+    def get_tensorboard_path(self) -> Path:
+        """A local folder for TensorBoard event files and profiler traces of this rank."""
+        self._tensorboard_path.mkdir(parents=True, exist_ok=True)
+        return self._tensorboard_path
+
+    def get_distributed_rank(self) -> int:
+        """Global rank of this process."""
+        return self.distributed.rank
+
+    def get_distributed_size(self) -> int:
+        """Number of processes of the job."""
+        return self.distributed.size
+
+    def get_hparams(self) -> dict[str, Any]:
+        """The job config's ``hyperparameters`` (from ``tbp run``); ``{}`` when there are none."""
+        if self._hparams is None:
+            raw = os.environ.get(HPARAMS_ENV)
+            try:
+                value = json.loads(raw) if raw else {}
+            except ValueError as exc:
+                raise InvalidArgumentError(f"environment variable {HPARAMS_ENV} is not valid JSON: {exc}") from exc
+            if not isinstance(value, dict):
+                raise InvalidArgumentError(f"environment variable {HPARAMS_ENV} must hold a JSON object")
+            self._hparams = value
+        return dict(self._hparams)
+
+    # -- used by the loop ---------------------------------------------------------------------
+
+    @property
+    def reducers(self) -> ReducerRegistry:
+        return self._reducers

@@ -1,0 +1,109 @@
+"""Coordination: all ranks take the same decision at the same step boundary.
+
+Ranks never leave the loop on their own. A rank whose hook raised, or that received SIGTERM, keeps
+stepping (idle) and raises a flag; the flags of all ranks are combined at step boundaries so that
+every rank decides, at the same boundary, to continue, to commit and stop (preemption), or to fail.
+Because every rank then runs the same collectives in the same order, nothing hangs, and every rank
+exits promptly with an error when one rank fails, even when no torchrun agent is there to kill the
+others.
+
+The per-step agreement is an asynchronous MAX all_reduce of two integers started at the end of step
+``s`` and read at the end of step ``s + 1``, so its latency overlaps with a whole step of work: a
+signal or failure during step ``s`` stops every rank after step ``s + 1`` at the latest. Commits
+carry the same flags in their votes, where the decision is immediate.
+"""
+
+from __future__ import annotations
+
+import enum
+import traceback
+from dataclasses import dataclass
+
+from torch_batch_process.distributed import Collectives, _PendingMax
+from torch_batch_process.errors import WorkerFailedError
+
+
+class Decision(enum.Enum):
+    CONTINUE = "continue"
+    PREEMPT = "preempt"
+    FAIL = "fail"
+
+
+@dataclass
+class FailureInfo:
+    """A picklable summary of an exception raised on one rank."""
+
+    rank: int
+    where: str
+    type_name: str
+    message: str
+    traceback: str
+
+    def describe(self) -> str:
+        return f"rank {self.rank} failed in {self.where}: {self.type_name}: {self.message}"
+
+
+class FailureTracker:
+    """Remembers the first exception this rank raised, to report it to the others and re-raise it."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.exception: BaseException | None = None
+        self.info: FailureInfo | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.exception is not None
+
+    def record(self, exc: BaseException, where: str) -> None:
+        if self.exception is None:
+            self.exception = exc
+            self.info = FailureInfo(
+                rank=self.rank,
+                where=where,
+                type_name=type(exc).__name__,
+                message=str(exc),
+                traceback="".join(traceback.format_exception(exc)),
+            )
+
+    def raise_for(self, infos: list[FailureInfo | None]) -> None:
+        """Raises this rank's own exception if it failed, else a :class:`WorkerFailedError`."""
+        if self.exception is not None:
+            raise self.exception
+        failures = [info for info in infos if info is not None]
+        if failures:
+            first = failures[0]
+            others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+            raise WorkerFailedError(
+                f"{first.describe()}{others}; this rank stops too. The last commit is intact: fix the error "
+                f"and run the job again to resume.\n--- traceback of rank {first.rank} ---\n{first.traceback}"
+            )
+
+
+class StepAgreement:
+    """Combines the preempt/failure flags of all ranks once per step, overlapped with the next step."""
+
+    PREEMPT, FAIL = 0, 1
+
+    def __init__(self, collectives: Collectives) -> None:
+        self._collectives = collectives
+        self._pending: _PendingMax | None = None
+
+    def boundary(self, preempt: bool, failed: bool) -> Decision:
+        """Called by every rank at every non-commit step boundary; returns the common decision."""
+        if self._collectives.world_size == 1:
+            return Decision.FAIL if failed else Decision.PREEMPT if preempt else Decision.CONTINUE
+        flags = self._pending.wait() if self._pending is not None else [0, 0]
+        self._pending = None
+        if flags[self.FAIL]:
+            return Decision.FAIL
+        if flags[self.PREEMPT]:
+            return Decision.PREEMPT
+        self._pending = self._collectives.start_max([int(preempt), int(failed)])
+        return Decision.CONTINUE
+
+    def drain(self) -> None:
+        """Completes the agreement in flight (before a commit, whose votes carry fresh flags)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None

@@ -1,0 +1,256 @@
+"""The distributed context: ranks, process groups and the library's own collectives.
+
+A job runs as one plain process (``python script.py``), under ``torchrun``, or as processes started
+with the env contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+The library initializes the default process group itself when the environment asks for more than
+one process (nccl when CUDA is there, else gloo), reuses a group the user already initialized, and
+destroys only what it created.
+
+Its own coordination (votes at commits, the per-step stop/failure agreement) always runs on a gloo
+group on CPU, even on GPU jobs: it needs no device synchronization, and a peer that dies is noticed
+at once (gloo reports the closed connection) instead of after the NCCL timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_batch_process.device import get_default_device
+from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("TBP_COLLECTIVE_TIMEOUT_S", "1800"))
+
+_LOST_HINT = (
+    "another rank of this job stopped answering (it crashed, was killed, or the network failed). "
+    "The last commit is intact: run the job again to resume from it"
+)
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgumentError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+@dataclass
+class DistributedInfo:
+    """Ranks of this process, with Determined's ``DistributedContext`` accessors.
+
+    Attributes:
+        rank: global rank.
+        size: number of processes (world size).
+        local_rank: rank on this node.
+        local_size: processes on this node.
+        cross_rank: index of this node.
+        cross_size: number of nodes.
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    _collectives: Collectives | None = None
+
+    def get_rank(self) -> int:
+        return self.rank
+
+    def get_size(self) -> int:
+        return self.size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
+
+    def get_local_size(self) -> int:
+        return self.local_size
+
+    def get_cross_rank(self) -> int:
+        return self.cross_rank
+
+    def get_cross_size(self) -> int:
+        return self.cross_size
+
+    def allgather(self, stuff: Any) -> list[Any]:
+        """Gathers a picklable object from every rank, on every rank."""
+        return self._coll().all_gather(stuff)
+
+    def gather(self, stuff: Any) -> list[Any] | None:
+        """Gathers a picklable object from every rank on rank 0 (others get ``None``)."""
+        gathered = self._coll().all_gather(stuff)
+        return gathered if self.rank == 0 else None
+
+    def broadcast(self, stuff: Any) -> Any:
+        """Returns rank 0's ``stuff`` on every rank."""
+        return self._coll().broadcast(stuff)
+
+    def _coll(self) -> Collectives:
+        assert self._collectives is not None
+        return self._collectives
+
+
+class Collectives:
+    """The library's collectives over a gloo group; a single process needs none."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """``all_gather_object``: every rank gets every rank's object."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``broadcast_object_list`` of one object from ``src``."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        try:
+            dist.broadcast_object_list(box, src=src, group=self.group)
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
+        return box[0]
+
+    def start_max(self, values: list[int]) -> _PendingMax:
+        """Starts an asynchronous element-wise MAX all_reduce of small integers."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        if self.world_size == 1:
+            return _PendingMax(tensor, None, self.rank)
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        except (RuntimeError, ConnectionError) as exc:
+            raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
+        return _PendingMax(tensor, work, self.rank)
+
+
+class _PendingMax:
+    def __init__(self, tensor: torch.Tensor, work: Any, rank: int) -> None:
+        self._tensor = tensor
+        self._work = work
+        self._rank = rank
+
+    def wait(self) -> list[int]:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except (RuntimeError, ConnectionError) as exc:
+                raise WorkerLostError(f"rank {self._rank}: {_LOST_HINT} ({exc})") from exc
+            self._work = None
+        return [int(v) for v in self._tensor.tolist()]
+
+
+class DistributedEnv:
+    """Sets up (or reuses) torch.distributed for a job and tears down what it created."""
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._created_default = False
+        self._created_control = False
+        self.control_group: dist.ProcessGroup | None = None
+        self.device = torch.device("cpu")
+        self.info = DistributedInfo(0, 1, 0, 1, 0, 1)
+        self.collectives = Collectives(None, 0, 1)
+
+    def __enter__(self) -> DistributedEnv:
+        self.setup()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def setup(self) -> None:
+        """Joins the job's process group (initializing it when needed) and picks the device."""
+        initialized = dist.is_available() and dist.is_initialized()
+        if initialized:
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            world_size = _env_int("WORLD_SIZE", 1) or 1
+            rank = _env_int("RANK", 0) or 0
+            if world_size < 1 or not 0 <= rank < world_size:
+                raise InvalidArgumentError(f"invalid environment: RANK={rank} must be in [0, WORLD_SIZE={world_size})")
+        local_rank = _env_int("LOCAL_RANK", rank if world_size == 1 else None)
+        if local_rank is None:
+            local_rank = rank  # no LOCAL_RANK: assume one process per node slot, all on this node
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        self.device = get_default_device()
+        if world_size > 1 and not initialized:
+            missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+            if missing:
+                raise InvalidArgumentError(
+                    f"WORLD_SIZE={world_size} but {', '.join(missing)} is not set: start the job with torchrun or "
+                    "python -m torch_batch_process.launch.torch_distributed, or set MASTER_ADDR and MASTER_PORT"
+                )
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            logger.debug("initializing the %s process group (rank %d of %d)", backend, rank, world_size)
+            kwargs: dict[str, Any] = {}
+            if backend == "nccl":
+                kwargs["device_id"] = self.device
+            dist.init_process_group(
+                backend=backend, init_method="env://", rank=rank, world_size=world_size, timeout=self._timeout, **kwargs
+            )
+            self._created_default = True
+        if world_size > 1:
+            if dist.get_backend() == "gloo":
+                self.control_group = None  # the default group
+            else:
+                self.control_group = dist.new_group(backend="gloo", timeout=self._timeout)
+                self._created_control = True
+        self.collectives = Collectives(self.control_group, rank, world_size)
+        local_size = _env_int("LOCAL_WORLD_SIZE", None)
+        cross_rank = _env_int("GROUP_RANK", None)
+        if world_size > 1 and (local_size is None or cross_rank is None):
+            hosts = self.collectives.all_gather(socket.gethostname())
+            distinct = list(dict.fromkeys(hosts))
+            local_size = hosts.count(hosts[rank])
+            cross_rank = distinct.index(hosts[rank])
+            cross_size = len(distinct)
+        else:
+            local_size = local_size or 1
+            cross_rank = cross_rank or 0
+            cross_size = max(1, world_size // max(local_size, 1))
+        self.info = DistributedInfo(
+            rank=rank,
+            size=world_size,
+            local_rank=local_rank,
+            local_size=local_size,
+            cross_rank=cross_rank,
+            cross_size=cross_size,
+            _collectives=self.collectives,
+        )
+
+    def teardown(self) -> None:
+        """Destroys the process groups this job created (never one the user created)."""
+        if self._created_control and self.control_group is not None:
+            try:
+                dist.destroy_process_group(self.control_group)
+            except Exception as exc:  # noqa: BLE001 - teardown must not mask the job's outcome
+                logger.debug("destroying the control group failed: %s", exc)
+            self._created_control = False
+        if self._created_default and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001
+                logger.debug("destroying the process group failed: %s", exc)
+            self._created_default = False

@@ -1,0 +1,44 @@
+"""Exceptions raised by torch_batch_process.
+
+Every error the library raises derives from :class:`BatchProcessError`, so callers can catch them all
+at once, and also from the closest built-in exception, so code written against Determined (which
+raises ``ValueError`` and plain ``Exception``) keeps working.
+"""
+
+from __future__ import annotations
+
+
+class BatchProcessError(Exception):
+    """Base class of every error raised by torch_batch_process."""
+
+
+class InvalidArgumentError(BatchProcessError, TypeError, ValueError):
+    """An argument has a wrong type or value.
+
+    It is both a ``TypeError`` and a ``ValueError``: the message names the argument and the fix, and
+    it is raised before any work is done or anything is written to storage.
+    """
+
+
+class StorageError(BatchProcessError, OSError):
+    """The storage path cannot be used (unreachable, missing bucket, no permission, read-only...)."""
+
+
+class JobLockedError(StorageError):
+    """Another job holds the lock of this storage path."""
+
+
+class JobMismatchError(BatchProcessError, ValueError):
+    """The job stored at the storage path differs from this one (dataset, batch size, processor...)."""
+
+
+class CheckpointCorruptError(BatchProcessError):
+    """A checkpoint record or state file exists but cannot be read."""
+
+
+class WorkerFailedError(BatchProcessError, RuntimeError):
+    """Another rank raised an exception; raised on the ranks that did not fail."""
+
+
+class WorkerLostError(BatchProcessError, RuntimeError):
+    """Contact with another rank was lost (it crashed, was killed, or the network failed)."""

@@ -1,0 +1,48 @@
+"""Logging: the library logs through ``logging`` under ``torch_batch_process``, with the rank in each record.
+
+When the application has configured no logging, the library adds one stderr handler: rank 0 shows
+INFO and above (a few lines per job), the other ranks WARNING and above. Configure the
+``torch_batch_process`` logger (or the root logger) to change that.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "torch_batch_process"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+_filter = _RankFilter()
+_handler: logging.Handler | None = None
+
+
+def setup_logging(rank: int) -> None:
+    """Tags records with ``rank`` and, if nothing is configured, shows them on stderr."""
+    global _handler
+    _filter.rank = rank
+    logger = logging.getLogger(LOGGER_NAME)
+    if _filter not in logger.filters:
+        logger.addFilter(_filter)
+    for child in list(logging.Logger.manager.loggerDict):
+        if child.startswith(LOGGER_NAME + "."):
+            child_logger = logging.getLogger(child)
+            if _filter not in child_logger.filters:
+                child_logger.addFilter(_filter)
+    if _handler is None and not logging.getLogger().handlers and not logger.handlers:
+        _handler = logging.StreamHandler(sys.stderr)
+        _handler.setFormatter(logging.Formatter("%(asctime)s [tbp rank %(rank)s] %(levelname)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(_handler)
+        logger.propagate = False
+    if _handler is not None:
+        logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)

@@ -1,0 +1,681 @@
+"""The loop: :func:`torch_batch_process` and the lifecycle of one job run.
+
+Lifecycle of a call (every rank runs the same steps, in the same order):
+
+1. Check every argument (before any work or storage access).
+2. Join the process group; rank 0 reads the stored job under the job lock: refuse a different job,
+   return the stored result of a finished one, repair what a crash left, and tell the plan to all.
+3. Build the processor on every rank (``cls(context)``), restore its state, check its reducers.
+4. Deal the batches not yet committed round-robin over the ranks; run the same number of steps on
+   every rank: ``process_batch(batch, batch_idx)`` with the *global* batch index.
+5. Every ``checkpoint_interval`` steps and after the last step: ``on_checkpoint_start()`` on every
+   rank, then commit (outputs, progress, reducer and processor states become durable together).
+   Between commits, ranks agree at each step boundary whether to continue, to stop (SIGTERM/SIGINT:
+   commit and return ``preempted=True``) or to fail (a hook raised on some rank: every rank raises).
+6. When every batch is committed: ``on_finish()`` on every rank, a final commit with the reduced
+   metrics, and the same :class:`BatchProcessResult` returned on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from torch_batch_process.checkpoint import (
+    OUTPUTS_DIR,
+    CheckpointStore,
+    CommitRecord,
+    JobInfo,
+    JobSpec,
+    check_fingerprint,
+)
+from torch_batch_process.context import TorchBatchProcessorContext
+from torch_batch_process.coordination import Decision, FailureInfo, FailureTracker, StepAgreement
+from torch_batch_process.distributed import DistributedEnv
+from torch_batch_process.errors import JobMismatchError, StorageError, WorkerFailedError
+from torch_batch_process.lock import JobLock, acquire_job_lock
+from torch_batch_process.log import setup_logging
+from torch_batch_process.metrics import MetricsLog
+from torch_batch_process.outputs import OutputStager
+from torch_batch_process.preemption import SignalWatcher
+from torch_batch_process.processor import TorchBatchProcessor
+from torch_batch_process.progress import RangeSet
+from torch_batch_process.result import BatchProcessResult, to_jsonable
+from torch_batch_process.sharding import BatchGeometry, RankBatchSampler, ShardPlan, planned_batches
+from torch_batch_process.storage import Storage
+from torch_batch_process.validation import JobArguments, validate_arguments
+
+logger = logging.getLogger(__name__)
+
+
+def torch_batch_process(
+    batch_processor_cls: type[TorchBatchProcessor],
+    dataset: Any,
+    batch_size: int | None = None,
+    max_batches: int | None = None,
+    checkpoint_interval: int = 5,
+    dataloader_kwargs: dict[str, Any] | None = None,
+    *,
+    storage_path: str | os.PathLike[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    job_name: str | None = None,
+    resume: bool = True,
+    inference_mode: bool = True,
+) -> BatchProcessResult:
+    """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
+
+    Args:
+        batch_processor_cls: a :class:`TorchBatchProcessor` subclass (the class, not an instance);
+            it is instantiated once per rank as ``cls(context)``.
+        dataset: a map-style dataset with ``__len__`` (torch ``Dataset``, list, HF ``datasets.Dataset``...).
+        batch_size: examples per batch; ``None`` means ``dataloader_kwargs["batch_size"]``, else 1.
+        max_batches: cap on the batches of each rank (the job processes global batches
+            ``[0, max_batches * world_size)``); larger than a rank's share: a warning, ignored.
+        checkpoint_interval: commit every this many steps (and after the last one).
+        dataloader_kwargs: options of ``torch.utils.data.DataLoader`` (``num_workers``,
+            ``collate_fn``, ``pin_memory``, ``prefetch_factor``...); no ``shuffle=True``, ``sampler``,
+            ``batch_sampler`` or ``drop_last=True``.
+        storage_path: local path or fsspec URL (``s3://bucket/prefix``...) for progress and outputs;
+            default ``$TBP_STORAGE_PATH``, else ``./tbp_runs/<job_name>``.
+        storage_options: options of the fsspec filesystem (credentials, endpoint...); default
+            ``$TBP_STORAGE_OPTIONS`` (JSON), else the filesystem's own environment.
+        job_name: name of the job; default ``$TBP_JOB_NAME``, else the script's file stem.
+        resume: ``True`` resumes the job stored at ``storage_path``; ``False`` erases what is stored
+            there (progress and outputs) and starts afresh.
+        inference_mode: run ``process_batch`` under ``torch.inference_mode()`` (default); pass
+            ``False`` when the processor needs autograd.
+
+    Returns:
+        The same :class:`BatchProcessResult` on every rank.
+
+    Raises:
+        InvalidArgumentError: a bad argument (raised before any work or storage access).
+        JobMismatchError: ``storage_path`` holds another job.
+        JobLockedError: another job is running on ``storage_path``.
+        CheckpointCorruptError: the stored progress cannot be read.
+        StorageError: the storage cannot be used.
+        WorkerFailedError: another rank failed (the failing rank raises its own exception).
+        WorkerLostError: another rank died or stopped answering.
+    """
+    args = validate_arguments(
+        batch_processor_cls,
+        dataset,
+        batch_size,
+        max_batches,
+        checkpoint_interval,
+        dataloader_kwargs,
+        storage_path,
+        storage_options,
+        job_name,
+        resume,
+        inference_mode,
+    )
+    with DistributedEnv() as env:
+        setup_logging(env.info.rank)
+        return _JobRun(args, env).run()
+
+
+@dataclass
+class _StartPlan:
+    """What rank 0 found in storage, broadcast to every rank before any work."""
+
+    attempt: int
+    next_commit: int
+    planned_batches: int
+    committed: list[list[int]]
+    finished_result: dict[str, Any] | None = None
+    previous_world_size: int | None = None
+    previous_state_files: list[str | None] = field(default_factory=list)
+    frozen_state_files: list[str] = field(default_factory=list)
+    reducers: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class _Vote:
+    """One rank's contribution to a commit."""
+
+    failure: FailureInfo | None
+    preempt: bool
+    batches: list[list[int]]
+    examples: int
+    state_file: str | None
+    metrics: list[dict[str, Any]]
+    slots: list[Any] | None
+    timings: dict[str, float]
+
+
+@dataclass
+class _Outcome:
+    """Rank 0's answer to a commit's votes."""
+
+    failure: FailureInfo | None
+    metrics: dict[str, Any] | None = None
+
+
+class _JobRun:
+    """One call of :func:`torch_batch_process` on one rank."""
+
+    def __init__(self, args: JobArguments, env: DistributedEnv) -> None:
+        self.args = args
+        self.env = env
+        self.rank = env.info.rank
+        self.world_size = env.info.size
+        self.coll = env.collectives
+        self.failures = FailureTracker(self.rank)
+        self.geometry = BatchGeometry(args.dataset_length, args.batch_size)
+        self.spec = JobSpec(args.dataset_length, args.batch_size, args.processor_cls.__qualname__, args.max_batches)
+        self.storage = Storage(args.storage_path, args.storage_options)
+        self.store = CheckpointStore(self.storage)
+        self.lock: JobLock | None = None
+        self.metrics_log = MetricsLog(self.storage)
+        self.started = time.monotonic()
+        # Progress of this attempt.
+        self.committed = RangeSet()
+        self.interval_batches = RangeSet()
+        self.interval_examples = 0
+        self.metric_buffer: list[dict[str, Any]] = []
+        self.commit_number = 0
+        self.commits = 0
+        self.batches_processed = 0
+        self.examples_processed = 0
+        self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
+        self.total_timings: dict[str, float] = {}
+        self.last_record: CommitRecord | None = None
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    def run(self) -> BatchProcessResult:
+        self._warn_max_batches()
+        try:
+            plan = self._open_job()
+            self.plan = plan
+            if plan.finished_result is not None:
+                return self._stored_result(plan)
+            processor, stager = self._build_processor(plan)
+            try:
+                with SignalWatcher() as signals:
+                    shard = ShardPlan(self.committed.complement(plan.planned_batches), self.world_size)
+                    self._log_start(plan, shard)
+                    if self._process(processor, stager, shard, signals):
+                        return self._result(plan, preempted=True, metrics=self.preempt_metrics or {})
+                    metrics = self._finish(processor, stager, signals)
+                return self._result(plan, preempted=False, metrics=metrics)
+            finally:
+                stager.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            self.metrics_log.close()
+
+    def _warn_max_batches(self) -> None:
+        max_batches = self.args.max_batches
+        per_rank = -(-self.geometry.num_batches // self.world_size)
+        if max_batches is not None and max_batches > per_rank:
+            warnings.warn(
+                f"max_batches={max_batches} exceeds the {per_rank} batch(es) per rank of this job "
+                f"({self.geometry.num_batches} batches over {self.world_size} rank(s)); max_batches is ignored",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    # ------------------------------------------------------------- 2. open the stored job
+
+    def _open_job(self) -> _StartPlan:
+        """Rank 0 reads, checks and repairs the stored job under the lock; every rank gets the plan."""
+        plan: _StartPlan | BaseException
+        if self.rank == 0:
+            try:
+                plan = self._read_plan()
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
+                plan = exc
+        else:
+            plan = None  # type: ignore[assignment]
+        plan = self.coll.broadcast(plan)
+        if isinstance(plan, BaseException):
+            raise plan
+        self.committed = RangeSet.from_json(plan.committed)
+        self.commit_number = plan.next_commit - 1
+        if self.world_size > 1 and plan.finished_result is None:
+            self._check_shared_storage()
+        return plan
+
+    def _read_plan(self) -> _StartPlan:
+        job, latest = self._read_and_check()
+        if latest is not None and latest.finished and self.args.resume and latest.result is not None:
+            return _StartPlan(
+                attempt=latest.attempt,
+                next_commit=latest.commit + 1,
+                planned_batches=job.planned_batches if job else 0,
+                committed=latest.committed.to_json(),
+                finished_result=latest.result,
+            )
+        self.lock = acquire_job_lock(self.storage)  # the first write to storage
+        job, latest = self._read_and_check()  # again, now that no other job can change it
+        if not self.args.resume and (job is not None or latest is not None):
+            logger.warning("resume=False: erasing the job stored at %s", self.storage.url)
+            self.store.erase()
+            job, latest = None, None
+        self.store.repair(latest)
+        if job is None:
+            planned = planned_batches(self.geometry.num_batches, self.args.max_batches, self.world_size)
+            job = JobInfo(self.spec.to_json(), planned, self.args.job_name, time.time())
+            self.store.write_job(job)
+        if latest is not None and latest.finished:  # finished, but resume=False was handled above
+            latest = None
+        self.last_record = latest
+        return _StartPlan(
+            attempt=self.store.next_attempt(latest, self.world_size),
+            next_commit=(latest.commit if latest else 0) + 1,
+            planned_batches=job.planned_batches,
+            committed=latest.committed.to_json() if latest else [],
+            previous_world_size=latest.world_size if latest else None,
+            previous_state_files=list(latest.state_files) if latest else [],
+            frozen_state_files=(latest.frozen_state_files + [f for f in latest.state_files if f]) if latest else [],
+            reducers=latest.reducers if latest else None,
+        )
+
+    def _read_and_check(self) -> tuple[JobInfo | None, CommitRecord | None]:
+        job = self.store.load_job()
+        latest = self.store.load_latest()
+        if self.args.resume and job is not None:
+            check_fingerprint(job, self.spec, self.storage.url)
+        if self.args.resume and job is None and latest is not None:
+            raise JobMismatchError(f"storage_path {self.storage.url!r} holds commit records but no job file")
+        return job, latest
+
+    def _check_shared_storage(self) -> None:
+        """Every rank must see the storage rank 0 wrote (a local path must be shared by all nodes)."""
+        from torch_batch_process.checkpoint import JOB_FILE
+
+        try:
+            visible = self.storage.exists(JOB_FILE)
+        except Exception:  # noqa: BLE001
+            visible = False
+        everyone = self.coll.all_gather(visible)
+        if not all(everyone):
+            blind = [rank for rank, ok in enumerate(everyone) if not ok]
+            raise StorageError(
+                f"storage_path {self.storage.url!r} is not shared by all ranks: rank(s) {blind} cannot see what rank "
+                "0 wrote there. Use a filesystem mounted on every node (NFS, Lustre...) or an object store URL "
+                "(s3://..., gs://...)"
+            )
+
+    def _stored_result(self, plan: _StartPlan) -> BatchProcessResult:
+        assert plan.finished_result is not None
+        logger.info("job at %s is already finished; nothing to do", self.storage.url)
+        return BatchProcessResult.from_json(
+            plan.finished_result,
+            preempted=False,
+            finished=True,
+            already_finished=True,
+            batches_processed=0,
+            examples_processed=0,
+            batches_skipped=plan.finished_result.get("batches_committed", 0),
+            commits=0,
+            world_size=self.world_size,
+            elapsed_s=time.monotonic() - self.started,
+            timings={},
+        )
+
+    # ------------------------------------------------------------- 3. build the processor
+
+    def _build_processor(self, plan: _StartPlan) -> tuple[TorchBatchProcessor, OutputStager]:
+        stager = OutputStager(self.storage, self.rank, plan.next_commit)
+        context = TorchBatchProcessorContext(
+            device=self.env.device,
+            distributed=self.env.info,
+            stager=stager,
+            storage_path=self.storage.url,
+            tensorboard_path=self._tensorboard_path(),
+            metrics_sink=self.metric_buffer.append,
+        )
+        self.context = context
+        processor: TorchBatchProcessor | None = None
+        start = time.perf_counter()
+        try:
+            processor = self.args.processor_cls(context)
+        except Exception as exc:  # noqa: BLE001
+            self.failures.record(exc, f"{self.args.processor_cls.__name__}.__init__")
+        if processor is not None and not self.failures.failed:
+            try:
+                self._restore(processor, plan)
+            except Exception as exc:  # noqa: BLE001
+                self.failures.record(exc, "restoring the processor state")
+        self.timings["hooks"] += time.perf_counter() - start
+        infos = self.coll.all_gather(self.failures.info)
+        self.failures.raise_for(infos)
+        assert processor is not None
+        return processor, stager
+
+    def _restore(self, processor: TorchBatchProcessor, plan: _StartPlan) -> None:
+        signature = self.context.reducers.signature()
+        if plan.reducers is not None and plan.frozen_state_files and plan.reducers != signature:
+            raise JobMismatchError(
+                f"the processor registers reducers {signature} but the stored job used {plan.reducers}; a resumed "
+                "job must wrap the same reducers (same order, names and types). Start afresh with resume=False "
+                "or a new storage_path."
+            )
+        if plan.previous_world_size is None:
+            return
+        if plan.previous_world_size == self.world_size:
+            rel = plan.previous_state_files[self.rank] if self.rank < len(plan.previous_state_files) else None
+            if rel:
+                state = self.store.load_state(rel)
+                if state.get("processor") is not None:
+                    processor.load_state_dict(state["processor"])
+        elif type(processor).state_dict is not TorchBatchProcessor.state_dict and self.rank == 0:
+            logger.warning(
+                "the world size changed from %d to %d: processor states are not restored (they belong to the "
+                "ranks of the earlier attempt); reducer metrics stay exact",
+                plan.previous_world_size,
+                self.world_size,
+            )
+
+    def _tensorboard_path(self) -> Path:
+        if self.storage.is_local:
+            return self.storage.local_path(f"tensorboard/rank_{self.rank}")
+        return Path(tempfile.gettempdir()) / f"tbp-tensorboard-{self.args.job_name}" / f"rank_{self.rank}"
+
+    # ------------------------------------------------------------- 4-5. steps and commits
+
+    def _process(
+        self, processor: TorchBatchProcessor, stager: OutputStager, shard: ShardPlan, signals: SignalWatcher
+    ) -> bool:
+        """Runs every step with its commits; returns True when the job was preempted."""
+        self.preempt_metrics: dict[str, Any] | None = None
+        if shard.num_steps == 0:
+            return False
+        loader_iter = iter(self._make_loader(shard)) if shard.num_batches_of(self.rank) else None
+        agreement = StepAgreement(self.coll)
+        interval = self.args.checkpoint_interval
+        mode = torch.inference_mode() if self.args.inference_mode else contextlib.nullcontext()
+        try:
+            for step in range(shard.num_steps):
+                batch_idx = shard.batch_at(step, self.rank)
+                if batch_idx is not None and not self.failures.failed:
+                    self._run_batch(processor, loader_iter, batch_idx, mode)
+                if (step + 1) % interval == 0 or step == shard.num_steps - 1:
+                    agreement.drain()
+                    if self._commit(processor, stager, signals, hook=True):
+                        return True
+                    continue
+                decision = agreement.boundary(signals.preempt_requested, self.failures.failed)
+                if decision is Decision.FAIL:
+                    self.failures.raise_for(self.coll.all_gather(self.failures.info))
+                    raise WorkerFailedError("a rank reported a failure but sent no details")  # pragma: no cover
+                if decision is Decision.PREEMPT:
+                    return self._commit(processor, stager, signals, hook=True) or True
+            return False
+        finally:
+            del loader_iter  # stops the loader's worker processes
+
+    def _make_loader(self, shard: ShardPlan) -> DataLoader:
+        kwargs = dict(self.args.dataloader_kwargs)
+        kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
+        sampler = RankBatchSampler(shard, self.rank, self.geometry)
+        return DataLoader(self.args.dataset, batch_sampler=sampler, **kwargs)
+
+    def _run_batch(self, processor: TorchBatchProcessor, loader_iter: Any, batch_idx: int, mode: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            batch = next(loader_iter)
+        except Exception as exc:  # noqa: BLE001 - a failing dataset/collate_fn fails the job cleanly
+            self.failures.record(exc, f"loading batch {batch_idx}")
+            return
+        t1 = time.perf_counter()
+        try:
+            with mode:
+                processor.process_batch(batch, batch_idx)
+        except Exception as exc:  # noqa: BLE001
+            self.failures.record(exc, f"process_batch(batch_idx={batch_idx})")
+            return
+        finally:
+            t2 = time.perf_counter()
+            self.timings["data"] += t1 - t0
+            self.timings["process"] += t2 - t1
+        self.interval_batches.add(batch_idx)
+        self.interval_examples += len(self.geometry.examples(batch_idx))
+
+    def _commit(
+        self,
+        processor: TorchBatchProcessor,
+        stager: OutputStager,
+        signals: SignalWatcher,
+        *,
+        hook: bool,
+        final: bool = False,
+    ) -> bool:
+        """Commits what every rank did since the last commit. Returns True when a rank asked to stop.
+
+        Raises on every rank when any rank failed, before anything becomes durable.
+        """
+        t0 = time.perf_counter()
+        number = self.commit_number + 1
+        if hook and not self.failures.failed:
+            try:
+                processor.on_checkpoint_start()
+            except Exception as exc:  # noqa: BLE001
+                self.failures.record(exc, "on_checkpoint_start()")
+        t_hook = time.perf_counter()
+        state_file = None
+        slots = None
+        if not self.failures.failed:
+            try:
+                stager.flush()
+                reducers = self.context.reducers
+                processor_state = processor.state_dict()
+                if reducers.wrapped or processor_state is not None:
+                    slot = reducers.per_slot_states()
+                    state_file = self.store.write_state(number, self.rank, slot, processor_state)
+                    if final:
+                        slots = slot
+            except Exception as exc:  # noqa: BLE001
+                self.failures.record(exc, f"commit {number} (saving outputs and state)")
+        timings = dict(self.timings)
+        self.timings = {key: 0.0 for key in self.timings}
+        vote = _Vote(
+            failure=self.failures.info,
+            preempt=signals.preempt_requested,
+            batches=self.interval_batches.to_json(),
+            examples=self.interval_examples,
+            state_file=state_file,
+            metrics=self.metric_buffer[:],
+            slots=slots,
+            timings=timings,
+        )
+        votes: list[_Vote] = self.coll.all_gather(vote)
+        self.failures.raise_for([v.failure for v in votes])
+        self._account(votes)  # every rank keeps the same totals
+
+        outcome: _Outcome
+        own_error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                outcome = self._write_record(number, votes, final=final)
+            except Exception as exc:  # noqa: BLE001 - sent to every rank
+                own_error = exc
+                outcome = _Outcome(failure=FailureInfo(0, f"writing commit {number}", type(exc).__name__, str(exc), ""))
+        else:
+            outcome = None  # type: ignore[assignment]
+        outcome = self.coll.broadcast(outcome)
+        if outcome.failure is not None:
+            if own_error is not None:
+                raise own_error
+            raise WorkerFailedError(f"{outcome.failure.describe()}; the commit did not happen. Run the job again to resume.")
+
+        # Commit `number` is durable: publish this rank's outputs, account, move on.
+        if stager.has_files:
+            self.store.publish(number, self.rank)
+        stager.advance(number + 1)
+        self.commit_number = number
+        self.metric_buffer.clear()
+        self.interval_batches = RangeSet()
+        self.interval_examples = 0
+        self.final_metrics = outcome.metrics
+        self.timings["hooks"] += t_hook - t0
+        self.timings["commit"] += time.perf_counter() - t_hook
+        preempted = any(v.preempt for v in votes)
+        if preempted and not final:
+            self.preempt_metrics = outcome.metrics
+        return preempted
+
+    def _account(self, votes: list[_Vote]) -> None:
+        """Adds the votes of a commit to the totals (an error afterwards fails the whole call anyway)."""
+        self.commits += 1
+        for v in votes:
+            self.committed.update(RangeSet.from_json(v.batches))
+            self.batches_processed += sum(b - a for a, b in v.batches)
+            self.examples_processed += v.examples
+            for key, value in v.timings.items():
+                self.total_timings[key] = self.total_timings.get(key, 0.0) + value
+
+    def _write_record(self, number: int, votes: list[_Vote], *, final: bool) -> _Outcome:
+        """Rank 0: writes commit record ``number`` (the commit point) and its metrics."""
+        if self.lock is not None:
+            self.lock.check()
+        committed = self.committed
+        reducers = self.context.reducers
+        preempting = any(v.preempt for v in votes)
+        metrics: dict[str, Any] | None = None
+        state_files = [v.state_file for v in votes]
+        if reducers.wrapped and (final or preempting):
+            live = [v.slots for v in votes] if final else [self.store.load_state(f)["reducers"] for f in state_files if f]
+            frozen = [self.store.load_state(f)["reducers"] for f in self.plan.frozen_state_files]
+            metrics = reducers.cross_slot_reduce(frozen + [s for s in live if s is not None])
+        elif final:
+            metrics = {}
+        result = None
+        if final:
+            result = self._result(self.plan, preempted=False, metrics=metrics or {}).to_json()
+        record = CommitRecord(
+            commit=number,
+            attempt=self.plan.attempt,
+            world_size=self.world_size,
+            committed=committed,
+            state_files=state_files,
+            frozen_state_files=list(self.plan.frozen_state_files),
+            reducers=reducers.signature(),
+            finished=final,
+            result=result,
+            stats={
+                "batches_committed": len(committed),
+                "examples_committed": self.geometry.count_examples(committed),
+                "planned_batches": self.plan.planned_batches,
+            },
+        )
+        self.store.write_record(record)
+        lines = [line for v in votes for line in v.metrics]
+        if final:
+            lines.append({"group": "reduced", "steps_completed": len(committed), "rank": 0, "metrics": to_jsonable(metrics)})
+        try:
+            self.metrics_log.append(lines, commit=number, attempt=self.plan.attempt)
+            if result is not None:
+                self.store.write_result(result)
+            self.store.collect_garbage(record, self.last_record)
+        except Exception as exc:  # noqa: BLE001 - the commit is durable; these are conveniences
+            logger.warning("commit %d is durable, but writing its metrics or cleaning up failed: %s", number, exc)
+        self.last_record = record
+        return _Outcome(failure=None, metrics=metrics)
+
+    # ------------------------------------------------------------------- 6. finish
+
+    def _finish(self, processor: TorchBatchProcessor, stager: OutputStager, signals: SignalWatcher) -> dict[str, Any]:
+        """``on_finish()`` on every rank, then the final commit with the reduced metrics."""
+        t0 = time.perf_counter()
+        try:
+            processor.on_finish()
+        except Exception as exc:  # noqa: BLE001
+            self.failures.record(exc, "on_finish()")
+        self.timings["hooks"] += time.perf_counter() - t0
+        self._commit(processor, stager, signals, hook=False, final=True)
+        return self.final_metrics or {}
+
+    # ------------------------------------------------------------------- results
+
+    def _result(self, plan: _StartPlan, *, preempted: bool, metrics: dict[str, Any]) -> BatchProcessResult:
+        committed = self.committed
+        skipped = len(RangeSet.from_json(plan.committed))
+        result = BatchProcessResult(
+            metrics=metrics,
+            preempted=preempted,
+            finished=not preempted and len(committed) >= plan.planned_batches,
+            storage_path=self.storage.url,
+            outputs_path=self.storage.url_of(OUTPUTS_DIR),
+            num_batches=plan.planned_batches,
+            num_examples=min(plan.planned_batches * self.args.batch_size, self.args.dataset_length),
+            batches_committed=len(committed),
+            examples_committed=self.geometry.count_examples(committed),
+            batches_processed=self.batches_processed,
+            examples_processed=self.examples_processed,
+            batches_skipped=skipped,
+            attempt=plan.attempt,
+            world_size=self.world_size,
+            commits=self.commits,
+            elapsed_s=time.monotonic() - self.started,
+            timings={key: round(value, 6) for key, value in self.total_timings.items()},
+        )
+        if preempted:
+            logger.warning(
+                "preempted: %d of %d batches committed; run the same command again to resume", len(committed), plan.planned_batches
+            )
+        return result
+
+    def _log_start(self, plan: _StartPlan, shard: ShardPlan) -> None:
+        if self.rank != 0:
+            return
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        restart_note = f" (torchrun restart {restart})" if restart and restart != "0" else ""
+        done = len(self.committed)
+        if done:
+            first = shard.batch_at(0, 0)
+            logger.info(
+                "job %s attempt %d%s: resuming at batch %s; %d of %d batches already committed, %d to go on %d rank(s); storage %s",
+                self.args.job_name,
+                plan.attempt,
+                restart_note,
+                first,
+                done,
+                plan.planned_batches,
+                shard.num_remaining,
+                self.world_size,
+                self.storage.url,
+            )
+        else:
+            logger.info(
+                "job %s attempt %d%s: %d examples in %d batches of %d on %d rank(s); storage %s",
+                self.args.job_name,
+                plan.attempt,
+                restart_note,
+                self.args.dataset_length,
+                plan.planned_batches,
+                self.args.batch_size,
+                self.world_size,
+                self.storage.url,
+            )
+
+
+class _WorkerInit:
+    """DataLoader worker initializer: workers ignore SIGINT/SIGTERM (the main process stops them
+    after committing), then run the user's ``worker_init_fn``."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)

@@ -1,0 +1,77 @@
+"""Preemption: SIGTERM or SIGINT asks the job to commit and stop at the next step boundary.
+
+While a job runs, :class:`SignalWatcher` replaces the handlers of SIGTERM and SIGINT with one that
+only records the request; the loop then makes every rank agree to stop (see
+:mod:`torch_batch_process.coordination`), commits and returns with ``preempted=True``. A second
+signal of the same kind stops the process at once the usual way (for an impatient Ctrl-C), without
+a commit; the last commit stays intact. The user's own handlers are restored when the job returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class SignalWatcher:
+    """Records SIGTERM/SIGINT while a job runs (main thread only; elsewhere it watches nothing)."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalWatcher:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("torch_batch_process runs outside the main thread: SIGTERM/SIGINT will not preempt it")
+            return self
+        for signum in WATCHED_SIGNALS:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except (ValueError, OSError):  # pragma: no cover - exotic embedding
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Puts back the handlers that were installed before the job."""
+        for signum, previous in self._previous.items():
+            try:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            except (ValueError, OSError):  # pragma: no cover
+                pass
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested == name:
+            logger.warning("second %s: stopping now without a commit; the last commit is intact", name)
+            previous = self._previous.get(signum)
+            self.restore()
+            if callable(previous):
+                previous(signum, frame)
+            elif signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            else:
+                signal.raise_signal(signum)
+            return
+        self.requested = self.requested or name
+        logger.warning(
+            "%s received: committing and stopping at the next step boundary (send it again to stop at once)", name
+        )
+
+    @property
+    def preempt_requested(self) -> bool:
+        return self.requested is not None
+
+    def request(self, reason: str) -> None:
+        """Asks for preemption from code (e.g. tests, embedding frameworks)."""
+        self.requested = self.requested or reason

@@ -1,0 +1,244 @@
+"""Checks of the arguments of :func:`torch_batch_process`, all done before any work or storage access."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.processor import TorchBatchProcessor
+
+STORAGE_ENV = "TBP_STORAGE_PATH"
+JOB_NAME_ENV = "TBP_JOB_NAME"
+STORAGE_OPTIONS_ENV = "TBP_STORAGE_OPTIONS"
+DEFAULT_ROOT = "tbp_runs"
+
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_FORBIDDEN_LOADER_KEYS = {
+    "sampler": "the library builds its own sampler to shard the dataset over ranks; remove 'sampler'",
+    "batch_sampler": "the library builds its own batch sampler to shard the dataset; remove 'batch_sampler'",
+    "dataset": "pass the dataset as the dataset argument of torch_batch_process, not in dataloader_kwargs",
+}
+_LOADER_PARAMETERS = set(inspect.signature(DataLoader.__init__).parameters) - {"self"}
+
+
+@dataclass(frozen=True)
+class JobArguments:
+    """Validated arguments of one call."""
+
+    processor_cls: type[TorchBatchProcessor]
+    dataset: Any
+    dataset_length: int
+    batch_size: int
+    max_batches: int | None
+    checkpoint_interval: int
+    dataloader_kwargs: dict[str, Any]
+    storage_path: str
+    storage_options: dict[str, Any] | None
+    job_name: str
+    resume: bool
+    inference_mode: bool
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value):
+        raise InvalidArgumentError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+    if value < 1:
+        raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+
+
+def validate_processor_cls(processor_cls: Any) -> type[TorchBatchProcessor]:
+    """Checks that ``processor_cls`` is a concrete :class:`TorchBatchProcessor` subclass."""
+    if isinstance(processor_cls, TorchBatchProcessor):
+        raise InvalidArgumentError(
+            f"batch_processor_cls must be the class, not an instance: pass {type(processor_cls).__name__}, "
+            f"not {type(processor_cls).__name__}(...); the library builds one instance per rank"
+        )
+    if not inspect.isclass(processor_cls) or not issubclass(processor_cls, TorchBatchProcessor):
+        raise InvalidArgumentError(
+            f"batch_processor_cls must be a subclass of torch_batch_process.TorchBatchProcessor, got {processor_cls!r}"
+        )
+    abstract = getattr(processor_cls, "__abstractmethods__", frozenset())
+    if "process_batch" in abstract:
+        raise InvalidArgumentError(
+            f"batch_processor_cls {processor_cls.__name__} does not implement process_batch(self, batch, batch_idx)"
+        )
+    if abstract:
+        raise InvalidArgumentError(
+            f"batch_processor_cls {processor_cls.__name__} leaves abstract methods unimplemented: {sorted(abstract)}"
+        )
+    return processor_cls
+
+
+def validate_dataset(dataset: Any) -> int:
+    """Checks that ``dataset`` is map-style with a ``__len__``; returns its length."""
+    if isinstance(dataset, IterableDataset):
+        raise InvalidArgumentError(
+            "dataset must be a map-style dataset (with __len__ and __getitem__); an IterableDataset cannot be "
+            "sharded by index nor resumed exactly"
+        )
+    if not hasattr(dataset, "__len__"):
+        raise InvalidArgumentError(
+            f"dataset must implement __len__() (a map-style dataset: a torch Dataset, a list, a Hugging Face "
+            f"datasets.Dataset...); {type(dataset).__name__} has no __len__"
+        )
+    if not hasattr(dataset, "__getitem__"):
+        raise InvalidArgumentError(f"dataset must implement __getitem__(index); {type(dataset).__name__} does not")
+    try:
+        length = len(dataset)
+    except Exception as exc:  # noqa: BLE001 - report any failure of the user's __len__
+        raise InvalidArgumentError(f"dataset: len(dataset) failed: {type(exc).__name__}: {exc}") from exc
+    if not _is_int(length) or length < 0:
+        raise InvalidArgumentError(f"dataset: len(dataset) must be an int >= 0, got {length!r}")
+    return int(length)
+
+
+def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset: Any) -> tuple[dict[str, Any], int]:
+    """Checks ``dataloader_kwargs`` and resolves the batch size; returns (kwargs without batch_size, batch_size)."""
+    if dataloader_kwargs is None:
+        kwargs: dict[str, Any] = {}
+    elif isinstance(dataloader_kwargs, Mapping):
+        kwargs = dict(dataloader_kwargs)
+    else:
+        raise InvalidArgumentError(f"dataloader_kwargs must be a dict or None, got {type(dataloader_kwargs).__name__}")
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise InvalidArgumentError(f"dataloader_kwargs keys must be str, got {key!r}")
+    for key, why in _FORBIDDEN_LOADER_KEYS.items():
+        if key in kwargs and not (key != "dataset" and kwargs[key] is None):
+            raise InvalidArgumentError(f"dataloader_kwargs[{key!r}] is not allowed: {why}")
+        kwargs.pop(key, None)
+    if kwargs.get("shuffle"):
+        raise InvalidArgumentError(
+            "dataloader_kwargs['shuffle']=True is not allowed: batches must be contiguous and in order for exact "
+            "sharding and resume; shuffle the dataset itself if needed (shuffle=False is fine)"
+        )
+    kwargs.pop("shuffle", None)
+    if kwargs.get("drop_last"):
+        raise InvalidArgumentError(
+            "dataloader_kwargs['drop_last']=True is not allowed: every example is processed exactly once (the last "
+            "batch may be short); use max_batches to process fewer batches"
+        )
+    kwargs.pop("drop_last", None)
+    unknown = sorted(set(kwargs) - _LOADER_PARAMETERS - {"batch_size"})
+    if unknown:
+        raise InvalidArgumentError(
+            f"dataloader_kwargs has unknown key(s) {unknown}: torch.utils.data.DataLoader accepts "
+            f"{sorted(_LOADER_PARAMETERS - set(_FORBIDDEN_LOADER_KEYS) - {'shuffle', 'drop_last'})}"
+        )
+    if "batch_size" in kwargs:
+        if batch_size is not None:
+            raise InvalidArgumentError(
+                "batch_size is given both as an argument and in dataloader_kwargs['batch_size']; give it once"
+            )
+        batch_size = kwargs.pop("batch_size")
+        _positive_int("dataloader_kwargs['batch_size']", batch_size)
+    elif batch_size is None:
+        batch_size = 1
+    else:
+        _positive_int("batch_size", batch_size)
+    try:  # Let the DataLoader check the remaining options now, before any work (it starts nothing).
+        DataLoader(dataset, batch_sampler=[], **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"dataloader_kwargs are not accepted by torch.utils.data.DataLoader: {exc}") from exc
+    return kwargs, batch_size
+
+
+def default_job_name() -> str:
+    """The job name: ``$TBP_JOB_NAME``, else the stem of the running script, else ``job``."""
+    name = os.environ.get(JOB_NAME_ENV)
+    if name:
+        return name
+    script = sys.argv[0] if sys.argv else ""
+    stem = Path(script).stem if script and script not in ("-c", "-m", "-") else ""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", stem).lstrip("._-")
+    return stem or "job"
+
+
+def resolve_storage_path(storage_path: Any, job_name: str) -> str:
+    """``storage_path``, else ``$TBP_STORAGE_PATH``, else ``./tbp_runs/<job name>``."""
+    if storage_path is None:
+        storage_path = os.environ.get(STORAGE_ENV) or os.path.join(DEFAULT_ROOT, job_name)
+    if isinstance(storage_path, os.PathLike):
+        storage_path = os.fspath(storage_path)
+    if not isinstance(storage_path, str) or not storage_path.strip():
+        raise InvalidArgumentError(f"storage_path must be a non-empty str, path or fsspec URL, got {storage_path!r}")
+    return storage_path
+
+
+def resolve_storage_options(storage_options: Any) -> dict[str, Any] | None:
+    """``storage_options``, else the JSON in ``$TBP_STORAGE_OPTIONS`` (set by ``tbp run``), else None."""
+    if storage_options is None:
+        raw = os.environ.get(STORAGE_OPTIONS_ENV)
+        if not raw:
+            return None
+        import json
+
+        try:
+            storage_options = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"environment variable {STORAGE_OPTIONS_ENV} is not valid JSON: {exc}") from exc
+    if not isinstance(storage_options, Mapping):
+        raise InvalidArgumentError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+    return dict(storage_options)
+
+
+def validate_arguments(
+    batch_processor_cls: Any,
+    dataset: Any,
+    batch_size: Any,
+    max_batches: Any,
+    checkpoint_interval: Any,
+    dataloader_kwargs: Any,
+    storage_path: Any,
+    storage_options: Any,
+    job_name: Any,
+    resume: Any,
+    inference_mode: Any,
+) -> JobArguments:
+    """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
+    processor_cls = validate_processor_cls(batch_processor_cls)
+    _positive_int("checkpoint_interval", checkpoint_interval)
+    _positive_int("max_batches", max_batches, allow_none=True)
+    if batch_size is not None:
+        _positive_int("batch_size", batch_size)
+    dataset_length = validate_dataset(dataset)
+    kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
+    if job_name is None:
+        job_name = default_job_name()
+    if not isinstance(job_name, str) or not _JOB_NAME.match(job_name):
+        raise InvalidArgumentError(
+            f"job_name must be 1-128 characters of letters, digits, '.', '_' or '-' (starting with a letter or "
+            f"digit), got {job_name!r}"
+        )
+    for name, value in (("resume", resume), ("inference_mode", inference_mode)):
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+    return JobArguments(
+        processor_cls=processor_cls,
+        dataset=dataset,
+        dataset_length=dataset_length,
+        batch_size=resolved_batch_size,
+        max_batches=max_batches,
+        checkpoint_interval=checkpoint_interval,
+        dataloader_kwargs=kwargs,
+        storage_path=resolve_storage_path(storage_path, job_name),
+        storage_options=resolve_storage_options(storage_options),
+        job_name=job_name,
+        resume=resume,
+        inference_mode=inference_mode,
+    )
