@@ -1,0 +1,177 @@
+"""Helpers to run real multi-process jobs in tests and to check their outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = Path(__file__).resolve().parent / "jobs"
+GENERIC_JOB = JOBS / "generic_job.py"
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """Environment for worker processes: this checkout first on the path, one thread, quiet."""
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, script: Path | str, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
+
+
+def run_torchrun(
+    nproc: int, script: Path | str, *args: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` under torchrun with ``nproc`` local workers; returns the finished process."""
+    return subprocess.run(
+        torchrun_cmd(nproc, script, *args),
+        env=env or base_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
+
+
+def spawn_ranks(
+    world_size: int, script: Path | str, *args: str, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
+    """Starts ``world_size`` plain processes with the env contract (no torchrun agent)."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(env or base_env())
+        rank_env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=str(REPO),
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int | None, str, str]]:
+    """Waits for every process up to ``timeout`` seconds in total; kills the ones still running."""
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc in procs:
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            out, err = proc.communicate(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            results.append((None, out, err))
+            continue
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def job_spec(tmp_path: Path, **spec: Any) -> dict[str, Any]:
+    """A spec for ``jobs/generic_job.py`` with storage and reports under ``tmp_path``."""
+    spec.setdefault("storage", str(tmp_path / "storage"))
+    spec.setdefault("report_dir", str(tmp_path / "reports"))
+    return spec
+
+
+def read_reports(spec: dict[str, Any], attempt: int = 1) -> dict[int, dict[str, Any]]:
+    """Reports of one attempt, by rank."""
+    reports = {}
+    for path in Path(spec["report_dir"]).glob(f"attempt{attempt}_rank*.json"):
+        report = json.loads(path.read_text())
+        reports[report["rank"]] = report
+    return reports
+
+
+def committed_values(storage: Path) -> Counter[int]:
+    """Every example value found in committed output files (per-batch and buffered files)."""
+    counts: Counter[int] = Counter()
+    for path in (storage / "outputs").rglob("*.json"):
+        counts.update(json.loads(path.read_text()))
+    return counts
+
+
+def per_batch_values(storage: Path) -> Counter[int]:
+    counts: Counter[int] = Counter()
+    for path in (storage / "outputs").rglob("batch_*.json"):
+        counts.update(json.loads(path.read_text()))
+    return counts
+
+
+def buffered_values(storage: Path) -> Counter[int]:
+    counts: Counter[int] = Counter()
+    for path in (storage / "outputs").rglob("buffer_*.json"):
+        counts.update(json.loads(path.read_text()))
+    return counts
+
+
+def assert_exactly_once(counts: Counter[int], n: int) -> None:
+    duplicates = sorted(v for v, c in counts.items() if c > 1)
+    missing = sorted(set(range(n)) - set(counts))
+    extra = sorted(set(counts) - set(range(n)))
+    assert not duplicates and not missing and not extra, (
+        f"duplicates={duplicates[:20]} ({len(duplicates)}), missing={missing[:20]} ({len(missing)}), extra={extra[:20]}"
+    )
+
+
+def run_generic(
+    spec: dict[str, Any], nproc: int = 2, *, attempt: int = 1, timeout: float = 180, launcher: str = "torchrun"
+) -> tuple[subprocess.CompletedProcess[str] | list[tuple[int | None, str, str]], dict[int, dict[str, Any]]]:
+    """Runs ``jobs/generic_job.py`` with ``spec``; returns the process outcome and the reports."""
+    spec = dict(spec, attempt=attempt)
+    if launcher == "torchrun":
+        proc = run_torchrun(nproc, GENERIC_JOB, json.dumps(spec), timeout=timeout)
+        return proc, read_reports(spec, attempt)
+    if launcher == "plain" and nproc == 1:
+        proc = subprocess.run(
+            [sys.executable, str(GENERIC_JOB), json.dumps(spec)],
+            env=base_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(REPO),
+        )
+        return proc, read_reports(spec, attempt)
+    procs = spawn_ranks(nproc, GENERIC_JOB, json.dumps(spec))
+    return wait_all(procs, timeout), read_reports(spec, attempt)

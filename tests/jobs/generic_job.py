@@ -1,0 +1,159 @@
+"""A configurable job for the tests, run in real worker processes.
+
+The spec comes as JSON in argv[1]. Each rank writes ``<report_dir>/attempt<k>_rank<r>.json`` with
+the calls it saw and the result (or the exception) of ``torch_batch_process``.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from torch_batch_process import MetricReducer, TorchBatchProcessor, torch_batch_process
+
+SPEC = json.loads(sys.argv[1])
+
+
+class RangeDataset(torch.utils.data.Dataset):
+    """Example i is the integer i (as a 0-d tensor)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in SPEC.get("bad_items", []):
+            raise ValueError(f"bad item {i}")
+        return torch.tensor(i)
+
+
+class SumReducer(MetricReducer):
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.total = 0
+        self.count = 0
+
+    def update(self, values):
+        self.total += int(sum(values))
+        self.count += len(values)
+
+    def per_slot_reduce(self):
+        return self.total, self.count
+
+    def cross_slot_reduce(self, per_slot_metrics):
+        totals, counts = zip(*per_slot_metrics)
+        return {"sum_cls": sum(totals), "count_cls": sum(counts)}
+
+
+class Processor(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+        self.rank = context.distributed.get_rank()
+        self.calls = []
+        self.checkpoints = 0
+        self.finishes = 0
+        self.buffer = []
+        self.flushes = 0
+        self.fn_sum = context.wrap_reducer(lambda values: sum(values), name="sum_fn")
+        self.cls_sum = context.wrap_reducer(SumReducer())
+        if SPEC.get("fail_init_rank") == self.rank:
+            raise RuntimeError(f"init failure on rank {self.rank}")
+
+    def process_batch(self, batch, batch_idx):
+        self.calls.append(batch_idx)
+        values = [int(v) for v in batch]
+        self.fn_sum.update(sum(values))
+        self.cls_sum.update(values)
+        if SPEC.get("sleep"):
+            time.sleep(SPEC["sleep"])
+        mode = SPEC.get("outputs", "per_batch")
+        if mode in ("per_batch", "both"):
+            with self.context.upload_path() as path:
+                (path / f"batch_{batch_idx}.json").write_text(json.dumps(values))
+        if mode in ("buffered", "both"):
+            self.buffer.extend(values)
+        if batch_idx == SPEC.get("fail_batch") and self.rank == SPEC.get("fail_rank", self.rank):
+            raise RuntimeError(f"failure at batch {batch_idx} on rank {self.rank}")
+        _progress()
+
+    def on_checkpoint_start(self):
+        self.checkpoints += 1
+        if self.buffer:
+            with self.context.upload_path() as path:
+                name = f"buffer_rank{self.rank}_{self.flushes}.json"
+                (path / name).write_text(json.dumps(self.buffer))
+            self.flushes += 1
+            self.buffer = []
+        if SPEC.get("fail_checkpoint_rank") == self.rank and self.checkpoints == SPEC.get("fail_checkpoint_at", 1):
+            raise RuntimeError(f"checkpoint failure on rank {self.rank}")
+
+    def on_finish(self):
+        self.finishes += 1
+
+
+PROCESSOR = None
+
+
+def _progress():
+    """Tests that kill workers wait for this file to know the job is under way."""
+    marker = SPEC.get("progress_file")
+    if marker:
+        Path(marker).touch()
+
+
+class Recording(Processor):
+    def __init__(self, context):
+        global PROCESSOR
+        super().__init__(context)
+        PROCESSOR = self
+
+
+Recording.__qualname__ = SPEC.get("processor_name", "Processor")
+
+
+def main():
+    rank = int(os.environ.get("RANK", "0"))
+    report = {"rank": rank, "pid": os.getpid()}
+    dataset = RangeDataset(SPEC["n"])
+    kwargs = dict(SPEC.get("kwargs", {}))
+    try:
+        result = torch_batch_process(
+            Recording,
+            dataset,
+            batch_size=SPEC.get("batch_size"),
+            max_batches=SPEC.get("max_batches"),
+            checkpoint_interval=SPEC.get("checkpoint_interval", 5),
+            dataloader_kwargs=SPEC.get("dataloader_kwargs"),
+            storage_path=SPEC["storage"],
+            **kwargs,
+        )
+        report["result"] = result.to_json()
+        exit_code = 0
+    except BaseException as exc:  # noqa: BLE001 - report it, then fail like a real script would
+        report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        exit_code = 1
+    if PROCESSOR is not None:
+        report.update(
+            calls=PROCESSOR.calls,
+            checkpoints=PROCESSOR.checkpoints,
+            finishes=PROCESSOR.finishes,
+        )
+    report_dir = Path(SPEC["report_dir"])
+    report_dir.mkdir(parents=True, exist_ok=True)
+    attempt = SPEC.get("attempt", 1)
+    (report_dir / f"attempt{attempt}_rank{rank}.json").write_text(json.dumps(report))
+    if exit_code:
+        print(report["error"]["traceback"], file=sys.stderr, flush=True)
+    sys.exit(exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The loop under torchrun (gloo) and with the bare env contract: real processes, real collectives."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from harness import (
+    REPO,
+    assert_exactly_once,
+    base_env,
+    buffered_values,
+    committed_values,
+    per_batch_values,
+    job_spec,
+    run_generic,
+    spawn_ranks,
+    wait_all,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _ok(proc):
+    out = proc.stdout + proc.stderr if hasattr(proc, "stdout") else str(proc)
+    return out[-4000:]
+
+
+@pytest.mark.parametrize("n,b,w,expected", [(50, 10, 2, [3, 2]), (50, 20, 2, [2, 1]), (7, 2, 3, [2, 1, 1])])
+def test_determined_call_count_table_under_torchrun(tmp_path, n, b, w, expected):
+    spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=1)
+    proc, reports = run_generic(spec, nproc=w)
+    assert proc.returncode == 0, _ok(proc)
+    assert [len(reports[r]["calls"]) for r in range(w)] == expected
+    # every rank ran the same number of commits, on_finish once, every global batch exactly once
+    assert len({reports[r]["checkpoints"] for r in range(w)}) == 1
+    assert reports[0]["checkpoints"] == max(expected)  # checkpoint_interval=1: once per step
+    assert all(reports[r]["finishes"] == 1 for r in range(w))
+    all_calls = sorted(c for r in range(w) for c in reports[r]["calls"])
+    assert all_calls == list(range(-(-n // b)))
+    # batch_idx is global and dealt round-robin: rank r gets g with g % W == r
+    for r in range(w):
+        assert all(g % w == r for g in reports[r]["calls"])
+    assert_exactly_once(committed_values(tmp_path / "storage"), n)
+    results = [reports[r]["result"] for r in range(w)]
+    assert all(res == results[0] | {"elapsed_s": res["elapsed_s"]} for res in results)
+
+
+def test_reducers_are_reduced_over_ranks_on_every_rank(tmp_path):
+    spec = job_spec(tmp_path, n=10, batch_size=2, outputs="none")
+    proc, reports = run_generic(spec, nproc=2)
+    assert proc.returncode == 0, _ok(proc)
+    for r in (0, 1):
+        metrics = reports[r]["result"]["metrics"]
+        assert metrics["sum_fn"] == 45  # function reducer
+        assert metrics["sum_cls"] == 45 and metrics["count_cls"] == 10  # MetricReducer subclass
+
+
+def test_max_batches_per_rank_and_too_large_warns(tmp_path):
+    spec = job_spec(tmp_path, n=100, batch_size=5, max_batches=2)
+    proc, reports = run_generic(spec, nproc=2)
+    assert proc.returncode == 0, _ok(proc)
+    assert reports[0]["calls"] == [0, 2] and reports[1]["calls"] == [1, 3]
+    spec = job_spec(tmp_path / "big", n=20, batch_size=5, max_batches=50)
+    proc, reports = run_generic(spec, nproc=2)
+    assert proc.returncode == 0, _ok(proc)
+    assert "max_batches=50" in proc.stderr
+    assert sorted(reports[0]["calls"] + reports[1]["calls"]) == [0, 1, 2, 3]
+
+
+def test_failed_job_resumes_with_only_uncommitted_batches(tmp_path):
+    n, b = 60, 3  # 20 batches, 10 steps on 2 ranks
+    spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=2, fail_batch=9, fail_rank=1, outputs="both")
+    proc, reports = run_generic(spec, nproc=2)
+    assert proc.returncode != 0
+    assert reports[1]["error"]["type"] == "RuntimeError"
+    assert reports[0]["error"]["type"] == "WorkerFailedError" and "rank 1" in reports[0]["error"]["message"]
+    first_calls = reports[0]["calls"] + reports[1]["calls"]
+    spec.pop("fail_batch")
+    proc, reports2 = run_generic(spec, nproc=2, attempt=2)
+    assert proc.returncode == 0, _ok(proc)
+    second_calls = reports2[0]["calls"] + reports2[1]["calls"]
+    result = reports2[0]["result"]
+    # batch 9 is processed at step 4; the commit after step 4 never happened, so batches 8..19 are redone
+    assert sorted(second_calls) == list(range(8, 20))
+    assert result["batches_skipped"] == 8 and result["attempt"] == 2
+    assert set(first_calls) >= set(range(8))
+    assert result["metrics"]["sum_fn"] == sum(range(n)) and result["metrics"]["sum_cls"] == sum(range(n))
+    assert_exactly_once(per_batch_values(tmp_path / "storage"), n)
+    assert_exactly_once(buffered_values(tmp_path / "storage"), n)
+
+
+def test_env_contract_without_torchrun(tmp_path):
+    spec = job_spec(tmp_path, n=25, batch_size=2)
+    results, reports = run_generic(spec, nproc=2, launcher="plain")
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    assert len(reports[0]["calls"]) == 7 and len(reports[1]["calls"]) == 6
+    assert_exactly_once(committed_values(tmp_path / "storage"), 25)
+
+
+def test_user_initialized_group_is_reused_and_kept(tmp_path):
+    script = tmp_path / "user_pg.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import json, sys
+            import torch.distributed as dist
+            from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+            class P(TorchBatchProcessor):
+                def __init__(self, context):
+                    self.context = context
+                def process_batch(self, batch, batch_idx):
+                    pass
+
+            dist.init_process_group("gloo")
+            result = torch_batch_process(P, list(range(10)), batch_size=2, storage_path={str(tmp_path / "s")!r})
+            assert dist.is_initialized()
+            dist.barrier()  # the user's group still works
+            print(json.dumps({{"rank": dist.get_rank(), "done": result.batches_committed}}))
+            dist.destroy_process_group()
+            """
+        )
+    )
+    procs = spawn_ranks(2, script)
+    outcomes = wait_all(procs, 120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    assert sorted(json.loads(out.strip().splitlines()[-1])["rank"] for _, out, _ in outcomes) == [0, 1]
+
+
+def test_one_plain_process_without_any_env(tmp_path):
+    spec = job_spec(tmp_path, n=9, batch_size=4)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "jobs" / "generic_job.py"), json.dumps(dict(spec, attempt=1))],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_exactly_once(committed_values(tmp_path / "storage"), 9)

@@ -1,0 +1,352 @@
+"""The loop in one plain process: calls, commits, resume, reducers, outputs, state, inference mode."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_batch_process import (
+    CheckpointCorruptError,
+    JobMismatchError,
+    MetricReducer,
+    TorchBatchProcessor,
+    torch_batch_process,
+)
+
+LOG: dict[str, list] = {}
+
+
+def reset_log() -> None:
+    LOG.clear()
+    LOG.update(init=[], calls=[], checkpoints=[], finishes=[], grad=[], loaded=[])
+
+
+class Recorder(TorchBatchProcessor):
+    fail_at: int | None = None
+
+    def __init__(self, context):
+        self.context = context
+        LOG["init"].append(context.get_distributed_rank())
+        self.total = context.wrap_reducer(lambda values: sum(values), name="total")
+
+    def process_batch(self, batch, batch_idx):
+        LOG["calls"].append(batch_idx)
+        LOG["grad"].append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        self.total.update(int(sum(batch)))
+        with self.context.upload_path() as path:
+            (path / f"b{batch_idx}.json").write_text(json.dumps([int(v) for v in batch]))
+        if batch_idx == type(self).fail_at:
+            raise RuntimeError(f"boom at {batch_idx}")
+
+    def on_checkpoint_start(self):
+        LOG["checkpoints"].append(len(LOG["calls"]))
+
+    def on_finish(self):
+        LOG["finishes"].append(1)
+
+
+class FailsAt7(Recorder):
+    fail_at = 7
+
+
+FailsAt7.__qualname__ = "Recorder"  # the same job, as if the user fixed the bug and re-ran
+
+
+def outputs(storage: Path) -> list[int]:
+    values = []
+    for path in (storage / "outputs").rglob("*.json"):
+        values += json.loads(path.read_text())
+    return sorted(values)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture
+def storage(tmp_path):
+    reset_log()
+    return tmp_path / "store"
+
+
+@pytest.mark.parametrize("n,b,calls", [(50, 10, 5), (50, 20, 3), (7, 2, 4)])
+def test_single_process_call_counts(storage, n, b, calls):
+    result = torch_batch_process(Recorder, list(range(n)), batch_size=b, storage_path=str(storage))
+    assert LOG["calls"] == list(range(calls))
+    assert LOG["finishes"] == [1]
+    assert result.finished and not result.preempted
+    assert result.metrics == {"total": sum(range(n))}
+    assert result.batches_processed == calls and result.examples_processed == n
+    assert outputs(storage) == list(range(n))
+
+
+def test_checkpoint_interval_commits_and_final_commit_is_not_repeated(storage):
+    torch_batch_process(Recorder, list(range(12)), batch_size=1, checkpoint_interval=4, storage_path=str(storage))
+    assert LOG["checkpoints"] == [4, 8, 12]  # 12 steps: the last step just committed, no extra one
+    reset_log()
+    torch_batch_process(Recorder, list(range(10)), batch_size=1, checkpoint_interval=4, storage_path=str(storage / "b"))
+    assert LOG["checkpoints"] == [4, 8, 10]
+    reset_log()
+    torch_batch_process(Recorder, list(range(5)), batch_size=1, checkpoint_interval=1, storage_path=str(storage / "c"))
+    assert LOG["checkpoints"] == [1, 2, 3, 4, 5]  # exactly once per step, as in Determined
+
+
+def test_max_batches_caps_and_too_large_warns(storage):
+    result = torch_batch_process(Recorder, list(range(50)), batch_size=5, max_batches=2, storage_path=str(storage))
+    assert LOG["calls"] == [0, 1] and result.num_batches == 2 and result.finished
+    reset_log()
+    with pytest.warns(UserWarning, match="max_batches"):
+        result = torch_batch_process(Recorder, list(range(50)), batch_size=5, max_batches=99, storage_path=str(storage / "x"))
+    assert LOG["calls"] == list(range(10)) and result.num_batches == 10
+
+
+def test_empty_dataset_completes_normally(storage):
+    result = torch_batch_process(Recorder, [], batch_size=4, storage_path=str(storage))
+    assert result.finished and result.num_batches == 0 and LOG["calls"] == [] and LOG["finishes"] == [1]
+    assert result.metrics == {"total": 0}
+
+
+def test_resume_processes_only_uncommitted_batches(storage):
+    with pytest.raises(RuntimeError, match="boom at 7"):
+        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
+    assert LOG["calls"] == list(range(8))
+    assert LOG["finishes"] == []
+    assert outputs(storage) == list(range(24))  # commits after steps 3 and 6; batch 6 and 7 not committed
+    reset_log()
+    result = torch_batch_process(Recorder, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
+    assert LOG["calls"] == [6, 7, 8, 9]  # only what was not committed; skipped batches are not loaded
+    assert result.batches_skipped == 6 and result.batches_processed == 4 and result.attempt == 2
+    assert result.metrics == {"total": sum(range(40))}  # exact across the resume
+    assert outputs(storage) == list(range(40))  # every example exactly once
+
+
+def test_skipped_batches_are_not_loaded(storage):
+    loaded = []
+
+    class Tracking(torch.utils.data.Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            loaded.append(i)
+            return i
+
+    with pytest.raises(RuntimeError):
+        torch_batch_process(FailsAt7, Tracking(), batch_size=2, checkpoint_interval=2, storage_path=str(storage))
+    loaded.clear()
+    torch_batch_process(Recorder, Tracking(), batch_size=2, checkpoint_interval=2, storage_path=str(storage))
+    assert sorted(loaded) == list(range(12, 20))
+
+
+def test_finished_job_rerun_does_no_work_and_returns_stored_result(storage):
+    first = torch_batch_process(Recorder, list(range(9)), batch_size=2, storage_path=str(storage))
+    reset_log()
+    before = tree_digest(storage)
+    again = torch_batch_process(Recorder, list(range(9)), batch_size=2, storage_path=str(storage))
+    assert LOG["init"] == [] and LOG["calls"] == []
+    assert again.already_finished and again.finished and again.metrics == first.metrics
+    assert again.batches_processed == 0 and again.batches_committed == 5
+    assert tree_digest(storage) == before
+
+
+def test_fingerprint_mismatch_is_refused_and_storage_unchanged(storage):
+    with pytest.raises(RuntimeError):
+        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
+    before = tree_digest(storage)
+    for kwargs in (dict(batch_size=8), dict(batch_size=4, max_batches=3)):
+        with pytest.raises(JobMismatchError, match="resume=False") as info:
+            torch_batch_process(Recorder, list(range(40)), checkpoint_interval=3, storage_path=str(storage), **kwargs)
+        assert "batch_size" in str(info.value) or "max_batches" in str(info.value)
+    with pytest.raises(JobMismatchError, match="dataset_length"):
+        torch_batch_process(Recorder, list(range(41)), batch_size=4, storage_path=str(storage))
+
+    class Other(Recorder):
+        pass
+
+    with pytest.raises(JobMismatchError, match="processor"):
+        torch_batch_process(Other, list(range(40)), batch_size=4, storage_path=str(storage))
+    assert tree_digest(storage) == before
+
+
+def test_corrupt_record_is_an_error_naming_the_file_and_storage_unchanged(storage):
+    with pytest.raises(RuntimeError):
+        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
+    record = sorted((storage / "_tbp" / "commits").glob("*.json"))[-1]
+    record.write_text('{"format": "torch_batch_process/commit/1", "commit": ')
+    before = tree_digest(storage)
+    with pytest.raises(CheckpointCorruptError) as info:
+        torch_batch_process(Recorder, list(range(40)), batch_size=4, storage_path=str(storage))
+    assert record.name in str(info.value)
+    assert LOG["calls"] == list(range(8))  # nothing more was processed
+    assert tree_digest(storage) == before
+
+
+def test_resume_false_starts_afresh(storage):
+    torch_batch_process(Recorder, list(range(10)), batch_size=2, storage_path=str(storage))
+    reset_log()
+    result = torch_batch_process(Recorder, list(range(10)), batch_size=5, storage_path=str(storage), resume=False)
+    assert LOG["calls"] == [0, 1] and result.attempt == 1 and not result.already_finished
+    assert outputs(storage) == list(range(10))
+
+
+def test_inference_mode_by_default_and_opt_out(storage):
+    torch_batch_process(Recorder, list(range(4)), batch_size=2, storage_path=str(storage))
+    assert LOG["grad"] == [(True, False)] * 2
+    reset_log()
+    torch_batch_process(Recorder, list(range(4)), batch_size=2, storage_path=str(storage / "b"), inference_mode=False)
+    assert LOG["grad"] == [(False, True)] * 2
+
+
+class CountingReducer(MetricReducer):
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.n = 0
+
+    def update(self, k):
+        self.n += k
+
+    def per_slot_reduce(self):
+        return self.n
+
+    def cross_slot_reduce(self, per_slot_metrics):
+        return sum(per_slot_metrics)
+
+
+class Stateful(TorchBatchProcessor):
+    fail_at: int | None = 5
+
+    def __init__(self, context):
+        self.context = context
+        self.seen = 0
+        self.counter = context.wrap_reducer(CountingReducer(), name="examples")
+
+    def process_batch(self, batch, batch_idx):
+        self.seen += len(batch)
+        self.counter.update(len(batch))
+        if batch_idx == type(self).fail_at:
+            raise RuntimeError("stop")
+
+    def state_dict(self):
+        return {"seen": self.seen, "tensor": torch.arange(3)}
+
+    def load_state_dict(self, state):
+        LOG["loaded"].append(state["seen"])
+        assert torch.equal(state["tensor"], torch.arange(3))
+        self.seen = state["seen"]
+
+    def on_finish(self):
+        LOG["finishes"].append(self.seen)
+
+
+class StatefulFixed(Stateful):
+    fail_at = None
+
+
+StatefulFixed.__qualname__ = "Stateful"
+
+
+def test_processor_state_and_metric_reducer_survive_resume(storage):
+    with pytest.raises(RuntimeError):
+        torch_batch_process(Stateful, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=str(storage))
+    result = torch_batch_process(StatefulFixed, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=str(storage))
+    assert LOG["loaded"] == [12]  # state of the last commit (4 batches of 3)
+    assert LOG["finishes"] == [30]
+    assert result.metrics == {"examples": 30}
+
+
+def test_upload_path_rules(storage):
+    class Writer(TorchBatchProcessor):
+        def __init__(self, context):
+            self.context = context
+
+        def process_batch(self, batch, batch_idx):
+            with self.context.upload_path() as path:
+                assert isinstance(path, Path) and list(path.iterdir()) == []  # fresh and empty
+                (path / "sub").mkdir()
+                (path / "sub" / f"{batch_idx}.txt").write_text("x")
+            with pytest.raises(KeyError):
+                with self.context.upload_path() as path:
+                    (path / f"discarded_{batch_idx}.txt").write_text("y")
+                    raise KeyError("the block failed")
+            if batch_idx == 1:
+                with self.context.upload_path() as path:
+                    (path / "sub" ).mkdir()
+                    (path / "sub" / "0.txt").write_text("clash")
+
+    with pytest.raises(FileExistsError, match="sub/0.txt"):
+        torch_batch_process(Writer, list(range(4)), batch_size=1, checkpoint_interval=10, storage_path=str(storage))
+    assert not (storage / "outputs").exists() or not list((storage / "outputs").rglob("*.txt"))
+    torch_batch_process(Writer, list(range(1)), batch_size=1, storage_path=str(storage / "ok"))
+    files = sorted(p.relative_to(storage / "ok" / "outputs").as_posix() for p in (storage / "ok" / "outputs").rglob("*.txt"))
+    assert files == ["commit_00000001/rank_0/sub/0.txt"]
+
+
+def test_context_api(storage):
+    seen = {}
+
+    class Inspect(TorchBatchProcessor):
+        def __init__(self, context):
+            model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+            model.train()
+            seen["model_training"] = context.prepare_model_for_inference(model).training
+            seen["device"] = context.device
+            seen["ranks"] = (
+                context.get_distributed_rank(),
+                context.get_distributed_size(),
+                context.distributed.get_rank(),
+                context.distributed.get_size(),
+                context.distributed.get_local_rank(),
+            )
+            seen["hparams"] = context.get_hparams()
+            seen["tb"] = context.get_tensorboard_path()
+            self.context = context
+
+        def process_batch(self, batch, batch_idx):
+            self.context.report_metrics("inference", batch_idx + 1, {"n": len(batch), "t": torch.tensor(0.5)})
+
+    os.environ["TBP_HPARAMS"] = json.dumps({"lr": 0.1})
+    try:
+        torch_batch_process(Inspect, list(range(6)), batch_size=2, storage_path=str(storage))
+    finally:
+        del os.environ["TBP_HPARAMS"]
+    assert seen["model_training"] is False
+    assert seen["device"] == torch.device("cpu")
+    assert seen["ranks"] == (0, 1, 0, 1, 0)
+    assert seen["hparams"] == {"lr": 0.1}
+    assert seen["tb"].is_dir()
+    lines = [json.loads(line) for line in (storage / "metrics.jsonl").read_text().splitlines()]
+    reported = [line for line in lines if line["group"] == "inference"]
+    assert [line["steps_completed"] for line in reported] == [1, 2, 3]
+    assert reported[0]["metrics"] == {"n": 2, "t": 0.5}
+
+
+def test_reuses_a_process_group_the_user_initialized(storage, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        result = torch_batch_process(Recorder, list(range(4)), batch_size=2, storage_path=str(storage))
+        assert result.finished
+        assert dist.is_initialized(), "a group the user created is left alone"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_default_storage_path_is_under_tbp_runs(tmp_path, monkeypatch):
+    reset_log()
+    monkeypatch.chdir(tmp_path)
+    result = torch_batch_process(Recorder, list(range(4)), batch_size=2, job_name="my-job")
+    assert Path(result.storage_path) == tmp_path / "tbp_runs" / "my-job"
+    monkeypatch.setenv("TBP_STORAGE_PATH", str(tmp_path / "from_env"))
+    result = torch_batch_process(Recorder, list(range(4)), batch_size=2)
+    assert Path(result.storage_path) == tmp_path / "from_env"

@@ -1,0 +1,156 @@
+"""Unit tests of the pure building blocks: ranges, sharding, devices, reducers."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from torch_batch_process import MetricReducer, get_default_device, to_device
+from torch_batch_process.progress import IndexedRanges, RangeSet
+from torch_batch_process.reducers import ReducerRegistry
+from torch_batch_process.sharding import BatchGeometry, ShardPlan, planned_batches
+
+
+def test_rangeset_merges_and_counts():
+    s = RangeSet()
+    for v in [5, 3, 4, 10, 0, 1, 2, 11, 7]:
+        s.add(v)
+    assert s.to_json() == [[0, 6], [7, 8], [10, 12]]
+    assert len(s) == 9
+    assert 6 not in s and 7 in s and 11 in s and 12 not in s
+    assert s.complement(14).to_json() == [[6, 7], [8, 10], [12, 14]]
+    assert RangeSet.from_json(s.to_json()) == s
+
+
+def test_rangeset_random_against_python_set():
+    rng = random.Random(0)
+    for _ in range(50):
+        s, ref = RangeSet(), set()
+        for _ in range(rng.randint(0, 40)):
+            a = rng.randint(0, 60)
+            b = a + rng.randint(0, 6)
+            s.add_range(a, b)
+            ref.update(range(a, b))
+        assert list(s) == sorted(ref)
+        assert len(s) == len(ref)
+        assert list(s.complement(70)) == sorted(set(range(70)) - ref)
+        idx = IndexedRanges(s)
+        assert [idx[i] for i in range(len(idx))] == sorted(ref)
+
+
+@pytest.mark.parametrize("bad", [[[3, 3]], [[-1, 2]], [[1]], "x", [[1, "2"]]])
+def test_rangeset_rejects_malformed_json(bad):
+    with pytest.raises(ValueError):
+        RangeSet.from_json(bad)
+
+
+@pytest.mark.parametrize(
+    "n,b,w,expected",
+    [(50, 10, 1, [5]), (50, 10, 2, [3, 2]), (50, 20, 1, [3]), (50, 20, 2, [2, 1]), (7, 2, 3, [2, 1, 1])],
+)
+def test_determined_call_count_table(n, b, w, expected):
+    geometry = BatchGeometry(n, b)
+    plan = ShardPlan(RangeSet([(0, geometry.num_batches)]), w)
+    assert [plan.num_batches_of(r) for r in range(w)] == expected
+    assert plan.num_steps == max(expected)
+    seen = collections.Counter(g for r in range(w) for g in plan.batches_of(r))
+    assert sorted(seen) == list(range(geometry.num_batches)) and set(seen.values()) == {1}
+
+
+def test_fresh_plan_is_g_mod_w_and_resume_deals_remaining_round_robin():
+    plan = ShardPlan(RangeSet([(0, 10)]), 3)
+    assert [plan.batch_at(s, r) for s in range(4) for r in range(3)] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, None, None]
+    remaining = RangeSet([(0, 10)])
+    remaining = RangeSet([(2, 3), (5, 9)])  # committed elsewhere: the rest
+    plan = ShardPlan(remaining, 2)
+    assert list(plan.batches_of(0)) == [2, 6, 8] and list(plan.batches_of(1)) == [5, 7]
+
+
+def test_geometry_examples_and_planned_batches():
+    geometry = BatchGeometry(7, 2)
+    assert geometry.num_batches == 4
+    assert list(geometry.examples(3)) == [6]
+    assert geometry.count_examples(RangeSet([(1, 4)])) == 5
+    assert planned_batches(100, 3, 4) == 12 and planned_batches(10, 3, 4) == 10 and planned_batches(10, None, 4) == 10
+
+
+def test_to_device_recurses_and_converts_numpy():
+    Point = collections.namedtuple("Point", "x y")
+    data = {
+        "a": np.arange(3),
+        "b": [torch.ones(2), (torch.zeros(1), "text")],
+        "p": Point(torch.tensor(1.0), 2),
+        "n": None,
+    }
+    moved = to_device(data, "cpu")
+    assert isinstance(moved["a"], torch.Tensor) and moved["a"].tolist() == [0, 1, 2]
+    assert isinstance(moved["b"], list) and isinstance(moved["b"][1], tuple) and moved["b"][1][1] == "text"
+    assert isinstance(moved["p"], Point) and moved["p"].y == 2
+    assert moved["n"] is None
+
+
+def test_to_device_pinned_source_is_non_blocking(monkeypatch):
+    calls = []
+    original = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("non_blocking"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    to_device(torch.ones(2), "cpu")
+    assert calls == [False]
+    if torch.cuda.is_available():  # pin_memory needs an accelerator
+        to_device(torch.ones(2).pin_memory(), "cpu")
+        assert calls[-1] is True
+
+
+def test_default_device_is_cpu_without_accelerator():
+    assert get_default_device() == torch.device("cpu") or torch.cuda.is_available()
+
+
+class _Avg(MetricReducer):
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.s, self.n = 0.0, 0
+
+    def update(self, v):
+        self.s += v
+        self.n += 1
+
+    def per_slot_reduce(self):
+        return self.s, self.n
+
+    def cross_slot_reduce(self, per_slot_metrics):
+        s, n = map(sum, zip(*per_slot_metrics))
+        return s / n
+
+
+def test_reducer_registry_semantics():
+    registry = ReducerRegistry()
+    fn = registry.wrap(lambda values: {"total": sum(values), "first": values[0]})
+    avg = registry.wrap(_Avg(), name="avg")
+    fn.update(1)
+    fn.update(3)
+    avg.update(2.0)
+    other = [[5], (4.0, 1)]
+    metrics = registry.cross_slot_reduce([registry.per_slot_states(), other])
+    # Function reducers see the values interleaved across slots: slot0[0], slot1[0], slot0[1].
+    assert metrics == {"total": 9, "first": 1, "avg": 3.0}
+    with pytest.raises(ValueError):
+        registry.wrap(avg)  # the same object twice
+    with pytest.raises(TypeError):
+        registry.wrap(42)
+
+
+def test_reducer_name_and_dict_mismatch_is_explained():
+    registry = ReducerRegistry()
+    registry.wrap(lambda values: 1.0)  # name=None but returns a scalar
+    with pytest.raises(TypeError, match="name=None"):
+        registry.cross_slot_reduce([registry.per_slot_states()])

@@ -1,0 +1,115 @@
+"""Every bad input is refused with a clear error naming the argument, before any work or storage write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
+
+CALLS: list[int] = []
+
+
+class Ok(TorchBatchProcessor):
+    def __init__(self, context):
+        CALLS.append(-1)
+
+    def process_batch(self, batch, batch_idx):
+        CALLS.append(batch_idx)
+
+
+class NoProcessBatch(TorchBatchProcessor):
+    def __init__(self, context):
+        pass
+
+
+class NotAProcessor:
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+
+class NoLen:
+    def __getitem__(self, i):
+        return i
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+CASES = {
+    "batch_size=0": (dict(batch_size=0), "batch_size", ValueError),
+    "batch_size=-3": (dict(batch_size=-3), "batch_size", ValueError),
+    "batch_size=str": (dict(batch_size="8"), "batch_size", TypeError),
+    "batch_size=float": (dict(batch_size=2.0), "batch_size", TypeError),
+    "batch_size twice": (dict(batch_size=4, dataloader_kwargs={"batch_size": 4}), "batch_size", ValueError),
+    "dataloader batch_size=0": (dict(dataloader_kwargs={"batch_size": 0}), "batch_size", ValueError),
+    "checkpoint_interval=0": (dict(checkpoint_interval=0), "checkpoint_interval", ValueError),
+    "checkpoint_interval=-1": (dict(checkpoint_interval=-1), "checkpoint_interval", ValueError),
+    "checkpoint_interval=str": (dict(checkpoint_interval="5"), "checkpoint_interval", TypeError),
+    "max_batches=0": (dict(max_batches=0), "max_batches", ValueError),
+    "max_batches=-2": (dict(max_batches=-2), "max_batches", ValueError),
+    "shuffle=True": (dict(dataloader_kwargs={"shuffle": True}), "shuffle", ValueError),
+    "sampler": (dict(dataloader_kwargs={"sampler": torch.utils.data.SequentialSampler(range(10))}), "sampler", ValueError),
+    "batch_sampler": (dict(dataloader_kwargs={"batch_sampler": [[0, 1]]}), "batch_sampler", ValueError),
+    "drop_last=True": (dict(dataloader_kwargs={"drop_last": True}), "drop_last", ValueError),
+    "unknown loader key": (dict(dataloader_kwargs={"num_wrokers": 2}), "num_wrokers", ValueError),
+    "bad loader value": (dict(dataloader_kwargs={"num_workers": -1}), "dataloader_kwargs", ValueError),
+    "prefetch without workers": (dict(dataloader_kwargs={"prefetch_factor": 2}), "dataloader_kwargs", ValueError),
+    "dataloader_kwargs not a dict": (dict(dataloader_kwargs=[("num_workers", 1)]), "dataloader_kwargs", TypeError),
+    "resume not bool": (dict(resume="yes"), "resume", TypeError),
+    "job_name bad": (dict(job_name="../escape"), "job_name", ValueError),
+    "storage_path empty": (dict(storage_path=""), "storage_path", ValueError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_argument_is_refused_before_any_work(case, tmp_path):
+    overrides, needle, kind = CASES[case]
+    kwargs = dict(batch_size=None, storage_path=str(tmp_path / "store"))
+    kwargs.update(overrides)
+    CALLS.clear()
+    with pytest.raises(kind) as info:
+        torch_batch_process(Ok, list(range(10)), **kwargs)
+    assert isinstance(info.value, InvalidArgumentError)
+    assert needle in str(info.value)
+    assert CALLS == [], "no processor was built"
+    assert not (tmp_path / "store").exists(), "nothing was written to storage"
+
+
+@pytest.mark.parametrize(
+    "processor,needle",
+    [
+        (NoProcessBatch, "process_batch"),
+        (NotAProcessor, "TorchBatchProcessor"),
+        (Ok(None), "not an instance"),
+        ("Ok", "TorchBatchProcessor"),
+    ],
+)
+def test_bad_processor_class_is_refused(processor, needle, tmp_path):
+    with pytest.raises((TypeError, ValueError), match=needle):
+        torch_batch_process(processor, list(range(4)), storage_path=str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("dataset,needle", [(NoLen(), "__len__"), (Stream(), "IterableDataset"), (iter(range(3)), "__len__")])
+def test_dataset_without_len_is_refused(dataset, needle, tmp_path):
+    with pytest.raises((TypeError, ValueError), match=needle):
+        torch_batch_process(Ok, dataset, storage_path=str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
+def test_shuffle_false_and_valid_loader_options_are_accepted(tmp_path):
+    CALLS.clear()
+    result = torch_batch_process(
+        Ok,
+        list(range(10)),
+        dataloader_kwargs={"shuffle": False, "batch_size": 4, "num_workers": 0, "sampler": None},
+        storage_path=str(tmp_path / "store"),
+    )
+    assert CALLS == [-1, 0, 1, 2]
+    assert result.finished and result.num_batches == 3
