@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import json
 import os
 import signal
@@ -124,26 +126,56 @@ def read_reports(spec: dict[str, Any], attempt: int = 1) -> dict[int, dict[str, 
     return reports
 
 
-def committed_values(storage: Path) -> Counter[int]:
+def storage_fs(url: str | Path) -> tuple[Any, str]:
+    """The fsspec filesystem and root path of a storage path or URL (as the library opens it)."""
+    import fsspec
+
+    return fsspec.core.url_to_fs(str(url))
+
+
+def read_outputs(url: str | Path, pattern: str = "*") -> dict[str, bytes]:
+    """Committed output files below ``<url>/outputs``, by path relative to it, read through fsspec."""
+    fs, root = storage_fs(url)
+    base = f"{root.rstrip('/')}/outputs"
+    if not fs.exists(base):
+        return {}
+    files = {}
+    for full in sorted(fs.find(base, withdirs=False)):
+        rel = full[len(base) :].lstrip("/") if full.startswith(base) else full.split("/outputs/", 1)[1]
+        if fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pattern):
+            files[rel] = fs.cat_file(full)
+    return files
+
+
+def tree_digest(url: str | Path) -> dict[str, str]:
+    """Every file below ``url`` with the sha256 of its content (to show that nothing changed)."""
+    fs, root = storage_fs(url)
+    if not fs.exists(root):
+        return {}
+    base = root.rstrip("/")
+    return {
+        full[len(base) :]: hashlib.sha256(fs.cat_file(full)).hexdigest() for full in sorted(fs.find(base, withdirs=False))
+    }
+
+
+def _values(storage: str | Path, pattern: str) -> Counter[int]:
+    counts: Counter[int] = Counter()
+    for data in read_outputs(storage, pattern).values():
+        counts.update(json.loads(data))
+    return counts
+
+
+def committed_values(storage: str | Path) -> Counter[int]:
     """Every example value found in committed output files (per-batch and buffered files)."""
-    counts: Counter[int] = Counter()
-    for path in (storage / "outputs").rglob("*.json"):
-        counts.update(json.loads(path.read_text()))
-    return counts
+    return _values(storage, "*.json")
 
 
-def per_batch_values(storage: Path) -> Counter[int]:
-    counts: Counter[int] = Counter()
-    for path in (storage / "outputs").rglob("batch_*.json"):
-        counts.update(json.loads(path.read_text()))
-    return counts
+def per_batch_values(storage: str | Path) -> Counter[int]:
+    return _values(storage, "batch_*.json")
 
 
-def buffered_values(storage: Path) -> Counter[int]:
-    counts: Counter[int] = Counter()
-    for path in (storage / "outputs").rglob("buffer_*.json"):
-        counts.update(json.loads(path.read_text()))
-    return counts
+def buffered_values(storage: str | Path) -> Counter[int]:
+    return _values(storage, "buffer_*.json")
 
 
 def assert_exactly_once(counts: Counter[int], n: int) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
+from harness import read_outputs, tree_digest
 
 from torch_batch_process import (
     CheckpointCorruptError,
@@ -57,45 +58,47 @@ class FailsAt7(Recorder):
 FailsAt7.__qualname__ = "Recorder"  # the same job, as if the user fixed the bug and re-ran
 
 
-def outputs(storage: Path) -> list[int]:
+def outputs(storage: str | Path) -> list[int]:
     values = []
-    for path in (storage / "outputs").rglob("*.json"):
-        values += json.loads(path.read_text())
+    for data in read_outputs(storage, "*.json").values():
+        values += json.loads(data)
     return sorted(values)
-
-
-def tree_digest(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-        for p in sorted(root.rglob("*"))
-    }
 
 
 @pytest.fixture
 def storage(tmp_path):
+    """A local storage folder."""
     reset_log()
     return tmp_path / "store"
 
 
+@pytest.fixture
+def store(storage_url):
+    """The storage URL on every backend: local folder, memory:// and s3:// (moto)."""
+    reset_log()
+    return storage_url
+
+
 @pytest.mark.parametrize("n,b,calls", [(50, 10, 5), (50, 20, 3), (7, 2, 4)])
-def test_single_process_call_counts(storage, n, b, calls):
-    result = torch_batch_process(Recorder, list(range(n)), batch_size=b, storage_path=str(storage))
+def test_single_process_call_counts(store, n, b, calls):
+    result = torch_batch_process(Recorder, list(range(n)), batch_size=b, storage_path=store)
     assert LOG["calls"] == list(range(calls))
     assert LOG["finishes"] == [1]
     assert result.finished and not result.preempted
     assert result.metrics == {"total": sum(range(n))}
     assert result.batches_processed == calls and result.examples_processed == n
-    assert outputs(storage) == list(range(n))
+    assert result.storage_path == store
+    assert outputs(store) == list(range(n))
 
 
-def test_checkpoint_interval_commits_and_final_commit_is_not_repeated(storage):
-    torch_batch_process(Recorder, list(range(12)), batch_size=1, checkpoint_interval=4, storage_path=str(storage))
+def test_checkpoint_interval_commits_and_final_commit_is_not_repeated(store):
+    torch_batch_process(Recorder, list(range(12)), batch_size=1, checkpoint_interval=4, storage_path=store)
     assert LOG["checkpoints"] == [4, 8, 12]  # 12 steps: the last step just committed, no extra one
     reset_log()
-    torch_batch_process(Recorder, list(range(10)), batch_size=1, checkpoint_interval=4, storage_path=str(storage / "b"))
+    torch_batch_process(Recorder, list(range(10)), batch_size=1, checkpoint_interval=4, storage_path=f"{store}/b")
     assert LOG["checkpoints"] == [4, 8, 10]
     reset_log()
-    torch_batch_process(Recorder, list(range(5)), batch_size=1, checkpoint_interval=1, storage_path=str(storage / "c"))
+    torch_batch_process(Recorder, list(range(5)), batch_size=1, checkpoint_interval=1, storage_path=f"{store}/c")
     assert LOG["checkpoints"] == [1, 2, 3, 4, 5]  # exactly once per step, as in Determined
 
 
@@ -114,18 +117,18 @@ def test_empty_dataset_completes_normally(storage):
     assert result.metrics == {"total": 0}
 
 
-def test_resume_processes_only_uncommitted_batches(storage):
+def test_resume_processes_only_uncommitted_batches(store):
     with pytest.raises(RuntimeError, match="boom at 7"):
-        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
+        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=store)
     assert LOG["calls"] == list(range(8))
     assert LOG["finishes"] == []
-    assert outputs(storage) == list(range(24))  # commits after steps 3 and 6; batch 6 and 7 not committed
+    assert outputs(store) == list(range(24))  # commits after steps 3 and 6; batch 6 and 7 not committed
     reset_log()
-    result = torch_batch_process(Recorder, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
+    result = torch_batch_process(Recorder, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=store)
     assert LOG["calls"] == [6, 7, 8, 9]  # only what was not committed; skipped batches are not loaded
     assert result.batches_skipped == 6 and result.batches_processed == 4 and result.attempt == 2
     assert result.metrics == {"total": sum(range(40))}  # exact across the resume
-    assert outputs(storage) == list(range(40))  # every example exactly once
+    assert outputs(store) == list(range(40))  # every example exactly once
 
 
 def test_skipped_batches_are_not_loaded(storage):
@@ -146,55 +149,56 @@ def test_skipped_batches_are_not_loaded(storage):
     assert sorted(loaded) == list(range(12, 20))
 
 
-def test_finished_job_rerun_does_no_work_and_returns_stored_result(storage):
-    first = torch_batch_process(Recorder, list(range(9)), batch_size=2, storage_path=str(storage))
+def test_finished_job_rerun_does_no_work_and_returns_stored_result(store):
+    first = torch_batch_process(Recorder, list(range(9)), batch_size=2, storage_path=store)
     reset_log()
-    before = tree_digest(storage)
-    again = torch_batch_process(Recorder, list(range(9)), batch_size=2, storage_path=str(storage))
+    before = tree_digest(store)
+    again = torch_batch_process(Recorder, list(range(9)), batch_size=2, storage_path=store)
     assert LOG["init"] == [] and LOG["calls"] == []
     assert again.already_finished and again.finished and again.metrics == first.metrics
     assert again.batches_processed == 0 and again.batches_committed == 5
-    assert tree_digest(storage) == before
+    assert tree_digest(store) == before
 
 
-def test_fingerprint_mismatch_is_refused_and_storage_unchanged(storage):
+def test_fingerprint_mismatch_is_refused_and_storage_unchanged(store):
     with pytest.raises(RuntimeError):
-        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
-    before = tree_digest(storage)
+        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=store)
+    before = tree_digest(store)
     for kwargs in (dict(batch_size=8), dict(batch_size=4, max_batches=3)):
         with pytest.raises(JobMismatchError, match="resume=False") as info:
-            torch_batch_process(Recorder, list(range(40)), checkpoint_interval=3, storage_path=str(storage), **kwargs)
+            torch_batch_process(Recorder, list(range(40)), checkpoint_interval=3, storage_path=store, **kwargs)
         assert "batch_size" in str(info.value) or "max_batches" in str(info.value)
     with pytest.raises(JobMismatchError, match="dataset_length"):
-        torch_batch_process(Recorder, list(range(41)), batch_size=4, storage_path=str(storage))
+        torch_batch_process(Recorder, list(range(41)), batch_size=4, storage_path=store)
 
     class Other(Recorder):
         pass
 
     with pytest.raises(JobMismatchError, match="processor"):
-        torch_batch_process(Other, list(range(40)), batch_size=4, storage_path=str(storage))
-    assert tree_digest(storage) == before
+        torch_batch_process(Other, list(range(40)), batch_size=4, storage_path=store)
+    assert tree_digest(store) == before
 
 
-def test_corrupt_record_is_an_error_naming_the_file_and_storage_unchanged(storage):
+def test_corrupt_record_is_an_error_naming_the_file_and_storage_unchanged(store):
     with pytest.raises(RuntimeError):
-        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
-    record = sorted((storage / "_tbp" / "commits").glob("*.json"))[-1]
-    record.write_text('{"format": "torch_batch_process/commit/1", "commit": ')
-    before = tree_digest(storage)
+        torch_batch_process(FailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=store)
+    fs, root = fsspec.core.url_to_fs(store)
+    record = sorted(fs.find(f"{root}/_tbp/commits"))[-1]
+    fs.pipe_file(record, b'{"format": "torch_batch_process/commit/1", "commit": ')
+    before = tree_digest(store)
     with pytest.raises(CheckpointCorruptError) as info:
-        torch_batch_process(Recorder, list(range(40)), batch_size=4, storage_path=str(storage))
-    assert record.name in str(info.value)
+        torch_batch_process(Recorder, list(range(40)), batch_size=4, storage_path=store)
+    assert record.rsplit("/", 1)[-1] in str(info.value)
     assert LOG["calls"] == list(range(8))  # nothing more was processed
-    assert tree_digest(storage) == before
+    assert tree_digest(store) == before
 
 
-def test_resume_false_starts_afresh(storage):
-    torch_batch_process(Recorder, list(range(10)), batch_size=2, storage_path=str(storage))
+def test_resume_false_starts_afresh(store):
+    torch_batch_process(Recorder, list(range(10)), batch_size=2, storage_path=store)
     reset_log()
-    result = torch_batch_process(Recorder, list(range(10)), batch_size=5, storage_path=str(storage), resume=False)
+    result = torch_batch_process(Recorder, list(range(10)), batch_size=5, storage_path=store, resume=False)
     assert LOG["calls"] == [0, 1] and result.attempt == 1 and not result.already_finished
-    assert outputs(storage) == list(range(10))
+    assert outputs(store) == list(range(10))
 
 
 def test_inference_mode_by_default_and_opt_out(storage):
@@ -255,16 +259,16 @@ class StatefulFixed(Stateful):
 StatefulFixed.__qualname__ = "Stateful"
 
 
-def test_processor_state_and_metric_reducer_survive_resume(storage):
+def test_processor_state_and_metric_reducer_survive_resume(store):
     with pytest.raises(RuntimeError):
-        torch_batch_process(Stateful, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=str(storage))
-    result = torch_batch_process(StatefulFixed, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=str(storage))
+        torch_batch_process(Stateful, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=store)
+    result = torch_batch_process(StatefulFixed, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=store)
     assert LOG["loaded"] == [12]  # state of the last commit (4 batches of 3)
     assert LOG["finishes"] == [30]
     assert result.metrics == {"examples": 30}
 
 
-def test_upload_path_rules(storage):
+def test_upload_path_rules(store):
     class Writer(TorchBatchProcessor):
         def __init__(self, context):
             self.context = context
@@ -284,14 +288,13 @@ def test_upload_path_rules(storage):
                     (path / "sub" / "0.txt").write_text("clash")
 
     with pytest.raises(FileExistsError, match="sub/0.txt"):
-        torch_batch_process(Writer, list(range(4)), batch_size=1, checkpoint_interval=10, storage_path=str(storage))
-    assert not (storage / "outputs").exists() or not list((storage / "outputs").rglob("*.txt"))
-    torch_batch_process(Writer, list(range(1)), batch_size=1, storage_path=str(storage / "ok"))
-    files = sorted(p.relative_to(storage / "ok" / "outputs").as_posix() for p in (storage / "ok" / "outputs").rglob("*.txt"))
-    assert files == ["commit_00000001/rank_0/sub/0.txt"]
+        torch_batch_process(Writer, list(range(4)), batch_size=1, checkpoint_interval=10, storage_path=store)
+    assert read_outputs(store) == {}
+    torch_batch_process(Writer, list(range(1)), batch_size=1, storage_path=f"{store}/ok")
+    assert read_outputs(f"{store}/ok") == {"commit_00000001/rank_0/sub/0.txt": b"x"}
 
 
-def test_context_api(storage):
+def test_context_api(store):
     seen = {}
 
     class Inspect(TorchBatchProcessor):
@@ -316,7 +319,7 @@ def test_context_api(storage):
 
     os.environ["TBP_HPARAMS"] = json.dumps({"lr": 0.1})
     try:
-        torch_batch_process(Inspect, list(range(6)), batch_size=2, storage_path=str(storage))
+        torch_batch_process(Inspect, list(range(6)), batch_size=2, storage_path=store)
     finally:
         del os.environ["TBP_HPARAMS"]
     assert seen["model_training"] is False
@@ -324,7 +327,8 @@ def test_context_api(storage):
     assert seen["ranks"] == (0, 1, 0, 1, 0)
     assert seen["hparams"] == {"lr": 0.1}
     assert seen["tb"].is_dir()
-    lines = [json.loads(line) for line in (storage / "metrics.jsonl").read_text().splitlines()]
+    fs, root = fsspec.core.url_to_fs(store)
+    lines = [json.loads(line) for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
     reported = [line for line in lines if line["group"] == "inference"]
     assert [line["steps_completed"] for line in reported] == [1, 2, 3]
     assert reported[0]["metrics"] == {"n": 2, "t": 0.5}

@@ -337,27 +337,30 @@ class CheckpointStore:
             if rel_dir not in keep_dirs:
                 self.storage.delete(rel_dir, recursive=True)
         for name in self.storage.list(COMMITS_DIR):
-            if TMP_MARKER in name:
-                self.storage.delete(f"{COMMITS_DIR}/{name}")
+            stem = name[: -len(".json")] if name.endswith(".json") else ""
+            if TMP_MARKER in name or (stem.isdigit() and int(stem) < last):
+                self.storage.delete(f"{COMMITS_DIR}/{name}")  # interrupted writes, superseded records
         for name in self.storage.list(INTERNAL_DIR):
             if TMP_MARKER in name:
                 self.storage.delete(f"{INTERNAL_DIR}/{name}")
 
     def collect_garbage(self, record: CommitRecord, previous: CommitRecord | None) -> None:
-        """Deletes what ``record`` supersedes: older records and unreferenced state files."""
-        if previous is not None:
-            keep = record.referenced_files()
-            for rel in previous.referenced_files() - keep:
-                self.storage.delete(rel)
-                if self.storage.is_local:
-                    try:
-                        self.storage.delete(rel.rsplit("/", 1)[0])  # the folder, once empty
-                    except Exception:  # noqa: BLE001 - not empty yet: another rank's file stays
-                        pass
-        for number in self.commit_numbers():
-            if number < record.commit:
-                self.storage.delete(f"{COMMITS_DIR}/{commit_name(number)}.json")
-        if self.storage.is_local and previous is not None:
+        """Deletes what ``record`` supersedes: the previous record and its unreferenced state files.
+
+        One bulk delete on object stores, no listing (records older than ``previous`` are removed by
+        :meth:`repair` at the start of an attempt).
+        """
+        if previous is None:
+            return
+        doomed = sorted(previous.referenced_files() - record.referenced_files())
+        doomed.append(f"{COMMITS_DIR}/{commit_name(previous.commit)}.json")
+        self.storage.delete_files(doomed)
+        if self.storage.is_local:
+            for folder in sorted({rel.rsplit("/", 1)[0] for rel in doomed[:-1]}):
+                try:
+                    self.storage.delete(folder)  # the folder, once empty
+                except Exception:  # noqa: BLE001 - not empty yet: another rank's file stays
+                    pass
             try:
                 self.storage.delete(staging_dir(previous.commit))
             except Exception:  # noqa: BLE001 - a rank may still be publishing into it

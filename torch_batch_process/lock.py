@@ -1,16 +1,36 @@
 """The job lock: one job at a time per storage path.
 
-Local storage uses an OS file lock (``filelock``): the kernel releases it when the holding process
-dies, even by ``kill -9``, so a killed job never blocks its resume. The lock holder's host and pid
-are written next to it, for the error message of a refused job.
+Rank 0 takes the lock before its first write to storage and holds it until the job returns.
 
-Object stores have no locks, so a *lease* object is used: the holder writes
-``{owner, host, pid, heartbeat, ttl}`` and a background thread rewrites it every few seconds. A
-second job that finds a lease watches it: if its heartbeat advances, the holder is alive and the
-job is refused; if it stays still for longer than the TTL (the holder was killed), the lease is
-taken over. A lease of a process on this very host that no longer exists is taken over at once.
-Limits: without conditional writes two jobs starting within the same instant could both take an
-expired lease; the loser notices at its next heartbeat (it reads back another owner) and stops.
+**Local storage** (a local or network-mounted folder) uses an OS file lock on ``_tbp/lock``
+(``filelock``; ``flock``, which Linux maps to POSIX locks on NFS). The kernel releases it when the
+holding process dies, even by ``kill -9``, so a killed job never blocks its resume. The holder's
+host and pid are written to ``_tbp/lock.json`` for the error message of a refused job.
+
+**Object stores** have no locks, so the job holds a *lease*: the object ``_tbp/lease.json`` =
+``{owner, host, pid, heartbeat, ttl...}``, rewritten by a background thread every ``ttl / 5``
+seconds (``ttl`` = ``TBP_LEASE_TTL_S``, default 15). A second job that finds a lease:
+
+- refuses at once when the lease's heartbeat advances while it watches (the holder is alive);
+- takes it over when the holder ran on this very host (same boot and pid namespace) and its
+  process no longer exists: a resume after ``kill -9`` on the same machine is immediate;
+- otherwise takes it over when the heartbeat has not moved for ``1.5 * ttl``: a resume on another
+  machine after the holder was killed waits at most that long (about 22 s by default).
+
+On S3 every lease write is conditional (``If-None-Match: *`` to create, ``If-Match: <etag>`` to renew
+or take over), so two jobs racing for the lease cannot both win, and a holder whose lease was taken
+over learns it at its next heartbeat. A holder that cannot renew its lease for ``ttl`` seconds
+(storage unreachable) considers it lost. Rank 0 checks the lease before writing each commit record
+and fails the job with :class:`JobLockedError` when it was lost, so a job never commits after
+another one took over.
+
+Limits: the guarantee rests on clocks *ticking* at the same rate on both machines (not on synchronized
+clocks), and on the holder's storage calls finishing within ``ttl / 2`` once started. On backends
+without conditional writes (``memory://``, ``gs://``, other fsspec protocols), the lease is written
+then read back; two jobs starting within the same fraction of a second could both take an expired
+lease, and the loser notices at its next heartbeat (within ``ttl / 5``) and stops before its next
+commit. Keep a storage path to one job, and use ``TBP_LEASE_TTL_S`` larger than the longest pause
+the holder may suffer (long GC pauses, a suspended VM).
 """
 
 from __future__ import annotations
@@ -27,7 +47,7 @@ from typing import Any
 import filelock
 
 from torch_batch_process.errors import JobLockedError, StorageError
-from torch_batch_process.storage import Storage
+from torch_batch_process.storage import ConditionFailed, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +55,15 @@ LOCK_FILE = "_tbp/lock"
 LOCK_INFO_FILE = "_tbp/lock.json"
 LEASE_FILE = "_tbp/lease.json"
 
-LEASE_TTL_S = float(os.environ.get("TBP_LEASE_TTL_S", "15"))
-LEASE_HEARTBEAT_S = LEASE_TTL_S / 5
+_READ_BACK_DELAY_S = 0.2
+
+
+def lease_ttl_s() -> float:
+    """Lease time-to-live in seconds (``TBP_LEASE_TTL_S``, default 15)."""
+    value = float(os.environ.get("TBP_LEASE_TTL_S", "15"))
+    if value <= 0:
+        raise ValueError(f"TBP_LEASE_TTL_S must be > 0, got {value}")
+    return value
 
 
 class JobLock:
@@ -46,7 +73,7 @@ class JobLock:
         """Releases the lock (idempotent)."""
 
     def check(self) -> None:
-        """Raises :class:`JobLockedError` when the lock was lost (lease taken over)."""
+        """Raises :class:`JobLockedError` when the lock was lost (lease taken over or not renewable)."""
 
 
 def acquire_job_lock(storage: Storage) -> JobLock:
@@ -56,8 +83,24 @@ def acquire_job_lock(storage: Storage) -> JobLock:
     return _LeaseLock(storage)
 
 
+def _machine_id() -> dict[str, Any]:
+    """What tells whether a pid recorded by another process can be checked from here."""
+    ident: dict[str, Any] = {"host": socket.gethostname()}
+    for key, path in (("boot_id", "/proc/sys/kernel/random/boot_id"),):
+        try:
+            with open(path, encoding="ascii") as f:
+                ident[key] = f.read().strip()
+        except OSError:
+            pass
+    try:
+        ident["pid_ns"] = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return ident
+
+
 def _holder_info() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    return {**_machine_id(), "pid": os.getpid(), "since": time.time()}
 
 
 class _LocalLock(JobLock):
@@ -70,8 +113,12 @@ class _LocalLock(JobLock):
         except filelock.Timeout:
             raise JobLockedError(_locked_message(storage, _read_info(storage, LOCK_INFO_FILE))) from None
         except OSError as exc:
-            raise StorageError(f"storage {storage.url!r}: cannot create the job lock: {exc}") from exc
-        storage.write_json(LOCK_INFO_FILE, _holder_info())
+            raise storage._error("create the job lock", exc) from exc
+        try:
+            storage.write_json(LOCK_INFO_FILE, _holder_info())
+        except BaseException:
+            self._lock.release()
+            raise
 
     def release(self) -> None:
         if self._lock.is_locked:
@@ -81,74 +128,191 @@ class _LocalLock(JobLock):
 class _LeaseLock(JobLock):
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
+        self._conditional = storage.supports_conditional_writes
+        self._ttl = lease_ttl_s()
         self._owner = uuid.uuid4().hex
-        self._lost = False
+        self._since = time.time()
+        self._beat = 0
+        self._version: str | None = None
+        self._lost: str | None = None
+        self._renewed = time.monotonic()
         self._stop = threading.Event()
         self._take()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="tbp-lease", daemon=True)
         self._thread.start()
 
-    def _lease(self, heartbeat: int) -> dict[str, Any]:
-        return {**_holder_info(), "owner": self._owner, "heartbeat": heartbeat, "ttl": LEASE_TTL_S}
+    # ----------------------------------------------------------------- taking
+
+    def _lease(self) -> bytes:
+        value = {
+            **_holder_info(),
+            "since": self._since,
+            "owner": self._owner,
+            "heartbeat": self._beat,
+            "ttl": self._ttl,
+            "renewed": time.time(),
+        }
+        return json.dumps(value, sort_keys=True).encode("utf-8")
+
+    def _read(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The current lease and its version (``None, None`` when there is none)."""
+        try:
+            if self._conditional:
+                raw, version = self._storage.read_versioned(LEASE_FILE)
+            else:
+                raw, version = self._storage.read_bytes(LEASE_FILE), None
+        except FileNotFoundError:
+            return None, None
+        try:
+            value = json.loads(raw.decode("utf-8"))
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            value = {"owner": "?", "heartbeat": raw.hex()[:64]}  # unreadable: treated as a silent holder
+        return value, version
 
     def _take(self) -> None:
-        current = _read_info(self._storage, LEASE_FILE)
-        if current and current.get("owner") != self._owner and not self._stale(current):
-            raise JobLockedError(_locked_message(self._storage, current))
-        self._beat = 0
-        self._storage.write_json(LEASE_FILE, self._lease(self._beat))
-        # Read back: if another job wrote in the same instant, the last writer wins and the other leaves.
-        time.sleep(0.05)
-        back = _read_info(self._storage, LEASE_FILE)
-        if not back or back.get("owner") != self._owner:
-            raise JobLockedError(_locked_message(self._storage, back))
+        for _ in range(5):
+            current, version = self._read()
+            if current is not None:
+                stale, current, version = self._watch(current, version)
+                if not stale:
+                    raise JobLockedError(_locked_message(self._storage, current))
+                if current is None:
+                    continue  # released while watching
+                logger.warning(
+                    "storage %s: taking over the job lease of pid %s on host %s, which stopped renewing it",
+                    self._storage.url,
+                    current.get("pid"),
+                    current.get("host"),
+                )
+            if self._write_lease(if_version=version, create=current is None):
+                self._renewed = time.monotonic()
+                return
+        current, _ = self._read()
+        raise JobLockedError(_locked_message(self._storage, current))
 
-    def _stale(self, lease: dict[str, Any]) -> bool:
-        """Whether the holder of ``lease`` is gone: dead pid on this host, or no heartbeat for a TTL."""
-        if lease.get("host") == socket.gethostname() and isinstance(lease.get("pid"), int):
-            if not _pid_alive(lease["pid"]):
+    def _write_lease(self, *, if_version: str | None, create: bool) -> bool:
+        """Writes our lease over the version read (or only if absent); False when another job won."""
+        if self._conditional:
+            try:
+                self._version = self._storage.write_conditional(
+                    LEASE_FILE, self._lease(), if_version=None if create else if_version
+                )
                 return True
-        ttl = float(lease.get("ttl", LEASE_TTL_S))
-        deadline = time.monotonic() + ttl * 1.5
-        beat = lease.get("heartbeat")
-        logger.info("storage %s: waiting up to %.0fs to see whether the job holding it is alive", self._storage.url, ttl * 1.5)
+            except ConditionFailed:
+                # Lost the race, or our own first attempt succeeded but its answer was lost: look.
+                current, version = self._read()
+                if current is not None and current.get("owner") == self._owner:
+                    self._version = version
+                    return True
+                return False
+        self._storage.write_bytes(LEASE_FILE, self._lease())
+        time.sleep(_READ_BACK_DELAY_S)  # let a writer racing us land, then see who won
+        current, _ = self._read()
+        return current is not None and current.get("owner") == self._owner
+
+    def _watch(
+        self, lease: dict[str, Any], version: str | None
+    ) -> tuple[bool, dict[str, Any] | None, str | None]:
+        """Whether the holder of ``lease`` is gone; returns the last lease and version seen."""
+        if _holder_is_dead_here(lease):
+            return True, lease, version
+        try:
+            ttl = float(lease.get("ttl", self._ttl))
+        except (TypeError, ValueError):
+            ttl = self._ttl
+        window = 1.5 * ttl
+        logger.info(
+            "storage %s: a job lease exists; watching its heartbeat for up to %.0fs to see whether its holder is alive",
+            self._storage.url,
+            window,
+        )
+        deadline = time.monotonic() + window
         while time.monotonic() < deadline:
             time.sleep(min(1.0, ttl / 10))
-            now = _read_info(self._storage, LEASE_FILE)
-            if not now:
-                return True
-            if now.get("owner") != lease.get("owner") or now.get("heartbeat") != beat:
-                return False
-        return True
+            now, now_version = self._read()
+            if now is None:
+                return True, None, None
+            if now.get("owner") != lease.get("owner") or now.get("heartbeat") != lease.get("heartbeat"):
+                return False, now, now_version
+            if _holder_is_dead_here(now):
+                return True, now, now_version
+            version = now_version if now_version is not None else version
+        return True, lease, version
+
+    # ----------------------------------------------------------------- holding
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(LEASE_HEARTBEAT_S):
+        interval = self._ttl / 5
+        while not self._stop.wait(interval):
             try:
-                current = _read_info(self._storage, LEASE_FILE)
-                if current and current.get("owner") != self._owner:
-                    self._lost = True
-                    logger.error("storage %s: the job lease was taken over by another job", self._storage.url)
-                    return
-                self._beat += 1
-                self._storage.write_json(LEASE_FILE, self._lease(self._beat))
+                self._renew()
             except Exception as exc:  # noqa: BLE001 - keep beating through transient errors
-                logger.warning("storage %s: lease heartbeat failed: %s", self._storage.url, exc)
+                logger.warning("storage %s: job lease heartbeat failed: %s", self._storage.url, exc)
+            if self._lost:
+                logger.error("storage %s: %s", self._storage.url, self._lost)
+                return
+            if time.monotonic() - self._renewed > self._ttl:
+                self._lost = (
+                    f"the job lease could not be renewed for {self._ttl:.0f}s (storage unreachable?); another job may "
+                    "take it over, so this job stops before its next commit"
+                )
+                logger.error("storage %s: %s", self._storage.url, self._lost)
+                return
+
+    def _renew(self) -> None:
+        self._beat += 1
+        if self._conditional:
+            try:
+                self._version = self._storage.write_conditional(LEASE_FILE, self._lease(), if_version=self._version)
+            except ConditionFailed:
+                current, _ = self._read()
+                if current is not None and current.get("owner") == self._owner:
+                    return  # our previous renewal landed but its answer was lost
+                self._lost = "the job lease was taken over by another job"
+                return
+        else:
+            current, _ = self._read()
+            if current is None or current.get("owner") != self._owner:
+                self._lost = "the job lease was taken over by another job"
+                return
+            self._storage.write_bytes(LEASE_FILE, self._lease())
+        self._renewed = time.monotonic()
 
     def check(self) -> None:
         if self._lost:
-            raise JobLockedError(f"storage {self._storage.url!r}: the job lease was taken over by another job")
+            raise JobLockedError(f"storage_path {self._storage.url!r}: {self._lost}; the commit was not written")
+        if time.monotonic() - self._renewed > self._ttl:
+            raise JobLockedError(
+                f"storage_path {self._storage.url!r}: the job lease was not renewed for {self._ttl:.0f}s; "
+                "the commit was not written"
+            )
 
     def release(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
+        if self._lost:
+            return
         try:
-            current = _read_info(self._storage, LEASE_FILE)
-            if current and current.get("owner") == self._owner:
+            current, _ = self._read()
+            if current is not None and current.get("owner") == self._owner:
                 self._storage.delete(LEASE_FILE)
         except Exception as exc:  # noqa: BLE001 - a leftover lease expires by itself
             logger.warning("storage %s: could not remove the job lease: %s", self._storage.url, exc)
+
+
+def _holder_is_dead_here(lease: dict[str, Any]) -> bool:
+    """Whether ``lease`` was taken by a process of this machine (same boot, same pid namespace) that is gone."""
+    here = _machine_id()
+    if lease.get("host") != here["host"] or not isinstance(lease.get("pid"), int):
+        return False
+    for key in ("boot_id", "pid_ns"):
+        if key in here and lease.get(key) != here[key]:
+            return False
+    return not _pid_alive(lease["pid"])
 
 
 def _read_info(storage: Storage, rel: str) -> dict[str, Any] | None:
@@ -183,5 +347,8 @@ def _locked_message(storage: Storage, info: dict[str, Any] | None) -> str:
 
 def describe_lock(storage: Storage) -> str:
     """One line about the lock state, for ``tbp status``."""
-    info = _read_info(storage, LEASE_FILE if not storage.is_local else LOCK_INFO_FILE)
+    try:
+        info = _read_info(storage, LEASE_FILE if not storage.is_local else LOCK_INFO_FILE)
+    except StorageError as exc:
+        return f"unknown ({exc})"
     return json.dumps(info) if info else "none"

@@ -251,6 +251,7 @@ class _JobRun:
         return plan
 
     def _read_plan(self) -> _StartPlan:
+        self.storage.check()  # unreachable, missing bucket, no permission: a clear error before anything else
         job, latest = self._read_and_check()
         if latest is not None and latest.finished and self.args.resume and latest.result is not None:
             return _StartPlan(

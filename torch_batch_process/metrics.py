@@ -8,6 +8,10 @@ Schema of ``<storage_path>/metrics.jsonl``, one JSON object per line::
 Records reach storage at the commit that follows them (written by rank 0 after the commit record,
 so a crash before a commit loses only records whose batches are processed again). The final
 reduced metrics are the record of group ``"reduced"``.
+
+Locally the lines of one commit are appended with a single ``write()`` (a killed process leaves
+whole lines). Object stores cannot append: rank 0 keeps a local copy of the file (under
+``$TMPDIR``) and uploads it whole, in one atomic PUT, at each commit that adds lines.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLog:
-    """Appends records to ``metrics.jsonl`` (rank 0). Object stores get the whole file re-uploaded."""
+    """Appends records to ``metrics.jsonl`` (rank 0)."""
 
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
@@ -39,31 +43,31 @@ class MetricsLog:
             json.dumps({**record, "time": record.get("time", now), "commit": commit, "attempt": attempt}, sort_keys=True)
             + "\n"
             for record in records
-        )
+        ).encode("utf-8")
         if self._storage.is_local:
-            path = self._storage.local_path(METRICS_FILE)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(lines)
+            self._storage.append_bytes(METRICS_FILE, lines)
             return
         mirror = self._local_mirror()
-        with open(mirror, "a", encoding="utf-8") as f:
+        with open(mirror, "ab") as f:
             f.write(lines)
-        upload = mirror.with_suffix(".upload")
-        shutil.copyfile(mirror, upload)
-        self._storage.put_file(upload, METRICS_FILE)
+        self._storage.write_bytes(METRICS_FILE, mirror.read_bytes())
 
     def _local_mirror(self) -> Path:
         if self._mirror is None:
             folder = Path(tempfile.mkdtemp(prefix="tbp-metrics-"))
-            self._mirror = folder / METRICS_FILE
+            mirror = folder / METRICS_FILE
             try:
-                self._mirror.write_bytes(self._storage.read_bytes(METRICS_FILE))
+                mirror.write_bytes(self._storage.read_bytes(METRICS_FILE))
             except FileNotFoundError:
-                self._mirror.write_bytes(b"")
+                mirror.write_bytes(b"")
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            self._mirror = mirror
         return self._mirror
 
     def close(self) -> None:
         if self._mirror is not None:
             shutil.rmtree(self._mirror.parent, ignore_errors=True)
             self._mirror = None
+

@@ -2,11 +2,18 @@
 
 Each ``upload_path()`` yields a fresh, empty local folder. When the ``with`` block ends, what was
 written there joins this rank's stage of the next commit, ``_tbp/staging/<n>/rank_<r>/`` (see
-:mod:`torch_batch_process.checkpoint`): on local storage the folder already lives next to the stage
-and its files are renamed into it (no copy, whatever their size); on remote storage the folder is a
-temporary local one whose files are uploaded in the background, in parallel, streamed from disk,
-then deleted locally; the commit waits for those uploads. Two files with the same path in the
-same commit of one rank would overwrite each other, so that is an error.
+:mod:`torch_batch_process.checkpoint`):
+
+- on local storage the folder already lives next to the stage and its files are renamed into it
+  (no copy, whatever their size);
+- on remote storage the folder is a local temporary one (under ``$TMPDIR``): its files are moved
+  to a spool folder at once (so the user's folder is removed when the block ends) and uploaded in
+  the background by ``TBP_UPLOAD_THREADS`` threads (default 8), streamed from disk (see
+  :meth:`Storage.put_file`), each spool file deleted once uploaded. The commit waits for those
+  uploads. Temporary folders of a process that was killed are removed by the next job on the host.
+
+Two files with the same path in the same commit of one rank would overwrite each other, so that is
+an error.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from torch_batch_process.storage import Storage
 logger = logging.getLogger(__name__)
 
 UPLOAD_THREADS = int(os.environ.get("TBP_UPLOAD_THREADS", "8"))
+_TMP_PREFIX = "tbp-upload-"
 
 
 class OutputStager:
@@ -41,6 +49,7 @@ class OutputStager:
         self._pending: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._tmp_root: Path | None = None
         self.files = 0
         self.bytes = 0
 
@@ -52,7 +61,7 @@ class OutputStager:
             folder = self._storage.local_path(rel)
             folder.mkdir(parents=True, exist_ok=False)
         else:
-            folder = Path(tempfile.mkdtemp(prefix=f"tbp-upload-r{self._rank}-"))
+            folder = Path(tempfile.mkdtemp(prefix="block-", dir=self._tmp()))
         try:
             yield folder
         except BaseException:
@@ -85,8 +94,8 @@ class OutputStager:
                 os.rename(path, target)
             else:
                 # Move the file out of the user's folder so it can be cleaned now; upload it in the background.
-                spool = Path(tempfile.mkdtemp(prefix="tbp-spool-")) / "f"
-                shutil.move(str(path), spool)
+                spool = self._tmp() / f"spool-{uuid.uuid4().hex}"
+                os.rename(path, spool)  # same folder tree: a rename, never a copy
                 self._submit(spool, f"{target_dir}/{name}")
 
     def _submit(self, local: Path, rel: str) -> None:
@@ -99,7 +108,15 @@ class OutputStager:
         try:
             self._storage.put_file(local, rel)
         finally:
-            shutil.rmtree(local.parent, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                local.unlink()
+
+    def _tmp(self) -> Path:
+        """This stager's local temporary folder (remote storage), created on first use."""
+        if self._tmp_root is None:
+            _remove_orphans()
+            self._tmp_root = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-r{self._rank}-"))
+        return self._tmp_root
 
     def flush(self) -> None:
         """Waits until every file of the pending commit is in storage; raises the first upload error."""
@@ -124,7 +141,30 @@ class OutputStager:
         self._names = set()
 
     def close(self) -> None:
-        """Stops the upload threads (pending uploads are abandoned: their commit never happens)."""
+        """Stops the upload threads and removes the temporary files (pending uploads are abandoned:
+        their commit never happens)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._tmp_root is not None:
+            shutil.rmtree(self._tmp_root, ignore_errors=True)
+            self._tmp_root = None
+
+
+def _remove_orphans() -> None:
+    """Removes the temporary folders of stagers whose process is gone (killed before cleaning up)."""
+    root = Path(tempfile.gettempdir())
+    for folder in root.glob(f"{_TMP_PREFIX}*"):
+        pid = folder.name[len(_TMP_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
