@@ -11,6 +11,7 @@ import http.client
 import http.server
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -122,8 +123,8 @@ class MotoServer:
 class FaultProxy:
     """An HTTP proxy on loopback in front of ``upstream`` that answers ``503 Slow Down`` on demand.
 
-    ``fail_next(n)`` makes the next ``n`` requests fail; ``fail_every(k)`` makes every ``k``-th fail;
-    ``fail_always()`` makes every request fail. Requests are otherwise forwarded unchanged (same
+    ``fail_next(n)`` makes the next ``n`` requests fail; ``fail_randomly(p)`` makes each request fail
+    with probability ``p`` (seeded); ``fail_always()`` makes every request fail. Requests are otherwise forwarded unchanged (same
     path, headers and body), so signatures stay valid.
     """
 
@@ -132,7 +133,8 @@ class FaultProxy:
         self.requests = 0
         self.failed = 0
         self._next = 0
-        self._every = 0
+        self._probability = 0.0
+        self._random = random.Random(1234)
         self._always = False
         self._lock = threading.Lock()
         proxy = self
@@ -185,7 +187,7 @@ class FaultProxy:
     def _should_fail(self) -> bool:
         with self._lock:
             self.requests += 1
-            fail = self._always or (self._next > 0) or (self._every and self.requests % self._every == 0)
+            fail = self._always or (self._next > 0) or (self._random.random() < self._probability)
             if self._next > 0:
                 self._next -= 1
             if fail:
@@ -196,9 +198,9 @@ class FaultProxy:
         with self._lock:
             self._next = n
 
-    def fail_every(self, k: int) -> None:
+    def fail_randomly(self, probability: float) -> None:
         with self._lock:
-            self._every = k
+            self._probability = probability
 
     def fail_always(self, on: bool = True) -> None:
         with self._lock:
@@ -206,7 +208,7 @@ class FaultProxy:
 
     def heal(self) -> None:
         with self._lock:
-            self._next, self._every, self._always = 0, 0, False
+            self._next, self._probability, self._always = 0, 0.0, False
 
     def stop(self) -> None:
         self._server.shutdown()

@@ -20,9 +20,9 @@ to its methods are relative to that root and use ``/``.
   (unreachable endpoint, missing bucket, permission denied, read-only filesystem...). Transient
   object-store errors (throttling, 5xx, timeouts, dropped connections) are retried with jittered
   exponential backoff, at most ``TBP_STORAGE_RETRIES`` attempts (default 5) and never past
-  ``TBP_STORAGE_RETRY_S`` seconds (default 30) after the first one. The backend's own retry loop
-  (botocore's) is turned off for S3 so that this is the one policy; s3fs still repeats a request
-  that timed out a few times by itself.
+  ``TBP_STORAGE_RETRY_S`` seconds (default 30) after the first one. On S3 the retry loops of
+  botocore and s3fs are turned off (on the library's own filesystem instance), so this is the one
+  policy; other backends may retry by themselves as well (gcsfs does).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -60,6 +61,8 @@ TMP_MARKER = ".tmp-"
 # disk, holding at most UPLOAD_PART_BYTES * UPLOAD_PART_CONCURRENCY bytes in memory per file.
 UPLOAD_PART_BYTES = 8 * 2**20
 UPLOAD_PART_CONCURRENCY = 2
+COPY_THREADS = 16
+_S3_SIMPLE_COPY_BYTES = 5 * 2**30  # CopyObject's limit; larger objects take s3fs's multipart copy
 
 
 class ConditionFailed(Exception):
@@ -111,7 +114,10 @@ class Storage:
     def _open(self) -> tuple[fsspec.AbstractFileSystem, str]:
         url = self._given_url
         try:
-            return fsspec.core.url_to_fs(url, **self._options)
+            fs, root = fsspec.core.url_to_fs(url, **self._options)
+            if self.protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+                fs.retries = 1  # our own instance (skip_instance_cache): this module's _call is the retry policy
+            return fs, root
         except (ImportError, ValueError) as exc:
             if _is_missing_backend(exc):
                 extra = _BACKEND_EXTRAS.get(self.protocol)
@@ -248,22 +254,28 @@ class Storage:
                     full = os.path.join(dirpath, name)
                     yield os.path.relpath(full, base).replace(os.sep, "/")
             return
+        yield from self._find_sizes(rel)
+
+    def _find_sizes(self, rel: str) -> dict[str, int]:
+        """Files below folder ``rel`` (remote): relative path -> size in bytes (one listing)."""
         base = self.path(rel).rstrip("/")
 
-        def _find() -> list[str]:
+        def _find() -> dict[str, Any]:
             try:
-                return list(self.fs.find(base, withdirs=False))
+                return dict(self.fs.find(base, withdirs=False, detail=True))
             except FileNotFoundError as exc:
                 if _is_missing_bucket(exc):
                     raise
-                return []
+                return {}
 
-        for full in self._call(f"list {rel!r}", _find):
+        files = {}
+        for full, info in self._call(f"list {rel!r}", _find).items():
             full = full.rstrip("/")
             for prefix in (base + "/", base.lstrip("/") + "/"):
                 if full.startswith(prefix):
-                    yield full[len(prefix) :]
+                    files[full[len(prefix) :]] = int(info.get("size") or 0)
                     break
+        return files
 
     def size(self, rel: str) -> int:
         """Size in bytes of file ``rel``."""
@@ -411,6 +423,11 @@ class Storage:
         bucket, _, key = full.partition("/")
         return bucket, key
 
+    def _s3_copy(self, source: str, target: str) -> None:
+        src_bucket, _, src_key = source.partition("/")
+        dst_bucket, _, dst_key = target.partition("/")
+        self.fs.call_s3("copy_object", Bucket=dst_bucket, Key=dst_key, CopySource={"Bucket": src_bucket, "Key": src_key})
+
     def move(self, src: str, dst: str) -> None:
         """Moves file or folder ``src`` to ``dst``, merging folders; safe to repeat after a crash.
 
@@ -421,12 +438,24 @@ class Storage:
         if self.is_local:
             self._move_local(self.path(src), self.path(dst))
             return
-        files = list(self.walk_files(src))
+        files = self._find_sizes(src)
         if not files:
             return
-        sources = [posixpath.join(self.path(src), rel_file) for rel_file in files]
-        targets = [posixpath.join(self.path(dst), rel_file) for rel_file in files]
-        self._call(f"copy {src!r} to {dst!r}", lambda: self.fs.copy(sources, targets))
+
+        def _copy(rel_file: str) -> None:
+            source, target = posixpath.join(self.path(src), rel_file), posixpath.join(self.path(dst), rel_file)
+            if self.protocol in ("s3", "s3a") and files[rel_file] <= _S3_SIMPLE_COPY_BYTES:
+                copy = lambda: self._s3_copy(source, target)  # noqa: E731 - one request, no size probe
+            else:
+                copy = lambda: self.fs.copy(source, target)  # noqa: E731
+            self._call(f"copy {src}/{rel_file} to {dst}/", copy, missing_ok=False)
+
+        if len(files) == 1:
+            _copy(next(iter(files)))
+        else:  # concurrent server-side copies, each retried on its own
+            with ThreadPoolExecutor(max_workers=min(COPY_THREADS, len(files)), thread_name_prefix="tbp-copy") as pool:
+                for future in [pool.submit(_copy, rel_file) for rel_file in files]:
+                    future.result()
         self.delete_files([posixpath.join(src, rel_file) for rel_file in files])
 
     def _move_local(self, source: str, target: str) -> None:
@@ -555,6 +584,7 @@ def _default_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1})  # this module retries, see its docstring
         options["config_kwargs"] = config
+        options.setdefault("skip_instance_cache", True)
     return options
 
 
@@ -645,6 +675,7 @@ _TRANSIENT_CODES = {
     "InternalError",
     "ServiceUnavailable",
     "OperationAborted",
+    "XAmzContentSHA256Mismatch",
 }
 _TRANSIENT_CLASSES = {
     # botocore
@@ -654,7 +685,9 @@ _TRANSIENT_CLASSES = {
     "ReadTimeoutError",
     "HTTPClientError",
     "ResponseStreamingError",
+    "ResponseParserError",
     "IncompleteReadError",
+    "IncompleteRead",
     # aiohttp (gcsfs, http)
     "ClientConnectionError",
     "ClientPayloadError",

@@ -1,0 +1,267 @@
+"""Storage errors are clear and early: each names the storage URL and the cause, before any processing.
+
+Unreachable endpoint, missing bucket, no permission (moto with IAM enforced), read-only local path,
+missing backend, and bounded retries of transient errors (a proxy answering 503 in front of moto).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from harness import REPO, assert_exactly_once, base_env, committed_values
+from s3 import FaultProxy, MotoServer, free_port
+
+from torch_batch_process import StorageError, TorchBatchProcessor, torch_batch_process
+from torch_batch_process.storage import Storage
+
+BUILT: list[int] = []
+
+
+class Writer(TorchBatchProcessor):
+    def __init__(self, context):
+        BUILT.append(1)
+        self.context = context
+        self.total = context.wrap_reducer(lambda values: sum(values), name="total")
+
+    def process_batch(self, batch, batch_idx):
+        self.total.update(int(sum(batch)))
+        with self.context.upload_path() as path:
+            (path / f"batch_{batch_idx}.json").write_text(json.dumps([int(v) for v in batch]))
+
+
+def run_job(url: str, **kwargs):
+    BUILT.clear()
+    return torch_batch_process(Writer, list(range(20)), batch_size=2, checkpoint_interval=2, storage_path=url, **kwargs)
+
+
+def test_unreachable_endpoint_is_a_prompt_error_naming_url_and_cause(moto_server):
+    port = free_port()  # nothing listens there
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    url = "s3://some-bucket/job"
+    started = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        run_job(url, storage_options=options)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert url in message and "cannot reach the storage endpoint" in message and str(port) in message
+    assert "attempts" in message  # connection errors are retried, a bounded number of times
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    assert BUILT == []  # before any processing
+
+
+def test_storage_options_from_env_and_argument_reach_the_filesystem(moto_server, monkeypatch, tmp_path):
+    """Without AWS_ENDPOINT_URL the endpoint comes from TBP_STORAGE_OPTIONS (JSON) or storage_options=."""
+    bucket = moto_server.new_bucket()
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    options = {"client_kwargs": {"endpoint_url": moto_server.endpoint}}
+    monkeypatch.setenv("TBP_STORAGE_OPTIONS", json.dumps(options))
+    result = run_job(f"s3://{bucket}/from-env")
+    assert result.finished and result.metrics == {"total": sum(range(20))}
+    monkeypatch.delenv("TBP_STORAGE_OPTIONS")
+    result = run_job(f"s3://{bucket}/from-arg", storage_options=options)
+    assert result.finished
+    for job in ("from-env", "from-arg"):
+        assert_exactly_once(
+            committed_values_with(f"s3://{bucket}/{job}", options), 20
+        )
+
+
+def committed_values_with(url: str, options: dict) -> object:
+    import fsspec
+    from collections import Counter
+
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    counts: Counter[int] = Counter()
+    for path in fs.find(f"{root}/outputs"):
+        counts.update(json.loads(fs.cat_file(path)))
+    return counts
+
+
+def test_missing_bucket_is_an_error_naming_the_bucket(moto_server):
+    bucket = f"tbp-missing-{uuid.uuid4().hex[:8]}"
+    url = f"s3://{bucket}/job"
+    with pytest.raises(StorageError) as info:
+        run_job(url)
+    message = str(info.value)
+    assert url in message and bucket in message and "does not exist" in message
+    assert BUILT == []
+
+
+@pytest.fixture(scope="module")
+def iam_server():
+    """A moto server of its own that enforces IAM: a reader (list + get) and a user without any policy."""
+    server = MotoServer()
+    try:
+        bucket = server.new_bucket()
+        arns = [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]
+        reader = server.user_with_policy(
+            "reader", [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": arns}]
+        )
+        nobody = server.user_with_policy("nobody", [])
+        server.enforce_auth()
+        yield server, bucket, reader, nobody
+    finally:
+        server.stop()
+
+
+def _options(server: MotoServer, key: tuple[str, str]) -> dict:
+    return {"key": key[0], "secret": key[1], "client_kwargs": {"endpoint_url": server.endpoint}}
+
+
+def test_no_permission_to_read_is_an_error_before_anything(iam_server):
+    server, bucket, _reader, nobody = iam_server
+    url = f"s3://{bucket}/job"
+    with pytest.raises(StorageError) as info:
+        run_job(url, storage_options=_options(server, nobody))
+    assert url in str(info.value) and "permission denied" in str(info.value)
+    assert BUILT == []
+
+
+def test_no_permission_to_write_is_an_error_before_processing_and_nothing_is_written(iam_server):
+    server, bucket, reader, _nobody = iam_server
+    url = f"s3://{bucket}/job"
+    with pytest.raises(StorageError) as info:
+        run_job(url, storage_options=_options(server, reader))
+    message = str(info.value)
+    assert url in message and "permission denied" in message
+    assert BUILT == []
+    listing = server.client("s3", key=reader[0], secret=reader[1]).list_objects_v2(Bucket=bucket)
+    assert listing.get("KeyCount", 0) == 0
+
+
+_READ_ONLY_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from test_storage_errors import BUILT, run_job
+    try:
+        run_job({url!r})
+    except Exception as exc:
+        print(json.dumps({{"type": type(exc).__name__, "message": str(exc), "built": len(BUILT)}}))
+    else:
+        print(json.dumps({{"type": None, "built": len(BUILT)}}))
+    """
+)
+
+
+def _read_only_command(tmp_path: Path, script: str) -> list[str]:
+    """A command running ``script`` where ``tmp_path/ro`` is read-only for it.
+
+    As root, permissions do not stop writes, so the folder is bind-mounted read-only in a private
+    mount namespace of the child (``unshare -m``); otherwise ``chmod`` does it.
+    """
+    source, target = tmp_path / "src", tmp_path / "ro"
+    source.mkdir()
+    target.mkdir()
+    if os.geteuid() != 0:
+        target.chmod(0o555)
+        return [sys.executable, "-c", script]
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("running as root without unshare/mount: cannot make a read-only folder")
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount --bind -o ro {source} {target} && ! touch {target}/x 2>/dev/null"],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot bind-mount read-only here: {probe.stderr.decode(errors='replace')[-300:]}")
+    return ["unshare", "-m", "sh", "-c", f'mount --bind -o ro {source} {target} && exec "$0" -c "$1"', sys.executable, script]
+
+
+@pytest.mark.slow
+def test_read_only_local_path_is_an_error_before_processing(tmp_path):
+    url = str(tmp_path / "ro" / "job")
+    script = _READ_ONLY_SCRIPT.format(tests=str(REPO / "tests"), url=url)
+    proc = subprocess.run(
+        _read_only_command(tmp_path, script), env=base_env(), capture_output=True, text=True, timeout=120, cwd=str(REPO)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome["type"] == "StorageError", outcome
+    assert url in outcome["message"] and ("read-only" in outcome["message"] or "permission denied" in outcome["message"])
+    assert outcome["built"] == 0
+
+
+def test_missing_backend_names_the_extra_to_install():
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(StorageError) as info:
+        run_job("gs://some-bucket/job")
+    message = str(info.value)
+    assert "gs://some-bucket/job" in message and "pip install 'torch-batch-process[gcs]'" in message
+    assert BUILT == []
+
+
+@pytest.fixture
+def proxy(moto_server):
+    fault_proxy = FaultProxy(moto_server.endpoint)
+    try:
+        yield fault_proxy
+    finally:
+        fault_proxy.stop()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_transient_errors_are_retried_with_backoff(moto_server, proxy):
+    url = f"s3://{moto_server.new_bucket()}/job"
+    storage = Storage(url, {"client_kwargs": {"endpoint_url": proxy.endpoint}})
+    proxy.fail_next(3)
+    handler = _Records()
+    logger = logging.getLogger("torch_batch_process.storage")
+    logger.addHandler(handler)
+    try:
+        storage.write_bytes("a.json", b"{}")
+    finally:
+        logger.removeHandler(handler)
+    assert proxy.failed == 3
+    assert storage.read_bytes("a.json") == b"{}"
+    retries = [r.getMessage() for r in handler.records if "retry" in r.getMessage()]
+    assert len(retries) == 3 and "503" in retries[0], retries
+
+
+def test_retries_are_bounded_and_the_error_is_clear(moto_server, proxy, monkeypatch):
+    url = f"s3://{moto_server.new_bucket()}/job"
+    storage = Storage(url, {"client_kwargs": {"endpoint_url": proxy.endpoint}})
+    proxy.fail_always()
+    started = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        storage.write_bytes("a.json", b"{}")
+    assert proxy.failed == 5  # TBP_STORAGE_RETRIES default: 5 attempts, no hidden retry layer below
+    assert time.monotonic() - started < 15
+    message = str(info.value)
+    assert url in message and "after 5 attempts" in message and "503" in message
+    monkeypatch.setenv("TBP_STORAGE_RETRIES", "2")
+    proxy.failed = 0
+    with pytest.raises(StorageError):
+        storage.read_bytes("a.json")
+    assert proxy.failed == 2
+
+
+def test_job_completes_exactly_once_through_a_flaky_object_store(moto_server, proxy):
+    url = f"s3://{moto_server.new_bucket()}/job"
+    proxy.fail_randomly(0.1)  # one request in ten answers 503 Slow Down
+    result = run_job(url, storage_options={"client_kwargs": {"endpoint_url": proxy.endpoint}})
+    assert result.finished and result.metrics == {"total": sum(range(20))}
+    assert proxy.failed >= 5, (proxy.failed, proxy.requests)
+    assert_exactly_once(committed_values(url), 20)
