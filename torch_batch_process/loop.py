@@ -290,8 +290,12 @@ class _JobRun:
         latest = self.store.load_latest()
         if self.args.resume and job is not None:
             check_fingerprint(job, self.spec, self.storage.url)
-        if self.args.resume and job is None and latest is not None:
-            raise JobMismatchError(f"storage_path {self.storage.url!r} holds commit records but no job file")
+        if self.args.resume and job is None and (latest is not None or self.store.has_outputs()):
+            raise JobMismatchError(
+                f"storage_path {self.storage.url!r} holds {'commit records' if latest else 'outputs'} but no job file "
+                "(a previous erase was interrupted, or files were removed by hand). Nothing was changed. Pass "
+                "resume=False to erase it and start afresh, or use a new storage_path."
+            )
         return job, latest
 
     def _check_shared_storage(self) -> None:
