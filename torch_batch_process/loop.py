@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import tempfile
 import time
 import warnings
@@ -202,17 +203,17 @@ class _JobRun:
             self.plan = plan
             if plan.finished_result is not None:
                 return self._stored_result(plan)
-            processor, stager = self._build_processor(plan)
-            try:
-                with SignalWatcher() as signals:
+            with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
+                processor, stager = self._build_processor(plan)
+                try:
                     shard = ShardPlan(self.committed.complement(plan.planned_batches), self.world_size)
                     self._log_start(plan, shard)
                     if self._process(processor, stager, shard, signals):
                         return self._result(plan, preempted=True, metrics=self.preempt_metrics or {})
                     metrics = self._finish(processor, stager, signals)
-                return self._result(plan, preempted=False, metrics=metrics)
-            finally:
-                stager.close()
+                finally:
+                    stager.close()
+            return self._result(plan, preempted=False, metrics=metrics)
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -238,7 +239,7 @@ class _JobRun:
             try:
                 plan = self._read_plan()
             except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
-                plan = exc
+                plan = _picklable(exc)
         else:
             plan = None  # type: ignore[assignment]
         plan = self.coll.broadcast(plan)
@@ -667,6 +668,15 @@ class _JobRun:
                 self.world_size,
                 self.storage.url,
             )
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (to be re-raised on every rank), else a stand-in with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling problem
+        return WorkerFailedError(f"rank 0 failed while opening the job: {type(exc).__name__}: {exc}")
 
 
 class _WorkerInit:
