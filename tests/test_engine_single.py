@@ -354,3 +354,22 @@ def test_default_storage_path_is_under_tbp_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("TBP_STORAGE_PATH", str(tmp_path / "from_env"))
     result = torch_batch_process(Recorder, list(range(4)), batch_size=2)
     assert Path(result.storage_path) == tmp_path / "from_env"
+
+
+def test_files_written_in_on_finish_are_committed(storage):
+    class Summary(TorchBatchProcessor):
+        def __init__(self, context):
+            self.context = context
+            self.count = 0
+
+        def process_batch(self, batch, batch_idx):
+            self.count += len(batch)
+
+        def on_finish(self):
+            with self.context.upload_path() as path:
+                (path / "summary.json").write_text(json.dumps({"count": self.count}))
+
+    result = torch_batch_process(Summary, list(range(10)), batch_size=3, checkpoint_interval=1, storage_path=str(storage))
+    summaries = list((storage / "outputs").rglob("summary.json"))
+    assert len(summaries) == 1 and json.loads(summaries[0].read_text()) == {"count": 10}
+    assert result.commits == 5  # 4 steps with checkpoint_interval=1, then the commit of on_finish's files

@@ -367,9 +367,18 @@ class CheckpointStore:
                 pass
 
     def erase(self) -> None:
-        """Deletes everything the library stored (``resume=False``): records, states, outputs."""
-        for rel in (COMMITS_DIR, STATES_DIR, STAGING_DIR, OUTPUTS_DIR, JOB_FILE, RESULT_FILE, ATTEMPT_FILE, "metrics.jsonl"):
+        """Deletes everything the library stored (``resume=False``): records, states, outputs.
+
+        The job file goes first and the commit records last, so that a crash midway leaves a storage
+        path that a resume refuses (records without a job file) instead of one it would resume
+        with outputs gone or duplicated.
+        """
+        for rel in (JOB_FILE, RESULT_FILE, OUTPUTS_DIR, STAGING_DIR, STATES_DIR, ATTEMPT_FILE, "metrics.jsonl", COMMITS_DIR):
             self.storage.delete(rel, recursive=True)
+
+    def has_outputs(self) -> bool:
+        """Whether ``outputs/`` holds anything."""
+        return bool(self.storage.list(OUTPUTS_DIR))
 
 
 def _parse_json(raw: bytes, where: str) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import tempfile
 import time
 import warnings
@@ -202,17 +203,17 @@ class _JobRun:
             self.plan = plan
             if plan.finished_result is not None:
                 return self._stored_result(plan)
-            processor, stager = self._build_processor(plan)
-            try:
-                with SignalWatcher() as signals:
+            with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
+                processor, stager = self._build_processor(plan)
+                try:
                     shard = ShardPlan(self.committed.complement(plan.planned_batches), self.world_size)
                     self._log_start(plan, shard)
                     if self._process(processor, stager, shard, signals):
                         return self._result(plan, preempted=True, metrics=self.preempt_metrics or {})
                     metrics = self._finish(processor, stager, signals)
-                return self._result(plan, preempted=False, metrics=metrics)
-            finally:
-                stager.close()
+                finally:
+                    stager.close()
+            return self._result(plan, preempted=False, metrics=metrics)
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -238,7 +239,7 @@ class _JobRun:
             try:
                 plan = self._read_plan()
             except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
-                plan = exc
+                plan = _picklable(exc)
         else:
             plan = None  # type: ignore[assignment]
         plan = self.coll.broadcast(plan)
@@ -291,8 +292,12 @@ class _JobRun:
         latest = self.store.load_latest()
         if self.args.resume and job is not None:
             check_fingerprint(job, self.spec, self.storage.url)
-        if self.args.resume and job is None and latest is not None:
-            raise JobMismatchError(f"storage_path {self.storage.url!r} holds commit records but no job file")
+        if self.args.resume and job is None and (latest is not None or self.store.has_outputs()):
+            raise JobMismatchError(
+                f"storage_path {self.storage.url!r} holds {'commit records' if latest else 'outputs'} but no job file "
+                "(a previous erase was interrupted, or files were removed by hand). Nothing was changed. Pass "
+                "resume=False to erase it and start afresh, or use a new storage_path."
+            )
         return job, latest
 
     def _check_shared_storage(self) -> None:
@@ -664,6 +669,15 @@ class _JobRun:
                 self.world_size,
                 self.storage.url,
             )
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (to be re-raised on every rank), else a stand-in with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling problem
+        return WorkerFailedError(f"rank 0 failed while opening the job: {type(exc).__name__}: {exc}")
 
 
 class _WorkerInit:

@@ -58,6 +58,7 @@ class Processor(TorchBatchProcessor):
         self.context = context
         self.rank = context.distributed.get_rank()
         self.calls = []
+        self.call_times = []
         self.checkpoints = 0
         self.finishes = 0
         self.buffer = []
@@ -69,6 +70,7 @@ class Processor(TorchBatchProcessor):
 
     def process_batch(self, batch, batch_idx):
         self.calls.append(batch_idx)
+        self.call_times.append(time.time())
         values = [int(v) for v in batch]
         self.fn_sum.update(sum(values))
         self.cls_sum.update(values)
@@ -143,6 +145,7 @@ def main():
     if PROCESSOR is not None:
         report.update(
             calls=PROCESSOR.calls,
+            call_times=PROCESSOR.call_times,
             checkpoints=PROCESSOR.checkpoints,
             finishes=PROCESSOR.finishes,
         )

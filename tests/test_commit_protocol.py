@@ -1,0 +1,164 @@
+"""Preemption and failure handling with real processes and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import (
+    GENERIC_JOB,
+    assert_exactly_once,
+    buffered_values,
+    job_spec,
+    per_batch_values,
+    read_reports,
+    run_generic,
+    spawn_ranks,
+    wait_all,
+)
+from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+# ----------------------------------------------------------------------------- in one process
+
+CALLS: list[int] = []
+
+
+class SelfPreempting(TorchBatchProcessor):
+    signal_at: int | None = 3
+
+    def __init__(self, context):
+        self.context = context
+        self.total = context.wrap_reducer(lambda values: sum(values), name="total")
+
+    def process_batch(self, batch, batch_idx):
+        CALLS.append(batch_idx)
+        self.total.update(sum(batch))
+        if batch_idx == type(self).signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_finish(self):
+        CALLS.append(-1)
+
+
+class Plain(SelfPreempting):
+    signal_at = None
+
+
+Plain.__qualname__ = "SelfPreempting"
+
+
+def test_sigterm_commits_returns_preempted_and_restores_user_handler(tmp_path):
+    seen = []
+
+    def user_handler(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, user_handler)
+    try:
+        CALLS.clear()
+        result = torch_batch_process(SelfPreempting, list(range(40)), batch_size=4, checkpoint_interval=100, storage_path=str(tmp_path))
+        assert result.preempted and not result.finished
+        assert CALLS == [0, 1, 2, 3], "one process stops right after the step in which the signal came; no on_finish"
+        assert result.batches_committed == 4 and result.metrics == {"total": sum(range(16))}
+        assert signal.getsignal(signal.SIGTERM) is user_handler, "the user's handler is back"
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+        CALLS.clear()
+        result = torch_batch_process(Plain, list(range(40)), batch_size=4, checkpoint_interval=100, storage_path=str(tmp_path))
+        assert CALLS == [4, 5, 6, 7, 8, 9, -1] and result.finished and result.batches_skipped == 4
+        assert result.metrics == {"total": sum(range(40))}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# --------------------------------------------------------------------------- real processes
+
+def _wait_for(path: Path, procs, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, "the job never started processing"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target_rank", [0, 1])
+def test_sigterm_to_one_rank_stops_all_within_one_step_and_resume_does_the_rest(tmp_path, target_rank):
+    n, b = 2000, 5  # 400 batches, 200 steps of ~20 ms on 2 ranks
+    spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=50, sleep=0.02, outputs="both",
+                    progress_file=str(tmp_path / "progress"))
+    procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
+    _wait_for(Path(spec["progress_file"]), procs)
+    time.sleep(0.5)
+    sent = time.time()
+    os.kill(procs[target_rank].pid, signal.SIGTERM)
+    outcomes = wait_all(procs, timeout=60)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    reports = read_reports(spec, 1)
+    for rank in (0, 1):
+        result = reports[rank]["result"]
+        assert result["preempted"] and not result["finished"] and reports[rank]["finishes"] == 0
+        # at most the step in progress plus one more step started after the signal
+        late = [t for t in reports[rank]["call_times"] if t > sent]
+        assert len(late) <= 2, f"rank {rank} ran {len(late)} batches after SIGTERM"
+    assert abs(len(reports[0]["calls"]) - len(reports[1]["calls"])) <= 1, "both ranks stopped at the same boundary"
+    first = reports[0]["calls"] + reports[1]["calls"]
+    assert reports[0]["result"]["batches_committed"] == len(first), "everything processed was committed"
+    assert len(first) < n // b
+
+    outcomes, reports2 = run_generic(spec, nproc=2, attempt=2, launcher="plain")
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    second = reports2[0]["calls"] + reports2[1]["calls"]
+    assert sorted(first + second) == list(range(n // b)), "each batch processed once across both runs"
+    assert reports2[0]["result"]["metrics"]["sum_cls"] == n * (n - 1) // 2
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), n)
+    assert_exactly_once(buffered_values(Path(spec["storage"])), n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "failure,failing_rank",
+    [
+        ({"fail_batch": 7, "fail_rank": 1}, 1),
+        ({"fail_batch": 6, "fail_rank": 0}, 0),
+        ({"fail_init_rank": 1}, 1),
+        ({"fail_checkpoint_rank": 0, "fail_checkpoint_at": 2}, 0),
+        ({"bad_items": [39]}, 1),  # example 39 is in global batch 19, dealt to rank 1
+    ],
+    ids=["process_batch@rank1", "process_batch@rank0", "init@rank1", "on_checkpoint_start@rank0", "dataset@rank1"],
+)
+def test_a_failing_rank_makes_every_rank_exit_promptly_without_an_agent(tmp_path, failure, failing_rank):
+    spec = job_spec(tmp_path, n=100, batch_size=2, checkpoint_interval=2, outputs="both", **failure)
+    started = time.monotonic()
+    outcomes, reports = run_generic(spec, nproc=2, launcher="plain", timeout=60)
+    assert all(rc is not None and rc != 0 for rc, _, _ in outcomes), outcomes
+    assert time.monotonic() - started < 60
+    other = 1 - failing_rank
+    assert reports[failing_rank]["error"]["type"] in ("RuntimeError", "ValueError")
+    assert reports[other]["error"]["type"] == "WorkerFailedError"
+    message = reports[other]["error"]["message"]
+    assert f"rank {failing_rank}" in message and "Traceback" in message  # the failing rank's traceback is shown
+    # the last commit is intact: a re-run without the failure completes, exactly once
+    clean = {k: v for k, v in spec.items() if k not in failure}
+    outcomes, reports = run_generic(clean, nproc=2, attempt=2, launcher="plain", timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    assert reports[0]["result"]["metrics"]["sum_cls"] == sum(range(100))
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), 100)
+    assert_exactly_once(buffered_values(Path(spec["storage"])), 100)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_makes_the_other_exit_promptly(tmp_path):
+    spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.01, progress_file=str(tmp_path / "progress"))
+    procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
+    _wait_for(Path(spec["progress_file"]), procs)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    started = time.monotonic()
+    outcomes = wait_all(procs, timeout=60)
+    assert outcomes[0][0] not in (None, 0) and time.monotonic() - started < 30
+    assert read_reports(spec, 1)[0]["error"]["type"] == "WorkerLostError"

@@ -1,0 +1,10 @@
+"""Alias of :mod:`torch_batch_process.pytorch.experimental`: ``from torch_batch_process import experimental``."""
+
+from torch_batch_process.pytorch.experimental import (
+    MetricReducer,
+    TorchBatchProcessor,
+    TorchBatchProcessorContext,
+    torch_batch_process,
+)
+
+__all__ = ["MetricReducer", "TorchBatchProcessor", "TorchBatchProcessorContext", "torch_batch_process"]
