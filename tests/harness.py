@@ -127,10 +127,13 @@ def read_reports(spec: dict[str, Any], attempt: int = 1) -> dict[int, dict[str, 
 
 
 def storage_fs(url: str | Path) -> tuple[Any, str]:
-    """The fsspec filesystem and root path of a storage path or URL (as the library opens it)."""
+    """The fsspec filesystem and root path of a storage path or URL, never serving stale listings."""
     import fsspec
 
-    return fsspec.core.url_to_fs(str(url))
+    url = str(url)
+    if url.startswith(("s3://", "gs://")):
+        return fsspec.core.url_to_fs(url, use_listings_cache=False, skip_instance_cache=True)
+    return fsspec.core.url_to_fs(url)
 
 
 def read_outputs(url: str | Path, pattern: str = "*") -> dict[str, bytes]:

@@ -2,7 +2,7 @@
 
 After the last (uninterrupted) attempt, the committed outputs must hold every example exactly once, written
 both ways (per batch in process_batch, and buffered then written in on_checkpoint_start with rank-named
-files), and the reducers must equal the uninterrupted sum.
+files), and the reducers must equal the uninterrupted sum. Runs on local storage and on S3 (moto).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from harness import (
     per_batch_values,
     read_reports,
     spawn_ranks,
+    storage_fs,
     wait_all,
 )
 
@@ -33,11 +34,15 @@ N, BATCH = 3000, 10
 WORLD_SIZES = [2, 3, 1, 2]
 
 
-def committed_batches(storage: Path) -> int:
-    records = sorted((storage / "_tbp" / "commits").glob("*.json"))
+def committed_batches(storage: str) -> int:
+    fs, root = storage_fs(storage)
+    try:
+        records = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
+    except FileNotFoundError:
+        records = []
     if not records:
         return 0
-    return sum(b - a for a, b in json.loads(records[-1].read_text())["committed"])
+    return sum(b - a for a, b in json.loads(fs.cat_file(records[-1]))["committed"])
 
 
 def run_attempt_with_kill(spec: dict[str, Any], world_size: int, attempt: int, rng: random.Random) -> dict[str, Any]:
@@ -61,21 +66,30 @@ def run_attempt_with_kill(spec: dict[str, Any], world_size: int, attempt: int, r
         "alive_before": alive_before,
         "victim_rc": outcomes[victim][0],
         "survivor_rcs": [rc for i, (rc, _, _) in enumerate(outcomes) if i != victim],
-        "committed_after": committed_batches(Path(spec["storage"])),
+        "committed_after": committed_batches(spec["storage"]),
         "finished": any("result" in r for r in read_reports(spec, attempt).values()),
     }
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_kill9_chaos_exactly_once(tmp_path, seed):
+    run_chaos(tmp_path, str(tmp_path / "storage"), seed, intervals=[1, 3, 7])
+
+
+@pytest.mark.s3
+def test_kill9_chaos_exactly_once_on_s3(tmp_path, s3_url):
+    run_chaos(tmp_path, s3_url, 4, intervals=[3, 7], n=1000)  # shorter: each S3 commit is many HTTP requests
+
+
+def run_chaos(tmp_path: Path, storage: str, seed: int, intervals: list[int], n: int = N) -> None:
     rng = random.Random(seed)
     spec = {
-        "n": N,
+        "n": n,
         "batch_size": BATCH,
-        "checkpoint_interval": rng.choice([1, 3, 7]),
+        "checkpoint_interval": rng.choice(intervals),
         "sleep": 0.01,
         "outputs": "both",
-        "storage": str(tmp_path / "storage"),
+        "storage": storage,
         "report_dir": str(tmp_path / "reports"),
         "progress_file": str(tmp_path / "progress"),
     }
@@ -85,21 +99,22 @@ def test_kill9_chaos_exactly_once(tmp_path, seed):
         kills.append(kill)
         # The kill really hit a running worker of an unfinished job.
         assert kill["alive_before"] and kill["victim_rc"] == -signal.SIGKILL, kill
-        assert not kill["finished"] and kill["committed_after"] < N // BATCH, kill
+        assert not kill["finished"] and kill["committed_after"] < n // BATCH, kill
         assert all(rc != 0 for rc in kill["survivor_rcs"]), kill
 
     final_attempt = len(WORLD_SIZES)
     outcomes, reports = run_generic_plain(spec, WORLD_SIZES[-1], final_attempt)
     assert [rc for rc, _, _ in outcomes] == [0] * WORLD_SIZES[-1], outcomes
     result = reports[0]["result"]
-    assert result["finished"] and result["batches_committed"] == N // BATCH
+    assert result["finished"] and result["batches_committed"] == n // BATCH
     assert result["attempt"] == final_attempt
-    storage = Path(spec["storage"])
-    assert_exactly_once(per_batch_values(storage), N)
-    assert_exactly_once(buffered_values(storage), N)
-    total = N * (N - 1) // 2
-    assert result["metrics"] == {"sum_fn": total, "sum_cls": total, "count_cls": N}
-    assert not (storage / "_tbp" / "staging").exists() or not any((storage / "_tbp" / "staging").rglob("*.json"))
+    assert_exactly_once(per_batch_values(storage), n)
+    assert_exactly_once(buffered_values(storage), n)
+    total = n * (n - 1) // 2
+    assert result["metrics"] == {"sum_fn": total, "sum_cls": total, "count_cls": n}
+    fs, root = storage_fs(storage)
+    staged = fs.find(f"{root}/_tbp/staging") if fs.exists(f"{root}/_tbp/staging") else []
+    assert not [p for p in staged if p.endswith(".json")], staged
     print(f"seed {seed}: kills {[(k['victim'], k['committed_after']) for k in kills]}, duplicates 0, missing 0")
 
 
