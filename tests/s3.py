@@ -123,7 +123,7 @@ class MotoServer:
 class FaultProxy:
     """An HTTP proxy on loopback in front of ``upstream`` that answers ``503 Slow Down`` on demand.
 
-    ``fail_next(n)`` makes the next ``n`` requests fail; ``fail_randomly(p)`` makes each request fail
+    ``max_in_flight`` is the most requests it had under way at once. ``fail_next(n)`` makes the next ``n`` requests fail; ``fail_randomly(p)`` makes each request fail
     with probability ``p`` (seeded); ``fail_always()`` makes every request fail. Requests are otherwise forwarded unchanged (same
     path, headers and body), so signatures stay valid.
     """
@@ -132,6 +132,8 @@ class FaultProxy:
         self.upstream = upstream.split("://", 1)[1]
         self.requests = 0
         self.failed = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
         self._next = 0
         self._probability = 0.0
         self._random = random.Random(1234)
@@ -146,6 +148,16 @@ class FaultProxy:
                 pass
 
             def _handle(self) -> None:
+                with proxy._lock:
+                    proxy.in_flight += 1
+                    proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
+                try:
+                    self._forward()
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 if proxy._should_fail():

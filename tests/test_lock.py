@@ -49,14 +49,23 @@ def _port() -> int:
     return free_port()
 
 
-def wait_for_progress(spec: dict[str, Any], proc: subprocess.Popen, timeout: float = 60) -> None:
-    marker = Path(spec["progress_file"])
-    deadline = time.monotonic() + timeout
-    while not marker.exists():
+def hold(spec: dict[str, Any], attempt: int, **kwargs: Any) -> subprocess.Popen:
+    """Starts the job and waits until it is held at its gate: after a commit, mid-run, lock held."""
+    gate = Path(spec["gate_file"])
+    gate.touch()
+    Path(f"{gate}.reached").unlink(missing_ok=True)
+    proc = start_job(spec, attempt, **kwargs)
+    deadline = time.monotonic() + 120
+    while not Path(f"{gate}.reached").exists():
         if proc.poll() is not None:
             raise AssertionError(f"job exited early: {proc.communicate()}")
-        assert time.monotonic() < deadline, "the job never started processing"
+        assert time.monotonic() < deadline, "the job never reached its gate"
         time.sleep(0.02)
+    return proc
+
+
+def open_gate(spec: dict[str, Any]) -> None:
+    Path(spec["gate_file"]).unlink(missing_ok=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
@@ -75,15 +84,19 @@ def kill9(proc: subprocess.Popen) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
+COMMITTED_AT_GATE = 5
+
+
 def make_spec(tmp_path: Path, storage: str, **extra: Any) -> dict[str, Any]:
+    """A job of 60 batches committing every 5; while ``gate_file`` exists it holds after batch 7."""
     spec = {
         "n": N,
         "batch_size": BATCH,
-        "checkpoint_interval": 5,
-        "sleep": 0.1,  # the first job runs for several seconds; later ones get sleep=0 (not part of the job's identity)
+        "checkpoint_interval": COMMITTED_AT_GATE,
         "storage": storage,
         "report_dir": str(tmp_path / "reports"),
-        "progress_file": str(tmp_path / "progress"),
+        "gate_file": str(tmp_path / "gate"),
+        "gate_batch": COMMITTED_AT_GATE + 2,
     }
     spec.update(extra)
     return spec
@@ -98,37 +111,37 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def test_second_job_is_refused_while_the_first_runs(tmp_path, url):
     spec = make_spec(tmp_path, url)
-    first = start_job(spec, 1, ttl=2)
-    wait_for_progress(spec, first)
-    second = start_job(dict(spec, sleep=0), 2, ttl=2)
+    first = hold(spec, 1, ttl=5)  # B refuses at the first heartbeat it sees (every TTL / 5)
+    second = start_job(spec, 2, ttl=5)
     rc, err = finish(second)
     report = read_reports(spec, 2)[0]
     assert rc != 0 and report["error"]["type"] == "JobLockedError", err[-3000:]
     message = report["error"]["message"]
     assert url in message and f"pid {first.pid}" in message and "another running job" in message
     assert report.get("calls", []) == []  # refused before any processing
+    open_gate(spec)
     rc, err = finish(first)
     assert rc == 0, err[-3000:]  # the running job was not disturbed
     assert_exactly_once(committed_values(url), N)
 
 
 def test_lock_of_a_job_killed_by_sigkill_does_not_block_its_resume(tmp_path, url):
+    ttl = 60.0  # were the resume to wait for the lease to expire, it would wait 90 s
     spec = make_spec(tmp_path, url)
-    first = start_job(spec, 1)  # default lease TTL (15 s): the resume must not wait for it
-    wait_for_progress(spec, first)
-    time.sleep(0.5)
+    first = hold(spec, 1, ttl=ttl)
     kill9(first)
+    open_gate(spec)
     if not url.startswith("s3://"):
         assert (Path(url) / "_tbp" / "lock").exists()  # the lock file stays; the kernel released the lock
     else:
         fs, root = storage_fs(url)
         assert fs.exists(f"{root}/{LEASE_FILE}")  # the lease stays behind
-    second = start_job(dict(spec, sleep=0), 2)
+    second = start_job(spec, 2, ttl=ttl)
     rc, err = finish(second)
     assert rc == 0, err[-3000:]
     result = read_reports(spec, 2)[0]["result"]
-    assert result["finished"] and result["attempt"] == 2 and result["batches_skipped"] > 0
-    assert result["elapsed_s"] < 10, result["elapsed_s"]  # no waiting for the lease to expire
+    assert result["finished"] and result["attempt"] == 2 and result["batches_skipped"] == COMMITTED_AT_GATE
+    assert result["elapsed_s"] < ttl, result["elapsed_s"]  # no waiting for the lease to expire
     assert_exactly_once(committed_values(url), N)
 
 
@@ -143,12 +156,11 @@ def _can_unshare_uts() -> bool:
 def test_lease_of_a_job_on_another_host_refuses_while_alive_and_expires_after_kill(tmp_path, s3_url):
     if not _can_unshare_uts():
         pytest.skip("needs unshare -u (root) to run a job under another host name")
-    ttl = 2.0
+    ttl = 3.0
     spec = make_spec(tmp_path, s3_url)
-    first = start_job(spec, 1, ttl=ttl, host="tbp-other-host")
-    wait_for_progress(spec, first)
+    first = hold(spec, 1, ttl=ttl, host="tbp-other-host")
     # Alive on another host: its heartbeat advances, so the second job is refused.
-    second = start_job(dict(spec, sleep=0), 2, ttl=ttl)
+    second = start_job(spec, 2, ttl=ttl)
     rc, _ = finish(second)
     report = read_reports(spec, 2)[0]
     assert rc != 0 and report["error"]["type"] == "JobLockedError"
@@ -156,13 +168,14 @@ def test_lease_of_a_job_on_another_host_refuses_while_alive_and_expires_after_ki
     # Killed on another host: its pid cannot be checked from here, so the lease is taken over once its
     # heartbeat has been still for 1.5 TTL.
     kill9(first)
-    third = start_job(dict(spec, sleep=0), 3, ttl=ttl)
+    open_gate(spec)
+    third = start_job(spec, 3, ttl=ttl)
     rc, err = finish(third)
     assert rc == 0, err[-3000:]
     result = read_reports(spec, 3)[0]["result"]
-    assert result["finished"]
-    assert 1.5 * ttl * 0.8 <= result["elapsed_s"] < 1.5 * ttl + 15, result["elapsed_s"]
-    assert "taking over the job lease" in err
+    assert result["finished"] and result["batches_skipped"] == COMMITTED_AT_GATE
+    assert "taking over the job lease" in err, err[-3000:]
+    assert 1.5 * ttl * 0.8 <= result["elapsed_s"] < 1.5 * ttl + 15, (result["elapsed_s"], err[-3000:])
     assert_exactly_once(committed_values(s3_url), N)
 
 
@@ -172,11 +185,11 @@ def test_a_paused_holder_that_lost_its_lease_never_commits_again(tmp_path, s3_ur
     one, when resumed, finds its lease lost and fails before its next commit."""
     ttl = 2.0
     spec = make_spec(tmp_path, s3_url, outputs="none")
-    first = start_job(spec, 1, ttl=ttl)
-    wait_for_progress(spec, first)
+    first = hold(spec, 1, ttl=ttl)
     os.killpg(first.pid, signal.SIGSTOP)
+    open_gate(spec)
     try:
-        second = start_job(dict(spec, sleep=0), 2, ttl=ttl)
+        second = start_job(spec, 2, ttl=ttl)
         rc, err = finish(second)
         assert rc == 0, err[-3000:]
         assert read_reports(spec, 2)[0]["result"]["finished"]

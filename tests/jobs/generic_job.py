@@ -85,6 +85,8 @@ class Processor(TorchBatchProcessor):
         if batch_idx == SPEC.get("fail_batch") and self.rank == SPEC.get("fail_rank", self.rank):
             raise RuntimeError(f"failure at batch {batch_idx} on rank {self.rank}")
         _progress()
+        if batch_idx >= SPEC.get("gate_batch", 0):
+            _wait_at_gate()
 
     def on_checkpoint_start(self):
         self.checkpoints += 1
@@ -109,6 +111,18 @@ def _progress():
     marker = SPEC.get("progress_file")
     if marker:
         Path(marker).touch()
+
+
+def _wait_at_gate():
+    """While the file ``gate_file`` exists, stop before the next batch (tests that need a job held mid-run);
+    ``<gate_file>.reached`` tells them it is held."""
+    gate = SPEC.get("gate_file")
+    if not gate:
+        return
+    deadline = time.monotonic() + 300
+    while Path(gate).exists() and time.monotonic() < deadline:
+        Path(gate + ".reached").touch()
+        time.sleep(0.05)
 
 
 class Recording(Processor):

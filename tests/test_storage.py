@@ -1,0 +1,270 @@
+"""The storage module against real backends: atomic records under kill -9, upload_path on an object store
+(parallel, streamed, temp folders cleaned), fresh listings, fork safety, and multi-process jobs on S3."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from harness import (
+    REPO,
+    assert_exactly_once,
+    base_env,
+    buffered_values,
+    job_spec,
+    per_batch_values,
+    read_outputs,
+    run_generic,
+    storage_fs,
+)
+from s3 import FaultProxy
+
+from torch_batch_process import TorchBatchProcessor, torch_batch_process
+from torch_batch_process.storage import UPLOAD_PART_BYTES, Storage
+
+# ---------------------------------------------------------------- atomic records under kill -9
+
+_WRITER = textwrap.dedent(
+    """
+    import hashlib, os, sys
+    from torch_batch_process.storage import Storage
+
+    url, progress, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    storage = Storage(url)
+    i = 0
+    while True:
+        body = os.urandom(size)
+        storage.write_bytes("_tbp/commits/00000001.json", hashlib.sha256(body).hexdigest().encode() + b"\\n" + body, fsync=True)
+        i += 1
+        with open(progress + ".tmp", "w") as f:
+            f.write(str(i))
+        os.replace(progress + ".tmp", progress)
+    """
+)
+
+
+def _valid(record: bytes) -> bool:
+    digest, _, body = record.partition(b"\n")
+    return hashlib.sha256(body).hexdigest().encode() == digest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_records_are_whole_for_readers_and_after_kill9_mid_write(tmp_path, backend, request):
+    url = str(tmp_path / "store") if backend == "local" else request.getfixturevalue("s3_url")
+    size = 4 * 2**20
+    progress = tmp_path / "progress"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, url, str(progress), str(size)], env=base_env(), start_new_session=True
+    )
+    try:
+        reader = Storage(url)
+        deadline = time.monotonic() + 60
+        while not progress.exists() or int(progress.read_text()) < 2:
+            assert writer.poll() is None and time.monotonic() < deadline, "the writer did not start"
+            time.sleep(0.01)
+        reads = 0
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:  # read while records are being replaced: always a whole one
+            assert _valid(reader.read_bytes("_tbp/commits/00000001.json"))
+            reads += 1
+        written = int(progress.read_text())
+        os.killpg(writer.pid, signal.SIGKILL)  # most likely in the middle of writing the next record
+    finally:
+        if writer.poll() is None:
+            os.killpg(writer.pid, signal.SIGKILL)
+        writer.wait(timeout=30)
+    assert written >= 3 and reads >= 3, (written, reads)
+    assert _valid(Storage(url).read_bytes("_tbp/commits/00000001.json"))
+    leftovers = [name for name in Storage(url).list("_tbp/commits") if name != "00000001.json"]
+    assert all(".tmp-" in name for name in leftovers), leftovers  # only temp files, which repair() removes
+
+
+# ---------------------------------------------------------------- upload_path on an object store
+
+LARGE = 16 * UPLOAD_PART_BYTES  # a multipart upload of 16 parts (128 MiB)
+SMALL_FILES = 40
+SEEN: dict[str, object] = {}
+
+
+def _write_large(path: Path) -> str:
+    """Writes LARGE pseudo-random bytes in 1 MiB pieces (the test holds no copy); returns the sha256."""
+    digest = hashlib.sha256()
+    block = os.urandom(2**20)
+    with open(path, "wb") as f:
+        for i in range(LARGE // len(block)):
+            piece = bytes([i % 251]) + block[1:]
+            digest.update(piece)
+            f.write(piece)
+    return digest.hexdigest()
+
+
+class BigWriter(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        with self.context.upload_path() as path:
+            folders = SEEN.setdefault("folders", [])
+            folders.append(path)
+            if batch_idx == 0:
+                SEEN["sha"] = _write_large(path / "large.bin")
+            for i in range(SMALL_FILES):
+                (path / "small" / f"{batch_idx}_{i}.json").parent.mkdir(exist_ok=True)
+                (path / "small" / f"{batch_idx}_{i}.json").write_text(json.dumps([batch_idx, i]))
+        assert not path.exists()  # the user's folder is gone once the block ends
+
+
+@pytest.fixture
+def own_tmpdir(tmp_path, monkeypatch):
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+@pytest.mark.s3
+def test_upload_path_on_s3_streams_large_files_and_cleans_its_temp_folders(moto_server, own_tmpdir):
+    url = f"s3://{moto_server.new_bucket()}/job"
+    SEEN.clear()
+    tracemalloc.start()
+    try:
+        result = torch_batch_process(BigWriter, list(range(2)), batch_size=1, storage_path=url)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.finished
+    # Streamed: the large file went up part by part (at most UPLOAD_PART_CONCURRENCY parts in flight, each
+    # held about twice while sent); Python never held it whole.
+    assert peak < LARGE / 2, f"peak traced memory {peak / 2**20:.0f} MiB for a {LARGE / 2**20:.0f} MiB file"
+    fs, root = storage_fs(url)
+    large = f"{root}/outputs/commit_00000001/rank_0/large.bin"
+    head = moto_server.client().head_object(Bucket=root.split("/")[0], Key=large.split("/", 1)[1])
+    assert head["ContentLength"] == LARGE
+    digest = hashlib.sha256()
+    with fs.open(large, "rb") as f:
+        for piece in iter(lambda: f.read(2**20), b""):
+            digest.update(piece)
+    assert digest.hexdigest() == SEEN["sha"]
+    smalls = read_outputs(url, "*_*.json")
+    assert len(smalls) == 2 * SMALL_FILES
+    assert all(json.loads(data) == [int(x) for x in Path(rel).stem.split("_")] for rel, data in smalls.items())
+    assert list(own_tmpdir.iterdir()) == []  # every local temp folder and spool file is gone
+
+
+class ManyFiles(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        with self.context.upload_path() as path:
+            for i in range(SMALL_FILES):
+                (path / f"{batch_idx}_{i}.json").write_text(json.dumps([batch_idx, i]))
+
+
+@pytest.mark.s3
+def test_upload_path_on_s3_uploads_and_publishes_many_files_in_parallel(moto_server):
+    url = f"s3://{moto_server.new_bucket()}/job"
+    proxy = FaultProxy(moto_server.endpoint)  # injects nothing here: it counts concurrent requests
+    try:
+        options = {"client_kwargs": {"endpoint_url": proxy.endpoint}}
+        torch_batch_process(ManyFiles, list(range(2)), batch_size=1, storage_path=url, storage_options=options)
+    finally:
+        proxy.stop()
+    assert proxy.max_in_flight >= 4, proxy.max_in_flight
+    assert len(read_outputs(url)) == 2 * SMALL_FILES
+
+
+@pytest.mark.s3
+def test_temp_folders_of_a_killed_process_are_removed_by_the_next_job(moto_server, own_tmpdir):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = own_tmpdir / f"tbp-upload-{int(dead.stdout)}-r0-abc"
+    (orphan / "spool").mkdir(parents=True)
+    (orphan / "spool" / "f").write_bytes(b"left by a killed job")
+    SEEN.clear()
+    torch_batch_process(ManyFiles, list(range(1)), batch_size=1, storage_path=f"s3://{moto_server.new_bucket()}/j")
+    assert not orphan.exists()
+
+
+# ---------------------------------------------------------------- listings, fork
+
+
+@pytest.mark.s3
+def test_listings_are_fresh_across_processes(s3_url):
+    mine, other = Storage(s3_url), Storage(s3_url)
+    assert mine.list("_tbp/commits") == []
+    other.write_bytes("_tbp/commits/00000001.json", b"{}")
+    assert mine.list("_tbp/commits") == ["00000001.json"]
+    assert mine.exists("_tbp/commits/00000001.json")
+    other.delete("_tbp/commits/00000001.json")
+    assert mine.list("_tbp/commits") == [] and not mine.exists("_tbp/commits/00000001.json")
+
+
+def _child_writes(storage: Storage, queue: multiprocessing.Queue) -> None:
+    try:
+        storage.write_bytes("from_child.json", b"child")
+        queue.put(storage.read_bytes("from_parent.json").decode())
+    except BaseException as exc:  # noqa: BLE001
+        queue.put(f"error: {exc!r}")
+
+
+@pytest.mark.s3
+def test_a_storage_created_before_fork_works_in_the_child(s3_url):
+    storage = Storage(s3_url)
+    storage.write_bytes("from_parent.json", b"parent")  # the filesystem is now connected, with its event loop
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_writes, args=(storage, queue))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the child hung using a filesystem created before fork")
+    assert queue.get(timeout=5) == "parent"
+    assert storage.read_bytes("from_child.json") == b"child"  # and the parent's still works
+
+
+# ---------------------------------------------------------------- multi-process jobs
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_torchrun_job_on_s3_fails_then_resumes_with_another_world_size(tmp_path, s3_url):
+    n = 60
+    spec = job_spec(tmp_path, n=n, batch_size=3, checkpoint_interval=2, fail_batch=9, fail_rank=1, outputs="both")
+    spec["storage"] = s3_url
+    proc, reports = run_generic(spec, nproc=2)
+    assert proc.returncode != 0
+    assert reports[1]["error"]["type"] == "RuntimeError"
+    spec.pop("fail_batch")
+    outcome, reports = run_generic(spec, nproc=1, attempt=2, launcher="plain")
+    assert outcome.returncode == 0, outcome.stderr[-3000:]
+    result = reports[0]["result"]
+    assert result["finished"] and result["batches_skipped"] == 8 and result["world_size"] == 1
+    assert result["metrics"]["sum_fn"] == sum(range(n))
+    assert_exactly_once(per_batch_values(s3_url), n)
+    assert_exactly_once(buffered_values(s3_url), n)
+
+
+@pytest.mark.slow
+def test_memory_storage_is_refused_with_several_ranks(tmp_path):
+    spec = job_spec(tmp_path, n=10, batch_size=2, storage="memory://tbp-two-ranks/job")
+    proc, reports = run_generic(spec, nproc=2)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        error = reports[rank]["error"]
+        assert error["type"] == "StorageError", error
+        assert "memory://tbp-two-ranks/job" in error["message"] and "not shared by all ranks" in error["message"]
+        assert reports[rank].get("calls", []) == []
