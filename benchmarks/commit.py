@@ -62,7 +62,7 @@ class Writer(TorchBatchProcessor):
 def commit_latencies() -> list[float]:
     """Seconds from each on_checkpoint_start() to the next process_batch()."""
     out = []
-    for (kind, t), (next_kind, t_next) in zip(MARKS, MARKS[1:]):
+    for (kind, t), (next_kind, t_next) in zip(MARKS, MARKS[1:], strict=False):
         if kind == "commit" and next_kind == "batch":
             out.append(t_next - t)
     return out

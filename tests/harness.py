@@ -156,9 +156,8 @@ def tree_digest(url: str | Path) -> dict[str, str]:
     if not fs.exists(root):
         return {}
     base = root.rstrip("/")
-    return {
-        full[len(base) :]: hashlib.sha256(fs.cat_file(full)).hexdigest() for full in sorted(fs.find(base, withdirs=False))
-    }
+    files = sorted(fs.find(base, withdirs=False))
+    return {full[len(base) :]: hashlib.sha256(fs.cat_file(full)).hexdigest() for full in files}
 
 
 def _values(storage: str | Path, pattern: str) -> Counter[int]:

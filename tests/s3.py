@@ -123,9 +123,10 @@ class MotoServer:
 class FaultProxy:
     """An HTTP proxy on loopback in front of ``upstream`` that answers ``503 Slow Down`` on demand.
 
-    ``max_in_flight`` is the most requests it had under way at once. ``fail_next(n)`` makes the next ``n`` requests fail; ``fail_randomly(p)`` makes each request fail
-    with probability ``p`` (seeded); ``fail_always()`` makes every request fail. Requests are otherwise forwarded unchanged (same
-    path, headers and body), so signatures stay valid.
+    ``max_in_flight`` is the most requests it had under way at once. ``fail_next(n)`` makes the next ``n``
+    requests fail; ``fail_randomly(p)`` makes each request fail with probability ``p`` (seeded);
+    ``fail_always()`` makes every request fail. Requests are otherwise forwarded unchanged (same path,
+    headers and body), so signatures stay valid.
     """
 
     def __init__(self, upstream: str) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness import (
     GENERIC_JOB,
     assert_exactly_once,

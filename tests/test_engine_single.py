@@ -262,7 +262,9 @@ StatefulFixed.__qualname__ = "Stateful"
 def test_processor_state_and_metric_reducer_survive_resume(store):
     with pytest.raises(RuntimeError):
         torch_batch_process(Stateful, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=store)
-    result = torch_batch_process(StatefulFixed, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=store)
+    result = torch_batch_process(
+        StatefulFixed, list(range(30)), batch_size=3, checkpoint_interval=2, storage_path=store
+    )
     assert LOG["loaded"] == [12]  # state of the last commit (4 batches of 3)
     assert LOG["finishes"] == [30]
     assert result.metrics == {"examples": 30}

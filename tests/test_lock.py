@@ -30,7 +30,9 @@ pytestmark = pytest.mark.slow
 N, BATCH = 120, 2
 
 
-def start_job(spec: dict[str, Any], attempt: int, *, ttl: float | None = None, host: str | None = None) -> subprocess.Popen:
+def start_job(
+    spec: dict[str, Any], attempt: int, *, ttl: float | None = None, host: str | None = None
+) -> subprocess.Popen:
     """Starts the generic job as one plain process (optionally under another host name)."""
     env = base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
     if ttl is not None:
@@ -39,7 +41,13 @@ def start_job(spec: dict[str, Any], attempt: int, *, ttl: float | None = None, h
     if host is not None:
         command = ["unshare", "-u", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *command]
     return subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO), start_new_session=True
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(REPO),
+        start_new_session=True,
     )
 
 

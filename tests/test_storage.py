@@ -12,14 +12,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 import tracemalloc
 from pathlib import Path
 
 import pytest
 from harness import (
-    REPO,
     assert_exactly_once,
     base_env,
     buffered_values,
@@ -46,7 +44,8 @@ _WRITER = textwrap.dedent(
     i = 0
     while True:
         body = os.urandom(size)
-        storage.write_bytes("_tbp/commits/00000001.json", hashlib.sha256(body).hexdigest().encode() + b"\\n" + body, fsync=True)
+        record = hashlib.sha256(body).hexdigest().encode() + b"\\n" + body
+        storage.write_bytes("_tbp/commits/00000001.json", record, fsync=True)
         i += 1
         with open(progress + ".tmp", "w") as f:
             f.write(str(i))

@@ -77,8 +77,9 @@ def test_storage_options_from_env_and_argument_reach_the_filesystem(moto_server,
 
 
 def committed_values_with(url: str, options: dict) -> object:
-    import fsspec
     from collections import Counter
+
+    import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **options)
     counts: Counter[int] = Counter()
@@ -174,7 +175,8 @@ def _read_only_command(tmp_path: Path, script: str) -> list[str]:
     )
     if probe.returncode != 0:
         pytest.skip(f"cannot bind-mount read-only here: {probe.stderr.decode(errors='replace')[-300:]}")
-    return ["unshare", "-m", "sh", "-c", f'mount --bind -o ro {source} {target} && exec "$0" -c "$1"', sys.executable, script]
+    mount = f'mount --bind -o ro {source} {target} && exec "$0" -c "$1"'
+    return ["unshare", "-m", "sh", "-c", mount, sys.executable, script]
 
 
 @pytest.mark.slow
@@ -187,7 +189,8 @@ def test_read_only_local_path_is_an_error_before_processing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome["type"] == "StorageError", outcome
-    assert url in outcome["message"] and ("read-only" in outcome["message"] or "permission denied" in outcome["message"])
+    message = outcome["message"]
+    assert url in message and ("read-only" in message or "permission denied" in message)
     assert outcome["built"] == 0
 
 

@@ -25,9 +25,10 @@ and fails the job with :class:`JobLockedError` when it was lost, so a job never 
 another one took over.
 
 Limits: the guarantee rests on clocks *ticking* at the same rate on both machines (not on synchronized
-clocks), and on the holder's storage calls finishing within ``ttl / 2`` once started. On backends
-without conditional writes (``memory://``, ``gs://``, other fsspec protocols), the lease is written
-then read back; two jobs starting within the same fraction of a second could both take an expired
+clocks), and on the holder not pausing for longer than ``ttl / 2`` between checking its lease and
+writing a commit record (a frozen VM, SIGSTOP). On backends without conditional writes (``memory://``,
+``gs://``, other fsspec protocols, S3-compatible stores answering 501 to the condition headers), the
+lease is written then read back; two jobs starting within the same fraction of a second could both take an expired
 lease, and the loser notices at its next heartbeat (within ``ttl / 5``) and stops before its next
 commit. Keep a storage path to one job, and use ``TBP_LEASE_TTL_S`` larger than the longest pause
 the holder may suffer (long GC pauses, a suspended VM).
@@ -196,21 +197,39 @@ class _LeaseLock(JobLock):
         """Writes our lease over the version read (or only if absent); False when another job won."""
         if self._conditional:
             try:
-                self._version = self._storage.write_conditional(
-                    LEASE_FILE, self._lease(), if_version=None if create else if_version
-                )
-                return True
-            except ConditionFailed:
-                # Lost the race, or our own first attempt succeeded but its answer was lost: look.
-                current, version = self._read()
-                if current is not None and current.get("owner") == self._owner:
-                    self._version = version
-                    return True
-                return False
+                return self._write_lease_conditional(if_version=if_version, create=create)
+            except StorageError as exc:
+                if not _unsupported(exc):
+                    raise
+                self._fall_back(exc)
         self._storage.write_bytes(LEASE_FILE, self._lease())
         time.sleep(_READ_BACK_DELAY_S)  # let a writer racing us land, then see who won
         current, _ = self._read()
         return current is not None and current.get("owner") == self._owner
+
+    def _write_lease_conditional(self, *, if_version: str | None, create: bool) -> bool:
+        try:
+            self._version = self._storage.write_conditional(
+                LEASE_FILE, self._lease(), if_version=None if create else if_version
+            )
+            return True
+        except ConditionFailed:
+            # Lost the race, or our own first attempt succeeded but its answer was lost: look.
+            current, version = self._read()
+            if current is not None and current.get("owner") == self._owner:
+                self._version = version
+                return True
+            return False
+
+    def _fall_back(self, exc: BaseException) -> None:
+        logger.warning(
+            "storage %s: the object store does not support conditional writes (%s); the job lease falls back to "
+            "write-and-read-back, a weaker guarantee (see torch_batch_process.lock)",
+            self._storage.url,
+            exc,
+        )
+        self._conditional = False
+        self._version = None
 
     def _watch(
         self, lease: dict[str, Any], version: str | None
@@ -266,18 +285,25 @@ class _LeaseLock(JobLock):
         if self._conditional:
             try:
                 self._version = self._storage.write_conditional(LEASE_FILE, self._lease(), if_version=self._version)
+                self._renewed = time.monotonic()
+                return
             except ConditionFailed:
-                current, _ = self._read()
+                current, version = self._read()
                 if current is not None and current.get("owner") == self._owner:
-                    return  # our previous renewal landed but its answer was lost
+                    self._version = version  # our previous renewal landed but its answer was lost
+                    self._renewed = time.monotonic()
+                    return
                 self._lost = "the job lease was taken over by another job"
                 return
-        else:
-            current, _ = self._read()
-            if current is None or current.get("owner") != self._owner:
-                self._lost = "the job lease was taken over by another job"
-                return
-            self._storage.write_bytes(LEASE_FILE, self._lease())
+            except StorageError as exc:
+                if not _unsupported(exc):
+                    raise
+                self._fall_back(exc)
+        current, _ = self._read()
+        if current is None or current.get("owner") != self._owner:
+            self._lost = "the job lease was taken over by another job"
+            return
+        self._storage.write_bytes(LEASE_FILE, self._lease())
         self._renewed = time.monotonic()
 
     def check(self) -> None:
@@ -302,6 +328,12 @@ class _LeaseLock(JobLock):
                 self._storage.delete(LEASE_FILE)
         except Exception as exc:  # noqa: BLE001 - a leftover lease expires by itself
             logger.warning("storage %s: could not remove the job lease: %s", self._storage.url, exc)
+
+
+def _unsupported(exc: BaseException) -> bool:
+    """Whether a conditional write failed because the store does not implement the condition headers."""
+    text = f"{exc} {exc.__cause__}".lower()
+    return "notimplemented" in text or "not implemented" in text or " 501" in text
 
 
 def _holder_is_dead_here(lease: dict[str, Any]) -> bool:

@@ -83,7 +83,7 @@ class OutputStager:
                 "file a unique name (e.g. include batch_idx)."
             )
         target_dir = staging_dir(self.commit, self._rank)
-        for path, name in zip(files, names):
+        for path, name in zip(files, names, strict=True):
             size = path.lstat().st_size
             self.files += 1
             self.bytes += size

@@ -426,7 +426,8 @@ class Storage:
     def _s3_copy(self, source: str, target: str) -> None:
         src_bucket, _, src_key = source.partition("/")
         dst_bucket, _, dst_key = target.partition("/")
-        self.fs.call_s3("copy_object", Bucket=dst_bucket, Key=dst_key, CopySource={"Bucket": src_bucket, "Key": src_key})
+        source_ref = {"Bucket": src_bucket, "Key": src_key}
+        self.fs.call_s3("copy_object", Bucket=dst_bucket, Key=dst_key, CopySource=source_ref)
 
     def move(self, src: str, dst: str) -> None:
         """Moves file or folder ``src`` to ``dst``, merging folders; safe to repeat after a crash.
