@@ -1,0 +1,125 @@
+"""Runs one worker's command and prefixes each line of its output with the worker's rank.
+
+The launcher runs this file (by path, so that it imports nothing but the standard library) as each
+torchrun worker: ``python rank_prefix.py CMD ARGS...``. It starts ``CMD`` with pipes for stdout and
+stderr and copies every *complete* line to its own stdout/stderr as ``[rank R] line`` (one write
+per line, so lines of different workers never mix on a pipe or a terminal). torchrun's own
+``--tee`` prefixing cuts lines that the worker writes in pieces (block-buffered output, ``print``'s
+separate newline), which this avoids.
+
+Signals: torchrun stops a worker with ``killpg`` on the worker's process group, which holds this
+process and ``CMD``; so this process does not forward signals (``CMD`` would get them twice) and
+ignores the catchable ones while ``CMD`` runs. Its exit status is ``CMD``'s: the same exit code, or
+death by the same signal, so torchrun sees what the command did.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import BinaryIO
+
+# Signals torchrun may send to the worker's process group (its --signals-to-handle and shutdown).
+_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
+)
+_READ_SIZE = 65536
+_MAX_PENDING = 1 << 20  # a "line" longer than this is written in pieces
+_DRAIN_TIMEOUT_S = 2.0  # after CMD exits, its children may hold the pipes open; stop copying after this
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """A Python-level no-op handler: unlike SIG_IGN, it is not inherited by the command."""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        try:
+            written = os.write(fd, data)
+        except BrokenPipeError:
+            return  # nobody reads our output any more: keep draining the command so that it never blocks
+        data = data[written:]
+
+
+def split_lines(pending: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
+    """Splits ``pending + chunk`` into complete lines (ending in ``\\n``, ``\\r\\n`` or a lone ``\\r``)
+    and the unfinished rest. A ``\\r`` at the very end is kept pending: it may start a ``\\r\\n``."""
+    data = pending + chunk
+    lines = []
+    start = 0
+    i = 0
+    n = len(data)
+    while i < n:
+        byte = data[i]
+        if byte == 0x0A:  # \n
+            lines.append(data[start : i + 1])
+            start = i + 1
+        elif byte == 0x0D:  # \r: progress bars redraw their line with it
+            if i + 1 == n:
+                break
+            if data[i + 1] == 0x0A:
+                i += 1
+            lines.append(data[start : i + 1])
+            start = i + 1
+        i += 1
+    rest = data[start:]
+    if len(rest) > _MAX_PENDING:
+        lines.append(rest)
+        rest = b""
+    return lines, rest
+
+
+def _copy(source: BinaryIO, fd: int, prefix: bytes) -> None:
+    pending = b""
+    raw = source.fileno()
+    while True:
+        try:
+            chunk = os.read(raw, _READ_SIZE)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        lines, pending = split_lines(pending, chunk)
+        for line in lines:
+            _write_all(fd, prefix + line)
+    if pending:
+        _write_all(fd, prefix + pending + (b"" if pending.endswith((b"\n", b"\r")) else b"\n"))
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: rank_prefix.py CMD [ARGS...]", file=sys.stderr)
+        return 2
+    prefix = f"[rank {os.environ.get('RANK', '?')}] ".encode()
+    for signum in _SIGNALS:
+        signal.signal(signum, _ignore)
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as exc:
+        _write_all(2, prefix + f"cannot run {argv[0]!r}: {exc}\n".encode())
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+    assert proc.stdout is not None and proc.stderr is not None
+    threads = [
+        threading.Thread(target=_copy, args=(proc.stdout, 1, prefix), daemon=True),
+        threading.Thread(target=_copy, args=(proc.stderr, 2, prefix), daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    code = proc.wait()
+    for thread in threads:
+        thread.join(_DRAIN_TIMEOUT_S)
+    if code < 0:  # killed by a signal: die of the same signal
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL and SIGSTOP cannot be caught: nothing to reset
+            pass
+        os.kill(os.getpid(), -code)
+        return 128 - code  # only reached for a signal whose default action does not end the process
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
