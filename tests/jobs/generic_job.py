@@ -127,6 +127,7 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     report = {"rank": rank, "pid": os.getpid(), "restart": int(restart)}
+    report["env"] = {name: os.environ.get(name) for name in SPEC.get("report_env", [])}
     if SPEC.get("pid_dir"):
         pid_dir = Path(SPEC["pid_dir"])
         pid_dir.mkdir(parents=True, exist_ok=True)

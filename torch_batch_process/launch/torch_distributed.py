@@ -37,7 +37,7 @@ RANK_PREFIX_SCRIPT = str(Path(__file__).resolve().with_name("rank_prefix.py"))
 _COMMAND_FLAGS = {"-m", "--module", "--no-python", "--no_python"}
 _OWN_FLAGS = {"--no-rank-prefix"}
 _UNSUPPORTED_FLAGS = {"--run-path", "--run_path"}
-_SENTINEL = "\0unset"
+_SENTINEL = object()  # not a str: argparse would convert a str default with the option's type
 
 
 class LaunchError(ValueError):
@@ -110,7 +110,7 @@ def given_options(argv: Sequence[str], dests: Sequence[str]) -> set[str]:
     parser = build_parser(raise_errors=True)
     parser.set_defaults(**{dest: _SENTINEL for dest in dests})
     args = parser.parse_args(list(argv))
-    return {dest for dest in dests if getattr(args, dest) != _SENTINEL}
+    return {dest for dest in dests if getattr(args, dest) is not _SENTINEL}
 
 
 def _default_nproc() -> int:
@@ -180,13 +180,19 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
         nproc = str(_default_nproc())
         torchrun_argv += ["--nproc-per-node", nproc]
     try:
-        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     except (ValueError, RuntimeError) as exc:
         raise LaunchError(f"--nnodes {args.nnodes!r}: {exc}") from exc
-    static = args.rdzv_backend == "static"
-    if args.rdzv_endpoint and static and "rdzv_backend" not in given and "PET_RDZV_BACKEND" not in environ:
+    backend = args.rdzv_backend
+    if args.rdzv_endpoint and backend == "static" and "rdzv_backend" not in given and "PET_RDZV_BACKEND" not in environ:
         torchrun_argv += ["--rdzv-backend", "c10d"]
-        static = False
+        backend = "c10d"
+    static = backend == "static"
+    hosts = args.rdzv_endpoint and not args.standalone and backend == "c10d"
+    if hosts and _should_host(args.rdzv_endpoint, args.rdzv_conf):
+        conf = f"{args.rdzv_conf},is_host=1" if args.rdzv_conf else "is_host=1"
+        torchrun_argv += ["--rdzv-conf", conf]
+        notes.append(f"this node hosts the c10d rendezvous at {args.rdzv_endpoint} (its address is local)")
     if max_nodes == 1 and not args.standalone and not args.rdzv_endpoint and static and args.master_port is None:
         torchrun_argv.append("--standalone")
     if max_nodes > 1 and not args.standalone and not args.rdzv_endpoint and static and args.master_addr == "127.0.0.1":
@@ -203,11 +209,46 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
         torchrun_argv=torchrun_argv,
         command=worker_cmd,
         nproc_per_node=str(nproc),
-        nnodes=str(args.nnodes),
+        nnodes=str(max_nodes) if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}",
         max_restarts=int(args.max_restarts),
         rank_prefix=not args.no_rank_prefix,
         notes=notes,
     )
+
+
+def _should_host(endpoint: str, rdzv_conf: str) -> bool:
+    """Whether this node must host the c10d rendezvous although torch would not guess it.
+
+    torch decides by comparing the endpoint's host with this machine's host name and the addresses
+    it resolves to, so an endpoint given as the address of a secondary interface (a second NIC, a
+    container or namespace network) is missed and every node waits for a store nobody serves. When
+    the endpoint's address belongs to this machine and its port is free, this node hosts it.
+    """
+    import socket
+
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    if "is_host" in (rdzv_conf or ""):
+        return False
+    try:
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    except ValueError:
+        return False  # torchrun reports it
+    try:
+        if _matches_machine_hostname(host):
+            return False  # torch finds it by itself (and falls back to a client when the port is taken)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError:
+                continue
+            return True
+    return False
 
 
 def exit_code_of(exitcode: int) -> int:
@@ -231,6 +272,8 @@ def run_plan(plan: LaunchPlan) -> int:
     # init_process_group (pytorch/pytorch#135712). A store per round (hosted by rank 0) avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = parse_args(plan.torchrun_argv)
+    for note in plan.notes:
+        _say(note)
     try:
         run(args)
     except ChildFailedError as exc:
