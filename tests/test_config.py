@@ -79,7 +79,14 @@ def test_an_entrypoint_that_starts_with_the_launcher_or_determined_launcher(tmp_
     for module in ("torch_batch_process.launch.torch_distributed", "determined.launch.torch_distributed"):
         config = load_config(_write(tmp_path, f"entrypoint: python3 -m {module} --max-restarts 1 python3 batch.py\n"))
         assert config.command == [] and config.launcher_args == ["--max-restarts", "1", "python3", "batch.py"]
-        assert launcher_argv(config, nproc_per_node=2) == ["--nproc-per-node", "2", "--max-restarts", "1", "python3", "batch.py"]
+        assert launcher_argv(config, nproc_per_node=2) == [
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "python3",
+            "batch.py",
+        ]
     config = load_config(
         _write(
             tmp_path,
@@ -173,4 +180,3 @@ def test_tbp_run_dry_run_and_bad_config_exit_codes(tmp_path, capsys):
     bad = _write(tmp_path, "entrypoint: job.py\nresources: {slots_per_trial: 0}\n")
     assert main(["run", str(bad)]) == 2
     assert "resources.slots_per_trial: must be an integer >= 1" in capsys.readouterr().err
-

@@ -12,7 +12,6 @@ import textwrap
 import time
 
 import pytest
-
 from harness import (
     GENERIC_JOB,
     REPO,
@@ -27,7 +26,9 @@ from harness import (
     read_reports,
     wait_for,
 )
+
 from torch_batch_process.launch.rank_prefix import split_lines
+from torch_batch_process.launch.slurm import first_host
 from torch_batch_process.launch.torch_distributed import RANK_PREFIX_SCRIPT, LaunchError, plan_launch, resolve_command
 
 # ------------------------------------------------------------------ the torchrun invocation
@@ -44,7 +45,14 @@ def test_one_node_defaults_standalone_one_worker_without_gpu_and_prefix_wrapper(
     argv = plan.torchrun_argv
     assert "--standalone" in argv
     assert _value(argv, "--nproc-per-node") == "1"  # no GPU on the test machine
-    assert argv[argv.index("--no-python") + 1 :] == [sys.executable, RANK_PREFIX_SCRIPT, sys.executable, "job.py", "--flag", "1"]
+    assert argv[argv.index("--no-python") + 1 :] == [
+        sys.executable,
+        RANK_PREFIX_SCRIPT,
+        sys.executable,
+        "job.py",
+        "--flag",
+        "1",
+    ]
     assert plan.command == [sys.executable, "job.py", "--flag", "1"]
     assert plan.max_restarts == 0
 
@@ -68,6 +76,46 @@ def test_an_explicit_backend_and_torchrun_environment_defaults_are_kept():
     assert _value(plan.torchrun_argv, "--rdzv-backend") == "static"
     plan = plan_launch(["job.py"], environ={"PET_NPROC_PER_NODE": "4"})  # torchrun's own env contract
     assert _value(plan.torchrun_argv, "--nproc-per-node") is None
+
+
+def test_kubeflow_pytorchjob_environment_is_torchrun_contract(monkeypatch):
+    """PyTorchJob sets PET_* variables; torchrun's parser reads them, so the launcher needs no option."""
+    for name, value in {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
+                        "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    plan = plan_launch(["python3", "job.py"])
+    argv = plan.torchrun_argv
+    assert "--standalone" not in argv and "--rdzv-backend" not in argv and "--nproc-per-node" not in argv
+    assert (plan.nnodes, plan.nproc_per_node) == ("2", "4")
+
+
+SLURM_STEP = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NODEID": "1",
+}  # fmt: skip
+
+
+def test_started_by_srun_on_two_nodes_the_step_gives_the_rendezvous():
+    plan = plan_launch(["--nproc-per-node", "4", "python3", "job.py"], environ=SLURM_STEP)
+    argv = plan.torchrun_argv
+    assert _value(argv, "--nnodes") == "2" and plan.nnodes == "2"
+    assert _value(argv, "--rdzv-endpoint") == "gpu07:29400" and _value(argv, "--rdzv-backend") == "c10d"
+    assert _value(argv, "--rdzv-id") == "slurm-4242.0" and "--standalone" not in argv
+    explicit = plan_launch(["--rdzv-endpoint", "head:1234", "--rdzv-id", "x", "job.py"], environ=SLURM_STEP)
+    assert _value(explicit.torchrun_argv, "--rdzv-endpoint") == "head:1234"  # the command line wins
+    assert _value(explicit.torchrun_argv, "--rdzv-id") == "x"
+    with pytest.raises(LaunchError, match="start one launcher per node"):
+        plan_launch(["job.py"], environ=dict(SLURM_STEP, SLURM_STEP_NUM_TASKS="8"))
+    one_node = plan_launch(["job.py"], environ=dict(SLURM_STEP, SLURM_STEP_NUM_NODES="1", SLURM_STEP_NUM_TASKS="1"))
+    assert "--standalone" in one_node.torchrun_argv
+
+
+@pytest.mark.parametrize(
+    "nodelist,first",
+    [("gpu[07-09,12],cpu1", "gpu07"), ("node1,node2", "node1"), ("a-b[3,5]", "a-b3"), ("solo", "solo")],
+)
+def test_first_host_of_a_slurm_host_list(nodelist, first):
+    assert first_host(nodelist) == first
 
 
 def test_commands_modules_and_no_prefix():
@@ -146,7 +194,9 @@ def test_two_workers_output_lines_carry_their_rank_and_success_exits_0(tmp_path)
     proc = _launch(tmp_path, "0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    pattern = re.compile(r"^\[rank ([01])\] (hello from \1 and goodbye|line \d+ of rank \1 x{60}|unfinished last line of \1)$")
+    pattern = re.compile(
+        r"^\[rank ([01])\] (hello from \1 and goodbye|line \d+ of rank \1 x{60}|unfinished last line of \1)$"
+    )
     broken = [line for line in lines if not pattern.match(line)]
     assert not broken, broken[:5]
     for rank in (0, 1):
@@ -237,3 +287,21 @@ def test_a_signal_sent_to_the_workers_and_to_the_launcher_still_commits(tmp_path
     assert "stopping now without a commit" not in err
     counts = committed_values(tmp_path / "storage")
     assert max(counts.values()) == 1 and set(counts) <= set(range(400))
+
+
+# ------------------------------------------------------------------ one request per signal burst
+
+
+def test_a_repeated_signal_is_one_request_unless_it_comes_later(monkeypatch):
+    """A worker gets SIGTERM from the scheduler and again from torchrun: one request. Later, it means "now"."""
+    from torch_batch_process import preemption
+
+    monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.5)
+    with preemption.SignalWatcher() as watcher:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the same request, delivered twice
+        assert watcher.requested == "SIGINT"
+        time.sleep(0.6)
+        with pytest.raises(KeyboardInterrupt):  # an impatient second Ctrl-C: stop at once
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
 from harness import (
     GENERIC_JOB,
     REPO,
@@ -100,10 +99,19 @@ def _start_nodes(pair: tuple[Host, Host], spec: dict, port: int) -> list[subproc
             subprocess.Popen(
                 ["ip", "netns", "exec", host.netns]
                 + launcher_cmd(
-                    "--nnodes", "2", "--nproc-per-node", "1",
-                    "--rdzv-endpoint", f"{pair[0].address}:{port}", "--rdzv-id", "netns-test",
-                    "--local-addr", host.address,
-                    "python3", str(GENERIC_JOB), json.dumps(spec),
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "1",
+                    "--rdzv-endpoint",
+                    f"{pair[0].address}:{port}",
+                    "--rdzv-id",
+                    "netns-test",
+                    "--local-addr",
+                    host.address,
+                    "python3",
+                    str(GENERIC_JOB),
+                    json.dumps(spec),
                 ),  # fmt: skip
                 env=env,
                 stdout=subprocess.PIPE,

@@ -11,7 +11,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from harness import (
     GENERIC_JOB,
     REPO,
@@ -91,5 +90,7 @@ def test_tbp_run_hparams_storage_and_a_worker_killed_once_is_restarted_exactly_o
         assert result["storage_path"] == str(storage) and result["finished"] and not result["preempted"]
         assert result["batches_skipped"] > 0  # it resumed from a commit
     # The log says which attempt, which torchrun restart, and from which batch the job resumes.
-    assert re.search(r"\[rank 0\] .*job tbp-run-test attempt 2 \(torchrun restart 1\): resuming at batch \d+", err), err[-4000:]
+    assert re.search(r"\[rank 0\] .*job tbp-run-test attempt 2 \(torchrun restart 1\): resuming at batch \d+", err), (
+        err[-4000:]
+    )
     assert_exactly_once(committed_values(storage), n)

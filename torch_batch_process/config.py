@@ -137,9 +137,8 @@ class _Lines:
             for key_node, value_node in node.value:
                 key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node)
                 if key in seen:
-                    raise ConfigError(
-                        f"{self.file}:{key_node.start_mark.line + 1}: {_key_name(path + (key,))}: the key is given twice"
-                    )
+                    line = key_node.start_mark.line + 1
+                    raise ConfigError(f"{self.file}:{line}: {_key_name(path + (key,))}: the key is given twice")
                 seen.add(key)
                 self.lines[path + (key,)] = key_node.start_mark.line + 1
                 self.index(value_node, path + (key,))
@@ -195,10 +194,14 @@ def parse_config(text: str, file: str | os.PathLike[str] = "<config>") -> JobCon
         raise ConfigError(f"{file}: the job config is empty; it needs at least 'entrypoint'")
     lines.index(node)
     if not isinstance(data, dict):
-        raise lines.error((), f"the job config must be a mapping of keys (name, entrypoint, ...), got {_type_name(data)}")
+        raise lines.error(
+            (), f"the job config must be a mapping of keys (name, entrypoint, ...), got {_type_name(data)}"
+        )
     _check_keys(data, TOP_LEVEL_KEYS, (), lines)
     if "entrypoint" not in data:
-        raise lines.error((), "'entrypoint' is missing: give the command every worker runs, e.g. 'entrypoint: python3 job.py'")
+        raise lines.error(
+            (), "'entrypoint' is missing: give the command every worker runs, e.g. 'entrypoint: python3 job.py'"
+        )
 
     name = data.get("name")
     if name is not None and not is_valid_job_name(name):
@@ -254,7 +257,9 @@ def _entrypoint(value: Any, lines: _Lines) -> tuple[list[str], list[str]]:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             if not isinstance(item, str):
-                raise lines.error(("entrypoint", i), f"every word of the entrypoint must be a string, got {_type_name(item)}")
+                raise lines.error(
+                    ("entrypoint", i), f"every word of the entrypoint must be a string, got {_type_name(item)}"
+                )
         tokens = list(value)
     else:
         raise lines.error(("entrypoint",), f"must be a command string or a list of strings, got {_type_name(value)}")
@@ -304,7 +309,9 @@ def _storage(value: Any, base: Path, lines: _Lines) -> tuple[str | None, dict[st
             raise lines.error(key, "is empty: give a local path or a URL such as s3://bucket/prefix")
         return _absolute(value, base), None
     if not isinstance(value, dict):
-        raise lines.error(key, f"must be a path/URL string or a mapping (type, path, storage_options), got {_type_name(value)}")
+        raise lines.error(
+            key, f"must be a path/URL string or a mapping (type, path, storage_options), got {_type_name(value)}"
+        )
     _check_keys(value, STORAGE_KEYS, key, lines)
     path = value.get("path")
     if not isinstance(path, str) or not path.strip():

@@ -24,7 +24,9 @@ from typing import BinaryIO
 
 # Signals torchrun may send to the worker's process group (its --signals-to-handle and shutdown).
 _SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
 )
 _READ_SIZE = 65536
 _MAX_PENDING = 1 << 20  # a "line" longer than this is written in pieces

@@ -7,6 +7,8 @@ accepts every torchrun option and adds what a batch job wants by default:
 - ``--nproc-per-node``: the number of GPUs of the machine, else 1;
 - ``--standalone`` on one node (a private rendezvous on a free port); with ``--nnodes`` > 1,
   ``--rdzv-endpoint HOST:PORT`` selects the c10d rendezvous (hosted by the agent on ``HOST``);
+- started by ``srun`` (one task per node), the step's node count, first node and id give ``--nnodes``,
+  ``--rdzv-endpoint FIRST_NODE:29400`` and ``--rdzv-id`` (see :mod:`torch_batch_process.launch.slurm`);
 - each line the workers print is prefixed with the worker's global rank (``[rank 1] ...``);
 - SIGTERM/SIGINT (preemption, Ctrl-C) are forwarded once to every worker (torchrun does it), which
   commits and stops at the next step boundary; workers still running after ``--shutdown-timeout``
@@ -29,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
+
+from torch_batch_process.launch.slurm import DEFAULT_RDZV_PORT, slurm_step
 
 PROG = "python -m torch_batch_process.launch.torch_distributed"
 RANK_PREFIX_SCRIPT = str(Path(__file__).resolve().with_name("rank_prefix.py"))
@@ -172,35 +176,21 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
         command = command[1:]
     worker_cmd = resolve_command(command, module=args.module, no_python=args.no_python)
 
-    given = given_options(argv, ["nproc_per_node", "rdzv_backend"])
+    # Options the user set, on the command line or through torchrun's PET_* variables: never overridden.
+    defaulted = ["nproc_per_node", "rdzv_backend", "nnodes", "rdzv_id"]
+    given = given_options(argv, defaulted) | {dest for dest in defaulted if f"PET_{dest.upper()}" in environ}
     notes: list[str] = []
     torchrun_argv = [token for token in options if token not in _COMMAND_FLAGS and token not in _OWN_FLAGS]
+    torchrun_argv += _slurm_options(args, given, environ, notes)
     nproc = args.nproc_per_node
-    if "nproc_per_node" not in given and "PET_NPROC_PER_NODE" not in environ:
+    if "nproc_per_node" not in given:
         nproc = str(_default_nproc())
         torchrun_argv += ["--nproc-per-node", nproc]
     try:
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     except (ValueError, RuntimeError) as exc:
         raise LaunchError(f"--nnodes {args.nnodes!r}: {exc}") from exc
-    backend = args.rdzv_backend
-    if args.rdzv_endpoint and backend == "static" and "rdzv_backend" not in given and "PET_RDZV_BACKEND" not in environ:
-        torchrun_argv += ["--rdzv-backend", "c10d"]
-        backend = "c10d"
-    static = backend == "static"
-    hosts = args.rdzv_endpoint and not args.standalone and backend == "c10d"
-    if hosts and _should_host(args.rdzv_endpoint, args.rdzv_conf):
-        conf = f"{args.rdzv_conf},is_host=1" if args.rdzv_conf else "is_host=1"
-        torchrun_argv += ["--rdzv-conf", conf]
-        notes.append(f"this node hosts the c10d rendezvous at {args.rdzv_endpoint} (its address is local)")
-    if max_nodes == 1 and not args.standalone and not args.rdzv_endpoint and static and args.master_port is None:
-        torchrun_argv.append("--standalone")
-    if max_nodes > 1 and not args.standalone and not args.rdzv_endpoint and static and args.master_addr == "127.0.0.1":
-        raise LaunchError(
-            f"--nnodes {args.nnodes}: a job on several nodes needs a rendezvous: give --rdzv-endpoint HOST:PORT "
-            "(the same on every node; HOST is the first node, which hosts the c10d rendezvous), or --master-addr "
-            "HOST --master-port PORT --node-rank N for torchrun's static rendezvous"
-        )
+    torchrun_argv += _rendezvous_options(args, given, max_nodes, notes)
     if args.no_rank_prefix:
         torchrun_argv += ["--no-python", *worker_cmd]
     else:
@@ -216,6 +206,61 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     )
 
 
+def _slurm_options(
+    args: argparse.Namespace, given: set[str], environ: Mapping[str, str], notes: list[str]
+) -> list[str]:
+    """Options from the ``srun`` step the launcher runs in (what the command line gives wins); updates ``args``."""
+    step = slurm_step(environ)
+    if step is None:
+        return []
+    if step.tasks != step.nodes:
+        raise LaunchError(
+            f"srun started {step.tasks} tasks on {step.nodes} node(s): start one launcher per node (srun "
+            "--ntasks-per-node=1); it starts the --nproc-per-node workers of its node itself"
+        )
+    if step.nodes == 1:
+        return []
+    options: list[str] = []
+    if "nnodes" not in given:
+        args.nnodes = str(step.nodes)
+        options += ["--nnodes", args.nnodes]
+    if not args.rdzv_endpoint and args.rdzv_backend == "static" and args.master_addr == "127.0.0.1":
+        args.rdzv_endpoint = f"{step.first_node}:{DEFAULT_RDZV_PORT}"
+        options += ["--rdzv-endpoint", args.rdzv_endpoint]
+        notes.append(f"Slurm step on {step.nodes} nodes: c10d rendezvous on {args.rdzv_endpoint}")
+    if "rdzv_id" not in given:
+        options += ["--rdzv-id", step.rdzv_id]
+    return options
+
+
+def _rendezvous_options(args: argparse.Namespace, given: set[str], max_nodes: int, notes: list[str]) -> list[str]:
+    """``--standalone`` on one node, c10d with an endpoint, ``is_host`` when torch would miss it."""
+    options: list[str] = []
+    backend = args.rdzv_backend
+    if args.rdzv_endpoint and backend == "static" and "rdzv_backend" not in given:
+        options += ["--rdzv-backend", "c10d"]
+        backend = "c10d"
+    static = backend == "static"
+    if (
+        args.rdzv_endpoint
+        and not args.standalone
+        and backend == "c10d"
+        and _should_host(args.rdzv_endpoint, args.rdzv_conf)
+    ):
+        options += ["--rdzv-conf", f"{args.rdzv_conf},is_host=1" if args.rdzv_conf else "is_host=1"]
+        notes.append(f"this node hosts the c10d rendezvous at {args.rdzv_endpoint} (its address is local)")
+    rendezvous_given = args.standalone or args.rdzv_endpoint or not static
+    if max_nodes == 1 and not rendezvous_given and args.master_port is None:
+        options.append("--standalone")
+    if max_nodes > 1 and not rendezvous_given and args.master_addr == "127.0.0.1":
+        raise LaunchError(
+            f"--nnodes {args.nnodes}: a job on several nodes needs a rendezvous: give --rdzv-endpoint HOST:PORT "
+            "(the same on every node; HOST is the first node, which hosts the c10d rendezvous), or --master-addr "
+            "HOST --master-port PORT --node-rank N for torchrun's static rendezvous"
+        )
+    return options
+
+
 def _should_host(endpoint: str, rdzv_conf: str) -> bool:
     """Whether this node must host the c10d rendezvous although torch would not guess it.
 
@@ -226,12 +271,19 @@ def _should_host(endpoint: str, rdzv_conf: str) -> bool:
     """
     import socket
 
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:  # torch's own guess (private; absent from some torch versions)
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    except ImportError:  # pragma: no cover
+
+        def _matches_machine_hostname(host: str) -> bool:
+            return False
 
     if "is_host" in (rdzv_conf or ""):
         return False
     try:
-        host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_RDZV_PORT)
     except ValueError:
         return False  # torchrun reports it
     try:
@@ -280,7 +332,8 @@ def run_plan(plan: LaunchPlan) -> int:
         rank, failure = exc.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         restarts = f" (restarts allowed: {plan.max_restarts})" if plan.max_restarts else ""
-        _say(f"the job failed: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) ended with {how}{restarts}")
+        who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+        _say(f"the job failed: {who} ended with {how}{restarts}")
         return exit_code_of(failure.exitcode)
     except SignalException as exc:
         _say(
