@@ -227,31 +227,39 @@ def _start_generic(spec: dict, *extra: str) -> subprocess.Popen[str]:
     )
 
 
-def _preempted_run(tmp_path, also_signal_workers: bool) -> tuple[dict, subprocess.Popen[str], str, float]:
-    """Starts a 2-worker job, sends SIGTERM once it committed, returns (spec, process, stderr, seconds to stop)."""
+def _preempted_run(
+    tmp_path, launcher_signal: int = signal.SIGTERM, also_signal_workers: bool = False
+) -> tuple[dict, subprocess.Popen[str], str, float]:
+    """Starts a 2-worker job, signals it once it committed; returns (spec, process, stderr, seconds to stop)."""
     spec = job_spec(
         tmp_path, n=400, batch_size=2, checkpoint_interval=3, sleep=0.05, pid_dir=str(tmp_path / "pids"), attempt=1
     )
     storage = tmp_path / "storage"
     proc = _start_generic(spec)
+    workers: list[int] = []
     try:
         wait_for(lambda: commit_records(storage) or proc.poll() is not None, 120, "the first commit")
         assert proc.poll() is None, "the job ended before it could be preempted"
-        targets = [proc.pid]
-        if also_signal_workers:  # as Slurm does: every process of the job step gets the signal
-            targets += [read_pid(tmp_path / "pids", rank) for rank in (0, 1)]
+        workers = [pid for pid in (read_pid(tmp_path / "pids", rank) for rank in (0, 1)) if pid]
         started = time.monotonic()
-        for pid in targets:
-            os.kill(pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        os.kill(proc.pid, launcher_signal)
+        if also_signal_workers:  # as Slurm does: every process of the job step gets the signal
+            for pid in workers:
+                os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)  # returns once the workers' output pipes are closed
         return spec, proc, err, time.monotonic() - started
     finally:
         kill_tree(proc)
+        for pid in workers:  # workers outlive a killed launcher if something went wrong
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_commits_stops_and_the_same_command_resumes_exactly_once(tmp_path):
-    spec, proc, err, seconds = _preempted_run(tmp_path, also_signal_workers=False)
+    spec, proc, err, seconds = _preempted_run(tmp_path)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "[launcher] stopped by SIGTERM" in err
     reports = read_reports(spec, 1)
@@ -287,6 +295,18 @@ def test_a_signal_sent_to_the_workers_and_to_the_launcher_still_commits(tmp_path
     assert "stopping now without a commit" not in err
     counts = committed_values(tmp_path / "storage")
     assert max(counts.values()) == 1 and set(counts) <= set(range(400))
+
+
+@pytest.mark.slow
+def test_workers_of_a_killed_launcher_commit_and_stop_instead_of_running_on(tmp_path):
+    """torchrun's workers run in sessions of their own: without the launcher's wrapper they would outlive it."""
+    spec, proc, err, seconds = _preempted_run(tmp_path, launcher_signal=signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    reports = read_reports(spec, 1)
+    assert all(r["result"]["preempted"] for r in reports.values()), err[-3000:]
+    counts = committed_values(tmp_path / "storage")
+    assert max(counts.values()) == 1 and 0 < len(counts) < 400
+    assert seconds < 20, f"the workers took {seconds:.1f}s to stop"
 
 
 # ------------------------------------------------------------------ one request per signal burst

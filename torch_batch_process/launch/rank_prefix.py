@@ -10,7 +10,9 @@ separate newline), which this avoids.
 Signals: torchrun stops a worker with ``killpg`` on the worker's process group, which holds this
 process and ``CMD``; so this process does not forward signals (``CMD`` would get them twice) and
 ignores the catchable ones while ``CMD`` runs. Its exit status is ``CMD``'s: the same exit code, or
-death by the same signal, so torchrun sees what the command did.
+death by the same signal, so torchrun sees what the command did. If the agent itself dies (``kill
+-9`` of the launcher), torchrun's workers would run on as orphans: this process notices that its
+parent is gone and sends ``CMD`` SIGTERM, so the job commits and stops.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import BinaryIO
 
 # Signals torchrun may send to the worker's process group (its --signals-to-handle and shutdown).
@@ -31,6 +34,7 @@ _SIGNALS = tuple(
 _READ_SIZE = 65536
 _MAX_PENDING = 1 << 20  # a "line" longer than this is written in pieces
 _DRAIN_TIMEOUT_S = 2.0  # after CMD exits, its children may hold the pipes open; stop copying after this
+_PARENT_POLL_S = 1.0
 
 
 def _ignore(signum: int, frame: object) -> None:
@@ -91,6 +95,18 @@ def _copy(source: BinaryIO, fd: int, prefix: bytes) -> None:
         _write_all(fd, prefix + pending + (b"" if pending.endswith((b"\n", b"\r")) else b"\n"))
 
 
+def _watch_parent(proc: subprocess.Popen[bytes], parent: int) -> None:
+    """Sends SIGTERM to ``proc`` once, when the agent that started this process is gone."""
+    while proc.poll() is None:
+        if os.getppid() != parent:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            return
+        time.sleep(_PARENT_POLL_S)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: rank_prefix.py CMD [ARGS...]", file=sys.stderr)
@@ -108,6 +124,7 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_copy, args=(proc.stdout, 1, prefix), daemon=True),
         threading.Thread(target=_copy, args=(proc.stderr, 2, prefix), daemon=True),
     ]
+    threading.Thread(target=_watch_parent, args=(proc, os.getppid()), daemon=True).start()
     for thread in threads:
         thread.start()
     code = proc.wait()
