@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from itertools import pairwise
 
 import pytest
 from harness import (
@@ -147,8 +149,24 @@ def test_split_lines_keeps_whole_lines_only():
     assert split_lines(b"", b"a\nb") == ([b"a\n"], b"b")
     assert split_lines(b"b", b"c\r\nd\re\r") == ([b"bc\r\n", b"d\r"], b"e\r")  # a final \r may start \r\n
     assert split_lines(b"e\r", b"\n") == ([b"e\r\n"], b"")
-    lines, rest = split_lines(b"", b"x" * (2 << 20))
+    assert split_lines(b"", b"a\r\rb") == ([b"a\r", b"\r"], b"b")
+    lines, rest = split_lines(b"", b"x" * (2 << 20))  # no newline in 2 MiB: written in one piece, not held
     assert lines == [b"x" * (2 << 20)] and rest == b""
+
+
+def test_split_lines_over_random_chunks_loses_and_splits_nothing():
+    rng = random.Random(7)
+    for _ in range(3000):
+        data = bytes(rng.choice(b"ab\r\n") for _ in range(rng.randint(0, 40)))
+        pending, lines, i = b"", [], 0
+        while i < len(data):
+            size = rng.randint(1, 6)
+            new, pending = split_lines(pending, data[i : i + size])
+            lines += new
+            i += size
+        assert b"".join(lines) + pending == data
+        assert all(line.endswith((b"\n", b"\r")) for line in lines)
+        assert not any(a.endswith(b"\r") and b.startswith(b"\n") for a, b in pairwise(lines))  # \r\n kept
 
 
 # ------------------------------------------------------------------ real launches

@@ -18,6 +18,7 @@ parent is gone and sends ``CMD`` SIGTERM, so the job commits and stops.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,8 @@ _READ_SIZE = 65536
 _MAX_PENDING = 1 << 20  # a "line" longer than this is written in pieces
 _DRAIN_TIMEOUT_S = 2.0  # after CMD exits, its children may hold the pipes open; stop copying after this
 _PARENT_POLL_S = 1.0
+# A line: anything up to \n, \r\n, or a lone \r (progress bars redraw their line with it).
+_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
 
 def _ignore(signum: int, frame: object) -> None:
@@ -54,24 +57,13 @@ def split_lines(pending: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
     """Splits ``pending + chunk`` into complete lines (ending in ``\\n``, ``\\r\\n`` or a lone ``\\r``)
     and the unfinished rest. A ``\\r`` at the very end is kept pending: it may start a ``\\r\\n``."""
     data = pending + chunk
-    lines = []
-    start = 0
-    i = 0
-    n = len(data)
-    while i < n:
-        byte = data[i]
-        if byte == 0x0A:  # \n
-            lines.append(data[start : i + 1])
-            start = i + 1
-        elif byte == 0x0D:  # \r: progress bars redraw their line with it
-            if i + 1 == n:
-                break
-            if data[i + 1] == 0x0A:
-                i += 1
-            lines.append(data[start : i + 1])
-            start = i + 1
-        i += 1
-    rest = data[start:]
+    # The complete part ends at the last terminator (a final \r waits for the next chunk); matching only there
+    # keeps the scan linear: every position of it starts a line.
+    end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+    if end == len(data) and data.endswith(b"\r"):
+        end = max(data.rfind(b"\n", 0, end - 1), data.rfind(b"\r", 0, end - 1)) + 1
+    lines = _LINE.findall(data, 0, end)
+    rest = data[end:]
     if len(rest) > _MAX_PENDING:
         lines.append(rest)
         rest = b""
