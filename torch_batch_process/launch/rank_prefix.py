@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ _READ_SIZE = 65536
 _MAX_PENDING = 1 << 20  # a "line" longer than this is written in pieces
 _DRAIN_TIMEOUT_S = 2.0  # after CMD exits, its children may hold the pipes open; stop copying after this
 _PARENT_POLL_S = 1.0
+_ATOMIC_WRITE = getattr(select, "PIPE_BUF", 512)  # POSIX: writes up to this size to a pipe are not interleaved
 # A line: anything up to \n, \r\n, or a lone \r (progress bars redraw their line with it).
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
@@ -81,8 +83,15 @@ def _copy(source: BinaryIO, fd: int, prefix: bytes) -> None:
         if not chunk:
             break
         lines, pending = split_lines(pending, chunk)
-        for line in lines:
-            _write_all(fd, prefix + line)
+        batch = bytearray()
+        for line in lines:  # whole lines, at most PIPE_BUF bytes a write: atomic, so never mixed with other ranks'
+            piece = prefix + line
+            if batch and len(batch) + len(piece) > _ATOMIC_WRITE:
+                _write_all(fd, bytes(batch))
+                batch.clear()
+            batch += piece
+        if batch:
+            _write_all(fd, bytes(batch))
     if pending:
         _write_all(fd, prefix + pending + (b"" if pending.endswith((b"\n", b"\r")) else b"\n"))
 
