@@ -494,7 +494,8 @@ def job_environment(
         if config.storage_path is not None:
             notes.append(f"storage {env[STORAGE_ENV]} (from --storage, instead of checkpoint_storage)")
     elif environ.get(STORAGE_ENV) and STORAGE_ENV not in config.variables:
-        notes.append(f"storage {environ[STORAGE_ENV]} (from ${STORAGE_ENV}, which overrides checkpoint_storage)")
+        instead = ", instead of checkpoint_storage" if config.storage_path is not None else ""
+        notes.append(f"storage {environ[STORAGE_ENV]} (from the exported ${STORAGE_ENV}{instead})")
     elif config.storage_path is not None:
         env[STORAGE_ENV] = config.storage_path
     if config.storage_options is not None:
