@@ -209,3 +209,72 @@ def run_generic(
         return proc, read_reports(spec, attempt)
     procs = spawn_ranks(nproc, GENERIC_JOB, json.dumps(spec))
     return wait_all(procs, timeout), read_reports(spec, attempt)
+
+
+LAUNCHER = "torch_batch_process.launch.torch_distributed"
+
+
+def launcher_cmd(*args: str) -> list[str]:
+    """``python -m torch_batch_process.launch.torch_distributed ARGS...``."""
+    return [sys.executable, "-m", LAUNCHER, *args]
+
+
+def tbp_cmd(*args: str) -> list[str]:
+    """The ``tbp`` console command of this checkout (``python -m torch_batch_process.cli``)."""
+    return [sys.executable, "-m", "torch_batch_process.cli", *args]
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
+    """Polls ``predicate()`` until it is true; fails the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def commit_records(storage: Path) -> list[Path]:
+    """The commit records currently in ``storage`` (the engine keeps the latest)."""
+    return sorted((storage / "_tbp" / "commits").glob("*.json"))
+
+
+def read_pid(pid_dir: Path, rank: int, restart: int = 0) -> int | None:
+    """The pid ``jobs/generic_job.py`` wrote for ``rank`` at torchrun restart ``restart``, if written yet."""
+    path = pid_dir / f"rank{rank}_restart{restart}.pid"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.strip() else None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``); torchrun puts its workers in sessions of their own."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """Kills ``proc`` and every process below it with SIGKILL (test cleanup), then reaps ``proc``."""
+    if proc.poll() is not None:
+        return  # ended and reaped: its pid may belong to another process by now
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.communicate(timeout=30)
+    except (ValueError, subprocess.TimeoutExpired):  # already read, or stuck: nothing more to do
+        pass

@@ -5,6 +5,10 @@ only records the request; the loop then makes every rank agree to stop (see
 :mod:`torch_batch_process.coordination`), commits and returns with ``preempted=True``. A second
 signal of the same kind stops the process at once the usual way (for an impatient Ctrl-C), without
 a commit; the last commit stays intact. The user's own handlers are restored when the job returns.
+
+A repeat within :data:`REPEAT_WINDOW_S` seconds of the first signal counts as the same request:
+schedulers that signal every process of a job (Slurm with cgroup process tracking, ``kill`` of a
+process group) deliver it to the workers directly *and* through the launcher, which forwards it.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 2.0
 
 
 class SignalWatcher:
@@ -25,6 +31,7 @@ class SignalWatcher:
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self._requested_at = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> SignalWatcher:
@@ -52,6 +59,9 @@ class SignalWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.requested == name and now - self._requested_at < REPEAT_WINDOW_S:
+            return  # the same request, delivered both directly and through the launcher
         if self.requested == name:
             logger.warning("second %s: stopping now without a commit; the last commit is intact", name)
             previous = self._previous.get(signum)
@@ -63,9 +73,14 @@ class SignalWatcher:
             else:
                 signal.raise_signal(signum)
             return
-        self.requested = self.requested or name
+        if self.requested is None:
+            self.requested = name
+            self._requested_at = now
         logger.warning(
-            "%s received: committing and stopping at the next step boundary (send it again to stop at once)", name
+            "%s received: committing and stopping at the next step boundary (send it again, %.0f s or more "
+            "later, to stop at once)",
+            name,
+            REPEAT_WINDOW_S,
         )
 
     @property

@@ -48,6 +48,11 @@ class JobArguments:
     inference_mode: bool
 
 
+def is_valid_job_name(name: Any) -> bool:
+    """Whether ``name`` can name a job: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit."""
+    return isinstance(name, str) and bool(_JOB_NAME.match(name))
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -1,7 +1,10 @@
 """A configurable job for the tests, run in real worker processes.
 
 The spec comes as JSON in argv[1]. Each rank writes ``<report_dir>/attempt<k>_rank<r>.json`` with
-the calls it saw and the result (or the exception) of ``torch_batch_process``.
+the calls it saw, its hyperparameters and the result (or the exception) of ``torch_batch_process``.
+Without ``storage`` in the spec the storage path comes from the environment (``tbp run``). With
+``pid_dir``, each rank writes ``<pid_dir>/rank<r>_restart<k>.pid`` when it starts (``k``: torchrun's
+restart count), for tests that kill workers.
 """
 
 import json
@@ -63,6 +66,7 @@ class Processor(TorchBatchProcessor):
         self.finishes = 0
         self.buffer = []
         self.flushes = 0
+        self.hparams = context.get_hparams()
         self.fn_sum = context.wrap_reducer(lambda values: sum(values), name="sum_fn")
         self.cls_sum = context.wrap_reducer(SumReducer())
         if SPEC.get("fail_init_rank") == self.rank:
@@ -137,7 +141,13 @@ Recording.__qualname__ = SPEC.get("processor_name", "Processor")
 
 def main():
     rank = int(os.environ.get("RANK", "0"))
-    report = {"rank": rank, "pid": os.getpid()}
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    report = {"rank": rank, "pid": os.getpid(), "restart": int(restart)}
+    report["env"] = {name: os.environ.get(name) for name in SPEC.get("report_env", [])}
+    if SPEC.get("pid_dir"):
+        pid_dir = Path(SPEC["pid_dir"])
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        (pid_dir / f"rank{rank}_restart{restart}.pid").write_text(str(os.getpid()))
     dataset = RangeDataset(SPEC["n"])
     kwargs = dict(SPEC.get("kwargs", {}))
     try:
@@ -148,7 +158,7 @@ def main():
             max_batches=SPEC.get("max_batches"),
             checkpoint_interval=SPEC.get("checkpoint_interval", 5),
             dataloader_kwargs=SPEC.get("dataloader_kwargs"),
-            storage_path=SPEC["storage"],
+            **({"storage_path": SPEC["storage"]} if "storage" in SPEC else {}),
             **kwargs,
         )
         report["result"] = result.to_json()
@@ -162,6 +172,7 @@ def main():
             call_times=PROCESSOR.call_times,
             checkpoints=PROCESSOR.checkpoints,
             finishes=PROCESSOR.finishes,
+            hparams=PROCESSOR.hparams,
         )
     report_dir = Path(SPEC["report_dir"])
     report_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,182 @@
+"""The YAML job config and ``tbp``: what a config means, and one clear error per kind of mistake."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import textwrap
+
+import pytest
+
+from torch_batch_process.cli import build_parser, main
+from torch_batch_process.config import ConfigError, job_environment, launcher_argv, load_config, parse_config
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "job.yaml"
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+FULL = """
+name: digits-inference
+description: a test
+entrypoint: python3 batch.py --limit 10
+resources:
+  slots_per_trial: 4
+  nodes: 2
+checkpoint_storage:
+  type: s3
+  path: bucket/runs/digits
+  storage_options: {endpoint_url: "http://127.0.0.1:5000"}
+max_restarts: 3
+hyperparameters:
+  model: resnet18
+  lr: {type: const, val: 0.1}
+  nested: {layers: [1, 2], act: {type: const, val: relu}}
+environment:
+  variables:
+    HF_HOME: /scratch/hf
+    SEED: 7
+"""
+
+
+def test_a_full_config_maps_to_the_launcher_and_the_environment(tmp_path):
+    config = load_config(_write(tmp_path, FULL))
+    assert config.name == "digits-inference" and config.command == ["python3", "batch.py", "--limit", "10"]
+    assert (config.slots_per_trial, config.nodes, config.nproc_per_node(), config.max_restarts) == (4, 2, 2, 3)
+    assert config.storage_path == "s3://bucket/runs/digits"
+    assert config.hyperparameters == {"model": "resnet18", "lr": 0.1, "nested": {"layers": [1, 2], "act": "relu"}}
+    assert config.variables == {"HF_HOME": "/scratch/hf", "SEED": "7"}
+    assert config.workdir == tmp_path.resolve()
+    argv = launcher_argv(config, extra=["--rdzv-endpoint", "head:29400"])
+    assert argv == [
+        "--nproc-per-node", "2", "--nnodes", "2", "--max-restarts", "3", "--rdzv-endpoint", "head:29400",
+        "--", "python3", "batch.py", "--limit", "10",
+    ]  # fmt: skip
+    env, notes = job_environment(config, environ={})
+    assert json.loads(env["TBP_HPARAMS"]) == config.hyperparameters
+    assert env["TBP_STORAGE_PATH"] == "s3://bucket/runs/digits" and env["TBP_JOB_NAME"] == "digits-inference"
+    assert json.loads(env["TBP_STORAGE_OPTIONS"]) == {"endpoint_url": "http://127.0.0.1:5000"}
+    assert env["HF_HOME"] == "/scratch/hf" and notes == []
+
+
+def test_storage_precedence_and_relative_paths(tmp_path, monkeypatch):
+    config = load_config(_write(tmp_path, "entrypoint: [python3, job.py]\ncheckpoint_storage: runs/a\n"))
+    assert config.storage_path == str(tmp_path.resolve() / "runs" / "a")  # relative to the config's directory
+    env, _ = job_environment(config, environ={"TBP_STORAGE_PATH": "/exported"})
+    assert "TBP_STORAGE_PATH" not in env  # an exported $TBP_STORAGE_PATH is kept (it wins over the config)
+    monkeypatch.chdir(tmp_path)
+    env, notes = job_environment(config, storage="elsewhere", environ={})
+    assert env["TBP_STORAGE_PATH"] == str(tmp_path.resolve() / "elsewhere") and "--storage" in notes[0]
+    config = load_config(_write(tmp_path, "entrypoint: job.py\ncheckpoint_storage: {path: 'gs://b/p'}\n"))
+    assert config.storage_path == "gs://b/p"
+
+
+def test_an_entrypoint_that_starts_with_the_launcher_or_determined_launcher(tmp_path):
+    for module in ("torch_batch_process.launch.torch_distributed", "determined.launch.torch_distributed"):
+        config = load_config(_write(tmp_path, f"entrypoint: python3 -m {module} --max-restarts 1 python3 batch.py\n"))
+        assert config.command == [] and config.launcher_args == ["--max-restarts", "1", "python3", "batch.py"]
+        assert launcher_argv(config, nproc_per_node=2) == [
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "python3",
+            "batch.py",
+        ]
+    config = load_config(
+        _write(
+            tmp_path,
+            "entrypoint: python3 -m torch_batch_process.launch.torch_distributed --nproc-per-node 2 job.py\n"
+            "resources: {slots_per_trial: 2}\n",
+        )
+    )
+    with pytest.raises(ConfigError, match="--nproc-per-node and the key resources.slots_per_trial"):
+        launcher_argv(config)
+
+
+def test_environment_variables_as_a_list_and_no_resources(tmp_path):
+    config = load_config(_write(tmp_path, "entrypoint: job.py\nenvironment: {variables: ['A=1', 'B=x=y']}\n"))
+    assert config.variables == {"A": "1", "B": "x=y"}
+    assert config.nproc_per_node() is None and launcher_argv(config) == ["--", "job.py"]
+
+
+# One test per kind of mistake: the message names the file, the line and the key.
+
+
+def test_missing_entrypoint(tmp_path):
+    path = _write(tmp_path, "name: job\nresources:\n  slots_per_trial: 2\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:1: 'entrypoint' is missing"):
+        load_config(path)
+
+
+def test_unknown_key(tmp_path):
+    path = _write(tmp_path, "entrypoint: job.py\nresources:\n  slots_per_trail: 2\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: resources.slots_per_trail: unknown key; .*slots_per_trial"):
+        load_config(path)
+    path = _write(tmp_path, "entrypoint: job.py\nsearcher: {name: single}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:2: searcher: is a Determined cluster setting"):
+        load_config(path)
+
+
+def test_wrong_type(tmp_path):
+    path = _write(tmp_path, "entrypoint: job.py\nmax_restarts: 2\nhyperparameters: [1, 2]\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: hyperparameters: must be a mapping .*got a list"):
+        load_config(path)
+    path = _write(tmp_path, "entrypoint: [python3, 3]\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:1: entrypoint\[1\]: .*must be a string, got a int"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("slots", ["0", "-2", "true", "2.5"])
+def test_slots_per_trial_must_be_positive(tmp_path, slots):
+    path = _write(tmp_path, f"entrypoint: job.py\nresources:\n  slots_per_trial: {slots}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: resources.slots_per_trial: must be an integer >= 1"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", "the job config is empty"),
+        ("entrypoint: [unclosed\n", "not valid YAML"),
+        ("entrypoint: a.py\nentrypoint: b.py\n", "2: entrypoint: the key is given twice"),
+        ("entrypoint: torchrun --nproc-per-node 2 a.py\n", "starts with torchrun"),
+        ("entrypoint: a.py\nresources: {slots_per_trial: 3, nodes: 2}\n", "cannot be split evenly over 2 nodes"),
+        ("entrypoint: a.py\ncheckpoint_storage: {type: nosuchfs, path: x}\n", "unknown storage type 'nosuchfs'"),
+        ("entrypoint: a.py\nname: 'bad name'\n", "2: name: must be 1-128 letters"),
+        ("entrypoint: a.py\nhyperparameters: {lr: {type: double, minval: 0, maxval: 1}}\n", "search space"),
+        ("entrypoint: a.py\nenvironment: {variables: {1BAD: x}}\n", "not a valid environment variable name"),
+        ("entrypoint: a.py\nmax_restarts: -1\n", "2: max_restarts: must be an integer >= 0"),
+    ],
+)
+def test_other_mistakes(text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(text, "job.yaml")
+
+
+def test_tbp_help_documents_every_subcommand(capsys):
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices  # noqa: SLF001
+    help_text = parser.format_help()
+    for name in subcommands:
+        assert name in help_text
+        assert subcommands[name].format_help().strip()
+    assert "run" in subcommands
+    assert main([]) == 2 and "COMMAND" in capsys.readouterr().out
+
+
+def test_tbp_run_dry_run_and_bad_config_exit_codes(tmp_path, capsys):
+    path = _write(tmp_path, FULL)
+    assert main(["run", str(path), "--dry-run", "--rdzv-endpoint", "head:29400"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"cd {shlex.quote(str(tmp_path.resolve()))}"
+    assert "export TBP_STORAGE_PATH=s3://bucket/runs/digits" in out
+    assert out[-1].startswith(shlex.join([sys.executable, "-m", "torch_batch_process.launch.torch_distributed"]))
+    assert out[-1].endswith("--rdzv-endpoint head:29400 -- python3 batch.py --limit 10")
+    bad = _write(tmp_path, "entrypoint: job.py\nresources: {slots_per_trial: 0}\n")
+    assert main(["run", str(bad)]) == 2
+    assert "resources.slots_per_trial: must be an integer >= 1" in capsys.readouterr().err

@@ -1,0 +1,345 @@
+"""The launcher: the torchrun invocation it builds, rank-prefixed output, exit codes, preemption by signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from itertools import pairwise
+
+import pytest
+from harness import (
+    GENERIC_JOB,
+    REPO,
+    assert_exactly_once,
+    base_env,
+    commit_records,
+    committed_values,
+    job_spec,
+    kill_tree,
+    launcher_cmd,
+    read_pid,
+    read_reports,
+    wait_for,
+)
+
+from torch_batch_process.launch.rank_prefix import split_lines
+from torch_batch_process.launch.slurm import first_host
+from torch_batch_process.launch.torch_distributed import RANK_PREFIX_SCRIPT, LaunchError, plan_launch, resolve_command
+
+# ------------------------------------------------------------------ the torchrun invocation
+
+
+def _value(argv: list[str], option: str) -> str | None:
+    """The last value given to ``option`` in ``argv`` (argparse keeps the last)."""
+    values = [argv[i + 1] for i, token in enumerate(argv[:-1]) if token == option]
+    return values[-1] if values else None
+
+
+def test_one_node_defaults_standalone_one_worker_without_gpu_and_prefix_wrapper():
+    plan = plan_launch(["python3", "job.py", "--flag", "1"], environ={})
+    argv = plan.torchrun_argv
+    assert "--standalone" in argv
+    assert _value(argv, "--nproc-per-node") == "1"  # no GPU on the test machine
+    assert argv[argv.index("--no-python") + 1 :] == [
+        sys.executable,
+        RANK_PREFIX_SCRIPT,
+        sys.executable,
+        "job.py",
+        "--flag",
+        "1",
+    ]
+    assert plan.command == [sys.executable, "job.py", "--flag", "1"]
+    assert plan.max_restarts == 0
+
+
+def test_torchrun_options_pass_through_and_multi_node_uses_c10d():
+    plan = plan_launch(
+        ["--nnodes", "2", "--nproc-per-node", "3", "--max-restarts", "2", "--rdzv-endpoint", "head:29400",
+         "--rdzv-id", "job7", "--", "python", "job.py"],
+        environ={},
+    )  # fmt: skip
+    argv = plan.torchrun_argv
+    assert _value(argv, "--nnodes") == "2" and _value(argv, "--nproc-per-node") == "3"
+    assert _value(argv, "--max-restarts") == "2" and _value(argv, "--rdzv-id") == "job7"
+    assert _value(argv, "--rdzv-backend") == "c10d" and _value(argv, "--rdzv-endpoint") == "head:29400"
+    assert "--standalone" not in argv and "--" not in argv
+    assert plan.command == [sys.executable, "job.py"] and plan.max_restarts == 2
+
+
+def test_an_explicit_backend_and_torchrun_environment_defaults_are_kept():
+    plan = plan_launch(["--nnodes", "2", "--rdzv-backend", "static", "--master-addr", "h", "job.py"], environ={})
+    assert _value(plan.torchrun_argv, "--rdzv-backend") == "static"
+    plan = plan_launch(["job.py"], environ={"PET_NPROC_PER_NODE": "4"})  # torchrun's own env contract
+    assert _value(plan.torchrun_argv, "--nproc-per-node") is None
+
+
+def test_kubeflow_pytorchjob_environment_is_torchrun_contract(monkeypatch):
+    """PyTorchJob sets PET_* variables; torchrun's parser reads them, so the launcher needs no option."""
+    for name, value in {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
+                        "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    plan = plan_launch(["python3", "job.py"])
+    argv = plan.torchrun_argv
+    assert "--standalone" not in argv and "--rdzv-backend" not in argv and "--nproc-per-node" not in argv
+    assert (plan.nnodes, plan.nproc_per_node) == ("2", "4")
+
+
+SLURM_STEP = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NODEID": "1",
+}  # fmt: skip
+
+
+def test_started_by_srun_on_two_nodes_the_step_gives_the_rendezvous():
+    plan = plan_launch(["--nproc-per-node", "4", "python3", "job.py"], environ=SLURM_STEP)
+    argv = plan.torchrun_argv
+    assert _value(argv, "--nnodes") == "2" and plan.nnodes == "2"
+    assert _value(argv, "--rdzv-endpoint") == "gpu07:29400" and _value(argv, "--rdzv-backend") == "c10d"
+    assert _value(argv, "--rdzv-id") == "slurm-4242.0" and "--standalone" not in argv
+    explicit = plan_launch(["--rdzv-endpoint", "head:1234", "--rdzv-id", "x", "job.py"], environ=SLURM_STEP)
+    assert _value(explicit.torchrun_argv, "--rdzv-endpoint") == "head:1234"  # the command line wins
+    assert _value(explicit.torchrun_argv, "--rdzv-id") == "x"
+    with pytest.raises(LaunchError, match="start one launcher per node"):
+        plan_launch(["job.py"], environ=dict(SLURM_STEP, SLURM_STEP_NUM_TASKS="8"))
+    one_node = plan_launch(["job.py"], environ=dict(SLURM_STEP, SLURM_STEP_NUM_NODES="1", SLURM_STEP_NUM_TASKS="1"))
+    assert "--standalone" in one_node.torchrun_argv
+
+
+@pytest.mark.parametrize(
+    "nodelist,first",
+    [("gpu[07-09,12],cpu1", "gpu07"), ("node1,node2", "node1"), ("a-b[3,5]", "a-b3"), ("solo", "solo")],
+)
+def test_first_host_of_a_slurm_host_list(nodelist, first):
+    assert first_host(nodelist) == first
+
+
+def test_commands_modules_and_no_prefix():
+    assert resolve_command(["python3", "-u", "x.py"]) == [sys.executable, "-u", "x.py"]
+    assert resolve_command(["x.py", "a"]) == [sys.executable, "x.py", "a"]
+    assert resolve_command(["/usr/bin/env", "bash", "-c", "true"]) == ["/usr/bin/env", "bash", "-c", "true"]
+    plan = plan_launch(["-m", "pkg.mod", "arg"], environ={})
+    assert plan.command == [sys.executable, "-m", "pkg.mod", "arg"] and "-m" not in plan.torchrun_argv[:-4]
+    plan = plan_launch(["--no-rank-prefix", "python3", "x.py"], environ={})
+    assert "--no-rank-prefix" not in plan.torchrun_argv
+    assert plan.torchrun_argv[plan.torchrun_argv.index("--no-python") + 1 :] == [sys.executable, "x.py"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--nproc-per-node", "2"], "no command to run"),
+        (["--nnodes", "2", "job.py"], "--rdzv-endpoint HOST:PORT"),
+        (["--run-path", "job.py"], "--run-path is not supported"),
+        (["--nproc", "2", "job.py"], "unrecognized arguments"),  # no abbreviations: typos are not guessed
+    ],
+)
+def test_bad_launcher_command_lines(argv, message):
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        plan_launch(argv, environ={})
+
+
+def test_split_lines_keeps_whole_lines_only():
+    assert split_lines(b"", b"a\nb") == ([b"a\n"], b"b")
+    assert split_lines(b"b", b"c\r\nd\re\r") == ([b"bc\r\n", b"d\r"], b"e\r")  # a final \r may start \r\n
+    assert split_lines(b"e\r", b"\n") == ([b"e\r\n"], b"")
+    assert split_lines(b"", b"a\r\rb") == ([b"a\r", b"\r"], b"b")
+    lines, rest = split_lines(b"", b"x" * (2 << 20))  # no newline in 2 MiB: written in one piece, not held
+    assert lines == [b"x" * (2 << 20)] and rest == b""
+
+
+def test_split_lines_over_random_chunks_loses_and_splits_nothing():
+    rng = random.Random(7)
+    for _ in range(3000):
+        data = bytes(rng.choice(b"ab\r\n") for _ in range(rng.randint(0, 40)))
+        pending, lines, i = b"", [], 0
+        while i < len(data):
+            size = rng.randint(1, 6)
+            new, pending = split_lines(pending, data[i : i + size])
+            lines += new
+            i += size
+        assert b"".join(lines) + pending == data
+        assert all(line.endswith((b"\n", b"\r")) for line in lines)
+        assert not any(a.endswith(b"\r") and b.startswith(b"\n") for a, b in pairwise(lines))  # \r\n kept
+
+
+# ------------------------------------------------------------------ real launches
+
+_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    rank = int(os.environ["RANK"])
+    sys.stdout.write(f"hello from {rank}")  # a line written in three pieces
+    sys.stdout.flush()
+    time.sleep(0.3)
+    sys.stdout.write(" and")
+    sys.stdout.flush()
+    time.sleep(0.3)
+    sys.stdout.write(" goodbye\\n")
+    for i in range(300):
+        print(f"line {i} of rank {rank} " + "x" * 60)
+    print(f"to stderr from {rank}", file=sys.stderr)
+    sys.stdout.write(f"unfinished last line of {rank}")
+    if rank == 1 and sys.argv[1] == "kill":
+        sys.stdout.flush()
+        os.kill(os.getpid(), 9)
+    sys.exit(int(sys.argv[1]) if rank == 1 else 0)
+    """
+)
+
+
+def _launch(tmp_path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    return subprocess.run(
+        launcher_cmd("--nproc-per-node", "2", "python3", str(script), *args),
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
+
+
+@pytest.mark.slow
+def test_two_workers_output_lines_carry_their_rank_and_success_exits_0(tmp_path):
+    proc = _launch(tmp_path, "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    pattern = re.compile(
+        r"^\[rank ([01])\] (hello from \1 and goodbye|line \d+ of rank \1 x{60}|unfinished last line of \1)$"
+    )
+    broken = [line for line in lines if not pattern.match(line)]
+    assert not broken, broken[:5]
+    for rank in (0, 1):
+        assert sum(line.startswith(f"[rank {rank}] line ") for line in lines) == 300
+        assert f"[rank {rank}] hello from {rank} and goodbye" in lines
+        assert f"[rank {rank}] to stderr from {rank}" in proc.stderr.splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how,expected", [("3", 3), ("kill", 128 + signal.SIGKILL)])
+def test_a_failing_job_exit_code_passes_through(tmp_path, how, expected):
+    proc = _launch(tmp_path, how)
+    assert proc.returncode == expected, proc.stderr[-3000:]
+    reason = "exit code 3" if how == "3" else "signal SIGKILL"
+    assert re.search(rf"\[launcher\] the job failed: rank 1 .* ended with {reason}", proc.stderr), proc.stderr[-3000:]
+    assert "[rank 1] unfinished last line of 1" in proc.stdout.splitlines()
+
+
+def _start_generic(spec: dict, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        launcher_cmd("--nproc-per-node", "2", *extra, "python3", str(GENERIC_JOB), json.dumps(spec)),
+        env=base_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(REPO),
+        start_new_session=True,
+    )
+
+
+def _preempted_run(
+    tmp_path, launcher_signal: int = signal.SIGTERM, also_signal_workers: bool = False
+) -> tuple[dict, subprocess.Popen[str], str, float]:
+    """Starts a 2-worker job, signals it once it committed; returns (spec, process, stderr, seconds to stop)."""
+    spec = job_spec(
+        tmp_path, n=400, batch_size=2, checkpoint_interval=3, sleep=0.05, pid_dir=str(tmp_path / "pids"), attempt=1
+    )
+    storage = tmp_path / "storage"
+    proc = _start_generic(spec)
+    workers: list[int] = []
+    try:
+        wait_for(lambda: commit_records(storage) or proc.poll() is not None, 120, "the first commit")
+        assert proc.poll() is None, "the job ended before it could be preempted"
+        workers = [pid for pid in (read_pid(tmp_path / "pids", rank) for rank in (0, 1)) if pid]
+        started = time.monotonic()
+        os.kill(proc.pid, launcher_signal)
+        if also_signal_workers:  # as Slurm does: every process of the job step gets the signal
+            for pid in workers:
+                os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)  # returns once the workers' output pipes are closed
+        return spec, proc, err, time.monotonic() - started
+    finally:
+        kill_tree(proc)
+        for pid in workers:  # workers outlive a killed launcher if something went wrong
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_commits_stops_and_the_same_command_resumes_exactly_once(tmp_path):
+    spec, proc, err, seconds = _preempted_run(tmp_path)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "[launcher] stopped by SIGTERM" in err
+    reports = read_reports(spec, 1)
+    assert sorted(reports) == [0, 1]
+    assert all(r["result"]["preempted"] for r in reports.values()), err[-3000:]  # returned, not killed
+    first = committed_values(tmp_path / "storage")
+    assert max(first.values()) == 1 and 0 < len(first) < 400
+    assert seconds < 20, f"the job took {seconds:.1f}s to stop"  # a commit, not torchrun's kill after 30s
+
+    spec2 = dict(spec, attempt=2, sleep=0)
+    proc2 = subprocess.run(
+        launcher_cmd("--nproc-per-node", "2", "python3", str(GENERIC_JOB), json.dumps(spec2)),
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=str(REPO),
+    )
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert_exactly_once(committed_values(tmp_path / "storage"), 400)
+    result = read_reports(spec2, 2)[0]["result"]
+    assert result["finished"] and result["batches_skipped"] == len(first) // 2
+    assert re.search(r"\[rank 0\] .*attempt 2: resuming at batch \d+", proc2.stderr), proc2.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_signal_sent_to_the_workers_and_to_the_launcher_still_commits(tmp_path):
+    """Slurm signals every process of a step: the workers get SIGTERM directly and again from torchrun."""
+    spec, proc, err, _ = _preempted_run(tmp_path, also_signal_workers=True)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    reports = read_reports(spec, 1)
+    assert all(r["result"]["preempted"] for r in reports.values()), err[-3000:]
+    assert "stopping now without a commit" not in err
+    counts = committed_values(tmp_path / "storage")
+    assert max(counts.values()) == 1 and set(counts) <= set(range(400))
+
+
+@pytest.mark.slow
+def test_workers_of_a_killed_launcher_commit_and_stop_instead_of_running_on(tmp_path):
+    """torchrun's workers run in sessions of their own: without the launcher's wrapper they would outlive it."""
+    spec, proc, err, seconds = _preempted_run(tmp_path, launcher_signal=signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    reports = read_reports(spec, 1)
+    assert all(r["result"]["preempted"] for r in reports.values()), err[-3000:]
+    counts = committed_values(tmp_path / "storage")
+    assert max(counts.values()) == 1 and 0 < len(counts) < 400
+    assert seconds < 20, f"the workers took {seconds:.1f}s to stop"
+
+
+# ------------------------------------------------------------------ one request per signal burst
+
+
+def test_a_repeated_signal_is_one_request_unless_it_comes_later(monkeypatch):
+    """A worker gets SIGTERM from the scheduler and again from torchrun: one request. Later, it means "now"."""
+    from torch_batch_process import preemption
+
+    monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.5)
+    with preemption.SignalWatcher() as watcher:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the same request, delivered twice
+        assert watcher.requested == "SIGINT"
+        time.sleep(0.6)
+        with pytest.raises(KeyboardInterrupt):  # an impatient second Ctrl-C: stop at once
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
