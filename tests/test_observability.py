@@ -216,17 +216,32 @@ def test_metrics_jsonl_tensorboard_profiler_and_timings_of_a_local_job(tmp_path,
     assert len(summary) == 1 and "data " in summary[0] and "process " in summary[0] and "commit " in summary[0]
 
 
+class WritesOwnTensorBoardFile(Reporting):
+    folders: list[Path] = []
+
+    def on_finish(self):
+        folder = self.context.get_tensorboard_path()
+        type(self).folders.append(folder)
+        (folder / "notes.txt").write_text("written by the processor")
+
+
+WritesOwnTensorBoardFile.__qualname__ = "Reporting"
+
+
 @needs_tensorboard
 def test_tensorboard_files_of_remote_storage_are_uploaded_through_storage(tmp_path):
     url = f"memory://tbp-observe-{os.getpid()}-{time.time_ns()}/job"
     result = torch_batch_process(
-        Reporting, list(range(40)), batch_size=4, storage_path=url, tensorboard=True, progress=False
+        WritesOwnTensorBoardFile, list(range(40)), batch_size=4, storage_path=url, tensorboard=True, progress=False
     )
     assert result.finished
     fs = fsspec.filesystem("memory")
     root = url[len("memory://") :]
     events = [p for p in fs.find(f"{root}/tensorboard/rank_0") if "tfevents" in p]
     assert len(events) == 1
+    assert fs.cat_file(f"{root}/tensorboard/rank_0/notes.txt") == b"written by the processor"
+    (folder,) = WritesOwnTensorBoardFile.folders
+    assert not folder.exists(), "the local temporary folder is removed once uploaded"
     local = tmp_path / "download"
     local.mkdir()
     fs.get_file(events[0], str(local / Path(events[0]).name))

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import pickle
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -58,6 +57,7 @@ from torch_batch_process.result import BatchProcessResult, to_jsonable
 from torch_batch_process.sharding import BatchGeometry, RankBatchSampler, ShardPlan, planned_batches
 from torch_batch_process.storage import Storage
 from torch_batch_process.stragglers import RankInterval
+from torch_batch_process.tensorboard_writer import temporary_folder, tensorboard_dir
 from torch_batch_process.validation import JobArguments, validate_arguments
 
 logger = logging.getLogger(__name__)
@@ -212,13 +212,14 @@ class _JobRun:
         self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
         self.total_timings: dict[str, float] = {}
         self.rank_timings: list[dict[str, float]] = []
+        self.tensorboard_path = self._tensorboard_path()
         self.observer = JobObserver(
             self.observe_options,
             rank=self.rank,
             world_size=self.world_size,
             job_name=args.job_name,
             batch_size=args.batch_size,
-            tensorboard_dir=self._tensorboard_path(),
+            tensorboard_dir=self.tensorboard_path,
             storage=self.storage,
             device=env.device,
         )
@@ -375,7 +376,7 @@ class _JobRun:
             distributed=self.env.info,
             stager=stager,
             storage_path=self.storage.url,
-            tensorboard_path=self._tensorboard_path(),
+            tensorboard_path=self.tensorboard_path,
             metrics_sink=self.metric_buffer.append,
         )
         self.context = context
@@ -421,9 +422,10 @@ class _JobRun:
             )
 
     def _tensorboard_path(self) -> Path:
+        """``<storage>/tensorboard/rank_<r>`` for local storage, else a fresh local folder uploaded at commits."""
         if self.storage.is_local:
-            return self.storage.local_path(f"tensorboard/rank_{self.rank}")
-        return Path(tempfile.gettempdir()) / f"tbp-tensorboard-{self.args.job_name}" / f"rank_{self.rank}"
+            return self.storage.local_path(tensorboard_dir(self.rank))
+        return temporary_folder(self.args.job_name, self.rank)
 
     # ------------------------------------------------------------- 4-5. steps and commits
 
@@ -436,6 +438,7 @@ class _JobRun:
             return False
         loader_iter = iter(self._make_loader(shard)) if shard.num_batches_of(self.rank) else None
         agreement = StepAgreement(self.coll)
+        observer = self.observer
         interval = self.args.checkpoint_interval
         mode = torch.inference_mode() if self.args.inference_mode else contextlib.nullcontext()
         try:
@@ -443,8 +446,8 @@ class _JobRun:
                 batch_idx = shard.batch_at(step, self.rank)
                 if batch_idx is not None and not self.failures.failed:
                     self._run_batch(processor, loader_iter, batch_idx, mode)
-                if self.observer.step_hook is not None:  # progress display, profiler: cheap, no I/O
-                    self.observer.step_hook(step)
+                if step >= observer.next_step:  # progress display, profiler: an int compare per step
+                    observer.on_step(step)
                 if (step + 1) % interval == 0 or step == shard.num_steps - 1:
                     agreement.drain()
                     if self._commit(processor, stager, signals, hook=True):

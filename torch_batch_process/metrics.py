@@ -6,8 +6,12 @@ Schema of ``<storage_path>/metrics.jsonl``, one JSON object per line::
      "commit": 8, "attempt": 1}
 
 Records reach storage at the commit that follows them (written by rank 0 after the commit record,
-so a crash before a commit loses only records whose batches are processed again). The final
-reduced metrics are the record of group ``"reduced"``.
+so a crash before a commit loses only records whose batches are processed again). Groups written
+by the library itself: ``"reduced"`` (reduced metrics, ``steps_completed`` = batches committed: at
+the end, at a preemption, and "so far" every ``TBP_METRICS_INTERVAL`` seconds; the last one of a
+finished job is its result) and ``"progress"`` (``batches_committed``, ``examples_committed``,
+``fraction_done``, ``examples_per_s``, ``elapsed_s``; every ``progress_interval`` seconds and at the
+end). See :mod:`torch_batch_process.observe`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The job's observer: what the loop tells the user while it runs, in few, cheap calls.
 
 The loop calls a :class:`JobObserver` at four points: :meth:`~JobObserver.start` before the first
-step, the :attr:`~JobObserver.step_hook` after each step (``None`` when nothing watches steps),
+step, :meth:`~JobObserver.on_step` after a step when ``step >= next_step`` (an int compare per step),
 :meth:`~JobObserver.on_record` (rank 0, while it writes a commit record) and
 :meth:`~JobObserver.on_commit` once a commit is durable, then :meth:`~JobObserver.finish` with the
 result and :meth:`~JobObserver.close` in any case. Behind it:
@@ -14,8 +14,9 @@ result and :meth:`~JobObserver.close` in any case. Behind it:
 - the throughput, progress and "reduced metrics so far" stored in commit records and in
   ``metrics.jsonl`` (read by ``tbp status``).
 
-Overhead: no collective and no I/O per step; a step costs one clock read on rank 0 (none on the
-other ranks unless they are profiled). Everything else happens at commits, throttled in time.
+Overhead: no collective and no I/O per step; a step costs one integer comparison in the loop, and
+rank 0 reads the clock only every few steps (sized from the step rate to hit the display's refresh
+time). Everything else happens at commits, throttled in time.
 
 Reduced metrics so far: the reducers' ``cross_slot_reduce`` runs on rank 0 at a commit when
 ``TBP_METRICS_INTERVAL`` seconds (default 60) have passed since the last time, and at least 100 times
@@ -42,7 +43,7 @@ from torch_batch_process.progressbar import BarDisplay, LogDisplay, ProgressDisp
 from torch_batch_process.result import BatchProcessResult, to_jsonable
 from torch_batch_process.storage import Storage
 from torch_batch_process.stragglers import RankInterval, StragglerDetector
-from torch_batch_process.tensorboard_writer import TensorBoardLog
+from torch_batch_process.tensorboard_writer import FolderUploader, TensorBoardLog
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,12 @@ METRICS_BUDGET = 100.0
 """Interim reduced metrics wait at least this many times their own last duration."""
 
 PHASES = ("data", "process", "commit", "hooks")
+
+NEVER = 1 << 62
+"""``next_step`` when nothing watches steps."""
+
+MAX_STEP_GAP = 100
+"""The display checks the clock at least every this many steps (bounds the delay if steps slow down)."""
 
 
 class JobObserver:
@@ -94,8 +101,12 @@ class JobObserver:
         self._display: ProgressDisplay | None = None
         self._profiler: StepProfiler | None = None
         self._tb: TensorBoardLog | None = None
+        self._uploader = None if storage.is_local else FolderUploader(tensorboard_dir, rank, storage)
         self._stragglers = StragglerDetector(options.straggler_ratio)
-        self.step_hook: Callable[[int], None] | None = None
+        self.next_step = NEVER
+        """The loop calls :meth:`on_step` after a step ``>= next_step`` (the display or profiler is due)."""
+        self._last_check = 0.0
+        self._last_check_step = -1
         # Progress of this attempt (set by start()).
         self._started = time.monotonic()
         self._started_wall = time.time()
@@ -161,7 +172,8 @@ class JobObserver:
         if self.rank == 0 and self.options.progress != "off" and remaining_batches:
             self._open_display()
         if self._display is not None or self._profiler is not None:
-            self.step_hook = self._after_step
+            self.next_step = 0
+        self._last_check = time.monotonic()
 
     def _open_display(self) -> None:
         mode = pick_mode(self.options.progress, sys.stderr)
@@ -179,7 +191,7 @@ class JobObserver:
 
     def _open_tensorboard(self) -> None:
         try:
-            self._tb = TensorBoardLog(self._tb_dir, self.rank, None if self._storage.is_local else self._storage)
+            self._tb = TensorBoardLog(self._tb_dir)
         except Exception as exc:  # noqa: BLE001 - event files are a convenience
             logger.warning("TensorBoard event files are off: cannot open %s (%s)", self._tb_dir, exc)
 
@@ -192,26 +204,35 @@ class JobObserver:
 
     # ------------------------------------------------------------------------ steps
 
-    def _after_step(self, step: int) -> None:
-        """After step ``step`` (0-based) of this attempt: at most a clock read, mostly."""
+    def on_step(self, step: int) -> None:
+        """After step ``step`` (0-based) of this attempt, when ``step >= next_step``.
+
+        The loop only compares ``step`` with :attr:`next_step` at every step; this method moves
+        :attr:`next_step` ahead to about when the next display refresh is due (from the measured step
+        rate, at most :data:`MAX_STEP_GAP` steps ahead), or to the next step while profiling.
+        """
         if self._profiler is not None:
             self._profiler.step()
             if not self._profiler.running:
                 self._profiler = None
-                if self._display is None:
-                    self.step_hook = None
         if self._display is None:
+            self.next_step = step + 1 if self._profiler is not None else NEVER
             return
         now = time.monotonic()
-        if now < self._next_show:
-            return
-        self._next_show = now + self._display.refresh_s
-        batches = min(self._remaining_batches, (step + 1) * self.world_size)
-        examples = min(self._remaining_examples, batches * self.batch_size)
-        self._display.show(
-            max(self._committed_examples, self._base_examples + examples),
-            max(self._committed_batches, self._base_batches + batches),
-        )
+        if now >= self._next_show:
+            self._next_show = now + self._display.refresh_s
+            batches = min(self._remaining_batches, (step + 1) * self.world_size)
+            examples = min(self._remaining_examples, batches * self.batch_size)
+            self._display.show(
+                max(self._committed_examples, self._base_examples + examples),
+                max(self._committed_batches, self._base_batches + batches),
+            )
+        gap = 1
+        if self._profiler is None and now > self._last_check and step > self._last_check_step:
+            rate = (step - self._last_check_step) / (now - self._last_check)
+            gap = max(1, min(MAX_STEP_GAP, int((self._next_show - now) * rate)))
+        self._last_check, self._last_check_step = now, step
+        self.next_step = step + gap
 
     # ------------------------------------------------------------------------ commits
 
@@ -297,24 +318,26 @@ class JobObserver:
             straggler = self._stragglers.add(intervals)
             if straggler is not None:
                 logger.warning(straggler.describe())
-        if self._tb is None:
-            return
-        mine = intervals[self.rank]
-        window = self._tb_window
-        window.batches += mine.batches
-        window.examples += mine.examples
-        for key, value in mine.timings.items():
-            window.timings[key] = window.timings.get(key, 0.0) + value
-        try:
-            self._tb.records(own_records)
-            if metrics and self.rank == 0:
-                self._tb.scalars(to_jsonable(metrics), batches_committed, "reduced")
-            if time.monotonic() >= self._next_tb_scalars:
-                self._tb_scalars(batches_committed, examples_committed)
-            self._tb.sync()
-        except Exception as exc:  # noqa: BLE001 - event files are a convenience
-            logger.warning("writing TensorBoard event files failed (%s); they are off for this run", exc)
-            self._tb = None
+        if self._tb is not None:
+            mine = intervals[self.rank]
+            window = self._tb_window
+            window.batches += mine.batches
+            window.examples += mine.examples
+            for key, value in mine.timings.items():
+                window.timings[key] = window.timings.get(key, 0.0) + value
+            try:
+                self._tb.records(own_records)
+                if metrics and self.rank == 0:
+                    self._tb.scalars(to_jsonable(metrics), batches_committed, "reduced")
+                if time.monotonic() >= self._next_tb_scalars:
+                    self._tb_scalars(batches_committed, examples_committed)
+            except Exception as exc:  # noqa: BLE001 - event files are a convenience
+                logger.warning("writing TensorBoard event files failed (%s); they are off for this run", exc)
+                self._tb = None
+        if self._uploader is not None and self._uploader.due():  # remote storage: upload the folder
+            if self._tb is not None:
+                self._tb.flush()
+            self._uploader.sync()
 
     def _tb_scalars(self, batches_committed: int, examples_committed: int) -> None:
         now = time.monotonic()
@@ -360,13 +383,16 @@ class JobObserver:
         if self._profiler is not None:
             self._profiler.close()
             self._profiler = None
-        self.step_hook = None
+        self.next_step = NEVER
         if self._tb is not None:
             tb, self._tb = self._tb, None
             try:
                 tb.close()
             except Exception as exc:  # noqa: BLE001
                 logger.warning("closing the TensorBoard event file failed: %s", exc)
+        if self._uploader is not None:
+            uploader, self._uploader = self._uploader, None
+            uploader.close()
 
     def _close_display(self) -> None:
         if self._display is not None:
