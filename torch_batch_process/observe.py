@@ -126,7 +126,6 @@ class JobObserver:
         self._next_progress_record = time.monotonic() + options.progress_interval
         # TensorBoard throughput of this rank between scalar writes.
         self._tb_window = RankInterval(0, 0, {})
-        self._tb_window_started = time.monotonic()
         self._next_tb_scalars = time.monotonic() + TB_SCALAR_INTERVAL_S
 
     # ------------------------------------------------------------------------ start
@@ -164,7 +163,6 @@ class JobObserver:
         self._base_examples = self._committed_examples = committed_examples
         self._remaining_batches = remaining_batches
         self._remaining_examples = max(0, self.total_examples - committed_examples)
-        self._tb_window_started = self._started
         if self.options.tensorboard:
             self._open_tensorboard()
         if self.options.profile is not None and self.options.profile.covers(self.rank) and remaining_batches:
@@ -340,13 +338,15 @@ class JobObserver:
             self._uploader.sync()
 
     def _tb_scalars(self, batches_committed: int, examples_committed: int) -> None:
+        tb = self._tb
+        assert tb is not None
         now = time.monotonic()
         self._next_tb_scalars = now + TB_SCALAR_INTERVAL_S
         window = self._tb_window
         if self.rank == 0:
             elapsed = now - self._started
             done = examples_committed - self._base_examples
-            self._tb.scalars(
+            tb.scalars(
                 {
                     "examples_per_s": done / elapsed if elapsed > 0 else 0.0,
                     "fraction_done": _fraction(examples_committed, self.total_examples),
@@ -357,10 +357,9 @@ class JobObserver:
             )
         if window.batches:
             rate = window.examples / window.busy_s if window.busy_s > 0 else 0.0
-            self._tb.scalars({"examples_per_s": rate}, batches_committed, "throughput")
-            self._tb.scalars({f"{key}_s": window.timings.get(key, 0.0) for key in PHASES}, batches_committed, "time")
+            tb.scalars({"examples_per_s": rate}, batches_committed, "throughput")
+            tb.scalars({f"{key}_s": window.timings.get(key, 0.0) for key in PHASES}, batches_committed, "time")
         self._tb_window = RankInterval(0, 0, {})
-        self._tb_window_started = now
 
     # ------------------------------------------------------------------------ end
 

@@ -194,7 +194,7 @@ def _running(storage: Storage) -> tuple[bool | None, dict[str, Any] | None]:
     info = _read_json(storage, LOCK_INFO_FILE)
     holder = {"host": info.get("host"), "pid": info.get("pid")} if info else None
     same_host = not info or info.get("host") == socket.gethostname()
-    held = _flock_held(str(storage.local_path(LOCK_FILE)))
+    held = _flock_held(str(storage.local_path(LOCK_FILE)), info.get("pid") if info else None)
     if held:
         return True, holder
     if not same_host:
@@ -205,8 +205,12 @@ def _running(storage: Storage) -> tuple[bool | None, dict[str, Any] | None]:
     return False, None
 
 
-def _flock_held(path: str) -> bool | None:
-    """Whether some process holds a ``flock`` on ``path`` (Linux ``/proc/locks``), without taking it."""
+def _flock_held(path: str, pid: Any = None) -> bool | None:
+    """Whether some process holds a ``flock`` on ``path`` (Linux ``/proc/locks``), without taking it.
+
+    A lock matches by device and inode, or by inode and the holder's ``pid`` (overlay filesystems may
+    show another device number there). ``None`` when ``/proc/locks`` cannot be read.
+    """
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -218,12 +222,13 @@ def _flock_held(path: str) -> bool | None:
             lines = f.read().splitlines()
     except OSError:
         return None
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
     for line in lines:
         fields = line.split()
-        if "->" in fields:  # a waiter, not a holder
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":  # "->": a waiter, not a holder
             continue
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device:
+        dev, _, inode = fields[5].rpartition(":")
+        if inode == str(st.st_ino) and (dev == device or fields[4] == str(pid)):
             return True
     return False
 
