@@ -91,9 +91,10 @@ def run_once(config: str, n: int, batch_size: int, interval: int, root: Path) ->
     return elapsed, cpu
 
 
-def observer_costs(calls: int = 20_000) -> tuple[float, float]:
-    """Seconds per step (rank 0, bar on: the loop's check and the observer's clock reads) and per commit (records, TensorBoard on,
-    straggler check of 2 ranks), measured on the observer alone."""
+def observer_costs(calls: int = 20_000) -> tuple[float, float, float]:
+    """Seconds per step (rank 0, bar on: the loop's check and the observer's clock reads), per commit (records, TensorBoard on,
+    straggler check of 2 ranks) and per call (opening and closing the bar and the event file), measured on
+    the observer alone."""
     import torch
 
     from torch_batch_process.observe import JobObserver
@@ -140,7 +141,23 @@ def observer_costs(calls: int = 20_000) -> tuple[float, float]:
             observer.on_commit(intervals=intervals, own_records=[], batches_committed=i, examples_committed=i, metrics=None)
         per_commit = (time.perf_counter() - t0) / calls
         observer.close()
-    return per_step, per_commit
+        opens = 20
+        t0 = time.perf_counter()
+        for i in range(opens):
+            observer = JobObserver(
+                ObserveOptions(progress="bar", tensorboard=tensorboard_installed()),
+                rank=0,
+                world_size=2,
+                job_name="bench",
+                batch_size=1,
+                tensorboard_dir=Path(tmp) / f"tb{i}",
+                storage=Storage(tmp),
+                device=torch.device("cpu"),
+            )
+            observer.start(total_batches=10, total_examples=10, committed_batches=0, committed_examples=0, remaining_batches=10)
+            observer.close()
+        per_call = (time.perf_counter() - t0) / opens
+    return per_step, per_commit, per_call
 
 
 def main() -> None:
@@ -164,7 +181,7 @@ def main() -> None:
             rows.append((batch_size, interval, times))
             print(f"  done: batch_size={batch_size}, checkpoint_interval={interval}", file=sys.stderr, flush=True)
         with contextlib.redirect_stderr(devnull):
-            per_step, per_commit = observer_costs()
+            per_step, per_commit, per_call = observer_costs()
     print(f"\nobservability overhead, {args.examples} examples per run, {args.rounds} interleaved rounds (medians)")
     print(
         f"{'batch':>5} {'commit every':>12} {'steps/s':>8} {'wall off':>9} {'wall on':>9} {'wall +':>8} "
@@ -183,10 +200,12 @@ def main() -> None:
             f"{statistics.median(cpu_on):>9.3f} {cpu_paired:>+8.2%} {analytic:>+9.3%}"
         )
     print(
-        f"\nobserver alone: {per_step * 1e9:.0f} ns per step (rank 0), {per_commit * 1e6:.1f} us per commit.\n"
+        f"\nobserver alone: {per_step * 1e9:.0f} ns per step (rank 0), {per_commit * 1e6:.1f} us per commit, "
+        f"{per_call * 1e3:.1f} ms per call (opening and closing the bar and the event file).\n"
         "'wall +', 'cpu +': median over rounds of on/off - 1 (CPU time counts every thread of the process, e.g. "
         "the event file writer, and is less disturbed by other processes);\n"
-        "'observer': the observer's own cost over the fastest 'off' wall time (the overhead without machine noise)"
+        "'observer': the observer's per-step and per-commit cost over the fastest 'off' wall time (the overhead "
+        "without machine noise; the per-call cost comes on top, once per job)"
     )
 
 

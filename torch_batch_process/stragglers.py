@@ -64,27 +64,38 @@ class StragglerDetector:
         self.min_batches = min_batches
         self.min_busy_s = min_busy_s
         self.repeat_s = repeat_s
-        self._window: list[RankInterval] = []
+        self._batches: list[int] = []
+        self._examples: list[int] = []
+        self._data: list[float] = []
+        self._process: list[float] = []
         self._last_named: dict[int, float] = {}
 
     def add(self, intervals: list[RankInterval]) -> Straggler | None:
         """Adds one commit's intervals; returns a straggler when the window is judged and has one."""
-        if len(intervals) < 2:
+        size = len(intervals)
+        if size < 2:
             return None
-        if len(self._window) != len(intervals):
-            self._window = [RankInterval(0, 0, {}) for _ in intervals]
-        for acc, new in zip(self._window, intervals):
-            acc.batches += new.batches
-            acc.examples += new.examples
-            for key in ("data", "process"):
-                acc.timings[key] = acc.timings.get(key, 0.0) + new.timings.get(key, 0.0)
-        working = [(rank, acc) for rank, acc in enumerate(self._window) if acc.batches > 0]
-        if len(working) < 2 or min(acc.batches for _, acc in working) < self.min_batches:
+        if len(self._batches) != size:
+            self._reset(size)
+        batches, examples, data, process = self._batches, self._examples, self._data, self._process
+        for rank, new in enumerate(intervals):
+            if new.batches:
+                timings = new.timings
+                batches[rank] += new.batches
+                examples[rank] += new.examples
+                data[rank] += timings.get("data", 0.0)
+                process[rank] += timings.get("process", 0.0)
+        working = [rank for rank in range(size) if batches[rank]]
+        if len(working) < 2 or min(batches[rank] for rank in working) < self.min_batches:
             return None
-        if max(acc.busy_s for _, acc in working) < self.min_busy_s:
+        if max(data[rank] + process[rank] for rank in working) < self.min_busy_s:
             return None
-        self._window = []
-        found = self.judge(working)
+        window = [
+            (rank, RankInterval(batches[rank], examples[rank], {"data": data[rank], "process": process[rank]}))
+            for rank in working
+        ]
+        self._reset(size)
+        found = self.judge(window)
         if found is None:
             return None
         now = time.monotonic()
@@ -93,6 +104,12 @@ class StragglerDetector:
             return None
         self._last_named[found.rank] = now
         return found
+
+    def _reset(self, size: int) -> None:
+        self._batches = [0] * size
+        self._examples = [0] * size
+        self._data = [0.0] * size
+        self._process = [0.0] * size
 
     def judge(self, working: list[tuple[int, RankInterval]]) -> Straggler | None:
         """The slowest rank of ``working`` if its rate is below ``ratio`` times the median of the others."""
