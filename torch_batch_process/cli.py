@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torch_batch_process {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     _add_run_parser(subparsers)
+    from torch_batch_process.status import add_status_parser  # tbp status: torch_batch_process/status.py
+
+    add_status_parser(subparsers)
     return parser
 
 

@@ -125,7 +125,12 @@ class TorchBatchProcessorContext:
         )
 
     def get_tensorboard_path(self) -> Path:
-        """A local folder for TensorBoard event files and profiler traces of this rank."""
+        """A local folder for TensorBoard event files and profiler traces of this rank.
+
+        ``<storage_path>/tensorboard/rank_<r>`` for local storage; for remote storage a local
+        temporary folder whose files are uploaded to ``<storage_path>/tensorboard/rank_<r>/`` at
+        commits and when the job returns.
+        """
         self._tensorboard_path.mkdir(parents=True, exist_ok=True)
         return self._tensorboard_path
 

@@ -23,6 +23,15 @@ class _RankFilter(logging.Filter):
         return True
 
 
+class _RankFormatter(logging.Formatter):
+    """Also formats records of loggers created after :func:`setup_logging` (no filter on them yet)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not hasattr(record, "rank"):
+            record.rank = _filter.rank
+        return super().format(record)
+
+
 _filter = _RankFilter()
 _handler: logging.Handler | None = None
 
@@ -41,7 +50,7 @@ def setup_logging(rank: int) -> None:
                 child_logger.addFilter(_filter)
     if _handler is None and not logging.getLogger().handlers and not logger.handlers:
         _handler = logging.StreamHandler(sys.stderr)
-        _handler.setFormatter(logging.Formatter("%(asctime)s [tbp rank %(rank)s] %(levelname)s %(message)s", "%H:%M:%S"))
+        _handler.setFormatter(_RankFormatter("%(asctime)s [tbp rank %(rank)s] %(levelname)s %(message)s", "%H:%M:%S"))
         logger.addHandler(_handler)
         logger.propagate = False
     if _handler is not None:

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import pickle
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -48,6 +47,8 @@ from torch_batch_process.errors import JobMismatchError, StorageError, WorkerFai
 from torch_batch_process.lock import JobLock, acquire_job_lock
 from torch_batch_process.log import setup_logging
 from torch_batch_process.metrics import MetricsLog
+from torch_batch_process.observe import JobObserver
+from torch_batch_process.observe_options import ObserveOptions, resolve_observe_options
 from torch_batch_process.outputs import OutputStager
 from torch_batch_process.preemption import SignalWatcher
 from torch_batch_process.processor import TorchBatchProcessor
@@ -55,6 +56,8 @@ from torch_batch_process.progress import RangeSet
 from torch_batch_process.result import BatchProcessResult, to_jsonable
 from torch_batch_process.sharding import BatchGeometry, RankBatchSampler, ShardPlan, planned_batches
 from torch_batch_process.storage import Storage
+from torch_batch_process.stragglers import RankInterval
+from torch_batch_process.tensorboard_writer import temporary_folder, tensorboard_dir
 from torch_batch_process.validation import JobArguments, validate_arguments
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,10 @@ def torch_batch_process(
     job_name: str | None = None,
     resume: bool = True,
     inference_mode: bool = True,
+    progress: bool | str | None = None,
+    progress_interval: float | None = None,
+    tensorboard: bool | None = None,
+    profile: bool | dict[str, Any] | None = None,
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -96,6 +103,16 @@ def torch_batch_process(
             there (progress and outputs) and starts afresh.
         inference_mode: run ``process_batch`` under ``torch.inference_mode()`` (default); pass
             ``False`` when the processor needs autograd.
+        progress: rank 0's progress display: ``None``/``True``/``"auto"`` (default ``$TBP_PROGRESS``,
+            else auto): a tqdm bar when stderr is a terminal, else a plain log line every
+            ``progress_interval`` seconds; ``"bar"`` or ``"log"`` to force one; ``False``/``"off"``: none.
+        progress_interval: seconds between plain progress lines; default ``$TBP_PROGRESS_INTERVAL``, else 30.
+        tensorboard: write TensorBoard event files (metrics, progress, throughput) under
+            ``context.get_tensorboard_path()``; ``None`` (default ``$TBP_TENSORBOARD``): when the
+            ``tensorboard`` package is installed.
+        profile: run ``torch.profiler`` over a few steps and write the trace under the TensorBoard
+            path: ``True`` (rank 0, default schedule) or a dict (``ranks``, ``wait``, ``warmup``,
+            ``active``...); default ``$TBP_PROFILE``. See :mod:`torch_batch_process.observe_options`.
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -122,9 +139,10 @@ def torch_batch_process(
         resume,
         inference_mode,
     )
+    observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     with DistributedEnv() as env:
         setup_logging(env.info.rank)
-        return _JobRun(args, env).run()
+        return _JobRun(args, env, observe).run()
 
 
 @dataclass
@@ -167,8 +185,9 @@ class _Outcome:
 class _JobRun:
     """One call of :func:`torch_batch_process` on one rank."""
 
-    def __init__(self, args: JobArguments, env: DistributedEnv) -> None:
+    def __init__(self, args: JobArguments, env: DistributedEnv, observe: ObserveOptions | None = None) -> None:
         self.args = args
+        self.observe_options = observe or ObserveOptions()
         self.env = env
         self.rank = env.info.rank
         self.world_size = env.info.size
@@ -192,6 +211,18 @@ class _JobRun:
         self.examples_processed = 0
         self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
         self.total_timings: dict[str, float] = {}
+        self.rank_timings: list[dict[str, float]] = []
+        self.tensorboard_path = self._tensorboard_path()
+        self.observer = JobObserver(
+            self.observe_options,
+            rank=self.rank,
+            world_size=self.world_size,
+            job_name=args.job_name,
+            batch_size=args.batch_size,
+            tensorboard_dir=self.tensorboard_path,
+            storage=self.storage,
+            device=env.device,
+        )
         self.last_record: CommitRecord | None = None
 
     # ------------------------------------------------------------------------ lifecycle
@@ -208,13 +239,16 @@ class _JobRun:
                 try:
                     shard = ShardPlan(self.committed.complement(plan.planned_batches), self.world_size)
                     self._log_start(plan, shard)
-                    if self._process(processor, stager, shard, signals):
-                        return self._result(plan, preempted=True, metrics=self.preempt_metrics or {})
-                    metrics = self._finish(processor, stager, signals)
+                    self._start_observer(plan, shard)
+                    preempted = self._process(processor, stager, shard, signals)
+                    metrics = (self.preempt_metrics or {}) if preempted else self._finish(processor, stager, signals)
                 finally:
                     stager.close()
-            return self._result(plan, preempted=False, metrics=metrics)
+            result = self._result(plan, preempted=preempted, metrics=metrics)
+            self.observer.finish(result)
+            return result
         finally:
+            self.observer.close()
             if self.lock is not None:
                 self.lock.release()
             self.metrics_log.close()
@@ -343,7 +377,7 @@ class _JobRun:
             distributed=self.env.info,
             stager=stager,
             storage_path=self.storage.url,
-            tensorboard_path=self._tensorboard_path(),
+            tensorboard_path=self.tensorboard_path,
             metrics_sink=self.metric_buffer.append,
         )
         self.context = context
@@ -389,9 +423,10 @@ class _JobRun:
             )
 
     def _tensorboard_path(self) -> Path:
+        """``<storage>/tensorboard/rank_<r>`` for local storage, else a fresh local folder uploaded at commits."""
         if self.storage.is_local:
-            return self.storage.local_path(f"tensorboard/rank_{self.rank}")
-        return Path(tempfile.gettempdir()) / f"tbp-tensorboard-{self.args.job_name}" / f"rank_{self.rank}"
+            return self.storage.local_path(tensorboard_dir(self.rank))
+        return temporary_folder(self.args.job_name, self.rank)
 
     # ------------------------------------------------------------- 4-5. steps and commits
 
@@ -404,6 +439,7 @@ class _JobRun:
             return False
         loader_iter = iter(self._make_loader(shard)) if shard.num_batches_of(self.rank) else None
         agreement = StepAgreement(self.coll)
+        observer = self.observer
         interval = self.args.checkpoint_interval
         mode = torch.inference_mode() if self.args.inference_mode else contextlib.nullcontext()
         try:
@@ -411,6 +447,8 @@ class _JobRun:
                 batch_idx = shard.batch_at(step, self.rank)
                 if batch_idx is not None and not self.failures.failed:
                     self._run_batch(processor, loader_iter, batch_idx, mode)
+                if step >= observer.next_step:  # progress display, profiler: an int compare per step
+                    observer.on_step(step)
                 if (step + 1) % interval == 0 or step == shard.num_steps - 1:
                     agreement.drain()
                     if self._commit(processor, stager, signals, hook=True):
@@ -531,6 +569,13 @@ class _JobRun:
         self.final_metrics = outcome.metrics
         self.timings["hooks"] += t_hook - t0
         self.timings["commit"] += time.perf_counter() - t_hook
+        self.observer.on_commit(
+            intervals=[RankInterval(sum(b - a for a, b in v.batches), v.examples, v.timings) for v in votes],
+            own_records=votes[self.rank].metrics,
+            batches_committed=len(self.committed),
+            examples_committed=self.geometry.count_examples(self.committed),
+            metrics=outcome.metrics,
+        )
         preempted = any(v.preempt for v in votes)
         if preempted and not final:
             self.preempt_metrics = outcome.metrics
@@ -539,12 +584,15 @@ class _JobRun:
     def _account(self, votes: list[_Vote]) -> None:
         """Adds the votes of a commit to the totals (an error afterwards fails the whole call anyway)."""
         self.commits += 1
-        for v in votes:
+        if len(self.rank_timings) != len(votes):
+            self.rank_timings = [{} for _ in votes]
+        for v, rank_timings in zip(votes, self.rank_timings):
             self.committed.update(RangeSet.from_json(v.batches))
             self.batches_processed += sum(b - a for a, b in v.batches)
             self.examples_processed += v.examples
             for key, value in v.timings.items():
                 self.total_timings[key] = self.total_timings.get(key, 0.0) + value
+                rank_timings[key] = rank_timings.get(key, 0.0) + value
 
     def _write_record(self, number: int, votes: list[_Vote], *, final: bool) -> _Outcome:
         """Rank 0: writes commit record ``number`` (the commit point) and its metrics."""
@@ -555,12 +603,27 @@ class _JobRun:
         preempting = any(v.preempt for v in votes)
         metrics: dict[str, Any] | None = None
         state_files = [v.state_file for v in votes]
-        if reducers.wrapped and (final or preempting):
+
+        def reduce() -> dict[str, Any]:
             live = [v.slots for v in votes] if final else [self.store.load_state(f)["reducers"] for f in state_files if f]
             frozen = [self.store.load_state(f)["reducers"] for f in self.plan.frozen_state_files]
-            metrics = reducers.cross_slot_reduce(frozen + [s for s in live if s is not None])
+            return reducers.cross_slot_reduce(frozen + [s for s in live if s is not None])
+
+        if reducers.wrapped and (final or preempting):
+            metrics = reduce()
         elif final:
             metrics = {}
+        elif reducers.wrapped:
+            metrics = self.observer.interim_metrics(reduce)  # "metrics so far", within a time budget
+        observed_stats, observed_lines = self.observer.on_record(
+            batches_committed=len(committed),
+            examples_committed=self.geometry.count_examples(committed),
+            batches_processed=self.batches_processed,
+            examples_processed=self.examples_processed,
+            preempted=preempting,
+            last=final or preempting,
+            metrics=metrics,
+        )
         result = None
         if final:
             result = self._result(self.plan, preempted=False, metrics=metrics or {}).to_json()
@@ -578,12 +641,14 @@ class _JobRun:
                 "batches_committed": len(committed),
                 "examples_committed": self.geometry.count_examples(committed),
                 "planned_batches": self.plan.planned_batches,
+                **observed_stats,
             },
         )
         self.store.write_record(record)
         lines = [line for v in votes for line in v.metrics]
-        if final:
+        if metrics is not None:
             lines.append({"group": "reduced", "steps_completed": len(committed), "rank": 0, "metrics": to_jsonable(metrics)})
+        lines.extend(observed_lines)
         try:
             self.metrics_log.append(lines, commit=number, attempt=self.plan.attempt)
             if result is not None:
@@ -630,12 +695,24 @@ class _JobRun:
             commits=self.commits,
             elapsed_s=time.monotonic() - self.started,
             timings={key: round(value, 6) for key, value in self.total_timings.items()},
+            timings_per_rank=[{key: round(value, 6) for key, value in t.items()} for t in self.rank_timings],
         )
         if preempted:
             logger.warning(
                 "preempted: %d of %d batches committed; run the same command again to resume", len(committed), plan.planned_batches
             )
         return result
+
+    def _start_observer(self, plan: _StartPlan, shard: ShardPlan) -> None:
+        """Progress display, TensorBoard, profiler, stragglers (see :mod:`torch_batch_process.observe`)."""
+        self.observer.start(
+            total_batches=plan.planned_batches,
+            total_examples=min(plan.planned_batches * self.args.batch_size, self.args.dataset_length),
+            committed_batches=len(self.committed),
+            committed_examples=self.geometry.count_examples(self.committed),
+            remaining_batches=shard.num_remaining,
+            previous_stats=self.last_record.stats if self.last_record is not None else None,
+        )
 
     def _log_start(self, plan: _StartPlan, shard: ShardPlan) -> None:
         if self.rank != 0:

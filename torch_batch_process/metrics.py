@@ -6,8 +6,12 @@ Schema of ``<storage_path>/metrics.jsonl``, one JSON object per line::
      "commit": 8, "attempt": 1}
 
 Records reach storage at the commit that follows them (written by rank 0 after the commit record,
-so a crash before a commit loses only records whose batches are processed again). The final
-reduced metrics are the record of group ``"reduced"``.
+so a crash before a commit loses only records whose batches are processed again). Groups written
+by the library itself: ``"reduced"`` (reduced metrics, ``steps_completed`` = batches committed: at
+the end, at a preemption, and "so far" every ``TBP_METRICS_INTERVAL`` seconds; the last one of a
+finished job is its result) and ``"progress"`` (``batches_committed``, ``examples_committed``,
+``fraction_done``, ``examples_per_s``, ``elapsed_s``; every ``progress_interval`` seconds and at the
+end). See :mod:`torch_batch_process.observe`.
 
 Locally the lines of one commit are appended with a single ``write()`` (a killed process leaves
 whole lines). Object stores cannot append: rank 0 keeps a local copy of the file (under
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ class MetricsLog:
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
         self._mirror: Path | None = None
+        self._lock = threading.Lock()  # one append (and upload) at a time
 
     def append(self, records: list[dict[str, Any]], *, commit: int, attempt: int) -> None:
         if not records:
@@ -44,13 +50,14 @@ class MetricsLog:
             + "\n"
             for record in records
         ).encode("utf-8")
-        if self._storage.is_local:
-            self._storage.append_bytes(METRICS_FILE, lines)
-            return
-        mirror = self._local_mirror()
-        with open(mirror, "ab") as f:
-            f.write(lines)
-        self._storage.write_bytes(METRICS_FILE, mirror.read_bytes())
+        with self._lock:
+            if self._storage.is_local:
+                self._storage.append_bytes(METRICS_FILE, lines)
+                return
+            mirror = self._local_mirror()
+            with open(mirror, "ab") as f:
+                f.write(lines)
+            self._storage.write_bytes(METRICS_FILE, mirror.read_bytes())
 
     def _local_mirror(self) -> Path:
         if self._mirror is None:

@@ -33,7 +33,10 @@ class BatchProcessResult:
         world_size: number of ranks of this call.
         commits: commits made by this call.
         elapsed_s: wall time of this call, in seconds.
-        timings: seconds spent per phase, summed over ranks (``data``, ``process``, ``commit``...).
+        timings: seconds spent per phase, summed over ranks: ``data`` (waiting for the data loader),
+            ``process`` (in ``process_batch``), ``commit`` (saving and committing), ``hooks``
+            (``__init__``, ``on_checkpoint_start``, ``on_finish``).
+        timings_per_rank: the same seconds for each rank (index = rank), to spot a slow one.
     """
 
     metrics: dict[str, Any]
@@ -54,6 +57,7 @@ class BatchProcessResult:
     elapsed_s: float
     already_finished: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    timings_per_rank: list[dict[str, float]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict (tensors and numpy values become plain numbers)."""

@@ -80,6 +80,10 @@ class Processor(TorchBatchProcessor):
         self.cls_sum.update(values)
         if SPEC.get("sleep"):
             time.sleep(SPEC["sleep"])
+        if SPEC.get("sleep_rank", {}).get(str(self.rank)):  # a straggler: this rank sleeps longer per batch
+            time.sleep(SPEC["sleep_rank"][str(self.rank)])
+        if SPEC.get("report_metrics"):
+            self.context.report_metrics("inference", batch_idx + 1, {"batch_sum": sum(values), "rank": self.rank})
         mode = SPEC.get("outputs", "per_batch")
         if mode in ("per_batch", "both"):
             with self.context.upload_path() as path:

@@ -1,0 +1,425 @@
+"""The job's observer: what the loop tells the user while it runs, in few, cheap calls.
+
+The loop calls a :class:`JobObserver` at four points: :meth:`~JobObserver.start` before the first
+step, :meth:`~JobObserver.on_step` after a step when ``step >= next_step`` (an int compare per step),
+:meth:`~JobObserver.on_record` (rank 0, while it writes a commit record) and
+:meth:`~JobObserver.on_commit` once a commit is durable, then :meth:`~JobObserver.finish` with the
+result and :meth:`~JobObserver.close` in any case. Behind it:
+
+- rank 0's progress display (:mod:`~torch_batch_process.progressbar`): between commits the done count
+  is extrapolated from rank 0's own step (``step * world_size`` batches), at commits it is exact;
+- straggler warnings (:mod:`~torch_batch_process.stragglers`) from the commit votes;
+- TensorBoard event files (:mod:`~torch_batch_process.tensorboard_writer`);
+- ``torch.profiler`` over a few steps (:mod:`~torch_batch_process.profiling`);
+- the throughput, progress and "reduced metrics so far" stored in commit records and in
+  ``metrics.jsonl`` (read by ``tbp status``).
+
+Overhead: no collective and no I/O per step; a step costs one integer comparison in the loop, and
+rank 0 reads the clock only every few steps (sized from the step rate to hit the display's refresh
+time). Everything else happens at commits, throttled in time.
+
+Reduced metrics so far: the reducers' ``cross_slot_reduce`` runs on rank 0 at a commit when
+``TBP_METRICS_INTERVAL`` seconds (default 60) have passed since the last time, and at least 100 times
+its own last duration (so it never takes more than ~1% of the job, even for function reducers, which
+keep every value). The result is stored in the commit record (``stats.metrics``) and
+``metrics.jsonl`` (group ``reduced``), and plotted as ``reduced/<name>``. A failure there only logs a
+warning and turns interim metrics off; the final metrics are computed as always.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_batch_process.observe_options import ObserveOptions
+from torch_batch_process.profiling import StepProfiler
+from torch_batch_process.progressbar import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
+from torch_batch_process.result import BatchProcessResult, to_jsonable
+from torch_batch_process.storage import Storage
+from torch_batch_process.stragglers import RankInterval, StragglerDetector
+from torch_batch_process.tensorboard_writer import FolderUploader, TensorBoardLog
+
+logger = logging.getLogger(__name__)
+
+TB_SCALAR_INTERVAL_S = 10.0
+"""Progress and throughput scalars go to TensorBoard at most this often (and at the end)."""
+
+METRICS_BUDGET = 100.0
+"""Interim reduced metrics wait at least this many times their own last duration."""
+
+PHASES = ("data", "process", "commit", "hooks")
+
+NEVER = 1 << 62
+"""``next_step`` when nothing watches steps."""
+
+MAX_STEP_GAP = 100
+"""The display checks the clock at least every this many steps (bounds the delay if steps slow down)."""
+
+
+class JobObserver:
+    """Progress, stragglers, TensorBoard, profiler and throughput records of one job run on one rank.
+
+    Args:
+        options: the resolved options.
+        rank: this rank.
+        world_size: ranks of this attempt.
+        job_name: shown on the bar.
+        batch_size: examples per global batch (for the extrapolation between commits).
+        tensorboard_dir: this rank's local TensorBoard folder.
+        storage: the job's storage (remote storage gets the TensorBoard files uploaded).
+        device: this rank's device (for the profiler's activities).
+    """
+
+    def __init__(
+        self,
+        options: ObserveOptions,
+        *,
+        rank: int,
+        world_size: int,
+        job_name: str,
+        batch_size: int,
+        tensorboard_dir: Path,
+        storage: Storage,
+        device: torch.device,
+    ) -> None:
+        self.options = options
+        self.rank = rank
+        self.world_size = world_size
+        self.job_name = job_name
+        self.batch_size = batch_size
+        self.total_batches = 0
+        self.total_examples = 0
+        self._tb_dir = tensorboard_dir
+        self._storage = storage
+        self._device = device
+        self._display: ProgressDisplay | None = None
+        self._profiler: StepProfiler | None = None
+        self._tb: TensorBoardLog | None = None
+        self._uploader = None if storage.is_local else FolderUploader(tensorboard_dir, rank, storage)
+        self._stragglers = StragglerDetector(options.straggler_ratio)
+        self.next_step = NEVER
+        """The loop calls :meth:`on_step` after a step ``>= next_step`` (the display or profiler is due)."""
+        self._last_check = 0.0
+        self._last_check_step = -1
+        # Progress of this attempt (set by start()).
+        self._started = time.monotonic()
+        self._started_wall = time.time()
+        self._base_batches = 0
+        self._base_examples = 0
+        self._remaining_batches = 0
+        self._remaining_examples = 0
+        self._committed_batches = 0
+        self._committed_examples = 0
+        self._next_show = 0.0
+        # Rank 0's records: metrics so far, progress lines.
+        self._metrics: dict[str, Any] | None = None
+        self._metrics_batches: int | None = None
+        self._metrics_time: float | None = None
+        self._metrics_next = time.monotonic() + options.metrics_interval
+        self._metrics_off = options.metrics_interval == 0
+        self._next_progress_record = time.monotonic() + options.progress_interval
+        # TensorBoard throughput of this rank between scalar writes.
+        self._tb_window = RankInterval(0, 0, {})
+        self._next_tb_scalars = time.monotonic() + TB_SCALAR_INTERVAL_S
+
+    # ------------------------------------------------------------------------ start
+
+    def start(
+        self,
+        *,
+        total_batches: int,
+        total_examples: int,
+        committed_batches: int,
+        committed_examples: int,
+        remaining_batches: int,
+        previous_stats: dict[str, Any] | None = None,
+    ) -> None:
+        """Before the first step: opens the display, the event file and the profiler.
+
+        Args:
+            total_batches: planned global batches of the whole job.
+            total_examples: examples in them.
+            committed_batches: batches committed before this attempt.
+            committed_examples: examples in them.
+            remaining_batches: batches this attempt processes.
+            previous_stats: ``stats`` of the latest commit record (rank 0, on a resume), for the
+                reduced metrics so far.
+        """
+        previous = previous_stats or {}
+        self._metrics = previous.get("metrics")
+        self._metrics_batches = previous.get("metrics_batches_committed")
+        self._metrics_time = previous.get("metrics_time")
+        self.total_batches = total_batches
+        self.total_examples = total_examples
+        self._started = time.monotonic()
+        self._started_wall = time.time()
+        self._base_batches = self._committed_batches = committed_batches
+        self._base_examples = self._committed_examples = committed_examples
+        self._remaining_batches = remaining_batches
+        self._remaining_examples = max(0, self.total_examples - committed_examples)
+        if self.options.tensorboard:
+            self._open_tensorboard()
+        if self.options.profile is not None and self.options.profile.covers(self.rank) and remaining_batches:
+            self._open_profiler()
+        if self.rank == 0 and self.options.progress != "off" and remaining_batches:
+            self._open_display()
+        if self._display is not None or self._profiler is not None:
+            self.next_step = 0
+        self._last_check = time.monotonic()
+
+    def _open_display(self) -> None:
+        mode = pick_mode(self.options.progress, sys.stderr)
+        sizes = dict(
+            total_examples=self.total_examples,
+            total_batches=self.total_batches,
+            initial_examples=self._base_examples,
+            initial_batches=self._base_batches,
+        )
+        if mode == "bar":
+            self._display = BarDisplay(name=self.job_name, **sizes)
+        else:
+            self._display = LogDisplay(interval=self.options.progress_interval, **sizes)
+        self._next_show = time.monotonic() + self._display.refresh_s
+
+    def _open_tensorboard(self) -> None:
+        try:
+            self._tb = TensorBoardLog(self._tb_dir)
+        except Exception as exc:  # noqa: BLE001 - event files are a convenience
+            logger.warning("TensorBoard event files are off: cannot open %s (%s)", self._tb_dir, exc)
+
+    def _open_profiler(self) -> None:
+        assert self.options.profile is not None
+        try:
+            self._profiler = StepProfiler(self.options.profile, self._tb_dir, self.rank, self._device)
+        except Exception as exc:  # noqa: BLE001 - profiling is a convenience
+            logger.warning("the profiler could not start: %s", exc)
+
+    # ------------------------------------------------------------------------ steps
+
+    def on_step(self, step: int) -> None:
+        """After step ``step`` (0-based) of this attempt, when ``step >= next_step``.
+
+        The loop only compares ``step`` with :attr:`next_step` at every step; this method moves
+        :attr:`next_step` ahead to about when the next display refresh is due (from the measured step
+        rate, at most :data:`MAX_STEP_GAP` steps ahead), or to the next step while profiling.
+        """
+        if self._profiler is not None:
+            self._profiler.step()
+            if not self._profiler.running:
+                self._profiler = None
+        if self._display is None:
+            self.next_step = step + 1 if self._profiler is not None else NEVER
+            return
+        now = time.monotonic()
+        if now >= self._next_show:
+            self._next_show = now + self._display.refresh_s
+            batches = min(self._remaining_batches, (step + 1) * self.world_size)
+            examples = min(self._remaining_examples, batches * self.batch_size)
+            self._display.show(
+                max(self._committed_examples, self._base_examples + examples),
+                max(self._committed_batches, self._base_batches + batches),
+            )
+        gap = 1
+        if self._profiler is None and now > self._last_check and step > self._last_check_step:
+            rate = (step - self._last_check_step) / (now - self._last_check)
+            gap = max(1, min(MAX_STEP_GAP, int((self._next_show - now) * rate)))
+        self._last_check, self._last_check_step = now, step
+        self.next_step = step + gap
+
+    # ------------------------------------------------------------------------ commits
+
+    def interim_metrics(self, reduce: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """Rank 0, at a commit that is neither final nor preempting: reduced metrics so far, when due."""
+        if self._metrics_off or time.monotonic() < self._metrics_next:
+            return None
+        t0 = time.perf_counter()
+        try:
+            metrics = reduce()
+        except Exception as exc:  # noqa: BLE001 - the final metrics are computed anyway
+            self._metrics_off = True
+            logger.warning("computing the reduced metrics so far failed (%s); they are computed at the end only", exc)
+            return None
+        cost = time.perf_counter() - t0
+        self._metrics_next = time.monotonic() + max(self.options.metrics_interval, METRICS_BUDGET * cost)
+        return metrics
+
+    def on_record(
+        self,
+        *,
+        batches_committed: int,
+        examples_committed: int,
+        batches_processed: int,
+        examples_processed: int,
+        preempted: bool,
+        last: bool,
+        metrics: dict[str, Any] | None,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Rank 0, writing a commit record: its extra ``stats`` and the extra ``metrics.jsonl`` records."""
+        now = time.time()
+        if metrics is not None:
+            self._metrics = to_jsonable(metrics)
+            self._metrics_batches = batches_committed
+            self._metrics_time = now
+        elapsed = time.monotonic() - self._started
+        rate = examples_processed / elapsed if elapsed > 0 else 0.0
+        stats: dict[str, Any] = {
+            "preempted": preempted,
+            "attempt_started": self._started_wall,
+            "attempt_elapsed_s": round(elapsed, 3),
+            "attempt_batches_processed": batches_processed,
+            "attempt_examples_processed": examples_processed,
+            "examples_per_s": round(rate, 3),
+        }
+        if self._metrics is not None:
+            stats.update(
+                metrics=self._metrics, metrics_batches_committed=self._metrics_batches, metrics_time=self._metrics_time
+            )
+        records: list[dict[str, Any]] = []
+        mono = time.monotonic()
+        if last or mono >= self._next_progress_record:
+            self._next_progress_record = mono + self.options.progress_interval
+            records.append(
+                {
+                    "group": "progress",
+                    "steps_completed": batches_committed,
+                    "rank": 0,
+                    "metrics": {
+                        "batches_committed": batches_committed,
+                        "examples_committed": examples_committed,
+                        "fraction_done": _fraction(examples_committed, self.total_examples),
+                        "examples_per_s": round(rate, 3),
+                        "elapsed_s": round(elapsed, 3),
+                    },
+                }
+            )
+        return stats, records
+
+    def on_commit(
+        self,
+        *,
+        intervals: list[RankInterval],
+        own_records: list[dict[str, Any]],
+        batches_committed: int,
+        examples_committed: int,
+        metrics: dict[str, Any] | None,
+    ) -> None:
+        """Every rank, once a commit is durable: display, stragglers, TensorBoard."""
+        self._committed_batches = batches_committed
+        self._committed_examples = examples_committed
+        if self.rank == 0:
+            straggler = self._stragglers.add(intervals)
+            if straggler is not None:
+                logger.warning(straggler.describe())
+        if self._tb is not None:
+            mine = intervals[self.rank]
+            window = self._tb_window
+            window.batches += mine.batches
+            window.examples += mine.examples
+            for key, value in mine.timings.items():
+                window.timings[key] = window.timings.get(key, 0.0) + value
+            try:
+                self._tb.records(own_records)
+                if metrics and self.rank == 0:
+                    self._tb.scalars(to_jsonable(metrics), batches_committed, "reduced")
+                if time.monotonic() >= self._next_tb_scalars:
+                    self._tb_scalars(batches_committed, examples_committed)
+            except Exception as exc:  # noqa: BLE001 - event files are a convenience
+                logger.warning("writing TensorBoard event files failed (%s); they are off for this run", exc)
+                self._tb = None
+        if self._uploader is not None and self._uploader.due():  # remote storage: upload the folder
+            if self._tb is not None:
+                self._tb.flush()
+            self._uploader.sync()
+
+    def _tb_scalars(self, batches_committed: int, examples_committed: int) -> None:
+        tb = self._tb
+        assert tb is not None
+        now = time.monotonic()
+        self._next_tb_scalars = now + TB_SCALAR_INTERVAL_S
+        window = self._tb_window
+        if self.rank == 0:
+            elapsed = now - self._started
+            done = examples_committed - self._base_examples
+            tb.scalars(
+                {
+                    "examples_per_s": done / elapsed if elapsed > 0 else 0.0,
+                    "fraction_done": _fraction(examples_committed, self.total_examples),
+                    "examples_committed": examples_committed,
+                },
+                batches_committed,
+                "progress",
+            )
+        if window.batches:
+            rate = window.examples / window.busy_s if window.busy_s > 0 else 0.0
+            tb.scalars({"examples_per_s": rate}, batches_committed, "throughput")
+            tb.scalars({f"{key}_s": window.timings.get(key, 0.0) for key in PHASES}, batches_committed, "time")
+        self._tb_window = RankInterval(0, 0, {})
+
+    # ------------------------------------------------------------------------ end
+
+    def finish(self, result: BatchProcessResult) -> None:
+        """After the last commit of this call: closes the display and logs the summary (rank 0)."""
+        if self._display is not None and isinstance(self._display, BarDisplay):
+            self._display.show(result.examples_committed, result.batches_committed)  # the bar ends exact
+        self._close_display()
+        if self._tb is not None:
+            try:
+                self._tb_scalars(result.batches_committed, result.examples_committed)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("writing TensorBoard event files failed: %s", exc)
+        if self.rank == 0:
+            logger.info(summary_line(result))
+
+    def close(self) -> None:
+        """Always, when the call ends (also on errors): stops the profiler, closes files and display."""
+        self._close_display()
+        if self._profiler is not None:
+            self._profiler.close()
+            self._profiler = None
+        self.next_step = NEVER
+        if self._tb is not None:
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("closing the TensorBoard event file failed: %s", exc)
+        if self._uploader is not None:
+            uploader, self._uploader = self._uploader, None
+            uploader.close()
+
+    def _close_display(self) -> None:
+        if self._display is not None:
+            display, self._display = self._display, None
+            display.close()
+
+
+def summary_line(result: BatchProcessResult) -> str:
+    """One line: what the call did, its rate, and where the time went (total and slowest rank)."""
+    how = "preempted" if result.preempted else "finished" if result.finished else "stopped"
+    rate = result.examples_processed / result.elapsed_s if result.elapsed_s > 0 else 0.0
+    per_rank = result.timings_per_rank or []
+    phases = []
+    for key in PHASES:
+        if key not in result.timings:
+            continue
+        slowest = max((t.get(key, 0.0) for t in per_rank), default=0.0)
+        phases.append(f"{key} {result.timings[key]:.2f}/{slowest:.2f}")
+    busy = [t.get("data", 0.0) + t.get("process", 0.0) for t in per_rank]
+    slowest_rank = f"; busiest rank {max(range(len(busy)), key=busy.__getitem__)}" if len(busy) > 1 else ""
+    return (
+        f"{how}: {result.examples_processed} examples ({result.batches_processed} batches) processed in "
+        f"{result.elapsed_s:.1f} s on {result.world_size} rank(s), {rate:.1f} examples/s; "
+        f"{result.examples_committed}/{result.num_examples} examples committed "
+        f"({100.0 * result.examples_committed / result.num_examples if result.num_examples else 100.0:.1f}%); "
+        f"seconds sum/max over ranks: {', '.join(phases) or 'none'}{slowest_rank}"
+    )
+
+
+def _fraction(done: int, total: int) -> float:
+    return round(done / total, 6) if total else 1.0

@@ -1,0 +1,145 @@
+"""Rank 0's progress display: a tqdm bar on a terminal, plain log lines elsewhere.
+
+The display counts the global examples (and batches) of the whole job, starting at what is already
+committed on a resume. On a terminal it is a tqdm bar with examples/s and the ETA; when the output
+is not a terminal (a log file, CI, Slurm), it is one plain INFO line every ``progress_interval``
+seconds and never a carriage return. The caller (:class:`~torch_batch_process.observe.JobObserver`)
+decides how often to call :meth:`ProgressDisplay.show`; the display itself does no I/O otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from typing import TextIO
+
+logger = logging.getLogger(__name__)
+
+BAR_REFRESH_S = 0.5
+"""How often the observer updates the bar (tqdm redraws at most this often too)."""
+
+
+def pick_mode(mode: str, stream: TextIO) -> str:
+    """``"auto"`` becomes ``"bar"`` on a terminal and ``"log"`` elsewhere; other modes are kept."""
+    if mode != "auto":
+        return mode
+    try:
+        return "bar" if stream.isatty() else "log"
+    except (AttributeError, ValueError):  # closed or exotic stream
+        return "log"
+
+
+class ProgressDisplay:
+    """Shows the job's progress; :meth:`show` is called every :attr:`refresh_s` seconds at most."""
+
+    refresh_s: float = BAR_REFRESH_S
+
+    def show(self, examples: int, batches: int) -> None:
+        """Shows ``examples`` and ``batches`` done out of the job's totals."""
+
+    def close(self) -> None:
+        """Ends the display (the bar stays on screen with its last state)."""
+
+
+class BarDisplay(ProgressDisplay):
+    """A tqdm bar over examples, with the batches in its postfix."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        total_examples: int,
+        total_batches: int,
+        initial_examples: int,
+        initial_batches: int,
+        stream: TextIO | None = None,
+    ) -> None:
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.total_batches = total_batches
+        self._bar = tqdm(
+            total=total_examples,
+            initial=initial_examples,
+            desc=name,
+            unit=" examples",
+            unit_scale=total_examples >= 100_000,  # 1.23M/4.56M; small counts stay exact integers
+            dynamic_ncols=True,
+            mininterval=BAR_REFRESH_S,
+            smoothing=0.1,
+            file=stream if stream is not None else sys.stderr,
+        )
+        self._bar.set_postfix_str(self._batches(initial_batches), refresh=False)
+        self._last_batches = initial_batches
+        # Log records (warnings, stragglers...) are printed above the bar instead of through it.
+        self._redirect = contextlib.ExitStack()
+        self._redirect.enter_context(
+            logging_redirect_tqdm(loggers=[logging.getLogger("torch_batch_process"), logging.getLogger()])
+        )
+
+    def _batches(self, batches: int) -> str:
+        return f"{batches}/{self.total_batches} batches"
+
+    def show(self, examples: int, batches: int) -> None:
+        if batches != self._last_batches:
+            self._bar.set_postfix_str(self._batches(batches), refresh=False)
+            self._last_batches = batches
+        delta = examples - self._bar.n
+        if delta > 0:
+            self._bar.update(delta)
+
+    def close(self) -> None:
+        self._redirect.close()
+        self._bar.close()
+
+
+class LogDisplay(ProgressDisplay):
+    """One INFO line every ``interval`` seconds: done, percent, examples/s, elapsed and ETA."""
+
+    def __init__(
+        self,
+        *,
+        interval: float,
+        total_examples: int,
+        total_batches: int,
+        initial_examples: int,
+        initial_batches: int,
+    ) -> None:
+        self.refresh_s = interval
+        self.total_examples = total_examples
+        self.total_batches = total_batches
+        self._initial = initial_examples
+        self._started = time.monotonic()
+
+    def show(self, examples: int, batches: int) -> None:
+        elapsed = time.monotonic() - self._started
+        rate = (examples - self._initial) / elapsed if elapsed > 0 else 0.0
+        left = max(0, self.total_examples - examples)
+        eta = format_duration(left / rate) if rate > 0 else "?"
+        logger.info(
+            "progress: %s | %d/%d examples, %d/%d batches | %.1f examples/s | elapsed %s, ETA %s",
+            format_percent(examples, self.total_examples),
+            examples,
+            self.total_examples,
+            batches,
+            self.total_batches,
+            rate,
+            format_duration(elapsed),
+            eta,
+        )
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (or ``D days, H:MM:SS``) rounded to the second."""
+    seconds = int(round(max(0.0, seconds)))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{days} day{'s' if days != 1 else ''}, {text}" if days else text
+
+
+def format_percent(done: int, total: int) -> str:
+    return f"{100.0 * done / total:.1f}%" if total else "100.0%"

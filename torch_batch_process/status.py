@@ -1,0 +1,368 @@
+"""``tbp status STORAGE_PATH``: where a job stands, read from its storage, while it runs and after.
+
+Read-only: it takes no lock and writes nothing, so it is safe to run at any time, as often as
+wanted, against a running job. Commit records are written atomically; when the record it lists
+is garbage-collected before it reads it (a newer commit landed in between), it lists again.
+
+``--json`` prints one JSON object with these keys (stable; ``null`` when unknown):
+
+``job_name``, ``storage_path``, ``fingerprint`` (a short hash of ``spec``), ``spec`` (dataset length,
+batch size, processor, max_batches), ``created`` (epoch seconds), ``state`` (``running``,
+``preempted``, ``finished``, ``stopped``: not running and not finished, e.g. crashed or killed;
+``unknown``: the lock is held on another host, which this host cannot check), ``running``
+(true/false/null), ``holder`` (``{"host", "pid"}`` of the running job), ``attempts``,
+``current_attempt`` (``{"attempt", "started", "world_size"}`` of the latest start),
+``batches_committed``, ``batches_total``, ``examples_committed``, ``examples_total``, ``percent``,
+``last_commit`` (``{"commit", "attempt", "time", "world_size"}``), ``throughput`` (of the attempt of
+the last commit: ``{"attempt", "world_size", "examples_per_s", "elapsed_s", "examples_processed",
+"batches_processed", "started"}``), ``eta_s`` (while running), ``metrics`` (reduced metrics: final
+when finished, else the latest computed "so far"), ``metrics_final``, ``metrics_batches_committed``,
+``metrics_time``, ``outputs_path``, ``metrics_path``, ``tensorboard_path``, ``result_path`` (when
+finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from torch_batch_process.checkpoint import (
+    ATTEMPT_FILE,
+    OUTPUTS_DIR,
+    RESULT_FILE,
+    CheckpointStore,
+    CommitRecord,
+)
+from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
+from torch_batch_process.lock import LEASE_FILE, LOCK_FILE, LOCK_INFO_FILE
+from torch_batch_process.metrics import METRICS_FILE
+from torch_batch_process.progressbar import format_duration
+from torch_batch_process.sharding import BatchGeometry
+from torch_batch_process.storage import Storage
+from torch_batch_process.tensorboard_writer import TENSORBOARD_DIR
+
+_READ_RETRIES = 5
+_LEASE_GRACE = 3.0
+"""A lease whose last heartbeat is older than this many TTLs belongs to a job that is gone."""
+
+
+class NoJobError(BatchProcessError):
+    """The storage path holds no job."""
+
+
+def read_status(storage_path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Reads the job stored at ``storage_path``; returns the ``--json`` object (see the module docstring).
+
+    Raises:
+        NoJobError: nothing is stored there.
+        CheckpointCorruptError: a record cannot be read.
+        StorageError: the storage cannot be read.
+    """
+    storage = Storage(storage_path, storage_options)
+    store = CheckpointStore(storage)
+    job = store.load_job()
+    latest = _load_latest(store)
+    if job is None:
+        raise NoJobError(f"no job is stored at {storage.url!r} (no _tbp/job.json)")
+    attempt_info = _read_json(storage, ATTEMPT_FILE) or {}
+    result = _read_json(storage, RESULT_FILE) if latest is not None and latest.finished else None
+    running, holder = _running(storage)
+
+    spec = job.spec
+    geometry = BatchGeometry(int(spec["dataset_length"]), int(spec["batch_size"]))
+    batches_total = job.planned_batches
+    examples_total = min(batches_total * geometry.batch_size, geometry.num_examples)
+    batches_committed = len(latest.committed) if latest else 0
+    examples_committed = geometry.count_examples(latest.committed) if latest else 0
+    stats = latest.stats if latest else {}
+    attempts = max(int(attempt_info.get("attempt", 0) or 0), latest.attempt if latest else 0)
+
+    finished = bool(latest and latest.finished)
+    if finished:
+        state = "finished"
+    elif running:
+        state = "running"
+    elif latest is not None and stats.get("preempted") and latest.attempt >= attempts:
+        state = "preempted"  # and no attempt started since
+    elif running is None:
+        state = "unknown"
+    else:
+        state = "stopped"
+
+    throughput = None
+    if latest is not None and "examples_per_s" in stats:
+        throughput = {
+            "attempt": latest.attempt,
+            "world_size": latest.world_size,
+            "examples_per_s": stats.get("examples_per_s"),
+            "elapsed_s": stats.get("attempt_elapsed_s"),
+            "examples_processed": stats.get("attempt_examples_processed"),
+            "batches_processed": stats.get("attempt_batches_processed"),
+            "started": stats.get("attempt_started"),
+        }
+    eta = None
+    if state == "running" and throughput and throughput["examples_per_s"] and latest.attempt == attempts:
+        eta = round((examples_total - examples_committed) / throughput["examples_per_s"], 1)
+
+    metrics, metrics_final = stats.get("metrics"), False
+    if finished and (result or latest.result):
+        metrics, metrics_final = (result or latest.result or {}).get("metrics", {}), True
+
+    return {
+        "job_name": job.job_name,
+        "storage_path": storage.url,
+        "fingerprint": fingerprint(spec),
+        "spec": spec,
+        "created": job.created,
+        "state": state,
+        "running": running,
+        "holder": holder,
+        "attempts": attempts,
+        "current_attempt": (
+            {
+                "attempt": attempt_info.get("attempt"),
+                "started": attempt_info.get("started"),
+                "world_size": attempt_info.get("world_size"),
+            }
+            if attempt_info
+            else None
+        ),
+        "batches_committed": batches_committed,
+        "batches_total": batches_total,
+        "examples_committed": examples_committed,
+        "examples_total": examples_total,
+        "percent": round(100.0 * examples_committed / examples_total, 2) if examples_total else 100.0,
+        "last_commit": (
+            {"commit": latest.commit, "attempt": latest.attempt, "time": latest.time, "world_size": latest.world_size}
+            if latest
+            else None
+        ),
+        "throughput": throughput,
+        "eta_s": eta,
+        "metrics": metrics,
+        "metrics_final": metrics_final,
+        "metrics_batches_committed": batches_committed if metrics_final else stats.get("metrics_batches_committed"),
+        "metrics_time": latest.time if metrics_final and latest else stats.get("metrics_time"),
+        "outputs_path": storage.url_of(OUTPUTS_DIR),
+        "metrics_path": storage.url_of(METRICS_FILE),
+        "tensorboard_path": storage.url_of(TENSORBOARD_DIR),
+        "result_path": storage.url_of(RESULT_FILE) if finished else None,
+    }
+
+
+def fingerprint(spec: dict[str, Any]) -> str:
+    """A short stable hash of a job's spec (what a resume must match)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def _load_latest(store: CheckpointStore) -> CommitRecord | None:
+    """The latest record; lists again when it vanished between list and read (a newer commit's GC)."""
+    for attempt in range(_READ_RETRIES):
+        try:
+            return store.load_latest()
+        except CheckpointCorruptError as exc:
+            if "vanished" not in str(exc) or attempt == _READ_RETRIES - 1:
+                raise
+            time.sleep(0.05)
+    return None  # pragma: no cover - the loop returns or raises
+
+
+def _read_json(storage: Storage, rel: str) -> dict[str, Any] | None:
+    try:
+        value = storage.read_json(rel)
+    except (FileNotFoundError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _running(storage: Storage) -> tuple[bool | None, dict[str, Any] | None]:
+    """Whether a job holds the lock now (``None``: cannot tell from here), and who."""
+    if not storage.is_local:
+        lease = _read_json(storage, LEASE_FILE)
+        if not lease:
+            return False, None
+        heartbeat = lease.get("renewed", lease.get("since"))  # time of the last heartbeat
+        ttl = float(lease.get("ttl", 15.0))
+        alive = isinstance(heartbeat, (int, float)) and time.time() - heartbeat < _LEASE_GRACE * ttl
+        return alive, ({"host": lease.get("host"), "pid": lease.get("pid")} if alive else None)
+    info = _read_json(storage, LOCK_INFO_FILE)
+    holder = {"host": info.get("host"), "pid": info.get("pid")} if info else None
+    same_host = not info or info.get("host") == socket.gethostname()
+    held = _flock_held(str(storage.local_path(LOCK_FILE)), info.get("pid") if info else None)
+    if held:
+        return True, holder
+    if not same_host:
+        return None, holder  # a lock taken on another host (NFS...) is not visible here
+    if held is None:  # no /proc/locks: fall back on the holder's pid
+        alive = bool(info) and isinstance(info.get("pid"), int) and _pid_alive(info["pid"])
+        return alive, holder if alive else None
+    return False, None
+
+
+def _flock_held(path: str, pid: Any = None) -> bool | None:
+    """Whether some process holds a ``flock`` on ``path`` (Linux ``/proc/locks``), without taking it.
+
+    A lock matches by device and inode, or by inode and the holder's ``pid`` (overlay filesystems may
+    show another device number there). ``None`` when ``/proc/locks`` cannot be read.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    for line in lines:
+        fields = line.split()
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":  # "->": a waiter, not a holder
+            continue
+        dev, _, inode = fields[5].rpartition(":")
+        if inode == str(st.st_ino) and (dev == device or fields[4] == str(pid)):
+            return True
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ------------------------------------------------------------------------------------ text
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The human-readable report of :func:`read_status`'s object."""
+    now = time.time()
+    lines = [("job", f"{status['job_name']}  (fingerprint {status['fingerprint']}: {_spec_text(status['spec'])})")]
+    lines.append(("storage", status["storage_path"]))
+    state = status["state"]
+    holder = status.get("holder")
+    if holder and state in ("running", "unknown"):
+        state += f" (pid {holder.get('pid')} on host {holder.get('host')})"
+    if status["state"] == "unknown":
+        state += "; the lock is held on another host, so whether it still runs cannot be checked from here"
+    elif status["state"] == "preempted":
+        state += "; run the same command again to resume"
+    elif status["state"] == "stopped" and status["batches_committed"] < status["batches_total"]:
+        state += " (not running: it failed, crashed or was killed); run the same command again to resume"
+    lines.append(("state", state))
+    current = status.get("current_attempt") or {}
+    attempts = f"{status['attempts']}"
+    if current.get("started"):
+        attempts += f" (latest started {_when(current['started'], now)} on {current.get('world_size')} rank(s))"
+    lines.append(("attempts", attempts))
+    lines.append(
+        (
+            "progress",
+            f"{status['batches_committed']}/{status['batches_total']} batches, "
+            f"{status['examples_committed']}/{status['examples_total']} examples committed ({status['percent']:.1f}%)",
+        )
+    )
+    last = status.get("last_commit")
+    lines.append(
+        ("last commit", f"#{last['commit']} {_when(last['time'], now)}, attempt {last['attempt']}" if last else "none yet")
+    )
+    tp = status.get("throughput")
+    if tp and tp.get("examples_per_s") is not None:
+        text = (
+            f"{tp['examples_per_s']:.1f} examples/s over {tp.get('elapsed_s') or 0:.1f} s "
+            f"(attempt {tp['attempt']}, {tp['world_size']} rank(s), {tp.get('examples_processed')} examples)"
+        )
+        if status.get("eta_s") is not None:
+            text += f"; ETA {format_duration(status['eta_s'])}"
+        lines.append(("throughput", text))
+    else:
+        lines.append(("throughput", "unknown (no commit with throughput yet)"))
+    metrics = status.get("metrics")
+    if metrics:
+        text = ", ".join(f"{key}={_short(value)}" for key, value in sorted(metrics.items()))
+        if not status.get("metrics_final"):
+            text += f" (so far: at {status.get('metrics_batches_committed')} batches"
+            text += f", {_when(status['metrics_time'], now)})" if status.get("metrics_time") else ")"
+        lines.append(("metrics", text))
+    else:
+        lines.append(("metrics", "none yet" if not status.get("metrics_final") else "none (no reducer)"))
+    lines.append(("outputs", status["outputs_path"]))
+    lines.append(("metrics log", status["metrics_path"]))
+    lines.append(("tensorboard", status["tensorboard_path"]))
+    if status.get("result_path"):
+        lines.append(("result", status["result_path"]))
+    width = max(len(key) for key, _ in lines)
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in lines)
+
+
+def _spec_text(spec: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in sorted(spec.items()))
+
+
+def _when(epoch: float, now: float) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
+    return f"at {stamp} ({format_duration(max(0.0, now - epoch))} ago)"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds ``status`` to the ``tbp`` command's subparsers; the command runs :func:`run_status`."""
+    parser = subparsers.add_parser(
+        "status",
+        help="show where a job stands (progress, throughput, metrics), read from its storage",
+        description=(
+            "Shows a job's progress, throughput, reduced metrics and where its outputs are, read from its storage "
+            "path. Read-only: safe while the job runs."
+        ),
+    )
+    parser.add_argument("storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (stable keys) instead of text")
+    parser.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        default=None,
+        help="fsspec storage options as a JSON object (default: $TBP_STORAGE_OPTIONS, else the filesystem's own "
+        "environment)",
+    )
+    parser.set_defaults(func=run_status)
+    return parser
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Runs ``tbp status``; returns the exit code (0, or 1 when nothing can be shown)."""
+    raw = args.storage_options or os.environ.get("TBP_STORAGE_OPTIONS")
+    try:
+        options = json.loads(raw) if raw else None
+        if options is not None and not isinstance(options, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        print(f"tbp status: --storage-options must be a JSON object: {exc}", file=sys.stderr)
+        return 2
+    try:
+        status = read_status(args.storage_path, options)
+    except BatchProcessError as exc:
+        print(f"tbp status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=1, sort_keys=True) if args.json else format_status(status))
+    return 0
