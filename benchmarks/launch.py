@@ -162,6 +162,42 @@ def run_contender(
     return result
 
 
+def run_synthetic(
+    job_args: list[str], nproc: int, report: Path, log_path: Path, timeout_s: float = RUN_TIMEOUT_S
+) -> tuple[list[dict[str, Any]], float]:
+    """Runs ``benchmarks.synthetic_job`` (under torchrun when ``nproc > 1``); returns its reports and wall time.
+
+    Raises:
+        RuntimeError: the job failed or timed out (its log is named).
+    """
+    shutil.rmtree(report, ignore_errors=True)
+    module = ["-m", "benchmarks.synthetic_job"]
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    started = time.time()
+    command = [*launcher, *module, *job_args, "--report", str(report), "--launched", repr(started)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        proc = subprocess.Popen(command, cwd=str(REPO), env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    wall = time.time() - started
+    _reap_group(proc.pid)
+    if code != 0:
+        raise RuntimeError(f"synthetic job failed ({'timeout' if code is None else f'exit code {code}'}); see {log_path}")
+    reports = [json.loads(p.read_text()) for p in sorted(report.glob("rank_*.json"))]
+    if len(reports) != nproc:
+        raise RuntimeError(f"synthetic job wrote {len(reports)} reports, expected {nproc}; see {log_path}")
+    return reports, wall
+
+
 def steady_throughput(reports: list[dict[str, Any]]) -> float | None:
     """Examples per second between each process's first and last batch, summed over the processes:
     the per-batch cost alone, without start-up and finishing work. ``None`` without batch timestamps."""

@@ -193,8 +193,12 @@ class Storage:
             target = self.path(rel)
             tmp = f"{target}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
             try:
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                with open(tmp, "wb") as f:
+                try:
+                    f = open(tmp, "wb")
+                except FileNotFoundError:  # the folder is missing: make it (only then: a commit writes often)
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    f = open(tmp, "wb")
+                with f:
                     f.write(data)
                     if fsync:
                         f.flush()
