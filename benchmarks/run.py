@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of cnn,minilm")
     parser.add_argument("--nprocs", default=None, help="comma-separated process counts (default 1,2; quick 1)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the number of examples")
+    parser.add_argument("--render", type=Path, default=None, help="only print the table of a results.json")
     args = parser.parse_args(argv)
     args.contenders = [c for c in args.contenders.split(",") if c]
     unknown = sorted(set(args.contenders) - set(CONTENDERS))
@@ -65,8 +66,23 @@ def sizes(workload: str, quick: bool, scale: float) -> tuple[int, int]:
     return max(batch_size, int(num_examples * scale)), batch_size
 
 
+def render_saved(path: Path) -> str:
+    """The table of a saved ``results.json`` (also of a run that was stopped midway)."""
+    import json
+
+    saved = json.loads(path.read_text())
+    fields = set(RunResult.__dataclass_fields__)
+    results = [RunResult(**{k: v for k, v in run.items() if k in fields}) for run in saved["runs"]]
+    args = argparse.Namespace(**saved["args"])
+    args.rounds = len({r.round for r in results})
+    return render_table(results, args, saved["machine"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render is not None:
+        print(render_saved(args.render))
+        return 0
     out_dir = new_results_dir("quick" if args.quick else "run")
     cache = out_dir.parent / "cache"
     info = machine()
