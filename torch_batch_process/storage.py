@@ -306,8 +306,12 @@ class Storage:
             tmp = f"{target}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
             try:
                 folder = os.path.dirname(target)
-                os.makedirs(folder, exist_ok=True)
-                with open(tmp, "wb") as f:
+                try:
+                    f = open(tmp, "wb")
+                except FileNotFoundError:  # the folder is missing: make it (only then: a commit writes often)
+                    os.makedirs(folder, exist_ok=True)
+                    f = open(tmp, "wb")
+                with f:
                     f.write(data)
                     if fsync:
                         f.flush()
