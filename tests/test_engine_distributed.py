@@ -80,6 +80,11 @@ def test_failed_job_resumes_with_only_uncommitted_batches(tmp_path):
     assert reports[1]["error"]["type"] == "RuntimeError"
     assert reports[0]["error"]["type"] == "WorkerFailedError" and "rank 1" in reports[0]["error"]["message"]
     first_calls = reports[0]["calls"] + reports[1]["calls"]
+    # Right after the failure, outputs/ shows exactly what the latest record says is committed.
+    record = json.loads(sorted((tmp_path / "storage" / "_tbp" / "commits").glob("*.json"))[-1].read_text())
+    committed = [g for a, b in record["committed"] for g in range(a, b)]
+    expected = sorted(v for g in committed for v in range(g * b, min((g + 1) * b, n)))
+    assert sorted(per_batch_values(tmp_path / "storage").elements()) == expected
     spec.pop("fail_batch")
     proc, reports2 = run_generic(spec, nproc=2, attempt=2)
     assert proc.returncode == 0, _ok(proc)

@@ -281,7 +281,9 @@ class CheckpointStore:
 
     def write_record(self, record: CommitRecord) -> None:
         """Writes a commit record atomically: the commit point."""
-        self.storage.write_json(f"{COMMITS_DIR}/{commit_name(record.commit)}.json", record.to_json(), fsync=True)
+        self.storage.write_json(
+            f"{COMMITS_DIR}/{commit_name(record.commit)}.json", record.to_json(), fsync=True, compact=True
+        )
 
     def next_attempt(self, latest: CommitRecord | None, world_size: int) -> int:
         """Counts this start as a new attempt (also attempts that crashed before their first commit)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -133,6 +134,10 @@ class Collectives:
             raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
         return box[0]
 
+    def start_all_gather(self, obj: Any, capacity: int = 4096) -> PendingGather:
+        """Starts gathering a picklable object from every rank without waiting (see :class:`PendingGather`)."""
+        return PendingGather(self, obj, capacity)
+
     def start_max(self, values: list[int]) -> _PendingMax:
         """Starts an asynchronous element-wise MAX all_reduce of small integers."""
         tensor = torch.tensor(values, dtype=torch.int64)
@@ -143,6 +148,50 @@ class Collectives:
         except (RuntimeError, ConnectionError) as exc:
             raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
         return _PendingMax(tensor, work, self.rank)
+
+
+class PendingGather:
+    """An ``all_gather_object`` that overlaps with work: started now, completed by :meth:`wait`.
+
+    Each rank's object is pickled into a fixed-size buffer (``capacity`` bytes) gathered with one
+    asynchronous ``all_gather``. When an object does not fit, its rank sends an overflow marker and,
+    since every rank sees it, all of them gather the objects again synchronously in :meth:`wait`.
+    """
+
+    def __init__(self, coll: Collectives, obj: Any, capacity: int) -> None:
+        self._coll = coll
+        self._obj = obj
+        self._work: Any = None
+        self._out: list[torch.Tensor] = []
+        if coll.world_size == 1:
+            return
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = torch.zeros(capacity + 8, dtype=torch.uint8)
+        length = len(data) if len(data) <= capacity else -1
+        buffer[:8] = torch.tensor([length], dtype=torch.int64).view(torch.uint8)
+        if length >= 0:
+            buffer[8 : 8 + length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._out = [torch.empty_like(buffer) for _ in range(coll.world_size)]
+        try:
+            self._work = dist.all_gather(self._out, buffer, group=coll.group, async_op=True)
+        except (RuntimeError, ConnectionError) as exc:
+            raise WorkerLostError(f"rank {coll.rank}: {_LOST_HINT} ({exc})") from exc
+
+    def wait(self) -> list[Any]:
+        """Every rank's object, in rank order."""
+        if self._coll.world_size == 1:
+            return [self._obj]
+        try:
+            self._work.wait()
+        except (RuntimeError, ConnectionError) as exc:
+            raise WorkerLostError(f"rank {self._coll.rank}: {_LOST_HINT} ({exc})") from exc
+        objects = []
+        for tensor in self._out:
+            length = int(tensor[:8].view(torch.int64).item())
+            if length < 0:  # some rank's object was too large: gather them all the usual way
+                return self._coll.all_gather(self._obj)
+            objects.append(pickle.loads(tensor[8 : 8 + length].numpy().tobytes()))
+        return objects
 
 
 class _PendingMax:

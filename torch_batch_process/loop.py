@@ -25,6 +25,7 @@ import pickle
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from torch_batch_process.background import BackgroundWork
 from torch_batch_process.checkpoint import (
     OUTPUTS_DIR,
     CheckpointStore,
@@ -42,7 +44,7 @@ from torch_batch_process.checkpoint import (
 )
 from torch_batch_process.context import TorchBatchProcessorContext
 from torch_batch_process.coordination import Decision, FailureInfo, FailureTracker, StepAgreement
-from torch_batch_process.distributed import DistributedEnv
+from torch_batch_process.distributed import DistributedEnv, PendingGather
 from torch_batch_process.errors import JobMismatchError, StorageError, WorkerFailedError
 from torch_batch_process.lock import JobLock, acquire_job_lock
 from torch_batch_process.log import setup_logging
@@ -61,6 +63,8 @@ from torch_batch_process.tensorboard_writer import temporary_folder, tensorboard
 from torch_batch_process.validation import JobArguments, validate_arguments
 
 logger = logging.getLogger(__name__)
+
+MAX_RECORDS_IN_FLIGHT = 4  # rank 0 waits when this many record writes are still queued
 
 
 def torch_batch_process(
@@ -172,6 +176,28 @@ class _Vote:
     metrics: list[dict[str, Any]]
     slots: list[Any] | None
     timings: dict[str, float]
+    durable: int = -1
+    """Rank 0: every commit record up to this number is durable (its stages may be published)."""
+
+
+@dataclass
+class _PendingCommit:
+    """A commit whose votes are on their way."""
+
+    number: int
+    final: bool
+    has_files: bool
+    votes: PendingGather
+
+
+@dataclass
+class _PreparedRecord:
+    """A commit record ready to be written, with what goes to metrics.jsonl and result.json."""
+
+    record: CommitRecord
+    lines: list[dict[str, Any]]
+    result: dict[str, Any] | None
+    metrics: dict[str, Any] | None
 
 
 @dataclass
@@ -224,6 +250,10 @@ class _JobRun:
             device=env.device,
         )
         self.last_record: CommitRecord | None = None
+        self.background = BackgroundWork()  # record writes (rank 0) and stage publishing, in order
+        self.unpublished: list[int] = []  # commits whose stage of this rank waits for its record
+        self.pending_records: list[tuple[int, Future[Any]]] = []  # rank 0: records being written
+        self.durable_through = 0  # rank 0: every record up to this commit is written
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -248,6 +278,7 @@ class _JobRun:
             self.observer.finish(result)
             return result
         finally:
+            self.background.close()  # before the lock goes: no record write may outlive it
             self.observer.close()
             if self.lock is not None:
                 self.lock.release()
@@ -281,6 +312,7 @@ class _JobRun:
             raise plan
         self.committed = RangeSet.from_json(plan.committed)
         self.commit_number = plan.next_commit - 1
+        self.durable_through = self.commit_number  # records of earlier attempts
         if self.world_size > 1 and plan.finished_result is None:
             self._check_shared_storage()
         return plan
@@ -433,7 +465,12 @@ class _JobRun:
     def _process(
         self, processor: TorchBatchProcessor, stager: OutputStager, shard: ShardPlan, signals: SignalWatcher
     ) -> bool:
-        """Runs every step with its commits; returns True when the job was preempted."""
+        """Runs every step with its commits; returns True when the job was preempted.
+
+        A commit begins at its step boundary (hook, state, votes sent) and completes at the next one,
+        when the votes have arrived, so that exchanging them overlaps with a step of work. The last
+        commit, and one at which the job stops, complete at once.
+        """
         self.preempt_metrics: dict[str, Any] | None = None
         if shard.num_steps == 0:
             return False
@@ -442,6 +479,7 @@ class _JobRun:
         observer = self.observer
         interval = self.args.checkpoint_interval
         mode = torch.inference_mode() if self.args.inference_mode else contextlib.nullcontext()
+        pending: _PendingCommit | None = None
         try:
             for step in range(shard.num_steps):
                 batch_idx = shard.batch_at(step, self.rank)
@@ -449,18 +487,26 @@ class _JobRun:
                     self._run_batch(processor, loader_iter, batch_idx, mode)
                 if step >= observer.next_step:  # progress display, profiler: an int compare per step
                     observer.on_step(step)
+                if pending is not None:  # the votes of the previous commit: they also carry its stop flags
+                    stop = self._complete_commit(pending)
+                    pending = None
+                    if stop:  # a rank asked to stop: commit this step's work too, and stop
+                        self._commit(processor, stager, signals, hook=True)
+                        return True
                 if (step + 1) % interval == 0 or step == shard.num_steps - 1:
                     agreement.drain()
-                    if self._commit(processor, stager, signals, hook=True):
-                        return True
+                    if step == shard.num_steps - 1:
+                        return self._commit(processor, stager, signals, hook=True)
+                    pending = self._begin_commit(processor, stager, signals, hook=True)
                     continue
                 decision = agreement.boundary(signals.preempt_requested, self.failures.failed)
                 if decision is Decision.FAIL:
-                    self.failures.raise_for(self.coll.all_gather(self.failures.info))
+                    self._raise_failures(self.coll.all_gather(self.failures.info))
                     raise WorkerFailedError("a rank reported a failure but sent no details")  # pragma: no cover
                 if decision is Decision.PREEMPT:
-                    return self._commit(processor, stager, signals, hook=True) or True
-            return False
+                    self._commit(processor, stager, signals, hook=True)
+                    return True
+            return False  # pragma: no cover - the last step always commits
         finally:
             del loader_iter  # stops the loader's worker processes
 
@@ -500,10 +546,25 @@ class _JobRun:
         hook: bool,
         final: bool = False,
     ) -> bool:
-        """Commits what every rank did since the last commit. Returns True when a rank asked to stop.
+        """Commits what every rank did since the last commit, now. Returns True when a rank asked to stop.
 
-        Raises on every rank when any rank failed, before anything becomes durable.
+        Raises on every rank when any rank failed, before anything becomes durable. When the job stops
+        at this commit (a rank asked to stop, or it is the final one), its record is written and its
+        outputs are published before this returns.
         """
+        pending = self._begin_commit(processor, stager, signals, hook=hook, final=final)
+        return self._complete_commit(pending)
+
+    def _begin_commit(
+        self,
+        processor: TorchBatchProcessor,
+        stager: OutputStager,
+        signals: SignalWatcher,
+        *,
+        hook: bool,
+        final: bool = False,
+    ) -> _PendingCommit:
+        """This rank's part of a commit: the hook, its outputs and state saved, its vote sent."""
         t0 = time.perf_counter()
         number = self.commit_number + 1
         if hook and not self.failures.failed:
@@ -512,20 +573,12 @@ class _JobRun:
             except Exception as exc:  # noqa: BLE001
                 self.failures.record(exc, "on_checkpoint_start()")
         t_hook = time.perf_counter()
-        state_file = None
-        slots = None
-        if not self.failures.failed:
-            try:
-                stager.flush()
-                reducers = self.context.reducers
-                processor_state = processor.state_dict()
-                if reducers.wrapped or processor_state is not None:
-                    slot = reducers.per_slot_states()
-                    state_file = self.store.write_state(number, self.rank, slot, processor_state)
-                    if final:
-                        slots = slot
-            except Exception as exc:  # noqa: BLE001
-                self.failures.record(exc, f"commit {number} (saving outputs and state)")
+        state_file, slots = self._save_rank_state(number, processor, stager, final=final)
+        has_files = stager.has_files
+        stager.advance(number + 1)  # what is written from now on belongs to the next commit
+        self.commit_number = number
+        self.timings["hooks"] += t_hook - t0
+        self.timings["commit"] += time.perf_counter() - t_hook
         timings = dict(self.timings)
         self.timings = {key: 0.0 for key in self.timings}
         vote = _Vote(
@@ -537,16 +590,106 @@ class _JobRun:
             metrics=self.metric_buffer[:],
             slots=slots,
             timings=timings,
+            durable=self.durable_through if self.rank == 0 else -1,
         )
-        votes: list[_Vote] = self.coll.all_gather(vote)
-        self.failures.raise_for([v.failure for v in votes])
-        self._account(votes)  # every rank keeps the same totals
+        self.metric_buffer.clear()
+        self.interval_batches = RangeSet()
+        self.interval_examples = 0
+        return _PendingCommit(number, final, has_files, self.coll.start_all_gather(vote))
 
+    def _complete_commit(self, pending: _PendingCommit) -> bool:
+        """Every rank's votes for a commit arrived: fail, or make it durable. Returns True to stop."""
+        t0 = time.perf_counter()
+        number, final = pending.number, pending.final
+        votes: list[_Vote] = pending.votes.wait()
+        self._raise_failures([v.failure for v in votes])
+        self._account(votes)  # every rank keeps the same totals
+        self._publish_unpublished(through=votes[0].durable)  # stages whose records rank 0 has written
+        if pending.has_files:
+            self.unpublished.append(number)
+        preempted = any(v.preempt for v in votes)
+        if final or preempted:
+            metrics = self._commit_now(number, votes, final=final)
+            self._publish_unpublished(through=number, wait=True)
+        else:
+            metrics = None
+            if self.rank == 0:
+                prepared = self._prepare_record(number, votes, final=False)
+                metrics = prepared.metrics
+                self._write_record_in_background(prepared)
+        self.final_metrics = metrics
+        self.timings["commit"] += time.perf_counter() - t0
+        self.observer.on_commit(
+            intervals=[RankInterval(sum(b - a for a, b in v.batches), v.examples, v.timings) for v in votes],
+            own_records=votes[self.rank].metrics,
+            batches_committed=len(self.committed),
+            examples_committed=self.geometry.count_examples(self.committed),
+            metrics=metrics,
+        )
+        if preempted and not final:
+            self.preempt_metrics = metrics
+        return preempted
+
+    def _raise_failures(self, infos: list[FailureInfo | None]) -> None:
+        """If a rank failed: finish what is already durable on every rank, then raise on every rank.
+
+        Each rank completes its background work (rank 0: the last record; all: publications); when
+        every rank did, every earlier record is durable and each rank publishes its pending stages,
+        so that ``outputs/`` shows everything committed. Then the failing rank raises its own error,
+        the others :class:`WorkerFailedError`.
+        """
+        if not any(infos):
+            return
+        try:
+            self.background.settle()
+            settled = True
+        except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
+            logger.warning("rank %d: completing earlier commits failed: %s", self.rank, exc)
+            settled = False
+        if all(self.coll.all_gather(settled)):  # rank 0 settled: every record it queued is durable
+            try:
+                self._publish_unpublished(through=self.commit_number, wait=True)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("rank %d: publishing committed outputs failed (the next start will): %s", self.rank, exc)
+        self.failures.raise_for(infos)
+
+    def _save_rank_state(
+        self, number: int, processor: TorchBatchProcessor, stager: OutputStager, *, final: bool
+    ) -> tuple[str | None, list[Any] | None]:
+        """Settles this rank's part before the vote: earlier background work, uploads, state file."""
+        if self.failures.failed:
+            return None, None
+        try:
+            self.background.check()  # an earlier record or publication failed? (never waits)
+            if self.rank == 0:
+                self._records_durable()
+        except Exception as exc:  # noqa: BLE001 - e.g. an earlier record could not be written
+            self.failures.record(exc, "completing an earlier commit (record or publication)")
+            return None, None
+        try:
+            stager.flush()
+            reducers = self.context.reducers
+            processor_state = processor.state_dict()
+            if reducers.wrapped or processor_state is not None:
+                slot = reducers.per_slot_states()
+                state_file = self.store.write_state(number, self.rank, slot, processor_state)
+                return state_file, (slot if final else None)
+        except Exception as exc:  # noqa: BLE001
+            self.failures.record(exc, f"commit {number} (saving outputs and state)")
+        return None, None
+
+    def _commit_now(self, number: int, votes: list[_Vote], *, final: bool) -> dict[str, Any] | None:
+        """Rank 0 writes record ``number`` now and tells every rank the outcome (the job stops after it)."""
         outcome: _Outcome
         own_error: BaseException | None = None
         if self.rank == 0:
             try:
-                outcome = self._write_record(number, votes, final=final)
+                self.background.settle()  # earlier records first
+                self._records_durable()
+                prepared = self._prepare_record(number, votes, final=final)
+                self._persist_record(prepared)
+                self.durable_through = number
+                outcome = _Outcome(failure=None, metrics=prepared.metrics)
             except Exception as exc:  # noqa: BLE001 - sent to every rank
                 own_error = exc
                 outcome = _Outcome(failure=FailureInfo(0, f"writing commit {number}", type(exc).__name__, str(exc), ""))
@@ -557,29 +700,36 @@ class _JobRun:
             if own_error is not None:
                 raise own_error
             raise WorkerFailedError(f"{outcome.failure.describe()}; the commit did not happen. Run the job again to resume.")
+        return outcome.metrics
 
-        # Commit `number` is durable: publish this rank's outputs, account, move on.
-        if stager.has_files:
-            self.store.publish(number, self.rank)
-        stager.advance(number + 1)
-        self.commit_number = number
-        self.metric_buffer.clear()
-        self.interval_batches = RangeSet()
-        self.interval_examples = 0
-        self.final_metrics = outcome.metrics
-        self.timings["hooks"] += t_hook - t0
-        self.timings["commit"] += time.perf_counter() - t_hook
-        self.observer.on_commit(
-            intervals=[RankInterval(sum(b - a for a, b in v.batches), v.examples, v.timings) for v in votes],
-            own_records=votes[self.rank].metrics,
-            batches_committed=len(self.committed),
-            examples_committed=self.geometry.count_examples(self.committed),
-            metrics=outcome.metrics,
-        )
-        preempted = any(v.preempt for v in votes)
-        if preempted and not final:
-            self.preempt_metrics = outcome.metrics
-        return preempted
+    def _publish_unpublished(self, *, through: int, wait: bool = False) -> None:
+        """Publishes this rank's stages of commits ``<= through`` (records durable), in the background
+        unless ``wait``."""
+        ready = [number for number in self.unpublished if number <= through]
+        self.unpublished = [number for number in self.unpublished if number > through]
+        for number in ready:
+            self.background.submit(f"publishing the outputs of commit {number}", self.store.publish, number, self.rank)
+        if wait:
+            self.background.settle()
+
+    def _write_record_in_background(self, prepared: _PreparedRecord) -> None:
+        """Rank 0: queues the record write; waits only when several are still queued (slow storage)."""
+        while len(self.pending_records) >= MAX_RECORDS_IN_FLIGHT:
+            self.pending_records[0][1].result()
+            self._records_durable()
+        number = prepared.record.commit
+        future = self.background.submit(f"writing commit record {number}", self._persist_record, prepared)
+        self.pending_records.append((number, future))
+
+    def _records_durable(self) -> None:
+        """Rank 0: advances ``durable_through`` over the record writes that finished (never waits)."""
+        while self.pending_records and self.pending_records[0][1].done():
+            number, future = self.pending_records.pop(0)
+            if future.exception() is None:
+                self.durable_through = number
+            else:
+                self.pending_records.insert(0, (number, future))
+                raise future.exception()  # type: ignore[misc]
 
     def _account(self, votes: list[_Vote]) -> None:
         """Adds the votes of a commit to the totals (an error afterwards fails the whole call anyway)."""
@@ -594,11 +744,9 @@ class _JobRun:
                 self.total_timings[key] = self.total_timings.get(key, 0.0) + value
                 rank_timings[key] = rank_timings.get(key, 0.0) + value
 
-    def _write_record(self, number: int, votes: list[_Vote], *, final: bool) -> _Outcome:
-        """Rank 0: writes commit record ``number`` (the commit point) and its metrics."""
-        if self.lock is not None:
-            self.lock.check()
-        committed = self.committed
+    def _prepare_record(self, number: int, votes: list[_Vote], *, final: bool) -> _PreparedRecord:
+        """Rank 0, main thread: the record of commit ``number``, its metrics and JSONL lines."""
+        committed = RangeSet(self.committed.ranges())  # a snapshot: the loop goes on while it is written
         reducers = self.context.reducers
         preempting = any(v.preempt for v in votes)
         metrics: dict[str, Any] | None = None
@@ -644,20 +792,26 @@ class _JobRun:
                 **observed_stats,
             },
         )
-        self.store.write_record(record)
         lines = [line for v in votes for line in v.metrics]
         if metrics is not None:
             lines.append({"group": "reduced", "steps_completed": len(committed), "rank": 0, "metrics": to_jsonable(metrics)})
         lines.extend(observed_lines)
+        return _PreparedRecord(record, lines, result, metrics)
+
+    def _persist_record(self, prepared: _PreparedRecord) -> None:
+        """Rank 0 (background thread, or main thread when stopping): the commit point, then conveniences."""
+        record = prepared.record
+        if self.lock is not None:
+            self.lock.check()
+        self.store.write_record(record)
         try:
-            self.metrics_log.append(lines, commit=number, attempt=self.plan.attempt)
-            if result is not None:
-                self.store.write_result(result)
+            self.metrics_log.append(prepared.lines, commit=record.commit, attempt=self.plan.attempt)
+            if prepared.result is not None:
+                self.store.write_result(prepared.result)
             self.store.collect_garbage(record, self.last_record)
         except Exception as exc:  # noqa: BLE001 - the commit is durable; these are conveniences
-            logger.warning("commit %d is durable, but writing its metrics or cleaning up failed: %s", number, exc)
+            logger.warning("commit %d is durable, but writing its metrics or cleaning up failed: %s", record.commit, exc)
         self.last_record = record
-        return _Outcome(failure=None, metrics=metrics)
 
     # ------------------------------------------------------------------- 6. finish
 

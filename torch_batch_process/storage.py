@@ -345,9 +345,13 @@ class Storage:
         except OSError as exc:
             raise self._error(f"append to {rel!r}", exc) from exc
 
-    def write_json(self, rel: str, value: Any, *, fsync: bool = False) -> None:
-        """Writes a JSON file atomically."""
-        self.write_bytes(rel, json.dumps(value, indent=1, sort_keys=True).encode("utf-8"), fsync=fsync)
+    def write_json(self, rel: str, value: Any, *, fsync: bool = False, compact: bool = False) -> None:
+        """Writes a JSON file atomically; ``compact`` (one line) for frequent writes such as commit records.
+
+        Indented output makes ``json`` fall back to its pure-Python encoder, several times slower.
+        """
+        text = json.dumps(value, separators=(",", ":"), sort_keys=True) if compact else json.dumps(value, indent=1, sort_keys=True)
+        self.write_bytes(rel, text.encode("utf-8"), fsync=fsync)
 
     def put_file(self, local_file: str | os.PathLike[str], rel: str) -> None:
         """Uploads (or, locally, renames) a local file to ``rel``, streamed from disk.

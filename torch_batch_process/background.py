@@ -1,0 +1,73 @@
+"""Background work of one rank: writing commit records and publishing stages off the critical path.
+
+One thread runs the tasks in submission order (a record is never written before the previous one,
+a stage is never published before the record that covers it, see :mod:`torch_batch_process.loop`).
+Errors are not lost: :meth:`BackgroundWork.check` (called before every vote, without waiting)
+raises the first error of a finished task, so it fails the job cooperatively like any other error
+of that rank; :meth:`BackgroundWork.settle` waits for everything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundWork:
+    """A FIFO of tasks on one thread, created on first use."""
+
+    def __init__(self, name: str = "tbp-commit") -> None:
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[str, Future[Any]]] = []
+
+    def submit(self, what: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Queues ``fn(*args)``; ``what`` names it in errors."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+        future = self._pool.submit(fn, *args)
+        self._pending.append((what, future))
+        return future
+
+    def check(self) -> None:
+        """Raises the first error of the tasks finished so far; forgets the ones that succeeded. Never waits."""
+        still = []
+        for what, future in self._pending:
+            if not future.done():
+                still.append((what, future))
+                continue
+            exc = future.exception()
+            if exc is not None:
+                self._pending = still + [item for item in self._pending if not item[1].done()]
+                raise exc
+        self._pending = still
+
+    def settle(self) -> None:
+        """Waits for every queued task; raises the first error."""
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for what, future in pending:
+            try:
+                future.result()
+            except Exception as exc:  # noqa: BLE001 - keep waiting for the rest, raise the first
+                if error is None:
+                    error = exc
+                    logger.debug("background task failed: %s: %s", what, exc)
+        if error is not None:
+            raise error
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Lets queued tasks finish (up to ``timeout`` seconds each), logging errors, then stops the thread."""
+        pending, self._pending = self._pending, []
+        for what, future in pending:
+            try:
+                future.result(timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 - the caller is already leaving; the next start repairs
+                logger.warning("%s did not complete: %s", what, exc)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
