@@ -199,6 +199,11 @@ def test_resume_false_starts_afresh(store):
     result = torch_batch_process(Recorder, list(range(10)), batch_size=5, storage_path=store, resume=False)
     assert LOG["calls"] == [0, 1] and result.attempt == 1 and not result.already_finished
     assert outputs(store) == list(range(10))
+    fs, root = fsspec.core.url_to_fs(store)
+    reduced = [json.loads(line) for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
+    assert [r["metrics"] for r in reduced if r["group"] == "reduced"] == [{"total": 45}], "the old job's metrics are gone"
+    event_files = [p for p in fs.find(f"{root}/tensorboard") if "tfevents" in p] if fs.exists(f"{root}/tensorboard") else []
+    assert len(event_files) <= 1, f"the old job's TensorBoard files are gone: {event_files}"
 
 
 def test_inference_mode_by_default_and_opt_out(storage):

@@ -69,6 +69,11 @@ def hold(spec: dict[str, Any], attempt: int, **kwargs: Any) -> subprocess.Popen:
             raise AssertionError(f"job exited early: {proc.communicate()}")
         assert time.monotonic() < deadline, "the job never reached its gate"
         time.sleep(0.02)
+    # Records are written in the background (pipelined commits): wait until the first one is durable.
+    fs, root = storage_fs(spec["storage"])
+    while not (fs.exists(f"{root}/_tbp/commits") and fs.ls(f"{root}/_tbp/commits", detail=False)):
+        assert time.monotonic() < deadline, "the job's first commit record never appeared"
+        time.sleep(0.02)
     return proc
 
 

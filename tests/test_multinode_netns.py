@@ -21,7 +21,6 @@ from harness import (
     REPO,
     assert_exactly_once,
     base_env,
-    commit_records,
     committed_values,
     job_spec,
     kill_tree,
@@ -154,7 +153,8 @@ def test_two_hosts_complete_then_a_killed_node_and_a_rerun_give_every_example_ex
     spec = job_spec(tmp_path / "two", n=300, batch_size=2, checkpoint_interval=3, sleep=0.05, attempt=1)
     procs = _start_nodes(hosts, spec, port + 1)
     try:
-        wait_for(lambda: commit_records(storage) or any(p.poll() is not None for p in procs), 150, "the first commit")
+        # Outputs are published once the record covering them is durable (pipelined commits): wait for some.
+        wait_for(lambda: committed_values(storage) or any(p.poll() is not None for p in procs), 150, "the first outputs")
         assert all(p.poll() is None for p in procs), "a node ended before the other was killed"
         _kill_namespace(hosts[1].netns)
     finally:
@@ -169,5 +169,7 @@ def test_two_hosts_complete_then_a_killed_node_and_a_rerun_give_every_example_ex
     outcomes = _finish(_start_nodes(hosts, spec, port + 2), timeout=150)
     assert [rc for rc, _ in outcomes] == [0, 0], "\n".join(err[-3000:] for _, err in outcomes)
     result = read_reports(spec, 2)[0]["result"]
-    assert result["finished"] and result["batches_skipped"] == len(partial) // 2
+    # What was published before the crash is committed; committed stages published later (a record is
+    # durable before its outputs are published) are published by the resume, before any new work.
+    assert result["finished"] and result["batches_skipped"] >= len(partial) // 2 > 0
     assert_exactly_once(committed_values(storage), 300)

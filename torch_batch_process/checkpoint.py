@@ -375,7 +375,17 @@ class CheckpointStore:
         path that a resume refuses (records without a job file) instead of one it would resume
         with outputs gone or duplicated.
         """
-        for rel in (JOB_FILE, RESULT_FILE, OUTPUTS_DIR, STAGING_DIR, STATES_DIR, ATTEMPT_FILE, "metrics.jsonl", COMMITS_DIR):
+        for rel in (
+            JOB_FILE,
+            RESULT_FILE,
+            OUTPUTS_DIR,
+            STAGING_DIR,
+            STATES_DIR,
+            ATTEMPT_FILE,
+            "metrics.jsonl",
+            "tensorboard",
+            COMMITS_DIR,
+        ):
             self.storage.delete(rel, recursive=True)
 
     def has_outputs(self) -> bool:

@@ -468,8 +468,9 @@ class _JobRun:
         """Runs every step with its commits; returns True when the job was preempted.
 
         A commit begins at its step boundary (hook, state, votes sent) and completes at the next one,
-        when the votes have arrived, so that exchanging them overlaps with a step of work. The last
-        commit, and one at which the job stops, complete at once.
+        when the votes have arrived, so that exchanging them overlaps with a step of work (a single
+        process has no votes to wait for and completes at once). The last commit, and one at which the
+        job stops, complete at once; otherwise rank 0 writes the record in the background.
         """
         self.preempt_metrics: dict[str, Any] | None = None
         if shard.num_steps == 0:
@@ -498,6 +499,11 @@ class _JobRun:
                     if step == shard.num_steps - 1:
                         return self._commit(processor, stager, signals, hook=True)
                     pending = self._begin_commit(processor, stager, signals, hook=True)
+                    if self.coll.world_size == 1:  # no votes to wait for: its record goes out now
+                        stop = self._complete_commit(pending)
+                        pending = None
+                        if stop:
+                            return True
                     continue
                 decision = agreement.boundary(signals.preempt_requested, self.failures.failed)
                 if decision is Decision.FAIL:
@@ -511,8 +517,12 @@ class _JobRun:
             del loader_iter  # stops the loader's worker processes
 
     def _make_loader(self, shard: ShardPlan) -> DataLoader:
+        """This rank's DataLoader: the user's options, the library's batch sampler, and on CUDA pinned
+        memory unless the user said otherwise (so ``to_device`` copies without blocking)."""
         kwargs = dict(self.args.dataloader_kwargs)
         kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
+        if self.env.device.type == "cuda":
+            kwargs.setdefault("pin_memory", True)
         sampler = RankBatchSampler(shard, self.rank, self.geometry)
         return DataLoader(self.args.dataset, batch_sampler=sampler, **kwargs)
 
