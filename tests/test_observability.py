@@ -425,3 +425,18 @@ def test_status_of_a_running_then_preempted_then_finished_job(tmp_path, capsys):
 def test_status_of_an_empty_path_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path / "nothing")]) == 1
     assert "no job is stored at" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_event_file_opened_in_background_keeps_values_added_before_it_is_ready(tmp_path, background):
+    """The writer opens in a thread (importing tensorboard is slow): values added meanwhile are not lost."""
+    pytest.importorskip("tensorboard")
+    from torch_batch_process.tensorboard_writer import TensorBoardLog
+
+    log = TensorBoardLog(tmp_path / "tb")
+    if background:
+        log.open_in_background()
+    log.scalars({"a": 1.5, "nested": {"b": 2}, "text": "skipped", "flag": True}, step=3, prefix="g")
+    log.records([{"group": "h", "steps_completed": 7, "metrics": {"c": 4.0}}])
+    log.close()
+    assert _scalar_tags(tmp_path / "tb") == {"g/a": [(3, 1.5)], "g/nested/b": [(3, 2.0)], "h/c": [(7, 4.0)]}

@@ -476,6 +476,7 @@ class _JobRun:
         if shard.num_steps == 0:
             return False
         loader_iter = iter(self._make_loader(shard)) if shard.num_batches_of(self.rank) else None
+        self.observer.loader_started()  # after the workers' fork: background threads may import now
         agreement = StepAgreement(self.coll)
         observer = self.observer
         interval = self.args.checkpoint_interval

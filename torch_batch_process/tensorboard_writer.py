@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from torch_batch_process.storage import Storage
 logger = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
+OPEN_TIMEOUT_S = 120.0  # importing tensorboard on a loaded machine: seconds, never minutes
 
 
 def tensorboard_dir(rank: int) -> str:
@@ -39,22 +41,69 @@ def tensorboard_dir(rank: int) -> str:
 
 
 class TensorBoardLog:
-    """One rank's event file (``SummaryWriter``)."""
+    """One rank's event file (``SummaryWriter``), opened in the background.
+
+    Importing ``torch.utils.tensorboard`` (tensorboard, protobuf) takes ~0.2 s, as long as a whole
+    short job's other start-up. :meth:`open_in_background` does it in a thread, overlapped with the
+    first steps; values added before the writer is ready are kept and written once it is.
+    The loop calls it after its DataLoader workers are started, so that no ``fork`` happens while the
+    thread holds an import lock. Without that call, the first use opens the writer in place.
+    """
 
     def __init__(self, local_dir: Path, *, flush_secs: int = 10) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         local_dir.mkdir(parents=True, exist_ok=True)
-        self._writer = SummaryWriter(log_dir=str(local_dir), flush_secs=flush_secs)
+        self._local_dir = local_dir
+        self._flush_secs = flush_secs
+        self._writer: Any = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending: list[tuple[str, float, int]] = []
+
+    def open_in_background(self) -> None:
+        """Starts opening the writer in a daemon thread (once)."""
+        if self._thread is None and not self._ready.is_set():
+            self._thread = threading.Thread(target=self._open, name="tbp-tensorboard-open", daemon=True)
+            self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self._local_dir), flush_secs=self._flush_secs)
+        except BaseException as exc:  # noqa: BLE001 - reported at the next use, on the loop's thread
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def _get_writer(self, *, wait: bool) -> Any:
+        """The writer, or None while it is still opening (``wait=False``); raises if opening failed."""
+        if not self._ready.is_set():
+            if self._thread is None:
+                self._open()  # never started in the background: open it here
+            elif not wait:
+                return None
+            elif not self._ready.wait(OPEN_TIMEOUT_S):
+                raise TimeoutError(f"opening the TensorBoard event file took more than {OPEN_TIMEOUT_S:g} s")
+        if self._error is not None:
+            raise self._error
+        for tag, value, step in self._pending:
+            self._writer.add_scalar(tag, value, step)
+        self._pending.clear()
+        return self._writer
 
     def scalars(self, values: dict[str, Any], step: int, prefix: str = "") -> None:
         """Adds every number of ``values`` (flattening nested dicts) as a scalar at ``step``."""
+        writer = self._get_writer(wait=False)
         for key, value in values.items():
             tag = f"{prefix}/{key}" if prefix else str(key)
             if isinstance(value, dict):
                 self.scalars(value, step, tag)
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(tag, value, step)
+                if writer is None:
+                    self._pending.append((tag, value, step))
+                else:
+                    writer.add_scalar(tag, value, step)
 
     def records(self, records: list[dict[str, Any]]) -> None:
         """Adds ``report_metrics`` records (``group``, ``steps_completed``, ``metrics``)."""
@@ -62,10 +111,11 @@ class TensorBoardLog:
             self.scalars(record["metrics"], record["steps_completed"], record["group"])
 
     def flush(self) -> None:
-        self._writer.flush()
+        """Writes what was added to the event file (waits for the writer when it is still opening)."""
+        self._get_writer(wait=True).flush()
 
     def close(self) -> None:
-        self._writer.close()
+        self._get_writer(wait=True).close()
 
 
 class FolderUploader:
