@@ -440,3 +440,16 @@ def test_event_file_opened_in_background_keeps_values_added_before_it_is_ready(t
     log.records([{"group": "h", "steps_completed": 7, "metrics": {"c": 4.0}}])
     log.close()
     assert _scalar_tags(tmp_path / "tb") == {"g/a": [(3, 1.5)], "g/nested/b": [(3, 2.0)], "h/c": [(7, 4.0)]}
+
+
+def test_event_file_that_fails_to_open_in_background_raises_at_its_next_use(tmp_path, monkeypatch):
+    """A failed import in the thread is not lost: the next use raises it (the observer then turns TensorBoard off)."""
+    from torch_batch_process.tensorboard_writer import TensorBoardLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    log = TensorBoardLog(tmp_path / "tb")
+    log.open_in_background()
+    with pytest.raises(ImportError):
+        log.flush()  # waits for the thread
+    with pytest.raises(ImportError):
+        log.scalars({"a": 1.0}, step=1)

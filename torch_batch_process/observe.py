@@ -339,7 +339,11 @@ class JobObserver:
                 self._tb = None
         if self._uploader is not None and self._uploader.due():  # remote storage: upload the folder
             if self._tb is not None:
-                self._tb.flush()
+                try:
+                    self._tb.flush()
+                except Exception as exc:  # noqa: BLE001 - e.g. tensorboard failed to import in the background
+                    logger.warning("writing TensorBoard event files failed (%s); they are off for this run", exc)
+                    self._tb = None
             self._uploader.sync()
 
     def _tb_scalars(self, batches_committed: int, examples_committed: int) -> None:

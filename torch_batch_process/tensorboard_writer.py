@@ -71,7 +71,7 @@ class TensorBoardLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self._local_dir), flush_secs=self._flush_secs)
-        except BaseException as exc:  # noqa: BLE001 - reported at the next use, on the loop's thread
+        except Exception as exc:  # noqa: BLE001 - reported at the next use, on the loop's thread
             self._error = exc
         finally:
             self._ready.set()
@@ -87,6 +87,8 @@ class TensorBoardLog:
                 raise TimeoutError(f"opening the TensorBoard event file took more than {OPEN_TIMEOUT_S:g} s")
         if self._error is not None:
             raise self._error
+        if self._writer is None:
+            raise RuntimeError("the TensorBoard event file could not be opened")
         for tag, value, step in self._pending:
             self._writer.add_scalar(tag, value, step)
         self._pending.clear()
