@@ -249,3 +249,25 @@ def test_racing_jobs_cannot_both_take_the_lease(s3_url):
             lock.release()
     fs, root = storage_fs(s3_url)
     assert not fs.exists(f"{root}/{LEASE_FILE}")  # released
+
+
+@pytest.mark.s3
+def test_an_expired_lease_is_never_renewed(s3_url, monkeypatch):
+    """After a pause longer than the TTL, another job may have taken the lease over and even released
+    it; the heartbeat then must not renew (which could succeed) but mark the lease lost, so that the
+    next commit is refused. The pause is simulated by moving the last renewal back in time."""
+    monkeypatch.setenv("TBP_LEASE_TTL_S", "1")
+    lock = acquire_job_lock(Storage(s3_url))
+    try:
+        lock.check()
+        fs, root = storage_fs(s3_url)
+        fs.rm(f"{root}/{LEASE_FILE}")  # the job that took over finished and released the lease
+        lock._renewed -= 5.0  # this process was paused for 5 s
+        deadline = time.monotonic() + 10
+        while not lock._lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(JobLockedError, match="expired|not renewed"):
+            lock.check()
+        assert not fs.exists(f"{root}/{LEASE_FILE}"), "the expired lease was written again"
+    finally:
+        lock.release()

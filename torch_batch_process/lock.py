@@ -187,8 +187,9 @@ class _LeaseLock(JobLock):
                     current.get("pid"),
                     current.get("host"),
                 )
+            sent = time.monotonic()  # the lease counts from before the write (see _renew)
             if self._write_lease(if_version=version, create=current is None):
-                self._renewed = time.monotonic()
+                self._renewed = sent
                 return
         current, _ = self._read()
         raise JobLockedError(_locked_message(self._storage, current))
@@ -265,6 +266,16 @@ class _LeaseLock(JobLock):
     def _heartbeat_loop(self) -> None:
         interval = self._ttl / 5
         while not self._stop.wait(interval):
+            if time.monotonic() - self._renewed > self._ttl:
+                # Expired (this process was paused, e.g. SIGSTOP or a frozen VM, or storage was out of
+                # reach): another job may have taken the lease over, and even finished and released it,
+                # so renewing now could succeed and hide that. An expired lease is never renewed.
+                self._lost = (
+                    f"the job lease expired: it was not renewed for more than {self._ttl:.0f}s (process paused or "
+                    "storage unreachable); another job may have taken it over, so this job stops before its next commit"
+                )
+                logger.error("storage %s: %s", self._storage.url, self._lost)
+                return
             try:
                 self._renew()
             except Exception as exc:  # noqa: BLE001 - keep beating through transient errors
@@ -281,17 +292,20 @@ class _LeaseLock(JobLock):
                 return
 
     def _renew(self) -> None:
+        """Renews the lease. The renewal counts from *before* the request: a process paused while the
+        request was in flight (or just after it returned) must not count the pause as held time."""
         self._beat += 1
+        sent = time.monotonic()
         if self._conditional:
             try:
                 self._version = self._storage.write_conditional(LEASE_FILE, self._lease(), if_version=self._version)
-                self._renewed = time.monotonic()
+                self._renewed = sent
                 return
             except ConditionFailed:
                 current, version = self._read()
                 if current is not None and current.get("owner") == self._owner:
                     self._version = version  # our previous renewal landed but its answer was lost
-                    self._renewed = time.monotonic()
+                    self._renewed = sent
                     return
                 self._lost = "the job lease was taken over by another job"
                 return
@@ -304,7 +318,7 @@ class _LeaseLock(JobLock):
             self._lost = "the job lease was taken over by another job"
             return
         self._storage.write_bytes(LEASE_FILE, self._lease())
-        self._renewed = time.monotonic()
+        self._renewed = sent
 
     def check(self) -> None:
         if self._lost:
