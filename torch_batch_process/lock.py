@@ -48,6 +48,7 @@ from typing import Any
 import filelock
 
 from torch_batch_process.errors import JobLockedError, StorageError
+from torch_batch_process.processes import pid_alive
 from torch_batch_process.storage import ConditionFailed, Storage
 
 logger = logging.getLogger(__name__)
@@ -358,7 +359,7 @@ def _holder_is_dead_here(lease: dict[str, Any]) -> bool:
     for key in ("boot_id", "pid_ns"):
         if key in here and lease.get(key) != here[key]:
             return False
-    return not _pid_alive(lease["pid"])
+    return not pid_alive(lease["pid"])
 
 
 def _read_info(storage: Storage, rel: str) -> dict[str, Any] | None:
@@ -367,16 +368,6 @@ def _read_info(storage: Storage, rel: str) -> dict[str, Any] | None:
     except (FileNotFoundError, ValueError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _locked_message(storage: Storage, info: dict[str, Any] | None) -> str:

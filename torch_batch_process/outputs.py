@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from torch_batch_process.checkpoint import STAGING_DIR, staging_dir
+from torch_batch_process.processes import pid_alive
 from torch_batch_process.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -200,15 +201,7 @@ def _remove_orphans() -> None:
     root = Path(tempfile.gettempdir())
     for folder in root.glob(f"{_TMP_PREFIX}*"):
         pid = folder.name[len(_TMP_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -42,6 +42,7 @@ from torch_batch_process.checkpoint import (
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
 from torch_batch_process.lock import LEASE_FILE, LOCK_FILE, LOCK_INFO_FILE
 from torch_batch_process.metrics import METRICS_FILE
+from torch_batch_process.processes import pid_alive
 from torch_batch_process.progressbar import format_duration
 from torch_batch_process.sharding import BatchGeometry
 from torch_batch_process.storage import Storage
@@ -200,7 +201,7 @@ def _running(storage: Storage) -> tuple[bool | None, dict[str, Any] | None]:
     if not same_host:
         return None, holder  # a lock taken on another host (NFS...) is not visible here
     if held is None:  # no /proc/locks: fall back on the holder's pid
-        alive = bool(info) and isinstance(info.get("pid"), int) and _pid_alive(info["pid"])
+        alive = bool(info) and isinstance(info.get("pid"), int) and pid_alive(info["pid"])
         return alive, holder if alive else None
     return False, None
 
@@ -231,16 +232,6 @@ def _flock_held(path: str, pid: Any = None) -> bool | None:
         if inode == str(st.st_ino) and (dev == device or fields[4] == str(pid)):
             return True
     return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ------------------------------------------------------------------------------------ text
