@@ -267,30 +267,29 @@ class _LeaseLock(JobLock):
     def _heartbeat_loop(self) -> None:
         interval = self._ttl / 5
         while not self._stop.wait(interval):
-            if time.monotonic() - self._renewed > self._ttl:
-                # Expired (this process was paused, e.g. SIGSTOP or a frozen VM, or storage was out of
-                # reach): another job may have taken the lease over, and even finished and released it,
-                # so renewing now could succeed and hide that. An expired lease is never renewed.
-                self._lost = (
-                    f"the job lease expired: it was not renewed for more than {self._ttl:.0f}s (process paused or "
-                    "storage unreachable); another job may have taken it over, so this job stops before its next commit"
-                )
+            if not self._expired():
+                try:
+                    self._renew()
+                except Exception as exc:  # noqa: BLE001 - keep beating through transient errors
+                    logger.warning("storage %s: job lease heartbeat failed: %s", self._storage.url, exc)
+            if self._lost or self._expired():
                 logger.error("storage %s: %s", self._storage.url, self._lost)
                 return
-            try:
-                self._renew()
-            except Exception as exc:  # noqa: BLE001 - keep beating through transient errors
-                logger.warning("storage %s: job lease heartbeat failed: %s", self._storage.url, exc)
-            if self._lost:
-                logger.error("storage %s: %s", self._storage.url, self._lost)
-                return
-            if time.monotonic() - self._renewed > self._ttl:
-                self._lost = (
-                    f"the job lease could not be renewed for {self._ttl:.0f}s (storage unreachable?); another job may "
-                    "take it over, so this job stops before its next commit"
-                )
-                logger.error("storage %s: %s", self._storage.url, self._lost)
-                return
+
+    def _expired(self) -> bool:
+        """Marks the lease lost when it was not renewed for a TTL, and says so.
+
+        This process was paused (SIGSTOP, a frozen VM) or storage was out of reach: another job may
+        have taken the lease over, and even finished and released it, so that renewing now could
+        succeed and hide it. An expired lease is therefore never renewed.
+        """
+        if time.monotonic() - self._renewed <= self._ttl:
+            return False
+        self._lost = (
+            f"the job lease expired: it was not renewed for more than {self._ttl:.0f}s (process paused or "
+            "storage unreachable); another job may have taken it over, so this job stops before its next commit"
+        )
+        return True
 
     def _renew(self) -> None:
         """Renews the lease. The renewal counts from *before* the request: a process paused while the
