@@ -79,18 +79,22 @@ def spawn_ranks(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=str(REPO),
-                start_new_session=True,
-            )
-        )
+        procs.append(start_process([sys.executable, str(script), *args], rank_env))
     return procs
+
+
+def start_process(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Starts ``command`` from the repository root in a session of its own (so that a test can kill its
+    whole tree), with its output captured as text."""
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(REPO),
+        start_new_session=True,
+    )
 
 
 def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int | None, str, str]]:

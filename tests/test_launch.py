@@ -26,6 +26,7 @@ from harness import (
     launcher_cmd,
     read_pid,
     read_reports,
+    start_process,
     wait_for,
 )
 
@@ -234,14 +235,8 @@ def test_a_failing_job_exit_code_passes_through(tmp_path, how, expected):
 
 
 def _start_generic(spec: dict, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        launcher_cmd("--nproc-per-node", "2", *extra, "python3", str(GENERIC_JOB), json.dumps(spec)),
-        env=base_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=str(REPO),
-        start_new_session=True,
+    return start_process(
+        launcher_cmd("--nproc-per-node", "2", *extra, "python3", str(GENERIC_JOB), json.dumps(spec)), base_env()
     )
 
 

@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import GENERIC_JOB, REPO, assert_exactly_once, base_env, committed_values, read_reports, storage_fs
+from harness import (
+    GENERIC_JOB,
+    assert_exactly_once,
+    base_env,
+    committed_values,
+    read_reports,
+    start_process,
+    storage_fs,
+)
 
 from torch_batch_process.errors import JobLockedError
 from torch_batch_process.lock import LEASE_FILE, acquire_job_lock
@@ -40,15 +48,7 @@ def start_job(
     command = [sys.executable, str(GENERIC_JOB), json.dumps(dict(spec, attempt=attempt))]
     if host is not None:
         command = ["unshare", "-u", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *command]
-    return subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=str(REPO),
-        start_new_session=True,
-    )
+    return start_process(command, env)
 
 
 def _port() -> int:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import pytest
 from harness import (
     GENERIC_JOB,
-    REPO,
     assert_exactly_once,
     base_env,
     committed_values,
@@ -26,6 +25,7 @@ from harness import (
     kill_tree,
     launcher_cmd,
     read_reports,
+    start_process,
     wait_for,
 )
 
@@ -94,32 +94,13 @@ def _start_nodes(pair: tuple[Host, Host], spec: dict, port: int) -> list[subproc
     procs = []
     for host in pair:
         env = base_env(GLOO_SOCKET_IFNAME=host.ifname)  # gloo would otherwise pick the hostname's address
-        procs.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", host.netns]
-                + launcher_cmd(
-                    "--nnodes",
-                    "2",
-                    "--nproc-per-node",
-                    "1",
-                    "--rdzv-endpoint",
-                    f"{pair[0].address}:{port}",
-                    "--rdzv-id",
-                    "netns-test",
-                    "--local-addr",
-                    host.address,
-                    "python3",
-                    str(GENERIC_JOB),
-                    json.dumps(spec),
-                ),  # fmt: skip
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=str(REPO),
-                start_new_session=True,
-            )
-        )
+        command = ["ip", "netns", "exec", host.netns] + launcher_cmd(
+            "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"{pair[0].address}:{port}", "--rdzv-id", "netns-test",
+            "--local-addr", host.address,
+            "python3", str(GENERIC_JOB), json.dumps(spec),
+        )  # fmt: skip
+        procs.append(start_process(command, env))
     return procs
 
 
@@ -154,7 +135,9 @@ def test_two_hosts_complete_then_a_killed_node_and_a_rerun_give_every_example_ex
     procs = _start_nodes(hosts, spec, port + 1)
     try:
         # Outputs are published once the record covering them is durable (pipelined commits): wait for some.
-        wait_for(lambda: committed_values(storage) or any(p.poll() is not None for p in procs), 150, "the first outputs")
+        wait_for(
+            lambda: committed_values(storage) or any(p.poll() is not None for p in procs), 150, "the first outputs"
+        )
         assert all(p.poll() is None for p in procs), "a node ended before the other was killed"
         _kill_namespace(hosts[1].netns)
     finally:

@@ -7,13 +7,11 @@ import json
 import os
 import re
 import signal
-import subprocess
 
 import pytest
 import yaml
 from harness import (
     GENERIC_JOB,
-    REPO,
     assert_exactly_once,
     base_env,
     commit_records,
@@ -22,6 +20,7 @@ from harness import (
     kill_tree,
     read_pid,
     read_reports,
+    start_process,
     tbp_cmd,
     wait_for,
 )
@@ -58,15 +57,7 @@ def test_tbp_run_hparams_storage_and_a_worker_killed_once_is_restarted_exactly_o
     path.write_text(yaml.safe_dump(config))
     storage = tmp_path / "storage"
 
-    proc = subprocess.Popen(
-        tbp_cmd("run", str(path)),
-        env=base_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=str(REPO),
-        start_new_session=True,
-    )
+    proc = start_process(tbp_cmd("run", str(path)), base_env())
     try:
         wait_for(lambda: commit_records(storage) or proc.poll() is not None, 120, "the first commit")
         assert proc.poll() is None, "the job ended before a worker could be killed"
