@@ -122,23 +122,9 @@ def run_contender(
     args += extra_args or []
     command = contender_command(contender, nproc, args)
     result = RunResult(contender, workload, nproc, round_index, ok=False, examples=num_examples)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        log.write(" ".join(command) + "\n")
-        log.flush()
-        started = time.time()
-        proc = subprocess.Popen(
-            command, cwd=str(REPO), env=worker_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-        ended = time.time()
-    _reap_group(proc.pid)
-    result.wall_s = ended - started
+    started = time.time()
+    code = run_logged(command, log_path, timeout_s)
+    result.wall_s = time.time() - started
     if code != 0:
         result.error = f"exit code {code}" if code is not None else f"timed out after {timeout_s:.0f} s"
         return result
@@ -162,6 +148,27 @@ def run_contender(
     return result
 
 
+def run_logged(command: list[str], log_path: Path, timeout_s: float) -> int | None:
+    """Runs ``command`` in a session of its own, its output going to ``log_path`` (after the command
+    line); returns its exit code, or None when it ran past ``timeout_s`` and was killed. Whatever the
+    command left running in its session is killed too."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            command, cwd=str(REPO), env=worker_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    _reap_group(proc.pid)
+    return code
+
+
 def run_synthetic(
     job_args: list[str], nproc: int, report: Path, log_path: Path, timeout_s: float = RUN_TIMEOUT_S
 ) -> tuple[list[dict[str, Any]], float]:
@@ -176,20 +183,8 @@ def run_synthetic(
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     started = time.time()
     command = [*launcher, *module, *job_args, "--report", str(report), "--launched", repr(started)]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        log.write(" ".join(command) + "\n")
-        log.flush()
-        proc = subprocess.Popen(command, cwd=str(REPO), env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
+    code = run_logged(command, log_path, timeout_s)
     wall = time.time() - started
-    _reap_group(proc.pid)
     if code != 0:
         raise RuntimeError(f"synthetic job failed ({'timeout' if code is None else f'exit code {code}'}); see {log_path}")
     reports = [json.loads(p.read_text()) for p in sorted(report.glob("rank_*.json"))]
