@@ -499,12 +499,11 @@ class _JobRun:
                     agreement.drain()
                     if step == shard.num_steps - 1:
                         return self._commit(processor, stager, signals, hook=True)
-                    pending = self._begin_commit(processor, stager, signals, hook=True)
                     if self.coll.world_size == 1:  # no votes to wait for: its record goes out now
-                        stop = self._complete_commit(pending)
-                        pending = None
-                        if stop:
+                        if self._commit(processor, stager, signals, hook=True):
                             return True
+                        continue
+                    pending = self._begin_commit(processor, stager, signals, hook=True)
                     continue
                 decision = agreement.boundary(signals.preempt_requested, self.failures.failed)
                 if decision is Decision.FAIL:
