@@ -97,10 +97,10 @@ def observer_costs(calls: int = 20_000) -> tuple[float, float, float]:
     the observer alone."""
     import torch
 
-    from torch_batch_process.observe import JobObserver
-    from torch_batch_process.observe_options import ObserveOptions, tensorboard_installed
-    from torch_batch_process.storage import Storage
-    from torch_batch_process.stragglers import RankInterval
+    from torch_batch_process.observe.observer import JobObserver
+    from torch_batch_process.observe.options import ObserveOptions, tensorboard_installed
+    from torch_batch_process.storage.base import Storage
+    from torch_batch_process.observe.stragglers import RankInterval
 
     with tempfile.TemporaryDirectory() as tmp:
         observer = JobObserver(

@@ -224,8 +224,8 @@ def launcher_cmd(*args: str) -> list[str]:
 
 
 def tbp_cmd(*args: str) -> list[str]:
-    """The ``tbp`` console command of this checkout (``python -m torch_batch_process.cli``)."""
-    return [sys.executable, "-m", "torch_batch_process.cli", *args]
+    """The ``tbp`` console command of this checkout (``python -m torch_batch_process.launch.cli``)."""
+    return [sys.executable, "-m", "torch_batch_process.launch.cli", *args]
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:

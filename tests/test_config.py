@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from torch_batch_process.cli import build_parser, main
-from torch_batch_process.config import ConfigError, job_environment, launcher_argv, load_config, parse_config
+from torch_batch_process.launch.cli import build_parser, main
+from torch_batch_process.launch.config import ConfigError, job_environment, launcher_argv, load_config, parse_config
 
 
 def _write(tmp_path, text: str):

@@ -30,8 +30,8 @@ from harness import (
 )
 
 from torch_batch_process.errors import JobLockedError
-from torch_batch_process.lock import LEASE_FILE, acquire_job_lock
-from torch_batch_process.storage import Storage
+from torch_batch_process.storage.lock import LEASE_FILE, acquire_job_lock
+from torch_batch_process.storage.base import Storage
 
 pytestmark = pytest.mark.slow
 

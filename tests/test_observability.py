@@ -22,13 +22,13 @@ import pytest
 
 from harness import GENERIC_JOB, REPO, base_env, job_spec, read_reports, run_generic, spawn_ranks, wait_all
 from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
-from torch_batch_process import cli
-from torch_batch_process.observe import summary_line
-from torch_batch_process.observe_options import ProfileOptions, resolve_observe_options, tensorboard_installed
-from torch_batch_process.progressbar import format_duration
+from torch_batch_process.launch import cli
+from torch_batch_process.observe.observer import summary_line
+from torch_batch_process.observe.options import ProfileOptions, resolve_observe_options, tensorboard_installed
+from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.result import BatchProcessResult
-from torch_batch_process.status import _flock_held, read_status
-from torch_batch_process.stragglers import RankInterval, StragglerDetector
+from torch_batch_process.observe.status import _flock_held, read_status
+from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
 
 needs_tensorboard = pytest.mark.skipif(not tensorboard_installed(), reason="tensorboard is not installed")
 
@@ -408,7 +408,7 @@ def test_status_of_a_running_then_preempted_then_finished_job(tmp_path, capsys):
     assert done.returncode == 0, done.stderr[-3000:]
     final = reports[0]["result"]
     check = subprocess.run(
-        [sys.executable, "-m", "torch_batch_process.cli", "status", str(storage), "--json"],
+        [sys.executable, "-m", "torch_batch_process.launch.cli", "status", str(storage), "--json"],
         env=base_env(), capture_output=True, text=True, timeout=120, cwd=str(REPO),
     )
     assert check.returncode == 0, check.stderr
@@ -431,7 +431,7 @@ def test_status_of_an_empty_path_is_a_clear_error(tmp_path, capsys):
 def test_event_file_opened_in_background_keeps_values_added_before_it_is_ready(tmp_path, background):
     """The writer opens in a thread (importing tensorboard is slow): values added meanwhile are not lost."""
     pytest.importorskip("tensorboard")
-    from torch_batch_process.tensorboard_writer import TensorBoardLog
+    from torch_batch_process.observe.tensorboard import TensorBoardLog
 
     log = TensorBoardLog(tmp_path / "tb")
     if background:
@@ -444,7 +444,7 @@ def test_event_file_opened_in_background_keeps_values_added_before_it_is_ready(t
 
 def test_event_file_that_fails_to_open_in_background_raises_at_its_next_use(tmp_path, monkeypatch):
     """A failed import in the thread is not lost: the next use raises it (the observer then turns TensorBoard off)."""
-    from torch_batch_process.tensorboard_writer import TensorBoardLog
+    from torch_batch_process.observe.tensorboard import TensorBoardLog
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
     log = TensorBoardLog(tmp_path / "tb")

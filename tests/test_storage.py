@@ -30,14 +30,14 @@ from harness import (
 from s3 import FaultProxy
 
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
-from torch_batch_process.storage import UPLOAD_PART_BYTES, Storage
+from torch_batch_process.storage.base import UPLOAD_PART_BYTES, Storage
 
 # ---------------------------------------------------------------- atomic records under kill -9
 
 _WRITER = textwrap.dedent(
     """
     import hashlib, os, sys
-    from torch_batch_process.storage import Storage
+    from torch_batch_process.storage.base import Storage
 
     url, progress, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     storage = Storage(url)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from torch_batch_process import MetricReducer, get_default_device, to_device
-from torch_batch_process.progress import IndexedRanges, RangeSet
+from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
 from torch_batch_process.reducers import ReducerRegistry
-from torch_batch_process.sharding import BatchGeometry, ShardPlan, planned_batches
+from torch_batch_process.engine.plan import BatchGeometry, ShardPlan, planned_batches
 
 
 def test_rangeset_merges_and_counts():

@@ -18,7 +18,7 @@ A drop-in for Determined AI's Torch Batch Processing API that runs on plain ``to
 
 from torch_batch_process.context import TorchBatchProcessorContext
 from torch_batch_process.device import get_default_device, to_device
-from torch_batch_process.distributed import DistributedInfo
+from torch_batch_process.engine.distributed import DistributedInfo
 from torch_batch_process.errors import (
     BatchProcessError,
     CheckpointCorruptError,
@@ -29,7 +29,7 @@ from torch_batch_process.errors import (
     WorkerFailedError,
     WorkerLostError,
 )
-from torch_batch_process.loop import torch_batch_process
+from torch_batch_process.engine.loop import torch_batch_process
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.reducers import MetricReducer
 from torch_batch_process.result import BatchProcessResult

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from torch_batch_process.device import to_device
-from torch_batch_process.distributed import DistributedInfo
+from torch_batch_process.engine.distributed import DistributedInfo
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.outputs import OutputStager
+from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.reducers import MetricReducer, ReducerRegistry
 from torch_batch_process.result import to_jsonable
 

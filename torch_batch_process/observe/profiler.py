@@ -1,6 +1,6 @@
 """Profiling: ``torch.profiler`` over a few steps of chosen ranks, traces under the TensorBoard path.
 
-With ``profile=True`` (or a dict, see :mod:`torch_batch_process.observe_options`), the chosen ranks
+With ``profile=True`` (or a dict, see :mod:`torch_batch_process.observe.options`), the chosen ranks
 run ``torch.profiler.profile`` with the schedule ``wait`` steps skipped, ``warmup`` steps warmed up,
 ``active`` steps recorded, once; the trace is written by ``torch.profiler.tensorboard_trace_handler``
 as ``rank_<r>.<time>.pt.trace.json`` in ``context.get_tensorboard_path()`` (open it with TensorBoard's
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from torch_batch_process.observe_options import ProfileOptions
+from torch_batch_process.observe.options import ProfileOptions
 
 logger = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ step, :meth:`~JobObserver.on_step` after a step when ``step >= next_step`` (an i
 :meth:`~JobObserver.on_commit` once a commit is durable, then :meth:`~JobObserver.finish` with the
 result and :meth:`~JobObserver.close` in any case. Behind it:
 
-- rank 0's progress display (:mod:`~torch_batch_process.progressbar`): between commits the done count
+- rank 0's progress display (:mod:`~torch_batch_process.observe.progress`): between commits the done count
   is extrapolated from rank 0's own step (``step * world_size`` batches), at commits it is exact;
-- straggler warnings (:mod:`~torch_batch_process.stragglers`) from the commit votes;
-- TensorBoard event files (:mod:`~torch_batch_process.tensorboard_writer`);
-- ``torch.profiler`` over a few steps (:mod:`~torch_batch_process.profiling`);
+- straggler warnings (:mod:`~torch_batch_process.observe.stragglers`) from the commit votes;
+- TensorBoard event files (:mod:`~torch_batch_process.observe.tensorboard`);
+- ``torch.profiler`` over a few steps (:mod:`~torch_batch_process.observe.profiler`);
 - the throughput, progress and "reduced metrics so far" stored in commit records and in
   ``metrics.jsonl`` (read by ``tbp status``).
 
@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from torch_batch_process.observe_options import ObserveOptions
-from torch_batch_process.profiling import StepProfiler
-from torch_batch_process.progressbar import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
+from torch_batch_process.observe.options import ObserveOptions
+from torch_batch_process.observe.profiler import StepProfiler
+from torch_batch_process.observe.progress import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
 from torch_batch_process.result import BatchProcessResult, to_jsonable
-from torch_batch_process.storage import Storage
-from torch_batch_process.stragglers import RankInterval, StragglerDetector
-from torch_batch_process.tensorboard_writer import FolderUploader, TensorBoardLog
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
+from torch_batch_process.observe.tensorboard import FolderUploader, TensorBoardLog
 
 logger = logging.getLogger(__name__)
 

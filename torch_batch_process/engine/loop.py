@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from torch_batch_process.background import BackgroundWork
-from torch_batch_process.checkpoint import (
+from torch_batch_process.engine.background import BackgroundWork
+from torch_batch_process.engine.checkpoint import (
     OUTPUTS_DIR,
     CheckpointStore,
     CommitRecord,
@@ -43,23 +43,23 @@ from torch_batch_process.checkpoint import (
     check_fingerprint,
 )
 from torch_batch_process.context import TorchBatchProcessorContext
-from torch_batch_process.coordination import Decision, FailureInfo, FailureTracker, StepAgreement
-from torch_batch_process.distributed import DistributedEnv, PendingGather
+from torch_batch_process.engine.agreement import Decision, FailureInfo, FailureTracker, StepAgreement
+from torch_batch_process.engine.distributed import DistributedEnv, PendingGather
 from torch_batch_process.errors import JobMismatchError, StorageError, WorkerFailedError
-from torch_batch_process.lock import JobLock, acquire_job_lock
+from torch_batch_process.storage.lock import JobLock, acquire_job_lock
 from torch_batch_process.log import setup_logging
-from torch_batch_process.metrics import MetricsLog
-from torch_batch_process.observe import JobObserver
-from torch_batch_process.observe_options import ObserveOptions, resolve_observe_options
-from torch_batch_process.outputs import OutputStager
-from torch_batch_process.preemption import SignalWatcher
+from torch_batch_process.observe.metrics import MetricsLog
+from torch_batch_process.observe.observer import JobObserver
+from torch_batch_process.observe.options import ObserveOptions, resolve_observe_options
+from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.processor import TorchBatchProcessor
-from torch_batch_process.progress import RangeSet
+from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.result import BatchProcessResult, to_jsonable
-from torch_batch_process.sharding import BatchGeometry, RankBatchSampler, ShardPlan, planned_batches
-from torch_batch_process.storage import Storage
-from torch_batch_process.stragglers import RankInterval
-from torch_batch_process.tensorboard_writer import temporary_folder, tensorboard_dir
+from torch_batch_process.engine.plan import BatchGeometry, RankBatchSampler, ShardPlan, planned_batches
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.observe.stragglers import RankInterval
+from torch_batch_process.observe.tensorboard import temporary_folder, tensorboard_dir
 from torch_batch_process.validation import JobArguments, validate_arguments
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def torch_batch_process(
             ``tensorboard`` package is installed.
         profile: run ``torch.profiler`` over a few steps and write the trace under the TensorBoard
             path: ``True`` (rank 0, default schedule) or a dict (``ranks``, ``wait``, ``warmup``,
-            ``active``...); default ``$TBP_PROFILE``. See :mod:`torch_batch_process.observe_options`.
+            ``active``...); default ``$TBP_PROFILE``. See :mod:`torch_batch_process.observe.options`.
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -368,7 +368,7 @@ class _JobRun:
 
     def _check_shared_storage(self) -> None:
         """Every rank must see the storage rank 0 wrote (a local path must be shared by all nodes)."""
-        from torch_batch_process.checkpoint import JOB_FILE
+        from torch_batch_process.engine.checkpoint import JOB_FILE
 
         try:
             visible = self.storage.exists(JOB_FILE)
@@ -868,7 +868,7 @@ class _JobRun:
         return result
 
     def _start_observer(self, plan: _StartPlan, shard: ShardPlan) -> None:
-        """Progress display, TensorBoard, profiler, stragglers (see :mod:`torch_batch_process.observe`)."""
+        """Progress display, TensorBoard, profiler, stragglers (see :mod:`torch_batch_process.observe.observer`)."""
         self.observer.start(
             total_batches=plan.planned_batches,
             total_examples=min(plan.planned_batches * self.args.batch_size, self.args.dataset_length),

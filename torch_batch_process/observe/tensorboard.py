@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch_batch_process.storage import Storage
+from torch_batch_process.storage.base import Storage
 
 logger = logging.getLogger(__name__)
 

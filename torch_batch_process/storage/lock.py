@@ -49,7 +49,7 @@ import filelock
 
 from torch_batch_process.errors import JobLockedError, StorageError
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage import ConditionFailed, Storage
+from torch_batch_process.storage.base import ConditionFailed, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class _LeaseLock(JobLock):
     def _fall_back(self, exc: BaseException) -> None:
         logger.warning(
             "storage %s: the object store does not support conditional writes (%s); the job lease falls back to "
-            "write-and-read-back, a weaker guarantee (see torch_batch_process.lock)",
+            "write-and-read-back, a weaker guarantee (see torch_batch_process.storage.lock)",
             self._storage.url,
             exc,
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch.utils.data import Sampler
 
-from torch_batch_process.progress import IndexedRanges, RangeSet
+from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
 
 
 @dataclass(frozen=True)

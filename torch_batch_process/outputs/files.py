@@ -2,7 +2,7 @@
 
 Each ``upload_path()`` yields an empty local folder. When the ``with`` block ends, what was
 written there joins this rank's stage of the next commit, ``_tbp/staging/<n>/rank_<r>/`` (see
-:mod:`torch_batch_process.checkpoint`):
+:mod:`torch_batch_process.engine.checkpoint`):
 
 - on local storage the folder lives next to the stages (``_tbp/staging/.incoming-rank_<r>-<id>``)
   and its files are renamed into the stage (no copy, whatever their size);
@@ -35,9 +35,9 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from torch_batch_process.checkpoint import STAGING_DIR, staging_dir
+from torch_batch_process.engine.checkpoint import STAGING_DIR, staging_dir
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage import Storage
+from torch_batch_process.storage.base import Storage
 
 logger = logging.getLogger(__name__)
 

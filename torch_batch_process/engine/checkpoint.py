@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
-from torch_batch_process.progress import RangeSet
-from torch_batch_process.storage import TMP_MARKER, Storage
+from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.storage.base import TMP_MARKER, Storage
 
 logger = logging.getLogger(__name__)
 

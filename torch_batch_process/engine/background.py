@@ -1,7 +1,7 @@
 """Background work of one rank: writing commit records and publishing stages off the critical path.
 
 One thread runs the tasks in submission order (a record is never written before the previous one,
-a stage is never published before the record that covers it, see :mod:`torch_batch_process.loop`).
+a stage is never published before the record that covers it, see :mod:`torch_batch_process.engine.loop`).
 Errors are not lost: :meth:`BackgroundWork.check` (called before every vote, without waiting)
 raises the first error of a finished task, so it fails the job cooperatively like any other error
 of that rank; :meth:`BackgroundWork.settle` waits for everything.

@@ -19,7 +19,7 @@ import enum
 import traceback
 from dataclasses import dataclass
 
-from torch_batch_process.distributed import Collectives, _PendingMax
+from torch_batch_process.engine.distributed import Collectives, _PendingMax
 from torch_batch_process.errors import WorkerFailedError
 
 

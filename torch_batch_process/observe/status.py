@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from torch_batch_process.checkpoint import (
+from torch_batch_process.engine.checkpoint import (
     ATTEMPT_FILE,
     OUTPUTS_DIR,
     RESULT_FILE,
@@ -40,13 +40,13 @@ from torch_batch_process.checkpoint import (
     CommitRecord,
 )
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
-from torch_batch_process.lock import LEASE_FILE, LOCK_FILE, LOCK_INFO_FILE
-from torch_batch_process.metrics import METRICS_FILE
+from torch_batch_process.storage.lock import LEASE_FILE, LOCK_FILE, LOCK_INFO_FILE
+from torch_batch_process.observe.metrics import METRICS_FILE
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.progressbar import format_duration
-from torch_batch_process.sharding import BatchGeometry
-from torch_batch_process.storage import Storage
-from torch_batch_process.tensorboard_writer import TENSORBOARD_DIR
+from torch_batch_process.observe.progress import format_duration
+from torch_batch_process.engine.plan import BatchGeometry
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.observe.tensorboard import TENSORBOARD_DIR
 
 _READ_RETRIES = 5
 _LEASE_GRACE = 3.0

@@ -1,0 +1,1 @@
+"""The engine: the loop and the components it wires together (plan, scheduler, committer, agreement)."""
