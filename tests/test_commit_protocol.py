@@ -162,3 +162,30 @@ def test_a_killed_rank_makes_the_other_exit_promptly(tmp_path):
     outcomes = wait_all(procs, timeout=60)
     assert outcomes[0][0] not in (None, 0) and time.monotonic() - started < 30
     assert read_reports(spec, 1)[0]["error"]["type"] == "WorkerLostError"
+
+
+class SignalledWhileBuilding(TorchBatchProcessor):
+    def __init__(self, context):
+        os.kill(os.getpid(), signal.SIGTERM)  # e.g. the scheduler preempts while the model loads
+
+    def process_batch(self, batch, batch_idx):
+        CALLS.append(batch_idx)
+
+
+def test_sigterm_while_building_the_processor_stops_before_the_first_step(tmp_path):
+    CALLS.clear()
+    result = torch_batch_process(SignalledWhileBuilding, list(range(40)), batch_size=4, storage_path=str(tmp_path))
+    assert result.preempted and CALLS == [] and result.batches_committed == 0
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_while_building_stops_every_rank_before_its_first_step(tmp_path):
+    spec = job_spec(tmp_path, n=400, batch_size=2, checkpoint_interval=5, sigterm_init_rank=1)
+    outcomes, reports = run_generic(spec, nproc=2, launcher="plain", timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    for rank in (0, 1):
+        assert reports[rank]["result"]["preempted"] and reports[rank]["calls"] == [], reports[rank]
+    clean = {k: v for k, v in spec.items() if k != "sigterm_init_rank"}
+    outcomes, reports = run_generic(clean, nproc=2, attempt=2, launcher="plain", timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), 400)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import JOBS, base_env, torchrun_cmd
+from harness import JOBS, base_env, tbp_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -28,3 +28,24 @@ def test_determined_style_script_runs_unchanged_under_torchrun(tmp_path):
     assert sorted(indices) == list(range(1000)), "every image predicted exactly once"
     result = json.loads((storage / "result.json").read_text())
     assert result["metrics"] == {"examples": 1000} and result["finished"]
+
+
+def test_distributed_context_and_provenance_of_determined_core_code(tmp_path):
+    proc = subprocess.run(
+        torchrun_cmd(2, JOBS / "determined_core_style.py"), cwd=tmp_path, env=base_env(), capture_output=True, text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    storage = tmp_path / "tbp_runs" / "determined_core_style"
+    assert json.loads((storage / "result.json").read_text())["metrics"] == {"examples": 100}
+    status = subprocess.run(
+        [*tbp_cmd("status", str(storage), "--json")], env=base_env(), capture_output=True, text=True, timeout=120
+    )
+    assert status.returncode == 0, status.stderr
+    provenance = json.loads(status.stdout)["provenance"]
+    assert {"kind": "model_version", "model_id": 12, "model_version": 3, "name": "digits-cnn",
+            "checkpoint_uuid": "5d7e8c1a-0000-4000-8000-000000000001"} in provenance
+    assert {"kind": "checkpoint", "uuid": "5d7e8c1a-0000-4000-8000-000000000001"} in provenance
+    assert len(provenance) == 2, "the same entries reported by both ranks are kept once"
+    lines = [json.loads(line) for line in (storage / "metrics.jsonl").read_text().splitlines()]
+    assert any(line["group"] == "provenance" for line in lines)

@@ -148,3 +148,21 @@ def test_one_plain_process_without_any_env(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert_exactly_once(committed_values(tmp_path / "storage"), 9)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "launcher", "plain"])
+def test_three_calls_in_one_script_with_two_processes(tmp_path, launcher):
+    from harness import JOBS, launcher_cmd, torchrun_cmd
+
+    script = str(JOBS / "three_calls.py")
+    if launcher == "plain":
+        outcomes = wait_all(spawn_ranks(2, script, str(tmp_path)), timeout=180)
+        assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+        assert all(out.count("ok") == 3 for _, out, _ in outcomes)
+        return
+    command = torchrun_cmd(2, script, str(tmp_path)) if launcher == "torchrun" else launcher_cmd(
+        "--nproc-per-node", "2", sys.executable, script, str(tmp_path)
+    )
+    proc = subprocess.run(command, env=base_env(), capture_output=True, text=True, timeout=180, cwd=str(REPO))
+    assert proc.returncode == 0, _ok(proc)
+    assert proc.stdout.count("ok") == 6, proc.stdout

@@ -13,6 +13,7 @@ from harness import read_outputs, tree_digest
 
 from torch_batch_process import (
     CheckpointCorruptError,
+    InvalidArgumentError,
     JobMismatchError,
     MetricReducer,
     TorchBatchProcessor,
@@ -383,3 +384,17 @@ def test_files_written_in_on_finish_are_committed(storage):
     summaries = list((storage / "outputs").rglob("summary.json"))
     assert len(summaries) == 1 and json.loads(summaries[0].read_text()) == {"count": 10}
     assert result.commits == 5  # 4 steps with checkpoint_interval=1, then the commit of on_finish's files
+
+
+def test_distributed_context_is_checked_against_the_job(storage):
+    from torch_batch_process import DistributedInfo
+
+    with pytest.raises(InvalidArgumentError, match="distributed_context says rank 0 of 2"):
+        torch_batch_process(Recorder, list(range(4)), 2, None, 5, None, DistributedInfo(0, 2, 0, 2, 0, 1),
+                            storage_path=str(storage))
+    assert not storage.exists(), "refused before any write"
+    with pytest.raises(InvalidArgumentError, match="get_rank"):
+        torch_batch_process(Recorder, list(range(4)), batch_size=2, distributed_context=object(), storage_path=str(storage))
+    result = torch_batch_process(Recorder, list(range(4)), 2, None, 5, None, DistributedInfo(0, 1, 0, 1, 0, 1),
+                                 storage_path=str(storage))
+    assert result.finished

@@ -16,6 +16,7 @@ from torch_batch_process.device import to_device
 from torch_batch_process.engine.distributed import DistributedInfo
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.provenance import describe_checkpoint, describe_model_version
 from torch_batch_process.reducers import MetricReducer, ReducerRegistry
 from torch_batch_process.result import to_jsonable
 
@@ -123,6 +124,24 @@ class TorchBatchProcessorContext:
         self._metrics_sink(
             {"group": group, "steps_completed": steps_completed, "rank": self.distributed.rank, "metrics": clean}
         )
+
+    def report_task_using_model_version(self, model_version: Any) -> None:
+        """Records that this job uses ``model_version`` (Determined's ``ModelVersion``, a name, or any object).
+
+        The entry is kept with the job's commits (``tbp status`` shows it) and in ``metrics.jsonl``
+        (group ``"provenance"``); see :mod:`torch_batch_process.provenance`.
+        """
+        self._report_provenance(describe_model_version(model_version))
+
+    def report_task_using_checkpoint(self, checkpoint: Any) -> None:
+        """Records that this job uses ``checkpoint`` (Determined's ``Checkpoint``, a path or URL, or any object).
+
+        Kept like :meth:`report_task_using_model_version`.
+        """
+        self._report_provenance(describe_checkpoint(checkpoint))
+
+    def _report_provenance(self, entry: dict[str, Any]) -> None:
+        self._metrics_sink({"group": "provenance", "steps_completed": 0, "rank": self.distributed.rank, "metrics": entry})
 
     def get_tensorboard_path(self) -> Path:
         """A local folder for TensorBoard event files and profiler traces of this rank.

@@ -20,7 +20,12 @@ class TorchBatchProcessor(metaclass=abc.ABCMeta):
     - ``on_checkpoint_start()`` before every commit, the same number of times on every rank;
     - ``on_finish()`` once when the whole dataset is processed (not when preempted).
 
-    Define ``state_dict()`` / ``load_state_dict(state)`` to persist state with each commit.
+    Define ``state_dict()`` / ``load_state_dict(state)`` to persist state with each commit. A resume with
+    the same world size gives rank ``r`` the state rank ``r`` saved. A resume with another world size gives
+    the states to the classmethod ``merge_state_dicts(states)`` when the class defines it (opt-in): it
+    receives the earlier ranks' states (``None`` for a rank that saved none), in rank order, and returns the
+    state that every new rank's ``load_state_dict`` receives (use ``self.context.get_distributed_rank()``
+    there to keep, e.g., a merged counter on one rank only). Without it, states are not restored then.
     """
 
     def __init__(self, context: TorchBatchProcessorContext) -> None:  # noqa: B027 - meant to be overridden

@@ -163,19 +163,53 @@ def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset:
     return kwargs, batch_size
 
 
-def default_job_name() -> str:
-    """The job name: ``$TBP_JOB_NAME``, else the stem of the running script, else ``job``."""
+def script_stem() -> str | None:
+    """The stem of the running script, or ``None`` in an interactive session.
+
+    Interactive means no script names the job: ``python -c``, ``python -`` (stdin), the REPL, and Jupyter
+    or IPython (whose ``sys.argv[0]`` is the kernel's launcher, shared by every notebook).
+    """
+    main = sys.modules.get("__main__")
+    script = sys.argv[0] if sys.argv else ""
+    if main is None or not getattr(main, "__file__", None) or script in ("", "-c", "-m", "-"):
+        return None
+    if "ipykernel" in Path(script).name or "IPython" in sys.modules and "ipykernel" in sys.modules:
+        return None
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(script).stem).lstrip("._-")
+    return stem or None
+
+
+def default_job_name(storage_path: Any = None) -> str:
+    """The job name: ``$TBP_JOB_NAME``, else the stem of the running script, else the last part of the
+    storage path; ``job`` when none of these exists (the storage path is then required, see
+    :func:`resolve_storage_path`)."""
     name = os.environ.get(JOB_NAME_ENV)
     if name:
         return name
-    script = sys.argv[0] if sys.argv else ""
-    stem = Path(script).stem if script and script not in ("-c", "-m", "-") else ""
-    stem = re.sub(r"[^A-Za-z0-9._-]", "_", stem).lstrip("._-")
-    return stem or "job"
+    stem = script_stem()
+    if stem:
+        return stem
+    given = storage_path if storage_path is not None else os.environ.get(STORAGE_ENV)
+    if given is not None:
+        tail = re.sub(r"[^A-Za-z0-9._-]", "_", os.fspath(given).rstrip("/").rsplit("/", 1)[-1]).lstrip("._-")
+        if tail:
+            return tail[:128]
+    return "job"
 
 
-def resolve_storage_path(storage_path: Any, job_name: str) -> str:
-    """``storage_path``, else ``$TBP_STORAGE_PATH``, else ``./tbp_runs/<job name>``."""
+def resolve_storage_path(storage_path: Any, job_name: str, *, job_name_given: bool = True) -> str:
+    """``storage_path``, else ``$TBP_STORAGE_PATH``, else ``./tbp_runs/<job name>``.
+
+    Without a script name (an interactive session) and without an explicit job name, there is no default:
+    every notebook and ``python -c`` would share one folder and a job would resume (or return the result
+    of) another one. The storage path (or a job name) is then required.
+    """
+    if storage_path is None and not os.environ.get(STORAGE_ENV) and not job_name_given:
+        raise InvalidArgumentError(
+            "storage_path is required in an interactive session (python -c, the REPL, Jupyter): there is no script "
+            "name to tell jobs apart, so the default ./tbp_runs/<script name> would be shared by every job. Pass "
+            "storage_path='...' (or job_name='...', which uses ./tbp_runs/<job_name>), or set TBP_STORAGE_PATH."
+        )
     if storage_path is None:
         storage_path = os.environ.get(STORAGE_ENV) or os.path.join(DEFAULT_ROOT, job_name)
     if isinstance(storage_path, os.PathLike):
@@ -223,8 +257,9 @@ def validate_arguments(
         _positive_int("batch_size", batch_size)
     dataset_length = validate_dataset(dataset)
     kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
+    job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None
     if job_name is None:
-        job_name = default_job_name()
+        job_name = default_job_name(storage_path)
     if not isinstance(job_name, str) or not _JOB_NAME.match(job_name):
         raise InvalidArgumentError(
             f"job_name must be 1-128 characters of letters, digits, '.', '_' or '-' (starting with a letter or "
@@ -241,7 +276,7 @@ def validate_arguments(
         max_batches=max_batches,
         checkpoint_interval=checkpoint_interval,
         dataloader_kwargs=kwargs,
-        storage_path=resolve_storage_path(storage_path, job_name),
+        storage_path=resolve_storage_path(storage_path, job_name, job_name_given=job_name_given),
         storage_options=resolve_storage_options(storage_options),
         job_name=job_name,
         resume=resume,

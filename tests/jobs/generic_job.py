@@ -9,6 +9,7 @@ restart count), for tests that kill workers.
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -71,6 +72,8 @@ class Processor(TorchBatchProcessor):
         self.cls_sum = context.wrap_reducer(SumReducer())
         if SPEC.get("fail_init_rank") == self.rank:
             raise RuntimeError(f"init failure on rank {self.rank}")
+        if SPEC.get("sigterm_init_rank") == self.rank:  # preempted while the processors are being built
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def process_batch(self, batch, batch_idx):
         self.calls.append(batch_idx)

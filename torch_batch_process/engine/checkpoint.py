@@ -55,6 +55,7 @@ STATES_DIR = f"{INTERNAL_DIR}/states"
 STAGING_DIR = f"{INTERNAL_DIR}/staging"
 OUTPUTS_DIR = "outputs"
 RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
 ATTEMPT_FILE = f"{INTERNAL_DIR}/attempt.json"
 
 RECORD_FORMAT = "torch_batch_process/commit/1"
@@ -92,7 +93,10 @@ class JobSpec:
     dataset_length: int
     batch_size: int
     processor: str
+    """Module-qualified class name (``module.Class``): two jobs with the same class name differ."""
     max_batches: int | None
+    dataset_type: str
+    """Module-qualified type of the dataset."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +104,7 @@ class JobSpec:
             "batch_size": self.batch_size,
             "processor": self.processor,
             "max_batches": self.max_batches,
+            "dataset_type": self.dataset_type,
         }
 
     def differences(self, stored: dict[str, Any]) -> list[str]:
@@ -159,6 +164,8 @@ class CommitRecord:
     result: dict[str, Any] | None = None
     time: float = field(default_factory=time.time)
     stats: dict[str, Any] = field(default_factory=dict)
+    provenance: list[dict[str, Any]] = field(default_factory=list)
+    """Model versions and checkpoints the job reported using (see :mod:`torch_batch_process.provenance`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -174,6 +181,7 @@ class CommitRecord:
             "result": self.result,
             "time": self.time,
             "stats": self.stats,
+            "provenance": self.provenance,
         }
 
     @classmethod
@@ -193,6 +201,7 @@ class CommitRecord:
                 result=value.get("result"),
                 time=float(value["time"]),
                 stats=dict(value.get("stats") or {}),
+                provenance=list(value.get("provenance") or []),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"commit record {where} is not a valid record: {exc}") from exc
@@ -265,6 +274,52 @@ class CheckpointStore:
         if not isinstance(state, dict) or "reducers" not in state:
             raise CheckpointCorruptError(f"state file {where} is not a torch_batch_process state file")
         return state
+
+    def unpublished_commits(self, latest: CommitRecord) -> list[int]:
+        """Commits ``<= latest`` whose staged files are not all published yet (a crash while publishing)."""
+        numbers = []
+        for name in self.storage.list(STAGING_DIR):
+            if name.isdigit() and int(name) <= latest.commit:
+                if any(entry.startswith("rank_") for entry in self.storage.list(staging_dir(int(name)))):
+                    numbers.append(int(name))
+        return numbers
+
+    def check_integrity(self, latest: CommitRecord | None) -> None:
+        """Raises :class:`CheckpointCorruptError` when the stored progress is damaged.
+
+        Two kinds of damage would otherwise make a resume silently redo (and duplicate) committed work
+        or fail hours later: commit records missing while the job clearly committed before (its
+        ``outputs/``, ``result.json`` or ``metrics.jsonl`` exist: a partial copy or restore), and state
+        files that the latest record needs but that are gone.
+        """
+        if latest is None:
+            evidence = [rel for rel in (OUTPUTS_DIR, RESULT_FILE, METRICS_FILE) if self._present(rel)]
+            if evidence:
+                raise CheckpointCorruptError(
+                    f"storage_path {self.storage.url!r} holds a job that has committed before ({', '.join(evidence)} "
+                    f"exist) but its commit records ({self.storage.url_of(COMMITS_DIR)}/) are missing, so its "
+                    "progress is unknown; resuming would process everything again and duplicate outputs. Nothing was "
+                    "changed. Restore the missing records, or start afresh with resume=False (this erases the "
+                    "stored progress and outputs) or a new storage_path."
+                )
+            return
+        present: dict[str, set[str]] = {}  # one listing per state folder, not one request per file
+        for rel in latest.referenced_files():
+            folder = rel.rsplit("/", 1)[0]
+            if folder not in present:
+                present[folder] = set(self.storage.list(folder))
+        missing = sorted(rel for rel in latest.referenced_files() if rel.rsplit("/", 1)[1] not in present[rel.rsplit("/", 1)[0]])
+        if missing:
+            raise CheckpointCorruptError(
+                f"commit record {self.storage.url_of(f'{COMMITS_DIR}/{commit_name(latest.commit)}.json')} needs "
+                f"{len(missing)} state file(s) that are missing (first: {self.storage.url_of(missing[0])}); the job "
+                "cannot resume with exact metrics and processor state. Nothing was changed. Restore them, or start "
+                "afresh with resume=False (this erases the stored progress and outputs) or a new storage_path."
+            )
+
+    def _present(self, rel: str) -> bool:
+        """Whether file ``rel`` exists, or folder ``rel`` holds anything."""
+        return bool(self.storage.list(rel)) or self.storage.exists(rel)
 
     # ------------------------------------------------------------------ writing
 
@@ -382,7 +437,7 @@ class CheckpointStore:
             STAGING_DIR,
             STATES_DIR,
             ATTEMPT_FILE,
-            "metrics.jsonl",
+            METRICS_FILE,
             "tensorboard",
             COMMITS_DIR,
         ):
@@ -403,6 +458,11 @@ def _parse_json(raw: bytes, where: str) -> Any:
             f"{where} is corrupt ({exc}). The job cannot resume from it; to start the job afresh, "
             "pass resume=False (this erases the stored progress and outputs) or use a new storage_path."
         ) from exc
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualifiedName`` of a class, as stored in a job's fingerprint."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def check_fingerprint(job: JobInfo, spec: JobSpec, url: str) -> None:

@@ -3,16 +3,23 @@
 A job runs as one plain process (``python script.py``), under ``torchrun``, or as processes started
 with the env contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
 The library initializes the default process group itself when the environment asks for more than
-one process (nccl when CUDA is there, else gloo), reuses a group the user already initialized, and
-destroys only what it created.
+one process (nccl when CUDA is there, else gloo) and reuses a group the user already initialized. A
+default group the library created stays for the later calls of the same process (a script may call
+:func:`torch_batch_process` several times) and is destroyed when the interpreter exits: re-creating
+it would re-run the rendezvous on a store that still holds the keys of the first one (under torchrun
+the agent's store outlives the group), which made the second call fail or hang. A group the user
+created is never destroyed.
 
-Its own coordination (votes at commits, the per-step stop/failure agreement) always runs on a gloo
-group on CPU, even on GPU jobs: it needs no device synchronization, and a peer that dies is noticed
-at once (gloo reports the closed connection) instead of after the NCCL timeout.
+Its own coordination (votes at commits, the per-step stop/failure agreement) runs on a gloo group
+of its own, created and destroyed with each call, even when the default group is gloo too: it needs
+no device synchronization, it never queues behind the user's collectives (nor they behind it), and a
+peer that dies is noticed at once (gloo reports the closed connection) instead of after the NCCL
+timeout.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -213,9 +220,9 @@ class _PendingMax:
 class DistributedEnv:
     """Sets up (or reuses) torch.distributed for a job and tears down what it created."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, expected: Any = None) -> None:
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._created_default = False
+        self._expected = expected
         self._created_control = False
         self.control_group: dist.ProcessGroup | None = None
         self.device = torch.device("cpu")
@@ -223,7 +230,11 @@ class DistributedEnv:
         self.collectives = Collectives(None, 0, 1)
 
     def __enter__(self) -> DistributedEnv:
-        self.setup()
+        try:
+            self.setup()
+        except BaseException:
+            self.teardown()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -244,6 +255,7 @@ class DistributedEnv:
             local_rank = rank  # no LOCAL_RANK: assume one process per node slot, all on this node
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         self.device = get_default_device()
+        _check_expected(self._expected, rank, world_size, initialized)
         if world_size > 1 and not initialized:
             missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
             if missing:
@@ -259,13 +271,10 @@ class DistributedEnv:
             dist.init_process_group(
                 backend=backend, init_method="env://", rank=rank, world_size=world_size, timeout=self._timeout, **kwargs
             )
-            self._created_default = True
+            _destroy_at_exit()
         if world_size > 1:
-            if dist.get_backend() == "gloo":
-                self.control_group = None  # the default group
-            else:
-                self.control_group = dist.new_group(backend="gloo", timeout=self._timeout)
-                self._created_control = True
+            self.control_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._created_control = True
         self.collectives = Collectives(self.control_group, rank, world_size)
         local_size = _env_int("LOCAL_WORLD_SIZE", None)
         cross_rank = _env_int("GROUP_RANK", None)
@@ -290,16 +299,60 @@ class DistributedEnv:
         )
 
     def teardown(self) -> None:
-        """Destroys the process groups this job created (never one the user created)."""
+        """Destroys this call's control group (the default group stays for later calls, see above)."""
         if self._created_control and self.control_group is not None:
             try:
                 dist.destroy_process_group(self.control_group)
             except Exception as exc:  # noqa: BLE001 - teardown must not mask the job's outcome
                 logger.debug("destroying the control group failed: %s", exc)
             self._created_control = False
-        if self._created_default and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # noqa: BLE001
-                logger.debug("destroying the process group failed: %s", exc)
-            self._created_default = False
+            self.control_group = None
+
+
+_exit_hook_registered = False
+
+
+def _destroy_at_exit() -> None:
+    """Destroys the default group the library created when the interpreter exits (once)."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_destroy_default_group)
+        _exit_hook_registered = True
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - the interpreter is exiting
+            logger.debug("destroying the process group failed: %s", exc)
+
+
+def _check_expected(expected: Any, rank: int, world_size: int, initialized: bool) -> None:
+    """Checks Determined's ``distributed_context`` argument against what torch.distributed says.
+
+    The library always runs on torch.distributed; a ``DistributedContext``-like object (Determined's
+    ``core.DistributedContext``, or this library's :class:`DistributedInfo`) only states the ranks the
+    caller expects, so a mismatch (e.g. a context for 4 processes in a job started with 2) is an error
+    instead of a silent re-sharding.
+    """
+    if expected is None:
+        return
+    sizes = []
+    for name in ("get_size", "get_rank"):
+        getter = getattr(expected, name, None)
+        if not callable(getter):
+            raise InvalidArgumentError(
+                f"distributed_context must be None or a DistributedContext-like object with get_rank() and "
+                f"get_size() (e.g. determined.core.DistributedContext.from_torch_distributed()), got "
+                f"{type(expected).__name__}"
+            )
+        sizes.append(getter())
+    size, expected_rank = sizes
+    if (size, expected_rank) != (world_size, rank):
+        where = "torch.distributed" if initialized else "the environment (RANK, WORLD_SIZE)"
+        raise InvalidArgumentError(
+            f"distributed_context says rank {expected_rank} of {size}, but {where} says rank {rank} of "
+            f"{world_size}: start the job with as many processes as the context describes (torchrun "
+            "--nproc-per-node, or the library's launcher), or pass distributed_context=None"
+        )

@@ -41,6 +41,7 @@ from torch_batch_process.engine.checkpoint import (
     JobInfo,
     JobSpec,
     check_fingerprint,
+    qualified_name,
 )
 from torch_batch_process.context import TorchBatchProcessorContext
 from torch_batch_process.engine.agreement import Decision, FailureInfo, FailureTracker, StepAgreement
@@ -54,6 +55,7 @@ from torch_batch_process.observe.options import ObserveOptions, resolve_observe_
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.processor import TorchBatchProcessor
+from torch_batch_process.provenance import merge_entries
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.result import BatchProcessResult, to_jsonable
 from torch_batch_process.engine.plan import BatchGeometry, RankBatchSampler, ShardPlan, planned_batches
@@ -74,6 +76,7 @@ def torch_batch_process(
     max_batches: int | None = None,
     checkpoint_interval: int = 5,
     dataloader_kwargs: dict[str, Any] | None = None,
+    distributed_context: Any = None,
     *,
     storage_path: str | os.PathLike[str] | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -98,6 +101,10 @@ def torch_batch_process(
         dataloader_kwargs: options of ``torch.utils.data.DataLoader`` (``num_workers``,
             ``collate_fn``, ``pin_memory``, ``prefetch_factor``...); no ``shuffle=True``, ``sampler``,
             ``batch_sampler`` or ``drop_last=True``.
+        distributed_context: Determined's ``core.DistributedContext`` (or any object with ``get_rank()`` and
+            ``get_size()``), or ``None``. The job always runs on ``torch.distributed``; a context given here
+            only states the ranks the caller expects, and a mismatch with torch.distributed (or with the
+            ``RANK``/``WORLD_SIZE`` environment) is an error raised before any work.
         storage_path: local path or fsspec URL (``s3://bucket/prefix``...) for progress and outputs;
             default ``$TBP_STORAGE_PATH``, else ``./tbp_runs/<job_name>``.
         storage_options: options of the fsspec filesystem (credentials, endpoint...); default
@@ -144,7 +151,7 @@ def torch_batch_process(
         inference_mode,
     )
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
-    with DistributedEnv() as env:
+    with DistributedEnv(expected=distributed_context) as env:
         setup_logging(env.info.rank)
         return _JobRun(args, env, observe).run()
 
@@ -220,7 +227,13 @@ class _JobRun:
         self.coll = env.collectives
         self.failures = FailureTracker(self.rank)
         self.geometry = BatchGeometry(args.dataset_length, args.batch_size)
-        self.spec = JobSpec(args.dataset_length, args.batch_size, args.processor_cls.__qualname__, args.max_batches)
+        self.spec = JobSpec(
+            args.dataset_length,
+            args.batch_size,
+            qualified_name(args.processor_cls),
+            args.max_batches,
+            qualified_name(type(args.dataset)),
+        )
         self.storage = Storage(args.storage_path, args.storage_options)
         self.store = CheckpointStore(self.storage)
         self.lock: JobLock | None = None
@@ -250,6 +263,7 @@ class _JobRun:
             device=env.device,
         )
         self.last_record: CommitRecord | None = None
+        self.provenance: list[dict[str, Any]] = []  # rank 0: entries of report_task_using_*(), kept in records
         self.background = BackgroundWork()  # record writes (rank 0) and stage publishing, in order
         self.unpublished: list[int] = []  # commits whose stage of this rank waits for its record
         self.pending_records: list[tuple[int, Future[Any]]] = []  # rank 0: records being written
@@ -260,12 +274,12 @@ class _JobRun:
     def run(self) -> BatchProcessResult:
         self._warn_max_batches()
         try:
-            plan = self._open_job()
-            self.plan = plan
-            if plan.finished_result is not None:
-                return self._stored_result(plan)
             with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
-                processor, stager = self._build_processor(plan)
+                plan = self._open_job()
+                self.plan = plan
+                if plan.finished_result is not None:
+                    return self._stored_result(plan)
+                processor, stager = self._build_processor(plan, signals)
                 try:
                     shard = ShardPlan(self.committed.complement(plan.planned_batches), self.world_size)
                     self._log_start(plan, shard)
@@ -321,6 +335,11 @@ class _JobRun:
         self.storage.check()  # unreachable, missing bucket, no permission: a clear error before anything else
         job, latest = self._read_and_check()
         if latest is not None and latest.finished and self.args.resume and latest.result is not None:
+            if self.store.unpublished_commits(latest):  # killed while publishing its last outputs
+                self.lock = acquire_job_lock(self.storage)
+                job, latest = self._read_and_check()
+                assert latest is not None
+                self.store.repair(latest)
             return _StartPlan(
                 attempt=latest.attempt,
                 next_commit=latest.commit + 1,
@@ -342,6 +361,7 @@ class _JobRun:
         if latest is not None and latest.finished:  # finished, but resume=False was handled above
             latest = None
         self.last_record = latest
+        self.provenance = list(latest.provenance) if latest else []
         return _StartPlan(
             attempt=self.store.next_attempt(latest, self.world_size),
             next_commit=(latest.commit if latest else 0) + 1,
@@ -358,6 +378,7 @@ class _JobRun:
         latest = self.store.load_latest()
         if self.args.resume and job is not None:
             check_fingerprint(job, self.spec, self.storage.url)
+            self.store.check_integrity(latest)  # a damaged checkpoint is an error, never a restart from zero
         if self.args.resume and job is None and (latest is not None or self.store.has_outputs()):
             raise JobMismatchError(
                 f"storage_path {self.storage.url!r} holds {'commit records' if latest else 'outputs'} but no job file "
@@ -402,7 +423,7 @@ class _JobRun:
 
     # ------------------------------------------------------------- 3. build the processor
 
-    def _build_processor(self, plan: _StartPlan) -> tuple[TorchBatchProcessor, OutputStager]:
+    def _build_processor(self, plan: _StartPlan, signals: SignalWatcher) -> tuple[TorchBatchProcessor, OutputStager]:
         stager = OutputStager(self.storage, self.rank, plan.next_commit)
         context = TorchBatchProcessorContext(
             device=self.env.device,
@@ -425,8 +446,11 @@ class _JobRun:
             except Exception as exc:  # noqa: BLE001
                 self.failures.record(exc, "restoring the processor state")
         self.timings["hooks"] += time.perf_counter() - start
-        infos = self.coll.all_gather(self.failures.info)
-        self.failures.raise_for(infos)
+        # The first agreement: a failure, or a SIGTERM that came while the job was opened or the processors
+        # were built, stops every rank before its first step.
+        answers = self.coll.all_gather((self.failures.info, signals.preempt_requested))
+        self.failures.raise_for([info for info, _ in answers])
+        self.stop_before_first_step = any(preempt for _, preempt in answers)
         assert processor is not None
         return processor, stager
 
@@ -446,10 +470,16 @@ class _JobRun:
                 state = self.store.load_state(rel)
                 if state.get("processor") is not None:
                     processor.load_state_dict(state["processor"])
+        elif callable(getattr(type(processor), "merge_state_dicts", None)):
+            states = [self.store.load_state(rel).get("processor") if rel else None for rel in plan.previous_state_files]
+            merged = type(processor).merge_state_dicts(states)
+            if merged is not None:
+                processor.load_state_dict(merged)
         elif type(processor).state_dict is not TorchBatchProcessor.state_dict and self.rank == 0:
             logger.warning(
                 "the world size changed from %d to %d: processor states are not restored (they belong to the "
-                "ranks of the earlier attempt); reducer metrics stay exact",
+                "ranks of the earlier attempt; define the classmethod merge_state_dicts(states) to combine them); "
+                "reducer metrics stay exact",
                 plan.previous_world_size,
                 self.world_size,
             )
@@ -473,6 +503,9 @@ class _JobRun:
         job stops, complete at once; otherwise rank 0 writes the record in the background.
         """
         self.preempt_metrics: dict[str, Any] | None = None
+        if self.stop_before_first_step:  # every rank agreed while building the processors
+            self._commit(processor, stager, signals, hook=True)
+            return True
         if shard.num_steps == 0:
             return False
         loader_iter = iter(self._make_loader(shard)) if shard.num_batches_of(self.rank) else None
@@ -795,6 +828,7 @@ class _JobRun:
             reducers=reducers.signature(),
             finished=final,
             result=result,
+            provenance=list(self.provenance),
             stats={
                 "batches_committed": len(committed),
                 "examples_committed": self.geometry.count_examples(committed),
@@ -803,6 +837,7 @@ class _JobRun:
             },
         )
         lines = [line for v in votes for line in v.metrics]
+        self.provenance = merge_entries(self.provenance, [line["metrics"] for line in lines if line["group"] == "provenance"])
         if metrics is not None:
             lines.append({"group": "reduced", "steps_completed": len(committed), "rank": 0, "metrics": to_jsonable(metrics)})
         lines.extend(observed_lines)

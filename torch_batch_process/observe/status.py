@@ -8,10 +8,13 @@ is garbage-collected before it reads it (a newer commit landed in between), it l
 
 ``job_name``, ``storage_path``, ``fingerprint`` (a short hash of ``spec``), ``spec`` (dataset length,
 batch size, processor, max_batches), ``created`` (epoch seconds), ``state`` (``running``,
-``preempted``, ``finished``, ``stopped``: not running and not finished, e.g. crashed or killed;
+``preempted``, ``finished``, ``unpublished``: finished but killed while publishing its last outputs,
+``stopped``: not running and not finished, e.g. crashed or killed;
 ``unknown``: the lock is held on another host, which this host cannot check), ``running``
 (true/false/null), ``holder`` (``{"host", "pid"}`` of the running job), ``attempts``,
 ``current_attempt`` (``{"attempt", "started", "world_size"}`` of the latest start),
+``unpublished_commits`` (commits whose files are still staged; run the job again to publish them),
+``provenance`` (model versions and checkpoints it reported using),
 ``batches_committed``, ``batches_total``, ``examples_committed``, ``examples_total``, ``percent``,
 ``last_commit`` (``{"commit", "attempt", "time", "world_size"}``), ``throughput`` (of the attempt of
 the last commit: ``{"attempt", "world_size", "examples_per_s", "elapsed_s", "examples_processed",
@@ -85,7 +88,10 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
     attempts = max(int(attempt_info.get("attempt", 0) or 0), latest.attempt if latest else 0)
 
     finished = bool(latest and latest.finished)
-    if finished:
+    unpublished = store.unpublished_commits(latest) if finished and latest is not None and not running else []
+    if finished and unpublished:
+        state = "unpublished"  # killed while publishing: the committed files are still in staging
+    elif finished:
         state = "finished"
     elif running:
         state = "running"
@@ -119,6 +125,8 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "job_name": job.job_name,
         "storage_path": storage.url,
         "fingerprint": fingerprint(spec),
+        "unpublished_commits": unpublished,
+        "provenance": latest.provenance if latest else [],
         "spec": spec,
         "created": job.created,
         "state": state,
@@ -250,6 +258,11 @@ def format_status(status: dict[str, Any]) -> str:
         state += "; the lock is held on another host, so whether it still runs cannot be checked from here"
     elif status["state"] == "preempted":
         state += "; run the same command again to resume"
+    elif status["state"] == "unpublished":
+        state += (
+            f": the job finished, but the committed outputs of commit(s) {status['unpublished_commits']} are not "
+            "published yet (it was killed while publishing); run the same command again to publish them (no other work)"
+        )
     elif status["state"] == "stopped" and status["batches_committed"] < status["batches_total"]:
         state += " (not running: it failed, crashed or was killed); run the same command again to resume"
     lines.append(("state", state))
@@ -289,6 +302,8 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(("metrics", text))
     else:
         lines.append(("metrics", "none yet" if not status.get("metrics_final") else "none (no reducer)"))
+    for entry in status.get("provenance") or []:
+        lines.append(("uses", ", ".join(f"{key}={_short(value)}" for key, value in entry.items())))
     lines.append(("outputs", status["outputs_path"]))
     lines.append(("metrics log", status["metrics_path"]))
     lines.append(("tensorboard", status["tensorboard_path"]))

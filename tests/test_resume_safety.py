@@ -1,0 +1,206 @@
+"""Resume safety: a finished job is repaired before its result is returned, damaged progress is refused,
+jobs are told apart by their fingerprint, and processor states survive a world-size change."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import (
+    GENERIC_JOB,
+    JOBS,
+    REPO,
+    assert_exactly_once,
+    base_env,
+    job_spec,
+    per_batch_values,
+    run_generic,
+    spawn_ranks,
+    tree_digest,
+    wait_all,
+)
+from torch_batch_process import CheckpointCorruptError, JobMismatchError, TorchBatchProcessor, torch_batch_process
+from torch_batch_process.observe.status import read_status
+
+
+class Writer(TorchBatchProcessor):
+    """Writes one file per batch and one in on_finish(); sends itself SIGTERM at ``stop_at``."""
+
+    stop_at: int | None = None
+
+    def __init__(self, context):
+        self.context = context
+        self.total = context.wrap_reducer(lambda values: sum(values), name="total")
+
+    def process_batch(self, batch, batch_idx):
+        values = [int(v) for v in batch]
+        self.total.update(sum(values))
+        with self.context.upload_path() as path:
+            (path / f"batch_{batch_idx}.json").write_text(json.dumps(values))
+        if batch_idx == type(self).stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_finish(self):
+        with self.context.upload_path() as path:
+            (path / "finish.txt").write_text("done")
+
+
+class Stopping(Writer):
+    stop_at = 3
+
+
+Stopping.__qualname__ = "Writer"
+
+
+def _committed(storage: Path) -> list[str]:
+    return sorted(p.name for p in (storage / "outputs").rglob("*") if p.is_file())
+
+
+def test_a_finished_job_killed_while_publishing_is_published_before_its_result_is_returned(tmp_path):
+    storage = tmp_path / "store"
+    first = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
+    assert first.finished
+    # The state a kill leaves between the final record (and result.json) and the publication of the last
+    # stage: the files of the last commit are still staged.
+    last = sorted((storage / "outputs").iterdir())[-1]
+    number = last.name.split("_", 1)[1]
+    staged = storage / "_tbp" / "staging" / number
+    staged.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(last / "rank_0"), str(staged / "rank_0"))
+    last.rmdir()
+    assert "finish.txt" not in _committed(storage)
+    status = read_status(str(storage))
+    assert status["state"] == "unpublished" and status["unpublished_commits"] == [int(number)]
+
+    again = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=str(storage))
+    assert again.already_finished and again.metrics == {"total": sum(range(40))}
+    files = _committed(storage)
+    assert "finish.txt" in files and sorted(f for f in files if f.startswith("batch_")) == sorted(
+        f"batch_{g}.json" for g in range(10)
+    )
+    assert not any((storage / "_tbp" / "staging").glob("*/rank_*"))
+    assert read_status(str(storage))["state"] == "finished"
+
+
+@pytest.mark.slow
+def test_kill_as_soon_as_the_result_appears_then_rerun_gives_every_output_once(tmp_path):
+    spec = job_spec(tmp_path, n=400, batch_size=4, checkpoint_interval=5, outputs="both")
+    procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
+    result = Path(spec["storage"]) / "result.json"
+    deadline = time.monotonic() + 120
+    while not result.exists() and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.001)
+    for proc in procs:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    wait_all(procs, timeout=30)
+    outcomes, reports = run_generic(spec, nproc=2, attempt=2, launcher="plain")
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    assert reports[0]["result"]["metrics"]["sum_cls"] == sum(range(400))
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), 400)
+
+
+def test_missing_commit_records_are_refused_and_nothing_changes(tmp_path):
+    storage = tmp_path / "store"
+    result = torch_batch_process(Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert result.preempted and _committed(storage)
+    shutil.rmtree(storage / "_tbp" / "commits")  # a partial copy: outputs and job file, no records
+    before = tree_digest(storage)
+    with pytest.raises(CheckpointCorruptError, match="commit records") as info:
+        torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert "resume=False" in str(info.value)
+    assert tree_digest(storage) == before, "nothing changed"
+    fresh = torch_batch_process(Writer, list(range(40)), batch_size=4, storage_path=str(storage), resume=False)
+    assert fresh.finished and fresh.batches_skipped == 0
+
+
+def test_a_missing_state_file_is_refused_at_start(tmp_path):
+    storage = tmp_path / "store"
+    torch_batch_process(Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    state_file = next((storage / "_tbp" / "states").rglob("*.pt"))
+    state_file.unlink()
+    before = tree_digest(storage)
+    with pytest.raises(CheckpointCorruptError, match="state file"):
+        torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert tree_digest(storage) == before
+
+
+class Other:  # a namespace standing for another module
+    class Writer(Writer):
+        pass
+
+
+def test_the_fingerprint_tells_apart_classes_of_other_modules_and_other_dataset_types(tmp_path):
+    import types
+
+    storage = str(tmp_path / "store")
+    torch_batch_process(Writer, list(range(20)), batch_size=4, storage_path=storage)
+    module = types.ModuleType("another_module")
+    clone = type("Writer", (Writer,), {"__module__": "another_module", "__qualname__": "Writer"})
+    module.Writer = clone
+    with pytest.raises(JobMismatchError, match="processor"):
+        torch_batch_process(clone, list(range(20)), batch_size=4, storage_path=storage)
+    with pytest.raises(JobMismatchError, match="dataset_type"):
+        torch_batch_process(Writer, tuple(range(20)), batch_size=4, storage_path=storage)
+    assert torch_batch_process(Writer, list(range(20)), batch_size=4, storage_path=storage).already_finished
+
+
+def _python_c(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=base_env(**env), capture_output=True, text=True, timeout=120
+    )
+
+
+_INTERACTIVE_JOB = """
+from torch_batch_process import TorchBatchProcessor, torch_batch_process
+class P(TorchBatchProcessor):
+    def process_batch(self, batch, batch_idx):
+        pass
+result = torch_batch_process(P, list(range(8)), batch_size=4, progress=False, tensorboard=False{extra})
+print("storage", result.storage_path)
+"""
+
+
+def test_interactive_use_needs_a_storage_path_or_job_name(tmp_path):
+    proc = _python_c(_INTERACTIVE_JOB.format(extra=""), tmp_path)
+    assert proc.returncode != 0 and "storage_path is required in an interactive session" in proc.stderr
+    assert not (tmp_path / "tbp_runs").exists(), "nothing was written"
+    proc = _python_c(_INTERACTIVE_JOB.format(extra=", job_name='embeddings'"), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(str(Path("tbp_runs") / "embeddings"))
+    proc = _python_c(_INTERACTIVE_JOB.format(extra=""), tmp_path, TBP_STORAGE_PATH=str(tmp_path / "env_store"))
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_processor_states_are_merged_on_a_resume_with_another_world_size(tmp_path):
+    spec = {"n": 120, "batch_size": 4, "storage": str(tmp_path / "store"), "report_dir": str(tmp_path / "reports")}
+    job = JOBS / "stateful_job.py"
+
+    def reports(attempt: int) -> dict[int, dict]:
+        return {
+            int(p.stem.rsplit("rank", 1)[1]): json.loads(p.read_text())
+            for p in Path(spec["report_dir"]).glob(f"attempt{attempt}_rank*.json")
+        }
+
+    outcomes = wait_all(spawn_ranks(2, job, json.dumps(dict(spec, attempt=1, sigterm_at=10))), timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    first = reports(1)
+    assert first[0]["result"]["preempted"]
+    committed = first[0]["result"]["batches_committed"]
+    assert committed == first[0]["count"] + first[1]["count"]
+
+    outcomes = wait_all(spawn_ranks(3, job, json.dumps(dict(spec, attempt=2))), timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0, 0], outcomes
+    second = reports(2)
+    for rank in range(3):  # every new rank received the merged state of the two earlier ranks
+        assert second[rank]["loaded"] == {"count": committed, "merged_from": 2}
+    assert sum(second[rank]["count"] for rank in range(3)) == 120 // 4, "the counters survived the world-size change"
