@@ -124,13 +124,14 @@ def reference_plan(lengths: list[int], batch_size: int, window: int, max_tokens:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_plan_matches_the_plain_reference(seed):
+@pytest.mark.parametrize("largest", [12, 512, 70_000, 2**40])  # ties; 8, 16 bits; several radix digits
+def test_plan_matches_the_plain_reference(seed, largest):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 700))
-    lengths = rng.integers(0, 12, n) if seed % 2 else skewed_lengths(n, seed)  # many ties with seed % 2
+    lengths = rng.integers(0, largest, n) if seed % 2 else np.minimum(skewed_lengths(n, seed) ** 3, largest)
     batch_size = int(rng.integers(1, 20))
     window = int(rng.integers(1, 6))
-    for max_tokens in (None, int(rng.integers(1, 200))):
+    for max_tokens in (None, int(rng.integers(1, 20 * largest))):
         layout = bucket_layout(lengths, batch_size, window, max_tokens)
         expected = reference_plan(lengths.tolist(), batch_size, window, max_tokens)
         assert [b.tolist() for b in batches_of(layout)] == expected
@@ -281,6 +282,8 @@ def test_resolve_lengths_accepts_sequences_and_callables():
         (lambda i: 1.5, "bucket_by(0) must return an int, got 1.5"),
         (lambda i: -1 if i == 2 else 1, "bucket_by(2) must return an int >= 0, got -1"),
         (lambda i: True, "must return an int"),
+        (lambda i: 2**70 if i == 1 else 1, "bucket_by(1) must return an int >= 0, got 1180591620717411303424"),
+        (lambda i: [1, 2, 3, 4.0][i], "bucket_by(3) must return an int, got 4.0"),
     ],
 )
 def test_resolve_lengths_rejects_bad_lengths(source, message):

@@ -205,6 +205,34 @@ def _check_values(values: np.ndarray, dataset_length: int) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.int64)
 
 
+def _call_lengths(length_of: Callable[[int], int], dataset_length: int) -> np.ndarray:
+    """``length_of(i)`` for every index; the values are checked together once all are in (fast path)."""
+    values: list[Any] = []
+    append = values.append
+    index = 0
+    try:
+        for index in range(dataset_length):
+            append(length_of(index))
+    except Exception as error:
+        error.add_note(f"raised by bucket_by({index}) while computing the length of example {index}")
+        raise
+    if all(type(value) is int for value in values):  # the common case: plain Python ints
+        try:
+            array = np.asarray(values, dtype=np.int64)
+        except OverflowError:
+            array = None
+        if array is not None and (len(array) == 0 or array.min() >= 0):
+            return array
+    for i, value in enumerate(values):  # something is off: find and name the first bad value
+        if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+            raise InvalidArgumentError(f"bucket_by({i}) must return an int, got {value!r}")
+        number = operator.index(value)
+        if not 0 <= number <= np.iinfo(np.int64).max:
+            raise InvalidArgumentError(f"bucket_by({i}) must return an int >= 0, got {number}")
+        values[i] = number
+    return np.asarray(values, dtype=np.int64)
+
+
 def resolve_lengths(bucket_by: LengthsSource, dataset_length: int) -> np.ndarray:
     """The length of every example as a validated int64 array of ``dataset_length`` entries.
 
@@ -222,20 +250,7 @@ def resolve_lengths(bucket_by: LengthsSource, dataset_length: int) -> np.ndarray
     if bucket_by is None:
         raise InvalidArgumentError("bucket_by is None: there are no lengths to resolve")
     if callable(bucket_by):
-        values = np.empty(dataset_length, dtype=np.int64)
-        for i in range(dataset_length):
-            try:
-                value = bucket_by(i)
-            except Exception as error:
-                error.add_note(f"raised by bucket_by({i}) while computing the length of example {i}")
-                raise
-            if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-                raise InvalidArgumentError(f"bucket_by({i}) must return an int, got {value!r}")
-            number = operator.index(value)
-            if not 0 <= number <= np.iinfo(np.int64).max:
-                raise InvalidArgumentError(f"bucket_by({i}) must return an int >= 0, got {number}")
-            values[i] = number
-        return values
+        return _call_lengths(bucket_by, dataset_length)
     try:
         array = np.asarray(bucket_by)
     except (TypeError, ValueError) as error:
@@ -248,27 +263,40 @@ def resolve_lengths(bucket_by: LengthsSource, dataset_length: int) -> np.ndarray
 # ------------------------------------------------------------------------------------------- planning
 
 
-def _smallest_unsigned(maximum: int) -> type[np.unsignedinteger]:
-    """Smallest unsigned dtype holding ``maximum``: numpy's stable sort is a radix sort up to 16 bits."""
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if maximum <= np.iinfo(dtype).max:
-            return dtype
-    return np.uint64
+def _stable_argsort_rows(key: np.ndarray, maximum: int) -> np.ndarray:
+    """Stable argsort of each row of ``key`` (non-negative ints, at most ``maximum``).
+
+    numpy's stable sort is a radix sort for 8- and 16-bit ints (tens of times faster than its merge
+    sort for wider ones), so wider keys are sorted by 16-bit digits, least significant first: each
+    pass is stable, so ties left by a higher digit keep the order of the lower ones.
+    """
+    if maximum <= np.iinfo(np.uint16).max:
+        dtype = np.uint8 if maximum <= np.iinfo(np.uint8).max else np.uint16
+        return np.argsort(key.astype(dtype), axis=-1, kind="stable")
+    order = None
+    for shift in range(0, maximum.bit_length(), 16):
+        digit = ((key >> shift) & 0xFFFF).astype(np.uint16)
+        if order is not None:
+            digit = np.take_along_axis(digit, order, axis=-1)
+        step = np.argsort(digit, axis=-1, kind="stable")
+        order = step if order is None else np.take_along_axis(order, step, axis=-1)
+    assert order is not None
+    return order
 
 
 def _sort_windows(lengths: np.ndarray, window_examples: int) -> np.ndarray:
     """Dataset indices sorted by length, longest first, inside each window; stable (ties keep dataset order)."""
     n = len(lengths)
     longest = int(lengths.max())
-    key = (longest - lengths).astype(_smallest_unsigned(longest))  # ascending key = descending length
+    key = longest - lengths  # ascending key = descending length
     full = (n // window_examples) * window_examples
     parts = []
     if full:
-        rows = np.argsort(key[:full].reshape(-1, window_examples), axis=1, kind="stable")
+        rows = _stable_argsort_rows(key[:full].reshape(-1, window_examples), longest)
         rows += (np.arange(full // window_examples, dtype=rows.dtype) * window_examples)[:, None]
         parts.append(rows.reshape(-1))
     if full < n:
-        parts.append(np.argsort(key[full:], kind="stable") + full)
+        parts.append(_stable_argsort_rows(key[full:], longest) + full)
     return np.concatenate(parts).astype(np.int64, copy=False)
 
 
