@@ -300,7 +300,8 @@ def test_resolve_lengths_tells_which_index_the_callable_failed_on():
 
     with pytest.raises(KeyError) as raised:
         resolve_lengths(length, 5)
-    assert any("bucket_by(3)" in note for note in raised.value.__notes__)
+    if sys.version_info >= (3, 11):  # exception notes are new in 3.11
+        assert any("bucket_by(3)" in note for note in raised.value.__notes__)
 
 
 @pytest.mark.parametrize(
@@ -428,7 +429,9 @@ def test_tokenized_lengths_of_datasets_and_with_workers():
     hf = datasets.Dataset.from_dict({"text": SENTENCES, "n": list(range(len(SENTENCES)))}).with_format("torch")
     assert tokenized_lengths(hf, whitespace_tokenizer, column="text", batch_size=300).tolist() == EXPECTED
     rows = RowDataset(SENTENCES)
-    assert tokenized_lengths(rows, whitespace_tokenizer, column="text", num_workers=2, batch_size=500).tolist() == EXPECTED
+    assert (
+        tokenized_lengths(rows, whitespace_tokenizer, column="text", num_workers=2, batch_size=500).tolist() == EXPECTED
+    )
     assert tokenized_lengths(SENTENCES, whitespace_tokenizer, max_length=5).tolist() == [min(e, 5) for e in EXPECTED]
     assert tokenized_lengths([], whitespace_tokenizer).size == 0
 

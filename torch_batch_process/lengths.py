@@ -9,17 +9,20 @@ dataset order, or a callable ``index -> int``. Three common ways to get them:
 - **A column of a Hugging Face dataset**: :func:`column_lengths` reads the lengths with Arrow compute,
   without decoding a single row in Python: for a list column (``input_ids`` of a tokenized dataset)
   the list lengths, which are exact token counts; for a string column the number of characters
-  (Unicode code points). Characters are chosen over whitespace-separated words because Arrow counts
-  them at memory speed (tens of millions per second) while splitting words is about 50 times slower,
-  and subword token counts follow characters about as closely as they follow words: on the docstring
-  sentences of Python's standard library, batches of 32 sorted by characters pad only a few per cent
-  more than batches sorted by the exact MiniLM token counts.
+  (Unicode code points). Characters are counted at memory speed (tens of ms per million strings),
+  while splitting on whitespace is about 50 times slower and, as a proxy for subword tokens, worse.
+  Characters are only a proxy: on the 12,922 docstring sentences of Python's standard library
+  (all-MiniLM-L6-v2 tokens, batches of 32, default window) sorting by characters cuts the padded
+  tokens from 844,530 (dataset order) to 507,342, sorting by exact token counts to 320,690 (the
+  sentences hold 311,069 tokens; whitespace words give 597,416). Code, numbers and rare words make
+  tokens per character vary; prefer exact counts when the data allows.
 - **A tokenizer pass**: :func:`tokenized_lengths` tokenizes the texts once, in batches, through a
   ``torch.utils.data.DataLoader`` (optionally with workers), and returns the exact token counts. It
-  works with any Hugging Face tokenizer (fast or slow) and with any callable that maps a list of
-  strings to their token sequences. This costs a tokenization of the dataset (with a fast tokenizer,
-  roughly a tenth of a MiniLM inference pass on CPU and far less than one on GPU); store the result
-  (e.g. ``numpy.save``) to reuse it on resumes.
+  works with any Hugging Face tokenizer and with any callable that maps a list of
+  strings to their token sequences. With the fast MiniLM tokenizer it counts 10,000-20,000 sentences
+  a second on 2 CPU cores, a few hundred times the rate at which the same CPU embeds them, so well
+  under 1% of such a job; on a GPU the model may be as fast as the tokenizer, so compute the lengths
+  once and store them (``numpy.save``), or keep a tokenized dataset and use :func:`column_lengths`.
 
 Example::
 
@@ -30,9 +33,9 @@ Example::
     lengths = tokenized_lengths(hf_dataset, tokenizer, column="text")  # or: tokenize once
     torch_batch_process(Processor, hf_dataset, batch_size=64, bucket_by=lengths)
 
-The lengths only order and cut the batches: a rough proxy (characters) gives nearly the padding of
-exact counts, but the lengths are part of the job's fingerprint, so a resume must compute the same
-lengths again (all helpers here are deterministic).
+The lengths only order and cut the batches, so a proxy is safe (it just pads more than exact counts),
+but they are part of the job's fingerprint: a resume must pass the same lengths again (all helpers
+here are deterministic).
 """
 
 from __future__ import annotations
@@ -88,17 +91,15 @@ def column_lengths(dataset: Any, column: str) -> np.ndarray:
         )
     values = dataset.data.column(column)
     kind = values.type
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind):
+
+    def is_any(*checks: str) -> bool:  # the *_view types only exist in recent pyarrow versions
+        return any(getattr(pa.types, check, lambda _: False)(kind) for check in checks)
+
+    if is_any("is_string", "is_large_string", "is_string_view"):
         lengths = pc.utf8_length(values)
-    elif pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind):
+    elif is_any("is_binary", "is_large_binary", "is_binary_view"):
         lengths = pc.binary_length(values)
-    elif (
-        pa.types.is_list(kind)
-        or pa.types.is_large_list(kind)
-        or pa.types.is_fixed_size_list(kind)
-        or pa.types.is_list_view(kind)
-        or pa.types.is_large_list_view(kind)
-    ):
+    elif is_any("is_list", "is_large_list", "is_fixed_size_list", "is_list_view", "is_large_list_view"):
         lengths = pc.list_value_length(values)
     else:
         raise InvalidArgumentError(

@@ -35,7 +35,7 @@ import hashlib
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +59,7 @@ DEFAULT_BUCKET_WINDOW = 100
 LAYOUT_VERSION = 1
 """Version of the planning rules above; part of the fingerprint, so a change of rules refuses a resume."""
 
-LengthsSource = Union[Sequence[int], np.ndarray, Callable[[int], int]]
+LengthsSource = Sequence[int] | np.ndarray | Callable[[int], int]
 """What ``bucket_by`` accepts: one length per example, or a callable ``index -> length``."""
 
 
@@ -128,9 +128,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def validate_bucket_options(
-    bucket_by: Any, bucket_window: Any, max_tokens: Any, batch_size: Any
-) -> None:
+def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any, batch_size: Any) -> None:
     """Checks the options of §9 before any work: types, ranges, and that ``max_tokens`` comes with ``bucket_by``.
 
     The lengths themselves are checked by :func:`resolve_lengths` (it needs the dataset length).
@@ -214,7 +212,8 @@ def _call_lengths(length_of: Callable[[int], int], dataset_length: int) -> np.nd
         for index in range(dataset_length):
             append(length_of(index))
     except Exception as error:
-        error.add_note(f"raised by bucket_by({index}) while computing the length of example {index}")
+        if hasattr(error, "add_note"):  # Python 3.11+: tell which example the user's callable failed on
+            error.add_note(f"raised by bucket_by({index}) while computing the length of example {index}")
         raise
     if all(type(value) is int for value in values):  # the common case: plain Python ints
         try:
@@ -328,7 +327,7 @@ def _greedy_starts(sorted_lengths: np.ndarray, batch_size: int, window_examples:
     step: list[int] = []
     count: list[int] = []
     position = 0
-    for stop, width, window_end in zip(run_stop.tolist(), run_size.tolist(), run_window_end.tolist()):
+    for stop, width, window_end in zip(run_stop.tolist(), run_size.tolist(), run_window_end.tolist(), strict=True):
         if position >= stop:  # a batch of an earlier run already covers this whole run
             continue
         batches = -(-(stop - position) // width)
@@ -339,7 +338,10 @@ def _greedy_starts(sorted_lengths: np.ndarray, batch_size: int, window_examples:
     counts = np.asarray(count, dtype=np.int64)
     group_offsets = np.cumsum(counts) - counts
     within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(group_offsets, counts)
-    return np.repeat(np.asarray(first, dtype=np.int64), counts) + np.repeat(np.asarray(step, dtype=np.int64), counts) * within
+    return (
+        np.repeat(np.asarray(first, dtype=np.int64), counts)
+        + np.repeat(np.asarray(step, dtype=np.int64), counts) * within
+    )
 
 
 def _largest_first(tokens: np.ndarray, window_of_batch: np.ndarray) -> np.ndarray:
@@ -393,9 +395,7 @@ def bucket_layout(lengths: np.ndarray, batch_size: int, window: int, max_tokens:
     return BucketLayout(order=sorted_indices[source], offsets=offsets, num_oversized=oversized)
 
 
-def layout_fingerprint(
-    lengths: np.ndarray, batch_size: int, window: int, max_tokens: int | None
-) -> dict[str, Any]:
+def layout_fingerprint(lengths: np.ndarray, batch_size: int, window: int, max_tokens: int | None) -> dict[str, Any]:
     """What determines the plan, as JSON-able values, for the job's fingerprint (§3 resume safety).
 
     The lengths enter as the sha256 of their little-endian int64 bytes, so a list and a numpy array of
