@@ -210,6 +210,8 @@ def test_layout_is_read_only_and_indexed_safely():
         layout.order[0] = 1
     with pytest.raises(IndexError):
         layout.batch_indices(layout.num_batches())
+    with pytest.raises(ValueError, match="one length per example"):
+        layout.padded_tokens([1, 2, 3])
 
 
 def _digest(layout: BucketLayout) -> str:
@@ -234,6 +236,7 @@ def test_deterministic_in_process_and_across_processes(window, max_tokens):
     first = bucket_layout(lengths, 32, window, max_tokens)
     again = bucket_layout(lengths.copy(), 32, window, max_tokens)
     assert np.array_equal(first.order, again.order) and np.array_equal(first.offsets, again.offsets)
+    assert first == again and first != bucket_layout(lengths, 32, window + 1, max_tokens)
     from_list = bucket_layout(resolve_lengths(lengths.tolist(), len(lengths)), 32, window, max_tokens)
     assert _digest(from_list) == _digest(first)
     env = dict(os.environ, PYTHONHASHSEED="123", PYTHONPATH=str(REPO))
@@ -280,9 +283,10 @@ def test_resolve_lengths_accepts_sequences_and_callables():
         ({0: 1, 1: 2, 2: 3, 3: 4}, "sequence of ints"),
         (iter([1, 2, 3, 4]), "list(...)"),
         (lambda i: 1.5, "bucket_by(0) must return an int, got 1.5"),
-        (lambda i: -1 if i == 2 else 1, "bucket_by(2) must return an int >= 0, got -1"),
+        (lambda i: -1 if i == 2 else 1, "bucket_by(2) must return an int in [0, 2**63), got -1"),
         (lambda i: True, "must return an int"),
-        (lambda i: 2**70 if i == 1 else 1, "bucket_by(1) must return an int >= 0, got 1180591620717411303424"),
+        (lambda i: 2**70 if i == 1 else 1, "bucket_by(1) must return an int in [0, 2**63), got 1180591620717411303424"),
+        ([1, 2**70, 3, 4], "ints in [0, 2**63), got 1180591620717411303424 at index 1"),
         (lambda i: [1, 2, 3, 4.0][i], "bucket_by(3) must return an int, got 4.0"),
     ],
 )

@@ -24,9 +24,12 @@ compute of a batch in dataset order goes into padding. Given the length of every
 
 The plan only depends on the lengths, ``batch_size``, ``bucket_window`` and ``max_tokens`` (see
 :func:`layout_fingerprint`), never on the world size, so a resume with another number of ranks
-computes the same batches. Everything is vectorised with numpy: 10 million lengths plan in about a
-second; the greedy cut under ``max_tokens`` loops in Python once per run of equal batch sizes inside
-a window (a few per window), never once per example.
+computes the same batches. Everything is vectorised with numpy (sorts of 8- or 16-bit keys are radix
+sorts; wider lengths take one radix pass per 16 bits): 10 million token lengths plan in 0.4-1.3 s on
+one CPU core, lengths of up to a million (audio samples) in 0.5-2.5 s. The greedy cut under
+``max_tokens`` loops in Python once per run of equal batch sizes inside a window (a few per window),
+never once per example; its worst case, ``bucket_window=1`` with widely spread lengths, takes a few
+seconds for 10 million examples.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BucketLayout:
     """The batches of a length-bucketed plan.
 
@@ -88,6 +91,17 @@ class BucketLayout:
         _readonly(self.order)
         _readonly(self.offsets)
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BucketLayout):
+            return NotImplemented
+        return (
+            self.num_oversized == other.num_oversized
+            and np.array_equal(self.order, other.order)
+            and np.array_equal(self.offsets, other.offsets)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking arrays inside: compare, do not hash
+
     def batch_indices(self, g: int) -> np.ndarray:
         """Dataset indices of batch ``g``, in batch order (longest example first)."""
         if not 0 <= g < self.num_batches():
@@ -105,6 +119,8 @@ class BucketLayout:
     def padded_tokens(self, lengths: Sequence[int] | np.ndarray) -> int:
         """Tokens the batches take once padded: the sum over batches of ``len(batch) * max length in batch``."""
         values = np.asarray(lengths, dtype=np.int64)
+        if len(values) != len(self.order):
+            raise ValueError(f"padded_tokens needs one length per example ({len(self.order)}), got {len(values)}")
         if len(self.order) == 0:
             return 0
         longest = np.maximum.reduceat(values[self.order], self.offsets[:-1])
@@ -183,14 +199,14 @@ def _check_values(values: np.ndarray, dataset_length: int) -> np.ndarray:
                 raise InvalidArgumentError(f"bucket_by must hold ints, got {value!r} at index {i}")
             number = operator.index(value)
             if not 0 <= number <= np.iinfo(np.int64).max:
-                raise InvalidArgumentError(f"bucket_by must hold ints >= 0, got {number} at index {i}")
+                raise InvalidArgumentError(f"bucket_by must hold ints in [0, 2**63), got {number} at index {i}")
             converted[i] = number
         return converted
     if values.dtype.kind not in "iu":
         first = values[0] if len(values) else None
         raise InvalidArgumentError(
-            f"bucket_by must hold ints, got dtype {values.dtype} (first value {first!r}); convert it, e.g. "
-            f"numpy.asarray(lengths, dtype=numpy.int64)"
+            f"bucket_by must hold ints, got dtype {values.dtype} (first value {first!r}; a missing value also "
+            f"makes floats); convert it, e.g. numpy.asarray(lengths, dtype=numpy.int64)"
         )
     if len(values) == 0:
         return np.zeros(0, dtype=np.int64)
@@ -227,7 +243,7 @@ def _call_lengths(length_of: Callable[[int], int], dataset_length: int) -> np.nd
             raise InvalidArgumentError(f"bucket_by({i}) must return an int, got {value!r}")
         number = operator.index(value)
         if not 0 <= number <= np.iinfo(np.int64).max:
-            raise InvalidArgumentError(f"bucket_by({i}) must return an int >= 0, got {number}")
+            raise InvalidArgumentError(f"bucket_by({i}) must return an int in [0, 2**63), got {number}")
         values[i] = number
     return np.asarray(values, dtype=np.int64)
 
