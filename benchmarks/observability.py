@@ -99,7 +99,7 @@ def observer_costs(calls: int = 20_000) -> tuple[float, float, float]:
 
     from torch_batch_process.observe.observer import JobObserver
     from torch_batch_process.observe.options import ObserveOptions, tensorboard_installed
-    from torch_batch_process.storage.base import Storage
+    from torch_batch_process.storage.base import open_storage as Storage
     from torch_batch_process.observe.stragglers import RankInterval
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,8 +109,7 @@ def observer_costs(calls: int = 20_000) -> tuple[float, float, float]:
             world_size=2,
             job_name="bench",
             batch_size=1,
-            tensorboard_dir=Path(tmp) / "tb",
-            storage=Storage(tmp),
+            tensorboard=Storage(tmp).mirrored_folder("tb", "tb"),
             device=torch.device("cpu"),
         )
         big = 10**9
@@ -150,8 +149,7 @@ def observer_costs(calls: int = 20_000) -> tuple[float, float, float]:
                 world_size=2,
                 job_name="bench",
                 batch_size=1,
-                tensorboard_dir=Path(tmp) / f"tb{i}",
-                storage=Storage(tmp),
+                tensorboard=Storage(tmp).mirrored_folder(f"tb{i}", "tb"),
                 device=torch.device("cpu"),
             )
             observer.start(total_batches=10, total_examples=10, committed_batches=0, committed_examples=0, remaining_batches=10)

@@ -75,14 +75,21 @@ def test_kill9_chaos_exactly_once(tmp_path, seed):
     run_chaos(tmp_path, str(tmp_path / "storage"), seed, intervals=[1, 3, 7])
 
 
+@pytest.mark.parametrize("seed", [5, 6])
+def test_kill9_chaos_exactly_once_dynamic(tmp_path, seed):
+    run_chaos(tmp_path, str(tmp_path / "storage"), seed, intervals=[1, 3, 7], schedule="dynamic")
+
+
 @pytest.mark.s3
-def test_kill9_chaos_exactly_once_on_s3(tmp_path, s3_url):
-    run_chaos(tmp_path, s3_url, 4, intervals=[3, 7], n=1000)  # shorter: each S3 commit is many HTTP requests
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_kill9_chaos_exactly_once_on_s3(tmp_path, s3_url, schedule):
+    run_chaos(tmp_path, s3_url, 4, intervals=[3, 7], n=1000, schedule=schedule)  # shorter: many HTTP requests per commit
 
 
-def run_chaos(tmp_path: Path, storage: str, seed: int, intervals: list[int], n: int = N) -> None:
+def run_chaos(tmp_path: Path, storage: str, seed: int, intervals: list[int], n: int = N, schedule: str = "static") -> None:
     rng = random.Random(seed)
     spec = {
+        "kwargs": {"schedule": schedule},
         "n": n,
         "batch_size": BATCH,
         "checkpoint_interval": rng.choice(intervals),

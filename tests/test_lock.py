@@ -30,8 +30,8 @@ from harness import (
 )
 
 from torch_batch_process.errors import JobLockedError
-from torch_batch_process.storage.lock import LEASE_FILE, acquire_job_lock
-from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.layout import LEASE_FILE
+from torch_batch_process.storage.base import open_storage as Storage
 
 pytestmark = pytest.mark.slow
 
@@ -232,7 +232,7 @@ def test_racing_jobs_cannot_both_take_the_lease(s3_url):
         storage = Storage(s3_url)
         barrier.wait()
         try:
-            locks.append(acquire_job_lock(storage))
+            locks.append(storage.job_lock())
             outcomes.append("won")
         except JobLockedError:
             outcomes.append("refused")
@@ -257,7 +257,7 @@ def test_an_expired_lease_is_never_renewed(s3_url, monkeypatch):
     it; the heartbeat then must not renew (which could succeed) but mark the lease lost, so that the
     next commit is refused. The pause is simulated by moving the last renewal back in time."""
     monkeypatch.setenv("TBP_LEASE_TTL_S", "1")
-    lock = acquire_job_lock(Storage(s3_url))
+    lock = Storage(s3_url).job_lock()
     try:
         lock.check()
         fs, root = storage_fs(s3_url)

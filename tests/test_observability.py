@@ -27,7 +27,8 @@ from torch_batch_process.observe.observer import summary_line
 from torch_batch_process.observe.options import ProfileOptions, resolve_observe_options, tensorboard_installed
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.result import BatchProcessResult
-from torch_batch_process.observe.status import _flock_held, read_status
+from torch_batch_process.observe.status import read_status
+from torch_batch_process.storage.lock import flock_held
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
 
 needs_tensorboard = pytest.mark.skipif(not tensorboard_installed(), reason="tensorboard is not installed")
@@ -146,8 +147,8 @@ def test_lock_detection_reads_proc_locks_without_taking_the_lock(tmp_path):
     path = tmp_path / "lock"
     lock = filelock.FileLock(str(path), timeout=0)
     with lock:
-        assert _flock_held(str(path)) in (True, None)  # None: no /proc/locks on this platform
-    assert _flock_held(str(path)) in (False, None)
+        assert flock_held(str(path)) in (True, None)  # None: no /proc/locks on this platform
+    assert flock_held(str(path)) in (False, None)
 
 
 # -------------------------------------------------------------------- in-process jobs

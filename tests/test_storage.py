@@ -30,14 +30,15 @@ from harness import (
 from s3 import FaultProxy
 
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
-from torch_batch_process.storage.base import UPLOAD_PART_BYTES, Storage
+from torch_batch_process.storage.base import open_storage as Storage
+from torch_batch_process.storage.object_store import UPLOAD_PART_BYTES
 
 # ---------------------------------------------------------------- atomic records under kill -9
 
 _WRITER = textwrap.dedent(
     """
     import hashlib, os, sys
-    from torch_batch_process.storage.base import Storage
+    from torch_batch_process.storage.base import open_storage as Storage
 
     url, progress, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     storage = Storage(url)
@@ -189,7 +190,7 @@ def test_upload_path_on_s3_uploads_and_publishes_many_files_in_parallel(moto_ser
 @pytest.mark.s3
 def test_temp_folders_of_a_killed_process_are_removed_by_the_next_job(moto_server, own_tmpdir):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = own_tmpdir / f"tbp-upload-{int(dead.stdout)}-r0-abc"
+    orphan = own_tmpdir / f"tbp-scratch-{int(dead.stdout)}-abc"
     (orphan / "spool").mkdir(parents=True)
     (orphan / "spool" / "f").write_bytes(b"left by a killed job")
     SEEN.clear()

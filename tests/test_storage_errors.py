@@ -22,7 +22,7 @@ from harness import REPO, assert_exactly_once, base_env, committed_values
 from s3 import FaultProxy, MotoServer, free_port
 
 from torch_batch_process import StorageError, TorchBatchProcessor, torch_batch_process
-from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.base import open_storage as Storage
 
 BUILT: list[int] = []
 
@@ -231,7 +231,7 @@ def test_transient_errors_are_retried_with_backoff(moto_server, proxy):
     storage = Storage(url, {"client_kwargs": {"endpoint_url": proxy.endpoint}})
     proxy.fail_next(3)
     handler = _Records()
-    logger = logging.getLogger("torch_batch_process.storage.base")
+    logger = logging.getLogger("torch_batch_process.storage.object_store")
     logger.addHandler(handler)
     try:
         storage.write_bytes("a.json", b"{}")

@@ -12,7 +12,9 @@ import torch
 from torch_batch_process import MetricReducer, get_default_device, to_device
 from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
 from torch_batch_process.reducers import ReducerRegistry
-from torch_batch_process.engine.plan import BatchGeometry, ShardPlan, planned_batches
+from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.plan import ContiguousPlan, planned_batches
+from torch_batch_process.engine.scheduler import StaticScheduler
 
 
 def test_rangeset_merges_and_counts():
@@ -48,33 +50,38 @@ def test_rangeset_rejects_malformed_json(bad):
         RangeSet.from_json(bad)
 
 
+def _deal(remaining: RangeSet, w: int) -> list[StaticScheduler]:
+    return [StaticScheduler(remaining, Collectives(None, r, w), interval=1) for r in range(w)]
+
+
 @pytest.mark.parametrize(
     "n,b,w,expected",
     [(50, 10, 1, [5]), (50, 10, 2, [3, 2]), (50, 20, 1, [3]), (50, 20, 2, [2, 1]), (7, 2, 3, [2, 1, 1])],
 )
 def test_determined_call_count_table(n, b, w, expected):
-    geometry = BatchGeometry(n, b)
-    plan = ShardPlan(RangeSet([(0, geometry.num_batches)]), w)
-    assert [plan.num_batches_of(r) for r in range(w)] == expected
-    assert plan.num_steps == max(expected)
-    seen = collections.Counter(g for r in range(w) for g in plan.batches_of(r))
-    assert sorted(seen) == list(range(geometry.num_batches)) and set(seen.values()) == {1}
+    plan = ContiguousPlan(n, b)
+    ranks = _deal(RangeSet([(0, plan.num_batches)]), w)
+    assert [len(list(rank.batch_ids())) for rank in ranks] == expected
+    assert all(rank.num_steps == max(expected) for rank in ranks)
+    assert [sum(rank.steps()) for rank in ranks] == expected, "a rank runs a batch in its first steps, then idles"
+    seen = collections.Counter(g for rank in ranks for g in rank.batch_ids())
+    assert sorted(seen) == list(range(plan.num_batches)) and set(seen.values()) == {1}
 
 
 def test_fresh_plan_is_g_mod_w_and_resume_deals_remaining_round_robin():
-    plan = ShardPlan(RangeSet([(0, 10)]), 3)
-    assert [plan.batch_at(s, r) for s in range(4) for r in range(3)] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, None, None]
-    remaining = RangeSet([(0, 10)])
+    ranks = _deal(RangeSet([(0, 10)]), 3)
+    assert [ranks[0].batch_at(s, r) for s in range(4) for r in range(3)] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, None, None]
     remaining = RangeSet([(2, 3), (5, 9)])  # committed elsewhere: the rest
-    plan = ShardPlan(remaining, 2)
-    assert list(plan.batches_of(0)) == [2, 6, 8] and list(plan.batches_of(1)) == [5, 7]
+    ranks = _deal(remaining, 2)
+    assert list(ranks[0].batch_ids()) == [2, 6, 8] and list(ranks[1].batch_ids()) == [5, 7]
 
 
-def test_geometry_examples_and_planned_batches():
-    geometry = BatchGeometry(7, 2)
-    assert geometry.num_batches == 4
-    assert list(geometry.examples(3)) == [6]
-    assert geometry.count_examples(RangeSet([(1, 4)])) == 5
+def test_contiguous_plan_and_planned_batches():
+    plan = ContiguousPlan(7, 2)
+    assert plan.num_batches == 4 and plan.num_examples == 7
+    assert list(plan.batch_indices(3)) == [6]
+    assert plan.count_examples(RangeSet([(1, 4)])) == 5
+    assert ContiguousPlan(7, 2, num_batches=2).num_examples == 4
     assert planned_batches(100, 3, 4) == 12 and planned_batches(10, 3, 4) == 10 and planned_batches(10, None, 4) == 10
 
 

@@ -29,7 +29,7 @@ from torch_batch_process.errors import (
     WorkerFailedError,
     WorkerLostError,
 )
-from torch_batch_process.engine.loop import torch_batch_process
+from torch_batch_process.batch_process import torch_batch_process
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.reducers import MetricReducer
 from torch_batch_process.result import BatchProcessResult

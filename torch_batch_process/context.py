@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,20 @@ from torch_batch_process.reducers import MetricReducer, ReducerRegistry
 from torch_batch_process.result import to_jsonable
 
 HPARAMS_ENV = "TBP_HPARAMS"
+
+
+class CurrentBatch:
+    """The batch a rank is processing now (set by the engine around ``process_batch``)."""
+
+    def __init__(self) -> None:
+        self.batch_idx: int | None = None
+        self.indices: Sequence[int] | None = None
+
+    def enter(self, batch_idx: int, indices: Sequence[int]) -> None:
+        self.batch_idx, self.indices = batch_idx, indices
+
+    def leave(self) -> None:
+        self.batch_idx, self.indices = None, None
 
 
 class TorchBatchProcessorContext:
@@ -42,16 +56,29 @@ class TorchBatchProcessorContext:
         storage_path: str,
         tensorboard_path: Path,
         metrics_sink: Callable[[dict[str, Any]], None],
+        current: CurrentBatch | None = None,
     ) -> None:
         self.device = device
         self.distributed = distributed
         self.storage_path = storage_path
+        self._current = current or CurrentBatch()
         self._stager = stager
         self._tensorboard_path = tensorboard_path
         self._metrics_sink = metrics_sink
         self._reducers = ReducerRegistry()
         self._warned_types: set[type] = set()
         self._hparams: dict[str, Any] | None = None
+
+    @property
+    def batch_indices(self) -> Sequence[int]:
+        """The dataset indices of the examples of the batch being processed, in the batch's order.
+
+        For contiguous batches ``range(g * batch_size, min((g + 1) * batch_size, N))``; with ``bucket_by`` the
+        examples the plan put together. Only inside ``process_batch``.
+        """
+        if self._current.indices is None:
+            raise RuntimeError("context.batch_indices is only available inside process_batch()")
+        return self._current.indices
 
     def to_device(self, data: Any, warned_types: set[type] | None = None) -> Any:
         """Moves tensors (and numpy arrays, as tensors) nested in ``data`` to this rank's device.

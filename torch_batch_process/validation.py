@@ -6,6 +6,7 @@ import inspect
 import os
 import re
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from torch_batch_process.engine.bucketing import DEFAULT_BUCKET_WINDOW, resolve_lengths, validate_bucket_options
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.processor import TorchBatchProcessor
 
@@ -20,6 +22,7 @@ STORAGE_ENV = "TBP_STORAGE_PATH"
 JOB_NAME_ENV = "TBP_JOB_NAME"
 STORAGE_OPTIONS_ENV = "TBP_STORAGE_OPTIONS"
 DEFAULT_ROOT = "tbp_runs"
+SCHEDULES = ("static", "dynamic")
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FORBIDDEN_LOADER_KEYS = {
@@ -46,6 +49,13 @@ class JobArguments:
     job_name: str
     resume: bool
     inference_mode: bool
+    schedule: str = "static"
+    lengths: Any = None
+    """``bucket_by`` resolved: one length per example (numpy int64), or ``None`` (contiguous batches)."""
+    bucket_window: int = DEFAULT_BUCKET_WINDOW
+    max_tokens: int | None = None
+    lengths_s: float = 0.0
+    """Seconds spent getting the lengths (part of the plan's cost)."""
 
 
 def is_valid_job_name(name: Any) -> bool:
@@ -248,6 +258,11 @@ def validate_arguments(
     job_name: Any,
     resume: Any,
     inference_mode: Any,
+    *,
+    schedule: Any = "static",
+    bucket_by: Any = None,
+    bucket_window: Any = DEFAULT_BUCKET_WINDOW,
+    max_tokens: Any = None,
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -257,6 +272,7 @@ def validate_arguments(
         _positive_int("batch_size", batch_size)
     dataset_length = validate_dataset(dataset)
     kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
+    validate_bucket_options(bucket_by, bucket_window, max_tokens, resolved_batch_size)
     job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None
     if job_name is None:
         job_name = default_job_name(storage_path)
@@ -268,6 +284,14 @@ def validate_arguments(
     for name, value in (("resume", resume), ("inference_mode", inference_mode)):
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise InvalidArgumentError(
+            f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}: 'static' deals batches round-robin in "
+            "lockstep (Determined's behaviour), 'dynamic' lets each rank take the next batch when it is free"
+        )
+    lengths, started = None, time.perf_counter()
+    if bucket_by is not None:
+        lengths = resolve_lengths(bucket_by, dataset_length)
     return JobArguments(
         processor_cls=processor_cls,
         dataset=dataset,
@@ -281,4 +305,9 @@ def validate_arguments(
         job_name=job_name,
         resume=resume,
         inference_mode=inference_mode,
+        schedule=schedule,
+        lengths=lengths,
+        bucket_window=bucket_window,
+        max_tokens=max_tokens,
+        lengths_s=time.perf_counter() - started,
     )

@@ -1,4 +1,4 @@
-"""Coordination: all ranks take the same decision at the same step boundary.
+"""Agreement (static schedule): all ranks take the same decision at the same step boundary.
 
 Ranks never leave the loop on their own. A rank whose hook raised, or that received SIGTERM, keeps
 stepping (idle) and raises a flag; the flags of all ranks are combined at step boundaries so that
@@ -19,14 +19,22 @@ import enum
 import traceback
 from dataclasses import dataclass
 
-from torch_batch_process.engine.distributed import Collectives, _PendingMax
+from torch_batch_process.engine.distributed import Collectives, PendingMax
 from torch_batch_process.errors import WorkerFailedError
 
 
 class Decision(enum.Enum):
+    """What every rank does after a step (the loop acts on it)."""
+
     CONTINUE = "continue"
-    PREEMPT = "preempt"
+    COMMIT = "commit"
+    """Commit this rank's part, then continue."""
+    STOP = "stop"
+    """A rank asked to stop (SIGTERM/SIGINT): the closing commit, then return ``preempted=True``."""
     FAIL = "fail"
+    """A rank failed: the closing exchange, where every rank raises."""
+    DONE = "done"
+    """No batch left for this rank: the closing commit."""
 
 
 @dataclass
@@ -87,18 +95,18 @@ class StepAgreement:
 
     def __init__(self, collectives: Collectives) -> None:
         self._collectives = collectives
-        self._pending: _PendingMax | None = None
+        self._pending: PendingMax | None = None
 
     def boundary(self, preempt: bool, failed: bool) -> Decision:
         """Called by every rank at every non-commit step boundary; returns the common decision."""
         if self._collectives.world_size == 1:
-            return Decision.FAIL if failed else Decision.PREEMPT if preempt else Decision.CONTINUE
+            return Decision.FAIL if failed else Decision.STOP if preempt else Decision.CONTINUE
         flags = self._pending.wait() if self._pending is not None else [0, 0]
         self._pending = None
         if flags[self.FAIL]:
             return Decision.FAIL
         if flags[self.PREEMPT]:
-            return Decision.PREEMPT
+            return Decision.STOP
         self._pending = self._collectives.start_max([int(preempt), int(failed)])
         return Decision.CONTINUE
 

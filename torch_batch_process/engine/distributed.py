@@ -145,16 +145,16 @@ class Collectives:
         """Starts gathering a picklable object from every rank without waiting (see :class:`PendingGather`)."""
         return PendingGather(self, obj, capacity)
 
-    def start_max(self, values: list[int]) -> _PendingMax:
+    def start_max(self, values: list[int]) -> PendingMax:
         """Starts an asynchronous element-wise MAX all_reduce of small integers."""
         tensor = torch.tensor(values, dtype=torch.int64)
         if self.world_size == 1:
-            return _PendingMax(tensor, None, self.rank)
+            return PendingMax(tensor, None, self.rank)
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         except (RuntimeError, ConnectionError) as exc:
             raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
-        return _PendingMax(tensor, work, self.rank)
+        return PendingMax(tensor, work, self.rank)
 
 
 class PendingGather:
@@ -201,7 +201,54 @@ class PendingGather:
         return objects
 
 
-class _PendingMax:
+class RendezvousStore:
+    """Counters and queues in the job's rendezvous store; losing the store (rank 0's process hosts it under
+    the plain env contract, torchrun's agent otherwise) means losing the job's other ranks, so every error
+    is a :class:`WorkerLostError` (except the timeout of a blocking :meth:`queue_pop`, which just waited)."""
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self._store = store
+        self._rank = rank
+
+    def _lost(self, exc: BaseException) -> WorkerLostError:
+        return WorkerLostError(f"rank {self._rank}: the job's rendezvous store stopped answering ({exc}); {_LOST_HINT}")
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return int(self._store.add(key, amount))
+        except Exception as exc:  # noqa: BLE001 - connection refused, reset, timeout...
+            raise self._lost(exc) from exc
+
+    def queue_push(self, key: str, value: bytes) -> None:
+        try:
+            self._store.queue_push(key, value)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
+    def queue_len(self, key: str) -> int:
+        try:
+            return int(self._store.queue_len(key))
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
+    def queue_pop(self, key: str) -> bytes | None:
+        """The next item, waiting for one; ``None`` when the store's wait timed out (call again)."""
+        try:
+            return self._store.queue_pop(key, block=True)
+        except Exception as exc:  # noqa: BLE001
+            if "timeout" in str(exc).lower():
+                return None
+            raise self._lost(exc) from exc
+
+    def clone(self) -> RendezvousStore:
+        """A connection of its own (for another thread)."""
+        try:
+            return RendezvousStore(self._store.clone(), self._rank)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
+
+class PendingMax:
     def __init__(self, tensor: torch.Tensor, work: Any, rank: int) -> None:
         self._tensor = tensor
         self._work = work
@@ -297,6 +344,14 @@ class DistributedEnv:
             cross_size=cross_size,
             _collectives=self.collectives,
         )
+
+    def call_store(self, call_id: str) -> RendezvousStore:
+        """This call's keys in the job's rendezvous store (the default group's store): shared counters and
+        queues of the dynamic schedule. ``call_id`` keeps calls (and torchrun restarts) apart, since the
+        store may outlive the call (under torchrun it is the agent's)."""
+        from torch.distributed import distributed_c10d
+
+        return RendezvousStore(dist.PrefixStore(f"tbp/{call_id}/", distributed_c10d._get_default_store()), self.info.rank)
 
     def teardown(self) -> None:
         """Destroys this call's control group (the default group stays for later calls, see above)."""

@@ -1,108 +1,143 @@
-"""Sharding: which rank processes which global batch, at which step.
+"""The plan: which global batches a job has and which dataset examples each one holds.
 
-The dataset is cut into contiguous global batches: batch ``g`` holds examples
-``[g * batch_size, min((g + 1) * batch_size, num_examples))``. The batches not yet committed are
-dealt round-robin over the ranks of the current world: the ``i``-th remaining batch goes to rank
-``i % world_size`` at step ``i // world_size``. On a fresh run that is simply batch ``g`` on rank
-``g % world_size``. Every rank runs the same number of steps; a rank with no batch left in a step
-idles through it, so no example is padded or duplicated and no rank waits for a collective that
-another rank never reaches.
+A plan is deterministic from the job's fingerprint, so every rank and every resume (with any world size)
+computes the same one, and a global batch index ``g`` names the same examples forever: it is what progress,
+outputs and ``batch_idx`` are about. Two kinds exist:
+
+- :class:`ContiguousPlan` (DESIGN §3): global batch ``g`` holds examples ``[g*B, min((g+1)*B, N))``;
+- :class:`BucketedPlan` (DESIGN §9): examples of similar length batched together (see
+  :mod:`torch_batch_process.engine.bucketing`).
+
+``max_batches`` caps the batches of each rank, as in Determined: with round-robin dealing the first
+``max_batches`` batches of every rank of a fresh run are exactly global batches ``[0, max_batches * W)``,
+so a plan only ever holds a prefix of its batches (:func:`planned_batches`), fixed at the job's first start.
 """
 
 from __future__ import annotations
 
+import abc
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
 
-from torch.utils.data import Sampler
+import numpy as np
 
-from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
+from torch_batch_process.engine.bucketing import BucketLayout, bucket_layout, contiguous_padded_tokens, layout_fingerprint
+from torch_batch_process.engine.ranges import RangeSet
+
+__all__ = ["BucketedPlan", "ContiguousPlan", "Plan", "planned_batches"]
 
 
-@dataclass(frozen=True)
-class BatchGeometry:
-    """How a dataset of ``num_examples`` is cut into global batches of ``batch_size``."""
+class Plan(abc.ABC):
+    """The global batches of a job (see the module docstring)."""
 
-    num_examples: int
-    batch_size: int
+    num_batches: int
+    """Global batches of the job (after ``max_batches``)."""
 
-    @property
-    def num_batches(self) -> int:
-        """Number of global batches (the last one may be short)."""
-        return math.ceil(self.num_examples / self.batch_size)
+    @abc.abstractmethod
+    def batch_indices(self, batch: int) -> Sequence[int]:
+        """Dataset indices of the examples of global batch ``batch``, in the batch's order."""
 
-    def examples(self, batch_idx: int) -> range:
-        """Dataset indices of global batch ``batch_idx``."""
-        start = batch_idx * self.batch_size
-        return range(start, min(start + self.batch_size, self.num_examples))
-
+    @abc.abstractmethod
     def count_examples(self, batches: RangeSet) -> int:
         """Number of examples in a set of global batches."""
+
+    @property
+    def num_examples(self) -> int:
+        """Examples in the job's batches."""
+        return self.count_examples(RangeSet([(0, self.num_batches)]) if self.num_batches else RangeSet())
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        """What a resume must match beyond the dataset length and batch size (``None``: nothing more)."""
+        return None
+
+    def describe(self) -> str:
+        """A few words for the start-up log line."""
+        return f"{self.num_examples} examples in {self.num_batches} batches"
+
+
+class ContiguousPlan(Plan):
+    """Global batch ``g`` holds examples ``[g * batch_size, min((g + 1) * batch_size, dataset_length))``."""
+
+    def __init__(self, dataset_length: int, batch_size: int, num_batches: int | None = None) -> None:
+        self.dataset_length = dataset_length
+        self.batch_size = batch_size
+        self.num_batches = math.ceil(dataset_length / batch_size) if num_batches is None else num_batches
+
+    def batch_indices(self, batch: int) -> range:
+        start = batch * self.batch_size
+        return range(start, min(start + self.batch_size, self.dataset_length))
+
+    def count_examples(self, batches: RangeSet) -> int:
         total = 0
         for start, stop in batches.ranges():
-            total += max(0, min(stop * self.batch_size, self.num_examples) - start * self.batch_size)
+            total += max(0, min(stop * self.batch_size, self.dataset_length) - start * self.batch_size)
         return total
+
+    def describe(self) -> str:
+        return f"{self.num_examples} examples in {self.num_batches} batches of {self.batch_size}"
+
+
+class BucketedPlan(Plan):
+    """Batches of examples of similar length (see :mod:`torch_batch_process.engine.bucketing`).
+
+    Args:
+        lengths: the length of every example (``bucket_by``, resolved).
+        batch_size: the most examples of a batch.
+        window: ``bucket_window``.
+        max_tokens: cap of ``len(batch) * max length``, or ``None``.
+    """
+
+    def __init__(self, lengths: np.ndarray, batch_size: int, window: int, max_tokens: int | None) -> None:
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.window = window
+        self.max_tokens = max_tokens
+        self.layout: BucketLayout = bucket_layout(lengths, batch_size, window, max_tokens)
+        self.num_batches = self.layout.num_batches()
+        self._fingerprint = layout_fingerprint(lengths, batch_size, window, max_tokens)
+
+    def cut(self, num_batches: int) -> BucketedPlan:
+        """The same plan with only its first ``num_batches`` batches (``max_batches``)."""
+        plan = object.__new__(BucketedPlan)
+        plan.__dict__.update(self.__dict__)
+        plan.num_batches = min(num_batches, self.layout.num_batches())
+        return plan
+
+    def batch_indices(self, batch: int) -> list[int]:
+        if not 0 <= batch < self.num_batches:
+            raise IndexError(f"batch {batch} is not in the plan (0..{self.num_batches - 1})")
+        return self.layout.batch_indices(batch).tolist()
+
+    def count_examples(self, batches: RangeSet) -> int:
+        offsets = self.layout.offsets
+        total = 0
+        for start, stop in batches.ranges():
+            stop = min(stop, self.num_batches)
+            if start < stop:
+                total += int(offsets[stop] - offsets[start])
+        return total
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self._fingerprint
+
+    def padded_tokens(self) -> tuple[int, int]:
+        """Padded tokens (``len(batch) * max length`` summed over batches) of this plan and of the same
+        examples in dataset order, to show what bucketing saves."""
+        return self.layout.padded_tokens(self.lengths), contiguous_padded_tokens(self.lengths, self.batch_size)
+
+    def describe(self) -> str:
+        bucketed, ordered = self.padded_tokens()
+        oversized = f"; {self.layout.num_oversized} example(s) longer than max_tokens, alone" if self.layout.num_oversized else ""
+        return (
+            f"{self.num_examples} examples in {self.num_batches} length-bucketed batches (at most {self.batch_size}, "
+            f"windows of {self.window} batches{f', max_tokens {self.max_tokens}' if self.max_tokens else ''}): "
+            f"{bucketed} padded tokens instead of {ordered} in dataset order{oversized}"
+        )
 
 
 def planned_batches(num_batches: int, max_batches: int | None, world_size: int) -> int:
-    """Number of global batches a fresh job processes.
-
-    ``max_batches`` caps the batches of each rank (as in Determined); with round-robin dealing the
-    first ``max_batches`` batches of every rank are exactly global batches ``[0, max_batches * W)``.
-    """
+    """Number of global batches a fresh job processes: all, or the first ``max_batches`` of every rank."""
     if max_batches is None:
         return num_batches
     return min(num_batches, max_batches * world_size)
-
-
-class ShardPlan:
-    """Round-robin dealing of the remaining global batches over the ranks of this attempt."""
-
-    def __init__(self, remaining: RangeSet, world_size: int) -> None:
-        self._remaining = IndexedRanges(remaining)
-        self.world_size = world_size
-
-    @property
-    def num_remaining(self) -> int:
-        """Number of batches this attempt has to process, over all ranks."""
-        return len(self._remaining)
-
-    @property
-    def num_steps(self) -> int:
-        """Steps every rank runs: ``ceil(remaining / world_size)``."""
-        return math.ceil(len(self._remaining) / self.world_size)
-
-    def batch_at(self, step: int, rank: int) -> int | None:
-        """Global batch of ``rank`` at ``step``, or ``None`` when the rank idles in that step."""
-        index = step * self.world_size + rank
-        return self._remaining[index] if index < len(self._remaining) else None
-
-    def num_batches_of(self, rank: int) -> int:
-        """Number of batches dealt to ``rank`` (its batches are steps ``0 .. n-1``)."""
-        return max(0, math.ceil((len(self._remaining) - rank) / self.world_size))
-
-    def batches_of(self, rank: int) -> Iterator[int]:
-        """Global batches of ``rank`` in step order."""
-        for step in range(self.num_batches_of(rank)):
-            yield self._remaining[step * self.world_size + rank]
-
-
-class RankBatchSampler(Sampler[list[int]]):
-    """Yields the dataset indices of one rank's batches, in step order.
-
-    Given to ``torch.utils.data.DataLoader`` as ``batch_sampler``, so the loader (with its workers,
-    pinned memory and prefetching) only ever loads the examples of this rank's remaining batches.
-    """
-
-    def __init__(self, plan: ShardPlan, rank: int, geometry: BatchGeometry) -> None:
-        self._plan = plan
-        self._rank = rank
-        self._geometry = geometry
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for batch_idx in self._plan.batches_of(self._rank):
-            yield list(self._geometry.examples(batch_idx))
-
-    def __len__(self) -> int:
-        return self._plan.num_batches_of(self._rank)

@@ -13,24 +13,20 @@ finished job is its result) and ``"progress"`` (``batches_committed``, ``example
 ``fraction_done``, ``examples_per_s``, ``elapsed_s``; every ``progress_interval`` seconds and at the
 end). See :mod:`torch_batch_process.observe.observer`.
 
-Locally the lines of one commit are appended with a single ``write()`` (a killed process leaves
-whole lines). Object stores cannot append: rank 0 keeps a local copy of the file (under
-``$TMPDIR``) and uploads it whole, in one atomic PUT, at each commit that adds lines.
+The lines of one commit are appended at once (``storage.append``): locally with a single ``write()`` (a
+killed process leaves whole lines); object stores cannot append, so the storage keeps a local copy of the
+file and uploads it whole, in one atomic PUT, at each commit that adds lines.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.layout import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLog:
@@ -38,8 +34,6 @@ class MetricsLog:
 
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
-        self._mirror: Path | None = None
-        self._lock = threading.Lock()  # one append (and upload) at a time
 
     def append(self, records: list[dict[str, Any]], *, commit: int, attempt: int) -> None:
         if not records:
@@ -50,31 +44,4 @@ class MetricsLog:
             + "\n"
             for record in records
         ).encode("utf-8")
-        with self._lock:
-            if self._storage.is_local:
-                self._storage.append_bytes(METRICS_FILE, lines)
-                return
-            mirror = self._local_mirror()
-            with open(mirror, "ab") as f:
-                f.write(lines)
-            self._storage.write_bytes(METRICS_FILE, mirror.read_bytes())
-
-    def _local_mirror(self) -> Path:
-        if self._mirror is None:
-            folder = Path(tempfile.mkdtemp(prefix="tbp-metrics-"))
-            mirror = folder / METRICS_FILE
-            try:
-                mirror.write_bytes(self._storage.read_bytes(METRICS_FILE))
-            except FileNotFoundError:
-                mirror.write_bytes(b"")
-            except BaseException:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise
-            self._mirror = mirror
-        return self._mirror
-
-    def close(self) -> None:
-        if self._mirror is not None:
-            shutil.rmtree(self._mirror.parent, ignore_errors=True)
-            self._mirror = None
-
+        self._storage.append(METRICS_FILE, lines)

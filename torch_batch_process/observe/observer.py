@@ -32,7 +32,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,9 +40,9 @@ from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.observe.profiler import StepProfiler
 from torch_batch_process.observe.progress import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
 from torch_batch_process.result import BatchProcessResult, to_jsonable
-from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.base import MirroredFolder
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
-from torch_batch_process.observe.tensorboard import FolderUploader, TensorBoardLog
+from torch_batch_process.observe.tensorboard import TensorBoardLog
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +70,7 @@ class JobObserver:
         world_size: ranks of this attempt.
         job_name: shown on the bar.
         batch_size: examples per global batch (for the extrapolation between commits).
-        tensorboard_dir: this rank's local TensorBoard folder.
-        storage: the job's storage (remote storage gets the TensorBoard files uploaded).
+        tensorboard: this rank's TensorBoard folder (a local folder mirrored to the storage).
         device: this rank's device (for the profiler's activities).
     """
 
@@ -84,8 +82,7 @@ class JobObserver:
         world_size: int,
         job_name: str,
         batch_size: int,
-        tensorboard_dir: Path,
-        storage: Storage,
+        tensorboard: MirroredFolder,
         device: torch.device,
     ) -> None:
         self.options = options
@@ -95,13 +92,12 @@ class JobObserver:
         self.batch_size = batch_size
         self.total_batches = 0
         self.total_examples = 0
-        self._tb_dir = tensorboard_dir
-        self._storage = storage
+        self._tb_dir = tensorboard.path
         self._device = device
         self._display: ProgressDisplay | None = None
         self._profiler: StepProfiler | None = None
         self._tb: TensorBoardLog | None = None
-        self._uploader = None if storage.is_local else FolderUploader(tensorboard_dir, rank, storage)
+        self._uploader: MirroredFolder | None = tensorboard
         self._stragglers = StragglerDetector(options.straggler_ratio)
         self.next_step = NEVER
         """The loop calls :meth:`on_step` after a step ``>= next_step`` (the display or profiler is due)."""
@@ -207,8 +203,11 @@ class JobObserver:
 
     # ------------------------------------------------------------------------ steps
 
-    def on_step(self, step: int) -> None:
+    def on_step(self, step: int, claimed: int | None = None) -> None:
         """After step ``step`` (0-based) of this attempt, when ``step >= next_step``.
+
+        ``claimed``: batches taken so far by all ranks, when the scheduler knows it (dynamic schedule);
+        otherwise the done count is extrapolated from this rank's step (``(step + 1) * world_size``).
 
         The loop only compares ``step`` with :attr:`next_step` at every step; this method moves
         :attr:`next_step` ahead to about when the next display refresh is due (from the measured step
@@ -224,7 +223,7 @@ class JobObserver:
         now = time.monotonic()
         if now >= self._next_show:
             self._next_show = now + self._display.refresh_s
-            batches = min(self._remaining_batches, (step + 1) * self.world_size)
+            batches = min(self._remaining_batches, claimed if claimed is not None else (step + 1) * self.world_size)
             examples = min(self._remaining_examples, batches * self.batch_size)
             self._display.show(
                 max(self._committed_examples, self._base_examples + examples),
@@ -313,11 +312,16 @@ class JobObserver:
         batches_committed: int,
         examples_committed: int,
         metrics: dict[str, Any] | None,
+        all_ranks: bool = True,
     ) -> None:
-        """Every rank, once a commit is durable: display, stragglers, TensorBoard."""
+        """Every rank, once a commit is complete: display, stragglers, TensorBoard.
+
+        ``all_ranks``: ``intervals`` holds every rank's part (the static schedule's commits; with the dynamic
+        one a rank only knows its own, and stragglers are not looked for).
+        """
         self._committed_batches = batches_committed
         self._committed_examples = examples_committed
-        if self.rank == 0:
+        if self.rank == 0 and all_ranks:
             straggler = self._stragglers.add(intervals)
             if straggler is not None:
                 logger.warning(straggler.describe())
@@ -337,7 +341,7 @@ class JobObserver:
             except Exception as exc:  # noqa: BLE001 - event files are a convenience
                 logger.warning("writing TensorBoard event files failed (%s); they are off for this run", exc)
                 self._tb = None
-        if self._uploader is not None and self._uploader.due():  # remote storage: upload the folder
+        if self._uploader is not None and self._uploader.due():  # object stores: upload the folder's changes
             if self._tb is not None:
                 try:
                     self._tb.flush()

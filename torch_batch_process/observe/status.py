@@ -30,30 +30,18 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any
 
-from torch_batch_process.engine.checkpoint import (
-    ATTEMPT_FILE,
-    OUTPUTS_DIR,
-    RESULT_FILE,
-    CheckpointStore,
-    CommitRecord,
-)
+from torch_batch_process.engine.records import CommitRecord
+from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
-from torch_batch_process.storage.lock import LEASE_FILE, LOCK_FILE, LOCK_INFO_FILE
-from torch_batch_process.observe.metrics import METRICS_FILE
-from torch_batch_process.processes import pid_alive
 from torch_batch_process.observe.progress import format_duration
-from torch_batch_process.engine.plan import BatchGeometry
-from torch_batch_process.storage.base import Storage
-from torch_batch_process.observe.tensorboard import TENSORBOARD_DIR
+from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.layout import ATTEMPT_FILE, METRICS_FILE, OUTPUTS_DIR, RESULT_FILE, TENSORBOARD_DIR
 
 _READ_RETRIES = 5
-_LEASE_GRACE = 3.0
-"""A lease whose last heartbeat is older than this many TTLs belongs to a job that is gone."""
 
 
 class NoJobError(BatchProcessError):
@@ -68,27 +56,26 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         CheckpointCorruptError: a record cannot be read.
         StorageError: the storage cannot be read.
     """
-    storage = Storage(storage_path, storage_options)
-    store = CheckpointStore(storage)
+    storage = open_storage(storage_path, storage_options)
+    store = JobStore(storage)
     job = store.load_job()
     latest = _load_latest(store)
     if job is None:
         raise NoJobError(f"no job is stored at {storage.url!r} (no _tbp/job.json)")
     attempt_info = _read_json(storage, ATTEMPT_FILE) or {}
     result = _read_json(storage, RESULT_FILE) if latest is not None and latest.finished else None
-    running, holder = _running(storage)
+    running, holder = storage.lock_holder()
 
     spec = job.spec
-    geometry = BatchGeometry(int(spec["dataset_length"]), int(spec["batch_size"]))
     batches_total = job.planned_batches
-    examples_total = min(batches_total * geometry.batch_size, geometry.num_examples)
-    batches_committed = len(latest.committed) if latest else 0
-    examples_committed = geometry.count_examples(latest.committed) if latest else 0
+    examples_total = job.examples_total
     stats = latest.stats if latest else {}
+    batches_committed = len(latest.committed) if latest else 0
+    examples_committed = int(stats.get("examples_committed", 0)) if latest else 0
     attempts = max(int(attempt_info.get("attempt", 0) or 0), latest.attempt if latest else 0)
 
     finished = bool(latest and latest.finished)
-    unpublished = store.unpublished_commits(latest) if finished and latest is not None and not running else []
+    unpublished = store.unpublished_stages(latest) if finished and latest is not None and not running else []
     if finished and unpublished:
         state = "unpublished"  # killed while publishing: the committed files are still in staging
     elif finished:
@@ -188,58 +175,6 @@ def _read_json(storage: Storage, rel: str) -> dict[str, Any] | None:
     except (FileNotFoundError, ValueError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def _running(storage: Storage) -> tuple[bool | None, dict[str, Any] | None]:
-    """Whether a job holds the lock now (``None``: cannot tell from here), and who."""
-    if not storage.is_local:
-        lease = _read_json(storage, LEASE_FILE)
-        if not lease:
-            return False, None
-        heartbeat = lease.get("renewed", lease.get("since"))  # time of the last heartbeat
-        ttl = float(lease.get("ttl", 15.0))
-        alive = isinstance(heartbeat, (int, float)) and time.time() - heartbeat < _LEASE_GRACE * ttl
-        return alive, ({"host": lease.get("host"), "pid": lease.get("pid")} if alive else None)
-    info = _read_json(storage, LOCK_INFO_FILE)
-    holder = {"host": info.get("host"), "pid": info.get("pid")} if info else None
-    same_host = not info or info.get("host") == socket.gethostname()
-    held = _flock_held(str(storage.local_path(LOCK_FILE)), info.get("pid") if info else None)
-    if held:
-        return True, holder
-    if not same_host:
-        return None, holder  # a lock taken on another host (NFS...) is not visible here
-    if held is None:  # no /proc/locks: fall back on the holder's pid
-        alive = bool(info) and isinstance(info.get("pid"), int) and pid_alive(info["pid"])
-        return alive, holder if alive else None
-    return False, None
-
-
-def _flock_held(path: str, pid: Any = None) -> bool | None:
-    """Whether some process holds a ``flock`` on ``path`` (Linux ``/proc/locks``), without taking it.
-
-    A lock matches by device and inode, or by inode and the holder's ``pid`` (overlay filesystems may
-    show another device number there). ``None`` when ``/proc/locks`` cannot be read.
-    """
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-    try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    for line in lines:
-        fields = line.split()
-        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":  # "->": a waiter, not a holder
-            continue
-        dev, _, inode = fields[5].rpartition(":")
-        if inode == str(st.st_ino) and (dev == device or fields[4] == str(pid)):
-            return True
-    return False
 
 
 # ------------------------------------------------------------------------------------ text

@@ -1,70 +1,67 @@
 """Staging of the files users write through ``context.upload_path()``.
 
-Each ``upload_path()`` yields an empty local folder. When the ``with`` block ends, what was
-written there joins this rank's stage of the next commit, ``_tbp/staging/<n>/rank_<r>/`` (see
-:mod:`torch_batch_process.engine.checkpoint`):
+Each ``upload_path()`` yields an empty local folder (``storage.scratch_folder``: inside the storage for local
+storage, so that files are renamed and never copied; a local temporary folder for object stores). When the
+``with`` block ends, what was written there joins this rank's stage of its next commit,
+``_tbp/staging/<s>/rank_<r>/`` (see :mod:`torch_batch_process.engine.committer`), through the storage's
+file sink: a rename locally, a background upload (streamed from disk) to object stores. The commit waits
+for those uploads (:meth:`OutputStager.flush`). A block that raises contributes nothing.
 
-- on local storage the folder lives next to the stages (``_tbp/staging/.incoming-rank_<r>-<id>``)
-  and its files are renamed into the stage (no copy, whatever their size);
-- on remote storage the folder is a local temporary one (under ``$TMPDIR``): its files are moved
-  to a spool folder at once and uploaded in the background by ``TBP_UPLOAD_THREADS`` threads
-  (default 8), streamed from disk (see :meth:`Storage.put_file`), each spool file deleted once
-  uploaded. The commit waits for those uploads. Temporary folders of a process that was killed are
-  removed by the next job on the host.
+A folder left empty by its block is handed to the next ``upload_path()`` instead of being deleted and made
+again: creating and removing folders costs a few syscalls per batch (milliseconds on some filesystems),
+which is the stager's whole cost on local storage. Scratch folders of a killed job are removed by the repair
+at its next start (local storage) or by the next job on the host (temporary folders).
 
-A folder left empty by its block is handed to the next ``upload_path()`` instead of being deleted
-and made again, and the stage's folders are made once per commit: creating and removing folders
-costs a few syscalls per batch (milliseconds on some filesystems, e.g. ext4 mounted with
-``discard``), which is the stager's whole cost on local storage. Leftover local folders of a killed
-job are removed by the repair at its next start (every non-numbered entry of ``_tbp/staging``).
-
-Two files with the same path in the same commit of one rank would overwrite each other, so that is
-an error.
+Two files with the same path in the same stage of one rank would overwrite each other, so that is an error.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
-import tempfile
 import threading
-import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from torch_batch_process.engine.checkpoint import STAGING_DIR, staging_dir
-from torch_batch_process.processes import pid_alive
 from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.layout import staging_dir
 
-logger = logging.getLogger(__name__)
-
-UPLOAD_THREADS = int(os.environ.get("TBP_UPLOAD_THREADS", "8"))
-_TMP_PREFIX = "tbp-upload-"
+__all__ = ["OutputStager"]
 
 
 class OutputStager:
-    """Collects one rank's ``upload_path()`` files into the stage of the pending commit."""
+    """Collects one rank's output files into the stage of its next commit.
 
-    def __init__(self, storage: Storage, rank: int, commit: int) -> None:
+    Args:
+        storage: the job's storage.
+        rank: this rank.
+    """
+
+    def __init__(self, storage: Storage, rank: int) -> None:
         self._storage = storage
         self._rank = rank
-        self.commit = commit
+        self.stage = 0
         self._names: set[str] = set()
-        self._pending: list[Future[None]] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._sink = storage.file_sink()
         self._lock = threading.Lock()
         self._spare: list[Path] = []  # empty folders of finished blocks, for the next upload_path()
-        self._made_dirs: set[str] = set()  # folders of the pending stage that exist already
-        self._tmp_root: Path | None = None
         self.files = 0
         self.bytes = 0
 
+    def advance(self, stage: int) -> None:
+        """Starts collecting for ``stage`` (the previous one is committed or being committed)."""
+        self.stage = stage
+        self._names = set()
+
+    @property
+    def has_files(self) -> bool:
+        """Whether the current stage has files."""
+        return bool(self._names)
+
     @contextlib.contextmanager
     def upload_path(self) -> Iterator[Path]:
-        """Yields an empty folder; its files join the pending commit when the block exits normally."""
+        """Yields an empty folder; its files join the current stage when the block exits normally."""
         folder = self._take_folder()
         try:
             yield folder
@@ -81,103 +78,52 @@ class OutputStager:
             else:
                 shutil.rmtree(folder, ignore_errors=True)
 
+    def add_file(self, local_file: Path, name: str) -> None:
+        """Adds a finished local file (e.g. a record shard) to the current stage as ``name``; it is moved away."""
+        self._check_names([name])
+        self._add(local_file, name)
+
     def _take_folder(self) -> Path:
         with self._lock:
             if self._spare:
                 return self._spare.pop()
-        if self._storage.is_local:
-            folder = self._storage.local_path(f"{STAGING_DIR}/.incoming-rank_{self._rank}-{uuid.uuid4().hex[:10]}")
-            folder.mkdir(parents=True, exist_ok=False)
-            return folder
-        return Path(tempfile.mkdtemp(prefix="block-", dir=self._tmp()))
+        return self._storage.scratch_folder(f"block-rank_{self._rank}")
 
     def _seal(self, folder: Path) -> bool:
         """Moves the block's files into the stage; returns True when that left ``folder`` empty."""
         files, has_dirs = _list_files(folder)
         names = [p.relative_to(folder).as_posix() for p in files]
+        self._check_names(names)
+        for path, name in zip(files, names, strict=True):
+            self._add(path, name)
+        return not has_dirs
+
+    def _check_names(self, names: list[str]) -> None:
         clashes = sorted(set(names) & self._names)
         if clashes:
             raise FileExistsError(
-                f"upload_path(): {clashes[0]!r} was already written through upload_path() by rank "
-                f"{self._rank} since the last commit; writing it again would overwrite it. Give each output "
-                "file a unique name (e.g. include batch_idx)."
+                f"upload_path(): {clashes[0]!r} was already written by rank {self._rank} since its last commit; "
+                "writing it again would overwrite it. Give each output file a unique name (e.g. include batch_idx)."
             )
-        target_dir = staging_dir(self.commit, self._rank)
-        for path, name in zip(files, names, strict=True):
-            size = path.lstat().st_size
-            self.files += 1
-            self.bytes += size
-            self._names.add(name)
-            if self._storage.is_local:
-                target = self._storage.path(f"{target_dir}/{name}")
-                parent = os.path.dirname(target)
-                if parent not in self._made_dirs:
-                    os.makedirs(parent, exist_ok=True)
-                    self._made_dirs.add(parent)
-                os.rename(path, target)
-            else:
-                # Move the file out of the user's folder so it can be cleaned now; upload it in the background.
-                spool = self._tmp() / f"spool-{uuid.uuid4().hex}"
-                os.rename(path, spool)  # same folder tree: a rename, never a copy
-                self._submit(spool, f"{target_dir}/{name}")
-        return not has_dirs
 
-    def _submit(self, local: Path, rel: str) -> None:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="tbp-upload")
-            self._pending.append(self._pool.submit(self._upload, local, rel))
-
-    def _upload(self, local: Path, rel: str) -> None:
-        try:
-            self._storage.put_file(local, rel)
-        finally:
-            with contextlib.suppress(OSError):
-                local.unlink()
-
-    def _tmp(self) -> Path:
-        """This stager's local temporary folder (remote storage), created on first use."""
-        if self._tmp_root is None:
-            _remove_orphans()
-            self._tmp_root = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-r{self._rank}-"))
-        return self._tmp_root
+    def _add(self, path: Path, name: str) -> None:
+        self.files += 1
+        self.bytes += path.lstat().st_size
+        self._names.add(name)
+        self._sink.add(path, f"{staging_dir(self.stage, self._rank)}/{name}")
 
     def flush(self) -> None:
-        """Waits until every file of the pending commit is in storage; raises the first upload error."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        error: BaseException | None = None
-        for future in pending:
-            try:
-                future.result()
-            except BaseException as exc:  # noqa: BLE001 - wait for all, then raise the first
-                error = error or exc
-        if error is not None:
-            raise error
-
-    @property
-    def has_files(self) -> bool:
-        return bool(self._names)
-
-    def advance(self, commit: int) -> None:
-        """Starts collecting for ``commit`` (after the previous one is durable)."""
-        self.commit = commit
-        self._names = set()
-        self._made_dirs = set()
+        """Waits until every file of the current stage is in storage; raises the first error."""
+        self._sink.flush()
 
     def close(self) -> None:
-        """Stops the upload threads and removes the spare and temporary folders (pending uploads are
-        abandoned: their commit never happens)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stops the sink (pending uploads are abandoned: their commit never happens) and removes the spare
+        folders."""
+        self._sink.close()
         with self._lock:
             spare, self._spare = self._spare, []
         for folder in spare:
             shutil.rmtree(folder, ignore_errors=True)
-        if self._tmp_root is not None:
-            shutil.rmtree(self._tmp_root, ignore_errors=True)
-            self._tmp_root = None
 
 
 def _list_files(folder: Path) -> tuple[list[Path], bool]:
@@ -194,14 +140,3 @@ def _list_files(folder: Path) -> tuple[list[Path], bool]:
                 else:
                     files.append(Path(entry.path))
     return sorted(files), has_dirs
-
-
-def _remove_orphans() -> None:
-    """Removes the temporary folders of stagers whose process is gone (killed before cleaning up)."""
-    root = Path(tempfile.gettempdir())
-    for folder in root.glob(f"{_TMP_PREFIX}*"):
-        pid = folder.name[len(_TMP_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-
-

@@ -49,13 +49,13 @@ import filelock
 
 from torch_batch_process.errors import JobLockedError, StorageError
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage.base import ConditionFailed, Storage
+from torch_batch_process.storage.layout import LEASE_FILE, LOCK_FILE, LOCK_INFO_FILE
+from torch_batch_process.storage.local import LocalStorage
+from torch_batch_process.storage.object_store import ConditionFailed, ObjectStorage
+
+__all__ = ["FileJobLock", "JobLock", "LeaseJobLock", "flock_held", "lease_ttl_s"]
 
 logger = logging.getLogger(__name__)
-
-LOCK_FILE = "_tbp/lock"
-LOCK_INFO_FILE = "_tbp/lock.json"
-LEASE_FILE = "_tbp/lease.json"
 
 _READ_BACK_DELAY_S = 0.2
 
@@ -69,20 +69,13 @@ def lease_ttl_s() -> float:
 
 
 class JobLock:
-    """Held by rank 0 for the whole job. Use :func:`acquire_job_lock` to get one."""
+    """Held by rank 0 for the whole job; ``storage.job_lock()`` takes the backend's kind."""
 
     def release(self) -> None:
         """Releases the lock (idempotent)."""
 
     def check(self) -> None:
         """Raises :class:`JobLockedError` when the lock was lost (lease taken over or not renewable)."""
-
-
-def acquire_job_lock(storage: Storage) -> JobLock:
-    """Takes the job lock of ``storage`` or raises :class:`JobLockedError` naming the holder."""
-    if storage.is_local:
-        return _LocalLock(storage)
-    return _LeaseLock(storage)
 
 
 def _machine_id() -> dict[str, Any]:
@@ -105,8 +98,10 @@ def _holder_info() -> dict[str, Any]:
     return {**_machine_id(), "pid": os.getpid(), "since": time.time()}
 
 
-class _LocalLock(JobLock):
-    def __init__(self, storage: Storage) -> None:
+class FileJobLock(JobLock):
+    """An OS file lock on ``_tbp/lock`` (local and network-mounted folders)."""
+
+    def __init__(self, storage: LocalStorage) -> None:
         self._storage = storage
         storage.makedirs("_tbp")
         self._lock = filelock.FileLock(storage.path(LOCK_FILE), timeout=0)
@@ -126,9 +121,33 @@ class _LocalLock(JobLock):
         if self._lock.is_locked:
             self._lock.release()
 
+    @staticmethod
+    def holder(storage: LocalStorage) -> tuple[bool | None, dict[str, Any] | None]:
+        """Whether a process holds the lock now (``None``: cannot tell from this host), and who.
 
-class _LeaseLock(JobLock):
-    def __init__(self, storage: Storage) -> None:
+        Read-only: it looks at ``/proc/locks`` instead of trying to take the lock.
+        """
+        info = _read_info(storage, LOCK_INFO_FILE)
+        who = {"host": info.get("host"), "pid": info.get("pid")} if info else None
+        same_host = not info or info.get("host") == socket.gethostname()
+        held = flock_held(storage.path(LOCK_FILE), info.get("pid") if info else None)
+        if held:
+            return True, who
+        if not same_host:
+            return None, who  # a lock taken on another host (NFS...) is not visible here
+        if held is None:  # no /proc/locks: fall back on the holder's pid
+            alive = bool(info) and isinstance(info.get("pid"), int) and pid_alive(info["pid"])
+            return alive, who if alive else None
+        return False, None
+
+
+class LeaseJobLock(JobLock):
+    """A heartbeat lease on ``_tbp/lease.json`` (object stores; see the module docstring)."""
+
+    GRACE = 3.0
+    """:meth:`holder`: a lease whose last heartbeat is older than this many TTLs belongs to a job that is gone."""
+
+    def __init__(self, storage: ObjectStorage) -> None:
         self._storage = storage
         self._conditional = storage.supports_conditional_writes
         self._ttl = lease_ttl_s()
@@ -343,6 +362,17 @@ class _LeaseLock(JobLock):
         except Exception as exc:  # noqa: BLE001 - a leftover lease expires by itself
             logger.warning("storage %s: could not remove the job lease: %s", self._storage.url, exc)
 
+    @classmethod
+    def holder(cls, storage: ObjectStorage) -> tuple[bool | None, dict[str, Any] | None]:
+        """Whether a job holds a live lease now (its heartbeat is recent), and who. Read-only."""
+        lease = _read_info(storage, LEASE_FILE)
+        if not lease:
+            return False, None
+        heartbeat = lease.get("renewed", lease.get("since"))  # time of the last heartbeat
+        ttl = float(lease.get("ttl", 15.0))
+        alive = isinstance(heartbeat, (int, float)) and time.time() - heartbeat < cls.GRACE * ttl
+        return alive, ({"host": lease.get("host"), "pid": lease.get("pid")} if alive else None)
+
 
 def _unsupported(exc: BaseException) -> bool:
     """Whether a conditional write failed because the store does not implement the condition headers."""
@@ -361,7 +391,7 @@ def _holder_is_dead_here(lease: dict[str, Any]) -> bool:
     return not pid_alive(lease["pid"])
 
 
-def _read_info(storage: Storage, rel: str) -> dict[str, Any] | None:
+def _read_info(storage: LocalStorage | ObjectStorage, rel: str) -> dict[str, Any] | None:
     try:
         value = storage.read_json(rel)
     except (FileNotFoundError, ValueError):
@@ -369,7 +399,7 @@ def _read_info(storage: Storage, rel: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _locked_message(storage: Storage, info: dict[str, Any] | None) -> str:
+def _locked_message(storage: LocalStorage | ObjectStorage, info: dict[str, Any] | None) -> str:
     holder = ""
     if info:
         since = info.get("since")
@@ -381,10 +411,29 @@ def _locked_message(storage: Storage, info: dict[str, Any] | None) -> str:
     )
 
 
-def describe_lock(storage: Storage) -> str:
-    """One line about the lock state, for ``tbp status``."""
+def flock_held(path: str, pid: Any = None) -> bool | None:
+    """Whether some process holds a ``flock`` on ``path`` (Linux ``/proc/locks``), without taking it.
+
+    A lock matches by device and inode, or by inode and the holder's ``pid`` (overlay filesystems may
+    show another device number there). ``None`` when ``/proc/locks`` cannot be read.
+    """
     try:
-        info = _read_info(storage, LEASE_FILE if not storage.is_local else LOCK_INFO_FILE)
-    except StorageError as exc:
-        return f"unknown ({exc})"
-    return json.dumps(info) if info else "none"
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    for line in lines:
+        fields = line.split()
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":  # "->": a waiter, not a holder
+            continue
+        dev, _, inode = fields[5].rpartition(":")
+        if inode == str(st.st_ino) and (dev == device or fields[4] == str(pid)):
+            return True
+    return False

@@ -1,0 +1,140 @@
+"""schedule="dynamic": ranks take batches on demand; every promise of DESIGN §3 still holds (real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import (
+    GENERIC_JOB,
+    assert_exactly_once,
+    buffered_values,
+    job_spec,
+    per_batch_values,
+    read_reports,
+    run_generic,
+    spawn_ranks,
+    wait_all,
+)
+
+pytestmark = pytest.mark.slow
+
+DYNAMIC = {"schedule": "dynamic"}
+
+
+def _calls(reports: dict[int, dict]) -> list[int]:
+    return [g for rank in sorted(reports) for g in reports[rank].get("calls", [])]
+
+
+def test_a_slow_rank_takes_fewer_batches_and_every_output_is_committed_once(tmp_path):
+    n, b, interval = 600, 5, 4
+    spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=interval, outputs="both", sleep=0.004,
+                    sleep_rank={"1": 0.03}, kwargs=DYNAMIC)
+    outcomes, reports = run_generic(spec, nproc=2, launcher="plain", timeout=180)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    calls = _calls(reports)
+    assert sorted(calls) == list(range(n // b)), "every batch processed once"
+    fast, slow = len(reports[0]["calls"]), len(reports[1]["calls"])
+    assert fast > 2 * slow, f"the fast rank took {fast} batches, the slow one {slow}"
+    for rank in (0, 1):
+        result = reports[rank]["result"]
+        assert result["finished"] and result["metrics"] == {"sum_fn": n * (n - 1) // 2, "sum_cls": n * (n - 1) // 2, "count_cls": n}
+        mine = len(reports[rank]["calls"])
+        # on_checkpoint_start() before each of this rank's commits: one per `interval` of its batches
+        assert reports[rank]["checkpoints"] == -(-mine // interval), (rank, mine, reports[rank]["checkpoints"])
+        assert reports[rank]["finishes"] == 1
+    assert reports[0]["result"] == reports[1]["result"], "the same result on every rank"
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), n)
+    assert_exactly_once(buffered_values(Path(spec["storage"])), n)
+
+
+def test_dynamic_under_torchrun_and_a_resume_with_the_static_schedule(tmp_path):
+    n = 400
+    spec = job_spec(tmp_path, n=n, batch_size=4, checkpoint_interval=3, outputs="per_batch", kwargs=DYNAMIC,
+                    max_batches=30)
+    proc, reports = run_generic(spec, nproc=2, launcher="torchrun", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(_calls(reports)) == list(range(60)), "max_batches caps the job at 30 batches per rank"
+    assert reports[0]["result"]["num_batches"] == 60
+    # The schedule is not part of the job's fingerprint: the same job resumes (and re-runs) with the other one.
+    static = dict(spec, kwargs={"schedule": "static"})
+    proc, reports = run_generic(static, nproc=2, attempt=2, launcher="torchrun", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert reports[0]["result"]["already_finished"]
+
+
+def _wait_for(path: Path, procs, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, "the job never started processing"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("target_rank", [0, 1])
+def test_sigterm_stops_every_rank_within_one_batch_and_a_resume_on_three_ranks_completes(tmp_path, target_rank):
+    n, b = 2000, 5
+    spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=7, sleep=0.02, outputs="both", kwargs=DYNAMIC,
+                    progress_file=str(tmp_path / "progress"))
+    procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
+    _wait_for(Path(spec["progress_file"]), procs)
+    time.sleep(0.5)
+    sent = time.time()
+    os.kill(procs[target_rank].pid, signal.SIGTERM)
+    outcomes = wait_all(procs, timeout=60)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    reports = read_reports(spec, 1)
+    for rank in (0, 1):
+        result = reports[rank]["result"]
+        assert result["preempted"] and not result["finished"] and reports[rank]["finishes"] == 0
+        late = [t for t in reports[rank]["call_times"] if t > sent]
+        assert len(late) <= 2, f"rank {rank} ran {len(late)} batches after SIGTERM"
+    first = _calls(reports)
+    assert reports[0]["result"]["batches_committed"] == len(first), "everything processed was committed"
+    assert len(first) < n // b
+
+    outcomes, second = run_generic(spec, nproc=3, attempt=2, launcher="plain", timeout=180)
+    assert [rc for rc, _, _ in outcomes] == [0, 0, 0], outcomes
+    assert sorted(first + _calls(second)) == list(range(n // b)), "each batch processed once across both runs"
+    assert second[0]["result"]["metrics"]["sum_cls"] == n * (n - 1) // 2
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), n)
+    assert_exactly_once(buffered_values(Path(spec["storage"])), n)
+
+
+@pytest.mark.parametrize("failure", [{"fail_batch": 37}, {"bad_items": [183]}, {"fail_checkpoint_rank": 1}],
+                         ids=["process_batch", "dataset", "on_checkpoint_start"])
+def test_a_failure_makes_every_rank_raise_promptly_and_a_rerun_resumes(tmp_path, failure):
+    n = 400
+    spec = job_spec(tmp_path, n=n, batch_size=2, checkpoint_interval=3, outputs="both", sleep=0.005, kwargs=DYNAMIC,
+                    **failure)
+    started = time.monotonic()
+    outcomes, reports = run_generic(spec, nproc=2, launcher="plain", timeout=90)
+    assert all(rc not in (None, 0) for rc, _, _ in outcomes), outcomes
+    assert time.monotonic() - started < 60
+    errors = {rank: reports[rank]["error"] for rank in (0, 1)}
+    failing = [rank for rank, error in errors.items() if error["type"] != "WorkerFailedError"]
+    assert len(failing) == 1, errors
+    other = 1 - failing[0]
+    assert f"rank {failing[0]}" in errors[other]["message"] and "Traceback" in errors[other]["message"]
+    clean = {k: v for k, v in spec.items() if k not in failure}
+    outcomes, reports = run_generic(clean, nproc=2, attempt=2, launcher="plain", timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    assert reports[0]["result"]["metrics"]["sum_cls"] == sum(range(n))
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), n)
+    assert_exactly_once(buffered_values(Path(spec["storage"])), n)
+
+
+def test_a_killed_rank_makes_the_other_exit(tmp_path):
+    spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.01, kwargs=DYNAMIC, progress_file=str(tmp_path / "progress"))
+    procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
+    _wait_for(Path(spec["progress_file"]), procs)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    started = time.monotonic()
+    outcomes = wait_all(procs, timeout=90)
+    assert outcomes[0][0] not in (None, 0) and time.monotonic() - started < 60, outcomes
+    assert read_reports(spec, 1)[0]["error"]["type"] == "WorkerLostError"

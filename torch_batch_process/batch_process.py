@@ -1,0 +1,125 @@
+"""The public entry point, :func:`torch_batch_process`: checks every argument, joins the process group, and
+runs the job's lifecycle (:mod:`torch_batch_process.engine.loop`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch_batch_process.engine.bucketing import DEFAULT_BUCKET_WINDOW
+from torch_batch_process.engine.distributed import DistributedEnv
+from torch_batch_process.engine.loop import JobRun
+from torch_batch_process.log import setup_logging
+from torch_batch_process.observe.options import resolve_observe_options
+from torch_batch_process.processor import TorchBatchProcessor
+from torch_batch_process.result import BatchProcessResult
+from torch_batch_process.validation import validate_arguments
+
+__all__ = ["torch_batch_process"]
+
+
+def torch_batch_process(
+    batch_processor_cls: type[TorchBatchProcessor],
+    dataset: Any,
+    batch_size: int | None = None,
+    max_batches: int | None = None,
+    checkpoint_interval: int = 5,
+    dataloader_kwargs: dict[str, Any] | None = None,
+    distributed_context: Any = None,
+    *,
+    storage_path: str | os.PathLike[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    job_name: str | None = None,
+    resume: bool = True,
+    inference_mode: bool = True,
+    progress: bool | str | None = None,
+    progress_interval: float | None = None,
+    tensorboard: bool | None = None,
+    profile: bool | dict[str, Any] | None = None,
+    schedule: str = "static",
+    bucket_by: Sequence[int] | Callable[[int], int] | None = None,
+    bucket_window: int = DEFAULT_BUCKET_WINDOW,
+    max_tokens: int | None = None,
+) -> BatchProcessResult:
+    """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
+
+    Args:
+        batch_processor_cls: a :class:`TorchBatchProcessor` subclass (the class, not an instance);
+            it is instantiated once per rank as ``cls(context)``.
+        dataset: a map-style dataset with ``__len__`` (torch ``Dataset``, list, HF ``datasets.Dataset``...).
+        batch_size: examples per batch; ``None`` means ``dataloader_kwargs["batch_size"]``, else 1.
+        max_batches: cap on the batches of each rank (the job processes global batches
+            ``[0, max_batches * world_size)``); larger than a rank's share: a warning, ignored.
+        checkpoint_interval: commit every this many steps (and after the last one).
+        dataloader_kwargs: options of ``torch.utils.data.DataLoader`` (``num_workers``,
+            ``collate_fn``, ``pin_memory``, ``prefetch_factor``...); no ``shuffle=True``, ``sampler``,
+            ``batch_sampler`` or ``drop_last=True``.
+        distributed_context: Determined's ``core.DistributedContext`` (or any object with ``get_rank()`` and
+            ``get_size()``), or ``None``. The job always runs on ``torch.distributed``; a context given here
+            only states the ranks the caller expects, and a mismatch with torch.distributed (or with the
+            ``RANK``/``WORLD_SIZE`` environment) is an error raised before any work.
+        storage_path: local path or fsspec URL (``s3://bucket/prefix``...) for progress and outputs;
+            default ``$TBP_STORAGE_PATH``, else ``./tbp_runs/<job_name>``.
+        storage_options: options of the fsspec filesystem (credentials, endpoint...); default
+            ``$TBP_STORAGE_OPTIONS`` (JSON), else the filesystem's own environment.
+        job_name: name of the job; default ``$TBP_JOB_NAME``, else the script's file stem.
+        resume: ``True`` resumes the job stored at ``storage_path``; ``False`` erases what is stored
+            there (progress and outputs) and starts afresh.
+        inference_mode: run ``process_batch`` under ``torch.inference_mode()`` (default); pass
+            ``False`` when the processor needs autograd.
+        progress: rank 0's progress display: ``None``/``True``/``"auto"`` (default ``$TBP_PROGRESS``,
+            else auto): a tqdm bar when stderr is a terminal, else a plain log line every
+            ``progress_interval`` seconds; ``"bar"`` or ``"log"`` to force one; ``False``/``"off"``: none.
+        progress_interval: seconds between plain progress lines; default ``$TBP_PROGRESS_INTERVAL``, else 30.
+        tensorboard: write TensorBoard event files (metrics, progress, throughput) under
+            ``context.get_tensorboard_path()``; ``None`` (default ``$TBP_TENSORBOARD``): when the
+            ``tensorboard`` package is installed.
+        profile: run ``torch.profiler`` over a few steps and write the trace under the TensorBoard
+            path: ``True`` (rank 0, default schedule) or a dict (``ranks``, ``wait``, ``warmup``,
+            ``active``...); default ``$TBP_PROFILE``. See :mod:`torch_batch_process.observe.options`.
+        schedule: ``"static"`` (default, Determined's behaviour): batches dealt round-robin, ranks in lockstep;
+            ``"dynamic"``: a free rank takes the next batch, so a slow batch or rank never stalls the others
+            (see :mod:`torch_batch_process.engine.scheduler`).
+        bucket_by: the length of each example (a sequence of ints, or a callable ``index -> int``): batches
+            then hold examples of similar length, sorted inside windows of ``bucket_window * batch_size``
+            consecutive examples, largest batches first (see :mod:`torch_batch_process.engine.bucketing`;
+            cheap ways to get lengths: :mod:`torch_batch_process.lengths`). ``context.batch_indices`` tells
+            which examples a batch holds. The plan is part of the job's fingerprint.
+        bucket_window: batches' worth of consecutive examples sorted together (default 100).
+        max_tokens: with ``bucket_by``, a batch holds as many examples (at most ``batch_size``) as keep
+            ``len(batch) * max(length in batch) <= max_tokens``; batch sizes vary.
+
+    Returns:
+        The same :class:`BatchProcessResult` on every rank.
+
+    Raises:
+        InvalidArgumentError: a bad argument (raised before any work or storage access).
+        JobMismatchError: ``storage_path`` holds another job.
+        JobLockedError: another job is running on ``storage_path``.
+        CheckpointCorruptError: the stored progress cannot be read.
+        StorageError: the storage cannot be used.
+        WorkerFailedError: another rank failed (the failing rank raises its own exception).
+        WorkerLostError: another rank died or stopped answering.
+    """
+    args = validate_arguments(
+        batch_processor_cls,
+        dataset,
+        batch_size,
+        max_batches,
+        checkpoint_interval,
+        dataloader_kwargs,
+        storage_path,
+        storage_options,
+        job_name,
+        resume,
+        inference_mode,
+        schedule=schedule,
+        bucket_by=bucket_by,
+        bucket_window=bucket_window,
+        max_tokens=max_tokens,
+    )
+    observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
+    with DistributedEnv(expected=distributed_context) as env:
+        setup_logging(env.info.rank)
+        return JobRun(args, env, observe).run()

@@ -1,0 +1,108 @@
+"""The batch feed: this rank's batches, loaded by a ``torch.utils.data.DataLoader`` with the user's options.
+
+The loader gets the library's batch sampler, which takes batch ids from the scheduler (in the main process,
+as the loader asks for more: a few ahead with workers) and gives the loader the dataset indices of each
+(``plan.batch_indices``), so only this rank's batches are ever loaded, with the user's workers, pinned memory,
+prefetching and ``collate_fn``. The loader yields batches in the sampler's order, so the feed pairs each batch
+with its id from a FIFO. A batch that fails to load (its ``__getitem__`` or ``collate_fn`` raised) comes out
+as a :class:`LoadError` with its id, and the feed goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from torch_batch_process.engine.plan import Plan
+from torch_batch_process.engine.scheduler import Scheduler
+from torch_batch_process.errors import WorkerLostError
+
+__all__ = ["BatchFeed", "LoadError"]
+
+
+@dataclass
+class LoadError:
+    """A batch whose loading raised ``error``."""
+
+    error: BaseException
+
+
+class _PlanSampler(Sampler[Sequence[int]]):
+    """Yields the dataset indices of the scheduler's batches and remembers their ids, in order."""
+
+    def __init__(self, scheduler: Scheduler, plan: Plan, ids: collections.deque[int]) -> None:
+        self._scheduler = scheduler
+        self._plan = plan
+        self._ids = ids
+
+    def __iter__(self) -> Iterator[Sequence[int]]:
+        for batch in self._scheduler.batch_ids():
+            self._ids.append(batch)
+            yield list(self._plan.batch_indices(batch))
+
+
+class BatchFeed:
+    """``next()`` gives ``(batch_idx, batch)``, or ``(batch_idx, LoadError)``, or ``None`` when no batch is left.
+
+    Args:
+        dataset: the user's map-style dataset.
+        plan: the job's plan.
+        scheduler: this rank's scheduler.
+        loader_kwargs: the user's ``dataloader_kwargs`` (checked before).
+        device: this rank's device (on CUDA ``pin_memory`` defaults to True).
+    """
+
+    def __init__(
+        self, dataset: Any, plan: Plan, scheduler: Scheduler, loader_kwargs: dict[str, Any], device: torch.device
+    ) -> None:
+        self._ids: collections.deque[int] = collections.deque()
+        kwargs = dict(loader_kwargs)
+        kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
+        if device.type == "cuda":
+            kwargs.setdefault("pin_memory", True)
+        self.loader = DataLoader(dataset, batch_sampler=_PlanSampler(scheduler, plan, self._ids), **kwargs)
+        self._iter: Iterator[Any] | None = None
+
+    def start(self) -> None:
+        """Starts the loader (its workers fork here) and its first claims."""
+        if self._iter is None:
+            self._iter = iter(self.loader)
+
+    def next(self) -> tuple[int, Any] | None:
+        self.start()
+        assert self._iter is not None
+        try:
+            batch = next(self._iter)
+        except StopIteration:
+            return None
+        except WorkerLostError:  # the scheduler lost the rendezvous store: not this batch's fault
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failing dataset or collate_fn: attributed to its batch
+            if not self._ids:
+                raise
+            return self._ids.popleft(), LoadError(exc)
+        return self._ids.popleft(), batch
+
+    def close(self) -> None:
+        """Stops the loader's worker processes."""
+        self._iter = None
+
+
+class _WorkerInit:
+    """DataLoader worker initializer: workers ignore SIGINT/SIGTERM (the main process stops them after
+    committing), then run the user's ``worker_init_fn``."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)

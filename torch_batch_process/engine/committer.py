@@ -1,0 +1,443 @@
+"""The committer: one commit path for 1 and N processes, for both schedules.
+
+Exactly-once outputs rest on one rule: a file appears under ``outputs/`` only once the commit record that
+covers it is durable, and a record covers a rank's files only together with the batches they came from.
+
+**A rank's commit** (its *stage* ``s``, see :mod:`torch_batch_process.storage.layout`):
+
+1. the loop runs ``on_checkpoint_start()``; everything written through ``upload_path()`` (and record
+   outputs) since the rank's previous commit is in, or finishes uploading to, ``_tbp/staging/<s>/rank_<r>/``;
+2. the rank writes ``_tbp/states/<s>/rank_<r>.pt`` (reducer summaries, processor state) when it has any;
+3. it sends its vote (stage, batches completed, state file, metrics lines, timings, failure, preemption
+   request) to rank 0 and goes on with its next batches.
+
+**Rank 0** merges votes into the job's cumulative state (:class:`~torch_batch_process.engine.keeper.RecordKeeper`)
+and writes ``_tbp/commits/<n>.json`` atomically. **That write is the commit point**: the record lists the
+committed global batches, the committed stages, every rank's latest state file and those of earlier
+attempts. Once a record is durable, each rank *publishes* its stages that it covers (``staging/<s>/rank_<r>``
+moves to ``outputs/commit_<s>/rank_<r>``; one rename locally) and rank 0 deletes what the record supersedes.
+
+**How votes travel** (:mod:`torch_batch_process.engine.votes`): with ``schedule="static"`` all ranks commit
+at the same step; their votes are gathered asynchronously and the commit completes at the next step
+boundary, where rank 0 queues the record write on its background thread and tells (in its next vote) which
+records are durable. With ``schedule="dynamic"`` every rank commits on its own, after each
+``checkpoint_interval`` of *its* batches: votes go into a queue in the rendezvous store, rank 0's collector
+thread merges and writes records as votes arrive and acknowledges them per rank through the store; no rank
+ever waits for another at a commit. A single process takes the static path, whose exchanges are then local.
+
+**Closing commit**: when a rank has no batch left, or the ranks stop (preemption) or fail, every rank makes
+one synchronous commit together (:meth:`Committer.close`): the votes (with failures, preemption requests and
+the reducers' summaries) are gathered, rank 0 first writes every record it still owes, then the closing one,
+and tells every rank the outcome; every rank then publishes all it committed. A failure anywhere (a hook, a
+state write, a background record write or publication on any rank) travels in the votes, so every rank
+raises, the failing rank its own exception and the others :class:`WorkerFailedError` with its traceback;
+what was committed before stays committed and published.
+
+**Crash anywhere**: every step is idempotent and the next start repairs storage under the job lock before
+any work (:meth:`~torch_batch_process.engine.store.JobStore.repair`): stages the latest record commits are
+published, others deleted (their batches were not committed and are processed again). So every example's
+output is committed exactly once, whatever is killed when.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch_batch_process.engine.agreement import FailureInfo, FailureTracker
+from torch_batch_process.engine.background import BackgroundWork
+from torch_batch_process.engine.distributed import Collectives, PendingGather
+from torch_batch_process.engine.keeper import PreparedRecord, RecordKeeper, Summary
+from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.engine.store import JobStore
+from torch_batch_process.engine.votes import GatheredVotes, QueuedVotes, Vote
+from torch_batch_process.errors import WorkerFailedError
+from torch_batch_process.observe.stragglers import RankInterval
+from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.processor import TorchBatchProcessor
+from torch_batch_process.reducers import ReducerRegistry
+
+__all__ = ["Committer", "Outcome", "Part"]
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORDS_IN_FLIGHT = 4
+"""Static schedule: rank 0 waits when this many record writes are still queued (slow storage)."""
+
+
+class Part:
+    """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase."""
+
+    def __init__(self) -> None:
+        self.batches = RangeSet()
+        self.examples = 0
+        self.lines: list[dict[str, Any]] = []
+        self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
+
+    def add_batch(self, batch: int, examples: int) -> None:
+        self.batches.add(batch)
+        self.examples += examples
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.batches)
+
+
+@dataclass
+class Outcome:
+    """The result of a closing commit, the same on every rank."""
+
+    preempted: bool
+    metrics: dict[str, Any] | None
+    summary: Summary
+
+
+@dataclass
+class _Pending:
+    stage: int
+    has_files: bool
+    votes: PendingGather
+
+
+class Committer:
+    """This rank's side of the commit protocol (see the module docstring).
+
+    Args:
+        rank: this rank.
+        collectives: the library's collectives (closing commits, static votes).
+        store: the job's stored state.
+        stager: this rank's ``upload_path()`` files.
+        reducers: this rank's reducers.
+        failures: this rank's failure tracker (errors of background work are recorded there).
+        keeper: rank 0's record keeper (``None`` elsewhere).
+        observer: told about every commit this rank sees complete (progress, stragglers, TensorBoard).
+        committed: batches and examples committed before this attempt.
+        first_stage: the stage this rank's first commit fills.
+        queue: the dynamic schedule's vote queue (``None``: votes are gathered, the static schedule).
+        stage_counter: dynamic schedule: draws the next stage number (shared by all ranks).
+        on_background_error: called (from any thread) when rank 0's collector fails, so that the other ranks
+            stop at their next batch.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        collectives: Collectives,
+        store: JobStore,
+        stager: OutputStager,
+        reducers: ReducerRegistry,
+        failures: FailureTracker,
+        keeper: RecordKeeper | None,
+        observer: Any,
+        committed: tuple[int, int],
+        first_stage: int,
+        queue: QueuedVotes | None = None,
+        stage_counter: Callable[[], int] | None = None,
+        on_background_error: Callable[[], None] | None = None,
+    ) -> None:
+        self.rank = rank
+        self._coll = collectives
+        self._store = store
+        self._stager = stager
+        self._reducers = reducers
+        self._failures = failures
+        self._keeper = keeper
+        self._observer = observer
+        self._committed_batches, self._committed_examples = committed
+        self._gathered = GatheredVotes(collectives)
+        self._queue = queue
+        self._stage_counter = stage_counter
+        self.part = Part()
+        self.stage = first_stage
+        self._stager.advance(first_stage)
+        self._background = BackgroundWork()  # publications, and rank 0's record writes (static), in order
+        self._pending: _Pending | None = None
+        self._records: list[tuple[int, Any]] = []  # rank 0, static: records being written (number, future)
+        self._durable = keeper.number if keeper else 0  # rank 0, static: records up to this one are durable
+        self._voted: list[tuple[int, bool]] = []  # (stage, has files) of this rank's committed votes, in order
+        self._published = 0  # how many of them are published (or being published)
+        self._collector: threading.Thread | None = None
+        self._collector_error: BaseException | None = None
+        self._on_collector_error = on_background_error
+        self._taken = 0  # rank 0, dynamic: queued votes the collector has made durable
+        if queue is not None and keeper is not None:
+            self._collector = threading.Thread(target=self._collect, name="tbp-collector", daemon=True)
+            self._collector.start()
+
+    # ------------------------------------------------------------ regular commits
+
+    def commit(self, processor: TorchBatchProcessor) -> None:
+        """Commits this rank's part (after ``on_checkpoint_start()``): saves it and sends its vote."""
+        t0 = time.perf_counter()
+        vote = self._vote(processor, final=False)
+        if self._queue is not None:
+            self._queue.push(vote)
+            self._voted.append((vote.stage, vote.has_files))
+            self._publish(self._queue.acknowledged())
+            self._observe([vote], None)
+        else:
+            self._pending = _Pending(vote.stage, vote.has_files, self._gathered.start(vote))
+            if self._coll.world_size == 1:
+                self.poll()  # nothing to wait for: the record goes to the background writer now
+        self.part.timings["commit"] += time.perf_counter() - t0
+
+    def poll(self) -> bool:
+        """At a step boundary: completes a commit whose votes have arrived (static schedule); returns True
+        when some rank asked to stop. Raises on every rank when a rank failed."""
+        if self._pending is None:
+            return False
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        votes: list[Vote] = pending.votes.wait()
+        self._raise_failures([v.failure for v in votes])
+        self._voted.append((pending.stage, pending.has_files))
+        self._publish(bisect.bisect_right([stage for stage, _ in self._voted], votes[0].durable))
+        metrics = None
+        if self._keeper is not None:
+            prepared = self._keeper.prepare(self._keeper.merge(votes))
+            metrics = prepared.metrics
+            self._write_in_background(prepared)
+        self._observe(votes, metrics)
+        self.part.timings["commit"] += time.perf_counter() - t0
+        return any(v.preempt for v in votes)
+
+    def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None) -> None:
+        """Tells the observer about a completed commit (all ranks' votes, or this rank's own)."""
+        for vote in votes:
+            self._committed_batches += sum(b - a for a, b in vote.batches)
+            self._committed_examples += vote.examples
+        if self._keeper is not None:
+            self._committed_batches, self._committed_examples = self._keeper.committed_counts()
+        intervals = [RankInterval(0, 0, {}) for _ in range(self._coll.world_size)]
+        for vote in votes:
+            intervals[vote.rank] = RankInterval(sum(b - a for a, b in vote.batches), vote.examples, vote.timings)
+        own = next((vote.lines for vote in votes if vote.rank == self.rank), [])
+        self._observer.on_commit(
+            intervals=intervals,
+            own_records=own,
+            batches_committed=self._committed_batches,
+            examples_committed=self._committed_examples,
+            metrics=metrics,
+            all_ranks=len(votes) == self._coll.world_size,
+        )
+
+    def _vote(self, processor: TorchBatchProcessor, *, final: bool, closing: bool = False) -> Vote:
+        """Settles this rank's part (earlier background work, uploads, state file) into a vote, and starts
+        the next stage."""
+        state_file, slots = None, None
+        has_files = self._stager.has_files
+        if not self._failures.failed:
+            try:
+                self._check_background()
+                self._stager.flush()
+                processor_state = processor.state_dict()
+                if self._reducers.wrapped or processor_state is not None:
+                    slots = self._reducers.per_slot_states()
+                    state_file = self._store.write_state(self.stage, self.rank, slots, processor_state)
+            except Exception as exc:  # noqa: BLE001 - travels in the vote
+                self._failures.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
+        part, self.part = self.part, Part()
+        vote = Vote(
+            rank=self.rank,
+            stage=self.stage,
+            has_files=has_files,
+            batches=part.batches.to_json(),
+            examples=part.examples,
+            state_file=state_file,
+            lines=part.lines,
+            timings=part.timings,
+            failure=self._failures.info,
+            slots=slots if closing else None,
+            durable=self._durable if self._keeper is not None else -1,
+            queued=self._queue.queued if self._queue is not None else 0,
+        )
+        if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
+            self.stage = self._next_stage()
+            self._stager.advance(self.stage)
+        return vote
+
+    def _next_stage(self) -> int:
+        if self._stage_counter is not None:
+            return self._stage_counter()
+        return self.stage + 1
+
+    # ------------------------------------------------------------ closing commits
+
+    def close(self, processor: TorchBatchProcessor, *, preempt: bool, final: bool = False) -> Outcome:
+        """The synchronous commit every rank makes together at the end of its batches, when the ranks stop,
+        or when one failed (see the module docstring). Raises on every rank when any rank failed."""
+        t0 = time.perf_counter()
+        stop = self.poll()  # a static commit still on its way completes first
+        vote = self._vote(processor, final=final, closing=True)
+        vote.preempt = preempt or stop
+        votes: list[Vote] = self._gathered.gather(vote)
+        self._raise_failures([v.failure for v in votes])
+        preempted = any(v.preempt for v in votes)
+        own_error: BaseException | None = None
+        answer: Any = None
+        if self._keeper is not None:
+            try:
+                answer = self._close_records(votes, final=final, preempted=preempted)
+            except Exception as exc:  # noqa: BLE001 - sent to every rank
+                own_error = exc
+                answer = FailureInfo(0, "writing the closing commit record", type(exc).__name__, str(exc), "")
+        answer = self._coll.broadcast(answer)
+        if isinstance(answer, FailureInfo):
+            if own_error is not None:
+                raise own_error
+            raise WorkerFailedError(f"{answer.describe()}; the commit did not happen. Run the job again to resume.")
+        self._voted.append((vote.stage, vote.has_files))
+        self._publish(len(self._voted), wait=True)  # every vote of this rank is durable now
+        self._observe(votes, answer[0])
+        self.part.timings["commit"] += time.perf_counter() - t0
+        return Outcome(preempted=preempted, metrics=answer[0], summary=answer[1])
+
+    def _close_records(self, votes: list[Vote], *, final: bool, preempted: bool) -> tuple[dict[str, Any] | None, Summary]:
+        """Rank 0: every record still owed, then the closing one, written now."""
+        keeper = self._keeper
+        assert keeper is not None
+        if self._collector is not None:
+            self._stop_collector(expected=sum(v.queued for v in votes))
+        self._background.settle()  # static: queued record writes
+        self._records_durable()
+        prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=[v.slots for v in votes])
+        keeper.persist(prepared)
+        self._durable = prepared.record.commit
+        return prepared.metrics, keeper.summary
+
+    # ------------------------------------------------------------ failures
+
+    def _raise_failures(self, infos: list[FailureInfo | None]) -> None:
+        """If a rank failed: finish what is already durable on every rank, then raise on every rank.
+
+        Each rank completes its background work (rank 0: the records it queued); when every rank did, every
+        record queued before is durable and each rank publishes its stages, so that ``outputs/`` shows
+        everything committed. Then the failing rank raises its own error, the others
+        :class:`WorkerFailedError`.
+        """
+        if not any(infos):
+            return
+        try:
+            if self._collector is not None:
+                self._stop_collector(expected=None)
+            self._background.settle()
+            settled = True
+        except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
+            logger.warning("rank %d: completing earlier commits failed: %s", self.rank, exc)
+            settled = False
+        if all(self._coll.all_gather(settled)):  # every record rank 0 queued or took is durable now
+            durable = self._queue.acknowledged() if self._queue is not None else len(self._voted)
+            try:
+                self._publish(durable, wait=True)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("rank %d: publishing committed outputs failed (the next start will): %s", self.rank, exc)
+        self._failures.raise_for(infos)
+
+    def check(self) -> None:
+        """Records a failure of this rank's background work (never waits), so that it travels in its votes."""
+        if self._failures.failed:
+            return
+        try:
+            self._check_background()
+        except Exception as exc:  # noqa: BLE001
+            self._failures.record(exc, "completing an earlier commit (record or publication)")
+
+    def _check_background(self) -> None:
+        self._background.check()
+        if self._collector_error is not None:
+            raise self._collector_error
+        if self._keeper is not None and self._queue is None:
+            self._records_durable()
+
+    # ------------------------------------------------------------ static records and publication
+
+    def _write_in_background(self, prepared: PreparedRecord) -> None:
+        """Rank 0: queues the record write; waits only when several are still queued (slow storage)."""
+        assert self._keeper is not None
+        while len(self._records) >= MAX_RECORDS_IN_FLIGHT:
+            self._records[0][1].result()
+            self._records_durable()
+        future = self._background.submit(f"writing commit record {prepared.record.commit}", self._keeper.persist, prepared)
+        self._records.append((prepared.record.commit, future))
+
+    def _records_durable(self) -> None:
+        """Rank 0: advances the durable mark over the record writes that finished (never waits)."""
+        while self._records and self._records[0][1].done():
+            number, future = self._records[0]
+            if future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+            self._records.pop(0)
+            self._durable = number
+
+    def _publish(self, durable: int, *, wait: bool = False) -> None:
+        """Publishes this rank's first ``durable`` committed stages (those not published yet), in the
+        background unless ``wait``."""
+        for stage, has_files in self._voted[self._published : durable]:
+            if has_files:
+                self._background.submit(f"publishing the outputs of stage {stage}", self._store.publish, stage, self.rank)
+        self._published = max(self._published, durable)
+        if wait:
+            self._background.settle()
+
+    # ------------------------------------------------------------ dynamic records
+
+    def _collect(self) -> None:
+        """Rank 0's collector thread: takes queued votes (all that are there: one record for them), writes
+        the record, acknowledges the votes to their ranks; until woken by :meth:`QueuedVotes.wake`."""
+        assert self._queue is not None and self._keeper is not None
+        reader = self._queue.store.clone()  # a connection of its own: the main thread claims batches meanwhile
+        try:
+            stop = False
+            while not stop:
+                vote = QueuedVotes.take(reader)
+                votes = [] if vote is None else [vote]
+                stop = vote is None
+                while not stop and reader.queue_len(QueuedVotes.QUEUE) > 0:
+                    vote = QueuedVotes.take(reader)
+                    stop = vote is None
+                    votes += [] if vote is None else [vote]
+                if not votes:
+                    continue
+                self._keeper.persist(self._keeper.prepare(self._keeper.merge(votes)))
+                self._taken += len(votes)
+                counts: dict[int, int] = {}
+                for v in votes:
+                    counts[v.rank] = counts.get(v.rank, 0) + 1
+                for rank, count in counts.items():
+                    QueuedVotes.acknowledge(reader, rank, count)
+        except BaseException as exc:  # noqa: BLE001 - raised on rank 0's main thread, travels in its vote
+            self._collector_error = exc
+            if self._on_collector_error is not None:
+                self._on_collector_error()
+
+    def _stop_collector(self, expected: int | None) -> None:
+        """Rank 0: lets the collector take the ``expected`` queued votes (all of them: every rank queued them
+        before the closing exchange), then stops it."""
+        assert self._queue is not None and self._collector is not None
+        deadline = time.monotonic() + 600
+        while expected is not None and self._taken < expected and self._collector.is_alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 took {self._taken} of the {expected} queued votes in 600 s")
+            time.sleep(0.005)
+        self._queue.wake()
+        self._collector.join(timeout=600)
+        self._collector = None
+        if self._collector_error is not None:
+            raise self._collector_error
+
+    # ------------------------------------------------------------ end
+
+    def shutdown(self) -> None:
+        """Always, when the call ends: lets queued background work finish, stops the collector."""
+        if self._collector is not None:
+            try:
+                self._stop_collector(expected=None)
+            except Exception as exc:  # noqa: BLE001 - leaving anyway; the next start repairs
+                logger.warning("rank 0: stopping the vote collector failed: %s", exc)
+        self._background.close()

@@ -1,0 +1,171 @@
+"""Opening a job: rank 0 reads, checks and repairs what is stored, under the job lock; every rank gets a
+:class:`Start` before any work.
+
+Rank 0 refuses another job (a different fingerprint) and damaged progress, returns the stored result of a
+finished job (after publishing files a kill left unpublished), erases the job with ``resume=False``, repairs
+what a crash left (:meth:`~torch_batch_process.engine.store.JobStore.repair`), writes the job file at the
+first start and counts the attempt. Its answer, or its exception, is broadcast to every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
+from torch_batch_process.engine.store import JobStore
+from torch_batch_process.errors import JobMismatchError, StorageError, WorkerFailedError
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.layout import JOB_FILE
+from torch_batch_process.storage.lock import JobLock
+
+__all__ = ["JobOpener", "Start"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Start:
+    """What rank 0 found in storage, given to every rank before any work."""
+
+    attempt: int
+    next_number: int
+    """The first commit (and stage) number of this attempt."""
+    planned_batches: int
+    latest: CommitRecord | None = None
+    """The latest record of earlier attempts (``None``: nothing committed yet)."""
+    finished_result: dict[str, Any] | None = None
+    call_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Names this call's keys in the rendezvous store (the store may outlive the call: torchrun's agent)."""
+
+    @property
+    def frozen_state_files(self) -> list[str]:
+        """State files of earlier attempts, whose reducer summaries stay slots of the final reduction."""
+        latest = self.latest
+        return latest.frozen_state_files + [f for f in latest.state_files if f] if latest else []
+
+
+class JobOpener:
+    """Rank 0's reading of the stored job (see the module docstring).
+
+    Args:
+        storage: the job's storage.
+        spec: this job's fingerprint.
+        job_name: stored in the job file at the first start.
+        resume: ``False`` erases a stored job first.
+        collectives: the library's collectives.
+    """
+
+    def __init__(self, storage: Storage, spec: JobSpec, job_name: str, resume: bool, collectives: Collectives) -> None:
+        self.storage = storage
+        self.store = JobStore(storage)
+        self.spec = spec
+        self.job_name = job_name
+        self.resume = resume
+        self.coll = collectives
+        self.lock: JobLock | None = None
+
+    def open(self, planned: int, planned_examples: int) -> Start:
+        """Every rank: the :class:`Start` of this attempt (raises on every rank what rank 0 raised).
+
+        Args:
+            planned: the number of global batches of a fresh job (the plan's, after ``max_batches``).
+            planned_examples: the examples in them.
+        """
+        answer: Start | BaseException | None = None
+        if self.coll.rank == 0:
+            try:
+                answer = self._read(planned, planned_examples)
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
+                answer = _picklable(exc)
+        answer = self.coll.broadcast(answer)
+        if isinstance(answer, BaseException):
+            raise answer
+        assert isinstance(answer, Start)
+        if self.coll.world_size > 1 and answer.finished_result is None:
+            self._check_shared_storage()
+        return answer
+
+    def _read(self, planned: int, planned_examples: int) -> Start:
+        self.storage.check()  # unreachable, missing bucket, no permission: a clear error before anything else
+        job, latest = self._read_and_check()
+        if latest is not None and latest.finished and self.resume and latest.result is not None:
+            if self.store.unpublished_stages(latest):  # killed while publishing its last outputs
+                self.lock = self.storage.job_lock()
+                job, latest = self._read_and_check()
+                assert latest is not None
+                self.store.repair(latest)
+            return Start(
+                attempt=latest.attempt,
+                next_number=latest.commit + 1,
+                planned_batches=job.planned_batches if job else 0,
+                latest=latest,
+                finished_result=latest.result,
+            )
+        self.lock = self.storage.job_lock()  # the first write to storage
+        job, latest = self._read_and_check()  # again, now that no other job can change it
+        if not self.resume and (job is not None or latest is not None):
+            logger.warning("resume=False: erasing the job stored at %s", self.storage.url)
+            self.store.erase()
+            job, latest = None, None
+        self.store.repair(latest)
+        if job is None:
+            job = JobInfo(self.spec.to_json(), planned, self.job_name, time.time(), planned_examples)
+            self.store.write_job(job)
+        if latest is not None and latest.finished:  # finished, but resume=False was handled above
+            latest = None
+        return Start(
+            attempt=self.store.next_attempt(latest, self.coll.world_size),
+            next_number=max(latest.commit, latest.last_stage) + 1 if latest else 1,
+            planned_batches=job.planned_batches,
+            latest=latest,
+        )
+
+    def _read_and_check(self) -> tuple[JobInfo | None, CommitRecord | None]:
+        job = self.store.load_job()
+        latest = self.store.load_latest()
+        if self.resume and job is not None:
+            check_fingerprint(job, self.spec, self.storage.url)
+            self.store.check_integrity(latest)  # damaged progress is an error, never a restart from zero
+        if self.resume and job is None and (latest is not None or self.store.has_outputs()):
+            raise JobMismatchError(
+                f"storage_path {self.storage.url!r} holds {'commit records' if latest else 'outputs'} but no job file "
+                "(a previous erase was interrupted, or files were removed by hand). Nothing was changed. Pass "
+                "resume=False to erase it and start afresh, or use a new storage_path."
+            )
+        return job, latest
+
+    def _check_shared_storage(self) -> None:
+        """Every rank must see the storage rank 0 wrote (a local path must be shared by all nodes)."""
+        try:
+            visible = self.storage.exists(JOB_FILE)
+        except Exception:  # noqa: BLE001
+            visible = False
+        everyone = self.coll.all_gather(visible)
+        if not all(everyone):
+            blind = [rank for rank, ok in enumerate(everyone) if not ok]
+            raise StorageError(
+                f"storage_path {self.storage.url!r} is not shared by all ranks: rank(s) {blind} cannot see what rank "
+                "0 wrote there. Use a filesystem mounted on every node (NFS, Lustre...) or an object store URL "
+                "(s3://..., gs://...)"
+            )
+
+    def release(self) -> None:
+        """Releases the job lock (when rank 0 took it)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (to be re-raised on every rank), else a stand-in with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling problem
+        return WorkerFailedError(f"rank 0 failed while opening the job: {type(exc).__name__}: {exc}")

@@ -1,0 +1,246 @@
+"""Rank 0's record keeper: merges the ranks' votes into commit records and writes them.
+
+The keeper holds the job's cumulative state as the records will say it (committed batches, committed stages,
+each rank's latest state file, provenance) and the counts of this call (batches and examples processed,
+seconds per phase, per rank). A record is prepared on the thread that merged its votes and written there or
+in the background; :meth:`RecordKeeper.persist` is the commit point, followed by the conveniences
+(``metrics.jsonl``, ``result.json``, deleting what the new record supersedes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_batch_process.engine.plan import Plan
+from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.engine.records import CommitRecord
+from torch_batch_process.engine.store import JobStore
+from torch_batch_process.engine.votes import Vote
+from torch_batch_process.observe.metrics import MetricsLog
+from torch_batch_process.provenance import merge_entries
+from torch_batch_process.reducers import ReducerRegistry
+from torch_batch_process.result import to_jsonable
+from torch_batch_process.storage.lock import JobLock
+
+__all__ = ["PreparedRecord", "RecordKeeper", "Summary"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Summary:
+    """What a call did, as rank 0 counted it from the votes (the same result on every rank comes from it)."""
+
+    batches_committed: int = 0
+    examples_committed: int = 0
+    batches_processed: int = 0
+    examples_processed: int = 0
+    commits: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    timings_per_rank: list[dict[str, float]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class PreparedRecord:
+    """A commit record ready to be written, with its ``metrics.jsonl`` lines and ``result.json``."""
+
+    record: CommitRecord
+    lines: list[dict[str, Any]]
+    result: dict[str, Any] | None
+    metrics: dict[str, Any] | None
+
+
+@dataclass
+class KeeperStart:
+    """What the keeper continues from: the latest record of earlier attempts (``None``: a fresh job)."""
+
+    attempt: int
+    next_number: int
+    latest: CommitRecord | None
+    frozen_state_files: list[str]
+
+
+class RecordKeeper:
+    """Rank 0's view of the job's durable state, and the writer of its commit records.
+
+    Args:
+        store: the job's stored state.
+        plan: the job's batches (to count examples).
+        start: where the earlier attempts left the job.
+        world_size: ranks of this attempt.
+        reducers: rank 0's reducers (their ``cross_slot_reduce`` gives the metrics).
+        observer: rank 0's observer: ``on_record`` adds throughput stats and progress lines to records, and
+            ``interim_metrics`` decides when "metrics so far" are due.
+        metrics_log: ``metrics.jsonl``.
+        lock: the job lock, checked before every record (a job never commits after losing it).
+        result_of: builds the ``result.json`` of a finished job from the metrics and the summary.
+        started: when the call started (``time.monotonic()``), for its elapsed time.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        plan: Plan,
+        start: KeeperStart,
+        world_size: int,
+        reducers: ReducerRegistry,
+        observer: Any,
+        metrics_log: MetricsLog,
+        lock: JobLock | None,
+        result_of: Callable[[dict[str, Any], Summary], dict[str, Any]],
+        started: float,
+    ) -> None:
+        latest = start.latest
+        self._store = store
+        self._plan = plan
+        self._attempt = start.attempt
+        self._reducers = reducers
+        self._observer = observer
+        self._metrics_log = metrics_log
+        self._lock = lock
+        self._result_of = result_of
+        self.committed = RangeSet(latest.committed.ranges()) if latest else RangeSet()
+        self.stages = RangeSet()
+        if latest is not None:
+            self.stages = latest.stages if latest.stages is not None else RangeSet([(1, latest.commit + 1)])
+        self.state_files: list[str | None] = [None] * world_size
+        self.frozen = list(start.frozen_state_files)
+        self.provenance = list(latest.provenance) if latest else []
+        self.number = start.next_number - 1
+        self.last_stage = start.next_number - 1
+        self.last_record = latest
+        self.summary = Summary(timings_per_rank=[{} for _ in range(world_size)])
+        self.started = started
+        self._mutex = threading.Lock()  # dynamic schedules merge votes on a thread of their own
+
+    # ---------------------------------------------------------------- merging
+
+    def merge(self, votes: list[Vote]) -> list[dict[str, Any]]:
+        """Adds votes to the durable-to-be state and the counts; returns their ``metrics.jsonl`` lines."""
+        lines: list[dict[str, Any]] = []
+        with self._mutex:
+            for vote in votes:
+                batches = RangeSet.from_json(vote.batches)
+                self.committed.update(batches)
+                self.stages.add(vote.stage)
+                self.last_stage = max(self.last_stage, vote.stage)
+                if vote.state_file is not None:
+                    self.state_files[vote.rank] = vote.state_file
+                summary = self.summary
+                summary.batches_processed += len(batches)
+                summary.examples_processed += vote.examples
+                for key, value in vote.timings.items():
+                    summary.timings[key] = summary.timings.get(key, 0.0) + value
+                    per_rank = summary.timings_per_rank[vote.rank]
+                    per_rank[key] = per_rank.get(key, 0.0) + value
+                lines.extend(vote.lines)
+            entries = [line["metrics"] for line in lines if line.get("group") == "provenance"]
+            self.provenance = merge_entries(self.provenance, entries)
+        return lines
+
+    def committed_counts(self) -> tuple[int, int]:
+        """Batches and examples committed (or about to be, by the record being prepared)."""
+        with self._mutex:
+            return len(self.committed), self._plan.count_examples(self.committed)
+
+    # ---------------------------------------------------------------- records
+
+    def prepare(
+        self,
+        lines: list[dict[str, Any]],
+        *,
+        final: bool = False,
+        preempting: bool = False,
+        slots: list[list[Any] | None] | None = None,
+    ) -> PreparedRecord:
+        """The next record, from everything merged so far.
+
+        Args:
+            lines: ``metrics.jsonl`` lines of the merged votes.
+            final: the job's last record (``result.json`` and the final metrics go with it).
+            preempting: the job stops after this record (its metrics so far are computed).
+            slots: the closing votes' reducer summaries, one per rank (saves reading the state files).
+        """
+        with self._mutex:
+            self.number += 1
+            self.summary.commits += 1
+            committed = RangeSet(self.committed.ranges())  # a snapshot: merging goes on while it is written
+            state_files = list(self.state_files)
+            stages = RangeSet(self.stages.ranges())
+            provenance = list(self.provenance)
+            number, last_stage = self.number, self.last_stage
+        examples_committed = self._plan.count_examples(committed)
+        metrics: dict[str, Any] | None = None
+        if self._reducers.wrapped and (final or preempting):
+            metrics = self._reduce(state_files, slots)
+        elif final:
+            metrics = {}
+        elif self._reducers.wrapped:
+            metrics = self._observer.interim_metrics(lambda: self._reduce(state_files, None))
+        stats, observed_lines = self._observer.on_record(
+            batches_committed=len(committed),
+            examples_committed=examples_committed,
+            batches_processed=self.summary.batches_processed,
+            examples_processed=self.summary.examples_processed,
+            preempted=preempting,
+            last=final or preempting,
+            metrics=metrics,
+        )
+        self.summary.batches_committed, self.summary.examples_committed = len(committed), examples_committed
+        self.summary.elapsed_s = time.monotonic() - self.started
+        result = self._result_of(metrics or {}, self.summary) if final else None
+        record = CommitRecord(
+            commit=number,
+            attempt=self._attempt,
+            world_size=len(state_files),
+            committed=committed,
+            state_files=state_files,
+            frozen_state_files=list(self.frozen),
+            reducers=self._reducers.signature(),
+            finished=final,
+            result=result,
+            stats={
+                "batches_committed": len(committed),
+                "examples_committed": examples_committed,
+                "planned_batches": self._plan.num_batches,
+                **stats,
+            },
+            provenance=provenance,
+            stages=stages,
+            last_stage=last_stage,
+        )
+        all_lines = list(lines)
+        if metrics is not None:
+            all_lines.append({"group": "reduced", "steps_completed": len(committed), "rank": 0, "metrics": to_jsonable(metrics)})
+        all_lines.extend(observed_lines)
+        return PreparedRecord(record, all_lines, result, metrics)
+
+    def _reduce(self, state_files: list[str | None], slots: list[list[Any] | None] | None) -> dict[str, Any]:
+        if slots is not None:
+            live = [slot for slot in slots if slot is not None]
+        else:
+            live = [self._store.load_state(rel)["reducers"] for rel in state_files if rel]
+        frozen = [self._store.load_state(rel)["reducers"] for rel in self.frozen]
+        return self._reducers.cross_slot_reduce(frozen + live)
+
+    def persist(self, prepared: PreparedRecord) -> None:
+        """Writes a prepared record (the commit point), then its lines, the result and the clean-up."""
+        record = prepared.record
+        if self._lock is not None:
+            self._lock.check()
+        self._store.write_record(record)
+        try:
+            self._metrics_log.append(prepared.lines, commit=record.commit, attempt=self._attempt)
+            if prepared.result is not None:
+                self._store.write_result(prepared.result)
+            self._store.collect_garbage(record, self.last_record)
+        except Exception as exc:  # noqa: BLE001 - the commit is durable; these are conveniences
+            logger.warning("commit %d is durable, but writing its metrics or cleaning up failed: %s", record.commit, exc)
+        self.last_record = record

@@ -1,0 +1,205 @@
+"""The stored formats: a job's fingerprint (``_tbp/job.json``) and its commit records (``_tbp/commits/<n>.json``).
+
+A commit record is the durable truth of a job: the set of committed global batches, the stages whose files
+are committed (published or to be published), each rank's latest state file, the state files of earlier
+attempts (their reducer summaries stay slots of the final reduction), and the reducers' signature. The
+committer (:mod:`torch_batch_process.engine.committer`) writes one atomically at each commit point.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
+
+__all__ = ["CommitRecord", "JobInfo", "JobSpec", "check_fingerprint", "parse_json", "qualified_name"]
+
+RECORD_FORMAT = "torch_batch_process/commit/1"
+JOB_FORMAT = "torch_batch_process/job/1"
+
+
+@dataclass
+class JobSpec:
+    """What identifies a job: a resume must match it exactly (its fingerprint)."""
+
+    dataset_length: int
+    batch_size: int
+    processor: str
+    """Module-qualified class name (``module.Class``): two jobs with the same class name differ."""
+    max_batches: int | None
+    dataset_type: str
+    """Module-qualified type of the dataset."""
+    plan: dict[str, Any] | None = None
+    """The plan's own fingerprint (``None``: contiguous batches; bucketing and streams say more)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dataset_length": self.dataset_length,
+            "batch_size": self.batch_size,
+            "processor": self.processor,
+            "max_batches": self.max_batches,
+            "dataset_type": self.dataset_type,
+            **({"plan": self.plan} if self.plan is not None else {}),
+        }
+
+    def differences(self, stored: dict[str, Any]) -> list[str]:
+        """Human-readable differences between this spec and a stored one."""
+        mine = self.to_json()
+        keys = sorted(set(mine) | set(stored))
+        return [f"{key}: stored {stored.get(key)!r}, now {mine.get(key)!r}" for key in keys if stored.get(key) != mine.get(key)]
+
+
+@dataclass
+class JobInfo:
+    """Contents of ``_tbp/job.json``: the fingerprint and the plan fixed at the job's first start."""
+
+    spec: dict[str, Any]
+    planned_batches: int
+    job_name: str
+    created: float
+    planned_examples: int | None = None
+    """Examples in the planned batches (``None`` in job files of older versions: contiguous batches)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": JOB_FORMAT,
+            "spec": self.spec,
+            "planned_batches": self.planned_batches,
+            "planned_examples": self.planned_examples,
+            "job_name": self.job_name,
+            "created": self.created,
+        }
+
+    @property
+    def examples_total(self) -> int:
+        """Examples in the planned batches."""
+        if self.planned_examples is not None:
+            return self.planned_examples
+        return min(self.planned_batches * int(self.spec["batch_size"]), int(self.spec["dataset_length"]))
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> JobInfo:
+        try:
+            if value.get("format") != JOB_FORMAT:
+                raise ValueError(f"unknown format {value.get('format')!r}")
+            return cls(
+                spec=dict(value["spec"]),
+                planned_batches=int(value["planned_batches"]),
+                job_name=str(value["job_name"]),
+                created=float(value["created"]),
+                planned_examples=int(value["planned_examples"]) if value.get("planned_examples") is not None else None,
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"job file {where} is not a valid job record: {exc}") from exc
+
+
+@dataclass
+class CommitRecord:
+    """A durable commit: the state of the job right after commit ``commit``."""
+
+    commit: int
+    attempt: int
+    world_size: int
+    committed: RangeSet
+    state_files: list[str | None]
+    """State file of each rank of this attempt at this commit (``None``: that rank wrote none)."""
+    frozen_state_files: list[str]
+    """Last state files of the ranks of earlier attempts: extra reducer slots."""
+    reducers: list[dict[str, Any]]
+    finished: bool = False
+    result: dict[str, Any] | None = None
+    time: float = field(default_factory=time.time)
+    stats: dict[str, Any] = field(default_factory=dict)
+    provenance: list[dict[str, Any]] = field(default_factory=list)
+    """Model versions and checkpoints the job reported using (see :mod:`torch_batch_process.provenance`)."""
+    stages: RangeSet | None = None
+    """Stages whose files and states are committed; ``None`` (records of older versions): every stage up
+    to ``commit`` (with ``schedule="static"`` stage numbers are commit numbers)."""
+    last_stage: int = 0
+    """The highest stage number used so far (committed or not): the next attempt numbers its stages after it."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": RECORD_FORMAT,
+            "commit": self.commit,
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            "committed": self.committed.to_json(),
+            "state_files": self.state_files,
+            "frozen_state_files": self.frozen_state_files,
+            "reducers": self.reducers,
+            "finished": self.finished,
+            "result": self.result,
+            "time": self.time,
+            "stats": self.stats,
+            "provenance": self.provenance,
+            "stages": self.stages.to_json() if self.stages is not None else None,
+            "last_stage": self.last_stage,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> CommitRecord:
+        try:
+            if value.get("format") != RECORD_FORMAT:
+                raise ValueError(f"unknown format {value.get('format')!r}")
+            return cls(
+                commit=int(value["commit"]),
+                attempt=int(value["attempt"]),
+                world_size=int(value["world_size"]),
+                committed=RangeSet.from_json(value["committed"]),
+                state_files=list(value["state_files"]),
+                frozen_state_files=list(value["frozen_state_files"]),
+                reducers=list(value["reducers"]),
+                finished=bool(value["finished"]),
+                result=value.get("result"),
+                time=float(value["time"]),
+                stats=dict(value.get("stats") or {}),
+                provenance=list(value.get("provenance") or []),
+                stages=RangeSet.from_json(value["stages"]) if value.get("stages") is not None else None,
+                last_stage=int(value.get("last_stage") or value["commit"]),
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"commit record {where} is not a valid record: {exc}") from exc
+
+    def referenced_files(self) -> set[str]:
+        """State files this record needs."""
+        return {f for f in self.state_files if f} | set(self.frozen_state_files)
+
+    def has_stage(self, stage: int) -> bool:
+        """Whether the files of ``stage`` are committed by this record."""
+        return stage in self.stages if self.stages is not None else stage <= self.commit
+
+    def slot_files(self) -> list[str]:
+        """State files whose reducer summaries are slots of the final reduction."""
+        return list(self.frozen_state_files) + [f for f in self.state_files if f]
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualifiedName`` of a class, as stored in a job's fingerprint."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    """Parses a stored JSON file; a :class:`CheckpointCorruptError` naming it when it is not JSON."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointCorruptError(
+            f"{where} is corrupt ({exc}). The job cannot resume from it; to start the job afresh, "
+            "pass resume=False (this erases the stored progress and outputs) or use a new storage_path."
+        ) from exc
+
+
+def check_fingerprint(job: JobInfo, spec: JobSpec, url: str) -> None:
+    """Raises :class:`JobMismatchError` when the stored job is not this one."""
+    differences = spec.differences(job.spec)
+    if differences:
+        raise JobMismatchError(
+            f"storage_path {url!r} holds another job ({'; '.join(differences)}). Nothing was changed. "
+            "To resume it, run it with its original settings; to start this job afresh there, pass "
+            "resume=False (this erases the stored progress and outputs), or use a new storage_path."
+        )

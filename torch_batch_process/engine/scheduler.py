@@ -1,0 +1,202 @@
+"""Schedulers: which batch a rank runs next, and when the ranks commit, stop or fail.
+
+- :class:`StaticScheduler` (``schedule="static"``, the default; Determined's behaviour, DESIGN §3): the
+  batches not committed yet are dealt round-robin over the ranks, the ``i``-th to rank ``i % W`` at step
+  ``i // W``; every rank runs the same number of steps (a rank with no batch left idles), commits every
+  ``checkpoint_interval`` steps with the others, and the ranks agree at every step boundary whether to go on,
+  stop or fail (:class:`~torch_batch_process.engine.agreement.StepAgreement`).
+- :class:`DynamicScheduler` (``schedule="dynamic"``, DESIGN §8): a rank that is free takes the next batch not
+  yet taken, from a counter in the job's rendezvous store, so a slow batch or a slow rank never stalls the
+  others and no collective runs per step. Each rank commits after each ``checkpoint_interval`` of *its*
+  batches. A rank that must stop or that failed adds a large mark to the same counter: every rank sees it at
+  its next claim (one request it makes anyway), stops within one batch, and all meet at the closing commit.
+
+Batch ids reach the DataLoader through :meth:`Scheduler.batch_ids` (the batch sampler iterates it in the main
+process, so claims happen as the loader asks for its next batches, a few ahead).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from torch_batch_process.engine.agreement import Decision, StepAgreement
+from torch_batch_process.engine.distributed import Collectives, RendezvousStore
+from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
+
+__all__ = ["DynamicScheduler", "Scheduler", "StaticScheduler", "make_scheduler"]
+
+
+class Scheduler(abc.ABC):
+    """This rank's batches and the decision after each of its steps."""
+
+    kind: str
+
+    @abc.abstractmethod
+    def batch_ids(self) -> Iterator[int]:
+        """This rank's batches in order (iterated by the batch sampler, in the main process)."""
+
+    @abc.abstractmethod
+    def steps(self) -> Iterator[bool]:
+        """One item per step: whether this rank runs a batch in it (``False``: it idles in lockstep)."""
+
+    @abc.abstractmethod
+    def decide(self, step: int, *, agreed_stop: bool, preempt: bool, failed: bool) -> Decision:
+        """After step ``step``: ``agreed_stop`` (a completed commit's votes asked to stop: every rank knows),
+        ``preempt`` (this rank received SIGTERM/SIGINT), ``failed`` (this rank recorded a failure)."""
+
+    def after_last(self, *, failed: bool) -> Decision:
+        """When this rank's batches ran out (the feed ended): why."""
+        return Decision.FAIL if failed else Decision.DONE
+
+    @property
+    def claimed(self) -> int | None:
+        """Batches taken so far by all ranks, when known (progress between commits)."""
+        return None
+
+    def post(self, decision: Decision) -> None:  # noqa: B027 - only schedules without per-step agreement
+        """Tells every rank to stop or fail at its next batch, from any thread (dynamic schedule)."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Releases what the scheduler holds."""
+
+
+class StaticScheduler(Scheduler):
+    """Round-robin in lockstep (see the module docstring)."""
+
+    kind = "static"
+
+    def __init__(self, remaining: RangeSet, collectives: Collectives, interval: int) -> None:
+        self._remaining = IndexedRanges(remaining)
+        self._rank = collectives.rank
+        self._world = collectives.world_size
+        self._interval = interval
+        self._agreement = StepAgreement(collectives)
+        self.num_steps = math.ceil(len(self._remaining) / self._world)
+
+    def batch_at(self, step: int, rank: int) -> int | None:
+        """Global batch of ``rank`` at ``step``, or ``None`` when it idles in that step."""
+        index = step * self._world + rank
+        return self._remaining[index] if index < len(self._remaining) else None
+
+    def num_batches_of(self, rank: int) -> int:
+        return max(0, math.ceil((len(self._remaining) - rank) / self._world))
+
+    def batch_ids(self) -> Iterator[int]:
+        for step in range(self.num_batches_of(self._rank)):
+            yield self._remaining[step * self._world + self._rank]
+
+    def steps(self) -> Iterator[bool]:
+        mine = self.num_batches_of(self._rank)
+        for step in range(self.num_steps):
+            yield step < mine
+
+    def decide(self, step: int, *, agreed_stop: bool, preempt: bool, failed: bool) -> Decision:
+        if step == self.num_steps - 1:
+            return Decision.DONE  # the closing commit follows; its votes carry the flags
+        if agreed_stop:
+            return Decision.STOP
+        if (step + 1) % self._interval == 0:
+            self._agreement.drain()  # the commit's votes carry fresh flags
+            return Decision.COMMIT
+        return self._agreement.boundary(preempt, failed)  # a rank's own flags reach the others here
+
+    def after_last(self, *, failed: bool) -> Decision:
+        raise AssertionError("static steps end with decide(), never with an exhausted feed")  # pragma: no cover
+
+    @property
+    def claimed(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        self._agreement.drain()
+
+
+class DynamicScheduler(Scheduler):
+    """Batches taken on demand from a shared counter (see the module docstring).
+
+    Args:
+        remaining: the batches this attempt processes; the ``i``-th claim takes the ``i``-th of them.
+        store: the job's prefixed rendezvous store.
+        interval: commit after this many of this rank's batches.
+    """
+
+    kind = "dynamic"
+    STOP_MARK = 1 << 36
+    FAIL_MARK = 1 << 48
+    COUNTER = "next"
+
+    def __init__(self, remaining: RangeSet, store: RendezvousStore, interval: int) -> None:
+        self._remaining = IndexedRanges(remaining)
+        self._store = store
+        self._interval = interval
+        self._since_commit = 0
+        self._posted: set[str] = set()
+        self.seen: Decision | None = None
+        """A stop or failure mark seen at a claim."""
+        self._claimed = 0
+
+    def _add(self, amount: int) -> int:
+        return self._store.add(self.COUNTER, amount)
+
+    def batch_ids(self) -> Iterator[int]:
+        while self.seen is None:
+            value = self._add(1)
+            if value >= self.FAIL_MARK:
+                self.seen = Decision.FAIL
+                return
+            if value >= self.STOP_MARK:
+                self.seen = Decision.STOP
+                return
+            self._claimed = value
+            if value > len(self._remaining):
+                return  # every batch is taken
+            yield self._remaining[value - 1]
+
+    def steps(self) -> Iterator[bool]:
+        while True:
+            yield True
+
+    def decide(self, step: int, *, agreed_stop: bool, preempt: bool, failed: bool) -> Decision:
+        if failed:
+            self.post(Decision.FAIL)
+            return Decision.FAIL
+        if self.seen is not None:
+            return self.seen
+        if agreed_stop or preempt:
+            self.post(Decision.STOP)
+            return Decision.STOP
+        self._since_commit += 1
+        if self._since_commit >= self._interval:
+            self._since_commit = 0
+            return Decision.COMMIT
+        return Decision.CONTINUE
+
+    def after_last(self, *, failed: bool) -> Decision:
+        if failed:
+            self.post(Decision.FAIL)
+            return Decision.FAIL
+        return self.seen or Decision.DONE
+
+    def post(self, decision: Decision) -> None:
+        """Tells every rank to stop (``STOP``) or that a rank failed (``FAIL``), once per kind. Thread-safe
+        (rank 0's vote collector posts a failure from its own thread)."""
+        if decision.value in self._posted:
+            return
+        self._posted.add(decision.value)
+        self._add(self.FAIL_MARK if decision is Decision.FAIL else self.STOP_MARK)
+
+    @property
+    def claimed(self) -> int | None:
+        return min(self._claimed, len(self._remaining))
+
+
+def make_scheduler(
+    kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: Any = None
+) -> Scheduler:
+    """The scheduler of ``schedule=kind`` (one process: static, the two are the same then)."""
+    if kind == "dynamic" and collectives.world_size > 1:
+        return DynamicScheduler(remaining, store, interval)
+    return StaticScheduler(remaining, collectives, interval)

@@ -1,0 +1,272 @@
+"""The job's stored state on a :class:`~torch_batch_process.storage.base.Storage`: job file, commit records,
+state files, stages, and their repair after a crash.
+
+Names are those of :mod:`torch_batch_process.storage.layout`; the commit protocol that writes them is the
+committer's (:mod:`torch_batch_process.engine.committer`). Everything here is idempotent, so that a crash at
+any point leaves storage that the next start repairs (:meth:`JobStore.repair`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from typing import Any
+
+from torch_batch_process.engine.records import CommitRecord, JobInfo, parse_json
+from torch_batch_process.errors import CheckpointCorruptError
+from torch_batch_process.storage.base import TMP_MARKER, Storage
+from torch_batch_process.storage.layout import (
+    ATTEMPT_FILE,
+    COMMITS_DIR,
+    FAILURES_DIR,
+    INTERNAL_DIR,
+    JOB_FILE,
+    METRICS_FILE,
+    OUTPUTS_DIR,
+    RESULT_FILE,
+    SCRATCH_DIR,
+    STAGING_DIR,
+    STATES_DIR,
+    TENSORBOARD_DIR,
+    outputs_dir,
+    record_file,
+    staging_dir,
+    state_file,
+)
+
+__all__ = ["JobStore"]
+
+logger = logging.getLogger(__name__)
+
+
+class JobStore:
+    """Reads and writes a job's records, states, stages and outputs."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    # ------------------------------------------------------------------ reading
+
+    def load_job(self) -> JobInfo | None:
+        """The stored job info, ``None`` for a fresh storage path."""
+        where = self.storage.url_of(JOB_FILE)
+        try:
+            raw = self.storage.read_bytes(JOB_FILE)
+        except FileNotFoundError:
+            return None
+        return JobInfo.from_json(parse_json(raw, where), where)
+
+    def record_numbers(self) -> list[int]:
+        """Numbers of the commit records present, ascending."""
+        numbers = []
+        for name in self.storage.list(COMMITS_DIR):
+            stem = name[: -len(".json")] if name.endswith(".json") else ""
+            if stem.isdigit():
+                numbers.append(int(stem))
+        return sorted(numbers)
+
+    def load_latest(self) -> CommitRecord | None:
+        """The latest commit record, ``None`` when nothing was committed.
+
+        Raises:
+            CheckpointCorruptError: the latest record exists but cannot be read; never falls back.
+        """
+        numbers = self.record_numbers()
+        if not numbers:
+            return None
+        rel = record_file(numbers[-1])
+        where = self.storage.url_of(rel)
+        try:
+            raw = self.storage.read_bytes(rel)
+        except FileNotFoundError as exc:  # deleted between list and read: a newer commit's clean-up
+            raise CheckpointCorruptError(f"commit record {where} vanished while reading it") from exc
+        record = CommitRecord.from_json(parse_json(raw, where), where)
+        if record.commit != numbers[-1]:
+            raise CheckpointCorruptError(f"commit record {where} says it is commit {record.commit}")
+        return record
+
+    def load_state(self, rel: str) -> dict[str, Any]:
+        """Loads a state file written by :meth:`write_state`."""
+        import torch  # only state files need torch: `tbp status` does not
+
+        where = self.storage.url_of(rel)
+        try:
+            raw = self.storage.read_bytes(rel)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"state file {where} referenced by the last commit is missing") from exc
+        try:
+            state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unpickling error means a damaged file
+            raise CheckpointCorruptError(f"state file {where} cannot be read: {exc}") from exc
+        if not isinstance(state, dict) or "reducers" not in state:
+            raise CheckpointCorruptError(f"state file {where} is not a torch_batch_process state file")
+        return state
+
+    def staged(self) -> dict[int, list[str]]:
+        """Stage number -> the ranks' folders (``rank_<r>``) staged under it."""
+        stages = {}
+        for name in self.storage.list(STAGING_DIR):
+            if name.isdigit():
+                stages[int(name)] = [entry for entry in self.storage.list(staging_dir(int(name))) if entry.startswith("rank_")]
+        return stages
+
+    def unpublished_stages(self, latest: CommitRecord) -> list[int]:
+        """Stages committed by ``latest`` whose files are still staged (a crash while publishing)."""
+        return [stage for stage, ranks in self.staged().items() if ranks and latest.has_stage(stage)]
+
+    def check_integrity(self, latest: CommitRecord | None) -> None:
+        """Raises :class:`CheckpointCorruptError` when the stored progress is damaged.
+
+        Two kinds of damage would otherwise make a resume silently redo (and duplicate) committed work, or
+        fail hours later: commit records missing while the job clearly committed before (its ``outputs/``,
+        ``result.json`` or ``metrics.jsonl`` exist: a partial copy or restore), and state files that the
+        latest record needs but that are gone.
+        """
+        if latest is None:
+            evidence = [rel for rel in (OUTPUTS_DIR, RESULT_FILE, METRICS_FILE) if self._present(rel)]
+            if evidence:
+                raise CheckpointCorruptError(
+                    f"storage_path {self.storage.url!r} holds a job that has committed before ({', '.join(evidence)} "
+                    f"exist) but its commit records ({self.storage.url_of(COMMITS_DIR)}/) are missing, so its "
+                    "progress is unknown; resuming would process everything again and duplicate outputs. Nothing was "
+                    "changed. Restore the missing records, or start afresh with resume=False (this erases the "
+                    "stored progress and outputs) or a new storage_path."
+                )
+            return
+        present: dict[str, set[str]] = {}  # one listing per state folder, not one request per file
+        missing = []
+        for rel in sorted(latest.referenced_files()):
+            folder, name = rel.rsplit("/", 1)
+            if folder not in present:
+                present[folder] = set(self.storage.list(folder))
+            if name not in present[folder]:
+                missing.append(rel)
+        if missing:
+            raise CheckpointCorruptError(
+                f"commit record {self.storage.url_of(record_file(latest.commit))} needs {len(missing)} state file(s) "
+                f"that are missing (first: {self.storage.url_of(missing[0])}); the job cannot resume with exact "
+                "metrics and processor state. Nothing was changed. Restore them, or start afresh with resume=False "
+                "(this erases the stored progress and outputs) or a new storage_path."
+            )
+
+    def _present(self, rel: str) -> bool:
+        """Whether file ``rel`` exists, or folder ``rel`` holds anything."""
+        return bool(self.storage.list(rel)) or self.storage.exists(rel)
+
+    def has_outputs(self) -> bool:
+        """Whether ``outputs/`` holds anything."""
+        return bool(self.storage.list(OUTPUTS_DIR))
+
+    # ------------------------------------------------------------------ writing
+
+    def write_job(self, job: JobInfo) -> None:
+        self.storage.write_json(JOB_FILE, job.to_json(), fsync=True)
+
+    def write_state(self, stage: int, rank: int, reducers: list[Any], processor: Any) -> str:
+        """Writes rank ``rank``'s state at ``stage``; returns its relative path."""
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save({"reducers": reducers, "processor": processor}, buffer)
+        rel = state_file(stage, rank)
+        self.storage.write_bytes(rel, buffer.getvalue(), fsync=True)
+        return rel
+
+    def write_record(self, record: CommitRecord) -> None:
+        """Writes a commit record atomically: the commit point."""
+        self.storage.write_json(record_file(record.commit), record.to_json(), fsync=True, compact=True)
+
+    def next_attempt(self, latest: CommitRecord | None, world_size: int) -> int:
+        """Counts this start as a new attempt (also attempts that crashed before their first commit)."""
+        previous = latest.attempt if latest else 0
+        try:
+            stored = self.storage.read_json(ATTEMPT_FILE)
+            previous = max(previous, int(stored.get("attempt", 0)))
+        except (FileNotFoundError, ValueError, AttributeError, TypeError):
+            pass
+        attempt = previous + 1
+        self.storage.write_json(ATTEMPT_FILE, {"attempt": attempt, "started": time.time(), "world_size": world_size})
+        return attempt
+
+    def write_result(self, result: dict[str, Any]) -> None:
+        self.storage.write_json(RESULT_FILE, result)
+
+    def publish(self, stage: int, rank: int | None = None) -> None:
+        """Moves the staged files of ``stage`` (one rank's, or all of it) into ``outputs/``; idempotent."""
+        if rank is not None:
+            self.storage.move(staging_dir(stage, rank), outputs_dir(stage, rank))
+        else:
+            for name in self.storage.list(staging_dir(stage)):
+                if name.startswith("rank_"):
+                    self.storage.move(f"{staging_dir(stage)}/{name}", f"{outputs_dir(stage)}/{name}")
+        self.storage.remove_empty_folder(staging_dir(stage))
+
+    # -------------------------------------------------------------- maintenance
+
+    def repair(self, latest: CommitRecord | None) -> None:
+        """Brings storage in line with the latest record after a crash (rank 0, under the job lock, before
+        any other rank writes).
+
+        Publishes the stages the record commits, deletes stages and state files it does not (they were never
+        committed), and removes scratch folders and temporary files of interrupted writes.
+        """
+        for stage, ranks in self.staged().items():
+            if ranks and latest is not None and latest.has_stage(stage):
+                logger.info("publishing the outputs of stage %d, interrupted before they were published", stage)
+                self.publish(stage)
+            else:
+                if ranks:
+                    logger.info("discarding the uncommitted outputs of stage %d", stage)
+                self.storage.delete(staging_dir(stage), recursive=True)
+        for name in self.storage.list(STAGING_DIR):
+            if not name.isdigit():
+                self.storage.delete(f"{STAGING_DIR}/{name}", recursive=True)
+        self.storage.delete(SCRATCH_DIR, recursive=True)
+        keep_dirs = {rel.rsplit("/", 1)[0] for rel in (latest.referenced_files() if latest else set())}
+        for name in self.storage.list(STATES_DIR):
+            if f"{STATES_DIR}/{name}" not in keep_dirs:
+                self.storage.delete(f"{STATES_DIR}/{name}", recursive=True)
+        last = latest.commit if latest else 0
+        for name in self.storage.list(COMMITS_DIR):
+            stem = name[: -len(".json")] if name.endswith(".json") else ""
+            if TMP_MARKER in name or (stem.isdigit() and int(stem) < last):
+                self.storage.delete(f"{COMMITS_DIR}/{name}")  # interrupted writes, superseded records
+        for name in self.storage.list(INTERNAL_DIR):
+            if TMP_MARKER in name:
+                self.storage.delete(f"{INTERNAL_DIR}/{name}")
+
+    def collect_garbage(self, record: CommitRecord, previous: CommitRecord | None) -> None:
+        """Deletes what ``record`` supersedes: the previous record and its state files no longer needed.
+
+        One bulk delete on object stores, no listing (older leftovers are removed by :meth:`repair` at the
+        start of an attempt).
+        """
+        if previous is None:
+            return
+        doomed = sorted(previous.referenced_files() - record.referenced_files())
+        self.storage.delete_files([*doomed, record_file(previous.commit)])
+        for folder in sorted({rel.rsplit("/", 1)[0] for rel in doomed}):
+            self.storage.remove_empty_folder(folder)  # once the other ranks' files of the stage are gone too
+
+    def erase(self) -> None:
+        """Deletes everything the library stored (``resume=False``): records, states, outputs.
+
+        The job file goes first and the commit records last, so that a crash midway leaves a storage path
+        that a resume refuses (records without a job file) instead of one it would resume with outputs gone
+        or duplicated.
+        """
+        for rel in (
+            JOB_FILE,
+            RESULT_FILE,
+            OUTPUTS_DIR,
+            FAILURES_DIR,
+            STAGING_DIR,
+            SCRATCH_DIR,
+            STATES_DIR,
+            ATTEMPT_FILE,
+            METRICS_FILE,
+            TENSORBOARD_DIR,
+            COMMITS_DIR,
+        ):
+            self.storage.delete(rel, recursive=True)

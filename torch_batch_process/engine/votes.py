@@ -1,0 +1,104 @@
+"""Votes: one rank's part of a commit, and how votes travel to rank 0.
+
+- :class:`GatheredVotes` (``schedule="static"``, and every closing commit): the ranks commit at the same
+  step and exchange their votes with one ``all_gather`` on the library's gloo group, started at the commit's
+  step boundary and completed at the next one, so that its latency overlaps with a step of work.
+- :class:`QueuedVotes` (``schedule="dynamic"``): each rank commits on its own; its vote goes into a queue in
+  the job's rendezvous store and rank 0 takes it from there on a thread of its own. When a record covering a
+  rank's votes is durable, rank 0 raises that rank's acknowledgement counter in the store; the rank reads it
+  (one request) at its next commit and publishes its stages.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_batch_process.engine.agreement import FailureInfo
+from torch_batch_process.engine.distributed import Collectives, PendingGather, RendezvousStore
+
+__all__ = ["GatheredVotes", "QueuedVotes", "Vote"]
+
+
+@dataclass
+class Vote:
+    """One rank's contribution to a commit."""
+
+    rank: int
+    stage: int
+    """The stage its files and state went into (see :mod:`torch_batch_process.storage.layout`)."""
+    has_files: bool
+    batches: list[list[int]]
+    """Global batches completed since its previous commit (ranges)."""
+    examples: int
+    state_file: str | None
+    lines: list[dict[str, Any]]
+    """``report_metrics()`` records and provenance entries."""
+    timings: dict[str, float]
+    failure: FailureInfo | None = None
+    preempt: bool = False
+    slots: list[Any] | None = None
+    """Closing votes: the reducers' summaries (rank 0 reduces without reading state files)."""
+    durable: int = -1
+    """Static schedule, rank 0: every record up to this number is durable (stages up to it may be published)."""
+    queued: int = 0
+    """Dynamic schedule, closing vote: how many votes this rank queued before it (rank 0 takes them all first)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class GatheredVotes:
+    """Votes exchanged with an asynchronous ``all_gather`` (every rank votes at the same step)."""
+
+    def __init__(self, collectives: Collectives) -> None:
+        self._collectives = collectives
+
+    def start(self, vote: Vote) -> PendingGather:
+        return self._collectives.start_all_gather(vote)
+
+    def gather(self, vote: Any) -> list[Any]:
+        """A synchronous exchange (closing commits)."""
+        return self._collectives.all_gather(vote)
+
+
+class QueuedVotes:
+    """Votes queued in the rendezvous store, taken by rank 0 (see the module docstring).
+
+    Args:
+        store: the job's prefixed store (a ``torch.distributed.Store``).
+        rank: this rank.
+    """
+
+    QUEUE = "votes"
+    STOP = b"stop"
+
+    def __init__(self, store: RendezvousStore, rank: int) -> None:
+        self.store = store
+        self._rank = rank
+        self.queued = 0
+
+    def push(self, vote: Vote) -> None:
+        self.store.queue_push(self.QUEUE, pickle.dumps(vote, protocol=pickle.HIGHEST_PROTOCOL))
+        self.queued += 1
+
+    def acknowledged(self) -> int:
+        """How many of this rank's votes rank 0 has made durable."""
+        return int(self.store.add(f"ack/{self._rank}", 0))
+
+    @staticmethod
+    def acknowledge(reader: RendezvousStore, rank: int, count: int) -> None:
+        """Rank 0's collector thread: ``count`` more votes of ``rank`` are durable."""
+        reader.add(f"ack/{rank}", count)
+
+    def wake(self) -> None:
+        """Rank 0: unblocks its collector, waiting for a vote (:meth:`take` then returns ``None``)."""
+        self.store.queue_push(self.QUEUE, self.STOP)
+
+    @staticmethod
+    def take(reader: RendezvousStore) -> Vote | None:
+        """Rank 0's collector thread: the next vote (blocking, on its own store connection ``reader``),
+        ``None`` when woken by :meth:`wake`."""
+        raw = None
+        while raw is None:
+            raw = reader.queue_pop(QueuedVotes.QUEUE)  # None: the store's wait timed out, wait again
+        return None if raw == QueuedVotes.STOP else pickle.loads(raw)

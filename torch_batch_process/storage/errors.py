@@ -1,0 +1,156 @@
+"""How storage errors are named and which are worth retrying (object stores and local filesystems).
+
+Every failure the library reports is a :class:`~torch_batch_process.errors.StorageError` naming the URL,
+the action and a short human cause (permission denied, missing bucket, unreachable endpoint, read-only
+filesystem, no space left...). Transient object-store errors (throttling, 5xx, timeouts, dropped
+connections) are retried with jittered exponential backoff, at most ``TBP_STORAGE_RETRIES`` attempts
+(default 5) and never past ``TBP_STORAGE_RETRY_S`` seconds (default 30) after the first one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+
+__all__ = [
+    "RETRY_BASE_DELAY_S",
+    "RETRY_MAX_DELAY_S",
+    "describe",
+    "is_missing_backend",
+    "is_missing_bucket", 
+    "is_precondition_failed",
+    "is_transient",
+    "retry_attempts",
+    "retry_budget_s",
+]
+
+def retry_attempts() -> int:
+    """Most attempts of one storage operation (``TBP_STORAGE_RETRIES``, default 5)."""
+    return max(1, int(os.environ.get("TBP_STORAGE_RETRIES", "5")))
+
+
+def retry_budget_s() -> float:
+    """No retry starts later than this many seconds after the first attempt (``TBP_STORAGE_RETRY_S``)."""
+    return float(os.environ.get("TBP_STORAGE_RETRY_S", "30"))
+
+
+RETRY_BASE_DELAY_S = 0.2
+RETRY_MAX_DELAY_S = 5.0
+
+
+
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    seen = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _client_error(exc: BaseException) -> tuple[str, int] | None:
+    """Error code and HTTP status of the object store's answer behind ``exc``, if any."""
+    for cause in _causes(exc):
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            code = str(response["Error"].get("Code", ""))
+            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            return code, status
+    return None
+
+
+def is_missing_bucket(exc: BaseException) -> bool:
+    answer = _client_error(exc)
+    if answer is not None:
+        return answer[0] == "NoSuchBucket"
+    return "bucket does not exist" in str(exc).lower()
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    answer = _client_error(exc)
+    return answer is not None and (answer[0] == "PreconditionFailed" or answer[1] == 412)
+
+
+def _class_names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionRefusedError"}
+
+
+def describe(exc: BaseException) -> str:
+    """A short human cause for ``exc``: permission denied, missing bucket, unreachable..."""
+    answer = _client_error(exc)
+    if isinstance(exc, PermissionError) or (answer and answer[1] == 403):
+        return f"permission denied ({exc})"
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return f"read-only filesystem ({exc})"
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied ({exc})"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"no space left ({exc})"
+    if _class_names(exc) & _UNREACHABLE:
+        return f"cannot reach the storage endpoint ({type(exc).__name__}: {exc})"
+    if answer and answer[1] >= 500:
+        return f"the object store answered HTTP {answer[1]} {answer[0]} ({exc})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def is_missing_backend(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, ImportError) or "install" in text or "not available" in text or "unknown protocol" in text
+
+
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "OperationAborted",
+    "XAmzContentSHA256Mismatch",
+}
+_TRANSIENT_CLASSES = {
+    # botocore
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "HTTPClientError",
+    "ResponseStreamingError",
+    "ResponseParserError",
+    "IncompleteReadError",
+    "IncompleteRead",
+    # aiohttp (gcsfs, http)
+    "ClientConnectionError",
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+}
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
+if hasattr(errno, "EREMOTEIO"):
+    _TRANSIENT_ERRNOS.add(errno.EREMOTEIO)
+_TRANSIENT_TEXT = ("throttl", "slow down", "service unavailable", "temporarily", "timed out", "connection reset")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an object-store error is worth retrying (throttling, timeouts, 5xx, dropped connections)."""
+    if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return False
+    answer = _client_error(exc)
+    if answer is not None:
+        code, status = answer
+        return code in _TRANSIENT_CODES or status >= 500 or status in (408, 429)
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if any(_class_names(cause) & _TRANSIENT_CLASSES for cause in _causes(exc)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(name in text for name in _TRANSIENT_TEXT)

@@ -1,0 +1,98 @@
+"""Every name the library stores under a job's storage path, in one place.
+
+::
+
+    outputs/commit_<s>/rank_<r>/...   committed files of stage s of rank r (upload_path() files, record shards)
+    result.json                       the final result of a finished job (metrics, counts)
+    metrics.jsonl                     report_metrics() records, reduced metrics, progress, one JSON per line
+    tensorboard/rank_<r>/             get_tensorboard_path() of each rank
+    failures/...                      examples that failed with on_error="skip" (see the failures module)
+    _tbp/job.json                     the job's fingerprint and plan, written at its first start
+    _tbp/attempt.json                 the number of the latest attempt (also of attempts that never committed)
+    _tbp/commits/<n>.json             the latest commit record: the durable truth (see the committer)
+    _tbp/states/<s>/rank_<r>.pt       rank r's reducer summaries and processor state at its stage s
+    _tbp/staging/<s>/rank_<r>/...     files of stage s of rank r before publication
+    _tbp/scratch/                     local storage: folders being written (upload_path() blocks, record shards)
+    _tbp/lock, _tbp/lock.json         the job lock of local storage (an OS file lock) and its holder
+    _tbp/lease.json                   the job lease of object stores
+
+A *stage* is one rank's part of a commit: the files and state it committed together. With
+``schedule="static"`` every rank commits at the same step and a stage number is the commit's number; with
+``"dynamic"`` each rank commits on its own and its stages take numbers from a shared counter.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ATTEMPT_FILE",
+    "COMMITS_DIR",
+    "FAILURES_DIR",
+    "INTERNAL_DIR",
+    "JOB_FILE",
+    "LEASE_FILE",
+    "LOCK_FILE",
+    "LOCK_INFO_FILE",
+    "METRICS_FILE",
+    "OUTPUTS_DIR",
+    "RESULT_FILE",
+    "SCRATCH_DIR",
+    "STAGING_DIR",
+    "STATES_DIR",
+    "TENSORBOARD_DIR",
+    "number_name",
+    "outputs_dir",
+    "record_file",
+    "staging_dir",
+    "state_file",
+    "tensorboard_dir",
+]
+
+INTERNAL_DIR = "_tbp"
+JOB_FILE = f"{INTERNAL_DIR}/job.json"
+ATTEMPT_FILE = f"{INTERNAL_DIR}/attempt.json"
+COMMITS_DIR = f"{INTERNAL_DIR}/commits"
+STATES_DIR = f"{INTERNAL_DIR}/states"
+STAGING_DIR = f"{INTERNAL_DIR}/staging"
+SCRATCH_DIR = f"{INTERNAL_DIR}/scratch"
+LOCK_FILE = f"{INTERNAL_DIR}/lock"
+LOCK_INFO_FILE = f"{INTERNAL_DIR}/lock.json"
+LEASE_FILE = f"{INTERNAL_DIR}/lease.json"
+OUTPUTS_DIR = "outputs"
+RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+FAILURES_DIR = "failures"
+
+_DIGITS = 8
+
+
+def number_name(number: int) -> str:
+    """Zero-padded name of a commit or stage number (names sort in number order)."""
+    return f"{number:0{_DIGITS}d}"
+
+
+def record_file(commit: int) -> str:
+    """The commit record of commit ``commit``."""
+    return f"{COMMITS_DIR}/{number_name(commit)}.json"
+
+
+def staging_dir(stage: int, rank: int | None = None) -> str:
+    """The staged files of stage ``stage`` (of one rank when ``rank`` is given)."""
+    base = f"{STAGING_DIR}/{number_name(stage)}"
+    return base if rank is None else f"{base}/rank_{rank}"
+
+
+def outputs_dir(stage: int, rank: int | None = None) -> str:
+    """The published files of stage ``stage`` (of one rank when ``rank`` is given)."""
+    base = f"{OUTPUTS_DIR}/commit_{number_name(stage)}"
+    return base if rank is None else f"{base}/rank_{rank}"
+
+
+def state_file(stage: int, rank: int) -> str:
+    """Rank ``rank``'s state file at stage ``stage``."""
+    return f"{STATES_DIR}/{number_name(stage)}/rank_{rank}.pt"
+
+
+def tensorboard_dir(rank: int) -> str:
+    """Rank ``rank``'s TensorBoard folder."""
+    return f"{TENSORBOARD_DIR}/rank_{rank}"

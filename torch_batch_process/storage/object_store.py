@@ -1,0 +1,552 @@
+"""Object-store storage: every fsspec URL that is not a local folder (``s3://``, ``gs://``, ``memory://``...).
+
+- **Atomic writes**: a file is one PUT (uploads above the multipart threshold are a multipart upload, which
+  also becomes visible whole, at its completion).
+- **Fresh views**: listings are never served from fsspec's listing cache (the job's own records are written
+  by other processes too), and a filesystem created before a ``fork`` is not reused in the child.
+- **Retries**: transient errors are retried with bounded backoff (:mod:`torch_batch_process.storage.errors`).
+  On S3 the retry loops of botocore and s3fs are turned off on the library's own filesystem instance, so
+  this is the one policy; other backends may retry by themselves as well (gcsfs does).
+- **Files in**: output files are uploaded by background threads, streamed from disk (a large file is a
+  multipart upload holding at most ``UPLOAD_PART_BYTES * UPLOAD_PART_CONCURRENCY`` bytes in memory).
+- **Appends**: objects cannot be appended to, so the appender keeps a local copy of the file and uploads
+  it whole, in one atomic PUT, at each append.
+- **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lock.LeaseJobLock`), with conditional
+  writes on S3 (:meth:`ObjectStorage.read_versioned`, :meth:`ObjectStorage.write_conditional`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import posixpath
+import random
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import fsspec
+
+from torch_batch_process.errors import StorageError
+from torch_batch_process.processes import pid_alive
+from torch_batch_process.storage.base import FileSink, MirroredFolder, Storage
+from torch_batch_process.storage.errors import (
+    RETRY_BASE_DELAY_S,
+    RETRY_MAX_DELAY_S,
+    describe,
+    is_missing_backend,
+    is_missing_bucket,
+    is_precondition_failed,
+    is_transient,
+    retry_attempts,
+    retry_budget_s,
+)
+
+if TYPE_CHECKING:
+    from torch_batch_process.storage.lock import JobLock
+
+__all__ = ["ConditionFailed", "ObjectStorage"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Which extra of this package installs the backend of a protocol.
+_BACKEND_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+_BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}
+
+# Part size and parts in flight per file for multipart uploads to S3: a large output is streamed from
+# disk, holding at most UPLOAD_PART_BYTES * UPLOAD_PART_CONCURRENCY bytes in memory per file.
+UPLOAD_PART_BYTES = 8 * 2**20
+UPLOAD_PART_CONCURRENCY = 2
+COPY_THREADS = 16
+UPLOAD_THREADS = int(os.environ.get("TBP_UPLOAD_THREADS", "8"))
+_S3_SIMPLE_COPY_BYTES = 5 * 2**30  # CopyObject's limit; larger objects take s3fs's multipart copy
+_TMP_PREFIX = "tbp-scratch-"
+
+
+class ConditionFailed(Exception):
+    """A conditional write lost: the object changed (or appeared) since it was read."""
+
+
+class ObjectStorage(Storage):
+    """A folder of an fsspec filesystem that is not local (see the module docstring)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.protocol = url.split("://", 1)[0].lower()
+        self._given_url = url
+        self._options = _default_options(self.protocol, dict(storage_options or {}))
+        self._pid = os.getpid()
+        self._fs, root = self._open()
+        self.root: str = root.rstrip("/")
+        self.url = url.rstrip("/")
+        self.supports_conditional_writes = self.protocol in ("s3", "s3a")
+        self._mirrors: dict[str, Path] = {}  # appended files: rel -> local copy
+        self._append_lock = threading.Lock()
+        self._scratch: Path | None = None
+        self._scratch_pid = 0
+
+    def _open(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        url = self._given_url
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **self._options)
+            if self.protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+                fs.retries = 1  # our own instance (skip_instance_cache): this module's _call is the retry policy
+            return fs, root
+        except (ImportError, ValueError) as exc:
+            if is_missing_backend(exc):
+                extra = _BACKEND_EXTRAS.get(self.protocol)
+                hint = (
+                    f"pip install 'torch-batch-process[{extra}]'"
+                    if extra
+                    else f"install the fsspec implementation of the {self.protocol!r} protocol"
+                )
+                raise StorageError(
+                    f"storage_path {url!r}: the filesystem backend of {self.protocol}:// is not installed; {hint}"
+                ) from exc
+            raise StorageError(f"storage_path {url!r} is not a valid fsspec URL: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - any backend error at construction
+            raise StorageError(f"storage_path {url!r}: cannot open the filesystem: {describe(exc)}") from exc
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem; re-created in a forked child (the parent's one holds its event loop)."""
+        if os.getpid() != self._pid:
+            self._fs, _ = self._open()
+            self._pid = os.getpid()
+        return self._fs
+
+    # ------------------------------------------------------------------ paths
+
+    def path(self, rel: str) -> str:
+        """Filesystem path of ``rel`` (relative to the root)."""
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def url_of(self, rel: str = "") -> str:
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def _error(self, action: str, exc: BaseException) -> StorageError:
+        return StorageError(f"storage {self.url!r}: cannot {action}: {describe(exc)}")
+
+    # ------------------------------------------------------------------ reads
+
+    def check(self) -> None:
+        if self.protocol in _BUCKET_PROTOCOLS:
+            bucket = self.root.split("/", 1)[0]
+            try:
+                self._call("open the bucket", lambda: self.fs.info(bucket), missing_ok=False)
+            except FileNotFoundError as exc:
+                raise StorageError(
+                    f"storage_path {self.url!r}: the bucket {bucket!r} does not exist (or is not visible with these "
+                    "credentials); create it first or fix the URL"
+                ) from exc
+        self.list("")  # reachability and the permission to list
+
+    def exists(self, rel: str) -> bool:
+        return self._call(f"check {rel!r}", lambda: self.fs.exists(self.path(rel)))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._call(f"read {rel!r}", lambda: self._cat(self.path(rel)), missing_ok=False)
+
+    def _cat(self, path: str) -> bytes:
+        if self.protocol in ("s3", "s3a"):
+            return self.fs.cat_file(path, max_concurrency=1)  # one GET, no size probe first
+        return self.fs.cat_file(path)
+
+    def list(self, rel: str) -> list[str]:
+        def _ls() -> list[str]:
+            base = self.path(rel).rstrip("/")
+            try:
+                entries = self.fs.ls(base, detail=False, refresh=True)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                if is_missing_bucket(exc):
+                    raise
+                return []
+            names = []
+            for entry in entries:
+                entry = entry.rstrip("/")
+                if entry == base or entry == base.lstrip("/"):
+                    continue
+                names.append(posixpath.basename(entry))
+            return sorted(set(names))
+
+        return self._call(f"list {rel or 'the storage path'!r}", _ls)
+
+    def _find_sizes(self, rel: str) -> dict[str, int]:
+        """Files below folder ``rel`` (remote): relative path -> size in bytes (one listing)."""
+        base = self.path(rel).rstrip("/")
+
+        def _find() -> dict[str, Any]:
+            try:
+                return dict(self.fs.find(base, withdirs=False, detail=True))
+            except FileNotFoundError as exc:
+                if is_missing_bucket(exc):
+                    raise
+                return {}
+
+        files = {}
+        for full, info in self._call(f"list {rel!r}", _find).items():
+            full = full.rstrip("/")
+            for prefix in (base + "/", base.lstrip("/") + "/"):
+                if full.startswith(prefix):
+                    files[full[len(prefix) :]] = int(info.get("size") or 0)
+                    break
+        return files
+
+    # ----------------------------------------------------------------- writes
+
+    def write_bytes(self, rel: str, data: bytes, *, fsync: bool = False) -> None:
+        self._call(f"write {rel!r}", lambda: self.fs.pipe_file(self.path(rel), data))
+
+    def append(self, rel: str, data: bytes) -> None:
+        with self._append_lock:
+            mirror = self._mirror(rel)
+            with open(mirror, "ab") as f:
+                f.write(data)
+            self.write_bytes(rel, mirror.read_bytes())
+
+    def _mirror(self, rel: str) -> Path:
+        """The local copy of an appended file, read from storage the first time."""
+        if rel not in self._mirrors:
+            folder = Path(tempfile.mkdtemp(prefix="tbp-append-"))
+            mirror = folder / posixpath.basename(rel)
+            try:
+                mirror.write_bytes(self.read_bytes(rel))
+            except FileNotFoundError:
+                mirror.write_bytes(b"")
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            self._mirrors[rel] = mirror
+        return self._mirrors[rel]
+
+    def put_file(self, local_file: str | os.PathLike[str], rel: str) -> None:
+        """Uploads (a copy: the local file stays). On S3 a file of up to ``2 * UPLOAD_PART_BYTES`` is one
+        PUT; a larger one is a multipart upload read part by part."""
+        source = os.fspath(local_file)
+        if self.protocol in ("s3", "s3a"):
+            upload = lambda: self.fs.put_file(  # noqa: E731
+                source, self.path(rel), chunksize=UPLOAD_PART_BYTES, max_concurrency=UPLOAD_PART_CONCURRENCY
+            )
+        else:
+            upload = lambda: self.fs.put_file(source, self.path(rel))  # noqa: E731
+        self._call(f"upload to {rel!r}", upload)
+
+    def read_versioned(self, rel: str) -> tuple[bytes, str]:
+        """Reads a file and its version tag (S3: the ETag); ``FileNotFoundError`` when missing.
+
+        Only where :attr:`supports_conditional_writes`.
+        """
+        if not self.supports_conditional_writes:
+            raise NotImplementedError(f"{self.protocol}:// has no conditional writes")
+        bucket, key = self._bucket_key(rel)
+
+        def _get() -> tuple[bytes, str]:
+            from fsspec.asyn import sync
+
+            async def _read() -> tuple[bytes, str]:
+                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+                try:
+                    return await response["Body"].read(), response["ETag"]
+                finally:
+                    response["Body"].close()
+
+            return sync(self.fs.loop, _read)
+
+        return self._call(f"read {rel!r}", _get, missing_ok=False)
+
+    def write_conditional(self, rel: str, data: bytes, *, if_version: str | None) -> str:
+        """Writes ``rel`` only if it is still at version ``if_version`` (``None``: only if absent).
+
+        Returns the new version tag; raises :class:`ConditionFailed` when another writer won.
+        Only where :attr:`supports_conditional_writes`.
+        """
+        if not self.supports_conditional_writes:
+            raise NotImplementedError(f"{self.protocol}:// has no conditional writes")
+        bucket, key = self._bucket_key(rel)
+        condition = {"IfNoneMatch": "*"} if if_version is None else {"IfMatch": if_version}
+
+        def _put() -> str:
+            try:
+                response = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+            except (OSError, FileNotFoundError) as exc:
+                if is_precondition_failed(exc):
+                    raise ConditionFailed(str(exc)) from exc
+                raise
+            return response["ETag"]
+
+        try:
+            return self._call(f"write {rel!r}", _put, missing_ok=False, passthrough=(ConditionFailed,))
+        except FileNotFoundError as exc:  # If-Match on an object deleted meanwhile
+            raise ConditionFailed(str(exc)) from exc
+
+    def _bucket_key(self, rel: str) -> tuple[str, str]:
+        full = self.path(rel)
+        bucket, _, key = full.partition("/")
+        return bucket, key
+
+    def _s3_copy(self, source: str, target: str) -> None:
+        src_bucket, _, src_key = source.partition("/")
+        dst_bucket, _, dst_key = target.partition("/")
+        source_ref = {"Bucket": src_bucket, "Key": src_key}
+        self.fs.call_s3("copy_object", Bucket=dst_bucket, Key=dst_key, CopySource=source_ref)
+
+    def move(self, src: str, dst: str) -> None:
+        """Moves file or folder ``src`` to ``dst``, merging folders; safe to repeat after a crash.
+
+        The objects are copied (concurrently, server-side) then deleted (in bulk): a crash midway leaves
+        some objects at both places, and repeating the move finishes it.
+        """
+        files = self._find_sizes(src)
+        if not files:
+            return
+
+        def _copy(rel_file: str) -> None:
+            source, target = posixpath.join(self.path(src), rel_file), posixpath.join(self.path(dst), rel_file)
+            if self.protocol in ("s3", "s3a") and files[rel_file] <= _S3_SIMPLE_COPY_BYTES:
+                copy = lambda: self._s3_copy(source, target)  # noqa: E731 - one request, no size probe
+            else:
+                copy = lambda: self.fs.copy(source, target)  # noqa: E731
+            self._call(f"copy {src}/{rel_file} to {dst}/", copy, missing_ok=False)
+
+        if len(files) == 1:
+            _copy(next(iter(files)))
+        else:  # concurrent server-side copies, each retried on its own
+            with ThreadPoolExecutor(max_workers=min(COPY_THREADS, len(files)), thread_name_prefix="tbp-copy") as pool:
+                for future in [pool.submit(_copy, rel_file) for rel_file in files]:
+                    future.result()
+        self.delete_files([posixpath.join(src, rel_file) for rel_file in files])
+
+    def delete(self, rel: str, *, recursive: bool = False) -> None:
+        path = self.path(rel)
+
+        def _rm() -> None:
+            try:
+                self.fs.rm(path, recursive=recursive)
+            except FileNotFoundError as exc:
+                if is_missing_bucket(exc):
+                    raise
+
+        self._call(f"delete {rel!r}", _rm)
+
+    def delete_files(self, rels: list[str]) -> None:
+        """One bulk request per 1000 files on S3."""
+        if not rels:
+            return
+        paths = [self.path(rel) for rel in rels]
+
+        def _rm() -> None:
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError as exc:
+                if is_missing_bucket(exc):
+                    raise
+
+        self._call(f"delete {len(rels)} file(s)", _rm)
+
+    def remove_empty_folder(self, rel: str) -> None:
+        pass  # object stores have no folders
+
+    # ------------------------------------------- what differs between backends
+
+    def scratch_folder(self, name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self._scratch_root()))
+
+    def _scratch_root(self) -> Path:
+        """This process's local temporary folder (created on first use, after removing those of dead processes)."""
+        if self._scratch is None or os.getpid() != self._scratch_pid:
+            _remove_orphans()
+            self._scratch = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-"))
+            self._scratch_pid = os.getpid()
+        return self._scratch
+
+    def file_sink(self) -> FileSink:
+        return _UploadSink(self)
+
+    def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
+        return _UploadedFolder(self, rel, Path(tempfile.gettempdir()) / f"{_TMP_PREFIX}{os.getpid()}-{name}-{uuid.uuid4().hex[:8]}")
+
+    def job_lock(self) -> JobLock:
+        from torch_batch_process.storage.lock import LeaseJobLock
+
+        return LeaseJobLock(self)
+
+    def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
+        from torch_batch_process.storage.lock import LeaseJobLock
+
+        return LeaseJobLock.holder(self)
+
+    def close(self) -> None:
+        for mirror in self._mirrors.values():
+            shutil.rmtree(mirror.parent, ignore_errors=True)
+        self._mirrors.clear()
+        if self._scratch is not None and os.getpid() == self._scratch_pid:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        self._scratch = None
+
+    # ---------------------------------------------------------------- helpers
+
+    def _call(
+        self,
+        action: str,
+        fn: Callable[[], T],
+        *,
+        missing_ok: bool = True,
+        passthrough: tuple[type[BaseException], ...] = (),
+    ) -> T:
+        """Runs a remote operation, retrying transient errors with bounded backoff, mapping the rest.
+
+        ``FileNotFoundError`` passes through (callers decide what a missing file means), except for a
+        missing bucket, which is a :class:`StorageError`. So do the exception types in ``passthrough``.
+        """
+        attempts = retry_attempts()
+        deadline = time.monotonic() + retry_budget_s()
+        delay = RETRY_BASE_DELAY_S
+        for attempt in range(1, attempts + 1):
+            try:
+                return fn()
+            except passthrough:
+                raise
+            except FileNotFoundError as exc:
+                if is_missing_bucket(exc):
+                    bucket = self.root.split("/", 1)[0]
+                    raise StorageError(
+                        f"storage {self.url!r}: cannot {action}: the bucket {bucket!r} does not exist ({exc})"
+                    ) from exc
+                raise
+            except StorageError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classify every backend error
+                pause = min(delay, RETRY_MAX_DELAY_S) * (0.5 + random.random())
+                if attempt < attempts and is_transient(exc) and time.monotonic() + pause < deadline:
+                    logger.warning(
+                        "storage %s: %s failed (%s); retry %d/%d in %.1fs",
+                        self.url,
+                        action,
+                        describe(exc),
+                        attempt,
+                        attempts - 1,
+                        pause,
+                    )
+                    time.sleep(pause)
+                    delay *= 2
+                    continue
+                tried = f" (after {attempt} attempts)" if attempt > 1 else ""
+                raise StorageError(f"storage {self.url!r}: cannot {action}{tried}: {describe(exc)}") from exc
+        raise AssertionError("unreachable")
+
+
+
+class _UploadSink(FileSink):
+    """Uploads files with ``UPLOAD_THREADS`` threads (``TBP_UPLOAD_THREADS``, default 8); each local file is
+    deleted once uploaded."""
+
+    def __init__(self, storage: ObjectStorage) -> None:
+        self._storage = storage
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
+        self._lock = threading.Lock()
+
+    def add(self, local_file: Path, rel: str) -> None:
+        # Out of the caller's folder at once (a rename: same temporary tree), so the folder can be reused.
+        spool = self._storage._scratch_root() / f"spool-{uuid.uuid4().hex}"
+        os.rename(local_file, spool)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="tbp-upload")
+            self._pending.append(self._pool.submit(self._upload, spool, rel))
+
+    def _upload(self, local_file: Path, rel: str) -> None:
+        try:
+            self._storage.put_file(local_file, rel)
+        finally:
+            with contextlib.suppress(OSError):
+                local_file.unlink()
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for future in pending:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - wait for all, then raise the first
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _UploadedFolder(MirroredFolder):
+    """A local temporary folder whose new or changed files are uploaded to ``rel`` (at most every
+    ``interval`` seconds when asked by :meth:`due`, and at :meth:`close`)."""
+
+    def __init__(self, storage: ObjectStorage, rel: str, path: Path, *, interval: float = 30.0) -> None:
+        self.path = path
+        self._storage = storage
+        self._rel = rel
+        self._interval = interval
+        self._next = time.monotonic() + interval
+        self._uploaded: dict[str, tuple[int, int]] = {}
+        self._failed = False
+
+    def due(self) -> bool:
+        return not self._failed and time.monotonic() >= self._next
+
+    def sync(self) -> bool:
+        self._next = time.monotonic() + self._interval
+        if self._failed or not self.path.is_dir():
+            return not self._failed
+        try:
+            for path in sorted(self.path.rglob("*")):
+                if not path.is_file():
+                    continue
+                stat = path.stat()
+                signature = (stat.st_size, stat.st_mtime_ns)
+                rel = path.relative_to(self.path).as_posix()
+                if self._uploaded.get(rel) == signature:
+                    continue
+                self._storage.put_file(path, f"{self._rel}/{rel}")
+                self._uploaded[rel] = signature
+        except Exception as exc:  # noqa: BLE001 - a convenience (event files), never a job failure
+            self._failed = True
+            logger.warning("uploading %s to %s failed (%s); the files stay there", self.path, self._storage.url_of(self._rel), exc)
+        return not self._failed
+
+    def close(self) -> None:
+        if self.sync():
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _default_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The library's defaults for a backend, under the user's explicit options."""
+    if protocol in _BUCKET_PROTOCOLS:
+        options.setdefault("use_listings_cache", False)
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})  # this module retries, see its docstring
+        options["config_kwargs"] = config
+        options.setdefault("skip_instance_cache", True)
+    return options
+
+
+
+def _remove_orphans() -> None:
+    """Removes the scratch folders of processes that are gone (killed before cleaning up)."""
+    root = Path(tempfile.gettempdir())
+    for folder in root.glob(f"{_TMP_PREFIX}*"):
+        pid = folder.name[len(_TMP_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
