@@ -11,10 +11,13 @@ There is no per-example Arrow format: a one-row Arrow object costs more than the
 and collates worse.
 
 Reading rows ``[start, stop)`` opens the file at the row group that holds ``start`` (the rows of
-earlier row groups are never fetched nor decoded), decodes from there in steps of
-:attr:`ParquetSource.BATCH_ROWS` rows and drops the rows before ``start``; so a resume reads
-again at most the part of one row group before its offset. Consecutive ranges of a shard
-(``[0, 64)``, ``[64, 128)``...) continue the same reader instead of reopening the row group.
+earlier row groups are never fetched nor decoded), decodes from there in steps of at most
+:attr:`ParquetSource.BATCH_ROWS` rows (sized to the range, at least ``MIN_BATCH_ROWS``) and drops
+the rows before ``start``; so a resume reads again at most the part of one row group before its
+offset. Consecutive ranges of a shard (``[0, 64)``, ``[64, 128)``...) continue the same reader
+instead of reopening the row group. Parquet cannot seek inside a row group (pyarrow decodes a
+row group from its first row), so files written with row groups of at most a few percent of
+their rows resume best; pyarrow's default (up to 1Mi rows per group) makes a small file one group.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class ParquetSource(FileSource):
     #: steps of ``stop - (first row of start's row group)`` rows, between MIN_BATCH_ROWS and this, so
     #: a short read decodes little past its end; the rest stays in the reader for the next read.
     BATCH_ROWS: ClassVar[int] = 8192
-    MIN_BATCH_ROWS: ClassVar[int] = 256
+    MIN_BATCH_ROWS: ClassVar[int] = 1024
 
     def __init__(
         self,
