@@ -10,7 +10,6 @@ import pickle
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from torch_batch_process import InvalidArgumentError, StorageError
-from torch_batch_process import sources
+from torch_batch_process import InvalidArgumentError, StorageError, sources
 from torch_batch_process.sources import RowsReadLog, ShardInfo, Source, SourceDataError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -272,7 +270,7 @@ def jsonl_dir(tmp_path: Path) -> tuple[Path, list[list[dict]]]:
     folder.mkdir()
     expected = [shard_rows(k, n) for k, n in enumerate([2500, 10, 1200])]
     names = ["a.jsonl", "b.jsonl.gz", "c.jsonl"]
-    for name, rows in zip(names, expected):
+    for name, rows in zip(names, expected, strict=True):
         write_jsonl(folder / name, rows, blank_every=7)
     return folder, expected
 
@@ -293,7 +291,9 @@ def test_jsonl_reads_plain_and_gzip(jsonl_dir: tuple[Path, list[list[dict]]]) ->
     assert source.rows_read == 2010  # no index: the lines before are scanned (not parsed)
 
 
-def test_jsonl_count_rows_indexes_offsets(jsonl_dir: tuple[Path, list[list[dict]]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_jsonl_count_rows_indexes_offsets(
+    jsonl_dir: tuple[Path, list[list[dict]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder, expected = jsonl_dir
     monkeypatch.setattr(sources.JsonlSource, "INDEX_EVERY", 100)
     source = sources.jsonl(str(folder), count_rows=True)
@@ -397,11 +397,26 @@ def test_hf_json_files_read_by_shard(tmp_path: Path) -> None:
     assert got == expected[2] and source.rows_read == 1000
     fingerprint = source.fingerprint()
     assert json.loads(json.dumps(fingerprint)) == fingerprint
-    assert [s["data"]["base_files"] for s in fingerprint["shards"]] == [[str(tmp_path / "hf" / f"d{k}.jsonl")] for k in range(3)]
+    assert [s["data"]["base_files"] for s in fingerprint["shards"]] == [
+        [str(tmp_path / "hf" / f"d{k}.jsonl")] for k in range(3)
+    ]
     again, _ = hf_json_dataset(tmp_path / "hf", [600, 30, 1000])
     assert sources.from_hf(again).fingerprint() == fingerprint
     other, _ = hf_json_dataset(tmp_path / "hf2", [600, 30, 1000])
     assert sources.from_hf(other).fingerprint() != fingerprint
+
+
+def test_hf_parquet_files_read_by_shard(local_parquet: tuple[str, list[list[dict]]]) -> None:
+    datasets = pytest.importorskip("datasets")
+    url, expected = local_parquet
+    files = sorted(str(p) for p in Path(url).glob("*.parquet"))
+    ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+    source = sources.from_hf(ds)
+    assert source.num_shards >= len(files)  # one per file, or more if the builder splits files by row group
+    got = [row for k in range(source.num_shards) for row in source.read(k)]
+    assert got == [row for rows in expected for row in rows]
+    last = source.num_shards - 1
+    assert list(source.read(last, 2)) == list(source.read(last))[2:]
 
 
 def test_hf_generator_with_gen_kwargs_lists() -> None:
@@ -458,7 +473,10 @@ def test_sharded_reads_and_checks_counts() -> None:
         list(wrong.read(1))
     fingerprint = counted.fingerprint()
     assert fingerprint["open_shard"].endswith("open_range_shard")
-    assert sources.Sharded(shards, open_range_shard, num_rows=[100, 5, 0, 250], names=list("abcd")).fingerprint() == fingerprint
+    assert (
+        sources.Sharded(shards, open_range_shard, num_rows=[100, 5, 0, 250], names=list("abcd")).fingerprint()
+        == fingerprint
+    )
 
 
 def test_sharded_errors() -> None:
@@ -516,7 +534,7 @@ def test_sources_pickle_into_a_fresh_interpreter(
         (sources.from_hf(hf_generator_dataset(num_shards=3, size=70)), [list(hf_generate([k], 70)) for k in range(3)]),
     ]
     results = read_in_fresh_interpreter([source for source, _ in cases])
-    for (_, expected), out in zip(cases, results):
+    for (_, expected), out in zip(cases, results, strict=True):
         assert out["rows"] == [json.loads(json.dumps(rows[:50])) for rows in expected]
         assert out["rows_read"] > 0
 
@@ -570,7 +588,9 @@ def test_parquet_in_dataloader_workers_exactly_once(where: str, request: pytest.
     assert len(ids) == len(set(ids)) and set(ids) == {r["id"] for rows in expected for r in rows}
     # a worker decodes each of its ranges from the first row of the range's row group, and at most
     # one decoding step (MIN_BATCH_ROWS here) past the range's end; never the earlier row groups
-    bound = sum(min(stop, counts[k]) - group_start(source, k, start) + source.MIN_BATCH_ROWS for k, start, stop in units)
+    bound = sum(
+        min(stop, counts[k]) - group_start(source, k, start) + source.MIN_BATCH_ROWS for k, start, stop in units
+    )
     assert sum(counts) <= log.total() <= bound
     assert source.rows_read == read_here  # the workers read, not this process
 
@@ -587,7 +607,9 @@ def test_hf_in_dataloader_workers_reads_whole_shards(tmp_path: Path) -> None:
     assert {k: sorted(v) for k, v in by_shard.items()} == {k: [k * 1000 + i for i in range(200)] for k in range(3)}
 
 
-def test_jsonl_and_sharded_in_spawned_dataloader_workers(jsonl_dir: tuple[Path, list[list[dict]]], tmp_path: Path) -> None:
+def test_jsonl_and_sharded_in_spawned_dataloader_workers(
+    jsonl_dir: tuple[Path, list[list[dict]]], tmp_path: Path
+) -> None:
     folder, expected = jsonl_dir
     source = sources.jsonl(str(folder), count_rows=True)
     log = RowsReadLog(tmp_path / "reads.log")

@@ -471,7 +471,12 @@ def open_filesystem(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSys
         fs, _ = fsspec.core.url_to_fs(url, **options)
         return fs
     except ImportError as exc:
-        hint = {"s3": "pip install s3fs", "s3a": "pip install s3fs", "gs": "pip install gcsfs", "gcs": "pip install gcsfs"}
+        hint = {
+            "s3": "pip install s3fs",
+            "s3a": "pip install s3fs",
+            "gs": "pip install gcsfs",
+            "gcs": "pip install gcsfs",
+        }
         raise StorageError(
             f"urls_or_glob {url!r}: the filesystem of {protocol}:// is not installed; "
             f"{hint.get(protocol, f'install the fsspec implementation of {protocol}://')}"
@@ -501,7 +506,9 @@ def _url_items(urls_or_glob: Any) -> list[str]:
     out = []
     for item in items:
         if not isinstance(item, (str, os.PathLike)) or not os.fspath(item):
-            raise InvalidArgumentError(f"urls_or_glob contains {item!r}; every item must be a non-empty path, URL or glob")
+            raise InvalidArgumentError(
+                f"urls_or_glob contains {item!r}; every item must be a non-empty path, URL or glob"
+            )
         out.append(os.fspath(item))
     return out
 
@@ -584,9 +591,7 @@ class FileSource(Source):
 
     _TRANSIENT = ("_fs",)
 
-    def __init__(
-        self, urls_or_glob: Any, storage_options: dict[str, Any] | None, *, suffixes: tuple[str, ...]
-    ) -> None:
+    def __init__(self, urls_or_glob: Any, storage_options: dict[str, Any] | None, *, suffixes: tuple[str, ...]) -> None:
         super().__init__()
         self._fs_url, self._options, self._files = list_files(
             urls_or_glob, storage_options, suffixes=suffixes, kind=self.kind

@@ -54,9 +54,7 @@ class HFSource(Source):
         try:
             import datasets
         except ImportError as exc:  # pragma: no cover - datasets is a dependency of this source only
-            raise InvalidArgumentError(
-                "from_hf needs the Hugging Face datasets package; pip install datasets"
-            ) from exc
+            raise InvalidArgumentError("from_hf needs the Hugging Face datasets package; pip install datasets") from exc
         ds = iterable_dataset
         if isinstance(ds, datasets.Dataset):
             raise InvalidArgumentError(
@@ -106,7 +104,7 @@ class HFSource(Source):
         return {
             "kind": self.kind,
             **self._description,
-            "shards": [{"name": info.name, "data": data} for info, data in zip(self._shards, self._data)],
+            "shards": [{"name": info.name, "data": data} for info, data in zip(self._shards, self._data, strict=True)],
         }
 
     def _open_cursor(self, shard: int, start: int, stop: int | None) -> _HFCursor:
@@ -149,7 +147,7 @@ def _rows_of(batch: Any) -> list[dict[str, Any]]:
     names = list(batch)
     columns = [batch[name] for name in names]
     size = len(columns[0])
-    return [{name: column[i] for name, column in zip(names, columns)} for i in range(size)]
+    return [{name: column[i] for name, column in zip(names, columns, strict=True)} for i in range(size)]
 
 
 def _label(ds: Any) -> str:

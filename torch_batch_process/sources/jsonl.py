@@ -94,7 +94,7 @@ class JsonlSource(FileSource):
         counts: list[int | None] = [None] * len(self._files)
         if count_rows:
             counts = self._scan_all()
-        self._shards = [ShardInfo(entry.url, n) for entry, n in zip(self._files, counts)]
+        self._shards = [ShardInfo(entry.url, n) for entry, n in zip(self._files, counts, strict=True)]
 
     # ------------------------------------------------------------------ the interface
 
@@ -106,7 +106,7 @@ class JsonlSource(FileSource):
             "kind": self.kind,
             "shards": [
                 {**entry.describe(), "num_rows": info.num_rows, "compression": codec}
-                for entry, info, codec in zip(self._files, self._shards, self._compression)
+                for entry, info, codec in zip(self._files, self._shards, self._compression, strict=True)
             ],
         }
 
@@ -236,4 +236,3 @@ class _JsonlCursor(_Cursor):
                 f.close()
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
-

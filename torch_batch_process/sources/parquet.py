@@ -83,7 +83,7 @@ class ParquetSource(FileSource):
         footers = self._read_footers()
         first_schema = footers[0][1]
         self._columns: list[str] = list(first_schema.names) if wanted is None else wanted
-        for entry, (_, schema) in zip(self._files, footers):
+        for entry, (_, schema) in zip(self._files, footers, strict=True):
             missing = [name for name in self._columns if name not in schema.names]
             if missing:
                 raise InvalidArgumentError(
@@ -98,7 +98,9 @@ class ParquetSource(FileSource):
             for rows in group_rows:
                 starts.append(starts[-1] + rows)
             self._starts.append(starts)
-        self._shards = [ShardInfo(entry.url, starts[-1]) for entry, starts in zip(self._files, self._starts)]
+        self._shards = [
+            ShardInfo(entry.url, starts[-1]) for entry, starts in zip(self._files, self._starts, strict=True)
+        ]
 
     # ------------------------------------------------------------------ the interface
 
@@ -112,7 +114,7 @@ class ParquetSource(FileSource):
             "schema": [[field.name, str(field.type)] for field in self._schema],
             "shards": [
                 {**entry.describe(), "num_rows": starts[-1], "row_groups": len(starts) - 1}
-                for entry, starts in zip(self._files, self._starts)
+                for entry, starts in zip(self._files, self._starts, strict=True)
             ],
         }
 

@@ -66,7 +66,7 @@ class Sharded(Source):
         labels = _check_names(names, descriptors)
         self._descriptors = descriptors
         self._open_shard = open_shard
-        self._shards = [ShardInfo(label, count) for label, count in zip(labels, counts)]
+        self._shards = [ShardInfo(label, count) for label, count in zip(labels, counts, strict=True)]
 
     def shards(self) -> list[ShardInfo]:
         return list(self._shards)
