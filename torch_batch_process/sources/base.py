@@ -86,6 +86,10 @@ class Source(abc.ABC):
     #: Attributes that belong to one process and are never pickled (reset to None in a copy).
     _TRANSIENT: ClassVar[tuple[str, ...]] = ()
 
+    _pid: int
+    _lock: threading.Lock
+    _cursors: list[_Cursor]
+
     def __init__(self) -> None:
         self.rows_read = 0
         self.on_rows_read: Callable[[int], None] | None = None
@@ -251,7 +255,7 @@ class Source(abc.ABC):
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._cursors: list[_Cursor] = []
+        self._cursors = []
         for name in self._TRANSIENT:
             setattr(self, name, None)
 
@@ -590,6 +594,7 @@ class FileSource(Source):
     """A source whose shards are files on one fsspec filesystem, opened lazily in each process."""
 
     _TRANSIENT = ("_fs",)
+    _fs: fsspec.AbstractFileSystem | None
 
     def __init__(self, urls_or_glob: Any, storage_options: dict[str, Any] | None, *, suffixes: tuple[str, ...]) -> None:
         super().__init__()

@@ -175,7 +175,7 @@ def _shard_data(one: Any) -> dict[str, Any]:
 
 def _pipeline(ds: Any) -> list[str]:
     """The classes of the dataset's chain of example iterables (map, filter, shuffle...)."""
-    chain = []
+    chain: list[str] = []
     ex = getattr(ds, "_ex_iterable", None)
     while ex is not None and len(chain) < 64:
         chain.append(type(ex).__name__)
