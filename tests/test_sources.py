@@ -160,6 +160,26 @@ def test_parquet_resume_at_90_percent_reads_little(tmp_path: Path) -> None:
     assert source.rows_read <= 0.15 * total
 
 
+def test_parquet_sequential_read_memory_stays_flat(tmp_path: Path) -> None:
+    """Arrow memory in use while reading a file through stays below a few row groups, not the file."""
+    n = 400_000
+    table = pa.table({"id": pa.array(range(n), pa.int64()), "blob": pa.array([b"%031d" % i for i in range(n)])})
+    path = tmp_path / "big.parquet"
+    pq.write_table(table, path, row_group_size=20_000, compression="none")
+    del table
+    group_bytes = pq.read_metadata(path).row_group(0).total_byte_size
+    source = sources.parquet(str(path))
+    base = pa.total_allocated_bytes()
+    peak = 0
+    count = 0
+    for start in range(0, n, 4096):
+        for _ in source.read(0, start, start + 4096):
+            count += 1
+        peak = max(peak, pa.total_allocated_bytes() - base)
+    assert count == n
+    assert peak < 4 * group_bytes < path.stat().st_size / 4
+
+
 def test_parquet_columns_and_read_batches(local_parquet: tuple[str, list[list[dict]]]) -> None:
     url, expected = local_parquet
     source = sources.parquet(f"{url}/*.parquet", columns=["text", "id"])

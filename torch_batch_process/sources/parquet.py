@@ -227,7 +227,9 @@ class _ParquetCursor(_Cursor):
         self._offset = 0  # rows of _pending already given out
         try:
             self._file = entry.path if source.is_local else source.open_file(shard)
-            self._reader = pq.ParquetFile(self._file)
+            # pre_buffer off: pyarrow would keep every column chunk it fetched until the reader is
+            # closed, so the memory of a sequential read would grow with the file
+            self._reader = pq.ParquetFile(self._file, pre_buffer=False)
             groups = list(range(row_group, len(source._starts[shard]) - 1))
             self._iter = self._reader.iter_batches(
                 batch_size=batch_rows, row_groups=groups, columns=source._columns, use_threads=False
