@@ -439,6 +439,7 @@ def test_hf_parquet_files_read_by_shard(local_parquet: tuple[str, list[list[dict
     assert list(source.read(last, 2)) == list(source.read(last))[2:]
 
 
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # datasets' torch formatter
 def test_hf_generator_with_gen_kwargs_lists() -> None:
     source = sources.from_hf(hf_generator_dataset(num_shards=5, size=300))
     assert source.num_shards == 5 and source.num_rows is None
