@@ -1,0 +1,633 @@
+"""The engine's view of a streaming source: shards of rows, read by row ranges, resumable by offsets.
+
+A :class:`Source` is a fixed, ordered list of shards (files, or the shards of a Hugging Face
+iterable dataset, or anything a user can open). The engine cuts shards into ranges of rows and
+calls :meth:`Source.read` for each range; a resume re-reads only the ranges not yet committed,
+and a source seeks past the rows before a range where its format allows it (Parquet row groups,
+a JSONL byte-offset index) instead of decoding them.
+
+Three things every source does the same way, implemented here once:
+
+- **Sequential reads stay sequential.** Reading consecutive ranges of one shard (``[0, 64)``,
+  ``[64, 128)``...) continues one open reader (a *cursor*) instead of reopening the shard and
+  skipping again each time: each process keeps its last few cursors per source
+  (:attr:`Source.MAX_CURSORS`), and a read that starts at or shortly after a cached cursor's
+  position goes on from it.
+- **Per-process state.** Open files, filesystems and cursors belong to the process that opened
+  them. They are never pickled, and a forked child (a DataLoader worker) discards its parent's
+  copies and opens its own on first use.
+- **Counting.** :attr:`Source.rows_read` counts the rows this object decoded (or scanned past) in
+  this process, including rows read only to skip them; :attr:`Source.on_rows_read`, when set, is
+  called with each increment, in whichever process reads. :class:`RowsReadLog` is such a hook
+  that adds up the counts of every process (DataLoader workers, ranks) in a file.
+
+The second half of the module lists the files of file-based sources (local paths and fsspec URLs,
+globs and folders, in a deterministic order) and opens them lazily per process.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import operator
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from torch_batch_process.errors import BatchProcessError, InvalidArgumentError, StorageError
+
+__all__ = ["RowsReadLog", "ShardInfo", "Source", "SourceDataError"]
+
+
+class SourceDataError(BatchProcessError, ValueError):
+    """A shard's content does not match what the source expects (a line that is not JSON, a shard
+    that yields fewer rows than its declared ``num_rows``...). The message names the shard and row."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard of a source.
+
+    Attributes:
+        name: the shard's URL (file sources) or another stable id.
+        num_rows: its number of rows, or ``None`` when it is unknown without reading it all
+            (JSONL without ``count_rows``, Hugging Face iterable datasets, :class:`Sharded`).
+    """
+
+    name: str
+    num_rows: int | None
+
+
+class Source(abc.ABC):
+    """A sharded stream of examples: what ``torch_batch_process(dataset=...)`` accepts besides
+    map-style datasets.
+
+    Subclasses implement :meth:`shards`, :meth:`fingerprint` and :meth:`_open_cursor` (plus
+    :meth:`_seek_cost` when their format can seek). Sources are picklable and usable inside
+    DataLoader worker processes.
+
+    Attributes:
+        rows_read: rows decoded (or scanned past to skip them) by this object in this process.
+            A pickled copy starts from 0.
+        on_rows_read: ``None`` or a picklable callable, called with the number of rows each time
+            ``rows_read`` grows (in the process that reads). See :class:`RowsReadLog`.
+    """
+
+    kind: ClassVar[str] = "source"
+    #: Rows produced per step of a read (converted to Python objects together).
+    CHUNK_ROWS: ClassVar[int] = 1024
+    #: Open cursors kept per source per process, for reads that continue where another ended.
+    MAX_CURSORS: ClassVar[int] = 4
+    #: Attributes that belong to one process and are never pickled (reset to None in a copy).
+    _TRANSIENT: ClassVar[tuple[str, ...]] = ()
+
+    _pid: int
+    _lock: threading.Lock
+    _cursors: list[_Cursor]
+
+    def __init__(self) -> None:
+        self.rows_read = 0
+        self.on_rows_read: Callable[[int], None] | None = None
+        self._reset_process_state()
+
+    # ------------------------------------------------------------------ the interface
+
+    @abc.abstractmethod
+    def shards(self) -> list[ShardInfo]:
+        """The shards, in a stable order (computed once, from metadata only)."""
+
+    @abc.abstractmethod
+    def fingerprint(self) -> dict[str, Any]:
+        """A JSON-able description that changes when the data would (kind, names, sizes, versions...)."""
+
+    def read(self, shard: int, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+        """The examples of rows ``[start, stop)`` of shard ``shard`` (``stop=None``: to its end).
+
+        Arguments are checked now; rows are read lazily as the iterator is consumed. A range past
+        the end of the shard yields fewer rows (none when ``start`` is past the end). Rows before
+        ``start`` are skipped by seeking where the format allows, else read and dropped (and
+        counted in :attr:`rows_read`).
+
+        Raises:
+            InvalidArgumentError: ``shard`` is not an index of :meth:`shards`, ``start < 0`` or
+                ``stop < start``.
+        """
+        shard, start, stop = self._check_range(shard, start, stop)
+        if stop is not None and start >= stop:
+            return iter(())
+        return self._rows(shard, start, stop)
+
+    # ------------------------------------------------------------------ conveniences
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shards."""
+        return len(self.shards())
+
+    @property
+    def num_rows(self) -> int | None:
+        """Total rows over all shards, or ``None`` when any shard's count is unknown."""
+        counts = [info.num_rows for info in self.shards()]
+        return None if any(n is None for n in counts) else sum(counts)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Closes the readers this process keeps open (they are reopened when needed)."""
+        self._own_process()
+        with self._lock:
+            cursors, self._cursors = self._cursors, []
+        for cursor in cursors:
+            cursor.close()
+
+    def __repr__(self) -> str:
+        infos = self.shards()
+        total = self.num_rows
+        rows = "unknown" if total is None else str(total)
+        return f"<{type(self).__name__} {len(infos)} shard(s), rows: {rows}>"
+
+    # ------------------------------------------------------------------ for subclasses
+
+    @abc.abstractmethod
+    def _open_cursor(self, shard: int, start: int, stop: int | None) -> _Cursor:
+        """A new cursor on ``shard`` at a position ``<= start`` (as close to it as the format can seek);
+        ``stop`` (``None``: unknown) tells how far the first read goes, to size its first decoding step."""
+
+    def _check_range(self, shard: Any, start: Any, stop: Any) -> tuple[int, int, int | None]:
+        """``(shard, start, stop)`` checked and normalized; ``stop`` clipped to a known row count."""
+        infos = self.shards()
+        shard = _index("shard", shard)
+        if not 0 <= shard < len(infos):
+            raise InvalidArgumentError(
+                f"shard={shard} is out of range: this {self.kind} source has {len(infos)} shard(s); "
+                f"pass an index in [0, {len(infos)})"
+            )
+        start = _index("start", start)
+        if start < 0:
+            raise InvalidArgumentError(f"start={start} is negative; pass a row offset >= 0")
+        if stop is not None:
+            stop = _index("stop", stop)
+            if stop < start:
+                raise InvalidArgumentError(f"stop={stop} is before start={start}; pass stop >= start or None")
+        known = infos[shard].num_rows
+        if known is not None:
+            stop = known if stop is None else min(stop, known)
+        return shard, start, stop
+
+    def _seek_cost(self, shard: int, start: int) -> int:
+        """Rows a new cursor reads before reaching ``start`` (``start`` when the format cannot seek)."""
+        return start
+
+    def _count_read(self, rows: int) -> None:
+        """Records ``rows`` rows decoded or scanned in this process."""
+        if rows <= 0:
+            return
+        self.rows_read += rows
+        if self.on_rows_read is not None:
+            self.on_rows_read(rows)
+
+    # ------------------------------------------------------------------ reading
+
+    def _rows(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
+        cursor = self._checkout(shard, start, stop)
+        healthy = True
+        try:
+            while True:
+                want = self.CHUNK_ROWS if stop is None else min(self.CHUNK_ROWS, stop - cursor.position)
+                if want <= 0:
+                    return
+                healthy = False
+                rows = cursor.take(want)
+                healthy = True
+                if not rows:
+                    return
+                given = 0
+                try:
+                    for row in rows:
+                        given += 1  # counted before the yield: a consumer that stops here has this row
+                        yield row
+                finally:
+                    if given < len(rows):
+                        cursor.untake(rows[given:])
+        finally:
+            if healthy:
+                self._checkin(cursor)
+            else:
+                cursor.close()
+
+    def _checkout(self, shard: int, start: int, stop: int | None) -> _Cursor:
+        """A cursor at ``start``: a cached one at or shortly before it, else a new one."""
+        self._own_process()
+        cost = self._seek_cost(shard, start)
+        best: _Cursor | None = None
+        with self._lock:
+            for cursor in self._cursors:
+                ahead = start - cursor.position
+                if cursor.shard == shard and 0 <= ahead <= cost and (best is None or cursor.position > best.position):
+                    best = cursor
+            if best is not None:
+                self._cursors.remove(best)
+        cursor = best if best is not None else self._open_cursor(shard, start, stop)
+        try:
+            cursor.skip(start - cursor.position)
+        except BaseException:
+            cursor.close()
+            raise
+        return cursor
+
+    def _checkin(self, cursor: _Cursor) -> None:
+        """Keeps a cursor for a read that continues where this one ended (or closes it)."""
+        if cursor.at_end or self._pid != os.getpid():
+            cursor.close()
+            return
+        with self._lock:
+            self._cursors.append(cursor)
+            evicted = self._cursors[: -self.MAX_CURSORS] if len(self._cursors) > self.MAX_CURSORS else []
+            del self._cursors[: len(evicted)]
+        for old in evicted:
+            old.close()
+
+    # ------------------------------------------------------------------ processes and pickling
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._cursors = []
+        for name in self._TRANSIENT:
+            setattr(self, name, None)
+
+    def _own_process(self) -> None:
+        """Drops (without closing: they are the parent's) the readers inherited through a fork."""
+        if self._pid != os.getpid():
+            self._reset_process_state()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_pid", "_lock", "_cursors", *self._TRANSIENT):
+            state.pop(name, None)
+        state["rows_read"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()
+
+
+class _Cursor(abc.ABC):
+    """An open reader of one shard at row ``position``, producing rows in order.
+
+    Subclasses implement :meth:`_produce` (and :meth:`_skip` when skipping can avoid decoding)
+    and :meth:`close`. Rows given back with :meth:`untake` are served first by the next call.
+    """
+
+    def __init__(self, source: Source, shard: int, position: int) -> None:
+        self.source = source
+        self.shard = shard
+        self.position = position
+        self._head: list[Any] = []
+        self._ended = False
+
+    @property
+    def at_end(self) -> bool:
+        """Whether the shard has no row left after ``position``."""
+        return self._ended and not self._head
+
+    def take(self, n: int) -> list[Any]:
+        """Up to ``n`` next rows (fewer only at the end of the shard)."""
+        rows = self._head[:n]
+        del self._head[:n]
+        while len(rows) < n and not self._ended:
+            more = self._produce(n - len(rows))
+            if not more:
+                self._ended = True
+                break
+            rows.extend(more)
+        self.position += len(rows)
+        return rows
+
+    def untake(self, rows: list[Any]) -> None:
+        """Gives back the last rows of a :meth:`take` that the consumer did not receive."""
+        self._head[:0] = rows
+        self.position -= len(rows)
+
+    def skip(self, n: int) -> None:
+        """Moves ``n`` rows ahead (or to the end) without converting them."""
+        if n <= 0:
+            return
+        dropped = min(n, len(self._head))
+        del self._head[:dropped]
+        self.position += dropped
+        if n > dropped and not self._ended:
+            skipped = self._skip(n - dropped)
+            self.position += skipped
+            if skipped < n - dropped:
+                self._ended = True
+
+    @abc.abstractmethod
+    def _produce(self, n: int) -> list[Any]:
+        """Up to ``n`` new rows, ``[]`` at the end; counts what it decodes with ``source._count_read``."""
+
+    def _skip(self, n: int) -> int:
+        """Skips up to ``n`` rows; returns how many (fewer only at the end). Default: produce and drop."""
+        skipped = 0
+        while skipped < n:
+            rows = self._produce(min(n - skipped, self.source.CHUNK_ROWS))
+            if not rows:
+                break
+            skipped += len(rows)
+        return skipped
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the files or iterators this cursor holds."""
+
+
+class RowsReadLog:
+    """An ``on_rows_read`` hook that adds up the rows read by every process in one local file.
+
+    Each call appends one short line (an ``O_APPEND`` write, atomic between processes), so the
+    counts of DataLoader workers and of every rank on the machine add up; :meth:`total` sums them.
+    It is picklable (it holds only the path)::
+
+        log = RowsReadLog(tmp_path / "reads")
+        source.on_rows_read = log
+        ...  # run the job
+        assert log.total() <= 0.15 * source.num_rows
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+
+    def __call__(self, rows: int) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"%d\n" % rows)
+        finally:
+            os.close(fd)
+
+    def total(self) -> int:
+        """Rows recorded so far (0 when nothing was read yet)."""
+        try:
+            with open(self.path, "rb") as f:
+                return sum(int(line) for line in f if line.strip())
+        except FileNotFoundError:
+            return 0
+
+    def reset(self) -> None:
+        """Forgets the rows recorded so far."""
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __repr__(self) -> str:
+        return f"RowsReadLog({self.path!r})"
+
+
+def _index(name: str, value: Any) -> int:
+    """``value`` as an int (numpy and torch integers accepted); bools and other types refused."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name}={value!r} is a bool; pass an int")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{name}={value!r} is not an int; pass an int") from None
+
+
+# ====================================================================== files of file-based sources
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a file-based source, as listed at construction."""
+
+    url: str  # user-facing: a local absolute path, or the full fsspec URL
+    path: str  # the path on the filesystem (without protocol)
+    size: int
+    version: str | None  # ETag, mtime or creation time: whatever the filesystem reports
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.url, "size": self.size, "version": self.version}
+
+
+_GLOB_CHARS = ("*", "?", "[")
+
+
+def list_files(
+    urls_or_glob: Any,
+    storage_options: dict[str, Any] | None,
+    *,
+    suffixes: tuple[str, ...],
+    kind: str,
+) -> tuple[str, dict[str, Any], list[FileEntry]]:
+    """Expands ``urls_or_glob`` into files, in a deterministic order.
+
+    Each item is a file, a glob (expanded and sorted by path) or a folder (its files whose name
+    ends with one of ``suffixes``, recursively, sorted); items keep the order given. All items
+    must be on one filesystem.
+
+    Returns:
+        ``(url of the first item, storage options, files)``; the first two re-create the filesystem
+        in another process.
+
+    Raises:
+        InvalidArgumentError: bad types, no file, a missing file, a file listed twice, two filesystems.
+        StorageError: the filesystem cannot be reached or listed.
+    """
+    items = _url_items(urls_or_glob)
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise InvalidArgumentError(
+            f"storage_options={storage_options!r} is not a dict; pass the fsspec filesystem's options as a dict"
+        )
+    options = dict(storage_options or {})
+    protocols = {_protocol(item) for item in items}
+    if len(protocols) > 1:
+        raise InvalidArgumentError(
+            f"urls_or_glob mixes filesystems ({', '.join(sorted(protocols))}); "
+            f"make one {kind} source per filesystem, or copy the files to one place"
+        )
+    fs = open_filesystem(items[0], options)
+    try:
+        fs.invalidate_cache()  # listings must be fresh: the fingerprint compares them across runs
+    except Exception:  # noqa: BLE001 - a filesystem without a cache
+        pass
+    entries: list[FileEntry] = []
+    for item in items:
+        found = _expand(fs, item, suffixes, kind)
+        entries.extend(found)
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.path in seen:
+            raise InvalidArgumentError(
+                f"urls_or_glob lists {entry.url!r} more than once (its rows would be read twice); list each file once"
+            )
+        seen.add(entry.path)
+    return items[0], options, entries
+
+
+def open_filesystem(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+    """The fsspec filesystem of ``url``, with errors that name the URL and the fix."""
+    protocol = _protocol(url)
+    try:
+        fs, _ = fsspec.core.url_to_fs(url, **options)
+        return fs
+    except ImportError as exc:
+        hint = {
+            "s3": "pip install s3fs",
+            "s3a": "pip install s3fs",
+            "gs": "pip install gcsfs",
+            "gcs": "pip install gcsfs",
+        }
+        raise StorageError(
+            f"urls_or_glob {url!r}: the filesystem of {protocol}:// is not installed; "
+            f"{hint.get(protocol, f'install the fsspec implementation of {protocol}://')}"
+        ) from exc
+    except ValueError as exc:
+        if "protocol" in str(exc).lower():
+            raise InvalidArgumentError(
+                f"urls_or_glob {url!r}: unknown protocol {protocol!r}; pass a local path or an fsspec URL"
+            ) from exc
+        raise StorageError(f"urls_or_glob {url!r}: cannot open the filesystem: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - any backend error at construction
+        raise StorageError(f"urls_or_glob {url!r}: cannot open the filesystem: {type(exc).__name__}: {exc}") from exc
+
+
+def _url_items(urls_or_glob: Any) -> list[str]:
+    if isinstance(urls_or_glob, (str, os.PathLike)):
+        items = [urls_or_glob]
+    elif isinstance(urls_or_glob, Sequence) and not isinstance(urls_or_glob, (bytes, bytearray)):
+        items = list(urls_or_glob)
+    else:
+        raise InvalidArgumentError(
+            f"urls_or_glob={urls_or_glob!r} is not a path, URL or glob; pass a str (e.g. 's3://bucket/data/*.parquet') "
+            "or a list of them"
+        )
+    if not items:
+        raise InvalidArgumentError("urls_or_glob is an empty list; pass at least one path, URL or glob")
+    out = []
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)) or not os.fspath(item):
+            raise InvalidArgumentError(
+                f"urls_or_glob contains {item!r}; every item must be a non-empty path, URL or glob"
+            )
+        out.append(os.fspath(item))
+    return out
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def _expand(fs: fsspec.AbstractFileSystem, item: str, suffixes: tuple[str, ...], kind: str) -> list[FileEntry]:
+    _, path = _split(fs, item)
+    try:
+        if any(ch in path for ch in _GLOB_CHARS):
+            infos = fs.glob(path, detail=True)
+            files = sorted((info for info in infos.values() if info.get("type") != "directory"), key=_name)
+            if not files:
+                raise InvalidArgumentError(
+                    f"urls_or_glob {item!r} matches no file; check the pattern (and the bucket or folder it names)"
+                )
+            return [_entry(fs, info) for info in files]
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            raise InvalidArgumentError(
+                f"urls_or_glob {item!r} does not exist; fix the path (or the bucket), or pass a glob such as "
+                f"'{item.rstrip('/')}/*{suffixes[0]}'"
+            ) from None
+        if info.get("type") != "directory":
+            return [_entry(fs, info)]
+        found = fs.find(path, detail=True)
+        files = sorted(
+            (i for i in found.values() if i.get("type") != "directory" and _name(i).lower().endswith(suffixes)),
+            key=_name,
+        )
+        if not files:
+            raise InvalidArgumentError(
+                f"urls_or_glob {item!r} is a folder without {kind} files (names ending in {', '.join(suffixes)}); "
+                "pass a glob or the files themselves"
+            )
+        return [_entry(fs, i) for i in files]
+    except InvalidArgumentError:
+        raise
+    except FileNotFoundError as exc:
+        raise InvalidArgumentError(f"urls_or_glob {item!r}: not found ({exc}); fix the path or the bucket") from exc
+    except Exception as exc:  # noqa: BLE001 - any listing failure names the URL
+        raise StorageError(f"urls_or_glob {item!r}: cannot list it: {type(exc).__name__}: {exc}") from exc
+
+
+def _split(fs: fsspec.AbstractFileSystem, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    path = fs._strip_protocol(url)
+    if isinstance(fs, LocalFileSystem):
+        path = os.path.abspath(path)
+    return fs, path
+
+
+def _name(info: dict[str, Any]) -> str:
+    return str(info["name"])
+
+
+def _entry(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> FileEntry:
+    path = _name(info)
+    url = path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+    return FileEntry(url=url, path=path, size=int(info.get("size") or 0), version=_version(info))
+
+
+def _version(info: dict[str, Any]) -> str | None:
+    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, datetime.datetime):
+            return value.isoformat()
+        if isinstance(value, float):
+            return repr(value)
+        return str(value).strip('"')
+    return None
+
+
+class FileSource(Source):
+    """A source whose shards are files on one fsspec filesystem, opened lazily in each process."""
+
+    _TRANSIENT = ("_fs",)
+    _fs: fsspec.AbstractFileSystem | None
+
+    def __init__(self, urls_or_glob: Any, storage_options: dict[str, Any] | None, *, suffixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self._fs_url, self._options, self._files = list_files(
+            urls_or_glob, storage_options, suffixes=suffixes, kind=self.kind
+        )
+
+    @property
+    def files(self) -> list[FileEntry]:
+        """The files, in shard order."""
+        return list(self._files)
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """This process's filesystem (created on first use in each process)."""
+        self._own_process()
+        if self._fs is None:
+            self._fs = open_filesystem(self._fs_url, self._options)
+        return self._fs
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the files are on the local filesystem (read with native I/O)."""
+        return _protocol(self._fs_url) in ("file", "local")
+
+    def open_file(self, shard: int) -> Any:
+        """A binary file object of shard ``shard``; the caller closes it."""
+        entry = self._files[shard]
+        if self.is_local:
+            return open(entry.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed by the cursor
+        try:
+            return self.fs.open(entry.path, "rb")
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.kind} shard {entry.url!r} has disappeared since the source was created") from exc
+        except Exception as exc:  # noqa: BLE001
+            raise StorageError(f"cannot open {self.kind} shard {entry.url!r}: {type(exc).__name__}: {exc}") from exc
