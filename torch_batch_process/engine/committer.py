@@ -175,7 +175,11 @@ class Committer:
     def commit(self, processor: TorchBatchProcessor) -> None:
         """Commits this rank's part (after ``on_checkpoint_start()``): saves it and sends its vote."""
         t0 = time.perf_counter()
+        if self._queue is not None and self._failures.failed:
+            return  # a failed rank's part is never committed: the closing exchange makes every rank raise
         vote = self._vote(processor, final=False)
+        if self._queue is not None and vote.failure is not None:
+            return  # saving it failed
         if self._queue is not None:
             self._queue.push(vote)
             self._voted.append((vote.stage, vote.has_files))
