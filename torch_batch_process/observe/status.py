@@ -30,23 +30,18 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.engine.checkpoint import (
-    ATTEMPT_FILE,
-    OUTPUTS_DIR,
-    RESULT_FILE,
-    CheckpointStore,
-    CommitRecord,
-)
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
-from torch_batch_process.storage.lock import LEASE_FILE, LOCK_FILE, LOCK_INFO_FILE
 from torch_batch_process.observe.metrics import METRICS_FILE
-from torch_batch_process.processes import pid_alive
 from torch_batch_process.observe.progress import format_duration
-from torch_batch_process.engine.plan import BatchGeometry
-from torch_batch_process.storage.base import Storage
 from torch_batch_process.observe.tensorboard import TENSORBOARD_DIR
+from torch_batch_process.processes import pid_alive
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.lock import LEASE_FILE, LOCK_FILE, LOCK_INFO_FILE
+
+if TYPE_CHECKING:
+    from torch_batch_process.engine.checkpoint import CheckpointStore, CommitRecord
 
 _READ_RETRIES = 5
 _LEASE_GRACE = 3.0
@@ -65,6 +60,11 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         CheckpointCorruptError: a record cannot be read.
         StorageError: the storage cannot be read.
     """
+    # Imported here, not at the top: ``tbp --help`` and ``tbp status --help`` build this module's
+    # parser and must start without the engine's modules (and what they import).
+    from torch_batch_process.engine.checkpoint import ATTEMPT_FILE, OUTPUTS_DIR, RESULT_FILE, CheckpointStore
+    from torch_batch_process.engine.plan import BatchGeometry
+
     storage = Storage(storage_path, storage_options)
     store = CheckpointStore(storage)
     job = store.load_job()
