@@ -191,10 +191,26 @@ def test_hparams_are_logged_once_per_attempt_to_jsonl_and_tensorboard(tmp_path, 
     assert [step for step, _ in texts] == [0, 4], "one table per attempt, at the batches committed then"
     table = texts[-1][1]
     assert table.startswith("| hyperparameter | value |\n|---|---|\n")
-    for row in ("| lr | 0.25 |", "| model/name | cnn |", "| model/layers | [3, 5] |", "| note | a\\|b |", "| flag | true |"):
+    rows = ("| lr | 0.25 |", "| model/name | cnn |", "| model/layers | [3, 5] |", "| note | a\\|b |", "| flag | true |")
+    for row in rows:
         assert row in table.splitlines(), table
     tab = _hparams_tab(storage / "tensorboard")
-    assert tab == {"rank_0": {"lr": 0.25, "model/name": "cnn", "model/layers": "[3, 5]", "note": "a|b", "flag": "true"}}
+    expected = {"lr": 0.25, "model/name": "cnn", "model/layers": "[3, 5]", "note": "a|b", "flag": "true"}
+    assert tab == {"rank_0": expected}, "the HParams tab sees rank 0's run with the flattened values"
+
+
+def test_the_observer_reads_the_hparams_that_tbp_run_sets(tmp_path, monkeypatch):
+    from torch_batch_process.launch.config import job_environment, load_config
+    from torch_batch_process.observe.observer import read_hparams
+
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "entrypoint: python3 job.py\nhyperparameters:\n  lr: {type: const, val: 0.25}\n  model: {name: cnn}\n"
+    )
+    env, _ = job_environment(load_config(config))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert read_hparams() == {"lr": 0.25, "model": {"name": "cnn"}}
 
 
 @needs_tensorboard
@@ -262,7 +278,8 @@ class ManyMetrics(TorchBatchProcessor):
 @pytest.mark.slow
 def test_tbp_status_through_head_prints_the_first_line_and_no_traceback(tmp_path):
     storage = tmp_path / "job"
-    assert torch_batch_process(ManyMetrics, list(range(6)), batch_size=3, storage_path=str(storage), progress=False).finished
+    result = torch_batch_process(ManyMetrics, list(range(6)), batch_size=3, storage_path=str(storage), progress=False)
+    assert result.finished
     env = base_env()
     env.pop("PYTHONUNBUFFERED")
     command = f"set -o pipefail; {sys.executable} -m torch_batch_process.launch.cli status --json {storage} | head -n 1"
@@ -336,6 +353,9 @@ def test_package_import_is_lazy():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"version": "0.1.0", "torch": False, "all_in_dir": True}
+    import torch_batch_process as tbp
+
+    assert set(tbp.__all__) == set(tbp._EXPORTS) | {"__version__"}, "every public name has its module"
 
 
 def test_every_public_name_still_imports_from_the_package():

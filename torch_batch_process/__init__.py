@@ -47,7 +47,25 @@ _EXPORTS: dict[str, str] = {
 }
 """Public name -> the module that defines it (imported on first access)."""
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "BatchProcessError",
+    "BatchProcessResult",
+    "CheckpointCorruptError",
+    "DistributedInfo",
+    "InvalidArgumentError",
+    "JobLockedError",
+    "JobMismatchError",
+    "MetricReducer",
+    "StorageError",
+    "TorchBatchProcessor",
+    "TorchBatchProcessorContext",
+    "WorkerFailedError",
+    "WorkerLostError",
+    "__version__",
+    "get_default_device",
+    "to_device",
+    "torch_batch_process",
+]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from torch_batch_process.context import TorchBatchProcessorContext

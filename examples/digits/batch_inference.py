@@ -96,7 +96,10 @@ def main() -> None:
             "(the stored result; nothing was processed now; --fresh runs it again)"
         )
         return
-    print(f"Processed {result.examples_processed} examples in {result.elapsed_s:.1f}s on {result.world_size} process(es)")
+    print(
+        f"Processed {result.examples_processed} examples in {result.elapsed_s:.1f}s "
+        f"on {result.world_size} process(es)"
+    )
 
 
 if __name__ == "__main__":

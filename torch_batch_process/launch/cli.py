@@ -20,7 +20,6 @@ import shlex
 import sys
 from typing import Any
 
-
 EXIT_STDOUT_CLOSED = 141
 """Exit code when the reader of standard output went away (128 + SIGPIPE, as for tools killed by it)."""
 

@@ -46,10 +46,10 @@ from torch_batch_process.context import HPARAMS_ENV
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.observe.profiler import StepProfiler
 from torch_batch_process.observe.progress import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
-from torch_batch_process.result import BatchProcessResult, to_jsonable
-from torch_batch_process.storage.base import Storage
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
 from torch_batch_process.observe.tensorboard import FolderUploader, TensorBoardLog
+from torch_batch_process.result import BatchProcessResult, to_jsonable
+from torch_batch_process.storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,8 @@ class JobObserver:
             )
         records: list[dict[str, Any]] = []
         if self._hparams:  # once per attempt: with its first record
-            records.append({"group": "hparams", "steps_completed": self._base_batches, "rank": 0, "metrics": self._hparams})
+            base = self._base_batches
+            records.append({"group": "hparams", "steps_completed": base, "rank": 0, "metrics": self._hparams})
             self._hparams = None
         mono = time.monotonic()
         if last or mono >= self._next_progress_record:
