@@ -14,27 +14,38 @@ A drop-in for Determined AI's Torch Batch Processing API that runs on plain ``to
                 torch.save(self.model(self.context.to_device(batch)), path / f"pred_{batch_idx}.pt")
 
     torch_batch_process(Processor, dataset, batch_size=64, checkpoint_interval=10)
+
+The public names are imported lazily, on first use (PEP 562): ``import torch_batch_process`` and
+``torch_batch_process.__version__`` do not import torch, so the ``tbp`` command starts in a fraction
+of a second; ``from torch_batch_process import X`` imports what ``X`` needs, as before.
 """
 
-from torch_batch_process.context import TorchBatchProcessorContext
-from torch_batch_process.device import get_default_device, to_device
-from torch_batch_process.engine.distributed import DistributedInfo
-from torch_batch_process.errors import (
-    BatchProcessError,
-    CheckpointCorruptError,
-    InvalidArgumentError,
-    JobLockedError,
-    JobMismatchError,
-    StorageError,
-    WorkerFailedError,
-    WorkerLostError,
-)
-from torch_batch_process.batch_process import torch_batch_process
-from torch_batch_process.processor import TorchBatchProcessor
-from torch_batch_process.reducers import MetricReducer
-from torch_batch_process.result import BatchProcessResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "BatchProcessError": "torch_batch_process.errors",
+    "BatchProcessResult": "torch_batch_process.result",
+    "CheckpointCorruptError": "torch_batch_process.errors",
+    "DistributedInfo": "torch_batch_process.engine.distributed",
+    "InvalidArgumentError": "torch_batch_process.errors",
+    "JobLockedError": "torch_batch_process.errors",
+    "JobMismatchError": "torch_batch_process.errors",
+    "MetricReducer": "torch_batch_process.reducers",
+    "StorageError": "torch_batch_process.errors",
+    "TorchBatchProcessor": "torch_batch_process.processor",
+    "TorchBatchProcessorContext": "torch_batch_process.context",
+    "WorkerFailedError": "torch_batch_process.errors",
+    "WorkerLostError": "torch_batch_process.errors",
+    "get_default_device": "torch_batch_process.device",
+    "to_device": "torch_batch_process.device",
+    "torch_batch_process": "torch_batch_process.batch_process",
+}
+"""Public name -> the module that defines it (imported on first access)."""
 
 __all__ = [
     "BatchProcessError",
@@ -55,3 +66,36 @@ __all__ = [
     "to_device",
     "torch_batch_process",
 ]
+
+if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
+    from torch_batch_process.context import TorchBatchProcessorContext
+    from torch_batch_process.device import get_default_device, to_device
+    from torch_batch_process.engine.distributed import DistributedInfo
+    from torch_batch_process.batch_process import torch_batch_process
+    from torch_batch_process.errors import (
+        BatchProcessError,
+        CheckpointCorruptError,
+        InvalidArgumentError,
+        JobLockedError,
+        JobMismatchError,
+        StorageError,
+        WorkerFailedError,
+        WorkerLostError,
+    )
+    from torch_batch_process.processor import TorchBatchProcessor
+    from torch_batch_process.reducers import MetricReducer
+    from torch_batch_process.result import BatchProcessResult
+
+
+def __getattr__(name: str) -> Any:
+    """Imports a public name's module on first access and caches the name in this module."""
+    module_name = _EXPORTS.get(name)
+    if module_name is None:  # AttributeError lets ``from torch_batch_process import <submodule>`` import it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

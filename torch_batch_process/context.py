@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from torch_batch_process.device import to_device
+from torch_batch_process.environment import HPARAMS_ENV
 from torch_batch_process.engine.distributed import DistributedInfo
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.outputs.files import OutputStager
@@ -20,7 +21,6 @@ from torch_batch_process.provenance import describe_checkpoint, describe_model_v
 from torch_batch_process.reducers import MetricReducer, ReducerRegistry
 from torch_batch_process.result import to_jsonable
 
-HPARAMS_ENV = "TBP_HPARAMS"
 
 
 class CurrentBatch:

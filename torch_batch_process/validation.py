@@ -15,16 +15,18 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from torch_batch_process.engine.bucketing import DEFAULT_BUCKET_WINDOW, resolve_lengths, validate_bucket_options
+from torch_batch_process.environment import (
+    DEFAULT_ROOT,
+    JOB_NAME_ENV,
+    STORAGE_ENV,
+    STORAGE_OPTIONS_ENV,
+    is_valid_job_name,
+)
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.processor import TorchBatchProcessor
 
-STORAGE_ENV = "TBP_STORAGE_PATH"
-JOB_NAME_ENV = "TBP_JOB_NAME"
-STORAGE_OPTIONS_ENV = "TBP_STORAGE_OPTIONS"
-DEFAULT_ROOT = "tbp_runs"
 SCHEDULES = ("static", "dynamic")
 
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FORBIDDEN_LOADER_KEYS = {
     "sampler": "the library builds its own sampler to shard the dataset over ranks; remove 'sampler'",
     "batch_sampler": "the library builds its own batch sampler to shard the dataset; remove 'batch_sampler'",
@@ -56,11 +58,6 @@ class JobArguments:
     max_tokens: int | None = None
     lengths_s: float = 0.0
     """Seconds spent getting the lengths (part of the plan's cost)."""
-
-
-def is_valid_job_name(name: Any) -> bool:
-    """Whether ``name`` can name a job: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit."""
-    return isinstance(name, str) and bool(_JOB_NAME.match(name))
 
 
 def _is_int(value: Any) -> bool:
@@ -276,7 +273,7 @@ def validate_arguments(
     job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None
     if job_name is None:
         job_name = default_job_name(storage_path)
-    if not isinstance(job_name, str) or not _JOB_NAME.match(job_name):
+    if not isinstance(job_name, str) or not is_valid_job_name(job_name):
         raise InvalidArgumentError(
             f"job_name must be 1-128 characters of letters, digits, '.', '_' or '-' (starting with a letter or "
             f"digit), got {job_name!r}"

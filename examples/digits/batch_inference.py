@@ -87,9 +87,19 @@ def main() -> None:
     if result.preempted:
         print(f"Preempted after {result.examples_committed}/{result.num_examples} examples; run again to resume.")
         return
-    print(f"Accuracy: {result.metrics['accuracy']:.4f} over {result.metrics['examples']} held-out digits")
+    accuracy = result.metrics["accuracy"]
+    print(f"Accuracy: {accuracy:.4f} over {result.metrics['examples']} held-out digits")
     print(f"Predictions (CSV, one file per batch): {result.outputs_path}")
-    print(f"Processed {result.examples_processed} examples in {result.elapsed_s:.1f}s on {result.world_size} process(es)")
+    if result.already_finished:  # a re-run of a finished job does no work and returns its stored result
+        print(
+            f"Already finished earlier: {result.examples_committed} examples, accuracy {accuracy:.4f} "
+            "(the stored result; nothing was processed now; --fresh runs it again)"
+        )
+        return
+    print(
+        f"Processed {result.examples_processed} examples in {result.elapsed_s:.1f}s "
+        f"on {result.world_size} process(es)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,13 @@
 Each subcommand has a ``_add_<name>_parser(subparsers)`` function that declares its options and a
 ``cmd_<name>(args) -> int`` function that runs it; :func:`build_parser` lists them. To add one, write
 the two functions and register the first in :func:`build_parser`.
+
+Start-up: this module and the parsers import neither torch nor the engine, so ``tbp --help`` answers
+at once; a subcommand imports what it needs when it runs.
+
+A closed standard output (``tbp status ... | head``) ends the command quietly with exit code 141
+(128 + SIGPIPE, what a shell reports for ``cat``, ``seq``... stopped the same way), not with a
+``BrokenPipeError`` traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +19,9 @@ import os
 import shlex
 import sys
 from typing import Any
+
+EXIT_STDOUT_CLOSED = 141
+"""Exit code when the reader of standard output went away (128 + SIGPIPE, as for tools killed by it)."""
 
 
 def _say(message: str) -> None:
@@ -128,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
             "torch_batch_process command line: resumable, exactly-once batch processing with PyTorch. "
             "Run 'tbp COMMAND --help' for the options of a command."
         ),
+        epilog=f"Exit code {EXIT_STDOUT_CLOSED} when standard output is closed early (e.g. tbp status ... | head).",
     )
     from torch_batch_process import __version__
 
@@ -141,13 +152,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tbp`` console command."""
+    """Entry point of the ``tbp`` console command; returns its exit code."""
+    try:
+        try:
+            return _dispatch(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     return int(args.func(args))
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout is gone: point stdout at ``/dev/null`` (so that the interpreter's own
+    flush at exit finds nothing to write and prints no second error) and return 141."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return EXIT_STDOUT_CLOSED
 
 
 if __name__ == "__main__":

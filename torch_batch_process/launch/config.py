@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.validation import is_valid_job_name
+from torch_batch_process.environment import is_valid_job_name
 
 TOP_LEVEL_KEYS = (
     "name",
@@ -480,8 +480,7 @@ def job_environment(
     The storage path is ``storage`` (``tbp run --storage``), else an exported ``$TBP_STORAGE_PATH``,
     else the config's ``checkpoint_storage``, else the engine's default (``./tbp_runs/<job name>``).
     """
-    from torch_batch_process.context import HPARAMS_ENV
-    from torch_batch_process.validation import JOB_NAME_ENV, STORAGE_ENV, STORAGE_OPTIONS_ENV
+    from torch_batch_process.environment import HPARAMS_ENV, JOB_NAME_ENV, STORAGE_ENV, STORAGE_OPTIONS_ENV
 
     environ = os.environ if environ is None else environ
     env = dict(config.variables)

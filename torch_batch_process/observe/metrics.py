@@ -11,7 +11,9 @@ by the library itself: ``"reduced"`` (reduced metrics, ``steps_completed`` = bat
 the end, at a preemption, and "so far" every ``TBP_METRICS_INTERVAL`` seconds; the last one of a
 finished job is its result) and ``"progress"`` (``batches_committed``, ``examples_committed``,
 ``fraction_done``, ``examples_per_s``, ``elapsed_s``; every ``progress_interval`` seconds and at the
-end). See :mod:`torch_batch_process.observe.observer`.
+end) and ``"hparams"`` (the job config's ``hyperparameters`` as ``metrics``, from ``tbp run``; once per
+attempt, with its first commit, ``steps_completed`` = batches committed when the attempt started).
+See :mod:`torch_batch_process.observe.observer`.
 
 The lines of one commit are appended at once (``storage.append``): locally with a single ``write()`` (a
 killed process leaves whole lines); object stores cannot append, so the storage keeps a local copy of the

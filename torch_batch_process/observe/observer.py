@@ -13,6 +13,9 @@ result and :meth:`~JobObserver.close` in any case. Behind it:
 - ``torch.profiler`` over a few steps (:mod:`~torch_batch_process.observe.profiler`);
 - the throughput, progress and "reduced metrics so far" stored in commit records and in
   ``metrics.jsonl`` (read by ``tbp status``).
+- the job config's ``hyperparameters`` (``tbp run``: ``$TBP_HPARAMS``, what ``context.get_hparams()``
+  returns), once per attempt on rank 0: one ``metrics.jsonl`` record (group ``hparams``, with the
+  first commit record of the attempt) and TensorBoard's Text and HParams tabs.
 
 Overhead: no collective and no I/O per step; a step costs one integer comparison in the loop, and
 rank 0 reads the clock only every few steps (sized from the step rate to hit the display's refresh
@@ -28,7 +31,9 @@ warning and turns interim metrics off; the final metrics are computed as always.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -36,13 +41,14 @@ from typing import Any
 
 import torch
 
+from torch_batch_process.environment import HPARAMS_ENV
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.observe.profiler import StepProfiler
 from torch_batch_process.observe.progress import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
-from torch_batch_process.result import BatchProcessResult, to_jsonable
-from torch_batch_process.storage.base import MirroredFolder
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
 from torch_batch_process.observe.tensorboard import TensorBoardLog
+from torch_batch_process.result import BatchProcessResult, to_jsonable
+from torch_batch_process.storage.base import MirroredFolder
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +119,7 @@ class JobObserver:
         self._committed_batches = 0
         self._committed_examples = 0
         self._next_show = 0.0
+        self._clock_started = False
         # Rank 0's records: metrics so far, progress lines.
         self._metrics: dict[str, Any] | None = None
         self._metrics_batches: int | None = None
@@ -120,6 +127,7 @@ class JobObserver:
         self._metrics_next = time.monotonic() + options.metrics_interval
         self._metrics_off = options.metrics_interval == 0
         self._next_progress_record = time.monotonic() + options.progress_interval
+        self._hparams: dict[str, Any] | None = None  # rank 0: logged with the attempt's first record
         # TensorBoard throughput of this rank between scalar writes.
         self._tb_window = RankInterval(0, 0, {})
         self._next_tb_scalars = time.monotonic() + TB_SCALAR_INTERVAL_S
@@ -159,8 +167,13 @@ class JobObserver:
         self._base_examples = self._committed_examples = committed_examples
         self._remaining_batches = remaining_batches
         self._remaining_examples = max(0, self.total_examples - committed_examples)
+        self._clock_started = False
+        if self.rank == 0:
+            self._hparams = read_hparams()
         if self.options.tensorboard:
             self._open_tensorboard()
+            if self._tb is not None and self._hparams:
+                self._tb.hparams(self._hparams, committed_batches)
         if self.options.profile is not None and self.options.profile.covers(self.rank) and remaining_batches:
             self._open_profiler()
         if self.rank == 0 and self.options.progress != "off" and remaining_batches:
@@ -221,20 +234,28 @@ class JobObserver:
             self.next_step = step + 1 if self._profiler is not None else NEVER
             return
         now = time.monotonic()
-        if now >= self._next_show:
+        if not self._clock_started:  # the first step (start-up included) is done: rates count from here
+            self._clock_started = True
             self._next_show = now + self._display.refresh_s
-            batches = min(self._remaining_batches, claimed if claimed is not None else (step + 1) * self.world_size)
-            examples = min(self._remaining_examples, batches * self.batch_size)
-            self._display.show(
-                max(self._committed_examples, self._base_examples + examples),
-                max(self._committed_batches, self._base_batches + batches),
-            )
+            self._display.start_clock(*self._done_after(step, claimed))
+        elif now >= self._next_show:
+            self._next_show = now + self._display.refresh_s
+            self._display.show(*self._done_after(step, claimed))
         gap = 1
         if self._profiler is None and now > self._last_check and step > self._last_check_step:
             rate = (step - self._last_check_step) / (now - self._last_check)
             gap = max(1, min(MAX_STEP_GAP, int((self._next_show - now) * rate)))
         self._last_check, self._last_check_step = now, step
         self.next_step = step + gap
+
+    def _done_after(self, step: int, claimed: int | None) -> tuple[int, int]:
+        """Examples and batches of the job done after step ``step`` (extrapolated, exact at commits)."""
+        batches = min(self._remaining_batches, claimed if claimed is not None else (step + 1) * self.world_size)
+        examples = min(self._remaining_examples, batches * self.batch_size)
+        return (
+            max(self._committed_examples, self._base_examples + examples),
+            max(self._committed_batches, self._base_batches + batches),
+        )
 
     # ------------------------------------------------------------------------ commits
 
@@ -285,6 +306,10 @@ class JobObserver:
                 metrics=self._metrics, metrics_batches_committed=self._metrics_batches, metrics_time=self._metrics_time
             )
         records: list[dict[str, Any]] = []
+        if self._hparams:  # once per attempt: with its first record
+            base = self._base_batches
+            records.append({"group": "hparams", "steps_completed": base, "rank": 0, "metrics": self._hparams})
+            self._hparams = None
         mono = time.monotonic()
         if last or mono >= self._next_progress_record:
             self._next_progress_record = mono + self.options.progress_interval
@@ -432,6 +457,26 @@ def summary_line(result: BatchProcessResult) -> str:
         f"({100.0 * result.examples_committed / result.num_examples if result.num_examples else 100.0:.1f}%); "
         f"seconds sum/max over ranks: {', '.join(phases) or 'none'}{slowest_rank}"
     )
+
+
+def read_hparams() -> dict[str, Any] | None:
+    """The job config's hyperparameters from ``$TBP_HPARAMS`` (set by ``tbp run``), or None.
+
+    None also when the variable is unset, empty, ``{}`` or not a JSON object (a warning then: the
+    processor's ``context.get_hparams()`` raises for it; logging them is only a convenience).
+    """
+    raw = os.environ.get(HPARAMS_ENV)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        logger.warning("hyperparameters are not logged: %s is not valid JSON (%s)", HPARAMS_ENV, exc)
+        return None
+    if not isinstance(value, dict):
+        logger.warning("hyperparameters are not logged: %s must hold a JSON object", HPARAMS_ENV)
+        return None
+    return value or None
 
 
 def _fraction(done: int, total: int) -> float:

@@ -5,6 +5,13 @@ committed on a resume. On a terminal it is a tqdm bar with examples/s and the ET
 is not a terminal (a log file, CI, Slurm), it is one plain INFO line every ``progress_interval``
 seconds and never a carriage return. The caller (:class:`~torch_batch_process.observe.JobObserver`)
 decides how often to call :meth:`ProgressDisplay.show`; the display itself does no I/O otherwise.
+
+Rates and the ETA come from steady-state steps only: the caller calls
+:meth:`ProgressDisplay.start_clock` when the attempt's first step is done, and the display measures
+from there. The first step carries the start-up (DataLoader workers, the first batch's warm-up,
+lazy CUDA initialisation), which can be longer than the whole rest of a short job; counted in, it
+made the first ETA minutes long for a job of seconds. The plain lines' ``elapsed`` still counts from
+the display's creation; the bar's clock (its elapsed time) starts with the steady state.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import contextlib
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 logger = logging.getLogger(__name__)
@@ -35,6 +43,9 @@ class ProgressDisplay:
     """Shows the job's progress; :meth:`show` is called every :attr:`refresh_s` seconds at most."""
 
     refresh_s: float = BAR_REFRESH_S
+
+    def start_clock(self, examples: int, batches: int) -> None:
+        """The attempt's first step is done, with ``examples`` and ``batches`` done: rates count from now."""
 
     def show(self, examples: int, batches: int) -> None:
         """Shows ``examples`` and ``batches`` done out of the job's totals."""
@@ -82,6 +93,19 @@ class BarDisplay(ProgressDisplay):
     def _batches(self, batches: int) -> str:
         return f"{batches}/{self.total_batches} batches"
 
+    def start_clock(self, examples: int, batches: int) -> None:
+        """Moves the bar to ``examples`` without counting them in its rate, and restarts its clock.
+
+        tqdm's rate is an average of ``(n - initial) / elapsed`` smoothed over the intervals between
+        its redraws; setting ``n``, ``initial`` and the times together starts both afresh from here.
+        """
+        bar = self._bar
+        bar.n = bar.last_print_n = bar.initial = max(bar.n, examples)
+        bar.start_t = bar.last_print_t = bar._time()
+        self._last_batches = batches
+        bar.set_postfix_str(self._batches(batches), refresh=False)
+        bar.refresh()
+
     def show(self, examples: int, batches: int) -> None:
         if batches != self._last_batches:
             self._bar.set_postfix_str(self._batches(batches), refresh=False)
@@ -96,7 +120,11 @@ class BarDisplay(ProgressDisplay):
 
 
 class LogDisplay(ProgressDisplay):
-    """One INFO line every ``interval`` seconds: done, percent, examples/s, elapsed and ETA."""
+    """One INFO line every ``interval`` seconds: done, percent, examples/s, elapsed and ETA.
+
+    ``clock`` (seconds, monotonic) is for tests; the rate counts from :meth:`start_clock` on (from the
+    creation until it is called).
+    """
 
     def __init__(
         self,
@@ -106,16 +134,25 @@ class LogDisplay(ProgressDisplay):
         total_batches: int,
         initial_examples: int,
         initial_batches: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.refresh_s = interval
         self.total_examples = total_examples
         self.total_batches = total_batches
-        self._initial = initial_examples
-        self._started = time.monotonic()
+        self._clock = clock
+        self._started = clock()
+        self._rate_base = initial_examples
+        self._rate_started = self._started
+
+    def start_clock(self, examples: int, batches: int) -> None:
+        self._rate_base = examples
+        self._rate_started = self._clock()
 
     def show(self, examples: int, batches: int) -> None:
-        elapsed = time.monotonic() - self._started
-        rate = (examples - self._initial) / elapsed if elapsed > 0 else 0.0
+        now = self._clock()
+        elapsed = now - self._started
+        measured = now - self._rate_started
+        rate = (examples - self._rate_base) / measured if measured > 0 else 0.0
         left = max(0, self.total_examples - examples)
         eta = format_duration(left / rate) if rate > 0 else "?"
         logger.info(

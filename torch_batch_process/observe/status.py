@@ -157,7 +157,7 @@ def fingerprint(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode("utf-8")).hexdigest()[:16]
 
 
-def _load_latest(store: CheckpointStore) -> CommitRecord | None:
+def _load_latest(store: JobStore) -> CommitRecord | None:
     """The latest record; lists again when it vanished between list and read (a newer commit's GC)."""
     for attempt in range(_READ_RETRIES):
         try:

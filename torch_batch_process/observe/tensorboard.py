@@ -10,6 +10,10 @@ Event files are written with ``torch.utils.tensorboard.SummaryWriter`` (only whe
 - ``progress/examples_per_s``, ``progress/fraction_done``, ``progress/examples_committed`` (rank 0)
   and ``throughput/examples_per_s``, ``time/<phase>_s`` (every rank: its own busy rate and seconds
   per phase), at step = batches committed, at most every 10 seconds and at the end.
+- ``hparams`` (rank 0, once per attempt, at step = batches committed when it started): the job
+  config's ``hyperparameters`` (``tbp run``, what ``context.get_hparams()`` returns), as a table in
+  the Text tab and as the run's hyperparameters in the HParams tab (nested keys joined with ``/``,
+  lists and other values as JSON text); the HParams tab lists the run's scalars as its metrics.
 
 For local storage the folder *is* ``<storage_path>/tensorboard/rank_<r>``. For object stores it is a
 fresh local temporary folder whose new or changed files (these event files, profiler traces, and whatever
@@ -20,6 +24,7 @@ deleted. Point TensorBoard at ``<storage_path>/tensorboard``.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -51,6 +56,7 @@ class TensorBoardLog:
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending: list[tuple[str, float, int]] = []
+        self._pending_hparams: list[tuple[dict[str, Any], int]] = []
 
     def open_in_background(self) -> None:
         """Starts opening the writer in a daemon thread (once)."""
@@ -84,7 +90,18 @@ class TensorBoardLog:
         for tag, value, step in self._pending:
             self._writer.add_scalar(tag, value, step)
         self._pending.clear()
+        while self._pending_hparams:
+            _write_hparams(self._writer, *self._pending_hparams.pop(0))
         return self._writer
+
+    def hparams(self, values: dict[str, Any], step: int) -> None:
+        """Adds hyperparameters (a Text table and the HParams tab's session) at ``step``.
+
+        Kept until the writer is open; it never opens the writer itself (see :meth:`open_in_background`).
+        """
+        self._pending_hparams.append((dict(values), step))
+        if self._ready.is_set():
+            self._get_writer(wait=False)
 
     def scalars(self, values: dict[str, Any], step: int, prefix: str = "") -> None:
         """Adds every number of ``values`` (flattening nested dicts) as a scalar at ``step``."""
@@ -110,3 +127,46 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self._get_writer(wait=True).close()
+
+
+def flatten_hparams(values: dict[str, Any], prefix: str = "") -> dict[str, float | str]:
+    """Nested hyperparameters as ``{"a/b": value}``: numbers and strings kept, booleans, lists and
+    the rest as JSON text, ``None`` left out (what TensorBoard's HParams tab can show)."""
+    flat: dict[str, float | str] = {}
+    for key, value in values.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            flat.update(flatten_hparams(value, name))
+        elif value is None:
+            continue
+        elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value, sort_keys=True, default=str)
+    return flat
+
+
+def hparams_markdown(values: dict[str, Any]) -> str:
+    """A Markdown table (TensorBoard's Text tab renders it) of the flattened hyperparameters."""
+    rows = ["| hyperparameter | value |", "|---|---|"]
+    for name, value in sorted(flatten_hparams(values).items()):
+        rows.append(f"| {_cell(name)} | {_cell(value if isinstance(value, str) else repr(value))} |")
+    return "\n".join(rows)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _write_hparams(writer: Any, values: dict[str, Any], step: int) -> None:
+    from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+    writer.add_text("hparams", hparams_markdown(values), step)
+    flat = flatten_hparams(values)
+    if flat:
+        # Only the session's start info: without an experiment summary, TensorBoard's HParams tab
+        # builds the experiment itself and lists the run's scalars (reduced/..., progress/...) as metrics.
+        _, session_start, _ = hparams_summaries(flat, {})
+        writer.file_writer.add_summary(session_start, step)
+
+

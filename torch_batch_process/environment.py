@@ -1,0 +1,31 @@
+"""The environment variables through which ``tbp run`` (and schedulers) configure a job, and the rule for
+job names: a torch-free module, so that the ``tbp`` command starts in a fraction of a second.
+
+=======================  ==================================================================================
+``TBP_STORAGE_PATH``     the job's storage path or URL (when ``storage_path`` is not given)
+``TBP_STORAGE_OPTIONS``  JSON: options of the fsspec filesystem (when ``storage_options`` is not given)
+``TBP_JOB_NAME``         the job's name (when ``job_name`` is not given)
+``TBP_HPARAMS``          JSON: the job config's ``hyperparameters`` (``context.get_hparams()``)
+=======================  ==================================================================================
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["DEFAULT_ROOT", "HPARAMS_ENV", "JOB_NAME_ENV", "STORAGE_ENV", "STORAGE_OPTIONS_ENV", "is_valid_job_name"]
+
+STORAGE_ENV = "TBP_STORAGE_PATH"
+STORAGE_OPTIONS_ENV = "TBP_STORAGE_OPTIONS"
+JOB_NAME_ENV = "TBP_JOB_NAME"
+HPARAMS_ENV = "TBP_HPARAMS"
+DEFAULT_ROOT = "tbp_runs"
+"""Default storage: ``./tbp_runs/<job name>``."""
+
+JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def is_valid_job_name(name: Any) -> bool:
+    """Whether ``name`` can name a job: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit."""
+    return isinstance(name, str) and bool(JOB_NAME_PATTERN.match(name))
