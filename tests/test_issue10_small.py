@@ -354,7 +354,7 @@ def test_every_public_name_still_imports_from_the_package():
     namespace: dict = {}
     exec("from torch_batch_process import *", namespace)
     assert set(tbp.__all__) <= set(namespace)
-    assert namespace["torch_batch_process"] is loop.torch_batch_process
+    assert namespace["torch_batch_process"] is batch_process.torch_batch_process
     assert namespace["__version__"] == "0.1.0"
     assert type(experimental).__name__ == "module", "a submodule, not a lazy name"
     assert experimental.TorchBatchProcessor is namespace["TorchBatchProcessor"]
