@@ -297,7 +297,7 @@ NO_TORCH_CHECK = textwrap.dedent(
     except SystemExit as exc:
         code = exc.code
     sys.stdout.flush()
-    heavy = sorted(m for m in ("torch", "numpy", "torch_batch_process.engine.loop") if m in sys.modules)
+    heavy = sorted(m for m in ("torch", "numpy", "torch_batch_process.batch_process") if m in sys.modules)
     print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
     """
 )
@@ -349,7 +349,7 @@ def test_package_import_is_lazy():
 def test_every_public_name_still_imports_from_the_package():
     import torch_batch_process as tbp
     from torch_batch_process import experimental
-    from torch_batch_process.engine import loop
+    from torch_batch_process import batch_process
 
     namespace: dict = {}
     exec("from torch_batch_process import *", namespace)
