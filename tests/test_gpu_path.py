@@ -571,3 +571,66 @@ def test_cuda_autocast(value: str) -> None:
     linear = torch.nn.Linear(8, 4).cuda()
     with torch.inference_mode(), factory():
         assert linear(torch.randn(3, 8, device="cuda")).dtype == AUTOCAST_DTYPES[value]
+
+
+# ------------------------------------------------------------------ benchmarks/gpu.py, CPU-safe parts
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(*args: str, env: dict[str, str] | None = None, code: str | None = None) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "benchmarks.gpu", *args]
+    return subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+    )
+
+
+def test_benchmark_help_and_dry_run_work_without_a_gpu() -> None:
+    helped = run_benchmark("--help")
+    assert helped.returncode == 0 and "--cpu-smoke" in helped.stdout and "--prefetch-overhead" in helped.stdout
+    dry = run_benchmark("--dry-run", "--quick")
+    assert dry.returncode == 0, dry.stderr
+    assert "plan: resnet50 (2,560 examples, batch 128)" in dry.stderr
+    refused = run_benchmark("--contenders", "tbp")
+    assert refused.returncode == 2 and "must include hand_pinned" in refused.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_benchmark_without_cuda_says_so_and_exits_cleanly() -> None:
+    done = run_benchmark()
+    assert done.returncode == 0
+    assert "no CUDA device is visible" in done.stderr and "nothing was measured" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_benchmark_prefetch_overhead_runs_on_cpu() -> None:
+    done = run_benchmark("--prefetch-overhead")
+    assert done.returncode == 0, done.stderr
+    assert "DevicePrefetcher pass-through:" in done.stdout and "ns per batch" in done.stdout
+
+
+def test_benchmark_utilization_sampler_reads_nvidia_smi(tmp_path: Any) -> None:
+    """The sampler parses ``nvidia-smi`` output (here a stand-in printing two GPUs at 30% and 50%)."""
+    import os
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 30\necho 50\n")
+    fake.chmod(0o755)
+    code = (
+        "import time\n"
+        "from benchmarks.gpu import UtilizationSampler\n"
+        "sampler = UtilizationSampler(['0', '1'])\n"
+        "assert sampler.source == 'nvidia-smi', sampler.source\n"
+        "start = time.time()\n"
+        "with sampler:\n"
+        "    time.sleep(1.0)\n"
+        "print(len(sampler.samples), sampler.mean_between(start, time.time()), sampler.mean_between(0, 1))\n"
+    )
+    done = run_benchmark(code=code, env={"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    count, mean, outside = done.stdout.split()
+    assert int(count) >= 2 and float(mean) == 40.0 and outside == "None"
