@@ -41,6 +41,8 @@ def torch_batch_process(
     bucket_by: Sequence[int] | Callable[[int], int] | None = None,
     bucket_window: int = DEFAULT_BUCKET_WINDOW,
     max_tokens: int | None = None,
+    device_prefetch: bool | None = None,
+    autocast: str | None = None,
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -89,6 +91,11 @@ def torch_batch_process(
         bucket_window: batches' worth of consecutive examples sorted together (default 100).
         max_tokens: with ``bucket_by``, a batch holds as many examples (at most ``batch_size``) as keep
             ``len(batch) * max(length in batch) <= max_tokens``; batch sizes vary.
+        device_prefetch: on CUDA (default there), the next batch is copied to the device on a side stream while
+            the current one runs, and ``process_batch`` receives it already on the device (``to_device`` is then
+            a no-op). ``False`` turns it off; ``True`` elsewhere does nothing.
+        autocast: ``None`` (default), ``"bf16"`` or ``"fp16"``: ``process_batch`` runs under ``torch.autocast``
+            with that dtype on the rank's device.
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -118,6 +125,8 @@ def torch_batch_process(
         bucket_by=bucket_by,
         bucket_window=bucket_window,
         max_tokens=max_tokens,
+        device_prefetch=device_prefetch,
+        autocast=autocast,
     )
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     with DistributedEnv(expected=distributed_context) as env:

@@ -58,6 +58,10 @@ class JobArguments:
     max_tokens: int | None = None
     lengths_s: float = 0.0
     """Seconds spent getting the lengths (part of the plan's cost)."""
+    device_prefetch: bool | None = None
+    """Checked on the rank's device (:func:`~torch_batch_process.engine.prefetch.validate_device_prefetch`)."""
+    autocast: str | None = None
+    """Checked on the rank's device (:func:`~torch_batch_process.engine.autocast.resolve_autocast`)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -260,6 +264,8 @@ def validate_arguments(
     bucket_by: Any = None,
     bucket_window: Any = DEFAULT_BUCKET_WINDOW,
     max_tokens: Any = None,
+    device_prefetch: Any = None,
+    autocast: Any = None,
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -307,4 +313,6 @@ def validate_arguments(
         bucket_window=bucket_window,
         max_tokens=max_tokens,
         lengths_s=time.perf_counter() - started,
+        device_prefetch=device_prefetch,
+        autocast=autocast,
     )

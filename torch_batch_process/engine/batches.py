@@ -4,8 +4,8 @@ The loader gets the library's batch sampler, which takes batch ids from the sche
 as the loader asks for more: a few ahead with workers) and gives the loader the dataset indices of each
 (``plan.batch_indices``), so only this rank's batches are ever loaded, with the user's workers, pinned memory,
 prefetching and ``collate_fn``. The loader yields batches in the sampler's order, so the feed pairs each batch
-with its id from a FIFO. A batch that fails to load (its ``__getitem__`` or ``collate_fn`` raised) comes out
-as a :class:`LoadError` with its id, and the feed goes on with the next one.
+with its id from a FIFO. A batch that fails to load (its ``__getitem__`` or ``collate_fn`` raised) raises
+:class:`LoadFailed` with its id; the feed can go on with the next one after it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import signal
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,14 +22,16 @@ from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.scheduler import Scheduler
 from torch_batch_process.errors import WorkerLostError
 
-__all__ = ["BatchFeed", "LoadError"]
+__all__ = ["BatchFeed", "LoadFailed"]
 
 
-@dataclass
-class LoadError:
-    """A batch whose loading raised ``error``."""
+class LoadFailed(Exception):
+    """Loading batch ``batch_idx`` raised ``error`` (its ``__getitem__`` or the ``collate_fn``)."""
 
-    error: BaseException
+    def __init__(self, batch_idx: int, error: BaseException) -> None:
+        super().__init__(f"loading batch {batch_idx} failed: {type(error).__name__}: {error}")
+        self.batch_idx = batch_idx
+        self.error = error
 
 
 class _PlanSampler(Sampler[Sequence[int]]):
@@ -48,7 +49,8 @@ class _PlanSampler(Sampler[Sequence[int]]):
 
 
 class BatchFeed:
-    """``next()`` gives ``(batch_idx, batch)``, or ``(batch_idx, LoadError)``, or ``None`` when no batch is left.
+    """An iterator of ``(batch_idx, batch)``; :class:`LoadFailed` for a batch that failed to load (iterate on:
+    the next batches follow).
 
     Args:
         dataset: the user's map-style dataset.
@@ -74,19 +76,22 @@ class BatchFeed:
         if self._iter is None:
             self._iter = iter(self.loader)
 
-    def next(self) -> tuple[int, Any] | None:
+    def __iter__(self) -> BatchFeed:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
         self.start()
         assert self._iter is not None
         try:
             batch = next(self._iter)
         except StopIteration:
-            return None
+            raise
         except WorkerLostError:  # the scheduler lost the rendezvous store: not this batch's fault
             raise
         except Exception as exc:  # noqa: BLE001 - a failing dataset or collate_fn: attributed to its batch
             if not self._ids:
                 raise
-            return self._ids.popleft(), LoadError(exc)
+            raise LoadFailed(self._ids.popleft(), exc) from exc
         return self._ids.popleft(), batch
 
     def close(self) -> None:

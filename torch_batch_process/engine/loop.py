@@ -27,13 +27,15 @@ from typing import Any
 
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.agreement import Decision, FailureTracker
-from torch_batch_process.engine.batches import BatchFeed
+from torch_batch_process.engine.autocast import resolve_autocast
+from torch_batch_process.engine.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.committer import Committer, Outcome
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.keeper import KeeperStart, RecordKeeper, Summary
 from torch_batch_process.engine.plan import BucketedPlan, ContiguousPlan, Plan, planned_batches
+from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.engine.records import JobSpec, qualified_name
@@ -64,6 +66,8 @@ class JobRun:
         self.rank, self.world_size = env.info.rank, env.info.size
         self.coll = env.collectives
         self.started = time.monotonic()
+        self.autocast = resolve_autocast(args.autocast, env.device)  # checked on the rank's device, before any I/O
+        self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
         self.storage = open_storage(args.storage_path, args.storage_options)
         t0 = time.perf_counter()
         self.full_plan: Plan = (
@@ -203,8 +207,11 @@ class JobRun:
 
     def _steps(self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher) -> Decision:
         committer = self._committer()
-        runner = BatchRunner(processor, self.current, self.plan, self.failures, inference_mode=self.args.inference_mode)
+        runner = BatchRunner(
+            processor, self.current, self.plan, self.failures, inference_mode=self.args.inference_mode, mode=self.autocast
+        )
         feed = BatchFeed(self.args.dataset, self.plan, scheduler, self.args.dataloader_kwargs, self.env.device)
+        batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:
             feed.start()
@@ -212,10 +219,14 @@ class JobRun:
             for step, has_batch in enumerate(scheduler.steps()):
                 if has_batch and not self.failures.failed:
                     t0 = time.perf_counter()
-                    item = feed.next()
-                    if item is None:  # no batch left for this rank (dynamic), or a stop seen at a claim
+                    try:
+                        batch_idx, batch = next(batches)
+                    except StopIteration:  # no batch left for this rank (dynamic), or a stop seen at a claim
                         return scheduler.after_last(failed=self.failures.failed)
-                    runner.run(item[0], item[1], committer.part, time.perf_counter() - t0)
+                    except LoadFailed as failed:
+                        runner.load_failed(failed, committer.part, time.perf_counter() - t0)
+                    else:
+                        runner.run(batch_idx, batch, committer.part, time.perf_counter() - t0)
                 if step >= observer.next_step:  # progress display, profiler: an int compare per step
                     observer.on_step(step, claimed=scheduler.claimed)
                 committer.check()
@@ -230,6 +241,7 @@ class JobRun:
                     return decision
             return Decision.DONE
         finally:
+            batches.close()
             feed.close()  # stops the loader's worker processes
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.agreement import FailureTracker
-from torch_batch_process.engine.batches import LoadError
+from torch_batch_process.engine.batches import LoadFailed
 from torch_batch_process.engine.committer import Part
 from torch_batch_process.engine.plan import Plan
 from torch_batch_process.processor import TorchBatchProcessor
@@ -54,13 +54,15 @@ class BatchRunner:
         self._inference = torch.inference_mode if inference_mode else contextlib.nullcontext
         self._mode = mode or contextlib.nullcontext
 
+    def load_failed(self, failed: LoadFailed, part: Part, loaded_s: float) -> None:
+        """A batch whose loading raised."""
+        part.timings["data"] += loaded_s
+        self._failures.record(failed.error, f"loading batch {failed.batch_idx}")
+
     def run(self, batch_idx: int, batch: Any, part: Part, loaded_s: float) -> None:
         """Runs ``process_batch`` on a loaded batch; on success the batch joins ``part``."""
         part.timings["data"] += loaded_s
         indices = self._plan.batch_indices(batch_idx)
-        if isinstance(batch, LoadError):
-            self._failures.record(batch.error, f"loading batch {batch_idx}")
-            return
         self._current.enter(batch_idx, indices)
         t0 = time.perf_counter()
         try:
