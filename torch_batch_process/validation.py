@@ -42,6 +42,7 @@ class JobArguments:
     processor_cls: type[TorchBatchProcessor]
     dataset: Any
     dataset_length: int
+    """Examples of a map-style dataset; for a streaming source its rows if known from metadata, else -1."""
     batch_size: int
     max_batches: int | None
     checkpoint_interval: int
@@ -100,12 +101,18 @@ def validate_processor_cls(processor_cls: Any) -> type[TorchBatchProcessor]:
     return processor_cls
 
 
-def validate_dataset(dataset: Any) -> int:
-    """Checks that ``dataset`` is map-style with a ``__len__``; returns its length."""
+def validate_dataset(dataset: Any, bucket_by: Any = None) -> int:
+    """Checks that ``dataset`` is map-style with a ``__len__`` (returns its length) or a streaming source
+    (returns its rows when its metadata tells them, else -1: the plan counts them)."""
+    from torch_batch_process.engine.streams import is_source, validate_source
+
+    if is_source(dataset):
+        return validate_source(dataset, bucket_by)
     if isinstance(dataset, IterableDataset):
         raise InvalidArgumentError(
             "dataset must be a map-style dataset (with __len__ and __getitem__); an IterableDataset cannot be "
-            "sharded by index nor resumed exactly"
+            "sharded by index nor resumed exactly; for a Hugging Face datasets.IterableDataset pass "
+            "torch_batch_process.sources.from_hf(dataset), for Parquet/JSONL files sources.parquet(...)/jsonl(...)"
         )
     if not hasattr(dataset, "__len__"):
         raise InvalidArgumentError(
@@ -273,7 +280,7 @@ def validate_arguments(
     _positive_int("max_batches", max_batches, allow_none=True)
     if batch_size is not None:
         _positive_int("batch_size", batch_size)
-    dataset_length = validate_dataset(dataset)
+    dataset_length = validate_dataset(dataset, bucket_by)
     kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
     validate_bucket_options(bucket_by, bucket_window, max_tokens, resolved_batch_size)
     job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None

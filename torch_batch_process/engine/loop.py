@@ -42,6 +42,8 @@ from torch_batch_process.engine.records import JobSpec, qualified_name
 from torch_batch_process.engine.results import job_result, stored_result
 from torch_batch_process.engine.runner import BatchRunner
 from torch_batch_process.engine.scheduler import Scheduler, make_scheduler
+from torch_batch_process.engine.stream_plan import StreamPlan
+from torch_batch_process.engine.streams import StreamJob, is_source
 from torch_batch_process.observe.metrics import MetricsLog
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
@@ -70,15 +72,18 @@ class JobRun:
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
         self.storage = open_storage(args.storage_path, args.storage_options)
         t0 = time.perf_counter()
+        self.stream = StreamJob(args.dataset, args.batch_size, self.storage, self.coll) if is_source(args.dataset) else None
         self.full_plan: Plan = (
-            ContiguousPlan(args.dataset_length, args.batch_size)
+            self.stream.plan
+            if self.stream is not None
+            else ContiguousPlan(args.dataset_length, args.batch_size)
             if args.lengths is None
             else BucketedPlan(args.lengths, args.batch_size, args.bucket_window, args.max_tokens)
         )
         self.plan_s = args.lengths_s + time.perf_counter() - t0
         self.plan = self.full_plan
         spec = JobSpec(
-            args.dataset_length,
+            self.stream.plan.dataset_length if self.stream is not None else args.dataset_length,
             args.batch_size,
             qualified_name(args.processor_cls),
             args.max_batches,
@@ -114,6 +119,8 @@ class JobRun:
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
                 self.call_id = start.call_id
+                if self.stream is not None:
+                    self.stream.opened()  # row counts counted now are kept for resumes
                 self.plan = self._plan_of(start.planned_batches)
                 remaining = RangeSet([(0, self.plan.num_batches)] if self.plan.num_batches else [])
                 if start.latest is not None:
@@ -210,7 +217,8 @@ class JobRun:
         runner = BatchRunner(
             processor, self.current, self.plan, self.failures, inference_mode=self.args.inference_mode, mode=self.autocast
         )
-        feed = BatchFeed(self.args.dataset, self.plan, scheduler, self.args.dataloader_kwargs, self.env.device)
+        dataset = self.stream.dataset if self.stream is not None else self.args.dataset
+        feed = BatchFeed(dataset, self.plan, scheduler, self.args.dataloader_kwargs, self.env.device)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:
@@ -294,7 +302,7 @@ class JobRun:
     def _plan_of(self, num_batches: int) -> Plan:
         """The job's plan, cut to its first ``num_batches`` batches (``max_batches``)."""
         plan = self.full_plan
-        if isinstance(plan, BucketedPlan):
+        if isinstance(plan, (BucketedPlan, StreamPlan)):
             return plan.cut(num_batches)
         return ContiguousPlan(self.args.dataset_length, self.args.batch_size, num_batches)
 
@@ -369,4 +377,6 @@ class JobRun:
             self.stager.close()
         self.observer.close()
         self.opener.release()
+        if self.stream is not None:
+            self.stream.close()
         self.storage.close()

@@ -219,14 +219,20 @@ class Source(abc.ABC):
                 cursor.close()
 
     def _checkout(self, shard: int, start: int, stop: int | None) -> _Cursor:
-        """A cursor at ``start``: a cached one at or shortly before it, else a new one."""
+        """A cursor at ``start``: a cached one at or before it that reaches it decoding no more rows than a
+        new cursor would (rows it has decoded already cost nothing), else a new one."""
         self._own_process()
         cost = self._seek_cost(shard, start)
         best: _Cursor | None = None
         with self._lock:
             for cursor in self._cursors:
                 ahead = start - cursor.position
-                if cursor.shard == shard and 0 <= ahead <= cost and (best is None or cursor.position > best.position):
+                if (
+                    cursor.shard == shard
+                    and 0 <= ahead
+                    and ahead - cursor.buffered <= cost
+                    and (best is None or cursor.position > best.position)
+                ):
                     best = cursor
             if best is not None:
                 self._cursors.remove(best)
@@ -289,6 +295,11 @@ class _Cursor(abc.ABC):
         self.position = position
         self._head: list[Any] = []
         self._ended = False
+
+    @property
+    def buffered(self) -> int:
+        """Rows after ``position`` decoded already (skipping them costs no decoding)."""
+        return len(self._head)
 
     @property
     def at_end(self) -> bool:

@@ -241,6 +241,11 @@ class _ParquetCursor(_Cursor):
             self.close()
             raise StorageError(f"cannot open Parquet shard {self._url!r}: {type(exc).__name__}: {exc}") from exc
 
+    @property
+    def buffered(self) -> int:
+        pending = 0 if self._pending is None else self._pending.num_rows - self._offset
+        return len(self._head) + pending
+
     def _piece(self, n: int) -> pa.RecordBatch | None:
         """Up to ``n`` next rows from the decoded batch (decoding the next one when it is used up)."""
         while self._pending is None or self._offset >= self._pending.num_rows:

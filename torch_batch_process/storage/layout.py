@@ -15,6 +15,7 @@
     _tbp/scratch/                     local storage: folders being written (upload_path() blocks, record shards)
     _tbp/lock, _tbp/lock.json         the job lock of local storage (an OS file lock) and its holder
     _tbp/lease.json                   the job lease of object stores
+    _tbp/source_rows/<digest>.json    row counts of a streaming source's shards, counted once (see stream_counts)
 
 A *stage* is one rank's part of a commit: the files and state it committed together. With
 ``schedule="static"`` every rank commits at the same step and a stage number is the commit's number; with
@@ -37,11 +38,13 @@ __all__ = [
     "RESULT_FILE",
     "SCRATCH_DIR",
     "STAGING_DIR",
+    "SOURCE_ROWS_DIR",
     "STATES_DIR",
     "TENSORBOARD_DIR",
     "number_name",
     "outputs_dir",
     "record_file",
+    "source_rows_file",
     "staging_dir",
     "state_file",
     "tensorboard_dir",
@@ -62,6 +65,7 @@ RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 FAILURES_DIR = "failures"
+SOURCE_ROWS_DIR = f"{INTERNAL_DIR}/source_rows"
 
 _DIGITS = 8
 
@@ -96,3 +100,8 @@ def state_file(stage: int, rank: int) -> str:
 def tensorboard_dir(rank: int) -> str:
     """Rank ``rank``'s TensorBoard folder."""
     return f"{TENSORBOARD_DIR}/rank_{rank}"
+
+
+def source_rows_file(digest: str) -> str:
+    """The stored row counts of the source whose fingerprint has digest ``digest``."""
+    return f"{SOURCE_ROWS_DIR}/{digest}.json"

@@ -1,0 +1,306 @@
+"""Jobs over streaming sources (DESIGN §12): the engine's plan of row ranges inside shards, exactly-once
+outputs across kill -9 and resumes with other world sizes (local and S3 on moto), Hugging Face iterable
+datasets (rows counted once per job), ``schedule="dynamic"``, DataLoader workers, and a resume at ~90%
+that reads few rows again (counted by :class:`~torch_batch_process.sources.RowsReadLog`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from harness import JOBS, assert_exactly_once, read_outputs, read_reports, spawn_ranks, storage_fs, wait_all
+
+from torch_batch_process import TorchBatchProcessor, sources, torch_batch_process
+from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.engine.stream_plan import StreamPlan
+from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
+
+STREAM_JOB = JOBS / "stream_job.py"
+
+
+def write_parquet_files(folder: str, counts: list[int], row_group: int) -> list[str]:
+    """Files ``part-<k>.parquet`` (local folder or fsspec URL) whose ``id`` column is the global row number."""
+    fs, root = storage_fs(folder)
+    fs.makedirs(root, exist_ok=True)
+    urls, base = [], 0
+    for k, n in enumerate(counts):
+        table = pa.table({"id": pa.array(range(base, base + n), pa.int64()), "x": pa.array([float(i) for i in range(n)])})
+        path = f"{root.rstrip('/')}/part-{k}.parquet"
+        with fs.open(path, "wb") as f:
+            pq.write_table(table, f, row_group_size=row_group)
+        urls.append(path if "://" not in folder else f"{folder.split('://')[0]}://{path}")
+        base += n
+    return urls
+
+
+def batch_records(storage: str) -> dict[int, dict[str, Any]]:
+    """The committed ``batch_<idx>.json`` records, by batch index (each batch at most once, or it fails)."""
+    records: dict[int, dict[str, Any]] = {}
+    for rel, data in read_outputs(storage, "batch_*.json").items():
+        idx = int(rel.rsplit("batch_", 1)[1].split(".")[0])
+        assert idx not in records, f"batch {idx} committed twice"
+        records[idx] = json.loads(data)
+    return records
+
+
+def check_outputs(storage: str, n: int, plan: StreamPlan | None = None) -> None:
+    """Every row's output exactly once; ``context.batch_indices`` are the global row numbers (= ids)."""
+    records = batch_records(storage)
+    ids: Counter[int] = Counter()
+    for idx, record in records.items():
+        ids.update(record["ids"])
+        assert record["indices"] == record["ids"], idx
+        if plan is not None:
+            assert record["indices"] == list(plan.batch_indices(idx))
+    assert_exactly_once(ids, n)
+
+
+# ====================================================================== the plan
+
+
+def test_stream_plan_cuts_each_shard_into_batches() -> None:
+    plan = StreamPlan({"kind": "x"}, [10, 0, 7, 3], batch_size=4)
+    assert plan.num_batches == 3 + 0 + 2 + 1 and plan.dataset_length == 20
+    assert [plan.locate(g) for g in range(plan.num_batches)] == [
+        (0, 0, 4), (0, 4, 8), (0, 8, 10), (2, 0, 4), (2, 4, 7), (3, 0, 3)
+    ]
+    assert list(plan.batch_indices(3)) == [10, 11, 12, 13]  # shard 2 starts at global row 10
+    assert list(plan.batch_indices(5)) == [17, 18, 19]
+    assert plan.row_of(17) == (3, 0) and plan.row_of(9) == (0, 9)
+    assert plan.count_examples(RangeSet([(0, 6)])) == 20
+    assert plan.count_examples(RangeSet([(2, 4), (5, 6)])) == 2 + 4 + 3
+    cut = plan.cut(4)
+    assert cut.num_batches == 4 and cut.num_examples == 14 and cut.fingerprint() == plan.fingerprint()
+    with pytest.raises(IndexError):
+        cut.locate(4)
+    assert StreamPlan({"kind": "x"}, [10, 0, 7, 4], 4).fingerprint() != plan.fingerprint()
+
+
+# ====================================================================== one process, in-process
+
+
+class Collect(TorchBatchProcessor):
+    fail_at: int | None = None
+
+    def __init__(self, context):
+        self.context = context
+        self.calls: list[int] = []
+        self.total = context.wrap_reducer(lambda values: sum(values), name="id_sum")
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch["id"]]
+        assert ids == list(self.context.batch_indices)
+        self.total.update(sum(ids))
+        with self.context.upload_path() as path:
+            (path / f"batch_{batch_idx}.json").write_text(json.dumps({"ids": ids, "indices": ids}))
+        if batch_idx == type(self).fail_at:
+            raise RuntimeError(f"stop at {batch_idx}")
+
+
+class CollectFails(Collect):
+    fail_at = 0
+
+
+CollectFails.__qualname__ = "Collect"  # the same job, as if the user fixed the bug and re-ran
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_parquet_job_outputs_every_row_once(tmp_path: Path, num_workers: int) -> None:
+    counts = [95, 0, 130, 41]
+    write_parquet_files(str(tmp_path / "data"), counts, row_group=32)
+    source = sources.parquet(str(tmp_path / "data" / "*.parquet"))
+    log = sources.RowsReadLog(tmp_path / "reads")
+    source.on_rows_read = log
+    storage = str(tmp_path / "storage")
+    result = torch_batch_process(
+        Collect, source, batch_size=16, checkpoint_interval=3, storage_path=storage,
+        dataloader_kwargs={"num_workers": num_workers},
+    )
+    n = sum(counts)
+    plan = StreamPlan(source.fingerprint(), counts, 16)
+    assert result.finished and result.num_batches == plan.num_batches == 6 + 0 + 9 + 3
+    assert result.metrics == {"id_sum": n * (n - 1) // 2}
+    check_outputs(storage, n, plan)
+    if num_workers == 0:
+        assert log.total() == n  # one sequential pass
+    else:  # two workers take alternate batches: each decodes at most its row groups (rows of its batches and
+        assert log.total() <= 2 * n  # those between them, never converted), never more
+
+
+def test_resume_at_90_percent_reads_few_rows_again(tmp_path: Path) -> None:
+    counts = [2000] * 4
+    write_parquet_files(str(tmp_path / "data"), counts, row_group=100)
+    n = sum(counts)
+    source = sources.parquet(str(tmp_path / "data"))
+    log = sources.RowsReadLog(tmp_path / "reads")
+    source.on_rows_read = log
+    storage = str(tmp_path / "storage")
+    stop_at = int(0.9 * n) // 50  # batch 144 of 160: 90% of the rows
+    Failing = type("Collect", (Collect,), {"fail_at": stop_at, "__module__": Collect.__module__})
+    with pytest.raises(RuntimeError, match=f"stop at {stop_at}"):
+        torch_batch_process(Failing, source, batch_size=50, checkpoint_interval=4, storage_path=storage)
+    first = log.total()
+    log.reset()
+    result = torch_batch_process(Collect, source, batch_size=50, checkpoint_interval=4, storage_path=storage)
+    again = log.total()
+    assert result.finished and result.batches_skipped == stop_at  # commits every 4 batches: 144 committed
+    assert result.metrics == {"id_sum": n * (n - 1) // 2}
+    check_outputs(storage, n)
+    remaining = n - stop_at * 50
+    assert remaining <= again <= remaining + 100, (first, again)  # at most one row group before the offset
+    assert again <= 0.15 * n
+
+
+def test_resume_with_other_files_is_refused(tmp_path: Path) -> None:
+    write_parquet_files(str(tmp_path / "data"), [40, 40], row_group=10)
+    storage = str(tmp_path / "storage")
+    with pytest.raises(RuntimeError, match="stop at 0"):
+        torch_batch_process(CollectFails, sources.parquet(str(tmp_path / "data")), batch_size=8, storage_path=storage)
+    write_parquet_files(str(tmp_path / "data"), [40, 41], row_group=10)
+    with pytest.raises(JobMismatchError):
+        torch_batch_process(Collect, sources.parquet(str(tmp_path / "data")), batch_size=8, storage_path=storage)
+
+
+def test_bucket_by_with_a_source_is_refused(tmp_path: Path) -> None:
+    write_parquet_files(str(tmp_path / "data"), [10], row_group=10)
+    with pytest.raises(InvalidArgumentError, match="bucket_by"):
+        torch_batch_process(
+            Collect, sources.parquet(str(tmp_path / "data")), batch_size=4, bucket_by=[1] * 10,
+            storage_path=str(tmp_path / "storage"),
+        )
+    assert not (tmp_path / "storage").exists()
+
+
+def _gen(starts: list[int], size: int):
+    for start in starts:
+        for i in range(size):
+            yield {"id": start * size + i}
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
+def test_hf_iterable_rows_counted_once_and_kept_for_resumes(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.IterableDataset.from_generator(_gen, gen_kwargs={"starts": list(range(4)), "size": 25})
+    source = sources.from_hf(ds)
+    assert source.num_rows is None and source.num_shards == 4
+    log = sources.RowsReadLog(tmp_path / "reads")
+    source.on_rows_read = log
+    storage = str(tmp_path / "storage")
+    with pytest.raises(RuntimeError, match="stop at 0"):
+        torch_batch_process(CollectFails, source, batch_size=10, storage_path=storage)
+    assert 100 + 10 <= log.total() <= 100 + 25  # the counting pass, then batch 0 (from a chunk of shard 0)
+    stored = list((tmp_path / "storage" / "_tbp" / "source_rows").glob("*.json"))
+    assert len(stored) == 1 and json.loads(stored[0].read_text()) == [25] * 4
+    log.reset()
+    result = torch_batch_process(Collect, source, batch_size=10, storage_path=storage)
+    assert 90 <= log.total() <= 100  # the counts were read back: no second counting pass
+    assert result.finished and result.num_batches == 4 * 3  # a batch never spans two shards
+    assert result.metrics == {"id_sum": 100 * 99 // 2}
+    check_outputs(storage, 100)
+
+
+# ====================================================================== several processes, kill -9
+
+
+def _committed(storage: str) -> int:
+    fs, root = storage_fs(storage)
+    try:
+        records = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
+    except FileNotFoundError:
+        return 0
+    return sum(b - a for a, b in json.loads(fs.cat_file(records[-1]))["committed"]) if records else 0
+
+
+def _attempt_killed(spec: dict[str, Any], world_size: int, attempt: int, rng: random.Random, total: int) -> None:
+    progress = Path(spec["progress_file"])
+    progress.unlink(missing_ok=True)
+    procs = spawn_ranks(world_size, STREAM_JOB, json.dumps(dict(spec, attempt=attempt)))
+    deadline = time.monotonic() + 120
+    while not progress.exists():
+        assert time.monotonic() < deadline, "the attempt never started processing"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.1, 0.6))
+    victim = rng.randrange(world_size)
+    assert procs[victim].poll() is None, "the job ended before the kill"
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    outcomes = wait_all(procs, timeout=90)  # the survivors notice and exit, never hang
+    assert all(rc is not None for rc, _, _ in outcomes), "a surviving rank hung"
+    assert outcomes[victim][0] == -signal.SIGKILL
+    assert _committed(spec["storage"]) < total, "the job finished before the kill"
+
+
+def run_kill_resume(
+    tmp_path: Path, storage: str, source: dict[str, Any], counts: list[int], batch_size: int, **extra: Any
+) -> dict:
+    """2 processes killed with SIGKILL mid-run, then 3 processes (killed again, unless the job is short), then
+    1 to the end: every row exactly once, exact metrics."""
+    rng = random.Random(7)
+    spec = {
+        "source": source,
+        "batch_size": batch_size,
+        "checkpoint_interval": 3,
+        "sleep": 0.02,
+        "storage": storage,
+        "report_dir": str(tmp_path / "reports"),
+        "progress_file": str(tmp_path / "progress"),
+        **extra,
+    }
+    n, total = sum(counts), sum(-(-c // batch_size) for c in counts)
+    _attempt_killed(spec, 2, 1, rng, total)
+    _attempt_killed(spec, 3, 2, rng, total)
+    outcomes = wait_all(spawn_ranks(1, STREAM_JOB, json.dumps(dict(spec, attempt=3))), timeout=180)
+    assert outcomes[0][0] == 0, outcomes[0][2][-3000:]
+    result = read_reports(spec, 3)[0]["result"]
+    assert result["finished"] and result["attempt"] == 3 and result["batches_skipped"] > 0
+    assert result["metrics"] == {"id_sum": n * (n - 1) // 2}
+    check_outputs(storage, n)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_parquet_kill9_resume_with_3_then_1(tmp_path: Path, schedule: str) -> None:
+    counts = [300, 250, 0, 310, 140]
+    write_parquet_files(str(tmp_path / "data"), counts, row_group=40)
+    run_kill_resume(
+        tmp_path, str(tmp_path / "storage"), {"kind": "parquet", "url": str(tmp_path / "data" / "*.parquet")},
+        counts, 10, kwargs={"schedule": schedule},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_parquet_on_s3_kill9_resume_with_3_then_1(tmp_path: Path, s3_url: str) -> None:
+    counts = [150, 120, 170]
+    write_parquet_files(f"{s3_url}/data", counts, row_group=30)
+    run_kill_resume(
+        tmp_path, f"{s3_url}/storage", {"kind": "parquet", "url": f"{s3_url}/data/*.parquet"}, counts, 10,
+        sleep=0.05,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
+def test_hf_iterable_kill9_resume_with_3_then_1(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    counts = [200, 170, 230, 150]
+    files = write_parquet_files(str(tmp_path / "data"), counts, row_group=50)
+    run_kill_resume(
+        tmp_path, str(tmp_path / "storage"), {"kind": "hf_parquet", "files": files}, counts, 10,
+        dataloader_kwargs={"num_workers": 1},
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

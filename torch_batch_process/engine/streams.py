@@ -1,0 +1,115 @@
+"""A streaming source as a job's dataset (DESIGN §12): its checks, its plan and the dataset the loader reads.
+
+The engine treats a :class:`~torch_batch_process.sources.Source` like a map-style dataset whose examples are
+numbered by global row (:mod:`~torch_batch_process.engine.stream_plan`): the batch sampler hands the loader
+the row numbers of one batch, always a contiguous range inside one shard, and :class:`StreamDataset` turns
+them into one ``source.read(shard, start, stop)``. So the feed, the schedulers, the committer, ``batch_idx``,
+``context.batch_indices`` and ``context.write`` work unchanged, with the user's ``collate_fn``, workers and
+pinned memory:
+
+- a resume (any world size) reads only the batches not committed; each read seeks to its range where the
+  format can (Parquet row groups, an indexed JSONL file) instead of reading the rows before it;
+- a reader (a rank, or a DataLoader worker) that reads consecutive ranges of a shard continues one open
+  cursor; different readers read different batches. A reader whose next batch starts further on in the same
+  Parquet row group decodes the rows in between (without converting them to Python): row groups a few
+  batches long keep that small;
+- the source's fingerprint and the shards' row counts are part of the plan's fingerprint, so a resume over
+  other files or other rows is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.stream_counts import CountedRows, shard_row_counts
+from torch_batch_process.engine.stream_plan import StreamPlan
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.sources.base import Source, SourceDataError
+from torch_batch_process.storage.base import Storage
+
+__all__ = ["StreamDataset", "StreamJob", "is_source", "validate_source"]
+
+
+def is_source(dataset: Any) -> bool:
+    """Whether ``dataset`` is a streaming source."""
+    return isinstance(dataset, Source)
+
+
+def validate_source(source: Source, bucket_by: Any) -> int:
+    """Checks a source given as ``dataset``; returns its rows when its metadata tells them, else ``-1``."""
+    if bucket_by is not None:
+        raise InvalidArgumentError(
+            "bucket_by is not supported with a streaming source (a batch is a row range inside one shard); "
+            "remove bucket_by, or load the data as a map-style dataset to bucket it by length"
+        )
+    total = source.num_rows
+    return -1 if total is None else int(total)
+
+
+class StreamDataset:
+    """The rows of a source by global row number, read a batch (a contiguous range of one shard) at a time.
+
+    ``DataLoader`` calls :meth:`__getitems__` with the row numbers of one batch (torch's batched fetch);
+    :meth:`__getitem__` reads one row (for completeness: the engine never asks for single rows).
+    """
+
+    def __init__(self, source: Source, plan: StreamPlan) -> None:
+        self.source = source
+        self.plan = plan
+
+    def __len__(self) -> int:
+        return self.plan.dataset_length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        rows: list[Any] = []
+        i = 0
+        while i < len(indices):
+            shard, start = self.plan.row_of(indices[i])
+            j = i + 1  # the run of consecutive rows of one shard from indices[i]
+            limit = self.plan.row_offsets[shard + 1]
+            while j < len(indices) and indices[j] == indices[j - 1] + 1 and indices[j] < limit:
+                j += 1
+            want = j - i
+            got = list(self.source.read(shard, start, start + want))
+            if len(got) != want:
+                name = self.source.shards()[shard].name
+                raise SourceDataError(
+                    f"shard {shard} ({name}) of the {self.source.kind} source ended after {start + len(got)} rows, "
+                    f"but the job counted {self.plan.counts[shard]} rows in it: the data changed since the job "
+                    "started; restore it, or start afresh (resume=False) to process the data as it is now"
+                )
+            rows.extend(got)
+            i = j
+        return rows
+
+
+class StreamJob:
+    """The streaming side of one job on one rank: the plan (from the shards' row counts) and the dataset the
+    loader reads.
+
+    Args:
+        source: the user's source.
+        batch_size: rows per batch.
+        storage: the job's storage (stored row counts).
+        coll: the library's collectives (counting shards in parallel over the ranks).
+    """
+
+    def __init__(self, source: Source, batch_size: int, storage: Storage, coll: Collectives) -> None:
+        self.source = source
+        self.storage = storage
+        self.rank = coll.rank
+        self.rows: CountedRows = shard_row_counts(source, storage, coll)
+        self.plan = StreamPlan(source.fingerprint(), self.rows.counts, batch_size)
+        self.dataset = StreamDataset(source, self.plan)
+
+    def opened(self) -> None:
+        """Once the job is open: keeps row counts counted now for the resumes."""
+        self.rows.save(self.storage, self.rank)
+
+    def close(self) -> None:
+        """Closes the readers the source keeps open in this process."""
+        self.source.close()
