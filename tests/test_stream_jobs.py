@@ -18,10 +18,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from harness import JOBS, assert_exactly_once, read_outputs, read_reports, spawn_ranks, storage_fs, wait_all
 
 from torch_batch_process import TorchBatchProcessor, sources, torch_batch_process
+from torch.utils.data import default_collate
+
 from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.engine.stream_columns import ArrowRows, StreamCollate, columns_of
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
 
@@ -86,6 +90,34 @@ def test_stream_plan_cuts_each_shard_into_batches() -> None:
     assert StreamPlan({"kind": "x"}, [10, 0, 7, 4], 4).fingerprint() != plan.fingerprint()
 
 
+def _same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _same(a[key], b[key])
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def test_parquet_batches_from_arrow_columns_equal_default_collate_of_rows() -> None:
+    table = pa.table({
+        "i8": pa.array([1, -2, 3], pa.int8()), "u32": pa.array([1, 2, 2**32 - 1], pa.uint32()),
+        "i64": pa.array([2**40, 0, -1]), "f32": pa.array([0.5, 1.25, -3.0], pa.float32()),
+        "f64": pa.array([0.1, 0.2, 0.3]), "b": pa.array([True, False, True]),
+        "s": pa.array(["a", "bé", ""]), "bin": pa.array([b"x", b"", b"yz"]),
+    })
+    columns = columns_of(table)
+    assert columns is not None
+    _same(columns, default_collate(table.to_pylist()))
+    _same(StreamCollate()(ArrowRows(table)), default_collate(table.to_pylist()))
+    for other in (pa.table({"l": pa.array([[1], [2, 3], []])}), pa.table({"n": pa.array([1, None, 3])})):
+        assert columns_of(other) is None  # lists, nulls: the row way, same result as without the fast path
+    _same(StreamCollate()(ArrowRows(other.slice(0, 1))), default_collate(other.slice(0, 1).to_pylist()))
+
+
 # ====================================================================== one process, in-process
 
 
@@ -114,8 +146,8 @@ class CollectFails(Collect):
 CollectFails.__qualname__ = "Collect"  # the same job, as if the user fixed the bug and re-ran
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_parquet_job_outputs_every_row_once(tmp_path: Path, num_workers: int) -> None:
+@pytest.mark.parametrize("num_workers, collate", [(0, None), (2, None), (0, default_collate)])
+def test_parquet_job_outputs_every_row_once(tmp_path: Path, num_workers: int, collate: Any) -> None:
     counts = [95, 0, 130, 41]
     write_parquet_files(str(tmp_path / "data"), counts, row_group=32)
     source = sources.parquet(str(tmp_path / "data" / "*.parquet"))
@@ -124,7 +156,7 @@ def test_parquet_job_outputs_every_row_once(tmp_path: Path, num_workers: int) ->
     storage = str(tmp_path / "storage")
     result = torch_batch_process(
         Collect, source, batch_size=16, checkpoint_interval=3, storage_path=storage,
-        dataloader_kwargs={"num_workers": num_workers},
+        dataloader_kwargs={"num_workers": num_workers, "collate_fn": collate},  # collate_fn given: rows are collated
     )
     n = sum(counts)
     plan = StreamPlan(source.fingerprint(), counts, 16)

@@ -217,8 +217,9 @@ class JobRun:
         runner = BatchRunner(
             processor, self.current, self.plan, self.failures, inference_mode=self.args.inference_mode, mode=self.autocast
         )
-        dataset = self.stream.dataset if self.stream is not None else self.args.dataset
-        feed = BatchFeed(dataset, self.plan, scheduler, self.args.dataloader_kwargs, self.env.device)
+        dataset, kwargs = (self.args.dataset, self.args.dataloader_kwargs) if self.stream is None else (
+            self.stream.dataset, self.stream.loader_kwargs(self.args.dataloader_kwargs))
+        feed = BatchFeed(dataset, self.plan, scheduler, kwargs, self.env.device)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:

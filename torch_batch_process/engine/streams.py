@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.stream_columns import ArrowRows, StreamCollate
 from torch_batch_process.engine.stream_counts import CountedRows, shard_row_counts
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError
@@ -51,12 +52,15 @@ class StreamDataset:
     """The rows of a source by global row number, read a batch (a contiguous range of one shard) at a time.
 
     ``DataLoader`` calls :meth:`__getitems__` with the row numbers of one batch (torch's batched fetch);
-    :meth:`__getitem__` reads one row (for completeness: the engine never asks for single rows).
+    :meth:`__getitem__` reads one row (for completeness: the engine never asks for single rows). With
+    ``columnar`` (a Parquet source and the default ``collate_fn``) a batch is read as one Arrow table and
+    collated from its columns (:mod:`~torch_batch_process.engine.stream_columns`).
     """
 
     def __init__(self, source: Source, plan: StreamPlan) -> None:
         self.source = source
         self.plan = plan
+        self.columnar = False
 
     def __len__(self) -> int:
         return self.plan.dataset_length
@@ -64,7 +68,17 @@ class StreamDataset:
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]
 
-    def __getitems__(self, indices: list[int]) -> list[Any]:
+    def __getitems__(self, indices: list[int]) -> list[Any] | ArrowRows:
+        if self.columnar and indices:
+            shard, start = self.plan.row_of(indices[0])
+            want = len(indices)
+            if indices[-1] - indices[0] == want - 1 and start + want <= self.plan.counts[shard]:
+                import pyarrow as pa
+
+                parts = list(self.source.read_batches(shard, start, start + want, want))  # type: ignore[attr-defined]
+                table = pa.Table.from_batches(parts, schema=self.source.schema)  # type: ignore[attr-defined]
+                self._check(shard, start, want, table.num_rows)
+                return ArrowRows(table)
         rows: list[Any] = []
         i = 0
         while i < len(indices):
@@ -75,16 +89,19 @@ class StreamDataset:
                 j += 1
             want = j - i
             got = list(self.source.read(shard, start, start + want))
-            if len(got) != want:
-                name = self.source.shards()[shard].name
-                raise SourceDataError(
-                    f"shard {shard} ({name}) of the {self.source.kind} source ended after {start + len(got)} rows, "
-                    f"but the job counted {self.plan.counts[shard]} rows in it: the data changed since the job "
-                    "started; restore it, or start afresh (resume=False) to process the data as it is now"
-                )
+            self._check(shard, start, want, len(got))
             rows.extend(got)
             i = j
         return rows
+
+    def _check(self, shard: int, start: int, want: int, got: int) -> None:
+        if got != want:
+            name = self.source.shards()[shard].name
+            raise SourceDataError(
+                f"shard {shard} ({name}) of the {self.source.kind} source ended after {start + got} rows, "
+                f"but the job counted {self.plan.counts[shard]} rows in it: the data changed since the job "
+                "started; restore it, or start afresh (resume=False) to process the data as it is now"
+            )
 
 
 class StreamJob:
@@ -105,6 +122,14 @@ class StreamJob:
         self.rows: CountedRows = shard_row_counts(source, storage, coll)
         self.plan = StreamPlan(source.fingerprint(), self.rows.counts, batch_size)
         self.dataset = StreamDataset(source, self.plan)
+
+    def loader_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The user's ``dataloader_kwargs``; without a ``collate_fn``, Parquet batches are collated from
+        their Arrow columns (the same result as ``default_collate`` of the rows, faster)."""
+        if kwargs.get("collate_fn") is not None or not hasattr(self.source, "read_batches"):
+            return kwargs
+        self.dataset.columnar = True
+        return {**kwargs, "collate_fn": StreamCollate()}
 
     def opened(self) -> None:
         """Once the job is open: keeps row counts counted now for the resumes."""
