@@ -19,7 +19,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from harness import JOBS, assert_exactly_once, read_outputs, read_reports, spawn_ranks, storage_fs, wait_all
+from harness import (
+    JOBS,
+    assert_exactly_once,
+    read_outputs,
+    read_reports,
+    spawn_ranks,
+    storage_fs,
+    tree_digest,
+    wait_all,
+)
 
 from torch_batch_process import TorchBatchProcessor, sources, torch_batch_process
 from torch.utils.data import default_collate
@@ -239,6 +248,42 @@ def test_hf_iterable_rows_counted_once_and_kept_for_resumes(tmp_path: Path) -> N
     assert result.finished and result.num_batches == 4 * 3  # a batch never spans two shards
     assert result.metrics == {"id_sum": 100 * 99 // 2}
     check_outputs(storage, 100)
+
+
+def open_range_shard(shard: tuple[int, int]):
+    start, stop = shard
+    return ({"id": i} for i in range(start, stop))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl_counted", "sharded"])
+def test_jsonl_and_sharded_jobs(tmp_path: Path, kind: str) -> None:
+    bounds = [(0, 33), (33, 33), (33, 90)]
+    if kind == "sharded":
+        source = sources.Sharded(bounds, open_range_shard, names=[f"r{a}-{b}" for a, b in bounds])
+    else:
+        for k, (a, b) in enumerate(bounds):
+            (tmp_path / f"d{k}.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in range(a, b)))
+        source = sources.jsonl(str(tmp_path / "d*.jsonl"), count_rows=kind == "jsonl_counted")
+    storage = str(tmp_path / "storage")
+    result = torch_batch_process(Collect, source, batch_size=8, checkpoint_interval=2, storage_path=storage)
+    assert result.finished and result.num_batches == 5 + 0 + 8
+    assert result.metrics == {"id_sum": 90 * 89 // 2}
+    check_outputs(storage, 90)
+    counted = list((tmp_path / "storage" / "_tbp" / "source_rows").glob("*.json"))
+    assert len(counted) == (0 if kind == "jsonl_counted" else 1)  # counted once unless the source knows
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
+def test_a_refused_job_leaves_storage_unchanged_even_after_counting(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    write_parquet_files(str(tmp_path / "data"), [30], row_group=10)
+    storage = str(tmp_path / "storage")
+    torch_batch_process(Collect, sources.parquet(str(tmp_path / "data")), batch_size=8, storage_path=storage)
+    before = tree_digest(storage)
+    ds = datasets.IterableDataset.from_generator(_gen, gen_kwargs={"starts": [0, 1], "size": 15})
+    with pytest.raises(JobMismatchError):
+        torch_batch_process(Collect, sources.from_hf(ds), batch_size=8, storage_path=storage)
+    assert tree_digest(storage) == before
 
 
 # ====================================================================== several processes, kill -9
