@@ -178,6 +178,18 @@ def test_parquet_job_outputs_every_row_once(tmp_path: Path, num_workers: int, co
         assert log.total() <= 2 * n  # those between them, never converted), never more
 
 
+def test_max_batches_keeps_the_first_batches(tmp_path: Path) -> None:
+    write_parquet_files(str(tmp_path / "data"), [20, 20], row_group=10)
+    storage = str(tmp_path / "storage")
+    with pytest.warns(UserWarning, match="max_batches"):
+        torch_batch_process(Collect, sources.parquet(str(tmp_path / "data")), batch_size=8, max_batches=9,
+                            storage_path=str(tmp_path / "other"))
+    result = torch_batch_process(Collect, sources.parquet(str(tmp_path / "data")), batch_size=8, max_batches=4,
+                                 storage_path=storage)
+    assert result.finished and result.num_batches == 4 and result.examples_processed == 8 + 8 + 4 + 8
+    assert sorted(batch_records(storage)) == [0, 1, 2, 3]
+
+
 def test_resume_at_90_percent_reads_few_rows_again(tmp_path: Path) -> None:
     counts = [2000] * 4
     write_parquet_files(str(tmp_path / "data"), counts, row_group=100)
