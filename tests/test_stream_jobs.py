@@ -33,8 +33,11 @@ from harness import (
 from torch_batch_process import TorchBatchProcessor, sources, torch_batch_process
 from torch.utils.data import default_collate
 
+from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.engine.scheduler import StaticScheduler
 from torch_batch_process.engine.stream_columns import ArrowRows, StreamCollate, columns_of
+from torch_batch_process.engine.stream_order import WorkerAffineOrder
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
 
@@ -127,6 +130,27 @@ def test_parquet_batches_from_arrow_columns_equal_default_collate_of_rows() -> N
     _same(StreamCollate()(ArrowRows(other.slice(0, 1))), default_collate(other.slice(0, 1).to_pylist()))
 
 
+@pytest.mark.parametrize("world, rank", [(1, 0), (3, 1)])
+def test_worker_affine_order_gives_each_row_group_to_one_worker(tmp_path: Path, world: int, rank: int) -> None:
+    counts = [100, 64, 0, 37]
+    write_parquet_files(str(tmp_path / "data"), counts, row_group=20)
+    source = sources.parquet(str(tmp_path / "data"))
+    plan = StreamPlan(source.fingerprint(), counts, 5)
+    remaining = RangeSet([(0, 7), (9, plan.num_batches)])  # a resume: batches 7 and 8 committed
+    scheduler = StaticScheduler(remaining, Collectives(None, rank, world), interval=3)
+    mine = list(scheduler.batch_ids())
+    order = list(WorkerAffineOrder(scheduler, plan, source, 3).batch_ids())
+    assert sorted(order) == sorted(mine)  # the same batches, each once
+    workers: dict[tuple[int, int], set[int]] = {}
+    for position, batch in enumerate(order):
+        shard, start, _ = plan.locate(batch)
+        workers.setdefault((shard, source.seek_origin(shard, start)), set()).add(position % 3)
+    shared = [unit for unit, who in workers.items() if len(who) > 1]
+    # one worker per row group, but for the last ones, when the batches left are all in one worker's units
+    # and the others' turns must still be filled: at most one unit per other worker
+    assert len(shared) <= 3 - 1 and all(unit in list(workers)[-3:] for unit in shared), workers
+
+
 # ====================================================================== one process, in-process
 
 
@@ -172,10 +196,8 @@ def test_parquet_job_outputs_every_row_once(tmp_path: Path, num_workers: int, co
     assert result.finished and result.num_batches == plan.num_batches == 6 + 0 + 9 + 3
     assert result.metrics == {"id_sum": n * (n - 1) // 2}
     check_outputs(storage, n, plan)
-    if num_workers == 0:
-        assert log.total() == n  # one sequential pass
-    else:  # two workers take alternate batches: each decodes at most its row groups (rows of its batches and
-        assert log.total() <= 2 * n  # those between them, never converted), never more
+    # one pass; with workers, each row group is read by one worker (but for a last one or two)
+    assert n <= log.total() <= n + num_workers * 32
 
 
 def test_max_batches_keeps_the_first_batches(tmp_path: Path) -> None:
@@ -363,7 +385,7 @@ def test_parquet_kill9_resume_with_3_then_1(tmp_path: Path, schedule: str) -> No
     write_parquet_files(str(tmp_path / "data"), counts, row_group=40)
     run_kill_resume(
         tmp_path, str(tmp_path / "storage"), {"kind": "parquet", "url": str(tmp_path / "data" / "*.parquet")},
-        counts, 10, kwargs={"schedule": schedule},
+        counts, 10, kwargs={"schedule": schedule}, dataloader_kwargs={"num_workers": 2},
     )
 
 

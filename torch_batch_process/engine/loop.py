@@ -217,9 +217,10 @@ class JobRun:
         runner = BatchRunner(
             processor, self.current, self.plan, self.failures, inference_mode=self.args.inference_mode, mode=self.autocast
         )
-        dataset, kwargs = (self.args.dataset, self.args.dataloader_kwargs) if self.stream is None else (
-            self.stream.dataset, self.stream.loader_kwargs(self.args.dataloader_kwargs))
-        feed = BatchFeed(dataset, self.plan, scheduler, kwargs, self.env.device)
+        dataset, order, kwargs = self.args.dataset, scheduler, self.args.dataloader_kwargs
+        if self.stream is not None:  # a source: its dataset view, worker-affine order, columnar collation
+            dataset, order, kwargs = self.stream.feed_parts(scheduler, kwargs)
+        feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:

@@ -81,8 +81,8 @@ def shard_row_counts(source: Source, storage: Storage, coll: Collectives) -> Cou
     if coll.rank == 0:
         try:
             stored = storage.read_json(rel) if storage.exists(rel) else None
-        except (OSError, ValueError):  # unreadable or damaged: count again (it is only a cache of the data)
-            stored = None
+        except Exception:  # noqa: BLE001 - unreadable or damaged: count again (a cache of the data); a storage
+            stored = None  # that cannot be reached fails clearly, on every rank, when the job opens
     stored = coll.broadcast(stored)
     if isinstance(stored, list) and len(stored) == len(infos) and all(isinstance(n, int) for n in stored):
         return CountedRows(stored, "stored", time.perf_counter() - t0)

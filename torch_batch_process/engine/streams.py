@@ -22,7 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.scheduler import Scheduler
 from torch_batch_process.engine.stream_columns import ArrowRows, StreamCollate
+from torch_batch_process.engine.stream_order import WorkerAffineOrder
 from torch_batch_process.engine.stream_counts import CountedRows, shard_row_counts
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError
@@ -123,13 +125,16 @@ class StreamJob:
         self.plan = StreamPlan(source.fingerprint(), self.rows.counts, batch_size)
         self.dataset = StreamDataset(source, self.plan)
 
-    def loader_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The user's ``dataloader_kwargs``; without a ``collate_fn``, Parquet batches are collated from
-        their Arrow columns (the same result as ``default_collate`` of the rows, faster)."""
-        if kwargs.get("collate_fn") is not None or not hasattr(self.source, "read_batches"):
-            return kwargs
-        self.dataset.columnar = True
-        return {**kwargs, "collate_fn": StreamCollate()}
+    def feed_parts(self, scheduler: Scheduler, kwargs: dict[str, Any]) -> tuple[StreamDataset, Any, dict[str, Any]]:
+        """What the feed gets: the dataset, the batch order (:class:`WorkerAffineOrder` with workers, so that
+        they share no decoding) and the loader options (without a ``collate_fn``, Parquet batches are
+        collated from their Arrow columns: the same result as ``default_collate`` of the rows, faster)."""
+        workers = int(kwargs.get("num_workers") or 0)
+        order = WorkerAffineOrder(scheduler, self.plan, self.source, workers) if workers > 1 else scheduler
+        if kwargs.get("collate_fn") is None and hasattr(self.source, "read_batches"):
+            self.dataset.columnar = True
+            kwargs = {**kwargs, "collate_fn": StreamCollate()}
+        return self.dataset, order, kwargs
 
     def opened(self) -> None:
         """Once the job is open: keeps row counts counted now for the resumes."""

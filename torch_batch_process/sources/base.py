@@ -135,6 +135,11 @@ class Source(abc.ABC):
         counts = [info.num_rows for info in self.shards()]
         return None if any(n is None for n in counts) else sum(counts)  # type: ignore[arg-type]
 
+    def seek_origin(self, shard: int, row: int) -> int:
+        """The row from which a new reader of ``row`` decodes (the first row of its Parquet row group, of its
+        JSONL index mark, or 0 when the format cannot seek): reads with the same origin share decoding."""
+        return row - self._seek_cost(shard, row)
+
     def close(self) -> None:
         """Closes the readers this process keeps open (they are reopened when needed)."""
         self._own_process()

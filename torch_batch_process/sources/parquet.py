@@ -68,7 +68,9 @@ class ParquetSource(FileSource):
     kind = "parquet"
     #: Most rows pyarrow decodes per step. A reader opened for a range ``[start, stop)`` decodes in
     #: steps of ``stop - (first row of start's row group)`` rows, between MIN_BATCH_ROWS and this, so
-    #: a short read decodes little past its end; the rest stays in the reader for the next read.
+    #: a short read decodes little past its end; the rest stays in the reader for the next read. A
+    #: step never exceeds the row group's rows: a reader does not decode into the next row group before
+    #: it reads there (parallel readers that each take whole row groups decode no row twice).
     BATCH_ROWS: ClassVar[int] = 8192
     MIN_BATCH_ROWS: ClassVar[int] = 1024
 
@@ -159,9 +161,13 @@ class ParquetSource(FileSource):
 
     def _open_cursor(self, shard: int, start: int, stop: int | None) -> _ParquetCursor:
         group = self._group_of(shard, start)
+        starts = self._starts[shard]
         step = self.BATCH_ROWS
         if stop is not None:
-            step = max(self.MIN_BATCH_ROWS, min(step, stop - self._starts[shard][group]))
+            step = max(self.MIN_BATCH_ROWS, min(step, stop - starts[group]))
+        group_rows = starts[group + 1] - starts[group]
+        if group_rows > 0:  # whole steps per row group, so steps end where row groups do
+            step = -(-group_rows // -(-group_rows // min(step, group_rows)))
         return _ParquetCursor(self, shard, group, step)
 
     def _batches(self, shard: int, start: int, stop: int | None, batch_rows: int) -> Iterator[pa.RecordBatch]:
@@ -284,12 +290,21 @@ class _ParquetCursor(_Cursor):
             del self._head[:n]
             self.position += len(rows)
             return pa.RecordBatch.from_pylist(rows, schema=self.source.schema)
-        piece = None if self._ended else self._piece(n)
-        if piece is None:
-            self._ended = True
+        pieces: list[pa.RecordBatch] = []
+        rows = 0
+        while rows < n and not self._ended:  # decoding steps may end before n rows (at row group ends)
+            piece = self._piece(n - rows)
+            if piece is None:
+                self._ended = True
+                break
+            pieces.append(piece)
+            rows += piece.num_rows
+        if not pieces:
             return None
-        self.position += piece.num_rows
-        return piece
+        self.position += rows
+        if len(pieces) == 1:
+            return pieces[0]
+        return pa.Table.from_batches(pieces).combine_chunks().to_batches()[0]
 
     def close(self) -> None:
         self._pending = None
