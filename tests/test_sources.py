@@ -141,7 +141,7 @@ def test_parquet_consecutive_batches_decode_each_row_once(tmp_path: Path) -> Non
     assert first == expected[0][100:110]
     assert list(source.read(0, 110, 120)) == expected[0][110:120]
     assert list(source.read(0, 150, 160)) == expected[0][150:160]  # a small gap is skipped in the same reader
-    assert source.rows_read == 5000  # the one row group, decoded once
+    assert source.rows_read <= 5000  # at most the one row group, decoded once (in steps sized to the reads)
     assert list(source.read(0, 5, 8)) == expected[0][5:8]  # backwards: a new reader
     assert list(source.read(0, 4990)) == expected[0][4990:]
 

@@ -12,8 +12,8 @@ and collates worse.
 
 Reading rows ``[start, stop)`` opens the file at the row group that holds ``start`` (the rows of
 earlier row groups are never fetched nor decoded), decodes from there in steps of at most
-:attr:`ParquetSource.BATCH_ROWS` rows (sized to the range, at least ``MIN_BATCH_ROWS``) and drops
-the rows before ``start``; so a resume reads again at most the part of one row group before its
+:attr:`ParquetSource.BATCH_ROWS` rows (sized to the range, at least ``MIN_BATCH_ROWS``, ending at
+row group ends) and drops the rows before ``start``; so a resume reads again at most the part of one row group before its
 offset. Consecutive ranges of a shard (``[0, 64)``, ``[64, 128)``...) continue the same reader
 instead of reopening the row group. Parquet cannot seek inside a row group (pyarrow decodes a
 row group from its first row), so files written with row groups of at most a few percent of
@@ -67,8 +67,8 @@ class ParquetSource(FileSource):
 
     kind = "parquet"
     #: Most rows pyarrow decodes per step. A reader opened for a range ``[start, stop)`` decodes in
-    #: steps of ``stop - (first row of start's row group)`` rows, between MIN_BATCH_ROWS and this, so
-    #: a short read decodes little past its end; the rest stays in the reader for the next read. A
+    #: steps of about ``stop - start`` rows, between MIN_BATCH_ROWS and this, so a short read decodes
+    #: little past its end; the rest stays in the reader for the next read. A
     #: step never exceeds the row group's rows: a reader does not decode into the next row group before
     #: it reads there (parallel readers that each take whole row groups decode no row twice).
     BATCH_ROWS: ClassVar[int] = 8192
@@ -164,7 +164,7 @@ class ParquetSource(FileSource):
         starts = self._starts[shard]
         step = self.BATCH_ROWS
         if stop is not None:
-            step = max(self.MIN_BATCH_ROWS, min(step, stop - starts[group]))
+            step = max(self.MIN_BATCH_ROWS, min(step, stop - start))
         group_rows = starts[group + 1] - starts[group]
         if group_rows > 0:  # whole steps per row group, so steps end where row groups do
             step = -(-group_rows // -(-group_rows // min(step, group_rows)))
