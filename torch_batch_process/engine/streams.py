@@ -19,17 +19,19 @@ pinned memory:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.scheduler import Scheduler
-from torch_batch_process.engine.stream_columns import ArrowRows, StreamCollate
 from torch_batch_process.engine.stream_order import WorkerAffineOrder
 from torch_batch_process.engine.stream_counts import CountedRows, shard_row_counts
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.sources.base import Source, SourceDataError
 from torch_batch_process.storage.base import Storage
+
+if TYPE_CHECKING:
+    from torch_batch_process.engine.stream_columns import ArrowRows
 
 __all__ = ["StreamDataset", "StreamJob", "is_source", "validate_source"]
 
@@ -76,6 +78,8 @@ class StreamDataset:
             want = len(indices)
             if indices[-1] - indices[0] == want - 1 and start + want <= self.plan.counts[shard]:
                 import pyarrow as pa
+
+                from torch_batch_process.engine.stream_columns import ArrowRows
 
                 parts = list(self.source.read_batches(shard, start, start + want, want))  # type: ignore[attr-defined]
                 table = pa.Table.from_batches(parts, schema=self.source.schema)  # type: ignore[attr-defined]
@@ -132,6 +136,8 @@ class StreamJob:
         workers = int(kwargs.get("num_workers") or 0)
         order = WorkerAffineOrder(scheduler, self.plan, self.source, workers) if workers > 1 else scheduler
         if kwargs.get("collate_fn") is None and hasattr(self.source, "read_batches"):
+            from torch_batch_process.engine.stream_columns import StreamCollate  # pyarrow: only for Parquet
+
             self.dataset.columnar = True
             kwargs = {**kwargs, "collate_fn": StreamCollate()}
         return self.dataset, order, kwargs
