@@ -10,9 +10,12 @@ pinned memory:
 - a resume (any world size) reads only the batches not committed; each read seeks to its range where the
   format can (Parquet row groups, an indexed JSONL file) instead of reading the rows before it;
 - a reader (a rank, or a DataLoader worker) that reads consecutive ranges of a shard continues one open
-  cursor; different readers read different batches. A reader whose next batch starts further on in the same
-  Parquet row group decodes the rows in between (without converting them to Python): row groups a few
-  batches long keep that small;
+  cursor; different readers read different batches, and DataLoader workers get whole row groups
+  (:mod:`~torch_batch_process.engine.stream_order`), so they decode no row twice. Ranks interleave: a rank
+  whose next batch starts further on in the same Parquet row group decodes the rows in between (without
+  converting them to Python), so row groups about a batch long suit jobs of many ranks;
+- without a ``collate_fn``, Parquet batches are collated from their Arrow columns
+  (:mod:`~torch_batch_process.engine.stream_columns`);
 - the source's fingerprint and the shards' row counts are part of the plan's fingerprint, so a resume over
   other files or other rows is refused.
 """
