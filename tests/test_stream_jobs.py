@@ -37,7 +37,7 @@ from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.engine.scheduler import StaticScheduler
 from torch_batch_process.engine.stream_columns import ArrowRows, StreamCollate, columns_of
-from torch_batch_process.engine.stream_order import WorkerAffineOrder
+from torch_batch_process.engine.stream_order import BlockScheduler, WorkerAffineOrder
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
 
@@ -128,6 +128,20 @@ def test_parquet_batches_from_arrow_columns_equal_default_collate_of_rows() -> N
     for other in (pa.table({"l": pa.array([[1], [2, 3], []])}), pa.table({"n": pa.array([1, None, 3])})):
         assert columns_of(other) is None  # lists, nulls: the row way, same result as without the fast path
     _same(StreamCollate()(ArrowRows(other.slice(0, 1))), default_collate(other.slice(0, 1).to_pylist()))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_block_scheduler_deals_contiguous_blocks_in_lockstep(world: int) -> None:
+    remaining = RangeSet([(0, 4), (6, 13), (20, 22)])  # 13 batches left after a resume
+    ranks = [BlockScheduler(remaining, Collectives(None, r, world), interval=2) for r in range(world)]
+    dealt = [list(rank.batch_ids()) for rank in ranks]
+    assert sorted(sum(dealt, [])) == list(remaining)  # every batch left, once
+    assert sum(dealt, []) == list(remaining)  # rank r's block follows rank r-1's
+    steps = [list(rank.steps()) for rank in ranks]
+    assert all(len(s) == -(-13 // world) for s in steps)  # lockstep: the same number of steps everywhere
+    for r, rank in enumerate(ranks):
+        assert sum(steps[r]) == len(dealt[r]) == rank.num_batches_of(r)
+        assert [rank.batch_at(step, r) for step in range(len(dealt[r]))] == dealt[r]
 
 
 @pytest.mark.parametrize("world, rank", [(1, 0), (3, 1)])

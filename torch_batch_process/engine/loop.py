@@ -126,7 +126,8 @@ class JobRun:
                 if start.latest is not None:
                     remaining = start.latest.committed.complement(self.plan.num_batches)
                 processor, stop_now = self._build(start, signals)
-                scheduler = make_scheduler(self.args.schedule, remaining, self.coll, self.args.checkpoint_interval, self._store())
+                schedule = make_scheduler if self.stream is None else self.stream.make_scheduler
+                scheduler = schedule(self.args.schedule, remaining, self.coll, self.args.checkpoint_interval, self._store())
                 self._log_start(start, remaining)
                 self._start_observer(start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.scheduler import Scheduler
-from torch_batch_process.engine.stream_order import WorkerAffineOrder
+from torch_batch_process.engine.stream_order import WorkerAffineOrder, stream_scheduler
 from torch_batch_process.engine.stream_counts import CountedRows, shard_row_counts
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError
@@ -131,6 +131,9 @@ class StreamJob:
         self.rows: CountedRows = shard_row_counts(source, storage, coll)
         self.plan = StreamPlan(source.fingerprint(), self.rows.counts, batch_size)
         self.dataset = StreamDataset(source, self.plan)
+
+    make_scheduler = staticmethod(stream_scheduler)
+    """The scheduler of a stream job (static: contiguous blocks per rank)."""
 
     def feed_parts(self, scheduler: Scheduler, kwargs: dict[str, Any]) -> tuple[StreamDataset, Any, dict[str, Any]]:
         """What the feed gets: the dataset, the batch order (:class:`WorkerAffineOrder` with workers, so that
