@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import signal
@@ -89,7 +90,8 @@ def child(args: argparse.Namespace) -> None:
     first = sources.parquet(sorted(Path(args.data).glob("*.parquet"))[0])
     warm = {"batch_size": args.batch_size, "max_batches": 2, "dataloader_kwargs": {"num_workers": args.workers}}
     torch_batch_process(Sum, first, storage_path=f"{args.storage}-warm-stream", **warm)
-    torch_batch_process(Sum, list(first.read(0, 0, 2 * args.batch_size)), storage_path=f"{args.storage}-warm-map", **warm)
+    rows = list(first.read(0, 0, 2 * args.batch_size))
+    torch_batch_process(Sum, rows, storage_path=f"{args.storage}-warm-map", **warm)
     log.reset()
     t0 = time.perf_counter()
     result = torch_batch_process(
@@ -151,12 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         peaks: dict[str, list[float]] = {"stream": [], "stream_rows": [], "map": [], "small": []}
         reread: list[float] = []
         reads: dict[str, list[float]] = {"stream": [], "stream_rows": []}
-        num_batches = -(-(-(-args.rows // FILES)) // args.batch_size) * FILES
+        num_batches = math.ceil(math.ceil(args.rows / FILES) / args.batch_size) * FILES
         for r in range(args.rounds):
             order = ("stream", "map", "stream_rows") if r % 2 == 0 else ("stream_rows", "map", "stream")
             for mode in order:
                 tag = f"{mode}{r}"
-                rep = run_child(mode, scratch / "data", scratch / tag, scratch / f"{tag}.json", scratch / f"{tag}.reads", args)
+                rep = run_child(
+                    mode, scratch / "data", scratch / tag, scratch / f"{tag}.json", scratch / f"{tag}.reads", args
+                )
                 times[mode].append(rep["seconds"])
                 peaks[mode].append(rep["peak_rss_mib"])
                 if mode in reads:
@@ -176,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             reread.append(again["rows_read"] / args.rows)
             print(f"round {r} resume at 90%: read {again['rows_read']} rows again", file=sys.stderr)
     # throughput stream / map = time map / time stream, per round
-    ratios = [m / s for s, m in zip(times["stream"], times["map"])]
-    ratios_rows = [m / s for s, m in zip(times["stream_rows"], times["map"])]
+    ratios = [m / s for s, m in zip(times["stream"], times["map"], strict=True)]
+    ratios_rows = [m / s for s, m in zip(times["stream_rows"], times["map"], strict=True)]
     print(f"\n{args.rows:,} rows in {FILES} Parquet files (row groups of {args.row_group:,}), batches of "
           f"{args.batch_size}, {args.workers} DataLoader worker(s), 1 process, {args.rounds} interleaved round(s)\n")
     print("| Dataset | Call, s | Rows/s | Peak RSS, MiB | Rows read / rows |")
@@ -191,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         rate = [args.rows / t for t in times[mode]]
         read = fmt(reads[mode]) if mode in reads else "–"
         print(f"| {label} | {fmt(times[mode])} | {fmt(rate, 0)} | {fmt(peaks[mode], 0)} | {read} |")
-    print(f"\nThroughput stream / map: {fmt(ratios, 3)} (goal >= 0.95: {'met' if statistics.median(ratios) >= 0.95 else 'NOT met'})")
+    verdict = "met" if statistics.median(ratios) >= 0.95 else "NOT met"
+    print(f"\nThroughput stream / map: {fmt(ratios, 3)} (goal >= 0.95: {verdict})")
     print(f"Throughput stream (per-row dicts) / map: {fmt(ratios_rows, 3)}")
     print(f"Resume at 90%: rows read again / rows: {fmt(reread, 3)} (goal <= 0.15: "
           f"{'met' if max(reread) <= 0.15 else 'NOT met'})")

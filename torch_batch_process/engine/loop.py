@@ -35,8 +35,8 @@ from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.keeper import KeeperStart, RecordKeeper, Summary
 from torch_batch_process.engine.plan import BucketedPlan, ContiguousPlan, Plan, planned_batches
-from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.preemption import SignalWatcher
+from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.engine.records import JobSpec, qualified_name
 from torch_batch_process.engine.results import job_result, stored_result
@@ -72,7 +72,8 @@ class JobRun:
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
         self.storage = open_storage(args.storage_path, args.storage_options)
         t0 = time.perf_counter()
-        self.stream = StreamJob(args.dataset, args.batch_size, self.storage, self.coll) if is_source(args.dataset) else None
+        streamed = is_source(args.dataset)  # a streaming source: its plan needs the shards' row counts
+        self.stream = StreamJob(args.dataset, args.batch_size, self.storage, self.coll) if streamed else None
         self.full_plan: Plan = (
             self.stream.plan
             if self.stream is not None
@@ -127,7 +128,8 @@ class JobRun:
                     remaining = start.latest.committed.complement(self.plan.num_batches)
                 processor, stop_now = self._build(start, signals)
                 schedule = make_scheduler if self.stream is None else self.stream.make_scheduler
-                scheduler = schedule(self.args.schedule, remaining, self.coll, self.args.checkpoint_interval, self._store())
+                scheduler = schedule(self.args.schedule, remaining, self.coll, self.args.checkpoint_interval,
+                                     self._store())
                 self._log_start(start, remaining)
                 self._start_observer(start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None

@@ -34,6 +34,10 @@ class ArrowRows:
         return self.table.num_rows
 
 
+_LISTED = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+"""Column types that ``default_collate`` leaves as lists (str and bytes values)."""
+
+
 def _column(values: pa.ChunkedArray) -> Any:
     """``default_collate`` of the column's Python values, or ``None`` when this type goes the row way."""
     kind = values.type
@@ -46,7 +50,7 @@ def _column(values: pa.ChunkedArray) -> Any:
         return torch.from_numpy(values.to_numpy().astype(np.float64, copy=True))
     if pa.types.is_boolean(kind):
         return torch.from_numpy(np.array(values.to_numpy(), dtype=np.bool_, copy=True))
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+    if any(test(kind) for test in _LISTED):
         return values.to_pylist()
     return None
 
@@ -56,7 +60,7 @@ def columns_of(table: pa.Table) -> dict[str, Any] | None:
     if table.num_rows == 0:
         return None
     out: dict[str, Any] = {}
-    for name, values in zip(table.column_names, table.columns):
+    for name, values in zip(table.column_names, table.columns, strict=True):
         column = _column(values)
         if column is None:
             return None

@@ -92,7 +92,10 @@ def shard_row_counts(source: Source, storage: Storage, coll: Collectives) -> Cou
             if shard % coll.world_size == coll.rank:
                 mine[shard] = int(n) if n is not None else _count_shard(source, shard)  # type: ignore[index]
     except Exception as exc:  # noqa: BLE001 - sent to every rank, raised everywhere
-        mine = f"rank {coll.rank} could not count the rows of its shards of the {source.kind} source: {type(exc).__name__}: {exc}"
+        mine = (
+            f"rank {coll.rank} could not count the rows of its shards of the {source.kind} source: "
+            f"{type(exc).__name__}: {exc}"
+        )
     parts = coll.all_gather(mine)
     errors = [part for part in parts if isinstance(part, str)]
     if errors:
@@ -104,7 +107,8 @@ def shard_row_counts(source: Source, storage: Storage, coll: Collectives) -> Cou
     seconds = time.perf_counter() - t0
     if coll.rank == 0:
         logger.info(
-            "counted the rows of %d shard(s) of the %s source once (%d rows, %.2f s on %d rank(s)); kept in %s for resumes",
+            "counted the rows of %d shard(s) of the %s source once (%d rows, %.2f s on %d rank(s)); "
+            "kept in %s for resumes",
             len(infos), source.kind, sum(counts), seconds, coll.world_size, storage.url_of(rel),
         )
     return CountedRows(counts, "counted", seconds, rel)

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.scheduler import Scheduler
-from torch_batch_process.engine.stream_order import WorkerAffineOrder, stream_scheduler
 from torch_batch_process.engine.stream_counts import CountedRows, shard_row_counts
+from torch_batch_process.engine.stream_order import WorkerAffineOrder, stream_scheduler
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.sources.base import Source, SourceDataError

@@ -13,8 +13,8 @@ and collates worse.
 Reading rows ``[start, stop)`` opens the file at the row group that holds ``start`` (the rows of
 earlier row groups are never fetched nor decoded), decodes from there in steps of at most
 :attr:`ParquetSource.BATCH_ROWS` rows (sized to the range, at least ``MIN_BATCH_ROWS``, ending at
-row group ends) and drops the rows before ``start``; so a resume reads again at most the part of one row group before its
-offset. Consecutive ranges of a shard (``[0, 64)``, ``[64, 128)``...) continue the same reader
+row group ends) and drops the rows before ``start``; so a resume reads again at most the part of one
+row group before its offset. Consecutive ranges of a shard (``[0, 64)``, ``[64, 128)``...) continue the same reader
 instead of reopening the row group. Parquet cannot seek inside a row group (pyarrow decodes a
 row group from its first row), so files written with row groups of at most a few percent of
 their rows resume best; pyarrow's default (up to 1Mi rows per group) makes a small file one group.
