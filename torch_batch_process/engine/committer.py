@@ -320,9 +320,10 @@ class Committer:
     def _raise_failures(self, infos: list[FailureInfo | None]) -> None:
         """If a rank failed: finish what is already durable on every rank, then raise on every rank.
 
-        Each rank completes its background work (rank 0: the records it queued); when every rank did, every
-        record queued before is durable and each rank publishes its stages, so that ``outputs/`` shows
-        everything committed. Then the failing rank raises its own error, the others
+        Each rank completes its background work (rank 0: the records it queued) and rank 0 tells which
+        record is the newest durable one (a queued record write may have failed: that is often the failure);
+        each rank then publishes the stages that record covers, so that ``outputs/`` shows everything
+        committed and nothing else. Then the failing rank raises its own error, the others
         :class:`WorkerFailedError`.
         """
         if not any(infos):
@@ -335,8 +336,12 @@ class Committer:
         except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
             logger.warning("rank %d: completing earlier commits failed: %s", self.rank, exc)
             settled = False
-        if all(self._coll.all_gather(settled)):  # every record rank 0 queued or took is durable now
-            durable = self._queue.acknowledged() if self._queue is not None else len(self._voted)
+        marks = self._coll.all_gather((settled, self._newest_durable() if self._keeper is not None else -1))
+        if all(done for done, _ in marks):  # every record write rank 0 queued or took has ended
+            if self._queue is not None:
+                durable = self._queue.acknowledged()  # acknowledged only once their record is durable
+            else:
+                durable = bisect.bisect_right([stage for stage, _ in self._voted], marks[0][1])
             try:
                 self._publish(durable, wait=True)
             except Exception as exc:  # noqa: BLE001
@@ -378,6 +383,14 @@ class Committer:
                 raise future.exception()  # type: ignore[misc]
             self._records.pop(0)
             self._durable = number
+
+    def _newest_durable(self) -> int:
+        """Rank 0: the number of the newest record written so far (records are cumulative: it covers every
+        stage up to its number, whatever happened to the writes before it). Never waits."""
+        for number, future in self._records:
+            if future.done() and future.exception() is None:
+                self._durable = max(self._durable, number)
+        return self._durable
 
     def _publish(self, durable: int, *, wait: bool = False) -> None:
         """Publishes this rank's first ``durable`` committed stages (those not published yet), in the
