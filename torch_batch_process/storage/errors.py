@@ -18,7 +18,7 @@ __all__ = [
     "RETRY_MAX_DELAY_S",
     "describe",
     "is_missing_backend",
-    "is_missing_bucket", 
+    "is_missing_bucket",
     "is_precondition_failed",
     "is_transient",
     "retry_attempts",

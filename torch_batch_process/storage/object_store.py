@@ -11,7 +11,7 @@
   multipart upload holding at most ``UPLOAD_PART_BYTES * UPLOAD_PART_CONCURRENCY`` bytes in memory).
 - **Appends**: objects cannot be appended to, so the appender keeps a local copy of the file and uploads
   it whole, in one atomic PUT, at each append.
-- **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lock.LeaseJobLock`), with conditional
+- **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lease.LeaseJobLock`), with conditional
   writes on S3 (:meth:`ObjectStorage.read_versioned`, :meth:`ObjectStorage.write_conditional`).
 """
 
@@ -374,12 +374,12 @@ class ObjectStorage(Storage):
         return _UploadedFolder(self, rel, Path(tempfile.gettempdir()) / f"{_TMP_PREFIX}{os.getpid()}-{name}-{uuid.uuid4().hex[:8]}")
 
     def job_lock(self) -> JobLock:
-        from torch_batch_process.storage.lock import LeaseJobLock
+        from torch_batch_process.storage.lease import LeaseJobLock
 
         return LeaseJobLock(self)
 
     def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
-        from torch_batch_process.storage.lock import LeaseJobLock
+        from torch_batch_process.storage.lease import LeaseJobLock
 
         return LeaseJobLock.holder(self)
 
