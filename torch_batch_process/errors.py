@@ -42,3 +42,9 @@ class WorkerFailedError(BatchProcessError, RuntimeError):
 
 class WorkerLostError(BatchProcessError, RuntimeError):
     """Contact with another rank was lost (it crashed, was killed, or the network failed)."""
+
+
+LOST_HINT = (  # what a WorkerLostError tells the user to do
+    "another rank of this job stopped answering (it crashed, was killed, or the network failed). "
+    "The last commit is intact: run the job again to resume from it"
+)
