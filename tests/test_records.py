@@ -293,3 +293,21 @@ def test_predict_under_torchrun_every_rank_gets_the_full_ordered_list(tmp_path):
     expected = [[float(i), 2.0 * i] for i in range(50)]
     assert sorted(reports) == [0, 1]
     assert all(reports[r]["predicted"] == expected for r in reports)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_small_row_groups_and_rolled_shards_read_back_in_order(tmp_path, monkeypatch, fmt):
+    from torch_batch_process.outputs import records
+
+    monkeypatch.setattr(records, "ROW_GROUP_BYTES", 300)  # a row group every few batches
+    monkeypatch.setattr(records, "SHARD_BYTES", 1000)  # several shards per commit
+    result = _run(tmp_path, n=90, batch_size=4, checkpoint_interval=7, output_format=fmt)
+    shards = glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt))
+    assert len(shards) > 4  # rolled over inside commits (4 commits)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        assert max(pq.ParquetFile(p).metadata.num_row_groups for p in shards) > 1
+    table = read_outputs(result.storage_path)
+    _check_rich(table, 90)
+    assert pa.Table.from_batches(list(iter_outputs(result.storage_path, batch_rows=5))).to_pylist() == table.to_pylist()

@@ -61,7 +61,8 @@ def _from_numpy(pa: Any, array: np.ndarray) -> Any:
     """An Arrow array of ``array``'s first dimension: nested fixed-size lists for the other dimensions."""
     if array.dtype.kind in "OUS":  # objects and strings: let Arrow infer from Python values
         return pa.array(array.tolist())
-    values = pa.array(np.ascontiguousarray(array).reshape(-1))
+    flat = np.ascontiguousarray(array).reshape(-1)
+    values = pa.array(flat, type=pa.from_numpy_dtype(flat.dtype))  # typed: zero-copy (untyped inference scans)
     for size in reversed(array.shape[1:]):
         values = pa.FixedSizeListArray.from_arrays(values, size)
     return values
@@ -124,7 +125,7 @@ def rows_to_table(rows: Any, indices: Sequence[int]) -> pa.Table:
             f"context.write(): the column name {INDEX_COLUMN!r} is reserved (the library adds each example's dataset "
             "index under it); rename your column"
         )
-    arrays = [pa.array(np.asarray(indices, dtype=np.int64))]
+    arrays = [pa.array(np.asarray(indices, dtype=np.int64), type=pa.int64())]
     arrays += [_column(pa, name, value, n) for name, value in zip(names, rows.values(), strict=True)]
     return pa.Table.from_arrays(arrays, names=[INDEX_COLUMN, *names])
 

@@ -4,7 +4,8 @@ Rows of a batch wait in memory until ``process_batch`` returns (a batch that rai
 join the rank's open shard: a local file in a scratch folder (``storage.scratch_folder``: inside the storage
 for local storage, so that it is later renamed, never copied). Parquet shards get a row group every
 :data:`ROW_GROUP_BYTES` of rows (pyarrow's ``ParquetWriter``); JSONL shards a line per row as it comes. So
-the library holds at most one row group's buffer per rank, whatever the job's size.
+the library holds at most two row groups' rows per rank (one being filled, one being encoded on a
+background thread, off the batch's path), whatever the job's size.
 
 At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer before its vote) the open
 shard is closed and handed to the :class:`~torch_batch_process.outputs.files.OutputStager` like an
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +77,8 @@ class RecordWriter:
         self._part = 0
         self._part_stage = -1
         self._name = ""
+        self._encoder: ThreadPoolExecutor | None = None  # parquet: row groups are encoded off the batch's path
+        self._encoding: Future[None] | None = None
         self.rows = 0
         current.listeners.append(self._batch_finished)
         stager.attach(self)
@@ -151,6 +155,8 @@ class RecordWriter:
         self._name = name
 
     def _write_group(self) -> None:
+        """Encodes the buffered rows as a row group on the background thread (after the previous group: at most
+        two groups' rows in memory)."""
         if not self._buffer:
             return
         import pyarrow as pa
@@ -158,11 +164,21 @@ class RecordWriter:
         self._open()
         group = pa.concat_tables(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
         self._buffer, self._buffered = [], 0
-        self._writer.write_table(group, row_group_size=group.num_rows)
+        self._wait()
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tbp-records")
+        self._encoding = self._encoder.submit(self._writer.write_table, group, row_group_size=group.num_rows)
+
+    def _wait(self) -> None:
+        """Waits for the row group being encoded; raises its error."""
+        encoding, self._encoding = self._encoding, None
+        if encoding is not None:
+            encoding.result()
 
     def _close_shard(self) -> None:
         """Closes the open shard and hands it to the stager (it joins the current stage)."""
         self._write_group()
+        self._wait()
         if self._writer is None:
             return
         writer, self._writer = self._writer, None
@@ -177,6 +193,13 @@ class RecordWriter:
 
     def close(self) -> None:
         """When the call ends: drops what was not committed and the scratch folder."""
+        try:
+            self._wait()
+        except Exception:  # noqa: BLE001 - the rows are dropped anyway
+            pass
+        if self._encoder is not None:
+            self._encoder.shutdown()
+            self._encoder = None
         if self._writer is not None:
             try:
                 self._writer.close()
