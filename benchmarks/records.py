@@ -53,10 +53,13 @@ def child_write(rows: int, batch_size: int, storage: str, write: bool) -> dict:
                                  storage_path=storage, progress=False, dataloader_kwargs={"collate_fn": list})
     seconds = time.perf_counter() - t0
     assert result.finished
-    return {"seconds": seconds, "peak_rss_mib": _peak_mib(), "batches": result.num_batches}
+    return {"seconds": seconds, "peak_rss_mib": _peak_mib(), "batches": result.num_batches,
+            "process_s": result.timings.get("process", 0.0), "commit_s": result.timings.get("commit", 0.0)}
 
 
 def child_read(storage: str, how: str) -> dict:
+    import pyarrow.parquet  # noqa: F401 - imports are not on the clock
+
     from torch_batch_process import iter_outputs, read_outputs
 
     t0 = time.perf_counter()
@@ -110,22 +113,25 @@ def main(argv: list[str] | None = None) -> int:
             size = sum(p.stat().st_size for p in Path(storage, "outputs").rglob("*.parquet"))
             per_batch = (wrote["seconds"] - base["seconds"]) / wrote["batches"]
             per_row = per_batch / args.batch_size
+            in_batch = (wrote["process_s"] - base["process_s"]) / wrote["batches"]  # on the batch's path
+            in_commit = (wrote["commit_s"] - base["commit_s"]) / wrote["batches"]  # closing shards, amortized
             table.append({
                 "rows": n, "mib": size / 2**20, "write_s": wrote["seconds"], "base_s": base["seconds"],
                 "rows_per_s": n / wrote["seconds"], "mib_per_s": size / 2**20 / wrote["seconds"],
                 "write_cost_us_per_batch": per_batch * 1e6, "write_cost_us_per_32_rows": per_row * 32 * 1e6,
+                "in_batch_us": in_batch * 1e6, "in_commit_us": in_commit * 1e6,
                 "write_rss_mib": wrote["peak_rss_mib"], "base_rss_mib": base["peak_rss_mib"],
                 "read_s": read["seconds"], "read_rss_mib": read["peak_rss_mib"],
                 "iter_s": it["seconds"], "iter_rss_mib": it["peak_rss_mib"],
             })
             print(json.dumps(table[-1]), file=sys.stderr)
     print(f"\n{DIM}-float32 embeddings, 1 process, batches of {args.batch_size}, checkpoint_interval=50, local storage")
-    print("| rows | Parquet MiB | write s (no-write job s) | rows/s | MiB/s | write cost per batch | peak RSS write (no-write) "
+    print("| rows | Parquet MiB | write s (no-write job s) | rows/s | MiB/s | write cost per batch (in process_batch + in commits) | peak RSS write (no-write) "
           "| read_outputs s | read_outputs peak RSS | iter_outputs s | iter_outputs peak RSS |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['rows']:,} | {r['mib']:.0f} | {r['write_s']:.1f} ({r['base_s']:.1f}) | {r['rows_per_s']:,.0f} | "
-              f"{r['mib_per_s']:.0f} | {r['write_cost_us_per_batch']:.0f} us | {r['write_rss_mib']:.0f} MiB "
+              f"{r['mib_per_s']:.0f} | {r['write_cost_us_per_batch']:.0f} us ({r['in_batch_us']:.0f} + {r['in_commit_us']:.0f}) | {r['write_rss_mib']:.0f} MiB "
               f"({r['base_rss_mib']:.0f}) | {r['read_s']:.2f} | {r['read_rss_mib']:.0f} MiB | {r['iter_s']:.2f} | "
               f"{r['iter_rss_mib']:.0f} MiB |")
     if len(table) > 1:

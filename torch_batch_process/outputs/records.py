@@ -105,10 +105,10 @@ class RecordWriter:
             self._writer.write("".join(json.dumps(row) + "\n" for row in table.to_pylist()))
         else:
             self._buffer.append(table)
-            self._buffered += table.nbytes
+            self._buffered += table.get_total_buffer_size()
             if self._buffered >= ROW_GROUP_BYTES:
                 self._write_group()
-        self._shard_bytes += table.nbytes
+        self._shard_bytes += table.get_total_buffer_size()
         self.rows += table.num_rows
         if self._shard_bytes >= SHARD_BYTES:
             self._close_shard()
