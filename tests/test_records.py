@@ -313,7 +313,7 @@ def test_small_row_groups_and_rolled_shards_read_back_in_order(tmp_path, monkeyp
     assert pa.Table.from_batches(list(iter_outputs(result.storage_path, batch_rows=5))).to_pylist() == table.to_pylist()
 
 
-@pytest.mark.parametrize("backend", ["memory", "s3"])
+@pytest.mark.parametrize("backend", ["memory", pytest.param("s3", marks=pytest.mark.s3)])
 def test_object_store_outputs_read_back_in_order(tmp_path, request, backend):
     url = request.getfixturevalue("memory_url" if backend == "memory" else "s3_url")
     result = _run(tmp_path, storage_path=url, n=23, batch_size=4, checkpoint_interval=2)

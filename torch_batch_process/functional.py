@@ -64,7 +64,9 @@ def predict(
     if not callable(fn):
         raise InvalidArgumentError(f"predict(fn=...): a callable is required, got {type(fn).__name__}")
     if "batch_processor_cls" in options:
-        raise InvalidArgumentError("predict() builds its own processor; call torch_batch_process() for a processor class")
+        raise InvalidArgumentError(
+            "predict() builds its own processor; call torch_batch_process() for a processor class"
+        )
     loader = dict(options.pop("dataloader_kwargs", None) or {})
     if collate_fn is not None:
         loader["collate_fn"] = collate_fn
@@ -128,13 +130,15 @@ def _rank() -> int:
 
 
 def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def _temporary_path() -> str:
     """A folder name that every rank of one machine computes alike (the job has not started: no collective yet)."""
-    world, local_world = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if world > local_world:
         raise InvalidArgumentError(
             "predict(): on several machines give storage_path= (a folder or URL every machine can reach); the "

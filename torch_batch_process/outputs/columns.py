@@ -83,7 +83,9 @@ def _column(pa: Any, name: str, value: Any, n: int) -> Any:
             f"list with one value per example ({n})"
         )
     if len(value) != n:
-        raise InvalidArgumentError(f"context.write(): column {name!r} has {len(value)} values for the batch's {n} example(s)")
+        raise InvalidArgumentError(
+            f"context.write(): column {name!r} has {len(value)} values for the batch's {n} example(s)"
+        )
     items = [_to_numpy(v) for v in value]
     if items and all(isinstance(v, np.ndarray) for v in items):
         if len({(v.shape, v.dtype) for v in items}) == 1 and items[0].dtype.kind not in "OUS":

@@ -49,14 +49,18 @@ def list_shards(storage: Storage) -> list[str]:
             shards += [f"{folder}/{n}" for n in storage.list(folder) if n.startswith("part-") and n.endswith(_SUFFIXES)]
     kinds = {os.path.splitext(s)[1] for s in shards}
     if len(kinds) > 1:
-        raise ValueError(f"{storage.url}: record shards of several formats ({sorted(kinds)}); read them one format at a time")
+        raise ValueError(
+            f"{storage.url}: record shards of several formats ({sorted(kinds)}); read them one format at a time"
+        )
     return shards
 
 
 def _open(storage_path: Any, storage_options: dict[str, Any] | None) -> tuple[Storage, list[str]]:
     require_pyarrow()
     if not isinstance(storage_path, (str, os.PathLike)):
-        raise InvalidArgumentError(f"storage_path must be a local path or an fsspec URL, got {type(storage_path).__name__}")
+        raise InvalidArgumentError(
+            f"storage_path must be a local path or an fsspec URL, got {type(storage_path).__name__}"
+        )
     storage = open_storage(storage_path, storage_options)
     shards = list_shards(storage)
     if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):

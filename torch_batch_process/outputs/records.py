@@ -219,7 +219,8 @@ class RecordWriter:
 def _is_text(arrow_type: Any) -> bool:
     import pyarrow as pa
 
-    return bool(pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_dictionary(arrow_type))
+    types = pa.types
+    return bool(types.is_string(arrow_type) or types.is_large_string(arrow_type) or types.is_dictionary(arrow_type))
 
 
 def check_output_format(output_format: Any) -> None:
