@@ -321,3 +321,24 @@ def test_object_store_outputs_read_back_in_order(tmp_path, request, backend):
     table = read_outputs(url)
     _check_rich(table, 23)
     assert pa.Table.from_batches(list(iter_outputs(url, batch_rows=6))).to_pylist() == table.to_pylist()
+
+
+class LateTypes(TorchBatchProcessor):
+    """A column that is all None (and lists that are all empty) in the first batches, typed later."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        late = batch_idx >= 3
+        self.context.write({"maybe": [f"m{i}" if late else None for i in ids], "items": [[i] if late else [] for i in ids]})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_columns_typed_only_in_later_batches_are_stored(tmp_path, fmt):
+    result = _run(tmp_path, processor=LateTypes, n=30, batch_size=4, checkpoint_interval=10, output_format=fmt)
+    table = read_outputs(result.storage_path)
+    assert table.column("maybe").to_pylist() == [None] * 12 + [f"m{i}" for i in range(12, 30)]
+    assert table.column("items").to_pylist() == [[]] * 12 + [[i] for i in range(12, 30)]
+    assert pa.Table.from_batches(list(iter_outputs(result.storage_path, batch_rows=7))).to_pylist() == table.to_pylist()

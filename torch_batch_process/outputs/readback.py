@@ -94,19 +94,26 @@ def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None) -> Any:
     return table.select(columns) if columns is not None else table
 
 
-def _runs(storage: Storage, shards: list[str]) -> list[_Run]:
-    """Every run of the shards with its index range (footers only for Parquet)."""
+def _runs(storage: Storage, shards: list[str]) -> tuple[list[_Run], Any]:
+    """Every run of the shards with its index range (footers only for Parquet), and the shards' schemas unified
+    (a column that was all None in one shard is typed in another)."""
     import pyarrow.parquet as pq
 
+    pa = require_pyarrow()
     runs: list[_Run] = []
+    schemas = []
     for shard in shards:
         if shard.endswith(".jsonl"):
-            index = _read_jsonl(storage, shard, [INDEX_COLUMN]).column(INDEX_COLUMN)
+            table = _read_jsonl(storage, shard, None)
+            schemas.append(table.schema)
+            index = table.column(INDEX_COLUMN)
             if len(index):
                 runs.append(_Run(shard, -1, int(_np(index).min()), int(_np(index).max())))
             continue
         with storage.open_input(shard) as f:
-            meta = pq.ParquetFile(f).metadata
+            parquet = pq.ParquetFile(f)
+            meta = parquet.metadata
+            schemas.append(parquet.schema_arrow)
         position = meta.schema.to_arrow_schema().get_field_index(INDEX_COLUMN)
         for group in range(meta.num_row_groups):
             rg = meta.row_group(group)
@@ -118,7 +125,7 @@ def _runs(storage: Storage, shards: list[str]) -> list[_Run]:
             else:
                 runs.append(_Run(shard, group, int(stats.min), int(stats.max)))
     runs.sort(key=lambda run: (run.low, run.shard, run.group))
-    return runs
+    return runs, pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
 
 
 def _np(column: Any) -> np.ndarray:
@@ -170,7 +177,10 @@ def iter_outputs(
     wanted = _columns(columns)
     storage, shards = _open(storage_path, storage_options)
     try:
-        runs = _runs(storage, shards)
+        runs, schema = _runs(storage, shards)
+        if schema is not None:  # every yielded batch has one schema
+            names = wanted if wanted is not None else schema.names
+            schema = require_pyarrow().schema([schema.field(name) for name in names])
         held: list[Any] = []
         for i in range(len(runs) + 1):
             bound = runs[i].low if i < len(runs) else None
@@ -182,7 +192,7 @@ def iter_outputs(
                     yield from table.slice(start, min(batch_rows, cut - start)).to_batches()
                 held = [table.slice(cut)] if cut < len(index) else []
             if i < len(runs):
-                held.append(_load(storage, runs[i], wanted))
+                held.append(_load(storage, runs[i], wanted).select(schema.names).cast(schema))
     finally:
         storage.close()
 

@@ -125,8 +125,16 @@ class RecordWriter:
                 f"context.write(): batch {self._current.batch_idx} has columns {table.column_names[1:]}, earlier "
                 f"batches {self._schema.names[1:]}; write the same columns in every batch"
             )
+        import pyarrow as pa
+
         try:
-            return table.select(self._schema.names).cast(self._schema)
+            table = table.select(self._schema.names)
+            schema = pa.unify_schemas([self._schema, table.schema], promote_options="permissive")
+            if not schema.equals(self._schema):  # e.g. a column that was all None so far: a new shard, wider types
+                self._close_shard()
+                self._buffer = [t.cast(schema) for t in self._buffer]
+                self._schema = schema
+            return table.cast(self._schema)
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
             raise InvalidArgumentError(
                 f"context.write(): batch {self._current.batch_idx} has types {table.schema.types[1:]}, earlier "
