@@ -265,14 +265,15 @@ def test_two_processes_ordered_read_back(tmp_path, fmt, schedule):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kill9_then_resume_with_another_world_size_every_index_once(tmp_path, fmt):
     progress = tmp_path / "progress"
-    spec = _spec(tmp_path, n=600, kwargs={"output_format": fmt}, sleep=0.01, progress_file=str(progress))
+    spec = _spec(tmp_path, n=600, kwargs={"output_format": fmt}, sleep=0.02, progress_file=str(progress))
     procs = spawn_ranks(2, RECORDS_JOB, json.dumps(spec))
+    published = os.path.join(spec["storage"], OUTPUTS_GLOB + "." + fmt)
     deadline = time.monotonic() + 90
-    while not progress.exists():
-        assert time.monotonic() < deadline, "the job never started processing"
+    while not glob.glob(published):  # some commits are published, the others under way
+        assert time.monotonic() < deadline, "the job never published a commit"
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
         time.sleep(0.02)
-    time.sleep(0.6)  # some commits are done, others under way
+    time.sleep(0.2)
     os.kill(procs[1].pid, signal.SIGKILL)
     outcomes = wait_all(procs, timeout=60)
     assert outcomes[1][0] == -signal.SIGKILL and outcomes[0][0] not in (0, None), outcomes
