@@ -42,6 +42,9 @@ _EXPORTS: dict[str, str] = {
     "WorkerFailedError": "torch_batch_process.errors",
     "WorkerLostError": "torch_batch_process.errors",
     "get_default_device": "torch_batch_process.device",
+    "iter_outputs": "torch_batch_process.outputs.readback",
+    "predict": "torch_batch_process.functional",
+    "read_outputs": "torch_batch_process.outputs.readback",
     "to_device": "torch_batch_process.device",
     "torch_batch_process": "torch_batch_process.batch_process",
 }
@@ -63,6 +66,9 @@ __all__ = [
     "WorkerLostError",
     "__version__",
     "get_default_device",
+    "iter_outputs",
+    "predict",
+    "read_outputs",
     "to_device",
     "torch_batch_process",
 ]
@@ -82,6 +88,8 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
         WorkerFailedError,
         WorkerLostError,
     )
+    from torch_batch_process.functional import predict
+    from torch_batch_process.outputs.readback import iter_outputs, read_outputs
     from torch_batch_process.processor import TorchBatchProcessor
     from torch_batch_process.reducers import MetricReducer
     from torch_batch_process.result import BatchProcessResult

@@ -43,6 +43,7 @@ def torch_batch_process(
     max_tokens: int | None = None,
     device_prefetch: bool | None = None,
     autocast: str | None = None,
+    output_format: str = "parquet",
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -96,6 +97,8 @@ def torch_batch_process(
             a no-op). ``False`` turns it off; ``True`` elsewhere does nothing.
         autocast: ``None`` (default), ``"bf16"`` or ``"fp16"``: ``process_batch`` runs under ``torch.autocast``
             with that dtype on the rank's device.
+        output_format: format of the shards ``context.write()`` stores: ``"parquet"`` (default) or ``"jsonl"``
+            (see :func:`torch_batch_process.read_outputs`). Part of the job's fingerprint.
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -127,6 +130,7 @@ def torch_batch_process(
         max_tokens=max_tokens,
         device_prefetch=device_prefetch,
         autocast=autocast,
+        output_format=output_format,
     )
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     with DistributedEnv(expected=distributed_context) as env:

@@ -23,6 +23,7 @@ from torch_batch_process.environment import (
     is_valid_job_name,
 )
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.processor import TorchBatchProcessor
 
 SCHEDULES = ("static", "dynamic")
@@ -62,6 +63,8 @@ class JobArguments:
     """Checked on the rank's device (:func:`~torch_batch_process.engine.prefetch.validate_device_prefetch`)."""
     autocast: str | None = None
     """Checked on the rank's device (:func:`~torch_batch_process.engine.autocast.resolve_autocast`)."""
+    output_format: str = "parquet"
+    """Format of the shards of ``context.write()``: ``"parquet"`` or ``"jsonl"``."""
 
 
 def _is_int(value: Any) -> bool:
@@ -266,6 +269,7 @@ def validate_arguments(
     max_tokens: Any = None,
     device_prefetch: Any = None,
     autocast: Any = None,
+    output_format: Any = "parquet",
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -292,6 +296,7 @@ def validate_arguments(
             f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}: 'static' deals batches round-robin in "
             "lockstep (Determined's behaviour), 'dynamic' lets each rank take the next batch when it is free"
         )
+    check_output_format(output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:
         lengths = resolve_lengths(bucket_by, dataset_length)
@@ -315,4 +320,5 @@ def validate_arguments(
         lengths_s=time.perf_counter() - started,
         device_prefetch=device_prefetch,
         autocast=autocast,
+        output_format=output_format,
     )

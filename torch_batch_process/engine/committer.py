@@ -235,10 +235,10 @@ class Committer:
         """Settles this rank's part (earlier background work, uploads, state file) into a vote, and starts
         the next stage."""
         state_file, slots = None, None
-        has_files = self._stager.has_files
         if not self._failures.failed:
             try:
                 self._check_background()
+                self._stager.seal()  # open record shards join this stage
                 self._stager.flush()
                 processor_state = processor.state_dict()
                 if self._reducers.wrapped or processor_state is not None:
@@ -246,6 +246,7 @@ class Committer:
                     state_file = self._store.write_state(self.stage, self.rank, slots, processor_state)
             except Exception as exc:  # noqa: BLE001 - travels in the vote
                 self._failures.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
+        has_files = self._stager.has_files
         part, self.part = self.part, Part()
         vote = Vote(
             rank=self.rank,

@@ -46,6 +46,7 @@ from torch_batch_process.observe.metrics import MetricsLog
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.storage.base import open_storage
@@ -84,6 +85,7 @@ class JobRun:
             args.max_batches,
             qualified_name(type(args.dataset)),
             self.plan.fingerprint(),
+            output_format=args.output_format,
         )
         self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll)
         self.failures = FailureTracker(self.rank)
@@ -135,6 +137,7 @@ class JobRun:
         """The stager, context and committer of this rank, then the processor (restored) and the first agreement."""
         self.stager = OutputStager(self.storage, self.rank)
         current = CurrentBatch()
+        records = RecordWriter(self.stager, current, self.rank, self.args.output_format)  # context.write()
         context = TorchBatchProcessorContext(
             device=self.env.device,
             distributed=self.env.info,
@@ -143,6 +146,7 @@ class JobRun:
             tensorboard_path=self.tensorboard.path,
             metrics_sink=lambda line: self._committer().part.lines.append(line),
             current=current,
+            records=records,
         )
         self.context, self.current = context, current
         self.committer = self._make_committer(start, context)

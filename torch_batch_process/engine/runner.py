@@ -68,7 +68,9 @@ class BatchRunner:
         try:
             with self._inference(), self._mode():
                 self._processor.process_batch(batch, batch_idx)
+                self._current.finish(True)  # its context.write() rows join the rank's shard
         except Exception as exc:  # noqa: BLE001 - every rank stops with it (the loop's agreement)
+            self._current.finish(False)  # a batch that raised contributes no rows
             self._failures.record(exc, f"process_batch(batch_idx={batch_idx})")
             return
         finally:

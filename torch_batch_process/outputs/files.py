@@ -23,6 +23,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.layout import staging_dir
@@ -48,6 +49,22 @@ class OutputStager:
         self._spare: list[Path] = []  # empty folders of finished blocks, for the next upload_path()
         self.files = 0
         self.bytes = 0
+        self._writers: list[Any] = []  # record writers (outputs/records.py): sealed before each commit
+
+    @property
+    def storage(self) -> Storage:
+        """The job's storage."""
+        return self._storage
+
+    def attach(self, writer: Any) -> None:
+        """Adds a writer of open files (record outputs): ``writer.seal()`` runs before each commit (its files
+        join the stage being committed) and ``writer.close()`` when the stager closes."""
+        self._writers.append(writer)
+
+    def seal(self) -> None:
+        """Before a commit: the attached writers hand their open files to the current stage."""
+        for writer in self._writers:
+            writer.seal()
 
     def advance(self, stage: int) -> None:
         """Starts collecting for ``stage`` (the previous one is committed or being committed)."""
@@ -119,6 +136,8 @@ class OutputStager:
     def close(self) -> None:
         """Stops the sink (pending uploads are abandoned: their commit never happens) and removes the spare
         folders."""
+        for writer in self._writers:
+            writer.close()
         self._sink.close()
         with self._lock:
             spare, self._spare = self._spare, []

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import fsspec
 
@@ -152,6 +152,9 @@ class ObjectStorage(Storage):
         if self.protocol in ("s3", "s3a"):
             return self.fs.cat_file(path, max_concurrency=1)  # one GET, no size probe first
         return self.fs.cat_file(path)
+
+    def open_input(self, rel: str) -> BinaryIO:
+        return self._call(f"open {rel!r}", lambda: self.fs.open(self.path(rel), "rb"), missing_ok=False)
 
     def list(self, rel: str) -> list[str]:
         def _ls() -> list[str]:
