@@ -202,7 +202,7 @@ def test_hparams_are_logged_once_per_attempt_to_jsonl_and_tensorboard(tmp_path, 
 def test_the_observer_reads_the_hparams_that_tbp_run_sets(tmp_path, monkeypatch):
     from torch_batch_process.launch.config import load_config
     from torch_batch_process.launch.job_launch import job_environment
-    from torch_batch_process.observe.observer import read_hparams
+    from torch_batch_process.observe.hparams import read_hparams
 
     config = tmp_path / "job.yaml"
     config.write_text(
