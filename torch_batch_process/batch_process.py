@@ -10,6 +10,7 @@ from typing import Any
 from torch_batch_process.engine.bucketing import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import JobRun
+from torch_batch_process.failure_options import validate_failure_options
 from torch_batch_process.log import setup_logging
 from torch_batch_process.observe.options import resolve_observe_options
 from torch_batch_process.processor import TorchBatchProcessor
@@ -43,6 +44,9 @@ def torch_batch_process(
     max_tokens: int | None = None,
     device_prefetch: bool | None = None,
     autocast: str | None = None,
+    on_error: str = "raise",
+    max_failures: int | float | None = None,
+    batch_timeout: float | None = None,
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -96,6 +100,13 @@ def torch_batch_process(
             a no-op). ``False`` turns it off; ``True`` elsewhere does nothing.
         autocast: ``None`` (default), ``"bf16"`` or ``"fp16"``: ``process_batch`` runs under ``torch.autocast``
             with that dtype on the rank's device.
+        on_error: ``"raise"`` (default): an exception in loading or ``process_batch`` fails the job. ``"skip"``: a
+            failing batch is retried in halves down to single examples; those that still fail are recorded in
+            ``<storage_path>/failures/`` (``tbp failures``) and skipped (see :mod:`torch_batch_process.engine.failures`).
+        max_failures: with ``"skip"``: the most examples that may fail, an int count or a float fraction of the
+            examples; past it the job fails with :class:`TooManyFailuresError` (resumable). ``None``: no limit.
+        batch_timeout: seconds a batch may run; a longer one makes the ranks dump their Python stacks to the
+            log and the job fail with :class:`BatchTimeoutError` (see :mod:`torch_batch_process.engine.watchdog`).
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -108,7 +119,10 @@ def torch_batch_process(
         StorageError: the storage cannot be used.
         WorkerFailedError: another rank failed (the failing rank raises its own exception).
         WorkerLostError: another rank died or stopped answering.
+        BatchTimeoutError: a batch ran longer than ``batch_timeout``.
+        TooManyFailuresError: more examples failed than ``max_failures``.
     """
+    failures = validate_failure_options(on_error, max_failures, batch_timeout)
     args = validate_arguments(
         batch_processor_cls,
         dataset,
@@ -127,6 +141,7 @@ def torch_batch_process(
         max_tokens=max_tokens,
         device_prefetch=device_prefetch,
         autocast=autocast,
+        failures=failures,
     )
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     with DistributedEnv(expected=distributed_context) as env:

@@ -42,3 +42,11 @@ class WorkerFailedError(BatchProcessError, RuntimeError):
 
 class WorkerLostError(BatchProcessError, RuntimeError):
     """Contact with another rank was lost (it crashed, was killed, or the network failed)."""
+
+
+class BatchTimeoutError(BatchProcessError, TimeoutError):
+    """A batch ran longer than ``batch_timeout`` seconds (see :mod:`torch_batch_process.engine.watchdog`)."""
+
+
+class TooManyFailuresError(BatchProcessError, RuntimeError):
+    """More examples failed than ``max_failures`` allows (``on_error="skip"``)."""

@@ -23,6 +23,7 @@ from torch_batch_process.environment import (
     is_valid_job_name,
 )
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.failure_options import FailureOptions
 from torch_batch_process.processor import TorchBatchProcessor
 
 SCHEDULES = ("static", "dynamic")
@@ -62,6 +63,8 @@ class JobArguments:
     """Checked on the rank's device (:func:`~torch_batch_process.engine.prefetch.validate_device_prefetch`)."""
     autocast: str | None = None
     """Checked on the rank's device (:func:`~torch_batch_process.engine.autocast.resolve_autocast`)."""
+    failures: FailureOptions = FailureOptions()
+    """``on_error``, ``max_failures``, ``batch_timeout`` (:mod:`torch_batch_process.failure_options`)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -266,6 +269,7 @@ def validate_arguments(
     max_tokens: Any = None,
     device_prefetch: Any = None,
     autocast: Any = None,
+    failures: FailureOptions = FailureOptions(),
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -315,4 +319,5 @@ def validate_arguments(
         lengths_s=time.perf_counter() - started,
         device_prefetch=device_prefetch,
         autocast=autocast,
+        failures=failures,
     )

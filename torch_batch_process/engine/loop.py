@@ -32,6 +32,7 @@ from torch_batch_process.engine.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.committer import Committer, Outcome
 from torch_batch_process.engine.distributed import DistributedEnv
+from torch_batch_process.engine.guard import check_failures, guard_runner
 from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.keeper import KeeperStart, RecordKeeper, Summary
 from torch_batch_process.engine.plan import BucketedPlan, ContiguousPlan, Plan, planned_batches
@@ -113,7 +114,7 @@ class JobRun:
                 start = self.opener.open(planned, self._plan_of(planned).num_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
-                self.call_id = start.call_id
+                self.call_id, self.start = start.call_id, start
                 self.plan = self._plan_of(start.planned_batches)
                 remaining = RangeSet([(0, self.plan.num_batches)] if self.plan.num_batches else [])
                 if start.latest is not None:
@@ -123,6 +124,8 @@ class JobRun:
                 self._log_start(start, remaining)
                 self._start_observer(start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
+                if outcome is not None and not outcome.preempted:
+                    check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
                 if outcome is None or not outcome.preempted:
                     outcome = self._finish(processor)
                 result = self._result(start, outcome)
@@ -211,6 +214,7 @@ class JobRun:
             processor, self.current, self.plan, self.failures, inference_mode=self.args.inference_mode, mode=self.autocast
         )
         feed = BatchFeed(self.args.dataset, self.plan, scheduler, self.args.dataloader_kwargs, self.env.device)
+        watchdog = guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/guard.py)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:
@@ -243,6 +247,8 @@ class JobRun:
         finally:
             batches.close()
             feed.close()  # stops the loader's worker processes
+            if watchdog is not None:
+                watchdog.close()
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
         """``on_checkpoint_start()`` before a commit (its failure travels in the vote)."""
