@@ -221,7 +221,7 @@ class FailureHandler:
                 "phase": phase,
                 "error_type": type(error).__name__,
                 "message": str(error),
-                "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+                "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__, chain=False)),
                 "time": round(time.time(), 3),
             }
         )

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from torch_batch_process.observe.status import add_status_parser  # tbp status: torch_batch_process/observe/status.py
 
     add_status_parser(subparsers)
+    from torch_batch_process.observe.failures import add_failures_parser  # tbp failures
+
+    add_failures_parser(subparsers)
     return parser
 
 
