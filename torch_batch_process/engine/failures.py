@@ -157,7 +157,7 @@ class FailureHandler:
         indices = list(indices)
         logger.warning(
             "rank %d: batch %d (%d examples) failed in %s (%s: %s); splitting it to find the failing examples",
-            self._rank, batch_idx, len(indices), phase, type(error).__name__, error,
+            self._rank, batch_idx, len(indices), phase, type(error).__name__, _first_line(error),
         )
         if len(indices) == 1:
             self._record(batch_idx, indices[0], phase, error, part)
@@ -227,7 +227,7 @@ class FailureHandler:
         )
         logger.warning(
             "rank %d: example %d of batch %d failed in %s (%s: %s); skipped, recorded in %s/",
-            self._rank, index, batch_idx, phase, type(error).__name__, error, self._failures_url,
+            self._rank, index, batch_idx, phase, type(error).__name__, _first_line(error), self._failures_url,
         )
         total = self._failed_before + self.failed
         if self._limit is not None and total > self._limit:
@@ -241,6 +241,11 @@ def no_span(batch_idx: int) -> contextlib.AbstractContextManager[Any]:
     """A span that times nothing (no ``batch_timeout``)."""
     del batch_idx
     return _NULL
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _snapshot(reducers: ReducerRegistry) -> list[Any]:
