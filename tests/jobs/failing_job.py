@@ -3,7 +3,8 @@
 The spec comes as JSON in argv[1]: ``storage``, ``report_dir``, ``n``, ``batch_size``, ``bad_load`` (indices
 whose ``__getitem__`` raises), ``bad_process`` (indices that make ``process_batch`` raise when in its batch),
 ``on_error``, ``max_failures``, ``batch_timeout``, ``stuck_batch`` (a batch whose ``process_batch`` sleeps for
-an hour), ``sleep`` (seconds per batch), ``num_workers``, ``schedule``, ``checkpoint_interval``,
+an hour), ``stuck_mode`` (``"blocked"``: the stuck batch blocks
+the watchdog's signal), ``sleep`` (seconds per batch), ``num_workers``, ``schedule``, ``checkpoint_interval``,
 ``progress_file`` (touched at the first batch), ``attempt``.
 
 Each batch writes ``vals_<batch_idx>.json`` (the dataset indices it processed) through ``upload_path()``, updates
@@ -13,6 +14,7 @@ a sum reducer and a function reducer, and ``report_metrics`` once. Each rank wri
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -74,6 +76,10 @@ class Processor(TorchBatchProcessor):
         with self.context.upload_path() as path:
             (path / f"vals_{batch_idx}.json").write_text(json.dumps(values))
         if batch_idx == SPEC.get("stuck_batch"):
+            Path(SPEC["report_dir"]).mkdir(parents=True, exist_ok=True)
+            Path(SPEC["report_dir"], "stuck_at").write_text(str(time.time()))
+            if SPEC.get("stuck_mode") == "blocked":  # the watchdog's signal never gets through: it must exit
+                signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
             time.sleep(3600)
         if BAD_PROCESS & set(values):
             raise RuntimeError(f"bad example in {values}")
