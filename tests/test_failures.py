@@ -167,14 +167,20 @@ def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:
 def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> None:
     """A batch the watchdog cannot interrupt: the rank ends itself after the grace period, the other follows."""
     timeout = 2.0
-    spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_batch=4, stuck_mode="blocked", batch_timeout=timeout)
+    spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_batch=8, stuck_mode="blocked", batch_timeout=timeout)
     results = run_job(spec, 2, timeout=120)
     ended = time.time()
     stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
     assert ended - stuck_at < timeout + 25, f"ranks ended {ended - stuck_at:.1f}s after the stuck batch started"
     assert all(rc not in (0, None) for rc, _, _ in results), [rc for rc, _, _ in results]
-    assert "ending the process" in results[0][2]  # batch 4 runs on rank 0
-    assert Path(spec["storage"], "_tbp", "commits").exists()
+    assert "ending the process" in results[0][2]  # batch 8 runs on rank 0
+    assert list(Path(spec["storage"], "_tbp", "commits").glob("*.json")), "the commits before it stay"
+
+    resumed = dict(spec, stuck_batch=None, attempt=2)
+    results = run_job(resumed, 1)
+    assert results[0][0] == 0, results[0][2][-3000:]
+    assert report(resumed, 0, attempt=2)["result"]["batches_skipped"] > 0
+    assert output_counts(spec["storage"]) == Counter(range(N))
 
 
 class _Noop(TorchBatchProcessor):

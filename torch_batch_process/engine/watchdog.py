@@ -120,19 +120,26 @@ class BatchWatchdog:
             if self._fired_at is None and batch is not None and now - self._since > self.timeout_s:
                 self._fire(batch, now, store)
             elif self._fired_at is None and self._remote_at is None and store is not None:
-                try:
-                    if int(store.add(TIMEOUT_KEY, 0)) > 0:
-                        self._remote_at = now
-                        logger.error(
-                            "rank %d: a batch on another rank ran longer than batch_timeout=%gs; stacks of rank %d:\n%s",
-                            self.rank, self.timeout_s, self.rank, _stacks(),
-                        )
-                except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
-                    store = None
+                store = self._check_remote(store, now)
             if self._fired_at is not None and self._batch is not None and now - self._fired_at > self._grace_s:
                 self._exit(f"batch {self._batch} is still running {self._grace_s:g}s after its BatchTimeoutError")
             if self._remote_at is not None and now - self._remote_at > 2 * self._grace_s:
                 self._exit("a batch on another rank timed out and this rank has not stopped")
+        if self._fired_at is None and self._remote_at is None and store is not None:
+            self._check_remote(store, time.monotonic())  # the job stopped faster than a poll: dump now
+
+    def _check_remote(self, store: Any, now: float) -> Any:
+        """Dumps this rank's stacks when another rank's batch timed out; returns the store (``None``: gone)."""
+        try:
+            if int(store.add(TIMEOUT_KEY, 0)) > 0:
+                self._remote_at = now
+                logger.error(
+                    "rank %d: a batch on another rank ran longer than batch_timeout=%gs; stacks of rank %d:\n%s",
+                    self.rank, self.timeout_s, self.rank, _stacks(),
+                )
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+            return None
+        return store
 
     def _fire(self, batch: int, now: float, store: Any) -> None:
         self._fired_at = now
