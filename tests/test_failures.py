@@ -140,6 +140,10 @@ def test_max_failures_counts_all_ranks(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert report(spec, rank)["error"]["type"] == "TooManyFailuresError"
     assert sorted(f["index"] for f in read_failures(spec["storage"])) == [1, 6]
+    # every batch is committed now: a re-run with the same limit fails again without doing any work
+    again = dict(spec, attempt=2)
+    assert run_job(again, 1)[0][0] == 1
+    assert report(again, 0, attempt=2)["error"]["type"] == "TooManyFailuresError"
 
 
 def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:

@@ -57,10 +57,16 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> BatchWatc
     return watchdog
 
 
-def check_failures(job: JobRun, outcome: Outcome) -> None:
-    """After the closing commit, on every rank: fails the job when its committed failures exceed
-    ``max_failures`` (the same counts on every rank, so every rank raises together)."""
+def check_failures(job: JobRun, outcome: Outcome | None) -> None:
+    """After the closing commit (``outcome``; ``None``: every batch was committed before this call), on every
+    rank: fails the job when its committed failures exceed ``max_failures`` (the same counts on every rank, so
+    every rank raises together)."""
     options = job.args.failures
-    if options.skip:
-        limit = options.limit(job.plan.num_examples)
-        check_total(outcome.summary.failed_examples, limit, job.storage.url_of(FAILURES_DIR))
+    if not options.skip:
+        return
+    if outcome is not None:
+        failed = outcome.summary.failed_examples
+    else:
+        latest = job.start.latest
+        failed = int(latest.stats.get("failed_examples", 0)) if latest is not None else 0
+    check_total(failed, options.limit(job.plan.num_examples), job.storage.url_of(FAILURES_DIR))

@@ -124,9 +124,8 @@ class JobRun:
                 self._log_start(start, remaining)
                 self._start_observer(start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
-                if outcome is not None and not outcome.preempted:
-                    check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
                 if outcome is None or not outcome.preempted:
+                    check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
                     outcome = self._finish(processor)
                 result = self._result(start, outcome)
             self.observer.finish(result)
