@@ -3,12 +3,13 @@
     python -m benchmarks.failures_overhead                       # 5 rounds of 300 batches of 2 ms busy work
     python -m benchmarks.failures_overhead --rounds 9 --work-ms 5
 
-Each batch does a fixed amount of CPU work (calibrated to about ``--work-ms``), updates a wrapped reducer and a function reducer, and writes one
-small file through ``upload_path()`` (what ``"skip"`` holds back per batch, with the reducers' snapshots).
-The two variants alternate within each round (order flipped every round); each run uses a fresh local
-storage path. Throughput is batches per second of the process's CPU time (``time.process_time``, all threads:
-the library's background work included), which other processes on a shared machine barely disturb, and also
-per second of wall time. The median of the rounds' ratios skip / raise is the figure. Goal: >= 0.98.
+Each batch does a fixed amount of CPU work (calibrated to about ``--work-ms``), updates a wrapped reducer and a
+function reducer, and writes one small file through ``upload_path()`` (what ``"skip"`` holds back per batch,
+with the reducers' snapshots). The two variants alternate within each round (order flipped every round); each
+run uses a fresh local storage path. Throughput is batches per second of the process's CPU time
+(``time.process_time``, all threads: the library's background work included), which other processes on a shared
+machine barely disturb, and also per second of wall time. The median of the rounds' ratios skip / raise is the
+figure. Goal: >= 0.98.
 """
 
 from __future__ import annotations
@@ -105,13 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         _run("raise", Path(scratch, "warmup"), 20, args.batch_size)
         for index in range(args.rounds):
             order = ["raise", "skip"] if index % 2 == 0 else ["skip", "raise"]
-            speed = {mode: _run(mode, Path(scratch, f"r{index}-{mode}"), args.batches, args.batch_size) for mode in order}
+            speed = {
+                mode: _run(mode, Path(scratch, f"r{index}-{mode}"), args.batches, args.batch_size) for mode in order
+            }
             ratios.append(speed["skip"][0] / speed["raise"][0])
             best = {mode: max(best[mode], speed[mode][0]) for mode in best}
             wall_ratios.append(speed["skip"][1] / speed["raise"][1])
-            print(
-                f"{index:>5} {speed['raise'][0]:>14.1f} {speed['skip'][0]:>13.1f} {ratios[-1]:>11.3f} {wall_ratios[-1]:>16.3f}"
-            )
+            raise_s, skip_s = speed["raise"][0], speed["skip"][0]
+            print(f"{index:>5} {raise_s:>14.1f} {skip_s:>13.1f} {ratios[-1]:>11.3f} {wall_ratios[-1]:>16.3f}")
     median = statistics.median(ratios)
     print(f"median skip/raise (CPU time): {median:.3f} (goal >= {GOAL}); min {min(ratios):.3f}, max {max(ratios):.3f}")
     print(f"best skip / best raise (CPU time): {best['skip'] / best['raise']:.3f}")

@@ -44,7 +44,9 @@ def add_failures_parser(subparsers: Any) -> argparse.ArgumentParser:
             "attempt, rank, phase, exception), read from <storage_path>/failures/. Read-only."
         ),
     )
-    parser.add_argument("storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)")
+    parser.add_argument(
+        "storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)"
+    )
     parser.add_argument("--json", action="store_true", help="print the records as JSON lines (with tracebacks)")
     parser.add_argument("--storage-options", metavar="JSON", default=None, help="fsspec storage options (JSON object)")
     parser.set_defaults(func=run_failures)
@@ -70,5 +72,6 @@ def run_failures(args: argparse.Namespace) -> int:
     for r in records:
         message = str(r.get("message", "")).splitlines()[0] if r.get("message") else ""
         error = f"{r.get('error_type')}: {message}"[:100]
-        print(f"{r.get('index'):>10} {r.get('batch_idx'):>7} {r.get('attempt'):>7} {r.get('rank'):>4}  {r.get('phase', ''):<7} {error}")
+        where = f"{r.get('index'):>10} {r.get('batch_idx'):>7} {r.get('attempt'):>7} {r.get('rank'):>4}"
+        print(f"{where}  {r.get('phase', ''):<7} {error}")
     return 0
