@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import JOBS, spawn_ranks, wait_all
+from harness import JOBS, spawn_ranks, storage_fs, wait_all
 
 from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
 from torch_batch_process.observe.failures import read_failures
@@ -51,9 +51,11 @@ def report(spec: dict[str, Any], rank: int, attempt: int = 1) -> dict[str, Any]:
 
 def output_counts(storage: str) -> Counter[int]:
     """How often each dataset index appears in the committed vals_<batch_idx>.json files (parts included)."""
+    fs, root = storage_fs(storage)
     counts: Counter[int] = Counter()
-    for path in Path(storage, "outputs").rglob("vals_*.json"):
-        counts.update(json.loads(path.read_text()))
+    for path in fs.find(f"{root}/outputs"):
+        if path.rsplit("/", 1)[-1].startswith("vals_"):
+            counts.update(json.loads(fs.cat_file(path)))
     return counts
 
 
@@ -72,7 +74,8 @@ def check_complete(spec: dict[str, Any], result: dict[str, Any]) -> None:
     assert result["finished"] and result["failed_examples"] == len(BAD)
     assert result["metrics"]["sum"] == sum(GOOD) and result["metrics"]["count"] == len(GOOD)
     assert result["metrics"]["seen"] == GOOD
-    assert not list(Path(storage, "_tbp", "staging").glob("*/*")), "nothing left staged"
+    fs, root = storage_fs(storage)
+    assert not fs.find(f"{root}/_tbp/staging"), "nothing left staged"
 
 
 def test_skip_two_ranks_records_exactly_the_bad_examples(tmp_path: Path) -> None:
@@ -91,6 +94,17 @@ def test_skip_two_ranks_records_exactly_the_bad_examples(tmp_path: Path) -> None
     again = run_job(dict(spec, attempt=2), 1)
     assert again[0][0] == 0
     assert report(spec, 0, attempt=2)["result"]["failed_examples"] == len(BAD)
+
+
+@pytest.mark.s3
+def test_skip_dynamic_on_s3(tmp_path: Path, s3_url: str) -> None:
+    """The dynamic schedule, and failure records published on an object store."""
+    spec = spec_for(tmp_path, storage=s3_url, schedule="dynamic")
+    results = run_job(spec, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    check_complete(spec, report(spec, 0)["result"])
+    fs, root = storage_fs(s3_url)
+    assert not [p for p in fs.find(f"{root}/outputs") if "_tbp_failures" in p], "failure records stay out of outputs/"
 
 
 def test_kill_and_resume_with_another_world_size(tmp_path: Path) -> None:
