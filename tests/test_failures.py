@@ -1,5 +1,5 @@
 """Failing examples (DESIGN §11): on_error="skip", bisection, failures committed exactly once, max_failures,
-batch_timeout. Real worker processes (tests/jobs/failing_job.py), real kills."""
+batch_timeout, retry_failed. Real worker processes (tests/jobs/failing_job.py), real kills."""
 
 from __future__ import annotations
 
@@ -201,6 +201,35 @@ def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> No
     assert output_counts(spec["storage"]) == Counter(range(N))
 
 
+def test_retry_failed_processes_only_the_failures(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path)
+    assert run_job(spec, 1)[0][0] == 0
+    main_outputs = output_counts(spec["storage"])
+    assert main_outputs == Counter(GOOD)
+
+    # the data of most bad examples got fixed: the retry processes the 7 failures only and clears those that pass
+    retry = dict(spec, bad_load=[41], bad_process=[99], retry_failed=True, attempt=2)
+    results = run_job(retry, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    result = report(retry, 0, attempt=2)["result"]
+    assert result["failed_examples"] == 2 and result["num_examples"] == len(BAD)
+    assert result["metrics"]["seen"] == [5, 13, 14, 62, 77] and result["metrics"]["count"] == 5
+    assert sorted(f["index"] for f in read_failures(spec["storage"])) == [41, 99]
+    assert output_counts(f"{spec['storage']}/retries/1") == Counter([5, 13, 14, 62, 77])
+
+    fixed = dict(spec, bad_load=[], bad_process=[], retry_failed=True, attempt=3)
+    assert run_job(fixed, 1)[0][0] == 0
+    assert report(fixed, 0, attempt=3)["result"]["failed_examples"] == 0
+    assert read_failures(spec["storage"]) == []
+    everything = output_counts(spec["storage"]) + output_counts(f"{spec['storage']}/retries/1")
+    everything += output_counts(f"{spec['storage']}/retries/2")
+    assert everything == Counter(range(N)), "every example's output once, over the job and its retries"
+
+    nothing = dict(fixed, attempt=4)  # no failure left: an empty retry
+    assert run_job(nothing, 1)[0][0] == 0
+    assert report(nothing, 0, attempt=4)["result"]["num_examples"] == 0
+
+
 class _Noop(TorchBatchProcessor):
     def __init__(self, context: Any) -> None:
         pass
@@ -220,6 +249,7 @@ class _Noop(TorchBatchProcessor):
         ({"batch_timeout": 0}, "batch_timeout"),
         ({"batch_timeout": float("inf")}, "batch_timeout"),
         ({"batch_timeout": "10"}, "batch_timeout"),
+        ({"retry_failed": 1}, "retry_failed"),
     ],
 )
 def test_bad_failure_options_are_refused_before_any_work(tmp_path: Path, options: dict[str, Any], needle: str) -> None:

@@ -47,6 +47,7 @@ def torch_batch_process(
     on_error: str = "raise",
     max_failures: int | float | None = None,
     batch_timeout: float | None = None,
+    retry_failed: bool = False,
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -107,6 +108,9 @@ def torch_batch_process(
             examples; past it the job fails with :class:`TooManyFailuresError` (resumable). ``None``: no limit.
         batch_timeout: seconds a batch may run; a longer one makes the ranks dump their Python stacks to the
             log and the job fail with :class:`BatchTimeoutError` (see :mod:`torch_batch_process.engine.watchdog`).
+        retry_failed: on a finished job: process only its recorded failures, as a retry job stored in
+            ``<storage_path>/retries/<k>/``; those that succeed are cleared from the failures, the result is the
+            retry's (see :mod:`torch_batch_process.engine.retry`).
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -122,7 +126,7 @@ def torch_batch_process(
         BatchTimeoutError: a batch ran longer than ``batch_timeout``.
         TooManyFailuresError: more examples failed than ``max_failures``.
     """
-    failures = validate_failure_options(on_error, max_failures, batch_timeout)
+    failures = validate_failure_options(on_error, max_failures, batch_timeout, retry_failed)
     args = validate_arguments(
         batch_processor_cls,
         dataset,
@@ -146,4 +150,9 @@ def torch_batch_process(
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     with DistributedEnv(expected=distributed_context) as env:
         setup_logging(env.info.rank)
+        if failures.retry_failed:
+            from torch_batch_process.engine.retry import prepare_retry
+
+            retry_args, plan = prepare_retry(args)
+            return JobRun(retry_args, env, observe, plan=plan).run()
         return JobRun(args, env, observe).run()

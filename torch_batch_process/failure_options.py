@@ -7,6 +7,7 @@
   the job's examples (``0 < f < 1``); ``None``: no limit. Past it the job fails with
   :class:`~torch_batch_process.errors.TooManyFailuresError`.
 - ``batch_timeout``: seconds a batch may run (:mod:`torch_batch_process.engine.watchdog`); ``None``: no limit.
+- ``retry_failed``: on a finished job, process only its recorded failures (:mod:`torch_batch_process.engine.retry`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FailureOptions:
     on_error: str = "raise"
     max_failures: int | float | None = None
     batch_timeout: float | None = None
+    retry_failed: bool = False
 
     @property
     def skip(self) -> bool:
@@ -43,8 +45,13 @@ class FailureOptions:
         return self.max_failures
 
 
-def validate_failure_options(on_error: Any, max_failures: Any, batch_timeout: Any) -> FailureOptions:
-    """Checks ``on_error``, ``max_failures`` and ``batch_timeout``; raises :class:`InvalidArgumentError`."""
+def validate_failure_options(
+    on_error: Any, max_failures: Any, batch_timeout: Any, retry_failed: Any = False
+) -> FailureOptions:
+    """Checks ``on_error``, ``max_failures``, ``batch_timeout`` and ``retry_failed``; raises
+    :class:`InvalidArgumentError`."""
+    if not isinstance(retry_failed, bool):
+        raise InvalidArgumentError(f"retry_failed must be True or False, got {retry_failed!r}")
     if on_error not in ON_ERROR:
         raise InvalidArgumentError(
             f"on_error must be 'raise' (fail the job on the first exception) or 'skip' (record failing examples "
@@ -73,4 +80,4 @@ def validate_failure_options(on_error: Any, max_failures: Any, batch_timeout: An
         if not math.isfinite(batch_timeout):
             raise InvalidArgumentError(f"batch_timeout must be finite (or None for no limit), got {batch_timeout!r}")
         batch_timeout = float(batch_timeout)
-    return FailureOptions(on_error, max_failures, batch_timeout)
+    return FailureOptions(on_error, max_failures, batch_timeout, retry_failed)

@@ -89,7 +89,7 @@ class Processor(TorchBatchProcessor):
 def main():
     rank = int(os.environ.get("RANK", "0"))
     report = {"rank": rank}
-    kwargs = {k: SPEC[k] for k in ("on_error", "max_failures", "batch_timeout", "schedule") if k in SPEC}
+    kwargs = {k: SPEC[k] for k in ("on_error", "max_failures", "batch_timeout", "schedule", "retry_failed") if k in SPEC}
     try:
         result = torch_batch_process(
             Processor,

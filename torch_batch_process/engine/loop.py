@@ -61,7 +61,9 @@ logger = logging.getLogger(__name__)
 class JobRun:
     """One call of :func:`~torch_batch_process.torch_batch_process` on one rank (see the module docstring)."""
 
-    def __init__(self, args: JobArguments, env: DistributedEnv, options: ObserveOptions | None = None) -> None:
+    def __init__(
+        self, args: JobArguments, env: DistributedEnv, options: ObserveOptions | None = None, plan: Plan | None = None
+    ) -> None:
         self.args = args
         self.env = env
         self.rank, self.world_size = env.info.rank, env.info.size
@@ -71,7 +73,7 @@ class JobRun:
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
         self.storage = open_storage(args.storage_path, args.storage_options)
         t0 = time.perf_counter()
-        self.full_plan: Plan = (
+        self.full_plan: Plan = plan or (  # a given plan: retry_failed (engine/retry.py)
             ContiguousPlan(args.dataset_length, args.batch_size)
             if args.lengths is None
             else BucketedPlan(args.lengths, args.batch_size, args.bucket_window, args.max_tokens)
@@ -299,8 +301,9 @@ class JobRun:
     def _plan_of(self, num_batches: int) -> Plan:
         """The job's plan, cut to its first ``num_batches`` batches (``max_batches``)."""
         plan = self.full_plan
-        if isinstance(plan, BucketedPlan):
-            return plan.cut(num_batches)
+        cut = getattr(plan, "cut", None)  # BucketedPlan, IndexPlan (retry_failed)
+        if cut is not None:
+            return cut(num_batches)  # type: ignore[no-any-return]
         return ContiguousPlan(self.args.dataset_length, self.args.batch_size, num_batches)
 
     def _committer(self) -> Committer:

@@ -14,24 +14,33 @@ import sys
 from typing import Any
 
 from torch_batch_process.errors import BatchProcessError
-from torch_batch_process.storage.base import open_storage
+from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.layout import FAILURES_DIR
 
-__all__ = ["add_failures_parser", "read_failures", "run_failures"]
+__all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_failures"]
 
 
 def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The committed failure records of the job at ``storage_path``, ordered by dataset index."""
+    """The current failure records of the job at ``storage_path`` (those of its latest finished
+    ``retry_failed`` run, if any: see :mod:`torch_batch_process.engine.retry`), ordered by dataset index."""
+    from torch_batch_process.engine.retry import current_failures_root
+
     storage = open_storage(storage_path, storage_options)
     try:
-        records: list[dict[str, Any]] = []
-        for name in storage.list(FAILURES_DIR):
-            if name.endswith(".jsonl"):
-                text = storage.read_bytes(f"{FAILURES_DIR}/{name}").decode("utf-8")
-                records.extend(json.loads(line) for line in text.splitlines() if line.strip())
-        return sorted(records, key=lambda r: (r.get("index", 0), r.get("attempt", 0)))
+        return read_failure_records(storage, current_failures_root(storage))
     finally:
         storage.close()
+
+
+def read_failure_records(storage: Storage, root: str = "") -> list[dict[str, Any]]:
+    """The committed failure records in ``<root>/failures/`` of ``storage``, ordered by dataset index."""
+    folder = f"{root}/{FAILURES_DIR}" if root else FAILURES_DIR
+    records: list[dict[str, Any]] = []
+    for name in storage.list(folder):
+        if name.endswith(".jsonl"):
+            text = storage.read_bytes(f"{folder}/{name}").decode("utf-8")
+            records.extend(json.loads(line) for line in text.splitlines() if line.strip())
+    return sorted(records, key=lambda r: (r.get("index", 0), r.get("attempt", 0)))
 
 
 def add_failures_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@
     result.json                       the final result of a finished job (metrics, counts)
     metrics.jsonl                     report_metrics() records, reduced metrics, progress, one JSON per line
     tensorboard/rank_<r>/             get_tensorboard_path() of each rank
+    retries/<k>/                      the k-th retry_failed=True run: a job of its own (torch_batch_process.engine.retry)
     failures/<s>-rank_<r>.jsonl       examples that failed with on_error="skip" in stage s of rank r (one JSON a line;
                                       see torch_batch_process.engine.failures), published with the stage's outputs
     _tbp/job.json                     the job's fingerprint and plan, written at its first start
@@ -37,6 +38,7 @@ __all__ = [
     "METRICS_FILE",
     "OUTPUTS_DIR",
     "RESULT_FILE",
+    "RETRIES_DIR",
     "SCRATCH_DIR",
     "STAGED_FAILURES_NAME",
     "STAGING_DIR",
@@ -66,6 +68,8 @@ RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 FAILURES_DIR = "failures"
+RETRIES_DIR = "retries"
+"""``retries/<k>/``: the k-th ``retry_failed=True`` run, a job of its own (see the retry module)."""
 STAGED_FAILURES_NAME = "_tbp_failures.jsonl"
 """A rank stage's failure records, next to its files; publication moves them to :func:`failures_file`."""
 
