@@ -103,7 +103,8 @@ def torch_batch_process(
             with that dtype on the rank's device.
         on_error: ``"raise"`` (default): an exception in loading or ``process_batch`` fails the job. ``"skip"``: a
             failing batch is retried in halves down to single examples; those that still fail are recorded in
-            ``<storage_path>/failures/`` (``tbp failures``) and skipped (see :mod:`torch_batch_process.engine.failures`).
+            ``<storage_path>/failures/`` (``tbp failures``) and skipped (see
+            :mod:`torch_batch_process.engine.failures`).
         max_failures: with ``"skip"``: the most examples that may fail, an int count or a float fraction of the
             examples; past it the job fails with :class:`TooManyFailuresError` (resumable). ``None``: no limit.
         batch_timeout: seconds a batch may run; a longer one makes the ranks dump their Python stacks to the

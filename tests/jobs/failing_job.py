@@ -89,7 +89,8 @@ class Processor(TorchBatchProcessor):
 def main():
     rank = int(os.environ.get("RANK", "0"))
     report = {"rank": rank}
-    kwargs = {k: SPEC[k] for k in ("on_error", "max_failures", "batch_timeout", "schedule", "retry_failed") if k in SPEC}
+    names = ("on_error", "max_failures", "batch_timeout", "schedule", "retry_failed")
+    kwargs = {k: SPEC[k] for k in names if k in SPEC}
     try:
         result = torch_batch_process(
             Processor,

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.storage.base import Storage, open_storage
@@ -45,14 +46,16 @@ def prepare_retry(args: JobArguments) -> tuple[JobArguments, IndexPlan]:
         url = storage.url_of(f"{RETRIES_DIR}/{k}")
     finally:
         storage.close()
-    logger.info("retry %d of job %s: %d failed example(s) to process again, stored in %s", k, args.job_name, len(indices), url)
+    logger.info(
+        "retry %d of job %s: %d failed example(s) to process again, stored in %s", k, args.job_name, len(indices), url
+    )
     options = dataclasses.replace(args.failures, retry_failed=False)
     retry_args = dataclasses.replace(args, storage_path=url, max_batches=None, lengths=None, failures=options)
     return retry_args, IndexPlan(indices, args.batch_size)
 
 
-class IndexPlan:
-    """Batches of ``batch_size`` over given dataset indices, in their order (a :class:`~torch_batch_process.engine.plan.Plan`)."""
+class IndexPlan(Plan):
+    """Batches of ``batch_size`` over given dataset indices, in their order."""
 
     def __init__(self, indices: Sequence[int], batch_size: int, num_batches: int | None = None) -> None:
         self.indices = [int(i) for i in indices]
@@ -73,10 +76,6 @@ class IndexPlan:
             if start < stop:
                 total += min(stop * self.batch_size, len(self.indices)) - start * self.batch_size
         return total
-
-    @property
-    def num_examples(self) -> int:
-        return self.count_examples(RangeSet([(0, self.num_batches)]) if self.num_batches else RangeSet())
 
     def fingerprint(self) -> dict[str, Any]:
         digest = hashlib.sha256(",".join(map(str, self.indices)).encode()).hexdigest()[:16]
