@@ -15,6 +15,7 @@ import pytest
 from harness import JOBS, spawn_ranks, storage_fs, wait_all
 
 from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
+from torch_batch_process.launch.cli import main as cli_main
 from torch_batch_process.observe.failures import read_failures
 
 FAILING_JOB = JOBS / "failing_job.py"
@@ -78,7 +79,7 @@ def check_complete(spec: dict[str, Any], result: dict[str, Any]) -> None:
     assert not fs.find(f"{root}/_tbp/staging"), "nothing left staged"
 
 
-def test_skip_two_ranks_records_exactly_the_bad_examples(tmp_path: Path) -> None:
+def test_skip_two_ranks_records_exactly_the_bad_examples(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = spec_for(tmp_path, num_workers=1)
     results = run_job(spec, 2)
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
@@ -90,6 +91,13 @@ def test_skip_two_ranks_records_exactly_the_bad_examples(tmp_path: Path) -> None
     outputs = Path(spec["storage"], "outputs")
     names = {p.relative_to(outputs).as_posix().split("/", 2)[2] for p in outputs.rglob("vals_3.json")}
     assert names == {"part_12/vals_3.json", "part_15/vals_3.json"}
+    # tbp failures lists them
+    assert cli_main(["failures", spec["storage"]]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith(f"{len(BAD)} failed example(s)") and "cannot load item 41" in table
+    assert cli_main(["failures", "--json", spec["storage"]]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines] == BAD and all(line["traceback"] for line in lines)
     # a finished job re-run does nothing and reports the same failures
     again = run_job(dict(spec, attempt=2), 1)
     assert again[0][0] == 0
@@ -166,6 +174,7 @@ def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:
     results = run_job(spec, 2, timeout=120)
     ended = time.time()
     stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
+    print(f"batch_timeout={timeout}: every rank ended {ended - stuck_at:.1f} s after the stuck batch started")
     assert ended - stuck_at < timeout + 10, f"ranks ended {ended - stuck_at:.1f}s after the stuck batch started"
     assert [rc for rc, _, _ in results] == [1, 1]
     assert report(spec, 1)["error"]["type"] == "BatchTimeoutError"  # batch 9 runs on rank 1
@@ -189,6 +198,7 @@ def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> No
     results = run_job(spec, 2, timeout=120)
     ended = time.time()
     stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
+    print(f"batch_timeout={timeout}, signal blocked: every rank ended {ended - stuck_at:.1f} s after the stuck batch")
     assert ended - stuck_at < timeout + 25, f"ranks ended {ended - stuck_at:.1f}s after the stuck batch started"
     assert all(rc not in (0, None) for rc, _, _ in results), [rc for rc, _, _ in results]
     assert "ending the process" in results[0][2]  # batch 8 runs on rank 0

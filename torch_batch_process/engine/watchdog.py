@@ -62,6 +62,8 @@ class BatchWatchdog:
         self._store_factory = store
         self._grace_s = grace_s
         self._poll_s = min(0.5, max(0.05, timeout_s / 10))
+        self._remote_poll_s = min(5.0, max(1.0, timeout_s / 4))  # one store request per rank per this many seconds
+        self._next_remote = 0.0
         self._batch: int | None = None
         self._since = 0.0
         self._pending: BatchTimeoutError | None = None
@@ -119,7 +121,8 @@ class BatchWatchdog:
             batch = self._batch
             if self._fired_at is None and batch is not None and now - self._since > self.timeout_s:
                 self._fire(batch, now, store)
-            elif self._fired_at is None and self._remote_at is None and store is not None:
+            elif self._fired_at is None and self._remote_at is None and store is not None and now >= self._next_remote:
+                self._next_remote = now + self._remote_poll_s
                 store = self._check_remote(store, now)
             if self._fired_at is not None and self._batch is not None and now - self._fired_at > self._grace_s:
                 self._exit(f"batch {self._batch} is still running {self._grace_s:g}s after its BatchTimeoutError")
