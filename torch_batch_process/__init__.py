@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "BatchProcessError": "torch_batch_process.errors",
     "BatchProcessResult": "torch_batch_process.result",
+    "BatchTimeoutError": "torch_batch_process.errors",
     "CheckpointCorruptError": "torch_batch_process.errors",
     "DistributedInfo": "torch_batch_process.engine.distributed",
     "InvalidArgumentError": "torch_batch_process.errors",
@@ -37,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "JobMismatchError": "torch_batch_process.errors",
     "MetricReducer": "torch_batch_process.reducers",
     "StorageError": "torch_batch_process.errors",
+    "TooManyFailuresError": "torch_batch_process.errors",
     "TorchBatchProcessor": "torch_batch_process.processor",
     "TorchBatchProcessorContext": "torch_batch_process.context",
     "WorkerFailedError": "torch_batch_process.errors",
@@ -53,6 +55,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BatchProcessError",
     "BatchProcessResult",
+    "BatchTimeoutError",
     "CheckpointCorruptError",
     "DistributedInfo",
     "InvalidArgumentError",
@@ -60,6 +63,7 @@ __all__ = [
     "JobMismatchError",
     "MetricReducer",
     "StorageError",
+    "TooManyFailuresError",
     "TorchBatchProcessor",
     "TorchBatchProcessorContext",
     "WorkerFailedError",
@@ -80,11 +84,13 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from torch_batch_process.batch_process import torch_batch_process
     from torch_batch_process.errors import (
         BatchProcessError,
+        BatchTimeoutError,
         CheckpointCorruptError,
         InvalidArgumentError,
         JobLockedError,
         JobMismatchError,
         StorageError,
+        TooManyFailuresError,
         WorkerFailedError,
         WorkerLostError,
     )

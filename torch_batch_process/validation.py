@@ -23,6 +23,7 @@ from torch_batch_process.environment import (
     is_valid_job_name,
 )
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.failure_options import FailureOptions
 from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.processor import TorchBatchProcessor
 
@@ -65,6 +66,8 @@ class JobArguments:
     """Checked on the rank's device (:func:`~torch_batch_process.engine.autocast.resolve_autocast`)."""
     output_format: str = "parquet"
     """Format of the shards of ``context.write()``: ``"parquet"`` or ``"jsonl"``."""
+    failures: FailureOptions = FailureOptions()
+    """``on_error``, ``max_failures``, ``batch_timeout`` (:mod:`torch_batch_process.failure_options`)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -270,6 +273,7 @@ def validate_arguments(
     device_prefetch: Any = None,
     autocast: Any = None,
     output_format: Any = "parquet",
+    failures: FailureOptions = FailureOptions(),
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -321,4 +325,5 @@ def validate_arguments(
         device_prefetch=device_prefetch,
         autocast=autocast,
         output_format=output_format,
+        failures=failures,
     )

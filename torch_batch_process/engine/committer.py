@@ -76,6 +76,7 @@ class Part:
     def __init__(self) -> None:
         self.batches = RangeSet()
         self.examples = 0
+        self.failed = 0  # examples skipped as failed (on_error="skip"), recorded in the stage
         self.lines: list[dict[str, Any]] = []
         self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
 
@@ -261,6 +262,7 @@ class Committer:
             slots=slots if closing else None,
             durable=self._durable if self._keeper is not None else -1,
             queued=self._queue.queued if self._queue is not None else 0,
+            extra={"failed": part.failed} if part.failed else {},
         )
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()

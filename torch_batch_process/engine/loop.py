@@ -32,6 +32,7 @@ from torch_batch_process.engine.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.committer import Committer, Outcome
 from torch_batch_process.engine.distributed import DistributedEnv
+from torch_batch_process.engine.guard import check_failures, guard_runner
 from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.keeper import KeeperStart, RecordKeeper, Summary
 from torch_batch_process.engine.plan import BucketedPlan, ContiguousPlan, Plan, planned_batches
@@ -61,7 +62,9 @@ logger = logging.getLogger(__name__)
 class JobRun:
     """One call of :func:`~torch_batch_process.torch_batch_process` on one rank (see the module docstring)."""
 
-    def __init__(self, args: JobArguments, env: DistributedEnv, options: ObserveOptions | None = None) -> None:
+    def __init__(
+        self, args: JobArguments, env: DistributedEnv, options: ObserveOptions | None = None, plan: Plan | None = None
+    ) -> None:
         self.args = args
         self.env = env
         self.rank, self.world_size = env.info.rank, env.info.size
@@ -71,7 +74,7 @@ class JobRun:
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
         self.storage = open_storage(args.storage_path, args.storage_options)
         t0 = time.perf_counter()
-        self.full_plan: Plan = (
+        self.full_plan: Plan = plan or (  # a given plan: retry_failed (engine/retry.py)
             ContiguousPlan(args.dataset_length, args.batch_size)
             if args.lengths is None
             else BucketedPlan(args.lengths, args.batch_size, args.bucket_window, args.max_tokens)
@@ -115,7 +118,7 @@ class JobRun:
                 start = self.opener.open(planned, self._plan_of(planned).num_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
-                self.call_id = start.call_id
+                self.call_id, self.start = start.call_id, start
                 self.plan = self._plan_of(start.planned_batches)
                 remaining = RangeSet([(0, self.plan.num_batches)] if self.plan.num_batches else [])
                 if start.latest is not None:
@@ -126,6 +129,7 @@ class JobRun:
                 self._start_observer(start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
                 if outcome is None or not outcome.preempted:
+                    check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
                     outcome = self._finish(processor)
                 result = self._result(start, outcome)
             self.observer.finish(result)
@@ -215,6 +219,7 @@ class JobRun:
             processor, self.current, self.plan, self.failures, inference_mode=self.args.inference_mode, mode=self.autocast
         )
         feed = BatchFeed(self.args.dataset, self.plan, scheduler, self.args.dataloader_kwargs, self.env.device)
+        watchdog = guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/guard.py)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:
@@ -247,6 +252,8 @@ class JobRun:
         finally:
             batches.close()
             feed.close()  # stops the loader's worker processes
+            if watchdog is not None:
+                watchdog.close()
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
         """``on_checkpoint_start()`` before a commit (its failure travels in the vote)."""
@@ -298,8 +305,9 @@ class JobRun:
     def _plan_of(self, num_batches: int) -> Plan:
         """The job's plan, cut to its first ``num_batches`` batches (``max_batches``)."""
         plan = self.full_plan
-        if isinstance(plan, BucketedPlan):
-            return plan.cut(num_batches)
+        cut = getattr(plan, "cut", None)  # BucketedPlan, IndexPlan (retry_failed)
+        if cut is not None:
+            return cut(num_batches)  # type: ignore[no-any-return]
         return ContiguousPlan(self.args.dataset_length, self.args.batch_size, num_batches)
 
     def _committer(self) -> Committer:

@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_status_parser(subparsers)
+    from torch_batch_process.observe.failures import add_failures_parser  # tbp failures
+
+    add_failures_parser(subparsers)
     return parser
 
 

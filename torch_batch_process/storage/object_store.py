@@ -176,7 +176,8 @@ class ObjectStorage(Storage):
         return self._call(f"list {rel or 'the storage path'!r}", _ls)
 
     def _find_sizes(self, rel: str) -> dict[str, int]:
-        """Files below folder ``rel`` (remote): relative path -> size in bytes (one listing)."""
+        """Files below folder ``rel`` (remote): relative path -> size in bytes (one listing); ``{"": size}`` when
+        ``rel`` is a file."""
         base = self.path(rel).rstrip("/")
 
         def _find() -> dict[str, Any]:
@@ -190,6 +191,9 @@ class ObjectStorage(Storage):
         files = {}
         for full, info in self._call(f"list {rel!r}", _find).items():
             full = full.rstrip("/")
+            if full in (base, base.lstrip("/")):
+                files[""] = int(info.get("size") or 0)
+                continue
             for prefix in (base + "/", base.lstrip("/") + "/"):
                 if full.startswith(prefix):
                     files[full[len(prefix) :]] = int(info.get("size") or 0)
@@ -305,7 +309,7 @@ class ObjectStorage(Storage):
             return
 
         def _copy(rel_file: str) -> None:
-            source, target = posixpath.join(self.path(src), rel_file), posixpath.join(self.path(dst), rel_file)
+            source, target = _below(self.path(src), rel_file), _below(self.path(dst), rel_file)
             if self.protocol in ("s3", "s3a") and files[rel_file] <= _S3_SIMPLE_COPY_BYTES:
                 copy = lambda: self._s3_copy(source, target)  # noqa: E731 - one request, no size probe
             else:
@@ -318,7 +322,7 @@ class ObjectStorage(Storage):
             with ThreadPoolExecutor(max_workers=min(COPY_THREADS, len(files)), thread_name_prefix="tbp-copy") as pool:
                 for future in [pool.submit(_copy, rel_file) for rel_file in files]:
                     future.result()
-        self.delete_files([posixpath.join(src, rel_file) for rel_file in files])
+        self.delete_files([_below(src, rel_file) for rel_file in files])
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
         path = self.path(rel)
@@ -420,3 +424,8 @@ def _remove_orphans() -> None:
         pid = folder.name[len(_TMP_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _below(folder: str, rel_file: str) -> str:
+    """``folder/rel_file``; ``folder`` itself for ``""`` (a move of one file)."""
+    return posixpath.join(folder, rel_file) if rel_file else folder
