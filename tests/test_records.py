@@ -343,3 +343,25 @@ def test_columns_typed_only_in_later_batches_are_stored(tmp_path, fmt):
     assert table.column("maybe").to_pylist() == [None] * 12 + [f"m{i}" for i in range(12, 30)]
     assert table.column("items").to_pylist() == [[]] * 12 + [[i] for i in range(12, 30)]
     assert pa.Table.from_batches(list(iter_outputs(result.storage_path, batch_rows=7))).to_pylist() == table.to_pylist()
+
+
+class SkipsBadExamples(Rich):
+    """Writes its rows, then raises for a batch holding a bad example (after the write: its rows must go)."""
+
+    bad = {3, 17, 18, 30}
+
+    def process_batch(self, batch, batch_idx):
+        super().process_batch(batch, batch_idx)
+        bad = self.bad & set(self.context.batch_indices)
+        if bad:
+            raise ValueError(f"bad examples {sorted(bad)}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_with_on_error_skip_the_rows_of_every_good_example_are_kept_once_and_no_bad_one(tmp_path, fmt):
+    result = _run(tmp_path, processor=SkipsBadExamples, on_error="skip", output_format=fmt, bucket_by=[i % 7 for i in range(37)])
+    assert result.finished and result.failed_examples == len(SkipsBadExamples.bad)
+    table = read_outputs(result.storage_path)
+    good = [i for i in range(37) if i not in SkipsBadExamples.bad]
+    assert table.column("index").to_pylist() == good  # the split parts' rows, each once, in dataset order
+    assert table.column("name").to_pylist() == [f"n{i}" for i in good]
