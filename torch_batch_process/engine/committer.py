@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from typing import Any
 
 from torch_batch_process.engine.agreement import FailureInfo, FailureTracker
 from torch_batch_process.engine.background import BackgroundWork
+from torch_batch_process.engine.collector import VoteCollector
 from torch_batch_process.engine.distributed import Collectives, PendingGather
 from torch_batch_process.engine.keeper import PreparedRecord, RecordKeeper, Summary
 from torch_batch_process.engine.ranges import RangeSet
@@ -163,13 +163,9 @@ class Committer:
         self._durable = keeper.number if keeper else 0  # rank 0, static: records up to this one are durable
         self._voted: list[tuple[int, bool]] = []  # (stage, has files) of this rank's committed votes, in order
         self._published = 0  # how many of them are published (or being published)
-        self._collector: threading.Thread | None = None
-        self._collector_error: BaseException | None = None
-        self._on_collector_error = on_background_error
-        self._taken = 0  # rank 0, dynamic: queued votes the collector has made durable
+        self._collector: VoteCollector | None = None  # rank 0, dynamic: writes the records of queued votes
         if queue is not None and keeper is not None:
-            self._collector = threading.Thread(target=self._collect, name="tbp-collector", daemon=True)
-            self._collector.start()
+            self._collector = VoteCollector(queue, keeper, on_background_error)
 
     # ------------------------------------------------------------ regular commits
 
@@ -310,7 +306,8 @@ class Committer:
         keeper = self._keeper
         assert keeper is not None
         if self._collector is not None:
-            self._stop_collector(expected=sum(v.queued for v in votes))
+            self._collector.stop(expected=sum(v.queued for v in votes))
+            self._collector = None
         self._background.settle()  # static: queued record writes
         self._records_durable()
         prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=[v.slots for v in votes])
@@ -333,7 +330,8 @@ class Committer:
             return
         try:
             if self._collector is not None:
-                self._stop_collector(expected=None)
+                collector, self._collector = self._collector, None
+                collector.stop(expected=None)
             self._background.settle()
             settled = True
         except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
@@ -362,8 +360,8 @@ class Committer:
 
     def _check_background(self) -> None:
         self._background.check()
-        if self._collector_error is not None:
-            raise self._collector_error
+        if self._collector is not None:
+            self._collector.check()
         if self._keeper is not None and self._queue is None:
             self._records_durable()
 
@@ -405,59 +403,14 @@ class Committer:
         if wait:
             self._background.settle()
 
-    # ------------------------------------------------------------ dynamic records
-
-    def _collect(self) -> None:
-        """Rank 0's collector thread: takes queued votes (all that are there: one record for them), writes
-        the record, acknowledges the votes to their ranks; until woken by :meth:`QueuedVotes.wake`."""
-        assert self._queue is not None and self._keeper is not None
-        reader = self._queue.store.clone()  # a connection of its own: the main thread claims batches meanwhile
-        try:
-            stop = False
-            while not stop:
-                vote = QueuedVotes.take(reader)
-                votes = [] if vote is None else [vote]
-                stop = vote is None
-                while not stop and reader.queue_len(QueuedVotes.QUEUE) > 0:
-                    vote = QueuedVotes.take(reader)
-                    stop = vote is None
-                    votes += [] if vote is None else [vote]
-                if not votes:
-                    continue
-                self._keeper.persist(self._keeper.prepare(self._keeper.merge(votes)))
-                self._taken += len(votes)
-                counts: dict[int, int] = {}
-                for v in votes:
-                    counts[v.rank] = counts.get(v.rank, 0) + 1
-                for rank, count in counts.items():
-                    QueuedVotes.acknowledge(reader, rank, count)
-        except BaseException as exc:  # noqa: BLE001 - raised on rank 0's main thread, travels in its vote
-            self._collector_error = exc
-            if self._on_collector_error is not None:
-                self._on_collector_error()
-
-    def _stop_collector(self, expected: int | None) -> None:
-        """Rank 0: lets the collector take the ``expected`` queued votes (all of them: every rank queued them
-        before the closing exchange), then stops it."""
-        assert self._queue is not None and self._collector is not None
-        deadline = time.monotonic() + 600
-        while expected is not None and self._taken < expected and self._collector.is_alive():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 took {self._taken} of the {expected} queued votes in 600 s")
-            time.sleep(0.005)
-        self._queue.wake()
-        self._collector.join(timeout=600)
-        self._collector = None
-        if self._collector_error is not None:
-            raise self._collector_error
-
     # ------------------------------------------------------------ end
 
     def shutdown(self) -> None:
         """Always, when the call ends: lets queued background work finish, stops the collector."""
         if self._collector is not None:
+            collector, self._collector = self._collector, None
             try:
-                self._stop_collector(expected=None)
+                collector.stop(expected=None)
             except Exception as exc:  # noqa: BLE001 - leaving anyway; the next start repairs
                 logger.warning("rank 0: stopping the vote collector failed: %s", exc)
         self._background.close()
