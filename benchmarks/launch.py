@@ -23,16 +23,18 @@ from benchmarks.common import count_output_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
-CONTENDERS = ("hand_loop", "tbp", "pl_trainer", "hf_accelerate", "ray_data")
+CONTENDERS = ("hand_loop", "tbp", "tbp_dynamic", "tbp_bucket", "pl_trainer", "hf_accelerate", "ray_data")
 LABELS = {
     "hand_loop": "hand-written loop",
     "tbp": "torch_batch_process",
+    "tbp_dynamic": "torch_batch_process, schedule=\"dynamic\"",
+    "tbp_bucket": "torch_batch_process, bucket_by (+ dynamic with 2 processes)",
     "pl_trainer": "Lightning Trainer.predict",
     "hf_accelerate": "accelerate",
     "ray_data": "Ray Data",
 }
 # Contenders whose processes are started by torchrun (the others start their own processes).
-TORCHRUN = {"hand_loop", "tbp", "hf_accelerate"}
+TORCHRUN = {"hand_loop", "tbp", "tbp_dynamic", "tbp_bucket", "hf_accelerate"}
 
 RUN_TIMEOUT_S = 900
 

@@ -7,6 +7,9 @@ call's wall time, the time to the first batch, the peak RSS and the result's cou
 
 The work of a batch is ``--work-ms`` of busy CPU (like compute; a sleep would leave the CPU free for
 the library's own work and flatter it) or, with ``--sleep``, of sleeping (like waiting for a GPU).
+``--skew SIGMA`` makes batch times log-normal (median ``--work-ms``, the same draw for a batch on every
+run: seeded by its index) and ``--slow-rank-factor F`` makes the last rank F times slower (a slower GPU or
+host), as for the dynamic-schedule figures; ``--schedule`` picks the library's schedule.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 PROCESS_START = time.time()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
@@ -46,13 +50,26 @@ class TinyExamples(Dataset):
         return torch.tensor(index)
 
 
-def work(batch: torch.Tensor) -> torch.Tensor:
-    """The batch's fixed-duration work; returns its output (the batch's sum)."""
-    if ARGS.work_ms > 0:
+def work_seconds(batch_idx: int) -> float:
+    """Duration of batch ``batch_idx`` on this rank: ``--work-ms``, log-normal with ``--skew``, times the
+    slow rank's factor."""
+    seconds = ARGS.work_ms / 1000
+    if ARGS.skew:
+        seconds *= float(np.random.default_rng(batch_idx).lognormal(0.0, ARGS.skew))
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and rank == world_size - 1:
+        seconds *= ARGS.slow_rank_factor
+    return seconds
+
+
+def work(batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    """The batch's work (see :func:`work_seconds`); returns its output (the batch's sum)."""
+    seconds = work_seconds(batch_idx)
+    if seconds > 0:
         if ARGS.sleep:
-            time.sleep(ARGS.work_ms / 1000)
+            time.sleep(seconds)
         else:
-            end = time.perf_counter() + ARGS.work_ms / 1000
+            end = time.perf_counter() + seconds
             while time.perf_counter() < end:
                 pass
     return batch.sum().reshape(1)
@@ -77,7 +94,7 @@ def processor_class() -> type:
             self.num_batches = -(-ARGS.examples // ARGS.batch_size)
 
         def process_batch(self, batch: torch.Tensor, batch_idx: int) -> None:
-            output = work(batch)
+            output = work(batch, batch_idx)
             if ARGS.outputs:
                 with self.context.upload_path() as path:
                     torch.save(output, Path(path) / f"batch_{batch_idx:07d}.pt")
@@ -100,7 +117,7 @@ def run_hand(dataset: Dataset) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     with torch.inference_mode():
         for batch_idx, batch in zip(mine, loader):
-            output = work(batch)
+            output = work(batch, batch_idx)
             if ARGS.outputs:
                 torch.save(output, out / f"batch_{batch_idx:07d}.pt")
             batch_done(batch_idx, num_batches)
@@ -131,6 +148,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--work-ms", type=float, default=0.0)
     parser.add_argument("--sleep", action="store_true", help="sleep instead of busy work")
+    parser.add_argument("--skew", type=float, default=0.0, help="sigma of log-normal batch times (0: fixed)")
+    parser.add_argument("--slow-rank-factor", type=float, default=1.0, help="the last rank's batches take this much longer")
+    parser.add_argument("--schedule", choices=("static", "dynamic"), default="static")
     parser.add_argument("--interval", type=int, default=None, help="checkpoint_interval (default: the library's)")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--no-outputs", dest="outputs", action="store_false")
@@ -152,7 +172,7 @@ def main() -> None:
     if ARGS.mode == "hand":
         info = run_hand(dataset)
     else:
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"schedule": ARGS.schedule}
         if ARGS.interval is not None:
             options["checkpoint_interval"] = ARGS.interval
         result = torch_batch_process(

@@ -153,6 +153,32 @@ def test_a_failing_rank_makes_every_rank_exit_promptly_without_an_agent(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_a_failed_background_record_write_on_rank_0_makes_both_ranks_raise_with_its_error(tmp_path, schedule):
+    spec = job_spec(tmp_path, n=200, batch_size=2, checkpoint_interval=2, outputs="both", sleep=0.005,
+                    block_records_at=20, kwargs={"schedule": schedule})
+    started = time.monotonic()
+    outcomes, reports = run_generic(spec, nproc=2, launcher="plain", timeout=90)
+    assert all(rc is not None and rc != 0 for rc, _, _ in outcomes), outcomes
+    assert time.monotonic() - started < 60
+    assert "IsADirectoryError" in reports[0]["error"]["message"] + reports[0]["error"]["traceback"], reports[0]["error"]
+    assert reports[1]["error"]["type"] == "WorkerFailedError", reports[1]["error"]
+    message = reports[1]["error"]["message"]
+    assert "rank 0" in message and "Traceback" in message and "IsADirectoryError" in message, message
+    # the storage is repaired (the folders in the way removed): a re-run resumes from the last durable record
+    commits = Path(spec["storage"], "_tbp", "commits")
+    for blocked in commits.glob("*.json"):
+        if blocked.is_dir():
+            blocked.rmdir()
+    clean = {k: v for k, v in spec.items() if k != "block_records_at"}
+    outcomes, reports = run_generic(clean, nproc=2, attempt=2, launcher="plain", timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    assert reports[0]["result"]["metrics"]["sum_cls"] == sum(range(200))
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), 200)
+    assert_exactly_once(buffered_values(Path(spec["storage"])), 200)
+
+
+@pytest.mark.slow
 def test_a_killed_rank_makes_the_other_exit_promptly(tmp_path):
     spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.01, progress_file=str(tmp_path / "progress"))
     procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 from torch_batch_process.launch.cli import build_parser, main
-from torch_batch_process.launch.config import ConfigError, job_environment, launcher_argv, load_config, parse_config
+from torch_batch_process.launch.config import ConfigError, load_config, parse_config
+from torch_batch_process.launch.job_launch import job_environment, launcher_argv
 
 
 def _write(tmp_path, text: str):

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import REPO, base_env
+
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
 from torch_batch_process.observe.options import tensorboard_installed
 from torch_batch_process.observe.progress import LogDisplay
@@ -200,8 +200,9 @@ def test_hparams_are_logged_once_per_attempt_to_jsonl_and_tensorboard(tmp_path, 
 
 
 def test_the_observer_reads_the_hparams_that_tbp_run_sets(tmp_path, monkeypatch):
-    from torch_batch_process.launch.config import job_environment, load_config
-    from torch_batch_process.observe.observer import read_hparams
+    from torch_batch_process.launch.config import load_config
+    from torch_batch_process.launch.job_launch import job_environment
+    from torch_batch_process.observe.hparams import read_hparams
 
     config = tmp_path / "job.yaml"
     config.write_text(
@@ -348,8 +349,7 @@ def test_package_import_is_lazy():
 
 def test_every_public_name_still_imports_from_the_package():
     import torch_batch_process as tbp
-    from torch_batch_process import experimental
-    from torch_batch_process import batch_process
+    from torch_batch_process import batch_process, experimental
 
     namespace: dict = {}
     exec("from torch_batch_process import *", namespace)

@@ -69,12 +69,27 @@ def hold(spec: dict[str, Any], attempt: int, **kwargs: Any) -> subprocess.Popen:
             raise AssertionError(f"job exited early: {proc.communicate()}")
         assert time.monotonic() < deadline, "the job never reached its gate"
         time.sleep(0.02)
-    # Records are written in the background (pipelined commits): wait until the first one is durable.
-    fs, root = storage_fs(spec["storage"])
-    while not (fs.exists(f"{root}/_tbp/commits") and fs.ls(f"{root}/_tbp/commits", detail=False)):
+    # Records are written in the background (pipelined commits): wait until the one of the commit before the
+    # gate is durable (a listing can show a record's temporary file before it is renamed into place).
+    while committed_batches(spec["storage"]) < COMMITTED_AT_GATE:
         assert time.monotonic() < deadline, "the job's first commit record never appeared"
         time.sleep(0.02)
     return proc
+
+
+def committed_batches(storage: str) -> int:
+    """Batches the latest durable commit record of the job at ``storage`` lists (0 without one)."""
+    fs, root = storage_fs(storage)
+    try:
+        names = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
+    except FileNotFoundError:
+        return 0
+    for name in reversed(names):
+        try:
+            return sum(b - a for a, b in json.loads(fs.cat_file(name))["committed"])
+        except (FileNotFoundError, ValueError):  # superseded and deleted meanwhile, or being replaced
+            continue
+    return 0
 
 
 def open_gate(spec: dict[str, Any]) -> None:

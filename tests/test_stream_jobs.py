@@ -232,6 +232,16 @@ def test_jsonl_and_sharded_jobs(tmp_path: Path, kind: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
+def test_on_error_skip_with_a_source_is_refused(tmp_path: Path) -> None:
+    write_parquet_files(str(tmp_path / "data"), [10], row_group=10)
+    with pytest.raises(InvalidArgumentError, match="on_error='skip' needs a map-style dataset"):
+        torch_batch_process(
+            Collect, sources.parquet(str(tmp_path / "data")), batch_size=4, on_error="skip",
+            storage_path=str(tmp_path / "storage"),
+        )
+    assert not (tmp_path / "storage").exists()
+
+
 def test_a_refused_job_leaves_storage_unchanged_even_after_counting(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     write_parquet_files(str(tmp_path / "data"), [30], row_group=10)

@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "BatchProcessError": "torch_batch_process.errors",
     "BatchProcessResult": "torch_batch_process.result",
+    "BatchTimeoutError": "torch_batch_process.errors",
     "CheckpointCorruptError": "torch_batch_process.errors",
     "DistributedInfo": "torch_batch_process.engine.distributed",
     "InvalidArgumentError": "torch_batch_process.errors",
@@ -37,11 +38,15 @@ _EXPORTS: dict[str, str] = {
     "JobMismatchError": "torch_batch_process.errors",
     "MetricReducer": "torch_batch_process.reducers",
     "StorageError": "torch_batch_process.errors",
+    "TooManyFailuresError": "torch_batch_process.errors",
     "TorchBatchProcessor": "torch_batch_process.processor",
     "TorchBatchProcessorContext": "torch_batch_process.context",
     "WorkerFailedError": "torch_batch_process.errors",
     "WorkerLostError": "torch_batch_process.errors",
     "get_default_device": "torch_batch_process.device",
+    "iter_outputs": "torch_batch_process.outputs.readback",
+    "predict": "torch_batch_process.functional",
+    "read_outputs": "torch_batch_process.outputs.readback",
     "to_device": "torch_batch_process.device",
     "torch_batch_process": "torch_batch_process.batch_process",
 }
@@ -50,6 +55,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BatchProcessError",
     "BatchProcessResult",
+    "BatchTimeoutError",
     "CheckpointCorruptError",
     "DistributedInfo",
     "InvalidArgumentError",
@@ -57,12 +63,16 @@ __all__ = [
     "JobMismatchError",
     "MetricReducer",
     "StorageError",
+    "TooManyFailuresError",
     "TorchBatchProcessor",
     "TorchBatchProcessorContext",
     "WorkerFailedError",
     "WorkerLostError",
     "__version__",
     "get_default_device",
+    "iter_outputs",
+    "predict",
+    "read_outputs",
     "to_device",
     "torch_batch_process",
 ]
@@ -74,14 +84,18 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from torch_batch_process.batch_process import torch_batch_process
     from torch_batch_process.errors import (
         BatchProcessError,
+        BatchTimeoutError,
         CheckpointCorruptError,
         InvalidArgumentError,
         JobLockedError,
         JobMismatchError,
         StorageError,
+        TooManyFailuresError,
         WorkerFailedError,
         WorkerLostError,
     )
+    from torch_batch_process.functional import predict
+    from torch_batch_process.outputs.readback import iter_outputs, read_outputs
     from torch_batch_process.processor import TorchBatchProcessor
     from torch_batch_process.reducers import MetricReducer
     from torch_batch_process.result import BatchProcessResult

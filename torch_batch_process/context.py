@@ -29,9 +29,16 @@ class CurrentBatch:
     def __init__(self) -> None:
         self.batch_idx: int | None = None
         self.indices: Sequence[int] | None = None
+        self.listeners: list[Callable[[bool], None]] = []
+        """Told at the end of each batch whether ``process_batch`` returned (record outputs keep its rows)."""
 
     def enter(self, batch_idx: int, indices: Sequence[int]) -> None:
         self.batch_idx, self.indices = batch_idx, indices
+
+    def finish(self, ok: bool) -> None:
+        """``process_batch`` returned (``ok``) or raised: tells the listeners."""
+        for listener in self.listeners:
+            listener(ok)
 
     def leave(self) -> None:
         self.batch_idx, self.indices = None, None
@@ -57,12 +64,14 @@ class TorchBatchProcessorContext:
         tensorboard_path: Path,
         metrics_sink: Callable[[dict[str, Any]], None],
         current: CurrentBatch | None = None,
+        records: Any = None,
     ) -> None:
         self.device = device
         self.distributed = distributed
         self.storage_path = storage_path
         self._current = current or CurrentBatch()
         self._stager = stager
+        self._records = records  # outputs.records.RecordWriter (context.write)
         self._tensorboard_path = tensorboard_path
         self._metrics_sink = metrics_sink
         self._reducers = ReducerRegistry()
@@ -128,6 +137,24 @@ class TorchBatchProcessorContext:
         discarded. File names must be unique among this rank's uploads between two commits.
         """
         return self._stager.upload_path()
+
+    def write(self, rows: Any) -> None:
+        """Stores one row per example of the current batch as record outputs (inside ``process_batch``).
+
+        The library adds an ``index`` column (the example's dataset index, from :attr:`batch_indices`) and
+        streams the rows into Parquet (default) or JSONL shards (``output_format``), committed exactly once with
+        the batch under ``<storage_path>/outputs/commit_*/rank_*/records/``; read them back in dataset order
+        with :func:`torch_batch_process.read_outputs` or :func:`~torch_batch_process.iter_outputs`. If
+        ``process_batch`` raises, the batch's rows are dropped. Call it once per batch.
+
+        Args:
+            rows: a dict of columns, each a tensor, numpy array or list whose first dimension is the batch's
+                number of examples (tensors of any per-example shape; strings, ints, floats, nested lists), or a
+                list of per-example dicts with the same keys. Device tensors are copied to the CPU.
+        """
+        if self._records is None:
+            raise RuntimeError("context.write() is not available in this context")
+        self._records.write(rows)
 
     def report_metrics(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
         """Records metrics; they are written to ``<storage_path>/metrics.jsonl`` at the next commit.

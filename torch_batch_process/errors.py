@@ -42,3 +42,15 @@ class WorkerFailedError(BatchProcessError, RuntimeError):
 
 class WorkerLostError(BatchProcessError, RuntimeError):
     """Contact with another rank was lost (it crashed, was killed, or the network failed)."""
+
+
+LOST_HINT = (  # what a WorkerLostError tells the user to do
+    "another rank of this job stopped answering (it crashed, was killed, or the network failed). "
+    "The last commit is intact: run the job again to resume from it"
+)
+class BatchTimeoutError(BatchProcessError, TimeoutError):
+    """A batch ran longer than ``batch_timeout`` seconds (see :mod:`torch_batch_process.engine.watchdog`)."""
+
+
+class TooManyFailuresError(BatchProcessError, RuntimeError):
+    """More examples failed than ``max_failures`` allows (``on_error="skip"``)."""

@@ -37,6 +37,8 @@ class BatchProcessResult:
             ``process`` (in ``process_batch``), ``commit`` (saving and committing), ``hooks``
             (``__init__``, ``on_checkpoint_start``, ``on_finish``).
         timings_per_rank: the same seconds for each rank (index = rank), to spot a slow one.
+        failed_examples: examples that failed and were skipped (``on_error="skip"``), committed, over all
+            attempts; listed in ``<storage_path>/failures/`` (``tbp failures STORAGE``).
     """
 
     metrics: dict[str, Any]
@@ -58,6 +60,7 @@ class BatchProcessResult:
     already_finished: bool = False
     timings: dict[str, float] = field(default_factory=dict)
     timings_per_rank: list[dict[str, float]] = field(default_factory=list)
+    failed_examples: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict (tensors and numpy values become plain numbers)."""

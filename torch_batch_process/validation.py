@@ -23,6 +23,8 @@ from torch_batch_process.environment import (
     is_valid_job_name,
 )
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.failure_options import FailureOptions
+from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.processor import TorchBatchProcessor
 
 SCHEDULES = ("static", "dynamic")
@@ -63,6 +65,10 @@ class JobArguments:
     """Checked on the rank's device (:func:`~torch_batch_process.engine.prefetch.validate_device_prefetch`)."""
     autocast: str | None = None
     """Checked on the rank's device (:func:`~torch_batch_process.engine.autocast.resolve_autocast`)."""
+    output_format: str = "parquet"
+    """Format of the shards of ``context.write()``: ``"parquet"`` or ``"jsonl"``."""
+    failures: FailureOptions = FailureOptions()
+    """``on_error``, ``max_failures``, ``batch_timeout`` (:mod:`torch_batch_process.failure_options`)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -273,6 +279,8 @@ def validate_arguments(
     max_tokens: Any = None,
     device_prefetch: Any = None,
     autocast: Any = None,
+    output_format: Any = "parquet",
+    failures: FailureOptions = FailureOptions(),
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -281,6 +289,11 @@ def validate_arguments(
     if batch_size is not None:
         _positive_int("batch_size", batch_size)
     dataset_length = validate_dataset(dataset, bucket_by)
+    if failures.skip and not hasattr(dataset, "__getitem__"):
+        raise InvalidArgumentError(
+            "on_error='skip' needs a map-style dataset (a failing batch is split and its examples loaded one by "
+            "one), but dataset is a streaming source; use on_error='raise' with it"
+        )
     kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
     validate_bucket_options(bucket_by, bucket_window, max_tokens, resolved_batch_size)
     job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None
@@ -299,6 +312,7 @@ def validate_arguments(
             f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}: 'static' deals batches round-robin in "
             "lockstep (Determined's behaviour), 'dynamic' lets each rank take the next batch when it is free"
         )
+    check_output_format(output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:
         lengths = resolve_lengths(bucket_by, dataset_length)
@@ -322,4 +336,6 @@ def validate_arguments(
         lengths_s=time.perf_counter() - started,
         device_prefetch=device_prefetch,
         autocast=autocast,
+        output_format=output_format,
+        failures=failures,
     )

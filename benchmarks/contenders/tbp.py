@@ -6,6 +6,8 @@ the process group itself when started under torchrun.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,21 @@ class BenchProcessor(TorchBatchProcessor):
         self.reporter.batch_done(self.workload.batch_examples(batch))
 
 
-def run(opts: Options, **options: Any) -> dict[str, Any]:
-    """One job; ``options`` go to ``torch_batch_process`` (default: its defaults)."""
+def run(opts: Options, prepare: Callable[[Any], dict[str, Any]] | None = None, **options: Any) -> dict[str, Any]:
+    """One job; ``options`` go to ``torch_batch_process`` (default: its defaults).
+
+    ``prepare(dataset)``, if given, returns more options; it runs inside the job's clock (a plan's cost,
+    e.g. computing lengths, is part of the job) and its time is reported as ``plan_seconds``.
+    """
     workload = opts.workload
     dataset = workload.dataset()
     reporter = Reporter(opts.report)
     BenchProcessor.opts, BenchProcessor.reporter = opts, reporter
+    plan_seconds = 0.0
+    if prepare is not None:
+        started = time.perf_counter()
+        options.update(prepare(dataset))
+        plan_seconds = time.perf_counter() - started
     interval = opts.extra.get("checkpoint_interval")
     if interval:
         options.setdefault("checkpoint_interval", interval)
@@ -50,7 +61,7 @@ def run(opts: Options, **options: Any) -> dict[str, Any]:
         **options,
     )
     rank, world_size = env_rank()
-    return reporter.finish(rank, world_size, commits=result.commits, timings=result.timings)
+    return reporter.finish(rank, world_size, commits=result.commits, timings=result.timings, plan_seconds=plan_seconds)
 
 
 if __name__ == "__main__":

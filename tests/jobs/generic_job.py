@@ -93,6 +93,8 @@ class Processor(TorchBatchProcessor):
                 (path / f"batch_{batch_idx}.json").write_text(json.dumps(values))
         if mode in ("buffered", "both"):
             self.buffer.extend(values)
+        if batch_idx == SPEC.get("block_records_at") and self.rank == 0:
+            _block_record_writes()
         if batch_idx == SPEC.get("fail_batch") and self.rank == SPEC.get("fail_rank", self.rank):
             raise RuntimeError(f"failure at batch {batch_idx} on rank {self.rank}")
         _progress()
@@ -122,6 +124,15 @@ def _progress():
     marker = SPEC.get("progress_file")
     if marker:
         Path(marker).touch()
+
+
+def _block_record_writes():
+    """Makes rank 0's next commit-record writes fail for real: a folder stands where each of the next records
+    would be renamed to (the earlier records stay intact, so a re-run after removing them resumes)."""
+    commits = Path(SPEC["storage"], "_tbp", "commits")
+    numbers = [int(p.stem) for p in commits.glob("*.json") if p.stem.isdigit()]
+    for number in range(max(numbers, default=0) + 1, max(numbers, default=0) + 500):
+        (commits / f"{number:08d}.json").mkdir(parents=True, exist_ok=True)
 
 
 def _wait_at_gate():

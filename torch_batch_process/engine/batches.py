@@ -95,8 +95,12 @@ class BatchFeed:
         return self._ids.popleft(), batch
 
     def close(self) -> None:
-        """Stops the loader's worker processes."""
-        self._iter = None
+        """Stops the loader's worker processes (explicitly: a loading error kept alive, e.g. in a failure record's
+        exception chain, would otherwise keep the loader's iterator and its workers alive until exit)."""
+        it, self._iter = self._iter, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
 class _WorkerInit:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from typing import Any
 
 from torch_batch_process.engine.agreement import FailureInfo, FailureTracker
 from torch_batch_process.engine.background import BackgroundWork
+from torch_batch_process.engine.collector import VoteCollector
 from torch_batch_process.engine.distributed import Collectives, PendingGather
 from torch_batch_process.engine.keeper import PreparedRecord, RecordKeeper, Summary
 from torch_batch_process.engine.ranges import RangeSet
@@ -76,6 +76,7 @@ class Part:
     def __init__(self) -> None:
         self.batches = RangeSet()
         self.examples = 0
+        self.failed = 0  # examples skipped as failed (on_error="skip"), recorded in the stage
         self.lines: list[dict[str, Any]] = []
         self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
 
@@ -162,13 +163,9 @@ class Committer:
         self._durable = keeper.number if keeper else 0  # rank 0, static: records up to this one are durable
         self._voted: list[tuple[int, bool]] = []  # (stage, has files) of this rank's committed votes, in order
         self._published = 0  # how many of them are published (or being published)
-        self._collector: threading.Thread | None = None
-        self._collector_error: BaseException | None = None
-        self._on_collector_error = on_background_error
-        self._taken = 0  # rank 0, dynamic: queued votes the collector has made durable
+        self._collector: VoteCollector | None = None  # rank 0, dynamic: writes the records of queued votes
         if queue is not None and keeper is not None:
-            self._collector = threading.Thread(target=self._collect, name="tbp-collector", daemon=True)
-            self._collector.start()
+            self._collector = VoteCollector(queue, keeper, on_background_error)
 
     # ------------------------------------------------------------ regular commits
 
@@ -235,10 +232,10 @@ class Committer:
         """Settles this rank's part (earlier background work, uploads, state file) into a vote, and starts
         the next stage."""
         state_file, slots = None, None
-        has_files = self._stager.has_files
         if not self._failures.failed:
             try:
                 self._check_background()
+                self._stager.seal()  # open record shards join this stage
                 self._stager.flush()
                 processor_state = processor.state_dict()
                 if self._reducers.wrapped or processor_state is not None:
@@ -246,6 +243,7 @@ class Committer:
                     state_file = self._store.write_state(self.stage, self.rank, slots, processor_state)
             except Exception as exc:  # noqa: BLE001 - travels in the vote
                 self._failures.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
+        has_files = self._stager.has_files
         part, self.part = self.part, Part()
         vote = Vote(
             rank=self.rank,
@@ -260,6 +258,7 @@ class Committer:
             slots=slots if closing else None,
             durable=self._durable if self._keeper is not None else -1,
             queued=self._queue.queued if self._queue is not None else 0,
+            extra={"failed": part.failed} if part.failed else {},
         )
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()
@@ -307,7 +306,8 @@ class Committer:
         keeper = self._keeper
         assert keeper is not None
         if self._collector is not None:
-            self._stop_collector(expected=sum(v.queued for v in votes))
+            self._collector.stop(expected=sum(v.queued for v in votes))
+            self._collector = None
         self._background.settle()  # static: queued record writes
         self._records_durable()
         prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=[v.slots for v in votes])
@@ -320,23 +320,29 @@ class Committer:
     def _raise_failures(self, infos: list[FailureInfo | None]) -> None:
         """If a rank failed: finish what is already durable on every rank, then raise on every rank.
 
-        Each rank completes its background work (rank 0: the records it queued); when every rank did, every
-        record queued before is durable and each rank publishes its stages, so that ``outputs/`` shows
-        everything committed. Then the failing rank raises its own error, the others
+        Each rank completes its background work (rank 0: the records it queued) and rank 0 tells which
+        record is the newest durable one (a queued record write may have failed: that is often the failure);
+        each rank then publishes the stages that record covers, so that ``outputs/`` shows everything
+        committed and nothing else. Then the failing rank raises its own error, the others
         :class:`WorkerFailedError`.
         """
         if not any(infos):
             return
         try:
             if self._collector is not None:
-                self._stop_collector(expected=None)
+                collector, self._collector = self._collector, None
+                collector.stop(expected=None)
             self._background.settle()
             settled = True
         except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
             logger.warning("rank %d: completing earlier commits failed: %s", self.rank, exc)
             settled = False
-        if all(self._coll.all_gather(settled)):  # every record rank 0 queued or took is durable now
-            durable = self._queue.acknowledged() if self._queue is not None else len(self._voted)
+        marks = self._coll.all_gather((settled, self._newest_durable() if self._keeper is not None else -1))
+        if all(done for done, _ in marks):  # every record write rank 0 queued or took has ended
+            if self._queue is not None:
+                durable = self._queue.acknowledged()  # acknowledged only once their record is durable
+            else:
+                durable = bisect.bisect_right([stage for stage, _ in self._voted], marks[0][1])
             try:
                 self._publish(durable, wait=True)
             except Exception as exc:  # noqa: BLE001
@@ -354,8 +360,8 @@ class Committer:
 
     def _check_background(self) -> None:
         self._background.check()
-        if self._collector_error is not None:
-            raise self._collector_error
+        if self._collector is not None:
+            self._collector.check()
         if self._keeper is not None and self._queue is None:
             self._records_durable()
 
@@ -379,6 +385,14 @@ class Committer:
             self._records.pop(0)
             self._durable = number
 
+    def _newest_durable(self) -> int:
+        """Rank 0: the number of the newest record written so far (records are cumulative: it covers every
+        stage up to its number, whatever happened to the writes before it). Never waits."""
+        for number, future in self._records:
+            if future.done() and future.exception() is None:
+                self._durable = max(self._durable, number)
+        return self._durable
+
     def _publish(self, durable: int, *, wait: bool = False) -> None:
         """Publishes this rank's first ``durable`` committed stages (those not published yet), in the
         background unless ``wait``."""
@@ -389,59 +403,14 @@ class Committer:
         if wait:
             self._background.settle()
 
-    # ------------------------------------------------------------ dynamic records
-
-    def _collect(self) -> None:
-        """Rank 0's collector thread: takes queued votes (all that are there: one record for them), writes
-        the record, acknowledges the votes to their ranks; until woken by :meth:`QueuedVotes.wake`."""
-        assert self._queue is not None and self._keeper is not None
-        reader = self._queue.store.clone()  # a connection of its own: the main thread claims batches meanwhile
-        try:
-            stop = False
-            while not stop:
-                vote = QueuedVotes.take(reader)
-                votes = [] if vote is None else [vote]
-                stop = vote is None
-                while not stop and reader.queue_len(QueuedVotes.QUEUE) > 0:
-                    vote = QueuedVotes.take(reader)
-                    stop = vote is None
-                    votes += [] if vote is None else [vote]
-                if not votes:
-                    continue
-                self._keeper.persist(self._keeper.prepare(self._keeper.merge(votes)))
-                self._taken += len(votes)
-                counts: dict[int, int] = {}
-                for v in votes:
-                    counts[v.rank] = counts.get(v.rank, 0) + 1
-                for rank, count in counts.items():
-                    QueuedVotes.acknowledge(reader, rank, count)
-        except BaseException as exc:  # noqa: BLE001 - raised on rank 0's main thread, travels in its vote
-            self._collector_error = exc
-            if self._on_collector_error is not None:
-                self._on_collector_error()
-
-    def _stop_collector(self, expected: int | None) -> None:
-        """Rank 0: lets the collector take the ``expected`` queued votes (all of them: every rank queued them
-        before the closing exchange), then stops it."""
-        assert self._queue is not None and self._collector is not None
-        deadline = time.monotonic() + 600
-        while expected is not None and self._taken < expected and self._collector.is_alive():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 took {self._taken} of the {expected} queued votes in 600 s")
-            time.sleep(0.005)
-        self._queue.wake()
-        self._collector.join(timeout=600)
-        self._collector = None
-        if self._collector_error is not None:
-            raise self._collector_error
-
     # ------------------------------------------------------------ end
 
     def shutdown(self) -> None:
         """Always, when the call ends: lets queued background work finish, stops the collector."""
         if self._collector is not None:
+            collector, self._collector = self._collector, None
             try:
-                self._stop_collector(expected=None)
+                collector.stop(expected=None)
             except Exception as exc:  # noqa: BLE001 - leaving anyway; the next start repairs
                 logger.warning("rank 0: stopping the vote collector failed: %s", exc)
         self._background.close()

@@ -32,16 +32,12 @@ import torch
 import torch.distributed as dist
 
 from torch_batch_process.device import get_default_device
-from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
+from torch_batch_process.engine.rendezvous import RendezvousStore
+from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerLostError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TBP_COLLECTIVE_TIMEOUT_S", "1800"))
-
-_LOST_HINT = (
-    "another rank of this job stopped answering (it crashed, was killed, or the network failed). "
-    "The last commit is intact: run the job again to resume from it"
-)
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -127,7 +123,7 @@ class Collectives:
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except (RuntimeError, ConnectionError, EOFError) as exc:
-            raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
+            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
         return out
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -138,7 +134,7 @@ class Collectives:
         try:
             dist.broadcast_object_list(box, src=src, group=self.group)
         except (RuntimeError, ConnectionError, EOFError) as exc:
-            raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
+            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
         return box[0]
 
     def start_all_gather(self, obj: Any, capacity: int = 4096) -> PendingGather:
@@ -153,7 +149,7 @@ class Collectives:
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         except (RuntimeError, ConnectionError) as exc:
-            raise WorkerLostError(f"rank {self.rank}: {_LOST_HINT} ({exc})") from exc
+            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
         return PendingMax(tensor, work, self.rank)
 
 
@@ -182,7 +178,7 @@ class PendingGather:
         try:
             self._work = dist.all_gather(self._out, buffer, group=coll.group, async_op=True)
         except (RuntimeError, ConnectionError) as exc:
-            raise WorkerLostError(f"rank {coll.rank}: {_LOST_HINT} ({exc})") from exc
+            raise WorkerLostError(f"rank {coll.rank}: {LOST_HINT} ({exc})") from exc
 
     def wait(self) -> list[Any]:
         """Every rank's object, in rank order."""
@@ -191,7 +187,7 @@ class PendingGather:
         try:
             self._work.wait()
         except (RuntimeError, ConnectionError) as exc:
-            raise WorkerLostError(f"rank {self._coll.rank}: {_LOST_HINT} ({exc})") from exc
+            raise WorkerLostError(f"rank {self._coll.rank}: {LOST_HINT} ({exc})") from exc
         objects = []
         for tensor in self._out:
             length = int(tensor[:8].view(torch.int64).item())
@@ -199,53 +195,6 @@ class PendingGather:
                 return self._coll.all_gather(self._obj)
             objects.append(pickle.loads(tensor[8 : 8 + length].numpy().tobytes()))
         return objects
-
-
-class RendezvousStore:
-    """Counters and queues in the job's rendezvous store; losing the store (rank 0's process hosts it under
-    the plain env contract, torchrun's agent otherwise) means losing the job's other ranks, so every error
-    is a :class:`WorkerLostError` (except the timeout of a blocking :meth:`queue_pop`, which just waited)."""
-
-    def __init__(self, store: Any, rank: int) -> None:
-        self._store = store
-        self._rank = rank
-
-    def _lost(self, exc: BaseException) -> WorkerLostError:
-        return WorkerLostError(f"rank {self._rank}: the job's rendezvous store stopped answering ({exc}); {_LOST_HINT}")
-
-    def add(self, key: str, amount: int) -> int:
-        try:
-            return int(self._store.add(key, amount))
-        except Exception as exc:  # noqa: BLE001 - connection refused, reset, timeout...
-            raise self._lost(exc) from exc
-
-    def queue_push(self, key: str, value: bytes) -> None:
-        try:
-            self._store.queue_push(key, value)
-        except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
-
-    def queue_len(self, key: str) -> int:
-        try:
-            return int(self._store.queue_len(key))
-        except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
-
-    def queue_pop(self, key: str) -> bytes | None:
-        """The next item, waiting for one; ``None`` when the store's wait timed out (call again)."""
-        try:
-            return self._store.queue_pop(key, block=True)
-        except Exception as exc:  # noqa: BLE001
-            if "timeout" in str(exc).lower():
-                return None
-            raise self._lost(exc) from exc
-
-    def clone(self) -> RendezvousStore:
-        """A connection of its own (for another thread)."""
-        try:
-            return RendezvousStore(self._store.clone(), self._rank)
-        except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
 
 
 class PendingMax:
@@ -259,7 +208,7 @@ class PendingMax:
             try:
                 self._work.wait()
             except (RuntimeError, ConnectionError) as exc:
-                raise WorkerLostError(f"rank {self._rank}: {_LOST_HINT} ({exc})") from exc
+                raise WorkerLostError(f"rank {self._rank}: {LOST_HINT} ({exc})") from exc
             self._work = None
         return [int(v) for v in self._tensor.tolist()]
 

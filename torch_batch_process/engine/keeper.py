@@ -41,6 +41,8 @@ class Summary:
     batches_processed: int = 0
     examples_processed: int = 0
     commits: int = 0
+    failed_examples: int = 0
+    """Examples recorded as failed (``on_error="skip"``), committed, over all attempts."""
     timings: dict[str, float] = field(default_factory=dict)
     timings_per_rank: list[dict[str, float]] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -117,6 +119,7 @@ class RecordKeeper:
         self.last_stage = start.next_number - 1
         self.last_record = latest
         self.summary = Summary(timings_per_rank=[{} for _ in range(world_size)])
+        self.summary.failed_examples = int(latest.stats.get("failed_examples", 0)) if latest else 0
         self.started = started
         self._mutex = threading.Lock()  # dynamic schedules merge votes on a thread of their own
 
@@ -136,6 +139,7 @@ class RecordKeeper:
                 summary = self.summary
                 summary.batches_processed += len(batches)
                 summary.examples_processed += vote.examples
+                summary.failed_examples += int(vote.extra.get("failed", 0))
                 for key, value in vote.timings.items():
                     summary.timings[key] = summary.timings.get(key, 0.0) + value
                     per_rank = summary.timings_per_rank[vote.rank]
@@ -176,6 +180,7 @@ class RecordKeeper:
             stages = RangeSet(self.stages.ranges())
             provenance = list(self.provenance)
             number, last_stage = self.number, self.last_stage
+            failed = self.summary.failed_examples
         examples_committed = self._plan.count_examples(committed)
         metrics: dict[str, Any] | None = None
         if self._reducers.wrapped and (final or preempting):
@@ -210,6 +215,7 @@ class RecordKeeper:
                 "batches_committed": len(committed),
                 "examples_committed": examples_committed,
                 "planned_batches": self._plan.num_batches,
+                "failed_examples": failed,
                 **stats,
             },
             provenance=provenance,

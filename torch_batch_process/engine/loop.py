@@ -20,20 +20,21 @@ The observer (:mod:`~torch_batch_process.observe.observer`) is told what happens
 from __future__ import annotations
 
 import logging
-import os
 import time
-import warnings
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.agreement import Decision, FailureTracker
+from torch_batch_process.engine.announce import log_preempted, log_start, warn_max_batches
 from torch_batch_process.engine.autocast import resolve_autocast
 from torch_batch_process.engine.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.building import build_processor
+from torch_batch_process.engine.commit_wiring import make_committer
 from torch_batch_process.engine.committer import Committer, Outcome
 from torch_batch_process.engine.distributed import DistributedEnv
+from torch_batch_process.engine.guard import check_failures, guard_runner
 from torch_batch_process.engine.job import JobOpener, Start
-from torch_batch_process.engine.keeper import KeeperStart, RecordKeeper, Summary
+from torch_batch_process.engine.keeper import Summary
 from torch_batch_process.engine.plan import BucketedPlan, ContiguousPlan, Plan, planned_batches
 from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
@@ -42,12 +43,11 @@ from torch_batch_process.engine.records import JobSpec, qualified_name
 from torch_batch_process.engine.results import job_result, stored_result
 from torch_batch_process.engine.runner import BatchRunner
 from torch_batch_process.engine.scheduler import Scheduler, make_scheduler
-from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.engine.streams import StreamJob, is_source
-from torch_batch_process.observe.metrics import MetricsLog
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.storage.base import open_storage
@@ -62,7 +62,9 @@ logger = logging.getLogger(__name__)
 class JobRun:
     """One call of :func:`~torch_batch_process.torch_batch_process` on one rank (see the module docstring)."""
 
-    def __init__(self, args: JobArguments, env: DistributedEnv, options: ObserveOptions | None = None) -> None:
+    def __init__(
+        self, args: JobArguments, env: DistributedEnv, options: ObserveOptions | None = None, plan: Plan | None = None
+    ) -> None:
         self.args = args
         self.env = env
         self.rank, self.world_size = env.info.rank, env.info.size
@@ -74,7 +76,7 @@ class JobRun:
         t0 = time.perf_counter()
         streamed = is_source(args.dataset)  # a streaming source: its plan needs the shards' row counts
         self.stream = StreamJob(args.dataset, args.batch_size, self.storage, self.coll) if streamed else None
-        self.full_plan: Plan = (
+        self.full_plan: Plan = plan or (  # a given plan: retry_failed (engine/retry.py)
             self.stream.plan
             if self.stream is not None
             else ContiguousPlan(args.dataset_length, args.batch_size)
@@ -90,6 +92,7 @@ class JobRun:
             args.max_batches,
             qualified_name(type(args.dataset)),
             self.plan.fingerprint(),
+            output_format=args.output_format,
         )
         self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll)
         self.failures = FailureTracker(self.rank)
@@ -112,14 +115,14 @@ class JobRun:
     # ------------------------------------------------------------------------ lifecycle
 
     def run(self) -> BatchProcessResult:
-        self._warn_max_batches()
+        warn_max_batches(self.plan, self.args.max_batches, self.world_size)
         try:
             with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
                 planned = planned_batches(self.plan.num_batches, self.args.max_batches, self.world_size)
                 start = self.opener.open(planned, self._plan_of(planned).num_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
-                self.call_id = start.call_id
+                self.call_id, self.start = start.call_id, start
                 if self.stream is not None:
                     self.stream.opened()  # row counts counted now are kept for resumes
                 self.plan = self._plan_of(start.planned_batches)
@@ -128,14 +131,15 @@ class JobRun:
                     remaining = start.latest.committed.complement(self.plan.num_batches)
                 processor, stop_now = self._build(start, signals)
                 schedule = make_scheduler if self.stream is None else self.stream.make_scheduler
-                scheduler = schedule(self.args.schedule, remaining, self.coll, self.args.checkpoint_interval,
-                                     self._store())
-                self._log_start(start, remaining)
+                scheduler = schedule(self.args.schedule, remaining, self.coll, self.args.checkpoint_interval, self.call_store())
                 self._start_observer(start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
                 if outcome is None or not outcome.preempted:
+                    check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
                     outcome = self._finish(processor)
-                result = self._result(start, outcome)
+                result = self._result(start, outcome.metrics or {}, outcome.summary, preempted=outcome.preempted)
+                if result.preempted:
+                    log_preempted(result)
             self.observer.finish(result)
             return result
         finally:
@@ -145,6 +149,7 @@ class JobRun:
         """The stager, context and committer of this rank, then the processor (restored) and the first agreement."""
         self.stager = OutputStager(self.storage, self.rank)
         current = CurrentBatch()
+        records = RecordWriter(self.stager, current, self.rank, self.args.output_format)  # context.write()
         context = TorchBatchProcessorContext(
             device=self.env.device,
             distributed=self.env.info,
@@ -153,9 +158,11 @@ class JobRun:
             tensorboard_path=self.tensorboard.path,
             metrics_sink=lambda line: self._committer().part.lines.append(line),
             current=current,
+            records=records,
         )
         self.context, self.current = context, current
-        self.committer = self._make_committer(start, context)
+        result_json = lambda metrics, summary: self._result(start, metrics, summary).to_json()  # noqa: E731
+        self.committer = make_committer(self, start, context, result_json, self._post_failure)
         t0 = time.perf_counter()
         processor, stop_now = build_processor(
             self.args.processor_cls,
@@ -168,39 +175,6 @@ class JobRun:
         )
         self.committer.part.timings["hooks"] += time.perf_counter() - t0
         return processor, stop_now
-
-    def _make_committer(self, start: Start, context: TorchBatchProcessorContext) -> Committer:
-        keeper = None
-        if self.rank == 0:
-            keeper = RecordKeeper(
-                store=self.opener.store,
-                plan=self.plan,
-                start=KeeperStart(start.attempt, start.next_number, start.latest, start.frozen_state_files),
-                world_size=self.world_size,
-                reducers=context.reducers,
-                observer=self.observer,
-                metrics_log=MetricsLog(self.storage),
-                lock=self.opener.lock,
-                result_of=lambda metrics, summary: self._result_of(start, metrics, summary).to_json(),
-                started=self.started,
-            )
-        store = self._store()
-        dynamic = self.args.schedule == "dynamic" and self.world_size > 1
-        return Committer(
-            rank=self.rank,
-            collectives=self.coll,
-            store=self.opener.store,
-            stager=self.stager,
-            reducers=context.reducers,
-            failures=self.failures,
-            keeper=keeper,
-            observer=self.observer,
-            committed=(len(start.latest.committed), self.plan.count_examples(start.latest.committed)) if start.latest else (0, 0),
-            first_stage=start.next_number + (int(store.add("stage", 1)) - 1 if dynamic else 0),
-            queue=self._queue(store) if dynamic else None,
-            stage_counter=(lambda: start.next_number + int(store.add("stage", 1)) - 1) if dynamic else None,
-            on_background_error=self._post_failure,
-        )
 
     # ------------------------------------------------------------------------ steps and commits
 
@@ -224,6 +198,7 @@ class JobRun:
         if self.stream is not None:  # a source: its dataset view, worker-affine order, columnar collation
             dataset, order, kwargs = self.stream.feed_parts(scheduler, kwargs)
         feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
+        watchdog = guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/guard.py)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:
@@ -256,41 +231,31 @@ class JobRun:
         finally:
             batches.close()
             feed.close()  # stops the loader's worker processes
+            if watchdog is not None:
+                watchdog.close()
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
-        """``on_checkpoint_start()`` before a commit (its failure travels in the vote)."""
-        if self.failures.failed:
-            return
-        t0 = time.perf_counter()
-        try:
-            processor.on_checkpoint_start()
-        except Exception as exc:  # noqa: BLE001
-            self.failures.record(exc, "on_checkpoint_start()")
-        self._committer().part.timings["hooks"] += time.perf_counter() - t0
+        """``on_checkpoint_start()`` before a commit (a rank that failed already skips it)."""
+        if not self.failures.failed:
+            self._hook("on_checkpoint_start", processor.on_checkpoint_start)
 
     def _finish(self, processor: TorchBatchProcessor) -> Outcome:
         """``on_finish()`` on every rank, then the final commit (its files, the result, the reduced metrics)."""
+        self._hook("on_finish", processor.on_finish)
+        return self._committer().close(processor, preempt=False, final=True)
+
+    def _hook(self, name: str, hook: Any) -> None:
+        """Runs a processor hook, timed; its failure travels in this rank's next vote."""
         t0 = time.perf_counter()
         try:
-            processor.on_finish()
+            hook()
         except Exception as exc:  # noqa: BLE001
-            self.failures.record(exc, "on_finish()")
+            self.failures.record(exc, f"{name}()")
         self._committer().part.timings["hooks"] += time.perf_counter() - t0
-        return self._committer().close(processor, preempt=False, final=True)
 
     # ------------------------------------------------------------------------ results
 
-    def _result(self, start: Start, outcome: Outcome) -> BatchProcessResult:
-        result = self._result_of(start, outcome.metrics or {}, outcome.summary, preempted=outcome.preempted)
-        if result.preempted:
-            logger.warning(
-                "preempted: %d of %d batches committed; run the same command again to resume",
-                result.batches_committed,
-                result.num_batches,
-            )
-        return result
-
-    def _result_of(self, start: Start, metrics: dict[str, Any], summary: Summary, *, preempted: bool = False) -> BatchProcessResult:
+    def _result(self, start: Start, metrics: dict[str, Any], summary: Summary, *, preempted: bool = False) -> BatchProcessResult:
         return job_result(
             plan=self.plan,
             start=start,
@@ -307,42 +272,27 @@ class JobRun:
     def _plan_of(self, num_batches: int) -> Plan:
         """The job's plan, cut to its first ``num_batches`` batches (``max_batches``)."""
         plan = self.full_plan
-        if isinstance(plan, (BucketedPlan, StreamPlan)):
-            return plan.cut(num_batches)
+        cut = getattr(plan, "cut", None)  # BucketedPlan, StreamPlan, IndexPlan (retry_failed)
+        if cut is not None:
+            return cut(num_batches)  # type: ignore[no-any-return]
         return ContiguousPlan(self.args.dataset_length, self.args.batch_size, num_batches)
 
     def _committer(self) -> Committer:
         assert self.committer is not None
         return self.committer
 
-    def _store(self) -> Any:
-        """This call's keys in the rendezvous store (dynamic schedule), or ``None``."""
+    def call_store(self) -> Any:
+        """This call's keys in the rendezvous store (dynamic schedule on several ranks), or ``None``."""
         if self.args.schedule != "dynamic" or self.world_size == 1:
             return None
         if self._prefixed_store is None:
             self._prefixed_store = self.env.call_store(self.call_id)
         return self._prefixed_store
 
-    def _queue(self, store: Any) -> Any:
-        from torch_batch_process.engine.votes import QueuedVotes
-
-        return QueuedVotes(store, self.rank)
-
     def _post_failure(self) -> None:
         """Rank 0's vote collector failed: every rank stops at its next batch (dynamic schedule)."""
         if self._scheduler is not None:
             self._scheduler.post(Decision.FAIL)
-
-    def _warn_max_batches(self) -> None:
-        max_batches = self.args.max_batches
-        per_rank = -(-self.plan.num_batches // self.world_size)
-        if max_batches is not None and max_batches > per_rank:
-            warnings.warn(
-                f"max_batches={max_batches} exceeds the {per_rank} batch(es) per rank of this job "
-                f"({self.plan.num_batches} batches over {self.world_size} rank(s)); max_batches is ignored",
-                UserWarning,
-                stacklevel=5,
-            )
 
     def _start_observer(self, start: Start, remaining: RangeSet) -> None:
         committed = start.latest.committed if start.latest else RangeSet()
@@ -354,24 +304,11 @@ class JobRun:
             remaining_batches=len(remaining),
             previous_stats=start.latest.stats if start.latest is not None else None,
         )
-
-    def _log_start(self, start: Start, remaining: RangeSet) -> None:
-        if self.rank != 0:
-            return
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        note = f" (torchrun restart {restart})" if restart and restart != "0" else ""
-        done = self.plan.num_batches - len(remaining)
-        where = f"on {self.world_size} rank(s), schedule {self.args.schedule}; storage {self.storage.url}"
-        if self.plan_s >= 0.01:
-            where += f"; plan computed in {self.plan_s:.2f} s"
-        if done:
-            first = next(iter(remaining), None)
-            logger.info(
-                "job %s attempt %d%s: resuming at batch %s; %d of %d batches already committed, %d to go %s",
-                self.args.job_name, start.attempt, note, first, done, self.plan.num_batches, len(remaining), where,
+        if self.rank == 0:
+            log_start(
+                job_name=self.args.job_name, start=start, plan=self.plan, remaining=remaining, world_size=self.world_size,
+                schedule=self.args.schedule, storage_url=self.storage.url, plan_s=self.plan_s,
             )
-        else:
-            logger.info("job %s attempt %d%s: %s %s", self.args.job_name, start.attempt, note, self.plan.describe(), where)
 
     def _shutdown(self) -> None:
         """Always, when the call ends: background work completes (before the lock goes: no record write may

@@ -35,6 +35,8 @@ class JobSpec:
     """Module-qualified type of the dataset."""
     plan: dict[str, Any] | None = None
     """The plan's own fingerprint (``None``: contiguous batches; bucketing and streams say more)."""
+    output_format: str = "parquet"
+    """Format of record shards: a resume in another format would mix formats (stored only when not the default)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -44,6 +46,7 @@ class JobSpec:
             "max_batches": self.max_batches,
             "dataset_type": self.dataset_type,
             **({"plan": self.plan} if self.plan is not None else {}),
+            **({"output_format": self.output_format} if self.output_format != "parquet" else {}),
         }
 
     def differences(self, stored: dict[str, Any]) -> list[str]:

@@ -45,6 +45,7 @@ def job_result(
         world_size=world_size,
         commits=summary.commits,
         elapsed_s=summary.elapsed_s,
+        failed_examples=summary.failed_examples,
         timings={key: round(value, 6) for key, value in summary.timings.items()},
         timings_per_rank=[{key: round(value, 6) for key, value in t.items()} for t in summary.timings_per_rank],
     )

@@ -23,8 +23,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch_batch_process.engine.agreement import Decision, StepAgreement
-from torch_batch_process.engine.distributed import Collectives, RendezvousStore
+from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
+from torch_batch_process.engine.rendezvous import RendezvousStore
 
 __all__ = ["DynamicScheduler", "Scheduler", "StaticScheduler", "make_scheduler"]
 

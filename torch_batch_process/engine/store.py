@@ -25,10 +25,13 @@ from torch_batch_process.storage.layout import (
     METRICS_FILE,
     OUTPUTS_DIR,
     RESULT_FILE,
+    RETRIES_DIR,
     SCRATCH_DIR,
+    STAGED_FAILURES_NAME,
     STAGING_DIR,
     STATES_DIR,
     TENSORBOARD_DIR,
+    failures_file,
     outputs_dir,
     record_file,
     staging_dir,
@@ -193,13 +196,15 @@ class JobStore:
         self.storage.write_json(RESULT_FILE, result)
 
     def publish(self, stage: int, rank: int | None = None) -> None:
-        """Moves the staged files of ``stage`` (one rank's, or all of it) into ``outputs/``; idempotent."""
-        if rank is not None:
-            self.storage.move(staging_dir(stage, rank), outputs_dir(stage, rank))
-        else:
-            for name in self.storage.list(staging_dir(stage)):
-                if name.startswith("rank_"):
-                    self.storage.move(f"{staging_dir(stage)}/{name}", f"{outputs_dir(stage)}/{name}")
+        """Moves the staged files of ``stage`` (one rank's, or all of it) into ``outputs/``, and their failure
+        records into ``failures/``; idempotent."""
+        ranks = [rank] if rank is not None else [
+            int(name[len("rank_") :]) for name in self.storage.list(staging_dir(stage)) if name.startswith("rank_")
+        ]
+        for r in ranks:
+            self.storage.move(f"{staging_dir(stage, r)}/{STAGED_FAILURES_NAME}", failures_file(stage, r))
+            self.storage.remove_empty_folder(staging_dir(stage, r))  # a stage with failures only
+            self.storage.move(staging_dir(stage, r), outputs_dir(stage, r))
         self.storage.remove_empty_folder(staging_dir(stage))
 
     # -------------------------------------------------------------- maintenance
@@ -261,6 +266,7 @@ class JobStore:
             RESULT_FILE,
             OUTPUTS_DIR,
             FAILURES_DIR,
+            RETRIES_DIR,
             STAGING_DIR,
             SCRATCH_DIR,
             STATES_DIR,

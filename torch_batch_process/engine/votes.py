@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.engine.agreement import FailureInfo
-from torch_batch_process.engine.distributed import Collectives, PendingGather, RendezvousStore
+from torch_batch_process.engine.distributed import Collectives, PendingGather
+from torch_batch_process.engine.rendezvous import RendezvousStore
 
 __all__ = ["GatheredVotes", "QueuedVotes", "Vote"]
 

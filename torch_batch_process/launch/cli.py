@@ -81,7 +81,8 @@ def _add_run_parser(subparsers: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``tbp run CONFIG.yaml``: checks the config, sets the job's environment, runs the launcher in this process."""
-    from torch_batch_process.launch.config import ConfigError, job_environment, launcher_argv, load_config
+    from torch_batch_process.launch.config import ConfigError, load_config
+    from torch_batch_process.launch.job_launch import job_environment, launcher_argv
 
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         _say(f"error: --nproc-per-node must be >= 1, got {args.nproc_per_node}")
@@ -145,9 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torch_batch_process {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     _add_run_parser(subparsers)
-    from torch_batch_process.observe.status import add_status_parser  # tbp status: torch_batch_process/observe/status.py
+    from torch_batch_process.observe.status import (
+        add_status_parser,  # tbp status: torch_batch_process/observe/status.py
+    )
 
     add_status_parser(subparsers)
+    from torch_batch_process.observe.failures import add_failures_parser  # tbp failures
+
+    add_failures_parser(subparsers)
     return parser
 
 

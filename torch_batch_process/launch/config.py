@@ -28,15 +28,16 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.environment import is_valid_job_name
+from torch_batch_process.errors import InvalidArgumentError
+
+__all__ = ["ConfigError", "JobConfig", "absolute_path", "load_config", "parse_config"]
 
 TOP_LEVEL_KEYS = (
     "name",
@@ -307,7 +308,7 @@ def _storage(value: Any, base: Path, lines: _Lines) -> tuple[str | None, dict[st
     if isinstance(value, str):
         if not value.strip():
             raise lines.error(key, "is empty: give a local path or a URL such as s3://bucket/prefix")
-        return _absolute(value, base), None
+        return absolute_path(value, base), None
     if not isinstance(value, dict):
         raise lines.error(
             key, f"must be a path/URL string or a mapping (type, path, storage_options), got {_type_name(value)}"
@@ -328,7 +329,7 @@ def _storage(value: Any, base: Path, lines: _Lines) -> tuple[str | None, dict[st
     if kind in LOCAL_STORAGE_TYPES:
         if scheme is not None and scheme not in ("file", "local"):
             raise lines.error(key + ("path",), f"type {kind!r} needs a local path, got the URL {path!r}")
-        return _absolute(path, base), options
+        return absolute_path(path, base), options
     import fsspec
 
     if kind not in fsspec.available_protocols():
@@ -341,7 +342,7 @@ def _storage(value: Any, base: Path, lines: _Lines) -> tuple[str | None, dict[st
     return (path if scheme else f"{kind}://{path.lstrip('/')}"), options
 
 
-def _absolute(path: str, base: Path) -> str:
+def absolute_path(path: str, base: Path) -> str:
     """A URL as is; a local path made absolute against the config's directory."""
     if "://" in path and not path.startswith("file://"):
         return path
@@ -419,84 +420,3 @@ def _environment(value: Any, lines: _Lines) -> dict[str, str]:
             raise lines.error(where, f"the value of {name} must be a string or a number, got {_type_name(val)}")
         variables[name] = str(val)
     return variables
-
-
-def hparams_json(hparams: Mapping[str, Any]) -> str:
-    """The JSON the workers read back through ``context.get_hparams()``."""
-    return json.dumps(dict(hparams), sort_keys=True)
-
-
-def launcher_argv(config: JobConfig, nproc_per_node: int | None = None, extra: list[str] | None = None) -> list[str]:
-    """The command line of ``python -m torch_batch_process.launch.torch_distributed`` that runs ``config``.
-
-    ``nproc_per_node`` (from ``tbp run --nproc-per-node``) overrides the config's resources; ``extra``
-    are more launcher options (rendezvous...).
-
-    Raises:
-        ConfigError: the entrypoint's own launcher options set what the config's keys also set.
-    """
-    from torch_batch_process.launch.torch_distributed import LaunchError, given_options
-
-    nproc = nproc_per_node if nproc_per_node is not None else config.nproc_per_node()
-    if config.launcher_args:
-        try:
-            given = given_options(config.launcher_args, ["nproc_per_node", "nnodes", "max_restarts"])
-        except LaunchError as exc:
-            raise ConfigError(f"{config.path}: entrypoint: bad launcher options: {exc}") from exc
-        clashes = {
-            "nproc_per_node": ("resources.slots_per_trial", config.slots_per_trial is not None),
-            "nnodes": ("resources.nodes", config.nodes is not None),
-            "max_restarts": ("max_restarts", config.max_restarts != 0),
-        }
-        for dest, (key, set_in_config) in clashes.items():
-            option = "--" + dest.replace("_", "-")
-            if dest in given and set_in_config:
-                raise ConfigError(
-                    f"{config.path}: entrypoint: the launcher option {option} and the key {key} set the same thing; "
-                    "keep one"
-                )
-        if "nproc_per_node" in given and nproc_per_node is not None:
-            raise ConfigError(
-                f"{config.path}: entrypoint: the launcher option --nproc-per-node is also given to tbp run; keep one"
-            )
-    options: list[str] = []
-    if nproc is not None:
-        options += ["--nproc-per-node", str(nproc)]
-    if config.nodes is not None:
-        options += ["--nnodes", str(config.nodes)]
-    if config.max_restarts:
-        options += ["--max-restarts", str(config.max_restarts)]
-    options += list(extra or [])
-    if config.launcher_args:
-        return options + list(config.launcher_args)
-    return options + ["--", *config.command]
-
-
-def job_environment(
-    config: JobConfig, storage: str | None = None, environ: Mapping[str, str] | None = None
-) -> tuple[dict[str, str], list[str]]:
-    """The environment variables ``tbp run`` sets for the job, and notes on where the storage comes from.
-
-    The storage path is ``storage`` (``tbp run --storage``), else an exported ``$TBP_STORAGE_PATH``,
-    else the config's ``checkpoint_storage``, else the engine's default (``./tbp_runs/<job name>``).
-    """
-    from torch_batch_process.environment import HPARAMS_ENV, JOB_NAME_ENV, STORAGE_ENV, STORAGE_OPTIONS_ENV
-
-    environ = os.environ if environ is None else environ
-    env = dict(config.variables)
-    notes: list[str] = []
-    env[HPARAMS_ENV] = hparams_json(config.hyperparameters)
-    if config.name is not None:
-        env[JOB_NAME_ENV] = config.name
-    if storage is not None:
-        env[STORAGE_ENV] = _absolute(storage, Path.cwd())
-        if config.storage_path is not None:
-            notes.append(f"storage {env[STORAGE_ENV]} (from --storage, instead of checkpoint_storage)")
-    elif environ.get(STORAGE_ENV) and STORAGE_ENV not in config.variables:
-        instead = ", instead of checkpoint_storage" if config.storage_path is not None else ""
-        notes.append(f"storage {environ[STORAGE_ENV]} (from the exported ${STORAGE_ENV}{instead})")
-    elif config.storage_path is not None:
-        env[STORAGE_ENV] = config.storage_path
-    if config.storage_options is not None:
-        env[STORAGE_OPTIONS_ENV] = json.dumps(config.storage_options, sort_keys=True)
-    return env, notes

@@ -30,7 +30,6 @@ from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.layout import METRICS_FILE
 
 
-
 class MetricsLog:
     """Appends records to ``metrics.jsonl`` (rank 0)."""
 

@@ -31,9 +31,7 @@ warning and turns interim metrics off; the final metrics are computed as always.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -41,11 +39,12 @@ from typing import Any
 
 import torch
 
-from torch_batch_process.environment import HPARAMS_ENV
+from torch_batch_process.observe.hparams import read_hparams
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.observe.profiler import StepProfiler
 from torch_batch_process.observe.progress import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
+from torch_batch_process.observe.summary import PHASES, summary_line
 from torch_batch_process.observe.tensorboard import TensorBoardLog
 from torch_batch_process.result import BatchProcessResult, to_jsonable
 from torch_batch_process.storage.base import MirroredFolder
@@ -57,8 +56,6 @@ TB_SCALAR_INTERVAL_S = 10.0
 
 METRICS_BUDGET = 100.0
 """Interim reduced metrics wait at least this many times their own last duration."""
-
-PHASES = ("data", "process", "commit", "hooks")
 
 NEVER = 1 << 62
 """``next_step`` when nothing watches steps."""
@@ -435,48 +432,6 @@ class JobObserver:
         if self._display is not None:
             display, self._display = self._display, None
             display.close()
-
-
-def summary_line(result: BatchProcessResult) -> str:
-    """One line: what the call did, its rate, and where the time went (total and slowest rank)."""
-    how = "preempted" if result.preempted else "finished" if result.finished else "stopped"
-    rate = result.examples_processed / result.elapsed_s if result.elapsed_s > 0 else 0.0
-    per_rank = result.timings_per_rank or []
-    phases = []
-    for key in PHASES:
-        if key not in result.timings:
-            continue
-        slowest = max((t.get(key, 0.0) for t in per_rank), default=0.0)
-        phases.append(f"{key} {result.timings[key]:.2f}/{slowest:.2f}")
-    busy = [t.get("data", 0.0) + t.get("process", 0.0) for t in per_rank]
-    slowest_rank = f"; busiest rank {max(range(len(busy)), key=busy.__getitem__)}" if len(busy) > 1 else ""
-    return (
-        f"{how}: {result.examples_processed} examples ({result.batches_processed} batches) processed in "
-        f"{result.elapsed_s:.1f} s on {result.world_size} rank(s), {rate:.1f} examples/s; "
-        f"{result.examples_committed}/{result.num_examples} examples committed "
-        f"({100.0 * result.examples_committed / result.num_examples if result.num_examples else 100.0:.1f}%); "
-        f"seconds sum/max over ranks: {', '.join(phases) or 'none'}{slowest_rank}"
-    )
-
-
-def read_hparams() -> dict[str, Any] | None:
-    """The job config's hyperparameters from ``$TBP_HPARAMS`` (set by ``tbp run``), or None.
-
-    None also when the variable is unset, empty, ``{}`` or not a JSON object (a warning then: the
-    processor's ``context.get_hparams()`` raises for it; logging them is only a convenience).
-    """
-    raw = os.environ.get(HPARAMS_ENV)
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        logger.warning("hyperparameters are not logged: %s is not valid JSON (%s)", HPARAMS_ENV, exc)
-        return None
-    if not isinstance(value, dict):
-        logger.warning("hyperparameters are not logged: %s must hold a JSON object", HPARAMS_ENV)
-        return None
-    return value or None
 
 
 def _fraction(done: int, total: int) -> float:

@@ -27,10 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Any
-
 
 logger = logging.getLogger(__name__)
 

@@ -13,19 +13,27 @@ which is the stager's whole cost on local storage. Scratch folders of a killed j
 at its next start (local storage) or by the next job on the host (temporary folders).
 
 Two files with the same path in the same stage of one rank would overwrite each other, so that is an error.
+
+With ``on_error="skip"`` the engine runs each batch between :meth:`OutputStager.hold` and
+:meth:`OutputStager.release`: the blocks of a batch that fails are discarded, those of one that succeeds join
+the stage; the parts of a split batch write under a sub-folder of their own (``prefix``, see
+:mod:`torch_batch_process.engine.failures`). The failure records of the stage (:meth:`OutputStager.add_failure`)
+are written next to its files at :meth:`OutputStager.flush` and published to ``failures/``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import staging_dir
+from torch_batch_process.storage.layout import STAGED_FAILURES_NAME, staging_dir
 
 __all__ = ["OutputStager"]
 
@@ -48,16 +56,57 @@ class OutputStager:
         self._spare: list[Path] = []  # empty folders of finished blocks, for the next upload_path()
         self.files = 0
         self.bytes = 0
+        self._writers: list[Any] = []  # record writers (outputs/records.py): sealed before each commit
+        self._held: list[tuple[Path, list[Path], list[str], bool]] | None = None  # blocks of the running batch
+        self._prefix = ""
+        self._failures: list[str] = []  # JSON lines of the current stage's failure records
+
+    @property
+    def storage(self) -> Storage:
+        """The job's storage."""
+        return self._storage
+
+    def attach(self, writer: Any) -> None:
+        """Adds a writer of open files (record outputs): ``writer.seal()`` runs before each commit (its files
+        join the stage being committed) and ``writer.close()`` when the stager closes."""
+        self._writers.append(writer)
+
+    def seal(self) -> None:
+        """Before a commit: the attached writers hand their open files to the current stage."""
+        for writer in self._writers:
+            writer.seal()
 
     def advance(self, stage: int) -> None:
         """Starts collecting for ``stage`` (the previous one is committed or being committed)."""
         self.stage = stage
         self._names = set()
+        self._failures = []
 
     @property
     def has_files(self) -> bool:
-        """Whether the current stage has files."""
-        return bool(self._names)
+        """Whether the current stage has files (or failure records)."""
+        return bool(self._names) or bool(self._failures)
+
+    def hold(self, prefix: str = "") -> None:
+        """From now on, finished blocks wait for :meth:`release`; their files are named ``prefix + name``."""
+        self._held, self._prefix = [], prefix
+
+    def release(self, keep: bool) -> None:
+        """Ends :meth:`hold`: the held blocks join the stage (``keep``) or are discarded."""
+        held, self._held, self._prefix = self._held or [], None, ""
+        for folder, files, names, has_dirs in held:
+            if keep:
+                for path, name in zip(files, names, strict=True):
+                    self._add(path, name)
+            if keep and not has_dirs:
+                with self._lock:
+                    self._spare.append(folder)
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def add_failure(self, record: dict[str, object]) -> None:
+        """Adds a failed example's record to the current stage (written at :meth:`flush`)."""
+        self._failures.append(json.dumps(record, default=str))
 
     @contextlib.contextmanager
     def upload_path(self) -> Iterator[Path]:
@@ -68,6 +117,9 @@ class OutputStager:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)  # a failed block contributes nothing
             raise
+        if self._held is not None:
+            self._hold_block(folder)
+            return
         emptied = False
         try:
             emptied = self._seal(folder)
@@ -98,8 +150,20 @@ class OutputStager:
             self._add(path, name)
         return not has_dirs
 
-    def _check_names(self, names: list[str]) -> None:
-        clashes = sorted(set(names) & self._names)
+    def _hold_block(self, folder: Path) -> None:
+        assert self._held is not None
+        try:
+            files, has_dirs = _list_files(folder)
+            names = [self._prefix + p.relative_to(folder).as_posix() for p in files]
+            self._check_names(names, held=True)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._held.append((folder, files, names, has_dirs))
+
+    def _check_names(self, names: list[str], held: bool = False) -> None:
+        taken = self._names | {name for block in self._held or [] for name in block[2]} if held else self._names
+        clashes = sorted(set(names) & taken)
         if clashes:
             raise FileExistsError(
                 f"upload_path(): {clashes[0]!r} was already written by rank {self._rank} since its last commit; "
@@ -113,12 +177,23 @@ class OutputStager:
         self._sink.add(path, f"{staging_dir(self.stage, self._rank)}/{name}")
 
     def flush(self) -> None:
-        """Waits until every file of the current stage is in storage; raises the first error."""
+        """Writes the stage's failure records, then waits until every file of the current stage is in storage;
+        raises the first error."""
+        if self._failures:
+            lines, self._failures = self._failures, []
+            folder = self._take_folder()
+            path = folder / STAGED_FAILURES_NAME
+            path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+            self._add(path, STAGED_FAILURES_NAME)
+            with self._lock:
+                self._spare.append(folder)
         self._sink.flush()
 
     def close(self) -> None:
         """Stops the sink (pending uploads are abandoned: their commit never happens) and removes the spare
         folders."""
+        for writer in self._writers:
+            writer.close()
         self._sink.close()
         with self._lock:
             spare, self._spare = self._spare, []

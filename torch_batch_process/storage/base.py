@@ -21,10 +21,11 @@ or from ``storage_options`` (passed to the fsspec filesystem). Every failure is 
 from __future__ import annotations
 
 import abc
+import io
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 if TYPE_CHECKING:
     from torch_batch_process.storage.lock import JobLock
@@ -66,6 +67,10 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_bytes(self, rel: str) -> bytes:
         """Reads a whole file; ``FileNotFoundError`` when it does not exist."""
+
+    def open_input(self, rel: str) -> BinaryIO:
+        """A readable, seekable binary file for ``rel`` (record shards are read in parts, never whole)."""
+        return io.BytesIO(self.read_bytes(rel))
 
     def read_json(self, rel: str) -> Any:
         """Reads a JSON file; ``FileNotFoundError`` when missing, ``ValueError`` when not JSON."""

@@ -10,20 +10,32 @@ connections) are retried with jittered exponential backoff, at most ``TBP_STORAG
 from __future__ import annotations
 
 import errno
+import logging
 import os
-from collections.abc import Iterator
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from torch_batch_process.errors import StorageError
 
 __all__ = [
     "RETRY_BASE_DELAY_S",
     "RETRY_MAX_DELAY_S",
     "describe",
     "is_missing_backend",
-    "is_missing_bucket", 
+    "is_missing_bucket",
     "is_precondition_failed",
     "is_transient",
     "retry_attempts",
     "retry_budget_s",
+    "with_retries",
 ]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
 
 def retry_attempts() -> int:
     """Most attempts of one storage operation (``TBP_STORAGE_RETRIES``, default 5)."""
@@ -154,3 +166,45 @@ def is_transient(exc: BaseException) -> bool:
         return True
     text = f"{type(exc).__name__} {exc}".lower()
     return any(name in text for name in _TRANSIENT_TEXT)
+
+
+def with_retries(
+    url: str,
+    bucket: str,
+    action: str,
+    fn: Callable[[], T],
+    *,
+    passthrough: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Runs a remote operation of the storage at ``url``, retrying transient errors with bounded backoff
+    (:func:`retry_attempts` tries within :func:`retry_budget_s`), and maps the rest to :class:`StorageError`.
+
+    ``FileNotFoundError`` passes through (callers decide what a missing file means), except for a missing
+    ``bucket``, which is a :class:`StorageError`. So do the exception types in ``passthrough``.
+    """
+    attempts = retry_attempts()
+    deadline = time.monotonic() + retry_budget_s()
+    delay = RETRY_BASE_DELAY_S
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except passthrough:
+            raise
+        except FileNotFoundError as exc:
+            if is_missing_bucket(exc):
+                raise StorageError(f"storage {url!r}: cannot {action}: the bucket {bucket!r} does not exist ({exc})") from exc
+            raise
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - classify every backend error
+            pause = min(delay, RETRY_MAX_DELAY_S) * (0.5 + random.random())
+            if attempt < attempts and is_transient(exc) and time.monotonic() + pause < deadline:
+                logger.warning(
+                    "storage %s: %s failed (%s); retry %d/%d in %.1fs", url, action, describe(exc), attempt, attempts - 1, pause
+                )
+                time.sleep(pause)
+                delay *= 2
+                continue
+            tried = f" (after {attempt} attempts)" if attempt > 1 else ""
+            raise StorageError(f"storage {url!r}: cannot {action}{tried}: {describe(exc)}") from exc
+    raise AssertionError("unreachable")

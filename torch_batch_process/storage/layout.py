@@ -6,12 +6,15 @@
     result.json                       the final result of a finished job (metrics, counts)
     metrics.jsonl                     report_metrics() records, reduced metrics, progress, one JSON per line
     tensorboard/rank_<r>/             get_tensorboard_path() of each rank
-    failures/...                      examples that failed with on_error="skip" (see the failures module)
+    retries/<k>/                      the k-th retry_failed=True run: a job of its own (see the retry module)
+    failures/<s>-rank_<r>.jsonl       examples that failed with on_error="skip" in stage s of rank r (one JSON a line;
+                                      see torch_batch_process.engine.failures), published with the stage's outputs
     _tbp/job.json                     the job's fingerprint and plan, written at its first start
     _tbp/attempt.json                 the number of the latest attempt (also of attempts that never committed)
     _tbp/commits/<n>.json             the latest commit record: the durable truth (see the committer)
     _tbp/states/<s>/rank_<r>.pt       rank r's reducer summaries and processor state at its stage s
-    _tbp/staging/<s>/rank_<r>/...     files of stage s of rank r before publication
+    _tbp/staging/<s>/rank_<r>/...     files of stage s of rank r before publication (and its failures, as
+                                      _tbp_failures.jsonl: publication moves them to failures/)
     _tbp/scratch/                     local storage: folders being written (upload_path() blocks, record shards)
     _tbp/lock, _tbp/lock.json         the job lock of local storage (an OS file lock) and its holder
     _tbp/lease.json                   the job lease of object stores
@@ -36,12 +39,15 @@ __all__ = [
     "METRICS_FILE",
     "OUTPUTS_DIR",
     "RESULT_FILE",
+    "RETRIES_DIR",
     "SCRATCH_DIR",
+    "STAGED_FAILURES_NAME",
     "STAGING_DIR",
     "SOURCE_ROWS_DIR",
     "STATES_DIR",
     "TENSORBOARD_DIR",
     "number_name",
+    "failures_file",
     "outputs_dir",
     "record_file",
     "source_rows_file",
@@ -66,6 +72,10 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 FAILURES_DIR = "failures"
 SOURCE_ROWS_DIR = f"{INTERNAL_DIR}/source_rows"
+RETRIES_DIR = "retries"
+"""``retries/<k>/``: the k-th ``retry_failed=True`` run, a job of its own (see the retry module)."""
+STAGED_FAILURES_NAME = "_tbp_failures.jsonl"
+"""A rank stage's failure records, next to its files; publication moves them to :func:`failures_file`."""
 
 _DIGITS = 8
 
@@ -90,6 +100,11 @@ def outputs_dir(stage: int, rank: int | None = None) -> str:
     """The published files of stage ``stage`` (of one rank when ``rank`` is given)."""
     base = f"{OUTPUTS_DIR}/commit_{number_name(stage)}"
     return base if rank is None else f"{base}/rank_{rank}"
+
+
+def failures_file(stage: int, rank: int) -> str:
+    """The published failure records of stage ``stage`` of rank ``rank``."""
+    return f"{FAILURES_DIR}/{number_name(stage)}-rank_{rank}.jsonl"
 
 
 def state_file(stage: int, rank: int) -> str:

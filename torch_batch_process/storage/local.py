@@ -17,7 +17,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from torch_batch_process.errors import StorageError
 from torch_batch_process.storage.base import TMP_MARKER, FileSink, MirroredFolder, Storage
@@ -75,6 +75,14 @@ class LocalStorage(Storage):
             raise
         except OSError as exc:
             raise self._error(f"read {rel!r}", exc) from exc
+
+    def open_input(self, rel: str) -> BinaryIO:
+        try:
+            return open(self.path(rel), "rb")  # noqa: SIM115 - the caller closes it
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise self._error(f"open {rel!r}", exc) from exc
 
     def list(self, rel: str) -> list[str]:
         try:

@@ -11,26 +11,23 @@
   multipart upload holding at most ``UPLOAD_PART_BYTES * UPLOAD_PART_CONCURRENCY`` bytes in memory).
 - **Appends**: objects cannot be appended to, so the appender keeps a local copy of the file and uploads
   it whole, in one atomic PUT, at each append.
-- **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lock.LeaseJobLock`), with conditional
+- **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lease.LeaseJobLock`), with conditional
   writes on S3 (:meth:`ObjectStorage.read_versioned`, :meth:`ObjectStorage.write_conditional`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import posixpath
-import random
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import fsspec
 
@@ -38,16 +35,13 @@ from torch_batch_process.errors import StorageError
 from torch_batch_process.processes import pid_alive
 from torch_batch_process.storage.base import FileSink, MirroredFolder, Storage
 from torch_batch_process.storage.errors import (
-    RETRY_BASE_DELAY_S,
-    RETRY_MAX_DELAY_S,
     describe,
     is_missing_backend,
     is_missing_bucket,
     is_precondition_failed,
-    is_transient,
-    retry_attempts,
-    retry_budget_s,
+    with_retries,
 )
+from torch_batch_process.storage.uploads import UploadedFolder, UploadSink
 
 if TYPE_CHECKING:
     from torch_batch_process.storage.lock import JobLock
@@ -67,7 +61,6 @@ _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}
 UPLOAD_PART_BYTES = 8 * 2**20
 UPLOAD_PART_CONCURRENCY = 2
 COPY_THREADS = 16
-UPLOAD_THREADS = int(os.environ.get("TBP_UPLOAD_THREADS", "8"))
 _S3_SIMPLE_COPY_BYTES = 5 * 2**30  # CopyObject's limit; larger objects take s3fs's multipart copy
 _TMP_PREFIX = "tbp-scratch-"
 
@@ -160,6 +153,9 @@ class ObjectStorage(Storage):
             return self.fs.cat_file(path, max_concurrency=1)  # one GET, no size probe first
         return self.fs.cat_file(path)
 
+    def open_input(self, rel: str) -> BinaryIO:
+        return self._call(f"open {rel!r}", lambda: self.fs.open(self.path(rel), "rb"), missing_ok=False)
+
     def list(self, rel: str) -> list[str]:
         def _ls() -> list[str]:
             base = self.path(rel).rstrip("/")
@@ -180,7 +176,8 @@ class ObjectStorage(Storage):
         return self._call(f"list {rel or 'the storage path'!r}", _ls)
 
     def _find_sizes(self, rel: str) -> dict[str, int]:
-        """Files below folder ``rel`` (remote): relative path -> size in bytes (one listing)."""
+        """Files below folder ``rel`` (remote): relative path -> size in bytes (one listing); ``{"": size}`` when
+        ``rel`` is a file."""
         base = self.path(rel).rstrip("/")
 
         def _find() -> dict[str, Any]:
@@ -194,6 +191,9 @@ class ObjectStorage(Storage):
         files = {}
         for full, info in self._call(f"list {rel!r}", _find).items():
             full = full.rstrip("/")
+            if full in (base, base.lstrip("/")):
+                files[""] = int(info.get("size") or 0)
+                continue
             for prefix in (base + "/", base.lstrip("/") + "/"):
                 if full.startswith(prefix):
                     files[full[len(prefix) :]] = int(info.get("size") or 0)
@@ -309,7 +309,7 @@ class ObjectStorage(Storage):
             return
 
         def _copy(rel_file: str) -> None:
-            source, target = posixpath.join(self.path(src), rel_file), posixpath.join(self.path(dst), rel_file)
+            source, target = _below(self.path(src), rel_file), _below(self.path(dst), rel_file)
             if self.protocol in ("s3", "s3a") and files[rel_file] <= _S3_SIMPLE_COPY_BYTES:
                 copy = lambda: self._s3_copy(source, target)  # noqa: E731 - one request, no size probe
             else:
@@ -322,7 +322,7 @@ class ObjectStorage(Storage):
             with ThreadPoolExecutor(max_workers=min(COPY_THREADS, len(files)), thread_name_prefix="tbp-copy") as pool:
                 for future in [pool.submit(_copy, rel_file) for rel_file in files]:
                     future.result()
-        self.delete_files([posixpath.join(src, rel_file) for rel_file in files])
+        self.delete_files([_below(src, rel_file) for rel_file in files])
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
         path = self.path(rel)
@@ -357,9 +357,9 @@ class ObjectStorage(Storage):
     # ------------------------------------------- what differs between backends
 
     def scratch_folder(self, name: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self._scratch_root()))
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.scratch_root()))
 
-    def _scratch_root(self) -> Path:
+    def scratch_root(self) -> Path:
         """This process's local temporary folder (created on first use, after removing those of dead processes)."""
         if self._scratch is None or os.getpid() != self._scratch_pid:
             _remove_orphans()
@@ -368,18 +368,18 @@ class ObjectStorage(Storage):
         return self._scratch
 
     def file_sink(self) -> FileSink:
-        return _UploadSink(self)
+        return UploadSink(self)
 
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
-        return _UploadedFolder(self, rel, Path(tempfile.gettempdir()) / f"{_TMP_PREFIX}{os.getpid()}-{name}-{uuid.uuid4().hex[:8]}")
+        return UploadedFolder(self, rel, Path(tempfile.gettempdir()) / f"{_TMP_PREFIX}{os.getpid()}-{name}-{uuid.uuid4().hex[:8]}")
 
     def job_lock(self) -> JobLock:
-        from torch_batch_process.storage.lock import LeaseJobLock
+        from torch_batch_process.storage.lease import LeaseJobLock
 
         return LeaseJobLock(self)
 
     def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
-        from torch_batch_process.storage.lock import LeaseJobLock
+        from torch_batch_process.storage.lease import LeaseJobLock
 
         return LeaseJobLock.holder(self)
 
@@ -401,133 +401,8 @@ class ObjectStorage(Storage):
         missing_ok: bool = True,
         passthrough: tuple[type[BaseException], ...] = (),
     ) -> T:
-        """Runs a remote operation, retrying transient errors with bounded backoff, mapping the rest.
-
-        ``FileNotFoundError`` passes through (callers decide what a missing file means), except for a
-        missing bucket, which is a :class:`StorageError`. So do the exception types in ``passthrough``.
-        """
-        attempts = retry_attempts()
-        deadline = time.monotonic() + retry_budget_s()
-        delay = RETRY_BASE_DELAY_S
-        for attempt in range(1, attempts + 1):
-            try:
-                return fn()
-            except passthrough:
-                raise
-            except FileNotFoundError as exc:
-                if is_missing_bucket(exc):
-                    bucket = self.root.split("/", 1)[0]
-                    raise StorageError(
-                        f"storage {self.url!r}: cannot {action}: the bucket {bucket!r} does not exist ({exc})"
-                    ) from exc
-                raise
-            except StorageError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - classify every backend error
-                pause = min(delay, RETRY_MAX_DELAY_S) * (0.5 + random.random())
-                if attempt < attempts and is_transient(exc) and time.monotonic() + pause < deadline:
-                    logger.warning(
-                        "storage %s: %s failed (%s); retry %d/%d in %.1fs",
-                        self.url,
-                        action,
-                        describe(exc),
-                        attempt,
-                        attempts - 1,
-                        pause,
-                    )
-                    time.sleep(pause)
-                    delay *= 2
-                    continue
-                tried = f" (after {attempt} attempts)" if attempt > 1 else ""
-                raise StorageError(f"storage {self.url!r}: cannot {action}{tried}: {describe(exc)}") from exc
-        raise AssertionError("unreachable")
-
-
-
-class _UploadSink(FileSink):
-    """Uploads files with ``UPLOAD_THREADS`` threads (``TBP_UPLOAD_THREADS``, default 8); each local file is
-    deleted once uploaded."""
-
-    def __init__(self, storage: ObjectStorage) -> None:
-        self._storage = storage
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Future[None]] = []
-        self._lock = threading.Lock()
-
-    def add(self, local_file: Path, rel: str) -> None:
-        # Out of the caller's folder at once (a rename: same temporary tree), so the folder can be reused.
-        spool = self._storage._scratch_root() / f"spool-{uuid.uuid4().hex}"
-        os.rename(local_file, spool)
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="tbp-upload")
-            self._pending.append(self._pool.submit(self._upload, spool, rel))
-
-    def _upload(self, local_file: Path, rel: str) -> None:
-        try:
-            self._storage.put_file(local_file, rel)
-        finally:
-            with contextlib.suppress(OSError):
-                local_file.unlink()
-
-    def flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        error: BaseException | None = None
-        for future in pending:
-            try:
-                future.result()
-            except BaseException as exc:  # noqa: BLE001 - wait for all, then raise the first
-                error = error or exc
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _UploadedFolder(MirroredFolder):
-    """A local temporary folder whose new or changed files are uploaded to ``rel`` (at most every
-    ``interval`` seconds when asked by :meth:`due`, and at :meth:`close`)."""
-
-    def __init__(self, storage: ObjectStorage, rel: str, path: Path, *, interval: float = 30.0) -> None:
-        self.path = path
-        self._storage = storage
-        self._rel = rel
-        self._interval = interval
-        self._next = time.monotonic() + interval
-        self._uploaded: dict[str, tuple[int, int]] = {}
-        self._failed = False
-
-    def due(self) -> bool:
-        return not self._failed and time.monotonic() >= self._next
-
-    def sync(self) -> bool:
-        self._next = time.monotonic() + self._interval
-        if self._failed or not self.path.is_dir():
-            return not self._failed
-        try:
-            for path in sorted(self.path.rglob("*")):
-                if not path.is_file():
-                    continue
-                stat = path.stat()
-                signature = (stat.st_size, stat.st_mtime_ns)
-                rel = path.relative_to(self.path).as_posix()
-                if self._uploaded.get(rel) == signature:
-                    continue
-                self._storage.put_file(path, f"{self._rel}/{rel}")
-                self._uploaded[rel] = signature
-        except Exception as exc:  # noqa: BLE001 - a convenience (event files), never a job failure
-            self._failed = True
-            logger.warning("uploading %s to %s failed (%s); the files stay there", self.path, self._storage.url_of(self._rel), exc)
-        return not self._failed
-
-    def close(self) -> None:
-        if self.sync():
-            shutil.rmtree(self.path, ignore_errors=True)
+        """Runs a remote operation with this storage's retry policy (:func:`~torch_batch_process.storage.errors.with_retries`)."""
+        return with_retries(self.url, self.root.split("/", 1)[0], action, fn, passthrough=passthrough)
 
 
 def _default_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -542,7 +417,6 @@ def _default_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-
 def _remove_orphans() -> None:
     """Removes the scratch folders of processes that are gone (killed before cleaning up)."""
     root = Path(tempfile.gettempdir())
@@ -550,3 +424,8 @@ def _remove_orphans() -> None:
         pid = folder.name[len(_TMP_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _below(folder: str, rel_file: str) -> str:
+    """``folder/rel_file``; ``folder`` itself for ``""`` (a move of one file)."""
+    return posixpath.join(folder, rel_file) if rel_file else folder

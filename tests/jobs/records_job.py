@@ -1,0 +1,68 @@
+"""A job writing record outputs (``context.write``), run in real worker processes by tests/test_records.py.
+
+The spec comes as JSON in argv[1]: ``n``, ``batch_size``, ``checkpoint_interval``, ``storage``, ``kwargs``
+(more options of torch_batch_process), ``sleep`` (seconds per batch), ``progress_file`` (touched after each
+batch, for tests that kill workers), ``report_dir``; ``mode="predict"`` calls ``predict`` instead and stores
+what it returned on each rank. Example ``i`` gets the row ``emb=[i, i+0.5, -i]``, ``label="ex<i>"``,
+``parts=[i] * (i % 3)``.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from torch_batch_process import TorchBatchProcessor, predict, torch_batch_process
+
+SPEC = json.loads(sys.argv[1])
+
+
+class Processor(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        values = [int(v) for v in batch]
+        assert values == list(self.context.batch_indices), (values, list(self.context.batch_indices))
+        self.context.write(
+            {
+                "emb": torch.stack([torch.tensor([v, v + 0.5, -v]) for v in values]),
+                "label": [f"ex{v}" for v in values],
+                "parts": [[v] * (v % 3) for v in values],
+            }
+        )
+        if SPEC.get("sleep"):
+            time.sleep(SPEC["sleep"])
+        if SPEC.get("progress_file"):
+            Path(SPEC["progress_file"]).touch()
+
+
+def main():
+    rank = int(os.environ.get("RANK", "0"))
+    dataset = list(range(SPEC["n"]))
+    report = {"rank": rank}
+    if SPEC.get("mode") == "predict":
+        out = predict(lambda b: torch.stack([b.float(), b.float() * 2], dim=1), dataset, SPEC["batch_size"],
+                      checkpoint_interval=SPEC.get("checkpoint_interval", 2))
+        report["predicted"] = out.tolist()
+    else:
+        result = torch_batch_process(
+            Processor,
+            dataset,
+            batch_size=SPEC["batch_size"],
+            checkpoint_interval=SPEC.get("checkpoint_interval", 2),
+            storage_path=SPEC["storage"],
+            progress=False,
+            **SPEC.get("kwargs", {}),
+        )
+        report["result"] = result.to_json()
+    report_dir = Path(SPEC["report_dir"])
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

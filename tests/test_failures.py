@@ -1,0 +1,268 @@
+"""Failing examples (DESIGN §11): on_error="skip", bisection, failures committed exactly once, max_failures,
+batch_timeout, retry_failed. Real worker processes (tests/jobs/failing_job.py), real kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import JOBS, spawn_ranks, storage_fs, wait_all
+
+from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
+from torch_batch_process.launch.cli import main as cli_main
+from torch_batch_process.observe.failures import read_failures
+
+FAILING_JOB = JOBS / "failing_job.py"
+
+N, BATCH = 120, 4
+BAD_LOAD = [5, 41, 77]
+BAD_PROCESS = [13, 14, 62, 99]
+BAD = sorted(BAD_LOAD + BAD_PROCESS)
+GOOD = [i for i in range(N) if i not in BAD]
+
+
+def spec_for(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    spec = {
+        "storage": str(tmp_path / "storage"),
+        "report_dir": str(tmp_path / "reports"),
+        "n": N,
+        "batch_size": BATCH,
+        "bad_load": BAD_LOAD,
+        "bad_process": BAD_PROCESS,
+        "on_error": "skip",
+        "checkpoint_interval": 2,
+    }
+    spec.update(extra)
+    return spec
+
+
+def run_job(spec: dict[str, Any], world_size: int, timeout: float = 150) -> list[tuple[int | None, str, str]]:
+    return wait_all(spawn_ranks(world_size, FAILING_JOB, json.dumps(spec)), timeout)
+
+
+def report(spec: dict[str, Any], rank: int, attempt: int = 1) -> dict[str, Any]:
+    return json.loads(Path(spec["report_dir"], f"attempt{attempt}_rank{rank}.json").read_text())
+
+
+def output_counts(storage: str) -> Counter[int]:
+    """How often each dataset index appears in the committed vals_<batch_idx>.json files (parts included)."""
+    fs, root = storage_fs(storage)
+    counts: Counter[int] = Counter()
+    for path in fs.find(f"{root}/outputs"):
+        if path.rsplit("/", 1)[-1].startswith("vals_"):
+            counts.update(json.loads(fs.cat_file(path)))
+    return counts
+
+
+def check_complete(spec: dict[str, Any], result: dict[str, Any]) -> None:
+    """Every good example's output exactly once, the failures file lists exactly the bad ones once, reducers
+    count only the good ones."""
+    storage = spec["storage"]
+    assert output_counts(storage) == Counter(GOOD)
+    failures = read_failures(storage)
+    assert sorted(f["index"] for f in failures) == BAD
+    phases = {f["index"]: f["phase"] for f in failures}
+    assert {i for i, phase in phases.items() if phase == "load"} == set(BAD_LOAD)
+    for f in failures:
+        assert f["batch_idx"] == f["index"] // BATCH
+        assert set(f) >= {"attempt", "rank", "error_type", "message", "traceback", "time"}
+    assert result["finished"] and result["failed_examples"] == len(BAD)
+    assert result["metrics"]["sum"] == sum(GOOD) and result["metrics"]["count"] == len(GOOD)
+    assert result["metrics"]["seen"] == GOOD
+    fs, root = storage_fs(storage)
+    assert not fs.find(f"{root}/_tbp/staging"), "nothing left staged"
+
+
+def test_skip_two_ranks_records_exactly_the_bad_examples(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = spec_for(tmp_path, num_workers=1)
+    results = run_job(spec, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    result = report(spec, 0)["result"]
+    other = report(spec, 1)["result"]
+    assert (other["failed_examples"], other["metrics"]) == (result["failed_examples"], result["metrics"])
+    check_complete(spec, result)
+    # the parts of a split batch write under part_<first index>/: batch 3 = [12..15] with 13 and 14 bad
+    outputs = Path(spec["storage"], "outputs")
+    names = {p.relative_to(outputs).as_posix().split("/", 2)[2] for p in outputs.rglob("vals_3.json")}
+    assert names == {"part_12/vals_3.json", "part_15/vals_3.json"}
+    # tbp failures lists them
+    assert cli_main(["failures", spec["storage"]]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith(f"{len(BAD)} failed example(s)") and "cannot load item 41" in table
+    assert cli_main(["failures", "--json", spec["storage"]]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines] == BAD and all(line["traceback"] for line in lines)
+    # a finished job re-run does nothing and reports the same failures
+    again = run_job(dict(spec, attempt=2), 1)
+    assert again[0][0] == 0
+    assert report(spec, 0, attempt=2)["result"]["failed_examples"] == len(BAD)
+
+
+@pytest.mark.s3
+def test_skip_dynamic_on_s3(tmp_path: Path, s3_url: str) -> None:
+    """The dynamic schedule, and failure records published on an object store."""
+    spec = spec_for(tmp_path, storage=s3_url, schedule="dynamic")
+    results = run_job(spec, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    check_complete(spec, report(spec, 0)["result"])
+    fs, root = storage_fs(s3_url)
+    assert not [p for p in fs.find(f"{root}/outputs") if "_tbp_failures" in p], "failure records stay out of outputs/"
+
+
+def test_kill_and_resume_with_another_world_size(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path, sleep=0.15)
+    failures_dir = Path(spec["storage"], "failures")
+    procs = spawn_ranks(2, FAILING_JOB, json.dumps(spec))
+    deadline = time.monotonic() + 120
+    while not (failures_dir.exists() and any(failures_dir.iterdir())):  # some failures committed
+        assert time.monotonic() < deadline, "no failure was ever committed"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+        time.sleep(0.02)
+    time.sleep(0.4)
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+    wait_all(procs, 30)
+    committed = json.loads(sorted(Path(spec["storage"], "_tbp", "commits").glob("*.json"))[-1].read_text())
+    assert not committed["finished"], "the kill came too late to test a resume"
+
+    resumed = dict(spec, sleep=0.0, attempt=2)
+    results = run_job(resumed, 3)
+    assert [rc for rc, _, _ in results] == [0, 0, 0], results[0][2][-3000:]
+    result = report(resumed, 0, attempt=2)["result"]
+    assert result["attempt"] == 2 and result["batches_skipped"] > 0
+    check_complete(resumed, result)
+
+
+def test_max_failures_exceeded_fails_the_job_and_resumes(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path, max_failures=3)
+    results = run_job(spec, 1)
+    assert results[0][0] == 1
+    error = report(spec, 0)["error"]
+    assert error["type"] == "TooManyFailuresError"
+    assert "max_failures" in error["message"] and str(Path(spec["storage"], "failures")) in error["message"]
+    assert len(read_failures(spec["storage"])) <= 3  # only committed failures are listed
+
+    fraction = dict(spec, max_failures=0.1, attempt=2)  # 10% of 120 = 12 >= 7: resumes and finishes
+    results = run_job(fraction, 1)
+    assert results[0][0] == 0, results[0][2][-3000:]
+    check_complete(fraction, report(fraction, 0, attempt=2)["result"])
+
+
+def test_max_failures_counts_all_ranks(tmp_path: Path) -> None:
+    """Each rank stays under the limit on its own; together they exceed it: the closing check fails the job."""
+    spec = spec_for(tmp_path, bad_load=[1], bad_process=[6], max_failures=1)  # batch 0 on rank 0, batch 1 on rank 1
+    results = run_job(spec, 2)
+    assert [rc for rc, _, _ in results] == [1, 1]
+    for rank in (0, 1):
+        assert report(spec, rank)["error"]["type"] == "TooManyFailuresError"
+    assert sorted(f["index"] for f in read_failures(spec["storage"])) == [1, 6]
+    # every batch is committed now: a re-run with the same limit fails again without doing any work
+    again = dict(spec, attempt=2)
+    assert run_job(again, 1)[0][0] == 1
+    assert report(again, 0, attempt=2)["error"]["type"] == "TooManyFailuresError"
+
+
+def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:
+    timeout = 3.0
+    spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_batch=9, batch_timeout=timeout, sleep=0.05)
+    results = run_job(spec, 2, timeout=120)
+    ended = time.time()
+    stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
+    print(f"batch_timeout={timeout}: every rank ended {ended - stuck_at:.1f} s after the stuck batch started")
+    assert ended - stuck_at < timeout + 10, f"ranks ended {ended - stuck_at:.1f}s after the stuck batch started"
+    assert [rc for rc, _, _ in results] == [1, 1]
+    assert report(spec, 1)["error"]["type"] == "BatchTimeoutError"  # batch 9 runs on rank 1
+    assert "batch 9 on rank 1" in report(spec, 1)["error"]["message"]
+    assert report(spec, 0)["error"]["type"] == "WorkerFailedError"
+    assert "BatchTimeoutError" in report(spec, 0)["error"]["message"]
+    for _, _, err in results:  # every rank dumped its stacks to the log
+        assert "Stacks of rank" in err or "stacks of rank" in err
+    assert "time.sleep(3600)" in results[1][2] or "in process_batch" in results[1][2]
+
+    resumed = dict(spec, stuck_batch=None, attempt=2)
+    results = run_job(resumed, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    assert output_counts(spec["storage"]) == Counter(range(N))
+
+
+def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> None:
+    """A batch the watchdog cannot interrupt: the rank ends itself after the grace period, the other follows."""
+    timeout = 2.0
+    spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_batch=8, stuck_mode="blocked", batch_timeout=timeout)
+    results = run_job(spec, 2, timeout=120)
+    ended = time.time()
+    stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
+    print(f"batch_timeout={timeout}, signal blocked: every rank ended {ended - stuck_at:.1f} s after the stuck batch")
+    assert ended - stuck_at < timeout + 25, f"ranks ended {ended - stuck_at:.1f}s after the stuck batch started"
+    assert all(rc not in (0, None) for rc, _, _ in results), [rc for rc, _, _ in results]
+    assert "ending the process" in results[0][2]  # batch 8 runs on rank 0
+    assert list(Path(spec["storage"], "_tbp", "commits").glob("*.json")), "the commits before it stay"
+
+    resumed = dict(spec, stuck_batch=None, attempt=2)
+    results = run_job(resumed, 1)
+    assert results[0][0] == 0, results[0][2][-3000:]
+    assert report(resumed, 0, attempt=2)["result"]["batches_skipped"] > 0
+    assert output_counts(spec["storage"]) == Counter(range(N))
+
+
+def test_retry_failed_processes_only_the_failures(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path)
+    assert run_job(spec, 1)[0][0] == 0
+    main_outputs = output_counts(spec["storage"])
+    assert main_outputs == Counter(GOOD)
+
+    # the data of most bad examples got fixed: the retry processes the 7 failures only and clears those that pass
+    retry = dict(spec, bad_load=[41], bad_process=[99], retry_failed=True, attempt=2)
+    results = run_job(retry, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    result = report(retry, 0, attempt=2)["result"]
+    assert result["failed_examples"] == 2 and result["num_examples"] == len(BAD)
+    assert result["metrics"]["seen"] == [5, 13, 14, 62, 77] and result["metrics"]["count"] == 5
+    assert sorted(f["index"] for f in read_failures(spec["storage"])) == [41, 99]
+    assert output_counts(f"{spec['storage']}/retries/1") == Counter([5, 13, 14, 62, 77])
+
+    fixed = dict(spec, bad_load=[], bad_process=[], retry_failed=True, attempt=3)
+    assert run_job(fixed, 1)[0][0] == 0
+    assert report(fixed, 0, attempt=3)["result"]["failed_examples"] == 0
+    assert read_failures(spec["storage"]) == []
+    everything = output_counts(spec["storage"]) + output_counts(f"{spec['storage']}/retries/1")
+    everything += output_counts(f"{spec['storage']}/retries/2")
+    assert everything == Counter(range(N)), "every example's output once, over the job and its retries"
+
+    nothing = dict(fixed, attempt=4)  # no failure left: an empty retry
+    assert run_job(nothing, 1)[0][0] == 0
+    assert report(nothing, 0, attempt=4)["result"]["num_examples"] == 0
+
+
+class _Noop(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        pass
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"on_error": "ignore"}, "on_error"),
+        ({"max_failures": 3}, "needs on_error='skip'"),
+        ({"on_error": "skip", "max_failures": -1}, "max_failures"),
+        ({"on_error": "skip", "max_failures": 1.5}, "fraction"),
+        ({"on_error": "skip", "max_failures": True}, "max_failures"),
+        ({"batch_timeout": 0}, "batch_timeout"),
+        ({"batch_timeout": float("inf")}, "batch_timeout"),
+        ({"batch_timeout": "10"}, "batch_timeout"),
+        ({"retry_failed": 1}, "retry_failed"),
+    ],
+)
+def test_bad_failure_options_are_refused_before_any_work(tmp_path: Path, options: dict[str, Any], needle: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=needle):
+        torch_batch_process(_Noop, list(range(8)), batch_size=2, storage_path=str(tmp_path / "s"), **options)
+    assert not (tmp_path / "s").exists()

@@ -1,0 +1,367 @@
+"""Record outputs (DESIGN §10): context.write(), Parquet/JSONL shards committed exactly once, ordered read-back
+(read_outputs, iter_outputs), external readers, kill -9 and resume with another world size, and predict()."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from harness import JOBS, assert_exactly_once, read_reports, run_torchrun, spawn_ranks, wait_all
+
+from torch_batch_process import (
+    InvalidArgumentError,
+    JobMismatchError,
+    TorchBatchProcessor,
+    iter_outputs,
+    predict,
+    read_outputs,
+    torch_batch_process,
+)
+from torch_batch_process.outputs.columns import column_to_numpy
+from torch_batch_process.outputs.readback import OUTPUTS_GLOB
+
+pa = pytest.importorskip("pyarrow")
+
+RECORDS_JOB = JOBS / "records_job.py"
+FORMATS = ["parquet", "jsonl"]
+
+
+class Rich(TorchBatchProcessor):
+    """Writes columns of every kind the docs promise: tensors of several shapes, strings, ints, floats, lists."""
+
+    fail_at: int | None = None
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        self.context.write(
+            {
+                "matrix": torch.stack([torch.arange(6, dtype=torch.float32).reshape(3, 2) + i for i in ids]),
+                "vector": np.array([[i, -i, 2 * i, 0] for i in ids], dtype=np.int32),
+                "score": torch.tensor([i / 4 for i in ids], dtype=torch.float64),
+                "count": [i * 10 for i in ids],
+                "name": [f"n{i}" for i in ids],
+                "nested": [[[i] * (i % 3)] for i in ids],
+                "ragged": [torch.ones(i % 4) * i for i in ids],
+            }
+        )
+        if batch_idx == Rich.fail_at:
+            raise RuntimeError(f"fail at {batch_idx}")
+
+
+def _run(tmp_path, processor=Rich, n=37, batch_size=5, **kwargs):
+    kwargs.setdefault("storage_path", str(tmp_path / "storage"))
+    kwargs.setdefault("checkpoint_interval", 2)
+    return torch_batch_process(processor, list(range(n)), batch_size=batch_size, progress=False, **kwargs)
+
+
+def _check_rich(table, n):
+    assert table.column("index").to_pylist() == list(range(n))
+    rows = table.to_pylist()
+    for i, row in enumerate(rows):
+        assert row["matrix"] == [[2 * k + i, 2 * k + 1 + i] for k in range(3)]
+        assert row["vector"] == [i, -i, 2 * i, 0]
+        assert row["score"] == i / 4 and row["count"] == i * 10 and row["name"] == f"n{i}"
+        assert row["nested"] == [[i] * (i % 3)]
+        assert row["ragged"] == [float(i)] * (i % 4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_and_read_back_every_kind_of_column(tmp_path, fmt):
+    result = _run(tmp_path, output_format=fmt)
+    assert result.finished
+    table = read_outputs(result.storage_path)
+    assert table.column_names[0] == "index"
+    _check_rich(table, 37)
+    streamed = list(iter_outputs(result.storage_path, batch_rows=4))
+    assert all(b.num_rows <= 4 for b in streamed)
+    assert pa.Table.from_batches(streamed).to_pylist() == table.to_pylist()
+    only = read_outputs(result.storage_path, columns=["name"])
+    assert only.column_names == ["index", "name"] and only.column("name").to_pylist() == [f"n{i}" for i in range(37)]
+    shards = glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt))
+    assert len(shards) == 4  # one shard per commit (8 batches, checkpoint_interval=2)
+    if fmt == "parquet":  # shapes come back exactly
+        matrix = column_to_numpy(table.column("matrix"))
+        assert matrix.shape == (37, 3, 2) and matrix.dtype == np.float32
+        assert column_to_numpy(table.column("vector")).shape == (37, 4)
+
+
+def test_shards_are_read_by_pandas_and_datasets_with_the_documented_glob(tmp_path):
+    pd = pytest.importorskip("pandas")
+    storage = str(tmp_path / "storage")
+    _run(tmp_path, storage_path=storage)
+    pattern = os.path.join(storage, OUTPUTS_GLOB + ".parquet")
+    df = pd.concat([pd.read_parquet(p) for p in glob.glob(pattern)]).sort_values("index")
+    assert df["index"].tolist() == list(range(37)) and df["name"].tolist() == [f"n{i}" for i in range(37)]
+    assert [list(map(list, m)) for m in df["matrix"].iloc[:2]] == [[[0, 1], [2, 3], [4, 5]], [[1, 2], [3, 4], [5, 6]]]
+    jsonl = str(tmp_path / "jsonl")
+    _run(tmp_path, storage_path=jsonl, output_format="jsonl")
+    lines = pd.concat([pd.read_json(p, lines=True) for p in glob.glob(os.path.join(jsonl, OUTPUTS_GLOB + ".jsonl"))])
+    assert sorted(lines["index"]) == list(range(37))
+    try:
+        import datasets
+    except ImportError:
+        return
+    ds = datasets.load_dataset("parquet", data_files=pattern, split="train").sort("index")
+    assert ds["index"] == list(range(37)) and ds["count"] == [i * 10 for i in range(37)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bucketed_batches_interleave_and_come_back_in_dataset_order(tmp_path, fmt):
+    n = 400
+    lengths = np.random.default_rng(0).integers(1, 50, size=n)
+    result = _run(tmp_path, n=n, batch_size=8, bucket_by=lengths, bucket_window=10, checkpoint_interval=3, output_format=fmt)
+    table = read_outputs(result.storage_path)
+    assert table.column("index").to_pylist() == list(range(n))
+    assert table.column("count").to_pylist() == [10 * i for i in range(n)]
+    merged = pa.Table.from_batches(list(iter_outputs(result.storage_path, batch_rows=7)))
+    assert merged.to_pylist() == table.to_pylist()
+
+
+def test_a_batch_that_raises_contributes_no_rows_and_a_resume_writes_each_row_once(tmp_path):
+    Rich.fail_at = 3
+    try:
+        with pytest.raises(RuntimeError, match="fail at 3"):
+            _run(tmp_path, checkpoint_interval=1)
+        partial = read_outputs(str(tmp_path / "storage"))
+        assert partial.column("index").to_pylist() == list(range(15))  # batches 0-2 committed, not 3
+    finally:
+        Rich.fail_at = None
+    result = _run(tmp_path, checkpoint_interval=1)
+    assert result.finished
+    _check_rich(read_outputs(result.storage_path), 37)
+
+
+def test_a_resume_in_another_output_format_is_refused(tmp_path):
+    Rich.fail_at = 2
+    try:
+        with pytest.raises(RuntimeError):
+            _run(tmp_path, checkpoint_interval=1)
+    finally:
+        Rich.fail_at = None
+    with pytest.raises(JobMismatchError, match="output_format"):
+        _run(tmp_path, checkpoint_interval=1, output_format="jsonl")
+
+
+class Misuse(TorchBatchProcessor):
+    rows = None
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        self.context.write(Misuse.rows(batch))
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        (lambda b: {"x": b[:-1]}, "first dimension"),
+        (lambda b: {"index": b}, "reserved"),
+        (lambda b: {"x": 3}, "one value per example"),
+        (lambda b: [{"a": 1}] * len(b) + [{"a": 2}], "row dicts"),
+        (lambda b: "text", "dict of columns"),
+    ],
+)
+def test_bad_rows_are_clear_errors(tmp_path, rows, match):
+    Misuse.rows = rows
+    with pytest.raises(InvalidArgumentError, match=match):
+        _run(tmp_path, processor=Misuse, n=10)
+
+
+def test_bad_output_format_is_refused_before_any_write(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="output_format"):
+        _run(tmp_path, output_format="csv")
+    assert not (tmp_path / "storage").exists()
+
+
+def test_list_of_row_dicts_and_write_outside_process_batch(tmp_path):
+    Misuse.rows = lambda b: [{"v": int(x), "t": torch.tensor([int(x), 1])} for x in b]
+    result = _run(tmp_path, processor=Misuse, n=10, batch_size=3)
+    table = read_outputs(result.storage_path)
+    assert table.column("v").to_pylist() == list(range(10))
+    assert column_to_numpy(table.column("t")).tolist() == [[i, 1] for i in range(10)]
+
+    class Early(TorchBatchProcessor):
+        def __init__(self, context):
+            context.write({"x": [1]})
+
+        def process_batch(self, batch, batch_idx):
+            pass
+
+    with pytest.raises(RuntimeError, match="only available inside process_batch"):
+        _run(tmp_path / "early", processor=Early, n=4)
+
+
+def test_predict_in_one_process_returns_outputs_in_order_and_resumes(tmp_path):
+    calls = []
+
+    def fn(batch):
+        calls.append(len(batch))
+        return batch.float()[:, None] * torch.ones(1, 3)
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tbp-predict-*")))
+    out = predict(fn, list(range(23)), 4, progress=False)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tbp-predict-*"))) <= before  # temporary folder removed
+    assert sum(calls) == 23
+    assert out.shape == (23, 3) and out[:, 0].tolist() == [float(i) for i in range(23)]
+
+    def named(batch):
+        return {"double": batch * 2, "text": [f"t{int(v)}" for v in batch]}
+
+    storage = str(tmp_path / "pred")
+    first = predict(named, list(range(10)), 3, storage_path=storage, progress=False, collate_fn=lambda xs: torch.tensor(xs))
+    assert first["double"].tolist() == [2 * i for i in range(10)] and first["text"] == [f"t{i}" for i in range(10)]
+    again = predict(named, list(range(10)), 3, storage_path=storage, progress=False, collate_fn=lambda xs: torch.tensor(xs))
+    assert again["double"].tolist() == first["double"].tolist()  # a finished job: read back, not recomputed
+    with pytest.raises(JobMismatchError):  # another function is another job
+        predict(fn, list(range(10)), 3, storage_path=storage, progress=False)
+
+
+# ----------------------------------------------------------------------------- multi-process
+
+def _spec(tmp_path, **extra):
+    spec = {"n": 240, "batch_size": 4, "checkpoint_interval": 3, "storage": str(tmp_path / "storage"),
+            "report_dir": str(tmp_path / "reports")}
+    spec.update(extra)
+    return spec
+
+
+def _check_job_outputs(storage: str, n: int) -> None:
+    table = read_outputs(storage)
+    counts = Counter(table.column("index").to_pylist())
+    assert_exactly_once(counts, n)
+    assert table.column("index").to_pylist() == list(range(n))
+    assert table.column("label").to_pylist() == [f"ex{i}" for i in range(n)]
+    assert [row[0] for row in table.column("emb").to_pylist()] == [float(i) for i in range(n)]
+    assert table.column("parts").to_pylist() == [[i] * (i % 3) for i in range(n)]
+    assert pa.Table.from_batches(list(iter_outputs(storage, batch_rows=50))).equals(table)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "schedule"), [("parquet", "static"), ("jsonl", "dynamic")])
+def test_two_processes_ordered_read_back(tmp_path, fmt, schedule):
+    spec = _spec(tmp_path, kwargs={"output_format": fmt, "schedule": schedule})
+    outcomes = wait_all(spawn_ranks(2, RECORDS_JOB, json.dumps(spec)), timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    _check_job_outputs(spec["storage"], spec["n"])
+    ranks = {Path(p).parent.parent.name for p in glob.glob(os.path.join(spec["storage"], OUTPUTS_GLOB + "." + fmt))}
+    assert ranks == {"rank_0", "rank_1"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kill9_then_resume_with_another_world_size_every_index_once(tmp_path, fmt):
+    progress = tmp_path / "progress"
+    spec = _spec(tmp_path, n=600, kwargs={"output_format": fmt}, sleep=0.02, progress_file=str(progress))
+    procs = spawn_ranks(2, RECORDS_JOB, json.dumps(spec))
+    published = os.path.join(spec["storage"], OUTPUTS_GLOB + "." + fmt)
+    deadline = time.monotonic() + 90
+    while not glob.glob(published):  # some commits are published, the others under way
+        assert time.monotonic() < deadline, "the job never published a commit"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+        time.sleep(0.02)
+    time.sleep(0.2)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    outcomes = wait_all(procs, timeout=60)
+    assert outcomes[1][0] == -signal.SIGKILL and outcomes[0][0] not in (0, None), outcomes
+    committed = read_outputs(spec["storage"]).column("index").to_pylist()
+    assert 0 < len(committed) < spec["n"] and len(set(committed)) == len(committed)  # partial, no duplicate
+    outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(dict(spec, attempt=2, sleep=0))), timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0], outcomes
+    assert read_reports(spec, 2)[0]["result"]["finished"]
+    _check_job_outputs(spec["storage"], spec["n"])
+
+
+@pytest.mark.slow
+def test_predict_under_torchrun_every_rank_gets_the_full_ordered_list(tmp_path):
+    spec = {"mode": "predict", "n": 50, "batch_size": 4, "report_dir": str(tmp_path / "reports")}
+    proc = run_torchrun(2, RECORDS_JOB, json.dumps(spec), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = read_reports(spec)
+    expected = [[float(i), 2.0 * i] for i in range(50)]
+    assert sorted(reports) == [0, 1]
+    assert all(reports[r]["predicted"] == expected for r in reports)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_small_row_groups_and_rolled_shards_read_back_in_order(tmp_path, monkeypatch, fmt):
+    from torch_batch_process.outputs import records
+
+    monkeypatch.setattr(records, "ROW_GROUP_BYTES", 300)  # a row group every few batches
+    monkeypatch.setattr(records, "SHARD_BYTES", 1000)  # several shards per commit
+    result = _run(tmp_path, n=90, batch_size=4, checkpoint_interval=7, output_format=fmt)
+    shards = glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt))
+    assert len(shards) > 4  # rolled over inside commits (4 commits)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        assert max(pq.ParquetFile(p).metadata.num_row_groups for p in shards) > 1
+    table = read_outputs(result.storage_path)
+    _check_rich(table, 90)
+    assert pa.Table.from_batches(list(iter_outputs(result.storage_path, batch_rows=5))).to_pylist() == table.to_pylist()
+
+
+@pytest.mark.parametrize("backend", ["memory", pytest.param("s3", marks=pytest.mark.s3)])
+def test_object_store_outputs_read_back_in_order(tmp_path, request, backend):
+    url = request.getfixturevalue("memory_url" if backend == "memory" else "s3_url")
+    result = _run(tmp_path, storage_path=url, n=23, batch_size=4, checkpoint_interval=2)
+    assert result.finished
+    table = read_outputs(url)
+    _check_rich(table, 23)
+    assert pa.Table.from_batches(list(iter_outputs(url, batch_rows=6))).to_pylist() == table.to_pylist()
+
+
+class LateTypes(TorchBatchProcessor):
+    """A column that is all None (and lists that are all empty) in the first batches, typed later."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        late = batch_idx >= 3
+        self.context.write({"maybe": [f"m{i}" if late else None for i in ids], "items": [[i] if late else [] for i in ids]})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_columns_typed_only_in_later_batches_are_stored(tmp_path, fmt):
+    result = _run(tmp_path, processor=LateTypes, n=30, batch_size=4, checkpoint_interval=10, output_format=fmt)
+    table = read_outputs(result.storage_path)
+    assert table.column("maybe").to_pylist() == [None] * 12 + [f"m{i}" for i in range(12, 30)]
+    assert table.column("items").to_pylist() == [[]] * 12 + [[i] for i in range(12, 30)]
+    assert pa.Table.from_batches(list(iter_outputs(result.storage_path, batch_rows=7))).to_pylist() == table.to_pylist()
+
+
+class SkipsBadExamples(Rich):
+    """Writes its rows, then raises for a batch holding a bad example (after the write: its rows must go)."""
+
+    bad = {3, 17, 18, 30}
+
+    def process_batch(self, batch, batch_idx):
+        super().process_batch(batch, batch_idx)
+        bad = self.bad & set(self.context.batch_indices)
+        if bad:
+            raise ValueError(f"bad examples {sorted(bad)}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_with_on_error_skip_the_rows_of_every_good_example_are_kept_once_and_no_bad_one(tmp_path, fmt):
+    result = _run(tmp_path, processor=SkipsBadExamples, on_error="skip", output_format=fmt, bucket_by=[i % 7 for i in range(37)])
+    assert result.finished and result.failed_examples == len(SkipsBadExamples.bad)
+    table = read_outputs(result.storage_path)
+    good = [i for i in range(37) if i not in SkipsBadExamples.bad]
+    assert table.column("index").to_pylist() == good  # the split parts' rows, each once, in dataset order
+    assert table.column("name").to_pylist() == [f"n{i}" for i in good]

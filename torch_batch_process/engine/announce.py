@@ -1,0 +1,59 @@
+"""What a call tells the user besides the observer's progress: a ``max_batches`` that cannot apply, the start (or
+resume) line, and how to go on after a preemption."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+from torch_batch_process.engine.job import Start
+from torch_batch_process.engine.plan import Plan
+from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.result import BatchProcessResult
+
+__all__ = ["log_preempted", "log_start", "warn_max_batches"]
+
+logger = logging.getLogger(__name__)
+
+
+def warn_max_batches(plan: Plan, max_batches: int | None, world_size: int) -> None:
+    """Warns (naming ``max_batches``) when it exceeds what each rank has: it is then ignored."""
+    per_rank = -(-plan.num_batches // world_size)
+    if max_batches is not None and max_batches > per_rank:
+        warnings.warn(
+            f"max_batches={max_batches} exceeds the {per_rank} batch(es) per rank of this job "
+            f"({plan.num_batches} batches over {world_size} rank(s)); max_batches is ignored",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
+def log_start(
+    *, job_name: str, start: Start, plan: Plan, remaining: RangeSet, world_size: int, schedule: str, storage_url: str,
+    plan_s: float,
+) -> None:
+    """Rank 0's first line: the plan (fresh job) or where it resumes, the world, the storage, the plan's cost."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    note = f" (torchrun restart {restart})" if restart and restart != "0" else ""
+    done = plan.num_batches - len(remaining)
+    where = f"on {world_size} rank(s), schedule {schedule}; storage {storage_url}"
+    if plan_s >= 0.01:
+        where += f"; plan computed in {plan_s:.2f} s"
+    if done:
+        first = next(iter(remaining), None)
+        logger.info(
+            "job %s attempt %d%s: resuming at batch %s; %d of %d batches already committed, %d to go %s",
+            job_name, start.attempt, note, first, done, plan.num_batches, len(remaining), where,
+        )
+    else:
+        logger.info("job %s attempt %d%s: %s %s", job_name, start.attempt, note, plan.describe(), where)
+
+
+def log_preempted(result: BatchProcessResult) -> None:
+    """After a preempted call: what is committed, and that the same command resumes."""
+    logger.warning(
+        "preempted: %d of %d batches committed; run the same command again to resume",
+        result.batches_committed,
+        result.num_batches,
+    )

@@ -1,0 +1,271 @@
+"""Failing examples with ``on_error="skip"`` (DESIGN §11): split a failing batch down to the examples that
+fail, record them, go on.
+
+**Bisection.** When loading a batch (its ``__getitem__`` or ``collate_fn``) or its ``process_batch`` raises,
+the batch is split in two halves (in the batch's order), and each half is loaded again in the main process
+(the dataset's ``__getitems__``/``__getitem__`` and the loader's ``collate_fn``, the same calls the
+``DataLoader`` makes) and processed; a half that fails is split again, down to single examples. A single
+example that still fails is a *failure*: it is recorded and skipped. A batch of ``B`` examples with one bad
+example costs about ``2 * log2(B)`` extra loads and ``process_batch`` calls. A batch that fails only as a
+whole (its halves succeed) records nothing.
+
+**What a failed attempt leaves.** Nothing: every attempt (the whole batch, or a part) runs as a transaction.
+``upload_path()`` blocks of an attempt are held back until it returns, then kept (success) or deleted
+(failure); wrapped reducers are restored to their state before the attempt (a :class:`SimpleReducer` is cut
+back to its earlier length, any other reducer gets a ``copy.deepcopy`` of its attributes back: keep reducer
+state small); ``report_metrics()`` lines of a failed attempt are dropped. So reducers count only the examples
+that succeeded, and the batch's outputs hold each good example once.
+
+**Output names of the parts.** ``process_batch`` of a part receives the batch's own ``batch_idx`` and the
+part's examples; ``context.batch_indices`` gives the part's dataset indices. Its ``upload_path()`` files are
+stored under a sub-folder ``part_<first dataset index of the part>/`` of the rank's commit folder, e.g.
+``outputs/commit_<s>/rank_<r>/part_1234/pred_19.pt``: parts are disjoint, so names never collide even when
+files are named by ``batch_idx``. Use a recursive glob (``outputs/**/pred_*.pt``) to read outputs back.
+
+**Failure records** go into the stage of the rank's next commit, so they are committed (and published to
+``<storage>/failures/<stage>-rank_<r>.jsonl``) exactly once together with the batch they belong to, across
+``kill -9`` and resumes with another world size. One JSON object a line, with the keys ``index`` (dataset
+index), ``batch_idx``, ``attempt`` (the job's attempt), ``rank``, ``phase`` (``"load"`` or ``"process"``),
+``error_type``, ``message``, ``traceback`` and ``time`` (UNIX seconds). ``tbp failures STORAGE`` lists them.
+
+**max_failures**: when the committed failures plus this rank's new ones exceed the limit, the rank fails with
+:class:`~torch_batch_process.errors.TooManyFailuresError` (every rank stops; the last commit stays, so a
+re-run with a larger limit resumes); the total over all ranks is checked again at the end (:func:`check_total`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch_batch_process.context import CurrentBatch
+from torch_batch_process.engine.committer import Part
+from torch_batch_process.errors import BatchTimeoutError, TooManyFailuresError, WorkerLostError
+from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
+
+__all__ = ["FailureHandler", "check_total", "no_span", "too_many_message"]
+
+logger = logging.getLogger(__name__)
+
+FATAL = (BatchTimeoutError, TooManyFailuresError, WorkerLostError)
+"""Errors that fail the job even with ``on_error="skip"``: they are not an example's fault."""
+
+
+def too_many_message(failed: int, limit: int, failures_url: str) -> str:
+    return (
+        f"{failed} examples failed, more than max_failures allows ({limit}); the job stops. The failures are listed "
+        f"in {failures_url}/ (`tbp failures` shows them). Fix the data or the code, or raise max_failures, and run "
+        "the job again: it resumes from its last commit."
+    )
+
+
+def check_total(failed: int, limit: int | None, failures_url: str) -> None:
+    """Raises :class:`TooManyFailuresError` when the job's committed failures exceed ``limit`` (every rank
+    calls it with the same counts, after the closing commit)."""
+    if limit is not None and failed > limit:
+        raise TooManyFailuresError(too_many_message(failed, limit, failures_url))
+
+
+class FailureHandler:
+    """Runs a rank's batches as transactions and bisects those that fail (see the module docstring).
+
+    Args:
+        dataset: the user's dataset.
+        collate_fn: the loader's ``collate_fn``.
+        place: puts a loaded part where the loader's batches go (the device, with device prefetch).
+        process: runs ``process_batch(batch, batch_idx)`` under the job's modes.
+        span: a context manager factory timing one attempt (``batch_timeout``).
+        current: the context's current batch.
+        stager: the rank's output stager.
+        reducers: the rank's reducers.
+        rank: this rank.
+        attempt: the job's attempt number.
+        failed_before: failures committed by earlier attempts.
+        limit: ``max_failures`` as a count (``None``: no limit).
+        failures_url: where the failures are published (for messages).
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset: Any,
+        collate_fn: Callable[[list[Any]], Any],
+        place: Callable[[Any], Any],
+        process: Callable[[Any, int], None],
+        span: Callable[[int], contextlib.AbstractContextManager[Any]],
+        current: CurrentBatch,
+        stager: OutputStager,
+        reducers: ReducerRegistry,
+        rank: int,
+        attempt: int,
+        failed_before: int,
+        limit: int | None,
+        failures_url: str,
+    ) -> None:
+        self._dataset = dataset
+        self._collate = collate_fn
+        self._place = place
+        self._process = process
+        self._span = span
+        self._current = current
+        self._stager = stager
+        self._reducers = reducers
+        self._rank = rank
+        self._job_attempt = attempt
+        self._failed_before = failed_before
+        self._limit = limit
+        self._failures_url = failures_url
+        self.failed = 0  # failures this rank recorded in this call
+        self._saved: list[Any] = []
+        self._lines = 0
+
+    @staticmethod
+    def recoverable(exc: BaseException) -> bool:
+        """Whether ``exc`` is an example's failure (else it fails the job)."""
+        return isinstance(exc, Exception) and not isinstance(exc, FATAL)
+
+    # ------------------------------------------------------------------ one attempt as a transaction
+
+    def begin(self, part: Part, prefix: str = "") -> None:
+        """Before an attempt: hold its files, remember the reducers' state and the metrics lines."""
+        self._saved = _snapshot(self._reducers) if self._reducers.wrapped else []
+        self._lines = len(part.lines)
+        self._stager.hold(prefix)
+
+    def keep(self) -> None:
+        """The attempt succeeded: its files join the stage."""
+        self._stager.release(keep=True)
+
+    def rollback(self, part: Part) -> None:
+        """The attempt failed: its files, reducer updates and metrics lines are discarded."""
+        self._stager.release(keep=False)
+        if self._saved:
+            _restore(self._reducers, self._saved)
+        del part.lines[self._lines :]
+
+    # ------------------------------------------------------------------ bisection
+
+    def recover(self, batch_idx: int, indices: Sequence[int], error: BaseException, phase: str, part: Part) -> None:
+        """Batch ``batch_idx`` failed as a whole with ``error`` (in ``phase``): bisects it, records the examples
+        that fail, and adds the batch to ``part`` with the examples that succeeded."""
+        indices = list(indices)
+        logger.warning(
+            "rank %d: batch %d (%d examples) failed in %s (%s: %s); splitting it to find the failing examples",
+            self._rank, batch_idx, len(indices), phase, type(error).__name__, _first_line(error),
+        )
+        if len(indices) == 1:
+            self._record(batch_idx, indices[0], phase, error, part)
+            succeeded = 0
+        else:
+            succeeded = self._bisect(batch_idx, indices, part)
+        part.add_batch(batch_idx, succeeded)
+
+    def _bisect(self, batch_idx: int, indices: list[int], part: Part) -> int:
+        succeeded = 0
+        half = (len(indices) + 1) // 2
+        for piece in (indices[:half], indices[half:]):
+            failure = self._attempt(batch_idx, piece, part)
+            if failure is None:
+                succeeded += len(piece)
+            elif len(piece) == 1:
+                self._record(batch_idx, piece[0], failure[0], failure[1], part)
+            else:
+                succeeded += self._bisect(batch_idx, piece, part)
+        return succeeded
+
+    def _attempt(self, batch_idx: int, piece: list[int], part: Part) -> tuple[str, BaseException] | None:
+        """Loads and processes one part; returns ``(phase, error)`` when it failed."""
+        with self._span(batch_idx):
+            try:
+                batch = self._place(self._collate(self._fetch(piece)))
+            except Exception as exc:  # noqa: BLE001 - the part's failure
+                if not self.recoverable(exc):
+                    raise
+                return "load", exc
+            self.begin(part, prefix=f"part_{piece[0]}/")
+            self._current.enter(batch_idx, piece)
+            try:
+                self._process(batch, batch_idx)
+            except BaseException as exc:
+                self.rollback(part)
+                if not self.recoverable(exc):
+                    raise
+                return "process", exc
+            finally:
+                self._current.leave()
+            self.keep()
+            return None
+
+    def _fetch(self, piece: list[int]) -> list[Any]:
+        """The examples of a part, fetched as the ``DataLoader`` fetches a batch."""
+        getitems = getattr(self._dataset, "__getitems__", None)
+        if getitems:
+            return list(getitems(piece))
+        return [self._dataset[i] for i in piece]
+
+    def _record(self, batch_idx: int, index: int, phase: str, error: BaseException, part: Part) -> None:
+        self.failed += 1
+        part.failed += 1
+        self._stager.add_failure(
+            {
+                "index": int(index),
+                "batch_idx": batch_idx,
+                "attempt": self._job_attempt,
+                "rank": self._rank,
+                "phase": phase,
+                "error_type": type(error).__name__,
+                "message": str(error),
+                "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__, chain=False)),
+                "time": round(time.time(), 3),
+            }
+        )
+        logger.warning(
+            "rank %d: example %d of batch %d failed in %s (%s: %s); skipped, recorded in %s/",
+            self._rank, index, batch_idx, phase, type(error).__name__, _first_line(error), self._failures_url,
+        )
+        total = self._failed_before + self.failed
+        if self._limit is not None and total > self._limit:
+            raise TooManyFailuresError(too_many_message(total, self._limit, self._failures_url)) from error
+
+
+_NULL = contextlib.nullcontext()
+
+
+def no_span(batch_idx: int) -> contextlib.AbstractContextManager[Any]:
+    """A span that times nothing (no ``batch_timeout``)."""
+    del batch_idx
+    return _NULL
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _snapshot(reducers: ReducerRegistry) -> list[Any]:
+    saved: list[Any] = []
+    for wrapped in reducers.wrapped:
+        reducer = wrapped.reducer
+        if isinstance(reducer, SimpleReducer):
+            saved.append((reducer.values, len(reducer.values)))
+        else:
+            saved.append(copy.deepcopy(reducer.__dict__))
+    return saved
+
+
+def _restore(reducers: ReducerRegistry, saved: list[Any]) -> None:
+    for wrapped, state in zip(reducers.wrapped, saved, strict=False):
+        reducer = wrapped.reducer
+        if isinstance(reducer, SimpleReducer):
+            values, length = state
+            del values[length:]
+            reducer.values = values
+        else:
+            reducer.__dict__.clear()
+            reducer.__dict__.update(state)

@@ -1,0 +1,124 @@
+"""``retry_failed=True``: process only the recorded failures of a finished job (DESIGN §11).
+
+A retry is a job of its own, stored below the job's storage path in ``retries/<k>/`` (``k`` = 1, 2, ...), with
+the same dataset, processor and options, whose plan (:class:`IndexPlan`) holds only the dataset indices listed
+as failed when it starts, cut into batches of ``batch_size`` in index order. It has everything a job has:
+commits, exactly-once outputs (under ``retries/<k>/outputs/``), resume after a kill (the same ``k`` is used again
+until it finishes), ``on_error``, ``max_failures``. ``context.batch_indices`` gives the original dataset
+indices; ``batch_idx`` is the batch's index in the retry's plan.
+
+The failures a retry records replace the ones it retried: the job's current failures are those of its latest
+finished retry (``retries/<k>/failures/``), else its own (:func:`current_failures_root`); so a failure that
+succeeds in a retry is cleared, and one that fails again is listed once, by the retry. The result of a retry
+call is the retry job's (``failed_examples``: the failures left).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch_batch_process.engine.plan import Plan
+from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.layout import RESULT_FILE, RETRIES_DIR
+
+__all__ = ["IndexPlan", "current_failures_root", "next_retry", "prepare_retry"]
+
+if TYPE_CHECKING:
+    from torch_batch_process.validation import JobArguments
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_retry(args: JobArguments) -> tuple[JobArguments, IndexPlan]:
+    """The arguments and plan of the retry to run for the finished job of ``args`` (see the module docstring)."""
+    from torch_batch_process.observe.failures import read_failure_records
+
+    storage = open_storage(args.storage_path, args.storage_options)
+    try:
+        k, source = next_retry(storage)
+        indices = sorted({int(r["index"]) for r in read_failure_records(storage, source)})
+        url = storage.url_of(f"{RETRIES_DIR}/{k}")
+    finally:
+        storage.close()
+    logger.info(
+        "retry %d of job %s: %d failed example(s) to process again, stored in %s", k, args.job_name, len(indices), url
+    )
+    options = dataclasses.replace(args.failures, retry_failed=False)
+    retry_args = dataclasses.replace(args, storage_path=url, max_batches=None, lengths=None, failures=options)
+    return retry_args, IndexPlan(indices, args.batch_size)
+
+
+class IndexPlan(Plan):
+    """Batches of ``batch_size`` over given dataset indices, in their order."""
+
+    def __init__(self, indices: Sequence[int], batch_size: int, num_batches: int | None = None) -> None:
+        self.indices = [int(i) for i in indices]
+        self.batch_size = batch_size
+        full = -(-len(self.indices) // batch_size)
+        self.num_batches = full if num_batches is None else min(num_batches, full)
+
+    def cut(self, num_batches: int) -> IndexPlan:
+        return IndexPlan(self.indices, self.batch_size, num_batches)
+
+    def batch_indices(self, batch: int) -> list[int]:
+        return self.indices[batch * self.batch_size : (batch + 1) * self.batch_size]
+
+    def count_examples(self, batches: RangeSet) -> int:
+        total = 0
+        for start, stop in batches.ranges():
+            stop = min(stop, self.num_batches)
+            if start < stop:
+                total += min(stop * self.batch_size, len(self.indices)) - start * self.batch_size
+        return total
+
+    def fingerprint(self) -> dict[str, Any]:
+        digest = hashlib.sha256(",".join(map(str, self.indices)).encode()).hexdigest()[:16]
+        return {"retry_indices": len(self.indices), "sha256": digest}
+
+    def describe(self) -> str:
+        return f"retry of {self.num_examples} failed examples in {self.num_batches} batches of {self.batch_size}"
+
+
+def _retries(storage: Storage) -> list[int]:
+    return sorted(int(name) for name in storage.list(RETRIES_DIR) if name.isdigit())
+
+
+def current_failures_root(storage: Storage) -> str:
+    """The folder (relative to ``storage``) whose ``failures/`` lists the job's current failures: its latest
+    finished retry, else the job itself (``""``)."""
+    for k in reversed(_retries(storage)):
+        if storage.exists(f"{RETRIES_DIR}/{k}/{RESULT_FILE}"):
+            return f"{RETRIES_DIR}/{k}"
+    return ""
+
+
+def next_retry(storage: Storage) -> tuple[int, str]:
+    """The retry to run: the latest one when it is not finished (a resume), else a new one; and the folder
+    whose failures it retries."""
+    if not storage.exists(RESULT_FILE):
+        raise InvalidArgumentError(
+            f"retry_failed=True: the job at {storage.url} is not finished; run it without retry_failed first "
+            "(it resumes), then retry its failures"
+        )
+    numbers = _retries(storage)
+    source = current_failures_root(storage)
+    if numbers and not storage.exists(f"{RETRIES_DIR}/{numbers[-1]}/{RESULT_FILE}"):
+        k = numbers[-1]
+        source = current_failures_root_before(storage, k)
+    else:
+        k = (numbers[-1] if numbers else 0) + 1
+    return k, source
+
+
+def current_failures_root_before(storage: Storage, k: int) -> str:
+    """The current failures' folder as it was when retry ``k`` started (the latest finished retry before it)."""
+    for j in reversed([j for j in _retries(storage) if j < k]):
+        if storage.exists(f"{RETRIES_DIR}/{j}/{RESULT_FILE}"):
+            return f"{RETRIES_DIR}/{j}"
+    return ""

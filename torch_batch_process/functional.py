@@ -1,0 +1,151 @@
+"""The functional form: ``predict(fn, dataset, batch_size)`` returns ``fn``'s per-example outputs in dataset order.
+
+Like redco's ``Predictor.predict`` or Lightning's ``return_predictions``, on top of
+:func:`~torch_batch_process.torch_batch_process` and record outputs: a processor calls ``fn(batch)`` on each
+batch and ``context.write()``\\ s the result; when the job is done every rank reads the outputs back
+(:func:`~torch_batch_process.read_outputs`) and returns them. With ``storage_path`` the job is resumable like
+any other (a re-run after a crash or a preemption redoes only uncommitted batches; a finished one only reads);
+without it the outputs go to a temporary folder that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.outputs.columns import INDEX_COLUMN, column_to_numpy
+from torch_batch_process.processor import TorchBatchProcessor
+
+__all__ = ["predict"]
+
+_OUTPUT = "output"
+"""The column of a tensor returned by ``fn`` (a dict gives one column per key)."""
+
+_calls = itertools.count()  # the n-th predict() call of a process: the same n on every rank of a job
+
+
+def predict(
+    fn: Callable[[Any], Any],
+    dataset: Any,
+    batch_size: int,
+    *,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    storage_path: str | os.PathLike[str] | None = None,
+    **options: Any,
+) -> Any:
+    """Runs ``fn`` over ``dataset`` on every rank of the job and returns its per-example outputs in dataset order.
+
+    Args:
+        fn: called with each batch (on the rank's device, as :meth:`TorchBatchProcessorContext.to_device` puts
+            it) under ``torch.inference_mode()``; returns a tensor whose first dimension is the batch's size, or
+            a dict of such tensors (or of per-example lists).
+        dataset: a map-style dataset (see :func:`~torch_batch_process.torch_batch_process`).
+        batch_size: examples per batch.
+        collate_fn: the DataLoader's ``collate_fn`` (default: torch's).
+        storage_path: where the job and its outputs are stored (resumable); default: a temporary folder, removed
+            when ``predict`` returns (one machine only: give a shared ``storage_path`` for several machines).
+        **options: other keyword options of :func:`~torch_batch_process.torch_batch_process`
+            (``checkpoint_interval``, ``dataloader_kwargs``, ``schedule``, ``bucket_by``, ``output_format``...).
+
+    Returns:
+        On every rank: for a tensor-valued ``fn`` a tensor of shape ``(len(dataset), *per_example_shape)``; for a
+        dict a dict of such tensors (columns that are not numeric with a fixed shape come back as lists).
+    """
+    from torch_batch_process.batch_process import torch_batch_process
+    from torch_batch_process.outputs.readback import read_outputs
+
+    if not callable(fn):
+        raise InvalidArgumentError(f"predict(fn=...): a callable is required, got {type(fn).__name__}")
+    if "batch_processor_cls" in options:
+        raise InvalidArgumentError(
+            "predict() builds its own processor; call torch_batch_process() for a processor class"
+        )
+    loader = dict(options.pop("dataloader_kwargs", None) or {})
+    if collate_fn is not None:
+        loader["collate_fn"] = collate_fn
+    temporary = storage_path is None
+    if temporary:
+        storage_path = _temporary_path()
+        options.setdefault("resume", False)
+        options.setdefault("progress", False)
+    try:
+        result = torch_batch_process(
+            _processor_for(fn),
+            dataset,
+            batch_size,
+            dataloader_kwargs=loader or None,
+            storage_path=storage_path,
+            **options,
+        )
+        table = read_outputs(result.storage_path, storage_options=options.get("storage_options"))
+        _barrier()  # every rank has read: the temporary folder may go
+    finally:
+        if temporary and _rank() == 0:
+            shutil.rmtree(str(storage_path), ignore_errors=True)
+    return _outputs(table)
+
+
+def _processor_for(fn: Callable[[Any], Any]) -> type[TorchBatchProcessor]:
+    """A processor class calling ``fn``; named after it, so that the job's fingerprint tells functions apart."""
+
+    class _Predictor(TorchBatchProcessor):
+        def __init__(self, context: Any) -> None:
+            self.context = context
+
+        def process_batch(self, batch: Any, batch_idx: int) -> None:
+            out = fn(self.context.to_device(batch))
+            self.context.write(dict(out) if isinstance(out, Mapping) else {_OUTPUT: out})
+
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    _Predictor.__qualname__ = f"predict[{getattr(fn, '__module__', None) or '?'}.{name}]"
+    return _Predictor
+
+
+def _outputs(table: Any) -> Any:
+    columns = {}
+    for name in table.column_names:
+        if name == INDEX_COLUMN:
+            continue
+        try:
+            array = column_to_numpy(table.column(name))
+            columns[name] = torch.from_numpy(array if array.flags.writeable else array.copy())
+        except ValueError:
+            columns[name] = table.column(name).to_pylist()
+    if list(columns) == [_OUTPUT]:
+        return columns[_OUTPUT]
+    return columns
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _barrier() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _temporary_path() -> str:
+    """A folder name that every rank of one machine computes alike (the job has not started: no collective yet)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world > local_world:
+        raise InvalidArgumentError(
+            "predict(): on several machines give storage_path= (a folder or URL every machine can reach); the "
+            "default temporary folder is local to one machine"
+        )
+    if world == 1:
+        return tempfile.mkdtemp(prefix="tbp-predict-")
+    key = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    key = "".join(c if c.isalnum() or c in "-." else "_" for c in key)
+    return os.path.join(tempfile.gettempdir(), f"tbp-predict-{key}-{os.getppid()}-{next(_calls)}")

@@ -1,0 +1,86 @@
+"""``tbp failures STORAGE_PATH`` and :func:`read_failures`: the examples a job skipped with ``on_error="skip"``.
+
+The failures are read from ``<storage_path>/failures/*.jsonl`` (one JSON object a line; the keys are listed in
+:mod:`torch_batch_process.engine.failures`). Only committed failures are there, each exactly once. Read-only:
+safe while the job runs. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from torch_batch_process.errors import BatchProcessError
+from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.layout import FAILURES_DIR
+
+__all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_failures"]
+
+
+def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The current failure records of the job at ``storage_path`` (those of its latest finished
+    ``retry_failed`` run, if any: see :mod:`torch_batch_process.engine.retry`), ordered by dataset index."""
+    from torch_batch_process.engine.retry import current_failures_root
+
+    storage = open_storage(storage_path, storage_options)
+    try:
+        return read_failure_records(storage, current_failures_root(storage))
+    finally:
+        storage.close()
+
+
+def read_failure_records(storage: Storage, root: str = "") -> list[dict[str, Any]]:
+    """The committed failure records in ``<root>/failures/`` of ``storage``, ordered by dataset index."""
+    folder = f"{root}/{FAILURES_DIR}" if root else FAILURES_DIR
+    records: list[dict[str, Any]] = []
+    for name in storage.list(folder):
+        if name.endswith(".jsonl"):
+            text = storage.read_bytes(f"{folder}/{name}").decode("utf-8")
+            records.extend(json.loads(line) for line in text.splitlines() if line.strip())
+    return sorted(records, key=lambda r: (r.get("index", 0), r.get("attempt", 0)))
+
+
+def add_failures_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds ``failures`` to the ``tbp`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "failures",
+        help="list the examples a job skipped because they failed (on_error='skip')",
+        description=(
+            "Lists the committed failing examples of a job run with on_error='skip' (dataset index, batch, "
+            "attempt, rank, phase, exception), read from <storage_path>/failures/. Read-only."
+        ),
+    )
+    parser.add_argument(
+        "storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the records as JSON lines (with tracebacks)")
+    parser.add_argument("--storage-options", metavar="JSON", default=None, help="fsspec storage options (JSON object)")
+    parser.set_defaults(func=run_failures)
+    return parser
+
+
+def run_failures(args: argparse.Namespace) -> int:
+    """Runs ``tbp failures``; returns the exit code (0; 1 when the storage cannot be read)."""
+    raw = args.storage_options or os.environ.get("TBP_STORAGE_OPTIONS")
+    try:
+        options = json.loads(raw) if raw else None
+        records = read_failures(args.storage_path, storage_options=options)
+    except (BatchProcessError, ValueError) as exc:
+        print(f"[tbp] error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        for record in records:
+            print(json.dumps(record))
+        return 0
+    print(f"{len(records)} failed example(s) in {args.storage_path}")
+    if records:
+        print(f"{'index':>10} {'batch':>7} {'attempt':>7} {'rank':>4}  {'phase':<7} error")
+    for r in records:
+        message = str(r.get("message", "")).splitlines()[0] if r.get("message") else ""
+        error = f"{r.get('error_type')}: {message}"[:100]
+        where = f"{r.get('index'):>10} {r.get('batch_idx'):>7} {r.get('attempt'):>7} {r.get('rank'):>4}"
+        print(f"{where}  {r.get('phase', ''):<7} {error}")
+    return 0

@@ -1,0 +1,154 @@
+"""Rows of ``context.write()`` as an Arrow table, and stored columns back as numpy arrays or tensors.
+
+How values are stored (per example, i.e. along the first dimension of a column):
+
+- a 1-d tensor or numpy array (one number per example): a plain Arrow column (``int64``, ``float``...);
+- an n-d tensor or array of shape ``(N, d1, ..., dk)``: nested ``fixed_size_list`` columns (``d1`` lists of
+  ... of ``dk`` values), so the shape of each example is in the column's type and comes back exactly
+  (:func:`column_to_numpy` returns the ``(N, d1, ..., dk)`` array);
+- a list of per-example tensors or arrays: stacked when they all have one shape, else variable-length nested
+  lists (``list<list<...>>``);
+- a list of Python values (strings, ints, floats, nested lists, dicts): the type Arrow infers.
+
+Tensors on a device are copied to the CPU; ``bfloat16`` becomes ``float32`` (neither numpy nor Parquet has it).
+pyarrow is imported by the functions that need it (see :func:`require_pyarrow`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from torch_batch_process.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["INDEX_COLUMN", "column_to_numpy", "column_to_python", "require_pyarrow", "rows_to_table"]
+
+INDEX_COLUMN = "index"
+"""The column the library adds to every row: the example's index in the dataset."""
+
+
+def require_pyarrow() -> Any:
+    """Imports pyarrow, or raises an ImportError that names the extra to install."""
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - pyarrow is in the test environment
+        raise ImportError(
+            "record outputs (context.write, read_outputs, iter_outputs, predict) need pyarrow: "
+            "pip install 'torch-batch-process[records]' (or pip install pyarrow)"
+        ) from exc
+    return pyarrow
+
+
+def _to_numpy(value: Any) -> Any:
+    """A tensor as a numpy array (on the CPU); anything else unchanged."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.dtype == torch.bfloat16:
+            value = value.float()
+        return value.cpu().numpy()
+    return value
+
+
+def _from_numpy(pa: Any, array: np.ndarray) -> Any:
+    """An Arrow array of ``array``'s first dimension: nested fixed-size lists for the other dimensions."""
+    if array.dtype.kind in "OUS":  # objects and strings: let Arrow infer from Python values
+        return pa.array(array.tolist())
+    flat = np.ascontiguousarray(array).reshape(-1)
+    values = pa.array(flat, type=pa.from_numpy_dtype(flat.dtype))  # typed: zero-copy (untyped inference scans)
+    for size in reversed(array.shape[1:]):
+        values = pa.FixedSizeListArray.from_arrays(values, size)
+    return values
+
+
+def _column(pa: Any, name: str, value: Any, n: int) -> Any:
+    value = _to_numpy(value)
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0 or value.shape[0] != n:
+            raise InvalidArgumentError(
+                f"context.write(): column {name!r} has shape {tuple(value.shape)}; its first dimension must be the "
+                f"batch's {n} example(s)"
+            )
+        return _from_numpy(pa, value)
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise InvalidArgumentError(
+            f"context.write(): column {name!r} is a {type(value).__name__}; give a tensor, a numpy array or a "
+            f"list with one value per example ({n})"
+        )
+    if len(value) != n:
+        raise InvalidArgumentError(
+            f"context.write(): column {name!r} has {len(value)} values for the batch's {n} example(s)"
+        )
+    items = [_to_numpy(v) for v in value]
+    if items and all(isinstance(v, np.ndarray) for v in items):
+        if len({(v.shape, v.dtype) for v in items}) == 1 and items[0].dtype.kind not in "OUS":
+            return _from_numpy(pa, np.stack(items))
+        items = [v.tolist() for v in items]  # shapes differ: variable-length nested lists
+    try:
+        return pa.array(items)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"context.write(): column {name!r} cannot be stored: {exc}") from exc
+
+
+def rows_to_table(rows: Any, indices: Sequence[int]) -> pa.Table:
+    """The rows of one ``context.write(rows)`` call as a table, with the ``index`` column first.
+
+    Args:
+        rows: a dict of columns (one value per example along the first dimension) or a list of per-example dicts.
+        indices: the dataset indices of the batch's examples (``context.batch_indices``).
+    """
+    pa = require_pyarrow()
+    n = len(indices)
+    if isinstance(rows, Sequence) and not isinstance(rows, (str, bytes)) and (not rows or isinstance(rows[0], Mapping)):
+        if len(rows) != n:
+            raise InvalidArgumentError(f"context.write(): {len(rows)} row dicts for the batch's {n} example(s)")
+        keys = list(rows[0]) if rows else []
+        for row in rows:
+            if not isinstance(row, Mapping) or list(row) != keys:
+                raise InvalidArgumentError(
+                    f"context.write(): every row dict must have the same keys in the same order, {keys}"
+                )
+        rows = {key: [row[key] for row in rows] for key in keys}
+    if not isinstance(rows, Mapping) or not rows:
+        raise InvalidArgumentError(
+            "context.write(rows): rows must be a non-empty dict of columns (tensors, numpy arrays or lists, one value "
+            f"per example) or a list of per-example dicts, got {type(rows).__name__}"
+        )
+    names = [str(k) for k in rows]
+    if INDEX_COLUMN in names:
+        raise InvalidArgumentError(
+            f"context.write(): the column name {INDEX_COLUMN!r} is reserved (the library adds each example's dataset "
+            "index under it); rename your column"
+        )
+    arrays = [pa.array(np.asarray(indices, dtype=np.int64), type=pa.int64())]
+    arrays += [_column(pa, name, value, n) for name, value in zip(names, rows.values(), strict=True)]
+    return pa.Table.from_arrays(arrays, names=[INDEX_COLUMN, *names])
+
+
+def column_to_numpy(column: Any) -> np.ndarray:
+    """A stored numeric column as a numpy array of shape ``(N, d1, ..., dk)`` (nested fixed-size lists give the
+    trailing dimensions). Raises ``ValueError`` for columns of another kind (see :func:`column_to_python`)."""
+    pa = require_pyarrow()
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    shape = [len(array)]
+    while pa.types.is_fixed_size_list(array.type):
+        shape.append(array.type.list_size)
+        array = array.flatten()
+    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type) or pa.types.is_boolean(array.type)):
+        raise ValueError(f"a column of type {column.type} is not a numeric array")
+    return array.to_numpy(zero_copy_only=False).reshape(shape)
+
+
+def column_to_python(column: Any) -> Any:
+    """A stored column as a numpy array when it is numeric with a fixed shape per example, else a list."""
+    try:
+        return column_to_numpy(column)
+    except ValueError:
+        return column.to_pylist()

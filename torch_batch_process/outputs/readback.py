@@ -1,0 +1,238 @@
+"""Reading record outputs back in dataset order: :func:`read_outputs` and :func:`iter_outputs`.
+
+The committed shards of a job are ``<storage_path>/outputs/commit_*/rank_*/records/part-*.parquet`` (or
+``.jsonl``): plain files that pandas, polars, DuckDB, Spark and Hugging Face ``datasets`` read with that glob
+(rows are in no particular order there; sort by ``index``).
+
+Shards are not each sorted by ``index`` (ranks interleave, and ``bucket_by`` orders a batch by length), so
+:func:`iter_outputs` merges *runs*: a Parquet row group, or a whole JSONL shard, each with its smallest and
+largest index (from the Parquet statistics, or one pass over the JSONL shard). Runs are loaded in order of
+their smallest index; every row below the next run's smallest index is final and is yielded, sorted. So the
+rows held at once are those of the runs whose index ranges overlap, which depends on the batch size,
+``checkpoint_interval`` and ``bucket_window``, never on the size of the job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
+from torch_batch_process.outputs.records import RECORDS_DIR
+from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.layout import JOB_FILE, OUTPUTS_DIR
+
+__all__ = ["OUTPUTS_GLOB", "iter_outputs", "list_shards", "read_outputs"]
+
+OUTPUTS_GLOB = f"{OUTPUTS_DIR}/commit_*/rank_*/{RECORDS_DIR}/part-*"
+"""Glob of the record shards below a job's storage path (add ``.parquet`` or ``.jsonl``)."""
+
+_SUFFIXES = (".parquet", ".jsonl")
+
+
+def list_shards(storage: Storage) -> list[str]:
+    """The committed record shards of the job (paths relative to the storage), in commit and rank order."""
+    shards: list[str] = []
+    for commit in storage.list(OUTPUTS_DIR):
+        if not commit.startswith("commit_"):
+            continue
+        for rank in storage.list(f"{OUTPUTS_DIR}/{commit}"):
+            if not rank.startswith("rank_"):
+                continue
+            folder = f"{OUTPUTS_DIR}/{commit}/{rank}/{RECORDS_DIR}"
+            shards += [f"{folder}/{n}" for n in storage.list(folder) if n.startswith("part-") and n.endswith(_SUFFIXES)]
+    kinds = {os.path.splitext(s)[1] for s in shards}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"{storage.url}: record shards of several formats ({sorted(kinds)}); read them one format at a time"
+        )
+    return shards
+
+
+def _open(storage_path: Any, storage_options: dict[str, Any] | None) -> tuple[Storage, list[str]]:
+    require_pyarrow()
+    if not isinstance(storage_path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"storage_path must be a local path or an fsspec URL, got {type(storage_path).__name__}"
+        )
+    storage = open_storage(storage_path, storage_options)
+    shards = list_shards(storage)
+    if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
+        raise FileNotFoundError(f"{storage.url} holds no job (no {JOB_FILE}, no {OUTPUTS_DIR}/); check storage_path")
+    return storage, shards
+
+
+def _columns(columns: Sequence[str] | None) -> list[str] | None:
+    if columns is None:
+        return None
+    if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+        raise InvalidArgumentError(f"columns must be a list of column names, got {columns!r}")
+    return [INDEX_COLUMN, *[c for c in columns if c != INDEX_COLUMN]]
+
+
+@dataclass
+class _Run:
+    """Rows that are loaded together: a Parquet row group, or a JSONL shard."""
+
+    shard: str
+    group: int
+    low: int
+    high: int
+
+
+def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None) -> Any:
+    import pyarrow.json as pj
+
+    with storage.open_input(shard) as f:
+        table = pj.read_json(f)
+    return table.select(columns) if columns is not None else table
+
+
+def _runs(storage: Storage, shards: list[str]) -> tuple[list[_Run], Any]:
+    """Every run of the shards with its index range (footers only for Parquet), and the shards' schemas unified
+    (a column that was all None in one shard is typed in another)."""
+    import pyarrow.parquet as pq
+
+    pa = require_pyarrow()
+    runs: list[_Run] = []
+    schemas = []
+    for shard in shards:
+        if shard.endswith(".jsonl"):
+            table = _read_jsonl(storage, shard, None)
+            schemas.append(table.schema)
+            index = table.column(INDEX_COLUMN)
+            if len(index):
+                runs.append(_Run(shard, -1, int(_np(index).min()), int(_np(index).max())))
+            continue
+        with storage.open_input(shard) as f:
+            parquet = pq.ParquetFile(f)
+            meta = parquet.metadata
+            schemas.append(parquet.schema_arrow)
+        position = meta.schema.to_arrow_schema().get_field_index(INDEX_COLUMN)
+        for group in range(meta.num_row_groups):
+            rg = meta.row_group(group)
+            if rg.num_rows == 0:
+                continue
+            stats = rg.column(position).statistics
+            if stats is None or not stats.has_min_max:  # no statistics: the range is unknown, load it first
+                runs.append(_Run(shard, group, -1, 2**62))
+            else:
+                runs.append(_Run(shard, group, int(stats.min), int(stats.max)))
+    runs.sort(key=lambda run: (run.low, run.shard, run.group))
+    return runs, pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
+
+
+def _np(column: Any) -> np.ndarray:
+    return column.to_numpy() if hasattr(column, "to_numpy") else np.asarray(column)
+
+
+def _load(storage: Storage, run: _Run, columns: list[str] | None) -> Any:
+    import pyarrow.parquet as pq
+
+    if run.group < 0:
+        return _read_jsonl(storage, run.shard, columns)
+    with storage.open_input(run.shard) as f:
+        return pq.ParquetFile(f).read_row_group(run.group, columns=columns)
+
+
+def _sorted(table: Any) -> Any:
+    index = _np(table.column(INDEX_COLUMN))
+    if len(index) < 2 or bool(np.all(index[1:] > index[:-1])):
+        return table
+    return table.take(np.argsort(index, kind="stable"))
+
+
+def _concat(tables: list[Any]) -> Any:
+    pa = require_pyarrow()
+    if len(tables) == 1:
+        return tables[0]
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def iter_outputs(
+    storage_path: str | os.PathLike[str],
+    *,
+    columns: Sequence[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    batch_rows: int = 65536,
+) -> Iterator[Any]:
+    """Yields a job's committed record outputs as ``pyarrow.RecordBatch``\\ es in ``index`` (dataset) order.
+
+    Memory holds the runs (row groups) whose index ranges overlap, not the job: see the module docstring.
+
+    Args:
+        storage_path: the job's storage path (local path or fsspec URL).
+        columns: the columns to read (``index`` is always included, first); ``None``: all.
+        storage_options: options of the fsspec filesystem.
+        batch_rows: most rows per yielded record batch.
+    """
+    if not isinstance(batch_rows, int) or batch_rows < 1:
+        raise InvalidArgumentError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    wanted = _columns(columns)
+    storage, shards = _open(storage_path, storage_options)
+    try:
+        runs, schema = _runs(storage, shards)
+        if schema is not None:  # every yielded batch has one schema
+            names = wanted if wanted is not None else schema.names
+            schema = require_pyarrow().schema([schema.field(name) for name in names])
+        held: list[Any] = []
+        for i in range(len(runs) + 1):
+            bound = runs[i].low if i < len(runs) else None
+            if held:
+                table = _sorted(_concat(held))
+                index = _np(table.column(INDEX_COLUMN))
+                cut = len(index) if bound is None else int(np.searchsorted(index, bound, side="left"))
+                for start in range(0, cut, batch_rows):
+                    yield from table.slice(start, min(batch_rows, cut - start)).to_batches()
+                held = [table.slice(cut)] if cut < len(index) else []
+            if i < len(runs):
+                held.append(_load(storage, runs[i], wanted).select(schema.names).cast(schema))
+    finally:
+        storage.close()
+
+
+def read_outputs(
+    storage_path: str | os.PathLike[str],
+    *,
+    columns: Sequence[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
+    """A job's committed record outputs (``context.write()``) as one ``pyarrow.Table`` sorted by ``index``.
+
+    Tensors come back as nested fixed-size lists (see :func:`torch_batch_process.outputs.columns.column_to_numpy`
+    for a ``(N, *shape)`` numpy array); ``table.to_pandas()`` or ``polars.from_arrow(table)`` convert it.
+    Holds the whole table in memory: use :func:`iter_outputs` for outputs larger than memory.
+
+    Args:
+        storage_path: the job's storage path (local path or fsspec URL).
+        columns: the columns to read (``index`` is always included, first); ``None``: all.
+        storage_options: options of the fsspec filesystem.
+    """
+    import pyarrow.parquet as pq
+
+    wanted = _columns(columns)
+    storage, shards = _open(storage_path, storage_options)
+
+    def read(shard: str) -> Any:
+        if shard.endswith(".jsonl"):
+            return _read_jsonl(storage, shard, wanted)
+        with storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table on a file object
+            return pq.ParquetFile(f).read(columns=wanted)
+
+    try:  # shards are decoded in parallel (pyarrow releases the GIL)
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tbp-read") as pool:
+            tables = list(pool.map(read, shards))
+    finally:
+        storage.close()
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        pa = require_pyarrow()
+        return pa.table({INDEX_COLUMN: pa.array([], pa.int64())})
+    tables.sort(key=lambda t: int(_np(t.column(INDEX_COLUMN)).min()))
+    return _sorted(_concat(tables))

@@ -1,0 +1,240 @@
+"""Record outputs: ``context.write(rows)`` streams one rank's rows into shard files committed exactly once.
+
+Rows of a batch wait in memory until ``process_batch`` returns (a batch that raises contributes no rows), then
+join the rank's open shard: a local file in a scratch folder (``storage.scratch_folder``: inside the storage
+for local storage, so that it is later renamed, never copied). Parquet shards get a row group every
+:data:`ROW_GROUP_BYTES` of rows (pyarrow's ``ParquetWriter``); JSONL shards a line per row as it comes. So
+the library holds at most two row groups' rows per rank (one being filled, one being encoded on a
+background thread, off the batch's path), whatever the job's size.
+
+At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer before its vote) the open
+shard is closed and handed to the :class:`~torch_batch_process.outputs.files.OutputStager` like an
+``upload_path()`` file: it joins the rank's stage and is published exactly once with the batches it came from,
+at ``outputs/commit_<s>/rank_<r>/records/part-<s>-rank<r>-<k>.<ext>`` (see
+:mod:`torch_batch_process.storage.layout`). A shard also rolls over to a new file every
+:data:`SHARD_BYTES`. Rows of a stage that is never committed (a killed attempt) are never published.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.outputs.columns import rows_to_table
+from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.storage.layout import number_name
+
+if TYPE_CHECKING:
+    from torch_batch_process.context import CurrentBatch
+
+__all__ = ["OUTPUT_FORMATS", "RECORDS_DIR", "RecordWriter", "check_output_format", "shard_name"]
+
+OUTPUT_FORMATS = {"parquet": "parquet", "jsonl": "jsonl"}
+"""``output_format`` -> the shards' file extension."""
+
+RECORDS_DIR = "records"
+"""The folder of record shards inside each ``outputs/commit_<s>/rank_<r>/``."""
+
+ROW_GROUP_BYTES = 32 << 20
+"""Parquet: a row group is written when this many bytes of rows are buffered."""
+
+SHARD_BYTES = 512 << 20
+"""A shard is closed (and a new one opened) after this many bytes of rows."""
+
+
+def shard_name(stage: int, rank: int, part: int, output_format: str) -> str:
+    """Name of a shard inside its ``outputs/commit_<s>/rank_<r>/`` folder (unique across ranks and stages)."""
+    return f"{RECORDS_DIR}/part-{number_name(stage)}-rank{rank}-{part:05d}.{OUTPUT_FORMATS[output_format]}"
+
+
+class RecordWriter:
+    """One rank's record outputs (see the module docstring).
+
+    Args:
+        stager: the rank's output stager (shards join its current stage).
+        current: the context's current batch (its indices give the ``index`` column).
+        rank: this rank.
+        output_format: ``"parquet"`` or ``"jsonl"``.
+    """
+
+    def __init__(self, stager: OutputStager, current: CurrentBatch, rank: int, output_format: str = "parquet") -> None:
+        self._stager = stager
+        self._current = current
+        self._rank = rank
+        self._format = output_format
+        self._pending: Any = None  # the table written by the current batch, until process_batch returns
+        self._buffer: list[Any] = []  # parquet: tables waiting for the next row group
+        self._buffered = 0
+        self._schema: Any = None
+        self._folder: Path | None = None
+        self._file: Path | None = None
+        self._writer: Any = None  # pyarrow.parquet.ParquetWriter or a text file
+        self._shard_bytes = 0
+        self._part = 0
+        self._part_stage = -1
+        self._name = ""
+        self._encoder: ThreadPoolExecutor | None = None  # parquet: row groups are encoded off the batch's path
+        self._encoding: Future[None] | None = None
+        self.rows = 0
+        current.listeners.append(self._batch_finished)
+        stager.attach(self)
+
+    def write(self, rows: Any) -> None:
+        """Adds the rows of the current batch (see :meth:`TorchBatchProcessorContext.write`)."""
+        if self._current.indices is None:
+            raise RuntimeError("context.write() is only available inside process_batch()")
+        if self._pending is not None:
+            raise InvalidArgumentError(
+                f"context.write() was already called for batch {self._current.batch_idx}: write all the rows of a "
+                "batch in one call (one row per example of context.batch_indices)"
+            )
+        self._pending = rows_to_table(rows, self._current.indices)
+
+    def _batch_finished(self, ok: bool) -> None:
+        """The current batch returned (``ok``: its rows join the shard) or raised (they are dropped)."""
+        table, self._pending = self._pending, None
+        if not ok or table is None:
+            return
+        table = self._conform(table)
+        if self._format == "jsonl":
+            self._open()
+            self._writer.write("".join(json.dumps(row) + "\n" for row in table.to_pylist()))
+        else:
+            self._buffer.append(table)
+            self._buffered += table.get_total_buffer_size()
+            if self._buffered >= ROW_GROUP_BYTES:
+                self._write_group()
+        self._shard_bytes += table.get_total_buffer_size()
+        self.rows += table.num_rows
+        if self._shard_bytes >= SHARD_BYTES:
+            self._close_shard()
+
+    def _conform(self, table: Any) -> Any:
+        """``table`` with the shard's schema (the first batch's): same columns, same types."""
+        if self._schema is None:
+            self._schema = table.schema
+            return table
+        if table.schema.equals(self._schema):
+            return table
+        if set(table.column_names) != set(self._schema.names):
+            raise InvalidArgumentError(
+                f"context.write(): batch {self._current.batch_idx} has columns {table.column_names[1:]}, earlier "
+                f"batches {self._schema.names[1:]}; write the same columns in every batch"
+            )
+        import pyarrow as pa
+
+        try:
+            table = table.select(self._schema.names)
+            schema = pa.unify_schemas([self._schema, table.schema], promote_options="permissive")
+            if not schema.equals(self._schema):  # e.g. a column that was all None so far: a new shard, wider types
+                self._close_shard()
+                self._buffer = [t.cast(schema) for t in self._buffer]
+                self._schema = schema
+            return table.cast(self._schema)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
+            raise InvalidArgumentError(
+                f"context.write(): batch {self._current.batch_idx} has types {table.schema.types[1:]}, earlier "
+                f"batches {self._schema.types[1:]} ({exc}); give every batch the same types and per-example shapes "
+                "(pad to a fixed shape, or write a list of per-example tensors for shapes that vary)"
+            ) from exc
+
+    def _open(self) -> None:
+        if self._writer is not None:
+            return
+        stage = self._stager.stage
+        if stage != self._part_stage:
+            self._part, self._part_stage = 0, stage
+        if self._folder is None:
+            self._folder = self._stager.storage.scratch_folder(f"records-rank_{self._rank}")
+        name = shard_name(stage, self._rank, self._part, self._format)
+        self._part += 1
+        self._file = self._folder / Path(name).name
+        if self._format == "jsonl":
+            self._writer = open(self._file, "w", encoding="utf-8")  # noqa: SIM115 - closed at the shard's end
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            dictionary = [f.name for f in self._schema if _is_text(f.type)]
+            flat = [f.name for f in self._schema if not pa.types.is_nested(f.type)]
+            self._writer = pq.ParquetWriter(  # statistics of flat columns only: min/max of tensors cost ~15%
+                self._file, self._schema, use_dictionary=dictionary, write_statistics=flat, compression="snappy"
+            )
+        self._name = name
+
+    def _write_group(self) -> None:
+        """Encodes the buffered rows as a row group on the background thread (after the previous group: at most
+        two groups' rows in memory)."""
+        if not self._buffer:
+            return
+        import pyarrow as pa
+
+        self._open()
+        group = pa.concat_tables(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
+        self._buffer, self._buffered = [], 0
+        self._wait()
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tbp-records")
+        self._encoding = self._encoder.submit(self._writer.write_table, group, row_group_size=group.num_rows)
+
+    def _wait(self) -> None:
+        """Waits for the row group being encoded; raises its error."""
+        encoding, self._encoding = self._encoding, None
+        if encoding is not None:
+            encoding.result()
+
+    def _close_shard(self) -> None:
+        """Closes the open shard and hands it to the stager (it joins the current stage)."""
+        self._write_group()
+        self._wait()
+        if self._writer is None:
+            return
+        writer, self._writer = self._writer, None
+        writer.close()
+        assert self._file is not None
+        self._stager.add_file(self._file, self._name)
+        self._shard_bytes = 0
+
+    def seal(self) -> None:
+        """Before a commit: the open shard joins the stage being committed."""
+        self._close_shard()
+
+    def close(self) -> None:
+        """When the call ends: drops what was not committed and the scratch folder."""
+        try:
+            self._wait()
+        except Exception:  # noqa: BLE001 - the rows are dropped anyway
+            pass
+        if self._encoder is not None:
+            self._encoder.shutdown()
+            self._encoder = None
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - the rows are dropped anyway
+                pass
+            self._writer = None
+        self._buffer, self._pending = [], None
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+def _is_text(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    types = pa.types
+    return bool(types.is_string(arrow_type) or types.is_large_string(arrow_type) or types.is_dictionary(arrow_type))
+
+
+def check_output_format(output_format: Any) -> None:
+    """Raises :class:`InvalidArgumentError` for an unknown ``output_format``."""
+    if output_format not in OUTPUT_FORMATS:
+        raise InvalidArgumentError(
+            f"output_format must be one of {sorted(OUTPUT_FORMATS)}, got {output_format!r}: the format of the "
+            "shards context.write() stores"
+        )
