@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.sources.base import ShardInfo, Source, _Cursor
+from torch_batch_process.sources.base import Cursor, ShardInfo, Source
 
 __all__ = ["HFSource", "from_hf"]
 
@@ -111,7 +111,7 @@ class HFSource(Source):
         return _HFCursor(self, shard)
 
 
-class _HFCursor(_Cursor):
+class _HFCursor(Cursor):
     """An iterator over the batches of one shard, from its beginning."""
 
     source: HFSource

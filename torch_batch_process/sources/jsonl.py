@@ -26,7 +26,8 @@ from fsspec.compression import compr
 from fsspec.utils import infer_compression
 
 from torch_batch_process.errors import InvalidArgumentError, StorageError
-from torch_batch_process.sources.base import FileSource, ShardInfo, SourceDataError, _Cursor
+from torch_batch_process.sources.base import Cursor, ShardInfo, SourceDataError
+from torch_batch_process.sources.files import FileSource
 
 __all__ = ["JsonlSource", "jsonl"]
 
@@ -178,7 +179,7 @@ class JsonlSource(FileSource):
         return rows
 
 
-class _JsonlCursor(_Cursor):
+class _JsonlCursor(Cursor):
     """A line reader of one file from a known row and byte offset."""
 
     source: JsonlSource

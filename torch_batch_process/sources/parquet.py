@@ -31,7 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from torch_batch_process.errors import InvalidArgumentError, StorageError
-from torch_batch_process.sources.base import FileSource, ShardInfo, _Cursor, _index
+from torch_batch_process.sources.base import Cursor, ShardInfo, check_index
+from torch_batch_process.sources.files import FileSource
 
 __all__ = ["ParquetSource", "parquet"]
 
@@ -132,7 +133,7 @@ class ParquetSource(FileSource):
 
     def row_groups(self, shard: int) -> list[int]:
         """Row offset of the first row of each row group of ``shard``."""
-        return self._starts[_index("shard", shard)][:-1]
+        return self._starts[check_index("shard", shard)][:-1]
 
     def read_batches(
         self, shard: int, start: int = 0, stop: int | None = None, batch_rows: int | None = None
@@ -142,7 +143,7 @@ class ParquetSource(FileSource):
         The columnar twin of :meth:`read` (same seeking, same reader reuse, same counting).
         """
         shard, start, stop = self._check_range(shard, start, stop)
-        rows = self.BATCH_ROWS if batch_rows is None else _index("batch_rows", batch_rows)
+        rows = self.BATCH_ROWS if batch_rows is None else check_index("batch_rows", batch_rows)
         if rows < 1:
             raise InvalidArgumentError(f"batch_rows={rows} must be >= 1")
         if stop is not None and start >= stop:
@@ -218,7 +219,7 @@ class ParquetSource(FileSource):
             raise StorageError(f"urls_or_glob: cannot read {entry.url!r}: {type(exc).__name__}: {exc}") from exc
 
 
-class _ParquetCursor(_Cursor):
+class _ParquetCursor(Cursor):
     """A pyarrow batch reader over the row groups of one file from a given one to the last."""
 
     source: ParquetSource

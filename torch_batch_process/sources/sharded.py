@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.sources.base import ShardInfo, Source, SourceDataError, _Cursor
+from torch_batch_process.sources.base import Cursor, ShardInfo, Source, SourceDataError
 
 __all__ = ["Sharded"]
 
@@ -90,7 +90,7 @@ class Sharded(Source):
         return _ShardedCursor(self, shard)
 
 
-class _ShardedCursor(_Cursor):
+class _ShardedCursor(Cursor):
     """The iterator of ``open_shard(descriptor)``, from the shard's beginning."""
 
     source: Sharded
