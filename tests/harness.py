@@ -237,6 +237,16 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) 
         time.sleep(interval)
 
 
+def wait_for_progress(progress: Path, procs: list[subprocess.Popen[str]], timeout: float = 90) -> None:
+    """Waits until a job's ranks touch ``progress`` (they are processing batches); fails the test at once if a
+    rank exits before that (with its output), or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not progress.exists():
+        assert time.monotonic() < deadline, "the job never started processing"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+        time.sleep(0.02)
+
+
 def commit_records(storage: Path) -> list[Path]:
     """The commit records currently in ``storage`` (the engine keeps the latest)."""
     return sorted((storage / "_tbp" / "commits").glob("*.json"))

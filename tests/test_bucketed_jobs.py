@@ -29,6 +29,7 @@ from harness import (
     spawn_ranks,
     tree_digest,
     wait_all,
+    wait_for_progress,
 )
 
 from torch_batch_process import JobMismatchError, TorchBatchProcessor, torch_batch_process
@@ -57,11 +58,7 @@ def kill_one_mid_run(spec: dict[str, object], world_size: int, attempt: int, rng
     progress = Path(str(spec["progress_file"]))
     progress.unlink(missing_ok=True)
     procs = spawn_ranks(world_size, GENERIC_JOB, json.dumps(dict(spec, attempt=attempt)))
-    deadline = time.monotonic() + 90
-    while not progress.exists():
-        assert time.monotonic() < deadline, "the attempt never started processing"
-        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
-        time.sleep(0.02)
+    wait_for_progress(progress, procs)
     time.sleep(rng.uniform(0.2, 0.6))
     os.kill(procs[rng.randrange(world_size)].pid, signal.SIGKILL)
     time.sleep(rng.uniform(0.0, 0.3))

@@ -25,6 +25,7 @@ from harness import (
     spawn_ranks,
     storage_fs,
     wait_all,
+    wait_for_progress,
 )
 
 pytestmark = pytest.mark.slow
@@ -49,11 +50,7 @@ def run_attempt_with_kill(spec: dict[str, Any], world_size: int, attempt: int, r
     progress = Path(spec["progress_file"])
     progress.unlink(missing_ok=True)
     procs = spawn_ranks(world_size, GENERIC_JOB, json.dumps(dict(spec, attempt=attempt)))
-    deadline = time.monotonic() + 90
-    while not progress.exists():
-        assert time.monotonic() < deadline, "the attempt never started processing"
-        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
-        time.sleep(0.02)
+    wait_for_progress(progress, procs)
     time.sleep(rng.uniform(0.0, 0.8))
     victim = rng.randrange(world_size)
     alive_before = procs[victim].poll() is None

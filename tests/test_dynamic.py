@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import (
     GENERIC_JOB,
     assert_exactly_once,
@@ -20,6 +19,7 @@ from harness import (
     run_generic,
     spawn_ranks,
     wait_all,
+    wait_for_progress,
 )
 
 pytestmark = pytest.mark.slow
@@ -68,21 +68,13 @@ def test_dynamic_under_torchrun_and_a_resume_with_the_static_schedule(tmp_path):
     assert reports[0]["result"]["already_finished"]
 
 
-def _wait_for(path: Path, procs, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, "the job never started processing"
-        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("target_rank", [0, 1])
 def test_sigterm_stops_every_rank_within_one_batch_and_a_resume_on_three_ranks_completes(tmp_path, target_rank):
     n, b = 2000, 5
     spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=7, sleep=0.02, outputs="both", kwargs=DYNAMIC,
                     progress_file=str(tmp_path / "progress"))
     procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
-    _wait_for(Path(spec["progress_file"]), procs)
+    wait_for_progress(Path(spec["progress_file"]), procs)
     time.sleep(0.5)
     sent = time.time()
     os.kill(procs[target_rank].pid, signal.SIGTERM)
@@ -132,7 +124,7 @@ def test_a_failure_makes_every_rank_raise_promptly_and_a_rerun_resumes(tmp_path,
 def test_a_killed_rank_makes_the_other_exit(tmp_path):
     spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.01, kwargs=DYNAMIC, progress_file=str(tmp_path / "progress"))
     procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
-    _wait_for(Path(spec["progress_file"]), procs)
+    wait_for_progress(Path(spec["progress_file"]), procs)
     os.kill(procs[1].pid, signal.SIGKILL)
     started = time.monotonic()
     outcomes = wait_all(procs, timeout=90)
