@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import (
     GENERIC_JOB,
     assert_exactly_once,
@@ -20,7 +19,9 @@ from harness import (
     run_generic,
     spawn_ranks,
     wait_all,
+    wait_for_progress,
 )
+
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
 
 # ----------------------------------------------------------------------------- in one process
@@ -78,14 +79,6 @@ def test_sigterm_commits_returns_preempted_and_restores_user_handler(tmp_path):
 
 # --------------------------------------------------------------------------- real processes
 
-def _wait_for(path: Path, procs, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, "the job never started processing"
-        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-        time.sleep(0.02)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("target_rank", [0, 1])
 def test_sigterm_to_one_rank_stops_all_within_one_step_and_resume_does_the_rest(tmp_path, target_rank):
@@ -93,7 +86,7 @@ def test_sigterm_to_one_rank_stops_all_within_one_step_and_resume_does_the_rest(
     spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=50, sleep=0.02, outputs="both",
                     progress_file=str(tmp_path / "progress"))
     procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
-    _wait_for(Path(spec["progress_file"]), procs)
+    wait_for_progress(Path(spec["progress_file"]), procs)
     time.sleep(0.5)
     sent = time.time()
     os.kill(procs[target_rank].pid, signal.SIGTERM)
@@ -182,7 +175,7 @@ def test_a_failed_background_record_write_on_rank_0_makes_both_ranks_raise_with_
 def test_a_killed_rank_makes_the_other_exit_promptly(tmp_path):
     spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.01, progress_file=str(tmp_path / "progress"))
     procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
-    _wait_for(Path(spec["progress_file"]), procs)
+    wait_for_progress(Path(spec["progress_file"]), procs)
     os.kill(procs[1].pid, signal.SIGKILL)
     started = time.monotonic()
     outcomes = wait_all(procs, timeout=60)

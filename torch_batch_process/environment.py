@@ -11,10 +11,20 @@ job names: a torch-free module, so that the ``tbp`` command starts in a fraction
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from typing import Any
 
-__all__ = ["DEFAULT_ROOT", "HPARAMS_ENV", "JOB_NAME_ENV", "STORAGE_ENV", "STORAGE_OPTIONS_ENV", "is_valid_job_name"]
+__all__ = [
+    "DEFAULT_ROOT",
+    "HPARAMS_ENV",
+    "JOB_NAME_ENV",
+    "STORAGE_ENV",
+    "STORAGE_OPTIONS_ENV",
+    "command_storage_options",
+    "is_valid_job_name",
+]
 
 STORAGE_ENV = "TBP_STORAGE_PATH"
 STORAGE_OPTIONS_ENV = "TBP_STORAGE_OPTIONS"
@@ -29,3 +39,19 @@ JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 def is_valid_job_name(name: Any) -> bool:
     """Whether ``name`` can name a job: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit."""
     return isinstance(name, str) and bool(JOB_NAME_PATTERN.match(name))
+
+
+def command_storage_options(given: str | None) -> dict[str, Any] | None:
+    """The storage options of a ``tbp`` command: its ``--storage-options`` JSON, else ``$TBP_STORAGE_OPTIONS``,
+    else ``None``.
+
+    Raises:
+        ValueError: the JSON is invalid or not an object (the message says which).
+    """
+    raw = given or os.environ.get(STORAGE_OPTIONS_ENV)
+    if not raw:
+        return None
+    options = json.loads(raw)
+    if not isinstance(options, dict):
+        raise ValueError(f"not a JSON object: {raw!r}")
+    return options

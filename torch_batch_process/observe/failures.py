@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
+from torch_batch_process.environment import command_storage_options
 from torch_batch_process.errors import BatchProcessError
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.layout import FAILURES_DIR
@@ -64,12 +64,15 @@ def add_failures_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_failures(args: argparse.Namespace) -> int:
     """Runs ``tbp failures``; returns the exit code (0; 1 when the storage cannot be read)."""
-    raw = args.storage_options or os.environ.get("TBP_STORAGE_OPTIONS")
     try:
-        options = json.loads(raw) if raw else None
+        options = command_storage_options(args.storage_options)
+    except ValueError as exc:
+        print(f"tbp failures: --storage-options must be a JSON object: {exc}", file=sys.stderr)
+        return 2
+    try:
         records = read_failures(args.storage_path, storage_options=options)
-    except (BatchProcessError, ValueError) as exc:
-        print(f"[tbp] error: {exc}", file=sys.stderr)
+    except BatchProcessError as exc:
+        print(f"tbp failures: {exc}", file=sys.stderr)
         return 1
     if args.json:
         for record in records:

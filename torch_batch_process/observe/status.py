@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from typing import Any
 
 from torch_batch_process.engine.records import CommitRecord
 from torch_batch_process.engine.store import JobStore
+from torch_batch_process.environment import command_storage_options
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.storage.base import Storage, open_storage
@@ -292,11 +292,8 @@ def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_status(args: argparse.Namespace) -> int:
     """Runs ``tbp status``; returns the exit code (0, or 1 when nothing can be shown)."""
-    raw = args.storage_options or os.environ.get("TBP_STORAGE_OPTIONS")
     try:
-        options = json.loads(raw) if raw else None
-        if options is not None and not isinstance(options, dict):
-            raise ValueError("not a JSON object")
+        options = command_storage_options(args.storage_options)
     except ValueError as exc:
         print(f"tbp status: --storage-options must be a JSON object: {exc}", file=sys.stderr)
         return 2
