@@ -247,6 +247,21 @@ def wait_for_progress(progress: Path, procs: list[subprocess.Popen[str]], timeou
         time.sleep(0.02)
 
 
+def committed_batches(storage: str) -> int:
+    """Batches the latest durable commit record of the job at ``storage`` lists (0 without one)."""
+    fs, root = storage_fs(storage)
+    try:
+        names = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
+    except FileNotFoundError:
+        return 0
+    for name in reversed(names):
+        try:
+            return sum(b - a for a, b in json.loads(fs.cat_file(name))["committed"])
+        except (FileNotFoundError, ValueError):  # superseded and deleted meanwhile, or being replaced
+            continue
+    return 0
+
+
 def commit_records(storage: Path) -> list[Path]:
     """The commit records currently in ``storage`` (the engine keeps the latest)."""
     return sorted((storage / "_tbp" / "commits").glob("*.json"))

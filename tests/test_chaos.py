@@ -20,6 +20,7 @@ from harness import (
     GENERIC_JOB,
     assert_exactly_once,
     buffered_values,
+    committed_batches,
     per_batch_values,
     read_reports,
     spawn_ranks,
@@ -32,17 +33,6 @@ pytestmark = pytest.mark.slow
 
 N, BATCH = 3000, 10
 WORLD_SIZES = [2, 3, 1, 2]
-
-
-def committed_batches(storage: str) -> int:
-    fs, root = storage_fs(storage)
-    try:
-        records = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
-    except FileNotFoundError:
-        records = []
-    if not records:
-        return 0
-    return sum(b - a for a, b in json.loads(fs.cat_file(records[-1]))["committed"])
 
 
 def run_attempt_with_kill(spec: dict[str, Any], world_size: int, attempt: int, rng: random.Random) -> dict[str, Any]:

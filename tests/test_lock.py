@@ -23,6 +23,7 @@ from harness import (
     GENERIC_JOB,
     assert_exactly_once,
     base_env,
+    committed_batches,
     committed_values,
     read_reports,
     start_process,
@@ -30,8 +31,8 @@ from harness import (
 )
 
 from torch_batch_process.errors import JobLockedError
-from torch_batch_process.storage.layout import LEASE_FILE
 from torch_batch_process.storage.base import open_storage as Storage
+from torch_batch_process.storage.layout import LEASE_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -75,21 +76,6 @@ def hold(spec: dict[str, Any], attempt: int, **kwargs: Any) -> subprocess.Popen:
         assert time.monotonic() < deadline, "the job's first commit record never appeared"
         time.sleep(0.02)
     return proc
-
-
-def committed_batches(storage: str) -> int:
-    """Batches the latest durable commit record of the job at ``storage`` lists (0 without one)."""
-    fs, root = storage_fs(storage)
-    try:
-        names = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
-    except FileNotFoundError:
-        return 0
-    for name in reversed(names):
-        try:
-            return sum(b - a for a, b in json.loads(fs.cat_file(name))["committed"])
-        except (FileNotFoundError, ValueError):  # superseded and deleted meanwhile, or being replaced
-            continue
-    return 0
 
 
 def open_gate(spec: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ import pytest
 from harness import (
     JOBS,
     assert_exactly_once,
+    committed_batches,
     read_outputs,
     read_reports,
     spawn_ranks,
@@ -257,21 +258,12 @@ def test_a_refused_job_leaves_storage_unchanged_even_after_counting(tmp_path: Pa
 # ====================================================================== several processes, kill -9
 
 
-def _committed(storage: str) -> int:
-    fs, root = storage_fs(storage)
-    try:
-        records = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
-    except FileNotFoundError:
-        return 0
-    return sum(b - a for a, b in json.loads(fs.cat_file(records[-1]))["committed"]) if records else 0
-
-
 def _attempt_killed(spec: dict[str, Any], world_size: int, attempt: int, rng: random.Random, total: int) -> None:
     """Starts an attempt, waits until it has committed something, SIGKILLs one rank at a random moment."""
-    before = _committed(spec["storage"])
+    before = committed_batches(spec["storage"])
     procs = spawn_ranks(world_size, STREAM_JOB, json.dumps(dict(spec, attempt=attempt)))
     deadline = time.monotonic() + 120
-    while _committed(spec["storage"]) <= before:
+    while committed_batches(spec["storage"]) <= before:
         assert time.monotonic() < deadline, "the attempt never committed"
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
         time.sleep(0.05)
@@ -282,7 +274,7 @@ def _attempt_killed(spec: dict[str, Any], world_size: int, attempt: int, rng: ra
     outcomes = wait_all(procs, timeout=90)  # the survivors notice and exit, never hang
     assert all(rc is not None for rc, _, _ in outcomes), "a surviving rank hung"
     assert outcomes[victim][0] == -signal.SIGKILL
-    assert _committed(spec["storage"]) < total, "the job finished before the kill"
+    assert committed_batches(spec["storage"]) < total, "the job finished before the kill"
 
 
 def run_kill_resume(
