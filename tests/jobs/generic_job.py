@@ -67,6 +67,7 @@ class Processor(TorchBatchProcessor):
         self.finishes = 0
         self.buffer = []
         self.flushes = 0
+        self.blocked = False
         self.hparams = context.get_hparams()
         self.fn_sum = context.wrap_reducer(lambda values: sum(values), name="sum_fn")
         self.cls_sum = context.wrap_reducer(SumReducer())
@@ -93,7 +94,9 @@ class Processor(TorchBatchProcessor):
                 (path / f"batch_{batch_idx}.json").write_text(json.dumps(values))
         if mode in ("buffered", "both"):
             self.buffer.extend(values)
-        if batch_idx == SPEC.get("block_records_at") and self.rank == 0:
+        # ">=" and once: under schedule="dynamic" rank 0 may never take the very batch named
+        if self.rank == 0 and not self.blocked and batch_idx >= SPEC.get("block_records_at", float("inf")):
+            self.blocked = True
             _block_record_writes()
         if batch_idx == SPEC.get("fail_batch") and self.rank == SPEC.get("fail_rank", self.rank):
             raise RuntimeError(f"failure at batch {batch_idx} on rank {self.rank}")
