@@ -135,7 +135,10 @@ def _block_record_writes():
     commits = Path(SPEC["storage"], "_tbp", "commits")
     numbers = [int(p.stem) for p in commits.glob("*.json") if p.stem.isdigit()]
     for number in range(max(numbers, default=0) + 1, max(numbers, default=0) + 500):
-        (commits / f"{number:08d}.json").mkdir(parents=True, exist_ok=True)
+        try:
+            (commits / f"{number:08d}.json").mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # written by rank 0's background thread meanwhile: the next ones are blocked
 
 
 def _wait_at_gate():
