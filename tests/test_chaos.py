@@ -72,7 +72,8 @@ def test_kill9_chaos_exactly_once(tmp_path, seed):
 
 @pytest.mark.parametrize("seed", [5, 6])
 def test_kill9_chaos_exactly_once_dynamic(tmp_path, seed):
-    run_chaos(tmp_path, str(tmp_path / "storage"), seed, intervals=[1, 3, 7], schedule="dynamic")
+    # slower batches: the survivors of a kill go on for up to 0.5 s, which must not finish the job
+    run_chaos(tmp_path, str(tmp_path / "storage"), seed, intervals=[1, 3, 7], schedule="dynamic", sleep=0.04)
 
 
 @pytest.mark.s3
@@ -81,14 +82,16 @@ def test_kill9_chaos_exactly_once_on_s3(tmp_path, s3_url, schedule):
     run_chaos(tmp_path, s3_url, 4, intervals=[3, 7], n=1000, schedule=schedule)  # shorter: many HTTP requests per commit
 
 
-def run_chaos(tmp_path: Path, storage: str, seed: int, intervals: list[int], n: int = N, schedule: str = "static") -> None:
+def run_chaos(
+    tmp_path: Path, storage: str, seed: int, intervals: list[int], n: int = N, schedule: str = "static", sleep: float = 0.01
+) -> None:
     rng = random.Random(seed)
     spec = {
         "kwargs": {"schedule": schedule},
         "n": n,
         "batch_size": BATCH,
         "checkpoint_interval": rng.choice(intervals),
-        "sleep": 0.01,
+        "sleep": sleep,
         "outputs": "both",
         "storage": storage,
         "report_dir": str(tmp_path / "reports"),
