@@ -1,7 +1,8 @@
-"""Background work of one rank: writing commit records and publishing stages off the critical path.
+"""Background work of one rank: publishing its stages off the critical path.
 
-One thread runs the tasks in submission order (a record is never written before the previous one,
-a stage is never published before the record that covers it, see :mod:`torch_batch_process.engine.loop`).
+One thread runs the tasks in submission order (stages are published in order; a publication is queued only
+once the record that covers it is durable, see :mod:`torch_batch_process.engine.committer`; rank 0's records
+are written by :mod:`torch_batch_process.engine.group_commit`).
 Errors are not lost: :meth:`BackgroundWork.check` (called before every vote, without waiting)
 raises the first error of a finished task, so it fails the job cooperatively like any other error
 of that rank; :meth:`BackgroundWork.settle` waits for everything.
@@ -34,17 +35,20 @@ class BackgroundWork:
         return future
 
     def check(self) -> None:
-        """Raises the first error of the tasks finished so far; forgets the ones that succeeded. Never waits."""
-        still = []
-        for what, future in self._pending:
+        """Raises the first error of the tasks finished so far; forgets the ones that succeeded. Never waits.
+
+        Tasks finish in submission order (one thread), so only the finished head of the queue is looked at: this
+        runs after every batch."""
+        done = 0
+        for _, future in self._pending:
             if not future.done():
-                still.append((what, future))
-                continue
-            exc = future.exception()
-            if exc is not None:
-                self._pending = still + [item for item in self._pending if not item[1].done()]
-                raise exc
-        self._pending = still
+                break
+            error = future.exception()
+            if error is not None:
+                del self._pending[: done + 1]
+                raise error
+            done += 1
+        del self._pending[:done]
 
     def settle(self) -> None:
         """Waits for every queued task; raises the first error."""

@@ -20,7 +20,8 @@ moves to ``outputs/commit_<s>/rank_<r>``; one rename locally) and rank 0 deletes
 **How votes travel** (:mod:`torch_batch_process.engine.votes`): with ``schedule="static"`` all ranks commit
 at the same step; their votes are gathered asynchronously and the commit completes at the next step
 boundary, where rank 0 queues the record write on its background thread and tells (in its next vote) which
-records are durable. With ``schedule="dynamic"`` every rank commits on its own, after each
+records are durable; records that queue up are written as one group commit
+(:mod:`torch_batch_process.engine.group_commit`). With ``schedule="dynamic"`` every rank commits on its own, after each
 ``checkpoint_interval`` of *its* batches: votes go into a queue in the rendezvous store, rank 0's collector
 thread merges and writes records as votes arrive and acknowledges them per rank through the store; no rank
 ever waits for another at a commit. A single process takes the static path, whose exchanges are then local.
@@ -52,6 +53,7 @@ from torch_batch_process.engine.agreement import FailureInfo, FailureTracker
 from torch_batch_process.engine.background import BackgroundWork
 from torch_batch_process.engine.collector import VoteCollector
 from torch_batch_process.engine.distributed import Collectives, PendingGather
+from torch_batch_process.engine.group_commit import RecordWrites
 from torch_batch_process.engine.keeper import PreparedRecord, RecordKeeper, Summary
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.engine.store import JobStore
@@ -65,10 +67,6 @@ from torch_batch_process.reducers import ReducerRegistry
 __all__ = ["Committer", "Outcome", "Part"]
 
 logger = logging.getLogger(__name__)
-
-MAX_RECORDS_IN_FLIGHT = 4
-"""Static schedule: rank 0 waits when this many record writes are still queued (slow storage)."""
-
 
 class Part:
     """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase."""
@@ -157,12 +155,12 @@ class Committer:
         self.part = Part()
         self.stage = first_stage
         self._stager.advance(first_stage)
-        self._background = BackgroundWork()  # publications, and rank 0's record writes (static), in order
+        self._background = BackgroundWork()  # publications of this rank's stages, in order
         self._pending: _Pending | None = None
-        self._records: list[tuple[int, Any]] = []  # rank 0, static: records being written (number, future)
-        self._durable = keeper.number if keeper else 0  # rank 0, static: records up to this one are durable
+        self._writes = RecordWrites(keeper) if keeper is not None and queue is None else None  # rank 0, static
         self._voted: list[tuple[int, bool]] = []  # (stage, has files) of this rank's committed votes, in order
         self._published = 0  # how many of them are published (or being published)
+        self._prepared: set[int] = set()  # stages whose folder is made ahead
         self._collector: VoteCollector | None = None  # rank 0, dynamic: writes the records of queued votes
         if queue is not None and keeper is not None:
             self._collector = VoteCollector(queue, keeper, on_background_error)
@@ -200,10 +198,10 @@ class Committer:
         self._voted.append((pending.stage, pending.has_files))
         self._publish(bisect.bisect_right([stage for stage, _ in self._voted], votes[0].durable))
         metrics = None
-        if self._keeper is not None:
+        if self._keeper is not None and self._writes is not None:
             prepared = self._keeper.prepare(self._keeper.merge(votes))
             metrics = prepared.metrics
-            self._write_in_background(prepared)
+            self._writes.put(prepared)
         self._observe(votes, metrics)
         self.part.timings["commit"] += time.perf_counter() - t0
         return any(v.preempt for v in votes)
@@ -244,6 +242,10 @@ class Committer:
             except Exception as exc:  # noqa: BLE001 - travels in the vote
                 self._failures.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
         has_files = self._stager.has_files
+        if self.stage in self._prepared:  # its folder was made ahead for files that may not have come
+            self._prepared.discard(self.stage)
+            if not has_files:
+                self._background.submit(f"removing the empty folder of stage {self.stage}", self._store.remove_empty_stage, self.stage, self.rank)
         part, self.part = self.part, Part()
         vote = Vote(
             rank=self.rank,
@@ -256,13 +258,16 @@ class Committer:
             timings=part.timings,
             failure=self._failures.info,
             slots=slots if closing else None,
-            durable=self._durable if self._keeper is not None else -1,
+            durable=self._writes.durable if self._writes is not None else -1,
             queued=self._queue.queued if self._queue is not None else 0,
             extra={"failed": part.failed} if part.failed else {},
         )
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()
             self._stager.advance(self.stage)
+            if has_files and not closing:  # this rank writes files: make the next stage's folder off the critical path
+                self._prepared.add(self.stage)
+                self._background.submit(f"making the folder of stage {self.stage}", self._stager.prepare_stage_folder, self.stage)
         return vote
 
     def _next_stage(self) -> int:
@@ -308,11 +313,13 @@ class Committer:
         if self._collector is not None:
             self._collector.stop(expected=sum(v.queued for v in votes))
             self._collector = None
-        self._background.settle()  # static: queued record writes
-        self._records_durable()
+        if self._writes is not None:
+            self._writes.settle()  # static: queued record writes
+        self._background.settle()
         prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=[v.slots for v in votes])
         keeper.persist(prepared)
-        self._durable = prepared.record.commit
+        if self._writes is not None:
+            self._writes.durable = prepared.record.commit
         return prepared.metrics, keeper.summary
 
     # ------------------------------------------------------------ failures
@@ -332,12 +339,14 @@ class Committer:
             if self._collector is not None:
                 collector, self._collector = self._collector, None
                 collector.stop(expected=None)
+            if self._writes is not None:
+                self._writes.settle()
             self._background.settle()
             settled = True
         except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
             logger.warning("rank %d: completing earlier commits failed: %s", self.rank, exc)
             settled = False
-        marks = self._coll.all_gather((settled, self._newest_durable() if self._keeper is not None else -1))
+        marks = self._coll.all_gather((settled, self._writes.newest_durable() if self._writes is not None else -1))
         if all(done for done, _ in marks):  # every record write rank 0 queued or took has ended
             if self._queue is not None:
                 durable = self._queue.acknowledged()  # acknowledged only once their record is durable
@@ -362,46 +371,25 @@ class Committer:
         self._background.check()
         if self._collector is not None:
             self._collector.check()
-        if self._keeper is not None and self._queue is None:
-            self._records_durable()
+        if self._writes is not None:
+            self._writes.advance()
 
     # ------------------------------------------------------------ static records and publication
-
-    def _write_in_background(self, prepared: PreparedRecord) -> None:
-        """Rank 0: queues the record write; waits only when several are still queued (slow storage)."""
-        assert self._keeper is not None
-        while len(self._records) >= MAX_RECORDS_IN_FLIGHT:
-            self._records[0][1].result()
-            self._records_durable()
-        future = self._background.submit(f"writing commit record {prepared.record.commit}", self._keeper.persist, prepared)
-        self._records.append((prepared.record.commit, future))
-
-    def _records_durable(self) -> None:
-        """Rank 0: advances the durable mark over the record writes that finished (never waits)."""
-        while self._records and self._records[0][1].done():
-            number, future = self._records[0]
-            if future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
-            self._records.pop(0)
-            self._durable = number
-
-    def _newest_durable(self) -> int:
-        """Rank 0: the number of the newest record written so far (records are cumulative: it covers every
-        stage up to its number, whatever happened to the writes before it). Never waits."""
-        for number, future in self._records:
-            if future.done() and future.exception() is None:
-                self._durable = max(self._durable, number)
-        return self._durable
 
     def _publish(self, durable: int, *, wait: bool = False) -> None:
         """Publishes this rank's first ``durable`` committed stages (those not published yet), in the
         background unless ``wait``."""
-        for stage, has_files in self._voted[self._published : durable]:
-            if has_files:
-                self._background.submit(f"publishing the outputs of stage {stage}", self._store.publish, stage, self.rank)
+        stages = [stage for stage, has_files in self._voted[self._published : durable] if has_files]
+        if stages:
+            what = f"publishing the outputs of stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+            self._background.submit(what, self._publish_stages, stages)
         self._published = max(self._published, durable)
         if wait:
             self._background.settle()
+
+    def _publish_stages(self, stages: list[int]) -> None:
+        for stage in stages:
+            self._store.publish(stage, self.rank, sole=self._coll.world_size == 1)
 
     # ------------------------------------------------------------ end
 
@@ -413,4 +401,6 @@ class Committer:
                 collector.stop(expected=None)
             except Exception as exc:  # noqa: BLE001 - leaving anyway; the next start repairs
                 logger.warning("rank 0: stopping the vote collector failed: %s", exc)
+        if self._writes is not None:
+            self._writes.close()
         self._background.close()

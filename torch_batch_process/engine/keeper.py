@@ -236,17 +236,19 @@ class RecordKeeper:
         frozen = [self._store.load_state(rel)["reducers"] for rel in self.frozen]
         return self._reducers.cross_slot_reduce(frozen + live)
 
-    def persist(self, prepared: PreparedRecord) -> None:
-        """Writes a prepared record (the commit point), then its lines, the result and the clean-up."""
-        record = prepared.record
+    def persist(self, *prepared: PreparedRecord) -> None:
+        """Writes prepared records as one group commit: only the newest is written (records are cumulative, it
+        commits everything the others would), then every record's lines, the result and the clean-up."""
+        record = prepared[-1].record
         if self._lock is not None:
             self._lock.check()
         self._store.write_record(record)
         try:
-            self._metrics_log.append(prepared.lines, commit=record.commit, attempt=self._attempt)
-            if prepared.result is not None:
-                self._store.write_result(prepared.result)
-            self._store.collect_garbage(record, self.last_record)
+            for each in prepared:
+                self._metrics_log.append(each.lines, commit=each.record.commit, attempt=self._attempt)
+            if prepared[-1].result is not None:
+                self._store.write_result(prepared[-1].result)
+            self._store.collect_garbage(record, self.last_record, skipped=[each.record for each in prepared[:-1]])
         except Exception as exc:  # noqa: BLE001 - the commit is durable; these are conveniences
             logger.warning("commit %d is durable, but writing its metrics or cleaning up failed: %s", record.commit, exc)
         self.last_record = record

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from torch_batch_process.engine.records import CommitRecord, JobInfo, parse_json
@@ -195,9 +196,16 @@ class JobStore:
     def write_result(self, result: dict[str, Any]) -> None:
         self.storage.write_json(RESULT_FILE, result)
 
-    def publish(self, stage: int, rank: int | None = None) -> None:
+    def publish(self, stage: int, rank: int | None = None, *, sole: bool = False) -> None:
         """Moves the staged files of ``stage`` (one rank's, or all of it) into ``outputs/``, and their failure
-        records into ``failures/``; idempotent."""
+        records into ``failures/``; idempotent. ``sole``: ``rank`` is the only rank of the stage (one process),
+        so the stage's folder moves whole, with one rename and no folder made or removed."""
+        if rank is not None and sole:
+            self.storage.move(f"{staging_dir(stage, rank)}/{STAGED_FAILURES_NAME}", failures_file(stage, rank))
+            self.storage.remove_empty_folder(staging_dir(stage, rank))  # a stage with failures only
+            self.storage.remove_empty_folder(staging_dir(stage))
+            self.storage.move(staging_dir(stage), outputs_dir(stage))
+            return
         ranks = [rank] if rank is not None else [
             int(name[len("rank_") :]) for name in self.storage.list(staging_dir(stage)) if name.startswith("rank_")
         ]
@@ -205,6 +213,11 @@ class JobStore:
             self.storage.move(f"{staging_dir(stage, r)}/{STAGED_FAILURES_NAME}", failures_file(stage, r))
             self.storage.remove_empty_folder(staging_dir(stage, r))  # a stage with failures only
             self.storage.move(staging_dir(stage, r), outputs_dir(stage, r))
+        self.storage.remove_empty_folder(staging_dir(stage))
+
+    def remove_empty_stage(self, stage: int, rank: int) -> None:
+        """Removes a rank's stage folder that no file came to (and the stage's folder once empty)."""
+        self.storage.remove_empty_folder(staging_dir(stage, rank))
         self.storage.remove_empty_folder(staging_dir(stage))
 
     # -------------------------------------------------------------- maintenance
@@ -241,16 +254,21 @@ class JobStore:
             if TMP_MARKER in name:
                 self.storage.delete(f"{INTERNAL_DIR}/{name}")
 
-    def collect_garbage(self, record: CommitRecord, previous: CommitRecord | None) -> None:
-        """Deletes what ``record`` supersedes: the previous record and its state files no longer needed.
+    def collect_garbage(self, record: CommitRecord, previous: CommitRecord | None, skipped: Sequence[CommitRecord] = ()) -> None:
+        """Deletes what ``record`` supersedes: the previous record and the state files it no longer needs (also
+        those of ``skipped``: records of the same group commit that were never written).
 
         One bulk delete on object stores, no listing (older leftovers are removed by :meth:`repair` at the
         start of an attempt).
         """
-        if previous is None:
+        earlier = set().union(*(r.referenced_files() for r in skipped)) if skipped else set()
+        if previous is not None:
+            earlier |= previous.referenced_files()
+        doomed = sorted(earlier - record.referenced_files())
+        files = [*doomed, record_file(previous.commit)] if previous is not None else doomed
+        if not files:
             return
-        doomed = sorted(previous.referenced_files() - record.referenced_files())
-        self.storage.delete_files([*doomed, record_file(previous.commit)])
+        self.storage.delete_files(files)
         for folder in sorted({rel.rsplit("/", 1)[0] for rel in doomed}):
             self.storage.remove_empty_folder(folder)  # once the other ranks' files of the stage are gone too
 

@@ -57,9 +57,10 @@ class OutputStager:
         self.files = 0
         self.bytes = 0
         self._writers: list[Any] = []  # record writers (outputs/records.py): sealed before each commit
-        self._held: list[tuple[Path, list[Path], list[str], bool]] | None = None  # blocks of the running batch
+        self._held: list[tuple[Path, list[str], list[str], bool]] | None = None  # blocks of the running batch
         self._prefix = ""
         self._failures: list[str] = []  # JSON lines of the current stage's failure records
+        self._stage_dir = staging_dir(0, rank)  # this rank's folder of the current stage
 
     @property
     def storage(self) -> Storage:
@@ -79,8 +80,14 @@ class OutputStager:
     def advance(self, stage: int) -> None:
         """Starts collecting for ``stage`` (the previous one is committed or being committed)."""
         self.stage = stage
+        self._stage_dir = staging_dir(stage, self._rank)
         self._names = set()
         self._failures = []
+
+    def prepare_stage_folder(self, stage: int) -> None:
+        """Makes this rank's folder of ``stage`` ahead of its first file (from a background thread: making folders
+        takes milliseconds on some filesystems)."""
+        self._sink.prepare(staging_dir(stage, self._rank))
 
     @property
     def has_files(self) -> bool:
@@ -130,7 +137,7 @@ class OutputStager:
             else:
                 shutil.rmtree(folder, ignore_errors=True)
 
-    def add_file(self, local_file: Path, name: str) -> None:
+    def add_file(self, local_file: str | os.PathLike[str], name: str) -> None:
         """Adds a finished local file (e.g. a record shard) to the current stage as ``name``; it is moved away."""
         self._check_names([name])
         self._add(local_file, name)
@@ -143,9 +150,9 @@ class OutputStager:
 
     def _seal(self, folder: Path) -> bool:
         """Moves the block's files into the stage; returns True when that left ``folder`` empty."""
-        files, has_dirs = _list_files(folder)
-        names = [p.relative_to(folder).as_posix() for p in files]
-        self._check_names(names)
+        files, names, has_dirs = _list_files(folder)
+        if not self._names.isdisjoint(names):  # the common case (disjoint) is checked without building sets
+            self._check_names(names)
         for path, name in zip(files, names, strict=True):
             self._add(path, name)
         return not has_dirs
@@ -153,8 +160,8 @@ class OutputStager:
     def _hold_block(self, folder: Path) -> None:
         assert self._held is not None
         try:
-            files, has_dirs = _list_files(folder)
-            names = [self._prefix + p.relative_to(folder).as_posix() for p in files]
+            files, names, has_dirs = _list_files(folder)
+            names = [self._prefix + name for name in names]
             self._check_names(names, held=True)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
@@ -170,11 +177,11 @@ class OutputStager:
                 "writing it again would overwrite it. Give each output file a unique name (e.g. include batch_idx)."
             )
 
-    def _add(self, path: Path, name: str) -> None:
+    def _add(self, path: str | os.PathLike[str], name: str) -> None:
         self.files += 1
-        self.bytes += path.lstat().st_size
+        self.bytes += os.lstat(path).st_size
         self._names.add(name)
-        self._sink.add(path, f"{staging_dir(self.stage, self._rank)}/{name}")
+        self._sink.add(path, f"{self._stage_dir}/{name}")
 
     def flush(self) -> None:
         """Writes the stage's failure records, then waits until every file of the current stage is in storage;
@@ -201,17 +208,20 @@ class OutputStager:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _list_files(folder: Path) -> tuple[list[Path], bool]:
-    """The files (and symlinks) below ``folder``, sorted, and whether it holds any sub-folder."""
-    files: list[Path] = []
+def _list_files(folder: Path) -> tuple[list[str], list[str], bool]:
+    """The files (and symlinks) below ``folder`` sorted by name: their paths, their names relative to ``folder``
+    (``/``-separated), and whether ``folder`` holds any sub-folder. Strings, not pathlib: this runs per batch."""
+    found: list[tuple[str, str]] = []
     has_dirs = False
-    pending = [folder]
+    pending = [(os.fspath(folder), "")]
     while pending:
-        with os.scandir(pending.pop()) as entries:
+        directory, prefix = pending.pop()
+        with os.scandir(directory) as entries:
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
                     has_dirs = True
-                    pending.append(Path(entry.path))
+                    pending.append((entry.path, f"{prefix}{entry.name}/"))
                 else:
-                    files.append(Path(entry.path))
-    return sorted(files), has_dirs
+                    found.append((f"{prefix}{entry.name}", entry.path))
+    found.sort()
+    return [path for _, path in found], [name for name, _ in found], has_dirs

@@ -162,8 +162,12 @@ class FileSink(abc.ABC):
     """Stores local files at paths of a storage: at once (a rename) or in the background (an upload)."""
 
     @abc.abstractmethod
-    def add(self, local_file: Path, rel: str) -> None:
+    def add(self, local_file: str | os.PathLike[str], rel: str) -> None:
         """Takes ``local_file`` (it is moved away or deleted once stored) to be stored at ``rel``."""
+
+    def prepare(self, rel_folder: str) -> None:  # noqa: B027 - optional: most sinks need nothing
+        """Readies ``rel_folder`` for files to come (called ahead of time, from a background thread); a sink
+        whose folders cost nothing to make does nothing."""
 
     @abc.abstractmethod
     def flush(self) -> None:

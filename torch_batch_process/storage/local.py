@@ -154,6 +154,11 @@ class LocalStorage(Storage):
 
     def _move(self, source: str, target: str) -> None:
         try:
+            os.rename(source, target)  # the common case: one syscall (a target that is an empty folder is replaced)
+            return
+        except OSError:
+            pass  # missing source or target folder, a non-empty target folder: the general path below
+        try:
             if not os.path.exists(source):
                 return
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -228,7 +233,7 @@ class _RenameSink(FileSink):
         self._storage = storage
         self._made: set[str] = set()  # parent folders known to exist: making folders costs syscalls per file
 
-    def add(self, local_file: Path, rel: str) -> None:
+    def add(self, local_file: str | os.PathLike[str], rel: str) -> None:
         target = self._storage.path(rel)
         parent = os.path.dirname(target)
         try:
@@ -238,6 +243,14 @@ class _RenameSink(FileSink):
             os.rename(local_file, target)
         except OSError as exc:
             raise self._storage._error(f"write {rel!r}", exc) from exc
+
+    def prepare(self, rel_folder: str) -> None:
+        folder = self._storage.path(rel_folder)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError:
+            return  # add() makes it, or says why it cannot
+        self._made.add(folder)
 
     def flush(self) -> None:
         self._made.clear()  # the next commit's folders are new

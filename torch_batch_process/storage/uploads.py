@@ -36,7 +36,7 @@ class UploadSink(FileSink):
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
 
-    def add(self, local_file: Path, rel: str) -> None:
+    def add(self, local_file: str | os.PathLike[str], rel: str) -> None:
         # Out of the caller's folder at once (a rename: same temporary tree), so the folder can be reused.
         spool = self._storage.scratch_root() / f"spool-{uuid.uuid4().hex}"
         os.rename(local_file, spool)

@@ -1,0 +1,133 @@
+"""Rank 0's record writes under the static schedule: on a thread of their own, as group commits.
+
+A commit's record is prepared on the main thread at the step boundary where its votes arrived and written by
+a writer thread. When commits come faster than records can usefully be written (sub-millisecond batches, slow
+object stores), the records that wait are written as one: records are cumulative, so the newest of them
+commits everything the others would, and writing it alone makes them all durable (a *group commit*, as
+databases do with their logs). Two writes start at least :data:`RECORD_SPACING_S` apart: on local disks a
+record costs a few milliseconds of ``fsync`` and journal work, which at hundreds of commits per second would
+be most of a job's time. The price is that a record may become durable up to that long after its commit; a
+``kill -9`` then loses that much more work, which the next start does again. Exactly-once output is
+unchanged: a stage is published only once a record that covers it is durable, and publications (on the
+rank's other background thread) are queued only then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from torch_batch_process.engine.keeper import PreparedRecord, RecordKeeper
+
+__all__ = ["MAX_RECORDS_WAITING", "RECORD_SPACING_S", "RecordWrites"]
+
+logger = logging.getLogger(__name__)
+
+RECORD_SPACING_S = 0.05
+"""The least time between the starts of two record writes; commits made meanwhile share the next write."""
+
+MAX_RECORDS_WAITING = 256
+"""Rank 0 waits at a commit when this many prepared records wait for a write (storage slower than commits)."""
+
+
+class RecordWrites:
+    """Rank 0's prepared records (static schedule), written by a thread of their own as group commits.
+
+    Errors never leave the writer thread on their own: :meth:`advance` (called before every vote) raises the
+    error of a failed write on the main thread, so it travels in the votes like any other failure.
+
+    Args:
+        keeper: rank 0's record keeper (writes a group of records).
+        spacing_s: the least time between the starts of two writes.
+    """
+
+    def __init__(self, keeper: RecordKeeper, spacing_s: float = RECORD_SPACING_S) -> None:
+        self._keeper = keeper
+        self._spacing_s = spacing_s
+        self._cond = threading.Condition()
+        self._unwritten: list[PreparedRecord] = []  # prepared, not taken by a write yet
+        self._writing = False
+        self._hurry = False  # settle() waits: write without spacing
+        self._closed = False
+        self._error: BaseException | None = None
+        self._written = keeper.number  # the newest record written
+        self._thread: threading.Thread | None = None
+        self.durable = keeper.number
+        """The newest record known durable on the main thread (it covers every stage up to its number)."""
+
+    def put(self, prepared: PreparedRecord) -> None:
+        """Queues a record for the writer; waits only when :data:`MAX_RECORDS_WAITING` records wait already.
+        Never raises for a failed write (see :meth:`advance`)."""
+        with self._cond:
+            while len(self._unwritten) >= MAX_RECORDS_WAITING and self._error is None:
+                self._cond.wait(1.0)
+            if self._error is not None:
+                return  # the job fails at the next check; this record is never written
+            self._unwritten.append(prepared)
+            self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tbp-records", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        """The writer: waits for records, keeps the spacing, writes everything waiting as one record."""
+        last_start = float("-inf")
+        while True:
+            with self._cond:
+                while not self._unwritten and not self._closed:
+                    self._cond.wait()
+                if not self._unwritten:
+                    return
+                deadline = last_start + self._spacing_s
+                while not self._hurry and not self._closed and time.monotonic() < deadline:
+                    self._cond.wait(deadline - time.monotonic())
+                group, self._unwritten = self._unwritten, []
+                self._writing = True
+            last_start = time.monotonic()
+            try:
+                self._keeper.persist(*group)
+            except BaseException as exc:  # noqa: BLE001 - raised on the main thread by advance()
+                with self._cond:
+                    self._error, self._writing = exc, False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._written, self._writing = group[-1].record.commit, False
+                self._cond.notify_all()
+
+    def advance(self) -> None:
+        """Advances :attr:`durable` over the records written; raises the error of a failed write. Never waits."""
+        if self._error is not None:
+            raise self._error
+        self.durable = max(self.durable, self._written)
+
+    def newest_durable(self) -> int:
+        """The newest record written so far, whatever happened to later writes (records are cumulative: it
+        covers every stage up to its number). Never waits, never raises."""
+        self.durable = max(self.durable, self._written)
+        return self.durable
+
+    def settle(self, timeout: float = 600.0) -> None:
+        """Writes every queued record now (no spacing) and waits for it; raises the error of a failed write."""
+        with self._cond:
+            self._hurry = True
+            self._cond.notify_all()
+            ended = self._cond.wait_for(lambda: self._error is not None or not (self._unwritten or self._writing), timeout)
+            self._hurry = False
+        if not ended:
+            raise TimeoutError(f"writing commit records took more than {timeout:.0f} s")
+        self.advance()
+
+    def close(self) -> None:
+        """Writes what is queued (logging an error: the caller is leaving and the next start repairs), then
+        stops the thread."""
+        try:
+            self.settle()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("rank 0: writing the last commit records failed: %s", exc)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
