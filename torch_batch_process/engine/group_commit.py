@@ -100,7 +100,7 @@ class RecordWrites:
         """Advances :attr:`durable` over the records written; raises the error of a failed write. Never waits."""
         if self._error is not None:
             raise self._error
-        self.durable = max(self.durable, self._written)
+        self.newest_durable()
 
     def newest_durable(self) -> int:
         """The newest record written so far, whatever happened to later writes (records are cumulative: it

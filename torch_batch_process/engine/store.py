@@ -202,8 +202,7 @@ class JobStore:
         so the stage's folder moves whole, with one rename and no folder made or removed."""
         if rank is not None and sole:
             self.storage.move(f"{staging_dir(stage, rank)}/{STAGED_FAILURES_NAME}", failures_file(stage, rank))
-            self.storage.remove_empty_folder(staging_dir(stage, rank))  # a stage with failures only
-            self.storage.remove_empty_folder(staging_dir(stage))
+            self.remove_empty_stage(stage, rank)  # a stage with failures only
             self.storage.move(staging_dir(stage), outputs_dir(stage))
             return
         ranks = [rank] if rank is not None else [
@@ -261,7 +260,7 @@ class JobStore:
         One bulk delete on object stores, no listing (older leftovers are removed by :meth:`repair` at the
         start of an attempt).
         """
-        earlier = set().union(*(r.referenced_files() for r in skipped)) if skipped else set()
+        earlier: set[str] = set().union(*(r.referenced_files() for r in skipped))
         if previous is not None:
             earlier |= previous.referenced_files()
         doomed = sorted(earlier - record.referenced_files())
