@@ -106,12 +106,26 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[i
         try:
             out, err = proc.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            out, err = stop_with_stacks(proc)
             results.append((None, out, err))
             continue
         results.append((proc.returncode, out, err))
     return results
+
+
+def stop_with_stacks(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Kills a process that overran, after asking it for the stacks of its threads (the test jobs dump them
+    on SIGUSR1 with :mod:`faulthandler`), so that a hang shows where it hung; returns its output."""
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+        out, err = proc.communicate(timeout=5)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        out, err = "", ""
+    if proc.poll() is None or not err:
+        os.killpg(proc.pid, signal.SIGKILL)
+        more_out, more_err = proc.communicate()
+        out, err = out + more_out, err + more_err
+    return out, err
 
 
 def job_spec(tmp_path: Path, **spec: Any) -> dict[str, Any]:

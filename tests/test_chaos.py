@@ -54,7 +54,8 @@ def run_attempt_with_kill(spec: dict[str, Any], world_size: int, attempt: int, r
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
     outcomes = wait_all(procs, timeout=60)  # the survivors must notice and exit, not hang
-    assert all(rc is not None for rc, _, _ in outcomes), "a surviving rank hung after its peer was killed"
+    hung = {rank: err[-12000:] for rank, (rc, _, err) in enumerate(outcomes) if rc is None}
+    assert not hung, f"a surviving rank hung after rank {victim} was killed; their stacks and logs: {hung}"
     return {
         "victim": victim,
         "alive_before": alive_before,

@@ -7,6 +7,7 @@ Without ``storage`` in the spec the storage path comes from the environment (``t
 restart count), for tests that kill workers.
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import torch
 from torch_batch_process import MetricReducer, TorchBatchProcessor, torch_batch_process
 
 SPEC = json.loads(sys.argv[1])
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for the stacks
 
 
 class RangeDataset(torch.utils.data.Dataset):
