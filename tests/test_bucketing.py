@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from torch_batch_process.engine.bucket_options import resolve_lengths, validate_bucket_options
 from torch_batch_process.engine.bucketing import (
     BucketLayout,
     bucket_layout,
     contiguous_padded_tokens,
     layout_fingerprint,
-    resolve_lengths,
-    validate_bucket_options,
 )
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.lengths import column_lengths, tokenized_lengths

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch_batch_process.engine.bucketing import DEFAULT_BUCKET_WINDOW
+from torch_batch_process.engine.bucket_options import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import JobRun
 from torch_batch_process.failure_options import validate_failure_options

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from torch_batch_process.engine.bucketing import DEFAULT_BUCKET_WINDOW, resolve_lengths, validate_bucket_options
+from torch_batch_process.engine.bucket_options import DEFAULT_BUCKET_WINDOW, resolve_lengths, validate_bucket_options
 from torch_batch_process.environment import (
     DEFAULT_ROOT,
     JOB_NAME_ENV,

@@ -22,6 +22,7 @@ compute of a batch in dataset order goes into padding. Given the length of every
    the single largest batch of the whole plan (the first one in plan order when several tie) is moved
    to position 0, so the worst case of the whole job shows in its very first batch, not hours in.
 
+The options and the lengths are checked before, by :mod:`~torch_batch_process.engine.bucket_options`.
 The plan only depends on the lengths, ``batch_size``, ``bucket_window`` and ``max_tokens`` (see
 :func:`layout_fingerprint`), never on the world size, so a resume with another number of ranks
 computes the same batches. Everything is vectorised with numpy (sorts of 8- or 16-bit keys are radix
@@ -35,35 +36,24 @@ seconds for 10 million examples.
 from __future__ import annotations
 
 import hashlib
-import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.engine.bucket_options import check_lengths, validate_bucket_options
 
 __all__ = [
     "BucketLayout",
-    "DEFAULT_BUCKET_WINDOW",
     "LAYOUT_VERSION",
-    "LengthsSource",
     "bucket_layout",
     "contiguous_padded_tokens",
     "layout_fingerprint",
-    "resolve_lengths",
-    "validate_bucket_options",
 ]
-
-DEFAULT_BUCKET_WINDOW = 100
-"""Default ``bucket_window``: the examples of 100 batches are sorted together."""
 
 LAYOUT_VERSION = 1
 """Version of the planning rules above; part of the fingerprint, so a change of rules refuses a resume."""
-
-LengthsSource = Sequence[int] | np.ndarray | Callable[[int], int]
-"""What ``bucket_by`` accepts: one length per example, or a callable ``index -> length``."""
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -135,144 +125,6 @@ def contiguous_padded_tokens(lengths: Sequence[int] | np.ndarray, batch_size: in
     starts = np.arange(0, len(values), batch_size)
     sizes = np.diff(np.append(starts, len(values)))
     return int(np.dot(sizes, np.maximum.reduceat(values, starts)))
-
-
-# ------------------------------------------------------------------------------------------ validation
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any, batch_size: Any) -> None:
-    """Checks the options of §9 before any work: types, ranges, and that ``max_tokens`` comes with ``bucket_by``.
-
-    The lengths themselves are checked by :func:`resolve_lengths` (it needs the dataset length).
-
-    Raises:
-        InvalidArgumentError: naming the argument and the fix.
-    """
-    if not _is_int(batch_size) or batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if not _is_int(bucket_window) or bucket_window < 1:
-        raise InvalidArgumentError(
-            f"bucket_window must be an int >= 1 (how many batches' worth of consecutive examples are sorted "
-            f"by length together; default {DEFAULT_BUCKET_WINDOW}), got {bucket_window!r}"
-        )
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise InvalidArgumentError(
-            f"max_tokens must be None or an int >= 1 (the most len(batch) * max(length in batch) a batch may "
-            f"hold), got {max_tokens!r}"
-        )
-    if bucket_by is None:
-        if max_tokens is not None:
-            raise InvalidArgumentError(
-                "max_tokens needs bucket_by: batches are cut by token count only when the library knows each "
-                "example's length; pass bucket_by=<one length per example> (see torch_batch_process.lengths) "
-                "or drop max_tokens"
-            )
-        return
-    if callable(bucket_by):
-        return
-    if isinstance(bucket_by, (str, bytes, Mapping, set, frozenset)) or not hasattr(bucket_by, "__len__"):
-        raise InvalidArgumentError(
-            f"bucket_by must be a sequence of ints (one length per example: a list, a numpy array...) or a "
-            f"callable index -> int, got {type(bucket_by).__name__}; materialise an iterator with list(...)"
-        )
-
-
-def _check_values(values: np.ndarray, dataset_length: int) -> np.ndarray:
-    """Checks a 1-D array of lengths and returns it as contiguous int64."""
-    if values.ndim != 1:
-        raise InvalidArgumentError(
-            f"bucket_by must be one length per example (1-D), got an array of shape {values.shape}"
-        )
-    if len(values) != dataset_length:
-        raise InvalidArgumentError(
-            f"bucket_by has {len(values)} lengths but the dataset has {dataset_length} examples; pass exactly one "
-            f"length per example, in dataset order"
-        )
-    if values.dtype.kind == "O":
-        converted = np.empty(len(values), dtype=np.int64)
-        for i, value in enumerate(values):  # only for object arrays (mixed or exotic element types)
-            if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-                raise InvalidArgumentError(f"bucket_by must hold ints, got {value!r} at index {i}")
-            number = operator.index(value)
-            if not 0 <= number <= np.iinfo(np.int64).max:
-                raise InvalidArgumentError(f"bucket_by must hold ints in [0, 2**63), got {number} at index {i}")
-            converted[i] = number
-        return converted
-    if values.dtype.kind not in "iu":
-        first = values[0] if len(values) else None
-        raise InvalidArgumentError(
-            f"bucket_by must hold ints, got dtype {values.dtype} (first value {first!r}; a missing value also "
-            f"makes floats); convert it, e.g. numpy.asarray(lengths, dtype=numpy.int64)"
-        )
-    if len(values) == 0:
-        return np.zeros(0, dtype=np.int64)
-    if values.dtype.kind == "u" and values.max() > np.iinfo(np.int64).max:
-        i = int(np.argmax(values > np.iinfo(np.int64).max))
-        raise InvalidArgumentError(f"bucket_by holds a length too large for int64 at index {i}: {values[i]}")
-    if values.dtype.kind == "i" and values.min() < 0:
-        i = int(np.argmax(values < 0))
-        raise InvalidArgumentError(f"bucket_by must hold ints >= 0, got {values[i]} at index {i}")
-    return np.ascontiguousarray(values, dtype=np.int64)
-
-
-def _call_lengths(length_of: Callable[[int], int], dataset_length: int) -> np.ndarray:
-    """``length_of(i)`` for every index; the values are checked together once all are in (fast path)."""
-    values: list[Any] = []
-    append = values.append
-    index = 0
-    try:
-        for index in range(dataset_length):
-            append(length_of(index))
-    except Exception as error:
-        if hasattr(error, "add_note"):  # Python 3.11+: tell which example the user's callable failed on
-            error.add_note(f"raised by bucket_by({index}) while computing the length of example {index}")
-        raise
-    if all(type(value) is int for value in values):  # the common case: plain Python ints
-        try:
-            array = np.asarray(values, dtype=np.int64)
-        except OverflowError:
-            array = None
-        if array is not None and (len(array) == 0 or array.min() >= 0):
-            return array
-    for i, value in enumerate(values):  # something is off: find and name the first bad value
-        if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-            raise InvalidArgumentError(f"bucket_by({i}) must return an int, got {value!r}")
-        number = operator.index(value)
-        if not 0 <= number <= np.iinfo(np.int64).max:
-            raise InvalidArgumentError(f"bucket_by({i}) must return an int in [0, 2**63), got {number}")
-        values[i] = number
-    return np.asarray(values, dtype=np.int64)
-
-
-def resolve_lengths(bucket_by: LengthsSource, dataset_length: int) -> np.ndarray:
-    """The length of every example as a validated int64 array of ``dataset_length`` entries.
-
-    Args:
-        bucket_by: a sequence of ints (a list, tuple, numpy array, CPU tensor, pyarrow array...), one per
-            example in dataset order, or a callable ``index -> int`` (called once per example, in order:
-            about a microsecond each plus the callable's own cost, so prefer a precomputed sequence for
-            tens of millions of examples; see :mod:`torch_batch_process.lengths`).
-        dataset_length: number of examples of the dataset.
-
-    Raises:
-        InvalidArgumentError: naming ``bucket_by`` (wrong type, length, or a value that is not an int >= 0).
-    """
-    validate_bucket_options(bucket_by, DEFAULT_BUCKET_WINDOW, None, 1)
-    if bucket_by is None:
-        raise InvalidArgumentError("bucket_by is None: there are no lengths to resolve")
-    if callable(bucket_by):
-        return _call_lengths(bucket_by, dataset_length)
-    try:
-        array = np.asarray(bucket_by)
-    except (TypeError, ValueError) as error:
-        raise InvalidArgumentError(
-            f"bucket_by must be a sequence of ints, one per example; it could not be read as an array: {error}"
-        ) from error
-    return _check_values(array, dataset_length)
 
 
 # ------------------------------------------------------------------------------------------- planning
@@ -377,7 +229,8 @@ def bucket_layout(lengths: np.ndarray, batch_size: int, window: int, max_tokens:
     """Plans the batches of §9 (see the module docstring for the rules).
 
     Args:
-        lengths: int64 length of each example, as returned by :func:`resolve_lengths`.
+        lengths: int64 length of each example, as returned by
+            :func:`~torch_batch_process.engine.bucket_options.resolve_lengths`.
         batch_size: most examples per batch (exactly this many without ``max_tokens``, except the last).
         window: ``bucket_window``: the examples of ``window * batch_size`` consecutive indices are sorted together.
         max_tokens: if set, a batch holds at most ``max_tokens`` padded tokens (``len * max length``),
@@ -387,7 +240,7 @@ def bucket_layout(lengths: np.ndarray, batch_size: int, window: int, max_tokens:
         The layout; the same inputs give identical arrays in every process.
     """
     validate_bucket_options(lengths, window, max_tokens, batch_size)
-    lengths = _check_values(np.asarray(lengths), len(lengths))
+    lengths = check_lengths(np.asarray(lengths), len(lengths))
     n = len(lengths)
     if n == 0:
         return BucketLayout(order=np.zeros(0, dtype=np.int64), offsets=np.zeros(1, dtype=np.int64))

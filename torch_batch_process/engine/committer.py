@@ -54,8 +54,8 @@ from torch_batch_process.engine.background import BackgroundWork
 from torch_batch_process.engine.collector import VoteCollector
 from torch_batch_process.engine.distributed import Collectives, PendingGather
 from torch_batch_process.engine.group_commit import RecordWrites
-from torch_batch_process.engine.keeper import PreparedRecord, RecordKeeper, Summary
-from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.engine.keeper import RecordKeeper, Summary
+from torch_batch_process.engine.part import Part
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.votes import GatheredVotes, QueuedVotes, Vote
 from torch_batch_process.errors import WorkerFailedError
@@ -64,28 +64,9 @@ from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.reducers import ReducerRegistry
 
-__all__ = ["Committer", "Outcome", "Part"]
+__all__ = ["Committer", "Outcome"]
 
 logger = logging.getLogger(__name__)
-
-class Part:
-    """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase."""
-
-    def __init__(self) -> None:
-        self.batches = RangeSet()
-        self.examples = 0
-        self.failed = 0  # examples skipped as failed (on_error="skip"), recorded in the stage
-        self.lines: list[dict[str, Any]] = []
-        self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
-
-    def add_batch(self, batch: int, examples: int) -> None:
-        self.batches.add(batch)
-        self.examples += examples
-
-    @property
-    def num_batches(self) -> int:
-        return len(self.batches)
-
 
 @dataclass
 class Outcome:

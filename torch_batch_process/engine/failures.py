@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch
-from torch_batch_process.engine.committer import Part
+from torch_batch_process.engine.part import Part
 from torch_batch_process.errors import BatchTimeoutError, TooManyFailuresError, WorkerLostError
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.reducers import ReducerRegistry, SimpleReducer

@@ -20,8 +20,8 @@ import torch
 from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.agreement import FailureTracker
 from torch_batch_process.engine.batches import LoadFailed
-from torch_batch_process.engine.committer import Part
 from torch_batch_process.engine.failures import FailureHandler, no_span
+from torch_batch_process.engine.part import Part
 from torch_batch_process.engine.plan import Plan
 from torch_batch_process.processor import TorchBatchProcessor
 

@@ -14,10 +14,11 @@ Every source implements :class:`Source`: ``shards()``, ``read(shard, start, stop
 :class:`RowsReadLog`).
 """
 
-from torch_batch_process.sources.base import RowsReadLog, ShardInfo, Source, SourceDataError
+from torch_batch_process.sources.base import ShardInfo, Source, SourceDataError
 from torch_batch_process.sources.hf import HFSource, from_hf
 from torch_batch_process.sources.jsonl import JsonlSource, jsonl
 from torch_batch_process.sources.parquet import ParquetSource, parquet
+from torch_batch_process.sources.reads_log import RowsReadLog
 from torch_batch_process.sources.sharded import Sharded
 
 __all__ = [

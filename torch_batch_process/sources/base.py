@@ -18,8 +18,9 @@ Three things every source does the same way, implemented here once:
   copies and opens its own on first use.
 - **Counting.** :attr:`Source.rows_read` counts the rows this object decoded (or scanned past) in
   this process, including rows read only to skip them; :attr:`Source.on_rows_read`, when set, is
-  called with each increment, in whichever process reads. :class:`RowsReadLog` is such a hook
-  that adds up the counts of every process (DataLoader workers, ranks) in a file.
+  called with each increment, in whichever process reads.
+  :class:`~torch_batch_process.sources.reads_log.RowsReadLog` is such a hook that adds up the counts of every
+  process (DataLoader workers, ranks) in a file.
 
 The files of file-based sources are listed and opened by :mod:`torch_batch_process.sources.files`.
 """
@@ -36,7 +37,7 @@ from typing import Any, ClassVar
 
 from torch_batch_process.errors import BatchProcessError, InvalidArgumentError
 
-__all__ = ["Cursor", "RowsReadLog", "ShardInfo", "Source", "SourceDataError", "check_index"]
+__all__ = ["Cursor", "ShardInfo", "Source", "SourceDataError", "check_index"]
 
 
 class SourceDataError(BatchProcessError, ValueError):
@@ -70,7 +71,8 @@ class Source(abc.ABC):
         rows_read: rows decoded (or scanned past to skip them) by this object in this process.
             A pickled copy starts from 0.
         on_rows_read: ``None`` or a picklable callable, called with the number of rows each time
-            ``rows_read`` grows (in the process that reads). See :class:`RowsReadLog`.
+            ``rows_read`` grows (in the process that reads). See
+            :class:`~torch_batch_process.sources.reads_log.RowsReadLog`.
     """
 
     kind: ClassVar[str] = "source"
@@ -354,48 +356,6 @@ class Cursor(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases the files or iterators this cursor holds."""
-
-
-class RowsReadLog:
-    """An ``on_rows_read`` hook that adds up the rows read by every process in one local file.
-
-    Each call appends one short line (an ``O_APPEND`` write, atomic between processes), so the
-    counts of DataLoader workers and of every rank on the machine add up; :meth:`total` sums them.
-    It is picklable (it holds only the path)::
-
-        log = RowsReadLog(tmp_path / "reads")
-        source.on_rows_read = log
-        ...  # run the job
-        assert log.total() <= 0.15 * source.num_rows
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-
-    def __call__(self, rows: int) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, b"%d\n" % rows)
-        finally:
-            os.close(fd)
-
-    def total(self) -> int:
-        """Rows recorded so far (0 when nothing was read yet)."""
-        try:
-            with open(self.path, "rb") as f:
-                return sum(int(line) for line in f if line.strip())
-        except FileNotFoundError:
-            return 0
-
-    def reset(self) -> None:
-        """Forgets the rows recorded so far."""
-        try:
-            os.remove(self.path)
-        except FileNotFoundError:
-            pass
-
-    def __repr__(self) -> str:
-        return f"RowsReadLog({self.path!r})"
 
 
 def check_index(name: str, value: Any) -> int:
