@@ -116,13 +116,17 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[i
 def stop_with_stacks(proc: subprocess.Popen[str]) -> tuple[str, str]:
     """Kills a process that overran, after asking it for the stacks of its threads (the test jobs dump them
     on SIGUSR1 with :mod:`faulthandler`), so that a hang shows where it hung; returns its output."""
+    out, err = "", ""
     try:
         os.kill(proc.pid, signal.SIGUSR1)
-        out, err = proc.communicate(timeout=5)
+        out, err = proc.communicate(timeout=5)  # the dump comes at once; a process without the handler exits
     except (subprocess.TimeoutExpired, ProcessLookupError):
-        out, err = "", ""
-    if proc.poll() is None or not err:
-        os.killpg(proc.pid, signal.SIGKILL)
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its whole session: children too (torchrun's workers, loaders)
+    except ProcessLookupError:
+        pass
+    if proc.returncode is None:
         more_out, more_err = proc.communicate()
         out, err = out + more_out, err + more_err
     return out, err
