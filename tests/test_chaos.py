@@ -84,7 +84,13 @@ def test_kill9_chaos_exactly_once_on_s3(tmp_path, s3_url, schedule):
 
 
 def run_chaos(
-    tmp_path: Path, storage: str, seed: int, intervals: list[int], n: int = N, schedule: str = "static", sleep: float = 0.01
+    tmp_path: Path,
+    storage: str,
+    seed: int,
+    intervals: list[int],
+    n: int = N,
+    schedule: str = "static",
+    sleep: float = 0.01,
 ) -> None:
     rng = random.Random(seed)
     spec = {

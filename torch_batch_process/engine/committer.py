@@ -226,7 +226,8 @@ class Committer:
         if self.stage in self._prepared:  # its folder was made ahead for files that may not have come
             self._prepared.discard(self.stage)
             if not has_files:
-                self._background.submit(f"removing the empty folder of stage {self.stage}", self._store.remove_empty_stage, self.stage, self.rank)
+                what = f"removing the empty folder of stage {self.stage}"
+                self._background.submit(what, self._store.remove_empty_stage, self.stage, self.rank)
         part, self.part = self.part, Part()
         vote = Vote(
             rank=self.rank,
@@ -246,9 +247,11 @@ class Committer:
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()
             self._stager.advance(self.stage)
-            if has_files and not closing:  # this rank writes files: make the next stage's folder off the critical path
+            if has_files and not closing:  # this rank writes files: make the next stage's folder off the hot path
                 self._prepared.add(self.stage)
-                self._background.submit(f"making the folder of stage {self.stage}", self._stager.prepare_stage_folder, self.stage)
+                self._background.submit(
+                    f"making the folder of stage {self.stage}", self._stager.prepare_stage_folder, self.stage
+                )
         return vote
 
     def _next_stage(self) -> int:

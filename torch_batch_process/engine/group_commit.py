@@ -113,7 +113,9 @@ class RecordWrites:
         with self._cond:
             self._hurry = True
             self._cond.notify_all()
-            ended = self._cond.wait_for(lambda: self._error is not None or not (self._unwritten or self._writing), timeout)
+            ended = self._cond.wait_for(
+                lambda: self._error is not None or not (self._unwritten or self._writing), timeout
+            )
             self._hurry = False
         if not ended:
             raise TimeoutError(f"writing commit records took more than {timeout:.0f} s")

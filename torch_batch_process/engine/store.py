@@ -253,7 +253,9 @@ class JobStore:
             if TMP_MARKER in name:
                 self.storage.delete(f"{INTERNAL_DIR}/{name}")
 
-    def collect_garbage(self, record: CommitRecord, previous: CommitRecord | None, skipped: Sequence[CommitRecord] = ()) -> None:
+    def collect_garbage(
+        self, record: CommitRecord, previous: CommitRecord | None, skipped: Sequence[CommitRecord] = ()
+    ) -> None:
         """Deletes what ``record`` supersedes: the previous record and the state files it no longer needs (also
         those of ``skipped``: records of the same group commit that were never written).
 
