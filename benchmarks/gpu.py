@@ -99,6 +99,7 @@ class Contender:
     kind: str  # hand | tbp | lightning | accelerate
     pinned: bool = False  # hand loops: pinned memory + non_blocking copies
     options: tuple[tuple[str, Any], ...] = ()  # tbp: keyword options of torch_batch_process
+    records: bool = False  # tbp: outputs through context.write (copied back asynchronously) instead of files
 
     @property
     def package(self) -> str | None:
@@ -111,6 +112,8 @@ CONTENDERS: dict[str, Contender] = {
     "tbp": Contender("torch_batch_process (defaults)", "fp32", "tbp"),
     "tbp_prefetch": Contender("torch_batch_process, device_prefetch=True", "fp32", "tbp",
                               options=(("device_prefetch", True),)),
+    "tbp_records": Contender("torch_batch_process, context.write (asynchronous copy back)", "fp32", "tbp",
+                             records=True),
     "pl_trainer": Contender("Lightning Trainer.predict", "fp32", "lightning"),
     "hf_accelerate": Contender("accelerate", "fp32", "accelerate"),
     "hand_pinned_bf16": Contender("hand loop, pinned + non_blocking, bf16 autocast (target)", "bf16", "hand",
@@ -303,12 +306,14 @@ def run_hand(opts: WorkerOptions) -> None:
 
 
 class GpuProcessor(TorchBatchProcessor):
-    """Runs the workload's model on each batch and writes its output through ``upload_path()``; the
+    """Runs the workload's model on each batch and writes its output through ``upload_path()`` (or, with
+    ``records``, as rows through ``context.write``, which copies device tensors back asynchronously); the
     first batch records the process groups, the device, and whether the batch arrived on it."""
 
     workload: GpuWorkload
     reporter: Reporter
     seen: dict[str, Any]
+    records: bool = False
 
     def __init__(self, context: Any) -> None:
         self.context = context
@@ -319,8 +324,11 @@ class GpuProcessor(TorchBatchProcessor):
             self.seen.update(backends=process_group_backends(), device=str(self.context.device),
                              prefetched=_on_device(batch, self.context.device))
         output = self.workload.predict(self.model, self.context.to_device(batch))
-        with self.context.upload_path() as path:
-            save_tensor(output, Path(path) / output_name(batch_idx))
+        if self.records:
+            self.context.write({"output": output})
+        else:
+            with self.context.upload_path() as path:
+                save_tensor(output, Path(path) / output_name(batch_idx))
         self.reporter.batch_done(self.workload.batch_examples(batch))
 
 
@@ -335,6 +343,7 @@ def run_tbp(opts: WorkerOptions) -> None:
         return
     dataset = workload.dataset()
     GpuProcessor.workload, GpuProcessor.reporter, GpuProcessor.seen = workload, Reporter(opts.report), {}
+    GpuProcessor.records = contender.records
     result = torch_batch_process(
         GpuProcessor,
         dataset,

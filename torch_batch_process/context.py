@@ -150,7 +150,9 @@ class TorchBatchProcessorContext:
         Args:
             rows: a dict of columns, each a tensor, numpy array or list whose first dimension is the batch's
                 number of examples (tensors of any per-example shape; strings, ints, floats, nested lists), or a
-                list of per-example dicts with the same keys. Device tensors are copied to the CPU.
+                list of per-example dicts with the same keys. CUDA tensors are copied back asynchronously into
+                pinned memory (``write`` does not wait for the GPU; the rows are encoded once the copies land);
+                tensors on other devices are copied with ``.cpu()``.
         """
         if self._records is None:
             raise RuntimeError("context.write() is not available in this context")

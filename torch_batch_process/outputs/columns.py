@@ -10,7 +10,9 @@ How values are stored (per example, i.e. along the first dimension of a column):
   lists (``list<list<...>>``);
 - a list of Python values (strings, ints, floats, nested lists, dicts): the type Arrow infers.
 
-Tensors on a device are copied to the CPU; ``bfloat16`` becomes ``float32`` (neither numpy nor Parquet has it).
+Tensors on a device are copied to the CPU (CUDA tensors asynchronously, given a
+:class:`~torch_batch_process.outputs.copyback.DeviceCopies`: the table then shares their pinned host memory, and its
+values are valid once the copies are done); ``bfloat16`` becomes ``float32`` (neither numpy nor Parquet has it).
 pyarrow is imported by the functions that need it (see :func:`require_pyarrow`).
 """
 
@@ -25,6 +27,8 @@ from torch_batch_process.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    from torch_batch_process.outputs.copyback import DeviceCopies
 
 __all__ = ["INDEX_COLUMN", "column_to_numpy", "column_to_python", "require_pyarrow", "rows_to_table"]
 
@@ -45,11 +49,14 @@ def require_pyarrow() -> Any:
     return pyarrow
 
 
-def _to_numpy(value: Any) -> Any:
-    """A tensor as a numpy array (on the CPU); anything else unchanged."""
+def _to_numpy(value: Any, copies: DeviceCopies | None = None) -> Any:
+    """A tensor as a numpy array (on the CPU; a pinned copy still landing when ``copies`` takes it); anything
+    else unchanged."""
     import torch
 
     if isinstance(value, torch.Tensor):
+        if copies is not None and copies.eligible(value):
+            return copies.start(value).numpy()
         value = value.detach()
         if value.dtype == torch.bfloat16:
             value = value.float()
@@ -57,26 +64,35 @@ def _to_numpy(value: Any) -> Any:
     return value
 
 
-def _from_numpy(pa: Any, array: np.ndarray) -> Any:
-    """An Arrow array of ``array``'s first dimension: nested fixed-size lists for the other dimensions."""
+def _from_numpy(pa: Any, array: np.ndarray, landing: bool = False) -> Any:
+    """An Arrow array of ``array``'s first dimension: nested fixed-size lists for the other dimensions.
+    ``landing``: ``array`` is pinned memory that a copy is still filling; its values are not read (zero-copy)."""
     if array.dtype.kind in "OUS":  # objects and strings: let Arrow infer from Python values
         return pa.array(array.tolist())
     flat = np.ascontiguousarray(array).reshape(-1)
-    values = pa.array(flat, type=pa.from_numpy_dtype(flat.dtype))  # typed: zero-copy (untyped inference scans)
+    if landing:  # wraps the buffer as it is: nothing reads the values before the copy is done
+        values = pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), len(flat), [None, pa.py_buffer(flat)])
+    else:
+        values = pa.array(flat, type=pa.from_numpy_dtype(flat.dtype))  # typed: zero-copy (untyped inference scans)
     for size in reversed(array.shape[1:]):
         values = pa.FixedSizeListArray.from_arrays(values, size)
     return values
 
 
-def _column(pa: Any, name: str, value: Any, n: int) -> Any:
-    value = _to_numpy(value)
+def _column(pa: Any, name: str, value: Any, n: int, copies: DeviceCopies | None = None) -> Any:
+    if copies is not None and _same_device_tensors(value, copies):
+        import torch
+
+        value = torch.stack(list(value))  # on the device: one copy back instead of one per example
+    landing = copies is not None and copies.eligible(value)
+    value = _to_numpy(value, copies)
     if isinstance(value, np.ndarray):
         if value.ndim == 0 or value.shape[0] != n:
             raise InvalidArgumentError(
                 f"context.write(): column {name!r} has shape {tuple(value.shape)}; its first dimension must be the "
                 f"batch's {n} example(s)"
             )
-        return _from_numpy(pa, value)
+        return _from_numpy(pa, value, landing)
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
         raise InvalidArgumentError(
             f"context.write(): column {name!r} is a {type(value).__name__}; give a tensor, a numpy array or a "
@@ -97,12 +113,22 @@ def _column(pa: Any, name: str, value: Any, n: int) -> Any:
         raise InvalidArgumentError(f"context.write(): column {name!r} cannot be stored: {exc}") from exc
 
 
-def rows_to_table(rows: Any, indices: Sequence[int]) -> pa.Table:
+def _same_device_tensors(value: Any, copies: DeviceCopies) -> bool:
+    """Whether ``value`` is a non-empty list of device tensors that ``copies`` takes, all of one shape and type."""
+    if not isinstance(value, (list, tuple)) or not value or not all(copies.eligible(v) for v in value):
+        return False
+    first = value[0]
+    return all(v.shape == first.shape and v.dtype == first.dtype and v.device == first.device for v in value)
+
+
+def rows_to_table(rows: Any, indices: Sequence[int], copies: DeviceCopies | None = None) -> pa.Table:
     """The rows of one ``context.write(rows)`` call as a table, with the ``index`` column first.
 
     Args:
         rows: a dict of columns (one value per example along the first dimension) or a list of per-example dicts.
         indices: the dataset indices of the batch's examples (``context.batch_indices``).
+        copies: copies CUDA tensors asynchronously (see :mod:`torch_batch_process.outputs.copyback`); the caller
+            waits for them (``copies.done().wait()``) before reading the table's values. ``None``: ``.cpu()``.
     """
     pa = require_pyarrow()
     n = len(indices)
@@ -128,7 +154,7 @@ def rows_to_table(rows: Any, indices: Sequence[int]) -> pa.Table:
             "index under it); rename your column"
         )
     arrays = [pa.array(np.asarray(indices, dtype=np.int64), type=pa.int64())]
-    arrays += [_column(pa, name, value, n) for name, value in zip(names, rows.values(), strict=True)]
+    arrays += [_column(pa, name, value, n, copies) for name, value in zip(names, rows.values(), strict=True)]
     return pa.Table.from_arrays(arrays, names=[INDEX_COLUMN, *names])
 
 

@@ -5,7 +5,9 @@ join the rank's open shard: a local file in a scratch folder (``storage.scratch_
 for local storage, so that it is later renamed, never copied). Parquet shards get a row group every
 :data:`ROW_GROUP_BYTES` of rows (pyarrow's ``ParquetWriter``); JSONL shards a line per row as it comes. So
 the library holds at most two row groups' rows per rank (one being filled, one being encoded on a
-background thread, off the batch's path), whatever the job's size.
+background thread, off the batch's path), whatever the job's size. CUDA tensors are copied back
+asynchronously into pinned memory (:mod:`torch_batch_process.outputs.copyback`); the encoder thread waits for
+those copies just before it encodes their row group, so the batch's thread does not wait for the GPU.
 
 At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer before its vote) the open
 shard is closed and handed to the :class:`~torch_batch_process.outputs.files.OutputStager` like an
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.outputs.columns import rows_to_table
+from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.storage.layout import number_name
 
@@ -66,8 +69,9 @@ class RecordWriter:
         self._current = current
         self._rank = rank
         self._format = output_format
-        self._pending: Any = None  # the table written by the current batch, until process_batch returns
+        self._pending: tuple[Any, CopiesDone] | None = None  # the current batch's table, until process_batch returns
         self._buffer: list[Any] = []  # parquet: tables waiting for the next row group
+        self._landing: list[CopiesDone] = []  # the copies back from the device that the buffered tables wait for
         self._buffered = 0
         self._schema: Any = None
         self._folder: Path | None = None
@@ -92,19 +96,24 @@ class RecordWriter:
                 f"context.write() was already called for batch {self._current.batch_idx}: write all the rows of a "
                 "batch in one call (one row per example of context.batch_indices)"
             )
-        self._pending = rows_to_table(rows, self._current.indices)
+        copies = DeviceCopies()
+        table = rows_to_table(rows, self._current.indices, copies)
+        self._pending = (table, copies.done())
 
     def _batch_finished(self, ok: bool) -> None:
         """The current batch returned (``ok``: its rows join the shard) or raised (they are dropped)."""
-        table, self._pending = self._pending, None
-        if not ok or table is None:
+        pending, self._pending = self._pending, None
+        if not ok or pending is None:
             return
-        table = self._conform(table)
+        table, landing = pending
+        table = self._conform(table, landing)
         if self._format == "jsonl":
             self._open()
+            landing.wait()  # the lines are made now
             self._writer.write("".join(json.dumps(row) + "\n" for row in table.to_pylist()))
         else:
             self._buffer.append(table)
+            self._landing.append(landing)
             self._buffered += table.get_total_buffer_size()
             if self._buffered >= ROW_GROUP_BYTES:
                 self._write_group()
@@ -113,8 +122,9 @@ class RecordWriter:
         if self._shard_bytes >= SHARD_BYTES:
             self._close_shard()
 
-    def _conform(self, table: Any) -> Any:
-        """``table`` with the shard's schema (the first batch's): same columns, same types."""
+    def _conform(self, table: Any, landing: CopiesDone) -> Any:
+        """``table`` with the shard's schema (the first batch's): same columns, same types. A cast reads values:
+        it waits for the copies back first."""
         if self._schema is None:
             self._schema = table.schema
             return table
@@ -130,6 +140,7 @@ class RecordWriter:
         try:
             table = table.select(self._schema.names)
             schema = pa.unify_schemas([self._schema, table.schema], promote_options="permissive")
+            landing.wait()
             if not schema.equals(self._schema):  # e.g. a column that was all None so far: a new shard, wider types
                 self._close_shard()
                 self._buffer = [t.cast(schema) for t in self._buffer]
@@ -175,11 +186,19 @@ class RecordWriter:
 
         self._open()
         group = pa.concat_tables(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
-        self._buffer, self._buffered = [], 0
+        landing = self._landing
+        self._buffer, self._buffered, self._landing = [], 0, []
         self._wait()
         if self._encoder is None:
             self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tbp-records")
-        self._encoding = self._encoder.submit(self._writer.write_table, group, row_group_size=group.num_rows)
+        self._encoding = self._encoder.submit(self._encode, self._writer, group, landing)
+
+    @staticmethod
+    def _encode(writer: Any, group: Any, landing: list[CopiesDone]) -> None:
+        """On the encoder thread: waits for the group's copies back from the device, then writes the row group."""
+        for copies in landing:
+            copies.wait()
+        writer.write_table(group, row_group_size=group.num_rows)
 
     def _wait(self) -> None:
         """Waits for the row group being encoded; raises its error."""
@@ -218,7 +237,7 @@ class RecordWriter:
             except Exception:  # noqa: BLE001 - the rows are dropped anyway
                 pass
             self._writer = None
-        self._buffer, self._pending = [], None
+        self._buffer, self._landing, self._pending = [], [], None
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
