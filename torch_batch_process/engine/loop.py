@@ -208,7 +208,8 @@ class JobRun:
                 if has_batch and not self.failures.failed:
                     t0 = time.perf_counter()
                     try:
-                        batch_idx, batch = next(batches)
+                        with runner.loading():
+                            batch_idx, batch = next(batches)
                     except StopIteration:  # no batch left for this rank (dynamic), or a stop seen at a claim
                         return scheduler.after_last(failed=self.failures.failed)
                     except LoadFailed as failed:

@@ -61,6 +61,12 @@ class BatchRunner:
         self.span = span or no_span
         self.skip: FailureHandler | None = None  # on_error="skip" (set by the loop)
 
+    def loading(self) -> contextlib.AbstractContextManager[Any]:
+        """The mode batches are loaded in: ``torch.inference_mode()`` with ``inference_mode`` (as in a hand loop
+        under it: tensors that the main process makes, e.g. ``collate_fn``'s without workers, cost less), else
+        none."""
+        return self._inference()
+
     def process(self, batch: Any, batch_idx: int) -> None:
         """``process_batch`` under the job's modes; tells the current batch whether it returned (its
         ``context.write()`` rows join the rank's shard, or are dropped)."""
