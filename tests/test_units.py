@@ -15,6 +15,7 @@ from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.plan import ContiguousPlan, planned_batches
 from torch_batch_process.engine.scheduler import StaticScheduler
+from torch_batch_process.engine.voted import VotedStages
 
 
 def test_rangeset_merges_and_counts():
@@ -161,3 +162,31 @@ def test_reducer_name_and_dict_mismatch_is_explained():
     registry.wrap(lambda values: 1.0)  # name=None but returns a scalar
     with pytest.raises(TypeError, match="name=None"):
         registry.cross_slot_reduce([registry.per_slot_states()])
+
+
+def test_voted_stages_publish_each_covered_stage_with_files_once():
+    voted = VotedStages()
+    for stage, has_files in [(1, True), (2, False), (3, True), (5, True), (8, True)]:
+        voted.append(stage, has_files)
+    assert len(voted) == 5
+    assert voted.covered(0) == 0 and voted.covered(3) == 3 and voted.covered(4) == 3 and voted.covered(99) == 5
+    assert voted.take(voted.covered(3)) == [1, 3]  # stage 2 had no files
+    assert voted.take(voted.covered(3)) == []  # never twice
+    assert voted.take(2) == []  # a count below what was taken: nothing
+    assert voted.covered(2) == 3  # votes taken count as covered
+    voted.append(9, True)
+    assert len(voted) == 6
+    assert voted.take(len(voted)) == [5, 8, 9]
+    assert voted.take(len(voted)) == []
+
+
+def test_voted_stages_keep_only_what_is_not_published():
+    voted = VotedStages()
+    published = []
+    for stage in range(1, 200_001):  # a long job: the covered/take cost must not grow with it
+        voted.append(stage, stage % 3 != 0)
+        if stage % 7 == 0:
+            published += voted.take(voted.covered(stage - 2))
+    published += voted.take(len(voted))
+    assert published == [s for s in range(1, 200_001) if s % 3 != 0]
+    assert len(voted._waiting) == 0

@@ -42,7 +42,6 @@ output is committed exactly once, whatever is killed when.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -57,6 +56,7 @@ from torch_batch_process.engine.group_commit import RecordWrites
 from torch_batch_process.engine.keeper import RecordKeeper, Summary
 from torch_batch_process.engine.part import Part
 from torch_batch_process.engine.store import JobStore
+from torch_batch_process.engine.voted import VotedStages
 from torch_batch_process.engine.votes import GatheredVotes, QueuedVotes, Vote
 from torch_batch_process.errors import WorkerFailedError
 from torch_batch_process.observe.stragglers import RankInterval
@@ -139,8 +139,7 @@ class Committer:
         self._background = BackgroundWork()  # publications of this rank's stages, in order
         self._pending: _Pending | None = None
         self._writes = RecordWrites(keeper) if keeper is not None and queue is None else None  # rank 0, static
-        self._voted: list[tuple[int, bool]] = []  # (stage, has files) of this rank's committed votes, in order
-        self._published = 0  # how many of them are published (or being published)
+        self._voted = VotedStages()  # this rank's committed votes whose stages are not published yet
         self._prepared: set[int] = set()  # stages whose folder is made ahead
         self._collector: VoteCollector | None = None  # rank 0, dynamic: writes the records of queued votes
         if queue is not None and keeper is not None:
@@ -158,7 +157,7 @@ class Committer:
             return  # saving it failed
         if self._queue is not None:
             self._queue.push(vote)
-            self._voted.append((vote.stage, vote.has_files))
+            self._voted.append(vote.stage, vote.has_files)
             self._publish(self._queue.acknowledged())
             self._observe([vote], None)
         else:
@@ -176,8 +175,8 @@ class Committer:
         pending, self._pending = self._pending, None
         votes: list[Vote] = pending.votes.wait()
         self._raise_failures([v.failure for v in votes])
-        self._voted.append((pending.stage, pending.has_files))
-        self._publish(bisect.bisect_right([stage for stage, _ in self._voted], votes[0].durable))
+        self._voted.append(pending.stage, pending.has_files)
+        self._publish(self._voted.covered(votes[0].durable))
         metrics = None
         if self._keeper is not None and self._writes is not None:
             prepared = self._keeper.prepare(self._keeper.merge(votes))
@@ -284,7 +283,7 @@ class Committer:
             if own_error is not None:
                 raise own_error
             raise WorkerFailedError(f"{answer.describe()}; the commit did not happen. Run the job again to resume.")
-        self._voted.append((vote.stage, vote.has_files))
+        self._voted.append(vote.stage, vote.has_files)
         self._publish(len(self._voted), wait=True)  # every vote of this rank is durable now
         self._observe(votes, answer[0])
         self.part.timings["commit"] += time.perf_counter() - t0
@@ -335,7 +334,7 @@ class Committer:
             if self._queue is not None:
                 durable = self._queue.acknowledged()  # acknowledged only once their record is durable
             else:
-                durable = bisect.bisect_right([stage for stage, _ in self._voted], marks[0][1])
+                durable = self._voted.covered(marks[0][1])
             try:
                 self._publish(durable, wait=True)
             except Exception as exc:  # noqa: BLE001
@@ -363,11 +362,10 @@ class Committer:
     def _publish(self, durable: int, *, wait: bool = False) -> None:
         """Publishes this rank's first ``durable`` committed stages (those not published yet), in the
         background unless ``wait``."""
-        stages = [stage for stage, has_files in self._voted[self._published : durable] if has_files]
+        stages = self._voted.take(durable)
         if stages:
             what = f"publishing the outputs of stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
             self._background.submit(what, self._publish_stages, stages)
-        self._published = max(self._published, durable)
         if wait:
             self._background.settle()
 
