@@ -398,3 +398,23 @@ def test_distributed_context_is_checked_against_the_job(storage):
     result = torch_batch_process(Recorder, list(range(4)), 2, None, 5, None, DistributedInfo(0, 1, 0, 1, 0, 1),
                                  storage_path=str(storage))
     assert result.finished
+
+
+class _SeesInference(TorchBatchProcessor):
+    seen: list[tuple[bool, bool]] = []
+
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        _SeesInference.seen.append((batch.is_inference(), torch.is_inference_mode_enabled()))
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_batches_are_loaded_in_the_mode_process_batch_runs_in(tmp_path: Path, inference_mode: bool) -> None:
+    _SeesInference.seen = []
+    torch_batch_process(
+        _SeesInference, list(range(10)), batch_size=4, storage_path=str(tmp_path / "s"), progress=False,
+        inference_mode=inference_mode,
+    )
+    assert _SeesInference.seen == [(inference_mode, inference_mode)] * 3
