@@ -122,7 +122,8 @@ class DeviceWriter(TorchBatchProcessor):
     def process_batch(self, batch: Any, batch_idx: int) -> None:
         x = self.context.to_device(batch).float()
         torch.cuda._sleep(SLEEP_CYCLES // 50)  # a GPU that is still busy when write() is called
-        self.context.write({"y": torch.stack([x, x * x], dim=1), "half": (x / 2).half(), "tag": [int(v) for v in batch]})
+        tags = [int(v) for v in batch]
+        self.context.write({"y": torch.stack([x, x * x], dim=1), "half": (x / 2).half(), "tag": tags})
 
 
 @cuda

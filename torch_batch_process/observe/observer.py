@@ -9,7 +9,7 @@ result and :meth:`~JobObserver.close` in any case. Behind it:
 - rank 0's progress display (:mod:`~torch_batch_process.observe.progress`): between commits the done count
   is extrapolated from rank 0's own step (``step * world_size`` batches), at commits it is exact;
 - straggler warnings (:mod:`~torch_batch_process.observe.stragglers`) from the commit votes;
-- TensorBoard event files (:mod:`~torch_batch_process.observe.tensorboard`);
+- TensorBoard event files (:mod:`~torch_batch_process.observe.tensorboard_feed`);
 - ``torch.profiler`` over a few steps (:mod:`~torch_batch_process.observe.profiler`);
 - the throughput, progress and "reduced metrics so far" stored in commit records and in
   ``metrics.jsonl`` (read by ``tbp status``).
@@ -44,15 +44,12 @@ from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.observe.profiler import StepProfiler
 from torch_batch_process.observe.progress import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
-from torch_batch_process.observe.summary import PHASES, summary_line
-from torch_batch_process.observe.tensorboard import TensorBoardLog
+from torch_batch_process.observe.summary import summary_line
+from torch_batch_process.observe.tensorboard_feed import TensorBoardFeed
 from torch_batch_process.result import BatchProcessResult, to_jsonable
 from torch_batch_process.storage.base import MirroredFolder
 
 logger = logging.getLogger(__name__)
-
-TB_SCALAR_INTERVAL_S = 10.0
-"""Progress and throughput scalars go to TensorBoard at most this often (and at the end)."""
 
 METRICS_BUDGET = 100.0
 """Interim reduced metrics wait at least this many times their own last duration."""
@@ -99,7 +96,7 @@ class JobObserver:
         self._device = device
         self._display: ProgressDisplay | None = None
         self._profiler: StepProfiler | None = None
-        self._tb: TensorBoardLog | None = None
+        self._tb: TensorBoardFeed | None = None
         self._uploader: MirroredFolder | None = tensorboard
         self._stragglers = StragglerDetector(options.straggler_ratio)
         self.next_step = NEVER
@@ -125,9 +122,6 @@ class JobObserver:
         self._metrics_off = options.metrics_interval == 0
         self._next_progress_record = time.monotonic() + options.progress_interval
         self._hparams: dict[str, Any] | None = None  # rank 0: logged with the attempt's first record
-        # TensorBoard throughput of this rank between scalar writes.
-        self._tb_window = RankInterval(0, 0, {})
-        self._next_tb_scalars = time.monotonic() + TB_SCALAR_INTERVAL_S
 
     # ------------------------------------------------------------------------ start
 
@@ -168,8 +162,8 @@ class JobObserver:
         if self.rank == 0:
             self._hparams = read_hparams()
         if self.options.tensorboard:
-            self._open_tensorboard()
-            if self._tb is not None and self._hparams:
+            self._tb = TensorBoardFeed(self._tb_dir, self.rank, self._progress_scalars if self.rank == 0 else None)
+            if self._hparams:
                 self._tb.hparams(self._hparams, committed_batches)
         if self.options.profile is not None and self.options.profile.covers(self.rank) and remaining_batches:
             self._open_profiler()
@@ -192,12 +186,6 @@ class JobObserver:
         else:
             self._display = LogDisplay(interval=self.options.progress_interval, **sizes)
         self._next_show = time.monotonic() + self._display.refresh_s
-
-    def _open_tensorboard(self) -> None:
-        try:
-            self._tb = TensorBoardLog(self._tb_dir)
-        except Exception as exc:  # noqa: BLE001 - event files are a convenience
-            logger.warning("TensorBoard event files are off: cannot open %s (%s)", self._tb_dir, exc)
 
     def _open_profiler(self) -> None:
         assert self.options.profile is not None
@@ -348,53 +336,21 @@ class JobObserver:
             if straggler is not None:
                 logger.warning(straggler.describe())
         if self._tb is not None:
-            mine = intervals[self.rank]
-            window = self._tb_window
-            window.batches += mine.batches
-            window.examples += mine.examples
-            for key, value in mine.timings.items():
-                window.timings[key] = window.timings.get(key, 0.0) + value
-            try:
-                self._tb.records(own_records)
-                if metrics and self.rank == 0:
-                    self._tb.scalars(to_jsonable(metrics), batches_committed, "reduced")
-                if time.monotonic() >= self._next_tb_scalars:
-                    self._tb_scalars(batches_committed, examples_committed)
-            except Exception as exc:  # noqa: BLE001 - event files are a convenience
-                logger.warning("writing TensorBoard event files failed (%s); they are off for this run", exc)
-                self._tb = None
+            self._tb.on_commit(intervals[self.rank], own_records, metrics, batches_committed, examples_committed)
         if self._uploader is not None and self._uploader.due():  # object stores: upload the folder's changes
             if self._tb is not None:
-                try:
-                    self._tb.flush()
-                except Exception as exc:  # noqa: BLE001 - e.g. tensorboard failed to import in the background
-                    logger.warning("writing TensorBoard event files failed (%s); they are off for this run", exc)
-                    self._tb = None
+                self._tb.flush()
             self._uploader.sync()
 
-    def _tb_scalars(self, batches_committed: int, examples_committed: int) -> None:
-        tb = self._tb
-        assert tb is not None
-        now = time.monotonic()
-        self._next_tb_scalars = now + TB_SCALAR_INTERVAL_S
-        window = self._tb_window
-        if self.rank == 0:
-            elapsed = now - self._started
-            done = examples_committed - self._base_examples
-            tb.scalars(
-                {
-                    "examples_per_s": done / elapsed if elapsed > 0 else 0.0,
-                    "fraction_done": _fraction(examples_committed, self.total_examples),
-                    "examples_committed": examples_committed,
-                },
-                batches_committed,
-                "progress",
-            )
-        if window.batches:
-            rate = window.examples / window.busy_s if window.busy_s > 0 else 0.0
-            tb.scalars({"examples_per_s": rate}, batches_committed, "throughput")
-            tb.scalars({f"{key}_s": window.timings.get(key, 0.0) for key in PHASES}, batches_committed, "time")
-        self._tb_window = RankInterval(0, 0, {})
+    def _progress_scalars(self, examples_committed: int) -> dict[str, float]:
+        """Rank 0's ``progress/`` scalars in TensorBoard."""
+        elapsed = time.monotonic() - self._started
+        done = examples_committed - self._base_examples
+        return {
+            "examples_per_s": done / elapsed if elapsed > 0 else 0.0,
+            "fraction_done": _fraction(examples_committed, self.total_examples),
+            "examples_committed": examples_committed,
+        }
 
     # ------------------------------------------------------------------------ end
 
@@ -404,10 +360,7 @@ class JobObserver:
             self._display.show(result.examples_committed, result.batches_committed)  # the bar ends exact
         self._close_display()
         if self._tb is not None:
-            try:
-                self._tb_scalars(result.batches_committed, result.examples_committed)
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("writing TensorBoard event files failed: %s", exc)
+            self._tb.finish(result.batches_committed, result.examples_committed)
         if self.rank == 0:
             logger.info(summary_line(result))
 
@@ -420,10 +373,7 @@ class JobObserver:
         self.next_step = NEVER
         if self._tb is not None:
             tb, self._tb = self._tb, None
-            try:
-                tb.close()
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("closing the TensorBoard event file failed: %s", exc)
+            tb.close()
         if self._uploader is not None:
             uploader, self._uploader = self._uploader, None
             uploader.close()
