@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from torch_batch_process.environment import is_valid_job_name
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.launch.config_lines import ConfigError, KeyLines, type_name
 
 __all__ = ["ConfigError", "JobConfig", "absolute_path", "load_config", "parse_config"]
 
@@ -65,10 +65,6 @@ _DETERMINED_ONLY = {
 _SEARCH_TYPES = {"int", "double", "log", "categorical"}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PYTHON = re.compile(r"^(.*/)?python(\d+(\.\d+)?)?$")
-
-
-class ConfigError(InvalidArgumentError):
-    """A job config that cannot be run; the message names the file, the line and the key."""
 
 
 @dataclass(frozen=True)
@@ -114,56 +110,8 @@ class JobConfig:
         return self.slots_per_trial // (self.nodes or 1)
 
 
-class _Lines:
-    """Line numbers (1-based) of the keys of a YAML document, by key path."""
-
-    def __init__(self, file: str) -> None:
-        self.file = file
-        self.lines: dict[tuple[Any, ...], int] = {}
-
-    def error(self, path: tuple[Any, ...], message: str) -> ConfigError:
-        where = self.file
-        probe = path
-        while probe and probe not in self.lines:
-            probe = probe[:-1]
-        if probe in self.lines:
-            where = f"{self.file}:{self.lines[probe]}"
-        key = _key_name(path)
-        return ConfigError(f"{where}: {key + ': ' if key else ''}{message}")
-
-    def index(self, node: yaml.Node, path: tuple[Any, ...] = ()) -> None:
-        self.lines.setdefault(path, node.start_mark.line + 1)
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, value_node in node.value:
-                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node)
-                if key in seen:
-                    line = key_node.start_mark.line + 1
-                    raise ConfigError(f"{self.file}:{line}: {_key_name(path + (key,))}: the key is given twice")
-                seen.add(key)
-                self.lines[path + (key,)] = key_node.start_mark.line + 1
-                self.index(value_node, path + (key,))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                self.lines[path + (i,)] = item.start_mark.line + 1
-                self.index(item, path + (i,))
-
-
-def _key_name(path: tuple[Any, ...]) -> str:
-    name = ""
-    for part in path:
-        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
-    return name
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _type_name(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "empty"}.get(
-        type(value), f"a {type(value).__name__}"
-    )
 
 
 def load_config(path: str | os.PathLike[str]) -> JobConfig:
@@ -183,7 +131,7 @@ def load_config(path: str | os.PathLike[str]) -> JobConfig:
 def parse_config(text: str, file: str | os.PathLike[str] = "<config>") -> JobConfig:
     """Checks the YAML ``text`` of a job config; ``file`` names it in errors and anchors relative paths."""
     path = Path(file).resolve() if str(file) != "<config>" else Path.cwd() / "<config>"
-    lines = _Lines(str(file))
+    lines = KeyLines(str(file))
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -196,7 +144,7 @@ def parse_config(text: str, file: str | os.PathLike[str] = "<config>") -> JobCon
     lines.index(node)
     if not isinstance(data, dict):
         raise lines.error(
-            (), f"the job config must be a mapping of keys (name, entrypoint, ...), got {_type_name(data)}"
+            (), f"the job config must be a mapping of keys (name, entrypoint, ...), got {type_name(data)}"
         )
     _check_keys(data, TOP_LEVEL_KEYS, (), lines)
     if "entrypoint" not in data:
@@ -212,7 +160,7 @@ def parse_config(text: str, file: str | os.PathLike[str] = "<config>") -> JobCon
         )
     description = data.get("description")
     if description is not None and not isinstance(description, str):
-        raise lines.error(("description",), f"must be a string, got {_type_name(description)}")
+        raise lines.error(("description",), f"must be a string, got {type_name(description)}")
     command, launcher_args = _entrypoint(data["entrypoint"], lines)
     slots, nodes = _resources(data.get("resources"), lines)
     storage_path, storage_options = _storage(data.get("checkpoint_storage"), path.parent, lines)
@@ -237,7 +185,7 @@ def parse_config(text: str, file: str | os.PathLike[str] = "<config>") -> JobCon
     )
 
 
-def _check_keys(data: dict[Any, Any], allowed: tuple[str, ...], path: tuple[Any, ...], lines: _Lines) -> None:
+def _check_keys(data: dict[Any, Any], allowed: tuple[str, ...], path: tuple[Any, ...], lines: KeyLines) -> None:
     for key in data:
         if key in allowed:
             continue
@@ -248,7 +196,7 @@ def _check_keys(data: dict[Any, Any], allowed: tuple[str, ...], path: tuple[Any,
         raise lines.error(path + (key,), why)
 
 
-def _entrypoint(value: Any, lines: _Lines) -> tuple[list[str], list[str]]:
+def _entrypoint(value: Any, lines: KeyLines) -> tuple[list[str], list[str]]:
     """The worker command, and the launcher options when the entrypoint starts with the launcher."""
     if isinstance(value, str):
         try:
@@ -259,11 +207,11 @@ def _entrypoint(value: Any, lines: _Lines) -> tuple[list[str], list[str]]:
         for i, item in enumerate(value):
             if not isinstance(item, str):
                 raise lines.error(
-                    ("entrypoint", i), f"every word of the entrypoint must be a string, got {_type_name(item)}"
+                    ("entrypoint", i), f"every word of the entrypoint must be a string, got {type_name(item)}"
                 )
         tokens = list(value)
     else:
-        raise lines.error(("entrypoint",), f"must be a command string or a list of strings, got {_type_name(value)}")
+        raise lines.error(("entrypoint",), f"must be a command string or a list of strings, got {type_name(value)}")
     if not tokens or not tokens[0].strip():
         raise lines.error(("entrypoint",), "is empty: give the command every worker runs, e.g. 'python3 job.py'")
     if os.path.basename(tokens[0]) == "torchrun" or tokens[1:3] == ["-m", "torch.distributed.run"]:
@@ -280,11 +228,11 @@ def _entrypoint(value: Any, lines: _Lines) -> tuple[list[str], list[str]]:
     return tokens, []
 
 
-def _resources(value: Any, lines: _Lines) -> tuple[int | None, int | None]:
+def _resources(value: Any, lines: KeyLines) -> tuple[int | None, int | None]:
     if value is None:
         return None, None
     if not isinstance(value, dict):
-        raise lines.error(("resources",), f"must be a mapping (slots_per_trial, nodes), got {_type_name(value)}")
+        raise lines.error(("resources",), f"must be a mapping (slots_per_trial, nodes), got {type_name(value)}")
     _check_keys(value, RESOURCES_KEYS, ("resources",), lines)
     slots = value.get("slots_per_trial")
     nodes = value.get("nodes")
@@ -301,7 +249,7 @@ def _resources(value: Any, lines: _Lines) -> tuple[int | None, int | None]:
     return slots, nodes
 
 
-def _storage(value: Any, base: Path, lines: _Lines) -> tuple[str | None, dict[str, Any] | None]:
+def _storage(value: Any, base: Path, lines: KeyLines) -> tuple[str | None, dict[str, Any] | None]:
     if value is None:
         return None, None
     key = ("checkpoint_storage",)
@@ -311,7 +259,7 @@ def _storage(value: Any, base: Path, lines: _Lines) -> tuple[str | None, dict[st
         return absolute_path(value, base), None
     if not isinstance(value, dict):
         raise lines.error(
-            key, f"must be a path/URL string or a mapping (type, path, storage_options), got {_type_name(value)}"
+            key, f"must be a path/URL string or a mapping (type, path, storage_options), got {type_name(value)}"
         )
     _check_keys(value, STORAGE_KEYS, key, lines)
     path = value.get("path")
@@ -320,7 +268,7 @@ def _storage(value: Any, base: Path, lines: _Lines) -> tuple[str | None, dict[st
     scheme = path.split("://", 1)[0] if "://" in path else None
     kind = value.get("type", scheme or "local")
     if not isinstance(kind, str):
-        raise lines.error(key + ("type",), f"must be a string, got {_type_name(kind)}")
+        raise lines.error(key + ("type",), f"must be a string, got {type_name(kind)}")
     options = value.get("storage_options")
     if options is not None:
         if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
@@ -351,24 +299,24 @@ def absolute_path(path: str, base: Path) -> str:
     return str(Path(local) if os.path.isabs(local) else (base / local).resolve())
 
 
-def _check_json(value: Any, path: tuple[Any, ...], lines: _Lines) -> None:
+def _check_json(value: Any, path: tuple[Any, ...], lines: KeyLines) -> None:
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise lines.error(path, f"must hold plain values (strings, numbers, booleans, lists, mappings): {exc}") from exc
 
 
-def _hyperparameters(value: Any, lines: _Lines) -> dict[str, Any]:
+def _hyperparameters(value: Any, lines: KeyLines) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise lines.error(("hyperparameters",), f"must be a mapping of names to values, got {_type_name(value)}")
+        raise lines.error(("hyperparameters",), f"must be a mapping of names to values, got {type_name(value)}")
     result = _unwrap_hparams(value, ("hyperparameters",), lines)
     _check_json(result, ("hyperparameters",), lines)
     return result
 
 
-def _unwrap_hparams(value: dict[Any, Any], path: tuple[Any, ...], lines: _Lines) -> dict[str, Any]:
+def _unwrap_hparams(value: dict[Any, Any], path: tuple[Any, ...], lines: KeyLines) -> dict[str, Any]:
     """Determined's ``{type: const, val: X}`` becomes ``X``; search spaces are refused."""
     result: dict[str, Any] = {}
     for key, item in value.items():
@@ -389,11 +337,11 @@ def _unwrap_hparams(value: dict[Any, Any], path: tuple[Any, ...], lines: _Lines)
     return result
 
 
-def _environment(value: Any, lines: _Lines) -> dict[str, str]:
+def _environment(value: Any, lines: KeyLines) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise lines.error(("environment",), f"must be a mapping (variables), got {_type_name(value)}")
+        raise lines.error(("environment",), f"must be a mapping (variables), got {type_name(value)}")
     _check_keys(value, ENVIRONMENT_KEYS, ("environment",), lines)
     raw = value.get("variables")
     path = ("environment", "variables")
@@ -409,7 +357,7 @@ def _environment(value: Any, lines: _Lines) -> dict[str, str]:
             name, _, val = item.partition("=")
             pairs.append((path + (i,), name, val))
     else:
-        raise lines.error(path, f"must be a mapping NAME: value (or a list of 'NAME=value'), got {_type_name(raw)}")
+        raise lines.error(path, f"must be a mapping NAME: value (or a list of 'NAME=value'), got {type_name(raw)}")
     variables: dict[str, str] = {}
     for where, name, val in pairs:
         if not isinstance(name, str) or not _ENV_NAME.match(name):
@@ -417,6 +365,6 @@ def _environment(value: Any, lines: _Lines) -> dict[str, str]:
         if isinstance(val, bool):
             val = "true" if val else "false"
         if not isinstance(val, (str, int, float)):
-            raise lines.error(where, f"the value of {name} must be a string or a number, got {_type_name(val)}")
+            raise lines.error(where, f"the value of {name} must be a string or a number, got {type_name(val)}")
         variables[name] = str(val)
     return variables
