@@ -98,7 +98,7 @@ class DeviceCopies:
         """Records an event after the copies on each device's current stream; no copy may be started after."""
         events = []
         for device in self._devices:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps: it never spins on a CPU core
             event.record(torch.cuda.current_stream(device))
             events.append(event)
         self._devices = {}
