@@ -80,12 +80,7 @@ def check_lengths(values: np.ndarray, dataset_length: int) -> np.ndarray:
     if values.dtype.kind == "O":
         converted = np.empty(len(values), dtype=np.int64)
         for i, value in enumerate(values):  # only for object arrays (mixed or exotic element types)
-            if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-                raise InvalidArgumentError(f"bucket_by must hold ints, got {value!r} at index {i}")
-            number = operator.index(value)
-            if not 0 <= number <= np.iinfo(np.int64).max:
-                raise InvalidArgumentError(f"bucket_by must hold ints in [0, 2**63), got {number} at index {i}")
-            converted[i] = number
+            converted[i] = _length(value, "bucket_by must hold ints", f" at index {i}")
         return converted
     if values.dtype.kind not in "iu":
         first = values[0] if len(values) else None
@@ -124,13 +119,19 @@ def _call_lengths(length_of: Callable[[int], int], dataset_length: int) -> np.nd
         if array is not None and (len(array) == 0 or array.min() >= 0):
             return array
     for i, value in enumerate(values):  # something is off: find and name the first bad value
-        if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-            raise InvalidArgumentError(f"bucket_by({i}) must return an int, got {value!r}")
-        number = operator.index(value)
-        if not 0 <= number <= np.iinfo(np.int64).max:
-            raise InvalidArgumentError(f"bucket_by({i}) must return an int in [0, 2**63), got {number}")
-        values[i] = number
+        values[i] = _length(value, f"bucket_by({i}) must return an int", "")
     return np.asarray(values, dtype=np.int64)
+
+
+def _length(value: Any, rule: str, where: str) -> int:
+    """``value`` as a length (an int in [0, 2**63), not a bool); else an error saying ``rule`` (what the user's
+    values must be) and ``where`` the value was."""
+    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+        raise InvalidArgumentError(f"{rule}, got {value!r}{where}")
+    number = operator.index(value)
+    if not 0 <= number <= np.iinfo(np.int64).max:
+        raise InvalidArgumentError(f"{rule} in [0, 2**63), got {number}{where}")
+    return number
 
 
 def resolve_lengths(bucket_by: LengthsSource, dataset_length: int) -> np.ndarray:
