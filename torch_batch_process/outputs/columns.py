@@ -49,14 +49,11 @@ def require_pyarrow() -> Any:
     return pyarrow
 
 
-def _to_numpy(value: Any, copies: DeviceCopies | None = None) -> Any:
-    """A tensor as a numpy array (on the CPU; a pinned copy still landing when ``copies`` takes it); anything
-    else unchanged."""
+def _to_numpy(value: Any) -> Any:
+    """A tensor as a numpy array (on the CPU); anything else unchanged."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        if copies is not None and copies.eligible(value):
-            return copies.start(value).numpy()
         value = value.detach()
         if value.dtype == torch.bfloat16:
             value = value.float()
@@ -84,8 +81,10 @@ def _column(pa: Any, name: str, value: Any, n: int, copies: DeviceCopies | None 
         import torch
 
         value = torch.stack(list(value))  # on the device: one copy back instead of one per example
-    landing = copies is not None and copies.eligible(value)
-    value = _to_numpy(value, copies)
+    if copies is not None and copies.eligible(value):
+        value, landing = copies.start(value).numpy(), True  # a pinned copy, still landing
+    else:
+        value, landing = _to_numpy(value), False
     if isinstance(value, np.ndarray):
         if value.ndim == 0 or value.shape[0] != n:
             raise InvalidArgumentError(
