@@ -15,7 +15,11 @@ from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.plan import ContiguousPlan, planned_batches
 from torch_batch_process.engine.scheduler import StaticScheduler
+from torch_batch_process.engine.background import BackgroundWork
+from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.voted import VotedStages
+from torch_batch_process.storage.base import open_storage
+from torch_batch_process.storage.layout import STAGED_FAILURES_NAME, failures_file, outputs_dir, staging_dir
 
 
 def test_rangeset_merges_and_counts():
@@ -190,3 +194,41 @@ def test_voted_stages_keep_only_what_is_not_published():
     published += voted.take(len(voted))
     assert published == [s for s in range(1, 200_001) if s % 3 != 0]
     assert len(voted._waiting) == 0
+
+
+def test_inline_background_work_runs_at_submission_and_raises_at_the_next_check():
+    import threading
+
+    work = BackgroundWork(inline=True)
+    ran: list[str] = []
+    work.submit("first", lambda: ran.append(threading.current_thread().name))
+    assert ran == [threading.current_thread().name]  # ran at once, on the caller's thread
+    work.check()
+
+    def fails() -> None:
+        raise OSError("disk gone")
+
+    work.submit("second", fails)  # never raises at submission: the error travels like a queued task's
+    work.submit("third", lambda: ran.append("third"))
+    with pytest.raises(OSError, match="disk gone"):
+        work.check()
+    assert ran[-1] == "third"
+    work.settle()  # the failed task was reported once
+    work.close()
+
+
+def test_publishing_a_stage_moves_failure_records_only_when_told_it_has_some(tmp_path):
+    storage = open_storage(str(tmp_path / "job"), None)
+    store = JobStore(storage)
+    for stage, with_failures in [(1, False), (2, True)]:
+        folder = tmp_path / "job" / staging_dir(stage, 0)
+        folder.mkdir(parents=True)
+        (folder / "out.txt").write_text(str(stage))
+        if with_failures:
+            (folder / STAGED_FAILURES_NAME).write_text('{"index": 7}\n')
+        store.publish(stage, 0, sole=True, failures=with_failures)
+        assert (tmp_path / "job" / outputs_dir(stage, 0) / "out.txt").read_text() == str(stage)
+        assert not (tmp_path / "job" / staging_dir(stage)).exists()
+    assert (tmp_path / "job" / failures_file(2, 0)).read_text() == '{"index": 7}\n'
+    assert not (tmp_path / "job" / outputs_dir(2, 0) / STAGED_FAILURES_NAME).exists()
+    assert not (tmp_path / "job" / failures_file(1, 0)).exists()

@@ -6,6 +6,11 @@ are written by :mod:`torch_batch_process.engine.group_commit`).
 Errors are not lost: :meth:`BackgroundWork.check` (called before every vote, without waiting)
 raises the first error of a finished task, so it fails the job cooperatively like any other error
 of that rank; :meth:`BackgroundWork.settle` waits for everything.
+
+Where tasks are cheap (a publication on local storage is one rename per stage), ``inline=True`` runs them on
+the caller's thread at submission, with the same error handling: a Python thread that makes syscalls takes
+the GIL back after each one, and with sub-millisecond batches those hand-overs (several thread switches per
+syscall) cost the main thread more than the renames themselves.
 """
 
 from __future__ import annotations
@@ -19,15 +24,25 @@ logger = logging.getLogger(__name__)
 
 
 class BackgroundWork:
-    """A FIFO of tasks on one thread, created on first use."""
+    """A FIFO of tasks on one thread, created on first use (or run at submission with ``inline``)."""
 
-    def __init__(self, name: str = "tbp-commit") -> None:
+    def __init__(self, name: str = "tbp-commit", *, inline: bool = False) -> None:
         self._name = name
+        self._inline = inline
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[tuple[str, Future[Any]]] = []
 
     def submit(self, what: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Queues ``fn(*args)``; ``what`` names it in errors."""
+        """Queues ``fn(*args)``; ``what`` names it in errors. Inline: runs it now; its error is raised later,
+        by :meth:`check` or :meth:`settle`, as a queued task's would be."""
+        if self._inline:
+            future: Future[Any] = Future()
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - raised by check() or settle()
+                future.set_exception(exc)
+            self._pending.append((what, future))
+            return future
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
         future = self._pool.submit(fn, *args)

@@ -16,6 +16,9 @@ and writes ``_tbp/commits/<n>.json`` atomically. **That write is the commit poin
 committed global batches, the committed stages, every rank's latest state file and those of earlier
 attempts. Once a record is durable, each rank *publishes* its stages that it covers (``staging/<s>/rank_<r>``
 moves to ``outputs/commit_<s>/rank_<r>``; one rename locally) and rank 0 deletes what the record supersedes.
+Publications run on a background thread, in order, on object stores (a move is a copy per object); on local
+storage they run on the loop's thread when the record is seen durable (one rename per stage, cheaper than
+handing it to a thread, see :mod:`torch_batch_process.engine.background`).
 
 **How votes travel** (:mod:`torch_batch_process.engine.votes`): with ``schedule="static"`` all ranks commit
 at the same step; their votes are gathered asynchronously and the commit completes at the next step
@@ -136,11 +139,11 @@ class Committer:
         self.part = Part()
         self.stage = first_stage
         self._stager.advance(first_stage)
-        self._background = BackgroundWork()  # publications of this rank's stages, in order
+        self._background = BackgroundWork(inline=store.storage.moves_are_renames)  # publications, in order
         self._pending: _Pending | None = None
         self._writes = RecordWrites(keeper) if keeper is not None and queue is None else None  # rank 0, static
         self._voted = VotedStages()  # this rank's committed votes whose stages are not published yet
-        self._prepared: set[int] = set()  # stages whose folder is made ahead
+        self._with_failures: set[int] = set()  # voted stages with failure records (on_error="skip")
         self._collector: VoteCollector | None = None  # rank 0, dynamic: writes the records of queued votes
         if queue is not None and keeper is not None:
             self._collector = VoteCollector(queue, keeper, on_background_error)
@@ -222,11 +225,8 @@ class Committer:
             except Exception as exc:  # noqa: BLE001 - travels in the vote
                 self._failures.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
         has_files = self._stager.has_files
-        if self.stage in self._prepared:  # its folder was made ahead for files that may not have come
-            self._prepared.discard(self.stage)
-            if not has_files:
-                what = f"removing the empty folder of stage {self.stage}"
-                self._background.submit(what, self._store.remove_empty_stage, self.stage, self.rank)
+        if self._stager.has_failures:
+            self._with_failures.add(self.stage)
         part, self.part = self.part, Part()
         vote = Vote(
             rank=self.rank,
@@ -246,11 +246,6 @@ class Committer:
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()
             self._stager.advance(self.stage)
-            if has_files and not closing:  # this rank writes files: make the next stage's folder off the hot path
-                self._prepared.add(self.stage)
-                self._background.submit(
-                    f"making the folder of stage {self.stage}", self._stager.prepare_stage_folder, self.stage
-                )
         return vote
 
     def _next_stage(self) -> int:
@@ -289,7 +284,9 @@ class Committer:
         self.part.timings["commit"] += time.perf_counter() - t0
         return Outcome(preempted=preempted, metrics=answer[0], summary=answer[1])
 
-    def _close_records(self, votes: list[Vote], *, final: bool, preempted: bool) -> tuple[dict[str, Any] | None, Summary]:
+    def _close_records(
+        self, votes: list[Vote], *, final: bool, preempted: bool
+    ) -> tuple[dict[str, Any] | None, Summary]:
         """Rank 0: every record still owed, then the closing one, written now."""
         keeper = self._keeper
         assert keeper is not None
@@ -299,7 +296,8 @@ class Committer:
         if self._writes is not None:
             self._writes.settle()  # static: queued record writes
         self._background.settle()
-        prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=[v.slots for v in votes])
+        slots = [v.slots for v in votes]
+        prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=slots)
         keeper.persist(prepared)
         if self._writes is not None:
             self._writes.durable = prepared.record.commit
@@ -360,18 +358,20 @@ class Committer:
     # ------------------------------------------------------------ static records and publication
 
     def _publish(self, durable: int, *, wait: bool = False) -> None:
-        """Publishes this rank's first ``durable`` committed stages (those not published yet), in the
-        background unless ``wait``."""
+        """Publishes this rank's first ``durable`` committed stages (those not published yet), without waiting
+        unless ``wait`` (see the module docstring: in the background, or at once on local storage)."""
         stages = self._voted.take(durable)
         if stages:
             what = f"publishing the outputs of stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
-            self._background.submit(what, self._publish_stages, stages)
+            failures = [stage in self._with_failures for stage in stages]
+            self._with_failures.difference_update(stages)
+            self._background.submit(what, self._publish_stages, stages, failures)
         if wait:
             self._background.settle()
 
-    def _publish_stages(self, stages: list[int]) -> None:
-        for stage in stages:
-            self._store.publish(stage, self.rank, sole=self._coll.world_size == 1)
+    def _publish_stages(self, stages: list[int], failures: list[bool]) -> None:
+        for stage, with_failures in zip(stages, failures, strict=True):
+            self._store.publish(stage, self.rank, sole=self._coll.world_size == 1, failures=with_failures)
 
     # ------------------------------------------------------------ end
 

@@ -48,6 +48,7 @@ class RecordWrites:
         self._cond = threading.Condition()
         self._unwritten: list[PreparedRecord] = []  # prepared, not taken by a write yet
         self._writing = False
+        self._idle = True  # the writer waits for a first record, with no deadline: put() must wake it
         self._hurry = False  # settle() waits: write without spacing
         self._closed = False
         self._error: BaseException | None = None
@@ -65,7 +66,8 @@ class RecordWrites:
             if self._error is not None:
                 return  # the job fails at the next check; this record is never written
             self._unwritten.append(prepared)
-            self._cond.notify_all()
+            if self._idle:  # else the writer wakes at its deadline and takes this record with the others; waking it
+                self._cond.notify_all()  # for each record costs two thread switches per commit
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tbp-records", daemon=True)
             self._thread.start()
@@ -76,7 +78,9 @@ class RecordWrites:
         while True:
             with self._cond:
                 while not self._unwritten and not self._closed:
+                    self._idle = True
                     self._cond.wait()
+                self._idle = False
                 if not self._unwritten:
                     return
                 deadline = last_start + self._spacing_s

@@ -112,7 +112,8 @@ class JobStore:
         stages = {}
         for name in self.storage.list(STAGING_DIR):
             if name.isdigit():
-                stages[int(name)] = [entry for entry in self.storage.list(staging_dir(int(name))) if entry.startswith("rank_")]
+                entries = self.storage.list(staging_dir(int(name)))
+                stages[int(name)] = [entry for entry in entries if entry.startswith("rank_")]
         return stages
 
     def unpublished_stages(self, latest: CommitRecord) -> list[int]:
@@ -196,21 +197,25 @@ class JobStore:
     def write_result(self, result: dict[str, Any]) -> None:
         self.storage.write_json(RESULT_FILE, result)
 
-    def publish(self, stage: int, rank: int | None = None, *, sole: bool = False) -> None:
+    def publish(self, stage: int, rank: int | None = None, *, sole: bool = False, failures: bool = True) -> None:
         """Moves the staged files of ``stage`` (one rank's, or all of it) into ``outputs/``, and their failure
         records into ``failures/``; idempotent. ``sole``: ``rank`` is the only rank of the stage (one process),
-        so the stage's folder moves whole, with one rename and no folder made or removed."""
+        so the stage's folder moves whole, with one rename and no folder made or removed. ``failures=False``:
+        the caller knows that the stage holds no failure records, so none are looked for (on local storage a
+        publication is then one rename)."""
         if rank is not None and sole:
-            self.storage.move(f"{staging_dir(stage, rank)}/{STAGED_FAILURES_NAME}", failures_file(stage, rank))
-            self.remove_empty_stage(stage, rank)  # a stage with failures only
+            if failures:
+                self.storage.move(f"{staging_dir(stage, rank)}/{STAGED_FAILURES_NAME}", failures_file(stage, rank))
+                self.remove_empty_stage(stage, rank)  # a stage with failures only
             self.storage.move(staging_dir(stage), outputs_dir(stage))
             return
         ranks = [rank] if rank is not None else [
             int(name[len("rank_") :]) for name in self.storage.list(staging_dir(stage)) if name.startswith("rank_")
         ]
         for r in ranks:
-            self.storage.move(f"{staging_dir(stage, r)}/{STAGED_FAILURES_NAME}", failures_file(stage, r))
-            self.storage.remove_empty_folder(staging_dir(stage, r))  # a stage with failures only
+            if failures:
+                self.storage.move(f"{staging_dir(stage, r)}/{STAGED_FAILURES_NAME}", failures_file(stage, r))
+                self.storage.remove_empty_folder(staging_dir(stage, r))  # a stage with failures only
             self.storage.move(staging_dir(stage, r), outputs_dir(stage, r))
         self.storage.remove_empty_folder(staging_dir(stage))
 

@@ -54,8 +54,6 @@ class OutputStager:
         self._sink = storage.file_sink()
         self._lock = threading.Lock()
         self._spare: list[Path] = []  # empty folders of finished blocks, for the next upload_path()
-        self.files = 0
-        self.bytes = 0
         self._writers: list[Any] = []  # record writers (outputs/records.py): sealed before each commit
         self._held: list[tuple[Path, list[str], list[str], bool]] | None = None  # blocks of the running batch
         self._prefix = ""
@@ -84,15 +82,15 @@ class OutputStager:
         self._names = set()
         self._failures = []
 
-    def prepare_stage_folder(self, stage: int) -> None:
-        """Makes this rank's folder of ``stage`` ahead of its first file (from a background thread: making folders
-        takes milliseconds on some filesystems)."""
-        self._sink.prepare(staging_dir(stage, self._rank))
-
     @property
     def has_files(self) -> bool:
         """Whether the current stage has files (or failure records)."""
         return bool(self._names) or bool(self._failures)
+
+    @property
+    def has_failures(self) -> bool:
+        """Whether the current stage has failure records (before or after :meth:`flush` wrote them)."""
+        return bool(self._failures) or STAGED_FAILURES_NAME in self._names
 
     def hold(self, prefix: str = "") -> None:
         """From now on, finished blocks wait for :meth:`release`; their files are named ``prefix + name``."""
@@ -178,8 +176,6 @@ class OutputStager:
             )
 
     def _add(self, path: str | os.PathLike[str], name: str) -> None:
-        self.files += 1
-        self.bytes += os.lstat(path).st_size
         self._names.add(name)
         self._sink.add(path, f"{self._stage_dir}/{name}")
 

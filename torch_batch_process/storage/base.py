@@ -46,6 +46,9 @@ class Storage(abc.ABC):
 
     url: str
     protocol: str
+    moves_are_renames: bool = False
+    """Whether :meth:`move` of a folder is one cheap local operation (a rename): the engine then publishes on its
+    own thread, where handing each publication to a background thread would cost more than the rename."""
 
     # ------------------------------------------------------------------ paths
 
@@ -164,10 +167,6 @@ class FileSink(abc.ABC):
     @abc.abstractmethod
     def add(self, local_file: str | os.PathLike[str], rel: str) -> None:
         """Takes ``local_file`` (it is moved away or deleted once stored) to be stored at ``rel``."""
-
-    def prepare(self, rel_folder: str) -> None:  # noqa: B027 - optional: most sinks need nothing
-        """Readies ``rel_folder`` for files to come (called ahead of time, from a background thread); a sink
-        whose folders cost nothing to make does nothing."""
 
     @abc.abstractmethod
     def flush(self) -> None:

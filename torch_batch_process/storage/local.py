@@ -36,6 +36,7 @@ class LocalStorage(Storage):
     """A local folder (see the module docstring)."""
 
     protocol = "file"
+    moves_are_renames = True
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(path))
@@ -243,14 +244,6 @@ class _RenameSink(FileSink):
             os.rename(local_file, target)
         except OSError as exc:
             raise self._storage._error(f"write {rel!r}", exc) from exc
-
-    def prepare(self, rel_folder: str) -> None:
-        folder = self._storage.path(rel_folder)
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError:
-            return  # add() makes it, or says why it cannot
-        self._made.add(folder)
 
     def flush(self) -> None:
         self._made.clear()  # the next commit's folders are new
