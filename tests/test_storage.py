@@ -32,6 +32,7 @@ from s3 import FaultProxy
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
 from torch_batch_process.storage.base import open_storage as Storage
 from torch_batch_process.storage.object_store import UPLOAD_PART_BYTES
+from torch_batch_process.storage.scratch import AppendedFiles, LocalScratch
 
 # ---------------------------------------------------------------- atomic records under kill -9
 
@@ -196,6 +197,34 @@ def test_temp_folders_of_a_killed_process_are_removed_by_the_next_job(moto_serve
     SEEN.clear()
     torch_batch_process(ManyFiles, list(range(1)), batch_size=1, storage_path=f"s3://{moto_server.new_bucket()}/j")
     assert not orphan.exists()
+
+
+def test_appends_to_an_object_store_keep_a_local_copy_that_a_later_job_removes_if_killed(own_tmpdir):
+    stored: dict[str, bytes] = {"log.jsonl": b"old\n"}
+
+    def read(rel: str) -> bytes:
+        if rel not in stored:
+            raise FileNotFoundError(rel)
+        return stored[rel]
+
+    files = AppendedFiles(read, stored.__setitem__)
+    files.append("log.jsonl", b"a\n")
+    files.append("log.jsonl", b"b\n")
+    files.append("new.jsonl", b"c\n")
+    assert stored == {"log.jsonl": b"old\na\nb\n", "new.jsonl": b"c\n"}  # each append stores the whole file
+    copies = sorted(p.name for p in own_tmpdir.iterdir())
+    assert len(copies) == 2 and all(name.startswith(f"tbp-scratch-{os.getpid()}-append-") for name in copies)
+    files.close()
+    assert list(own_tmpdir.iterdir()) == []
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = own_tmpdir / f"tbp-scratch-{int(dead.stdout)}-append-x"  # the copy of a killed process
+    left.mkdir()
+    scratch = LocalScratch()
+    assert scratch.folder("block").parent == scratch.root()
+    assert not left.exists()
+    scratch.close()
+    assert list(own_tmpdir.iterdir()) == []
 
 
 # ---------------------------------------------------------------- listings, fork

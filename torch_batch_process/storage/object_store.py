@@ -10,7 +10,8 @@
 - **Files in**: output files are uploaded by background threads, streamed from disk (a large file is a
   multipart upload holding at most ``UPLOAD_PART_BYTES * UPLOAD_PART_CONCURRENCY`` bytes in memory).
 - **Appends**: objects cannot be appended to, so the appender keeps a local copy of the file and uploads
-  it whole, in one atomic PUT, at each append.
+  it whole, in one atomic PUT, at each append (:mod:`torch_batch_process.storage.scratch`, with the other
+  local temporary folders).
 - **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lease.LeaseJobLock`), with conditional
   writes on S3 (:meth:`ObjectStorage.read_versioned`, :meth:`ObjectStorage.write_conditional`).
 """
@@ -20,10 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import shutil
-import tempfile
-import threading
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +29,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 import fsspec
 
 from torch_batch_process.errors import StorageError
-from torch_batch_process.processes import pid_alive
 from torch_batch_process.storage.base import FileSink, MirroredFolder, Storage
 from torch_batch_process.storage.errors import (
     describe,
@@ -41,6 +37,7 @@ from torch_batch_process.storage.errors import (
     is_precondition_failed,
     with_retries,
 )
+from torch_batch_process.storage.scratch import AppendedFiles, LocalScratch
 from torch_batch_process.storage.uploads import UploadedFolder, UploadSink
 
 if TYPE_CHECKING:
@@ -62,7 +59,6 @@ UPLOAD_PART_BYTES = 8 * 2**20
 UPLOAD_PART_CONCURRENCY = 2
 COPY_THREADS = 16
 _S3_SIMPLE_COPY_BYTES = 5 * 2**30  # CopyObject's limit; larger objects take s3fs's multipart copy
-_TMP_PREFIX = "tbp-scratch-"
 
 
 class ConditionFailed(Exception):
@@ -81,10 +77,8 @@ class ObjectStorage(Storage):
         self.root: str = root.rstrip("/")
         self.url = url.rstrip("/")
         self.supports_conditional_writes = self.protocol in ("s3", "s3a")
-        self._mirrors: dict[str, Path] = {}  # appended files: rel -> local copy
-        self._append_lock = threading.Lock()
-        self._scratch: Path | None = None
-        self._scratch_pid = 0
+        self._appended = AppendedFiles(self.read_bytes, self.write_bytes)
+        self._scratch = LocalScratch()
 
     def _open(self) -> tuple[fsspec.AbstractFileSystem, str]:
         url = self._given_url
@@ -206,26 +200,7 @@ class ObjectStorage(Storage):
         self._call(f"write {rel!r}", lambda: self.fs.pipe_file(self.path(rel), data))
 
     def append(self, rel: str, data: bytes) -> None:
-        with self._append_lock:
-            mirror = self._mirror(rel)
-            with open(mirror, "ab") as f:
-                f.write(data)
-            self.write_bytes(rel, mirror.read_bytes())
-
-    def _mirror(self, rel: str) -> Path:
-        """The local copy of an appended file, read from storage the first time."""
-        if rel not in self._mirrors:
-            folder = Path(tempfile.mkdtemp(prefix="tbp-append-"))
-            mirror = folder / posixpath.basename(rel)
-            try:
-                mirror.write_bytes(self.read_bytes(rel))
-            except FileNotFoundError:
-                mirror.write_bytes(b"")
-            except BaseException:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise
-            self._mirrors[rel] = mirror
-        return self._mirrors[rel]
+        self._appended.append(rel, data)
 
     def put_file(self, local_file: str | os.PathLike[str], rel: str) -> None:
         """Uploads (a copy: the local file stays). On S3 a file of up to ``2 * UPLOAD_PART_BYTES`` is one
@@ -357,21 +332,17 @@ class ObjectStorage(Storage):
     # ------------------------------------------- what differs between backends
 
     def scratch_folder(self, name: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.scratch_root()))
+        return self._scratch.folder(name)
 
     def scratch_root(self) -> Path:
-        """This process's local temporary folder (created on first use, after removing those of dead processes)."""
-        if self._scratch is None or os.getpid() != self._scratch_pid:
-            _remove_orphans()
-            self._scratch = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-"))
-            self._scratch_pid = os.getpid()
-        return self._scratch
+        """This process's local temporary folder (see :class:`~torch_batch_process.storage.scratch.LocalScratch`)."""
+        return self._scratch.root()
 
     def file_sink(self) -> FileSink:
         return UploadSink(self)
 
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
-        return UploadedFolder(self, rel, Path(tempfile.gettempdir()) / f"{_TMP_PREFIX}{os.getpid()}-{name}-{uuid.uuid4().hex[:8]}")
+        return UploadedFolder(self, rel, LocalScratch.mirror_path(name))
 
     def job_lock(self) -> JobLock:
         from torch_batch_process.storage.lease import LeaseJobLock
@@ -384,12 +355,8 @@ class ObjectStorage(Storage):
         return LeaseJobLock.holder(self)
 
     def close(self) -> None:
-        for mirror in self._mirrors.values():
-            shutil.rmtree(mirror.parent, ignore_errors=True)
-        self._mirrors.clear()
-        if self._scratch is not None and os.getpid() == self._scratch_pid:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-        self._scratch = None
+        self._appended.close()
+        self._scratch.close()
 
     # ---------------------------------------------------------------- helpers
 
@@ -401,7 +368,8 @@ class ObjectStorage(Storage):
         missing_ok: bool = True,
         passthrough: tuple[type[BaseException], ...] = (),
     ) -> T:
-        """Runs a remote operation with this storage's retry policy (:func:`~torch_batch_process.storage.errors.with_retries`)."""
+        """Runs a remote operation with this storage's retry policy
+        (:func:`~torch_batch_process.storage.errors.with_retries`)."""
         return with_retries(self.url, self.root.split("/", 1)[0], action, fn, passthrough=passthrough)
 
 
@@ -415,15 +383,6 @@ def _default_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
         options["config_kwargs"] = config
         options.setdefault("skip_instance_cache", True)
     return options
-
-
-def _remove_orphans() -> None:
-    """Removes the scratch folders of processes that are gone (killed before cleaning up)."""
-    root = Path(tempfile.gettempdir())
-    for folder in root.glob(f"{_TMP_PREFIX}*"):
-        pid = folder.name[len(_TMP_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _below(folder: str, rel_file: str) -> str:

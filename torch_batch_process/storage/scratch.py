@@ -1,0 +1,116 @@
+"""The local temporary space of an object-store storage (:mod:`torch_batch_process.storage.object_store`).
+
+An object store has no local folder, so three kinds of local files stand in for it on each host:
+
+- *scratch folders*: the folders ``upload_path()`` yields, and files spooled for upload
+  (:mod:`torch_batch_process.storage.uploads`), under one folder per process,
+  ``<tmp>/tbp-scratch-<pid>-...``, created on first use;
+- *mirrored folders* (TensorBoard): ``<tmp>/tbp-scratch-<pid>-<name>-...``, uploaded by their owner;
+- *appended files*: objects cannot be appended to, so an appended file has a local copy, read from storage
+  the first time, and each append uploads the whole copy in one atomic PUT.
+
+Everything is removed when the storage closes. A process killed before that leaves its folders behind; the
+next process on the host that needs scratch space removes those of processes that are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from torch_batch_process.processes import pid_alive
+
+__all__ = ["AppendedFiles", "LocalScratch"]
+
+TMP_PREFIX = "tbp-scratch-"
+"""The name prefix of every local temporary folder of object-store storage (``<prefix><pid>-...``)."""
+
+
+class LocalScratch:
+    """This process's local temporary folders (see the module docstring); safe to use after a ``fork``."""
+
+    def __init__(self) -> None:
+        self._root: Path | None = None
+        self._pid = 0
+
+    def root(self) -> Path:
+        """This process's scratch folder (created on first use, after removing those of dead processes)."""
+        if self._root is None or os.getpid() != self._pid:
+            _remove_orphans()
+            self._root = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
+            self._pid = os.getpid()
+        return self._root
+
+    def folder(self, name: str) -> Path:
+        """A new empty folder in :meth:`root`."""
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.root()))
+
+    @staticmethod
+    def mirror_path(name: str) -> Path:
+        """The path of a new mirrored folder (not created: its owner creates and removes it)."""
+        return Path(tempfile.gettempdir()) / f"{TMP_PREFIX}{os.getpid()}-{name}-{uuid.uuid4().hex[:8]}"
+
+    def close(self) -> None:
+        """Removes this process's scratch folder (a forked child leaves its parent's alone)."""
+        if self._root is not None and os.getpid() == self._pid:
+            shutil.rmtree(self._root, ignore_errors=True)
+        self._root = None
+
+
+class AppendedFiles:
+    """Appends to files of a storage that cannot append: a local copy per file, uploaded whole at each append.
+
+    Args:
+        read: reads a stored file (``FileNotFoundError`` when missing).
+        write: writes a stored file in one atomic PUT.
+    """
+
+    def __init__(self, read: Callable[[str], bytes], write: Callable[[str, bytes], None]) -> None:
+        self._read = read
+        self._write = write
+        self._copies: dict[str, Path] = {}  # stored path -> local copy
+        self._lock = threading.Lock()
+
+    def append(self, rel: str, data: bytes) -> None:
+        """Appends ``data`` to the stored file ``rel`` (created when missing)."""
+        with self._lock:
+            copy = self._copy(rel)
+            with open(copy, "ab") as f:
+                f.write(data)
+            self._write(rel, copy.read_bytes())
+
+    def _copy(self, rel: str) -> Path:
+        """The local copy of ``rel``, read from storage the first time."""
+        if rel not in self._copies:
+            folder = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-append-"))
+            copy = folder / posixpath.basename(rel)
+            try:
+                copy.write_bytes(self._read(rel))
+            except FileNotFoundError:
+                copy.write_bytes(b"")
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            self._copies[rel] = copy
+        return self._copies[rel]
+
+    def close(self) -> None:
+        """Removes the local copies (what they hold is stored)."""
+        for copy in self._copies.values():
+            shutil.rmtree(copy.parent, ignore_errors=True)
+        self._copies.clear()
+
+
+def _remove_orphans() -> None:
+    """Removes the temporary folders of processes that are gone (killed before cleaning up)."""
+    root = Path(tempfile.gettempdir())
+    for folder in root.glob(f"{TMP_PREFIX}*"):
+        pid = folder.name[len(TMP_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
