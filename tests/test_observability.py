@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import termios
+import textwrap
 import time
 from pathlib import Path
 
@@ -428,29 +429,75 @@ def test_status_of_an_empty_path_is_a_clear_error(tmp_path, capsys):
     assert "no job is stored at" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("background", [True, False])
-def test_event_file_opened_in_background_keeps_values_added_before_it_is_ready(tmp_path, background):
-    """The writer opens in a thread (importing tensorboard is slow): values added meanwhile are not lost."""
+def test_event_file_holds_the_scalars_added_as_tensorboard_reads_them(tmp_path):
     pytest.importorskip("tensorboard")
     from torch_batch_process.observe.tensorboard import TensorBoardLog
 
     log = TensorBoardLog(tmp_path / "tb")
-    if background:
-        log.open_in_background()
     log.scalars({"a": 1.5, "nested": {"b": 2}, "text": "skipped", "flag": True}, step=3, prefix="g")
     log.records([{"group": "h", "steps_completed": 7, "metrics": {"c": 4.0}}])
-    log.close()
+    log.flush()
     assert _scalar_tags(tmp_path / "tb") == {"g/a": [(3, 1.5)], "g/nested/b": [(3, 2.0)], "h/c": [(7, 4.0)]}
+    log.scalars({"a": -2.25}, step=9, prefix="g")
+    log.close()
+    assert _scalar_tags(tmp_path / "tb")["g/a"] == [(3, 1.5), (9, -2.25)]
 
 
-def test_event_file_that_fails_to_open_in_background_raises_at_its_next_use(tmp_path, monkeypatch):
-    """A failed import in the thread is not lost: the next use raises it (the observer then turns TensorBoard off)."""
+def test_event_file_records_are_framed_with_masked_crc32c(tmp_path):
+    pytest.importorskip("tensorboard")
+    from torch_batch_process.observe.event_file import EventFile, masked_crc32c
+
+    # CRC-32C("123456789") is 0xe3069283 (the standard check value); masked: rotated right 15, plus 0xa282ead8
+    crc = 0xE3069283
+    assert masked_crc32c(b"123456789") == (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    file = EventFile(tmp_path)
+    file.scalar("x", 1.0, 1)
+    file.close()
+    data, records = file.path.read_bytes(), 0
+    while data:
+        (length,) = struct.unpack("<Q", data[:8])
+        assert struct.unpack("<I", data[8:12])[0] == masked_crc32c(data[:8])
+        body = data[12 : 12 + length]
+        assert struct.unpack("<I", data[12 + length : 16 + length])[0] == masked_crc32c(body)
+        data, records = data[16 + length :], records + 1
+    assert records == 2 and "tfevents" in file.path.name  # the file version, then the scalar
+
+
+def test_event_file_without_the_tensorboard_package_turns_event_files_off(tmp_path, monkeypatch, caplog):
+    """A missing package raises at the first use; the feed then turns event files off with a warning."""
     from torch_batch_process.observe.tensorboard import TensorBoardLog
+    from torch_batch_process.observe.tensorboard_feed import TensorBoardFeed
 
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "tensorboard.compat.proto", None)  # makes the import fail
     log = TensorBoardLog(tmp_path / "tb")
-    log.open_in_background()
-    with pytest.raises(ImportError):
-        log.flush()  # waits for the thread
     with pytest.raises(ImportError):
         log.scalars({"a": 1.0}, step=1)
+    feed = TensorBoardFeed(tmp_path / "tb2", 0, None)
+    feed.hparams({"lr": 0.1}, 0)
+    assert not feed.active and "event files failed" in caplog.text
+
+
+@needs_tensorboard
+def test_a_job_writes_event_files_without_importing_tensorboards_writer(tmp_path):
+    """Importing torch.utils.tensorboard (and boto3 through it) cost 0.2-0.3 s of every short job."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+        class P(TorchBatchProcessor):
+            def __init__(self, context):
+                self.context = context
+
+            def process_batch(self, batch, batch_idx):
+                self.context.report_metrics("m", batch_idx + 1, {{"x": float(batch_idx)}})
+
+        torch_batch_process(P, list(range(8)), batch_size=2, storage_path={str(tmp_path / "s")!r},
+                            tensorboard=True, progress=False)
+        print(sorted(m for m in ("torch.utils.tensorboard", "boto3") if m in sys.modules))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=base_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert [step for step, _ in _scalar_tags(tmp_path / "s" / "tensorboard" / "rank_0")["m/x"]] == [1, 2, 3, 4]

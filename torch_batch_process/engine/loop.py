@@ -203,7 +203,6 @@ class JobRun:
         observer = self.observer
         try:
             feed.start()
-            observer.loader_started()  # after the workers' fork: background threads may import now
             for step, has_batch in enumerate(scheduler.steps()):
                 if has_batch and not self.failures.failed:
                     t0 = time.perf_counter()

@@ -194,11 +194,6 @@ class JobObserver:
         except Exception as exc:  # noqa: BLE001 - profiling is a convenience
             logger.warning("the profiler could not start: %s", exc)
 
-    def loader_started(self) -> None:
-        """The DataLoader's workers are started (forked): the event file may now open in a thread."""
-        if self._tb is not None:
-            self._tb.open_in_background()
-
     # ------------------------------------------------------------------------ steps
 
     def on_step(self, step: int, claimed: int | None = None) -> None:

@@ -95,7 +95,8 @@ class ObserveOptions:
 
 
 def tensorboard_installed() -> bool:
-    """Whether the ``tensorboard`` package (needed by ``torch.utils.tensorboard``) can be imported."""
+    """Whether the ``tensorboard`` package (whose protocol buffer classes the event files are written with) can be
+    imported."""
     return importlib.util.find_spec("tensorboard") is not None
 
 

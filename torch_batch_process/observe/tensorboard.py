@@ -1,8 +1,8 @@
 """TensorBoard: each rank's event files in ``context.get_tensorboard_path()``, and their upload.
 
-Event files are written with ``torch.utils.tensorboard.SummaryWriter`` (only when the
-``tensorboard`` package is installed: extra ``tensorboard``). Each rank writes its own folder
-``rank_<r>``, so TensorBoard shows the ranks as runs side by side. Tags:
+Event files are written by :class:`~torch_batch_process.observe.event_file.EventFile` (only when the
+``tensorboard`` package is installed: extra ``tensorboard``); TensorBoard reads them as its own. Each rank
+writes its own folder ``rank_<r>``, so TensorBoard shows the ranks as runs side by side. Tags:
 
 - ``<group>/<name>``: numbers of ``report_metrics(group, steps_completed, metrics)`` at step
   ``steps_completed`` (nested dicts are flattened with ``/``; strings and lists are only in JSONL).
@@ -25,94 +25,56 @@ deleted. Point TensorBoard at ``<storage_path>/tensorboard``.
 from __future__ import annotations
 
 import json
-import logging
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from torch_batch_process.observe.event_file import EventFile
 
-OPEN_TIMEOUT_S = 120.0  # importing tensorboard on a loaded machine: seconds, never minutes
+FLUSH_S = 10.0
+"""Values written are on disk at most this long after they are added (and at :meth:`TensorBoardLog.flush`)."""
 
 
 class TensorBoardLog:
-    """One rank's event file (``SummaryWriter``), opened in the background.
+    """One rank's event file, opened at its first use (see :mod:`~torch_batch_process.observe.event_file` for why
+    the library writes it itself: no thread, no heavy import during the job). Raises ``ImportError`` at the
+    first use when the ``tensorboard`` package is not installed."""
 
-    Importing ``torch.utils.tensorboard`` (tensorboard, protobuf) takes ~0.2 s, as long as a whole
-    short job's other start-up. :meth:`open_in_background` does it in a thread, overlapped with the
-    first steps; values added before the writer is ready are kept and written once it is.
-    The loop calls it after its DataLoader workers are started, so that no ``fork`` happens while the
-    thread holds an import lock. Without that call, the first use opens the writer in place.
-    """
-
-    def __init__(self, local_dir: Path, *, flush_secs: int = 10) -> None:
+    def __init__(self, local_dir: Path, *, flush_s: float = FLUSH_S) -> None:
         local_dir.mkdir(parents=True, exist_ok=True)
         self._local_dir = local_dir
-        self._flush_secs = flush_secs
-        self._writer: Any = None
-        self._error: BaseException | None = None
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._pending: list[tuple[str, float, int]] = []
-        self._pending_hparams: list[tuple[dict[str, Any], int]] = []
+        self._flush_s = flush_s
+        self._file: EventFile | None = None
+        self._flushed = time.monotonic()
 
-    def open_in_background(self) -> None:
-        """Starts opening the writer in a daemon thread (once)."""
-        if self._thread is None and not self._ready.is_set():
-            self._thread = threading.Thread(target=self._open, name="tbp-tensorboard-open", daemon=True)
-            self._thread.start()
-
-    def _open(self) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self._local_dir), flush_secs=self._flush_secs)
-        except Exception as exc:  # noqa: BLE001 - reported at the next use, on the loop's thread
-            self._error = exc
-        finally:
-            self._ready.set()
-
-    def _get_writer(self, *, wait: bool) -> Any:
-        """The writer, or None while it is still opening (``wait=False``); raises if opening failed."""
-        if not self._ready.is_set():
-            if self._thread is None:
-                self._open()  # never started in the background: open it here
-            elif not wait:
-                return None
-            elif not self._ready.wait(OPEN_TIMEOUT_S):
-                raise TimeoutError(f"opening the TensorBoard event file took more than {OPEN_TIMEOUT_S:g} s")
-        if self._error is not None:
-            raise self._error
-        if self._writer is None:
-            raise RuntimeError("the TensorBoard event file could not be opened")
-        for tag, value, step in self._pending:
-            self._writer.add_scalar(tag, value, step)
-        self._pending.clear()
-        while self._pending_hparams:
-            _write_hparams(self._writer, *self._pending_hparams.pop(0))
-        return self._writer
+    def _open(self) -> EventFile:
+        if self._file is None:
+            self._file = EventFile(self._local_dir)
+        return self._file
 
     def hparams(self, values: dict[str, Any], step: int) -> None:
-        """Adds hyperparameters (a Text table and the HParams tab's session) at ``step``.
-
-        Kept until the writer is open; it never opens the writer itself (see :meth:`open_in_background`).
-        """
-        self._pending_hparams.append((dict(values), step))
-        if self._ready.is_set():
-            self._get_writer(wait=False)
+        """Adds hyperparameters: a Markdown table (the Text tab) and the HParams tab's session, at ``step``."""
+        file = self._open()
+        file.text("hparams", hparams_markdown(values), step)
+        flat = flatten_hparams(values)
+        if flat:
+            # Only the session's start info: without an experiment summary, TensorBoard's HParams tab
+            # builds the experiment itself and lists the run's scalars (reduced/..., progress/...) as metrics.
+            file.hparams(flat, step)
+        self._due()
 
     def scalars(self, values: dict[str, Any], step: int, prefix: str = "") -> None:
         """Adds every number of ``values`` (flattening nested dicts) as a scalar at ``step``."""
-        writer = self._get_writer(wait=False)
+        self._scalars(self._open(), values, step, prefix)
+        self._due()
+
+    def _scalars(self, file: EventFile, values: dict[str, Any], step: int, prefix: str) -> None:
         for key, value in values.items():
             tag = f"{prefix}/{key}" if prefix else str(key)
             if isinstance(value, dict):
-                self.scalars(value, step, tag)
+                self._scalars(file, value, step, tag)
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                if writer is None:
-                    self._pending.append((tag, value, step))
-                else:
-                    writer.add_scalar(tag, value, step)
+                file.scalar(tag, value, step)
 
     def records(self, records: list[dict[str, Any]]) -> None:
         """Adds ``report_metrics`` records (``group``, ``steps_completed``, ``metrics``)."""
@@ -120,11 +82,19 @@ class TensorBoardLog:
             self.scalars(record["metrics"], record["steps_completed"], record["group"])
 
     def flush(self) -> None:
-        """Writes what was added to the event file (waits for the writer when it is still opening)."""
-        self._get_writer(wait=True).flush()
+        """Writes what was added to the event file."""
+        if self._file is not None:
+            self._file.flush()
+        self._flushed = time.monotonic()
 
     def close(self) -> None:
-        self._get_writer(wait=True).close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _due(self) -> None:
+        if time.monotonic() - self._flushed >= self._flush_s:
+            self.flush()
 
 
 def flatten_hparams(values: dict[str, Any], prefix: str = "") -> dict[str, float | str]:
@@ -154,17 +124,3 @@ def hparams_markdown(values: dict[str, Any]) -> str:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _write_hparams(writer: Any, values: dict[str, Any], step: int) -> None:
-    from torch.utils.tensorboard.summary import hparams as hparams_summaries
-
-    writer.add_text("hparams", hparams_markdown(values), step)
-    flat = flatten_hparams(values)
-    if flat:
-        # Only the session's start info: without an experiment summary, TensorBoard's HParams tab
-        # builds the experiment itself and lists the run's scalars (reduced/..., progress/...) as metrics.
-        _, session_start, _ = hparams_summaries(flat, {})
-        writer.file_writer.add_summary(session_start, step)
-
-

@@ -56,13 +56,12 @@ class TensorBoardFeed:
 
     def hparams(self, values: dict[str, Any], step: int) -> None:
         """The job's hyperparameters (rank 0, once per attempt)."""
-        if self._log is not None:
+        if self._log is None:
+            return
+        try:
             self._log.hparams(values, step)
-
-    def open_in_background(self) -> None:
-        """Opens the event file in a thread (after the DataLoader's workers are forked)."""
-        if self._log is not None:
-            self._log.open_in_background()
+        except Exception as exc:  # noqa: BLE001 - e.g. the tensorboard package cannot be imported
+            self._off(exc)
 
     def on_commit(
         self, mine: RankInterval, own_records: list[dict[str, Any]], metrics: dict[str, Any] | None, batches: int,
@@ -92,7 +91,7 @@ class TensorBoardFeed:
             return
         try:
             self._log.flush()
-        except Exception as exc:  # noqa: BLE001 - e.g. tensorboard failed to import in the background
+        except Exception as exc:  # noqa: BLE001 - e.g. the disk is full
             self._off(exc)
 
     def finish(self, batches: int, examples: int) -> None:
