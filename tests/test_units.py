@@ -232,3 +232,24 @@ def test_publishing_a_stage_moves_failure_records_only_when_told_it_has_some(tmp
     assert (tmp_path / "job" / failures_file(2, 0)).read_text() == '{"index": 7}\n'
     assert not (tmp_path / "job" / outputs_dir(2, 0) / STAGED_FAILURES_NAME).exists()
     assert not (tmp_path / "job" / failures_file(1, 0)).exists()
+
+
+def test_the_feed_skips_the_loaders_profiler_range_only_while_no_profiler_runs():
+    from torch.profiler import profile
+
+    from torch_batch_process.engine.batches import BatchFeed
+
+    plan = ContiguousPlan(20, 4)
+    scheduler = StaticScheduler(RangeSet([(0, plan.num_batches)]), Collectives(None, 0, 1), interval=1)
+    feed = BatchFeed(list(range(20)), plan, scheduler, {}, torch.device("cpu"))
+    feed.start()
+    assert feed._direct is not None  # a DataLoader iterator: its batches are taken without the range
+    first = [next(feed), next(feed)]
+    with profile() as prof:
+        during = next(feed)
+    after = list(feed)
+    got = [(i, b.tolist()) for i, b in [*first, during, *after]]
+    assert got == [(g, list(range(4 * g, 4 * g + 4))) for g in range(5)]
+    names = [event.name for event in prof.events()]
+    assert any(name.startswith("enumerate(DataLoader)#") for name in names), names  # traces keep the range
+    feed.close()
