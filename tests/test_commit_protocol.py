@@ -53,7 +53,8 @@ class Plain(SelfPreempting):
 Plain.__qualname__ = "SelfPreempting"
 
 
-def test_sigterm_commits_returns_preempted_and_restores_user_handler(tmp_path):
+@pytest.mark.parametrize("checkpoint_interval", [100, 1, 2])
+def test_sigterm_commits_returns_preempted_and_restores_user_handler(tmp_path, checkpoint_interval):
     seen = []
 
     def user_handler(signum, frame):
@@ -62,7 +63,9 @@ def test_sigterm_commits_returns_preempted_and_restores_user_handler(tmp_path):
     previous = signal.signal(signal.SIGTERM, user_handler)
     try:
         CALLS.clear()
-        result = torch_batch_process(SelfPreempting, list(range(40)), batch_size=4, checkpoint_interval=100, storage_path=str(tmp_path))
+        result = torch_batch_process(
+            SelfPreempting, list(range(40)), batch_size=4, checkpoint_interval=checkpoint_interval, storage_path=str(tmp_path)
+        )
         assert result.preempted and not result.finished
         assert CALLS == [0, 1, 2, 3], "one process stops right after the step in which the signal came; no on_finish"
         assert result.batches_committed == 4 and result.metrics == {"total": sum(range(16))}
@@ -80,10 +83,10 @@ def test_sigterm_commits_returns_preempted_and_restores_user_handler(tmp_path):
 # --------------------------------------------------------------------------- real processes
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target_rank", [0, 1])
-def test_sigterm_to_one_rank_stops_all_within_one_step_and_resume_does_the_rest(tmp_path, target_rank):
+@pytest.mark.parametrize("target_rank,checkpoint_interval", [(0, 50), (1, 50), (1, 1), (0, 2)])
+def test_sigterm_to_one_rank_stops_all_within_one_step_and_resume_does_the_rest(tmp_path, target_rank, checkpoint_interval):
     n, b = 2000, 5  # 400 batches, 200 steps of ~20 ms on 2 ranks
-    spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=50, sleep=0.02, outputs="both",
+    spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=checkpoint_interval, sleep=0.02, outputs="both",
                     progress_file=str(tmp_path / "progress"))
     procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
     wait_for_progress(Path(spec["progress_file"]), procs)

@@ -110,8 +110,23 @@ class StepAgreement:
         self._pending = self._collectives.start_max([int(preempt), int(failed)])
         return Decision.CONTINUE
 
+    def at_commit(self, preempt: bool) -> Decision:
+        """Called by every rank at a commit step's boundary instead of :meth:`boundary`: completes the agreement
+        in flight and returns STOP or FAIL when it carried a rank's request, else COMMIT (the commit's votes
+        then carry fresh flags, see :class:`~torch_batch_process.engine.votes.Vote`). A single process stops at
+        once on its own request."""
+        if self._collectives.world_size == 1:
+            return Decision.STOP if preempt else Decision.COMMIT
+        flags = self._pending.wait() if self._pending is not None else [0, 0]
+        self._pending = None
+        if flags[self.FAIL]:
+            return Decision.FAIL
+        if flags[self.PREEMPT]:
+            return Decision.STOP
+        return Decision.COMMIT
+
     def drain(self) -> None:
-        """Completes the agreement in flight (before a commit, whose votes carry fresh flags)."""
+        """Completes the agreement in flight (when the steps end)."""
         if self._pending is not None:
             self._pending.wait()
             self._pending = None

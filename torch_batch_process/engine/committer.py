@@ -150,12 +150,14 @@ class Committer:
 
     # ------------------------------------------------------------ regular commits
 
-    def commit(self, processor: TorchBatchProcessor) -> None:
-        """Commits this rank's part (after ``on_checkpoint_start()``): saves it and sends its vote."""
+    def commit(self, processor: TorchBatchProcessor, *, preempt: bool = False) -> None:
+        """Commits this rank's part (after ``on_checkpoint_start()``): saves it and sends its vote, which
+        carries this rank's preemption request (static schedule: :meth:`poll` tells every rank to stop)."""
         t0 = time.perf_counter()
         if self._queue is not None and self._failures.failed:
             return  # a failed rank's part is never committed: the closing exchange makes every rank raise
         vote = self._vote(processor, final=False)
+        vote.preempt = preempt
         if self._queue is not None and vote.failure is not None:
             return  # saving it failed
         if self._queue is not None:

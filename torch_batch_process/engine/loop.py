@@ -224,7 +224,7 @@ class JobRun:
                 )
                 if decision is Decision.COMMIT:
                     self._checkpoint_hook(processor)
-                    committer.commit(processor)
+                    committer.commit(processor, preempt=signals.preempt_requested)
                 elif decision is not Decision.CONTINUE:
                     return decision
             return Decision.DONE

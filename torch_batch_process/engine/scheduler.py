@@ -100,8 +100,7 @@ class StaticScheduler(Scheduler):
         if agreed_stop:
             return Decision.STOP
         if (step + 1) % self._interval == 0:
-            self._agreement.drain()  # the commit's votes carry fresh flags
-            return Decision.COMMIT
+            return self._agreement.at_commit(preempt)  # flags in flight decide; else the commit's votes carry them
         return self._agreement.boundary(preempt, failed)  # a rank's own flags reach the others here
 
     def after_last(self, *, failed: bool) -> Decision:
