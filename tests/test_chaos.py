@@ -46,8 +46,8 @@ def run_attempt_with_kill(spec: dict[str, Any], world_size: int, attempt: int, r
     alive_before = procs[victim].poll() is None
     os.kill(procs[victim].pid, signal.SIGKILL)
     if spec["kwargs"]["schedule"] == "dynamic":
-        # Dynamic survivors go on taking batches until none is left (they only fail at the closing commit, see
-        # test_dynamic.py), so one attempt would do nearly all the work; as torchrun's agent does when a worker
+        # Dynamic survivors stop only when rank 0 finds the victim's heartbeats silent (engine/liveness.py, see
+        # test_dynamic.py), so meanwhile they would do much of the work; as torchrun's agent does when a worker
         # dies, the others are killed too, a moment later (mid-commit, mid-batch...).
         time.sleep(rng.uniform(0.0, 0.5))
         for proc in procs:

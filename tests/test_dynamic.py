@@ -22,6 +22,8 @@ from harness import (
     wait_for_progress,
 )
 
+from torch_batch_process.engine.liveness import SILENCE_S
+
 pytestmark = pytest.mark.slow
 
 DYNAMIC = {"schedule": "dynamic"}
@@ -121,12 +123,21 @@ def test_a_failure_makes_every_rank_raise_promptly_and_a_rerun_resumes(tmp_path,
     assert_exactly_once(buffered_values(Path(spec["storage"])), n)
 
 
-def test_a_killed_rank_makes_the_other_exit(tmp_path):
-    spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.01, kwargs=DYNAMIC, progress_file=str(tmp_path / "progress"))
-    procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_killed_rank_makes_the_others_exit_within_the_heartbeat_silence(tmp_path, victim):
+    # 15,000 batches of 10 ms: the survivors alone would need minutes; they must stop within SILENCE_S instead
+    spec = job_spec(tmp_path, n=30000, batch_size=2, sleep=0.01, kwargs=DYNAMIC, progress_file=str(tmp_path / "progress"))
+    procs = spawn_ranks(3, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
     wait_for_progress(Path(spec["progress_file"]), procs)
-    os.kill(procs[1].pid, signal.SIGKILL)
+    os.kill(procs[victim].pid, signal.SIGKILL)
     started = time.monotonic()
-    outcomes = wait_all(procs, timeout=90)
-    assert outcomes[0][0] not in (None, 0) and time.monotonic() - started < 60, outcomes
-    assert read_reports(spec, 1)[0]["error"]["type"] == "WorkerLostError"
+    outcomes = wait_all(procs, timeout=120)
+    took = time.monotonic() - started
+    survivors = [rank for rank in range(3) if rank != victim]
+    assert all(outcomes[rank][0] not in (None, 0) for rank in survivors), outcomes
+    assert took < SILENCE_S + 25, f"the survivors took {took:.0f} s to stop"
+    reports = read_reports(spec, 1)
+    assert {reports[rank]["error"]["type"] for rank in survivors} == {"WorkerLostError"}, reports
+    assert f"rank {victim} stopped answering" in "".join(err for _, _, err in outcomes), "rank 0 names the lost rank"
+    calls = sum(len(reports[rank]["calls"]) for rank in survivors)
+    assert calls < 15000 // 2, f"the survivors went on with {calls} batches"

@@ -253,3 +253,38 @@ def test_the_feed_skips_the_loaders_profiler_range_only_while_no_profiler_runs()
     names = [event.name for event in prof.events()]
     assert any(name.startswith("enumerate(DataLoader)#") for name in names), names  # traces keep the range
     feed.close()
+
+
+def test_heartbeats_report_a_rank_that_stops_beating_and_never_one_that_beats():
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from torch_batch_process.engine.liveness import Heartbeats
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    connect = lambda: TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
+    lost: list[BaseException] = []
+    reported = threading.Event()
+
+    def on_lost(error: BaseException) -> None:
+        lost.append(error)
+        reported.set()
+
+    timing = {"beat_s": 0.05, "silence_s": 0.5}
+    watcher = Heartbeats(connect, 0, 3, on_lost, **timing).start()
+    alive = Heartbeats(connect, 1, 3, on_lost, **timing).start()
+    dying = Heartbeats(connect, 2, 3, on_lost, **timing).start()
+    try:
+        time.sleep(1.0)
+        assert not lost, "every rank beats"
+        dying.close()
+        started = time.monotonic()
+        assert reported.wait(10.0)
+        assert time.monotonic() - started < 3.0
+        assert len(lost) == 1 and "rank 2 stopped answering" in str(lost[0])
+    finally:
+        for beats in (watcher, alive, dying):
+            beats.close()

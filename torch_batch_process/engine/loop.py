@@ -35,6 +35,7 @@ from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.guard import check_failures, guard_runner
 from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.keeper import Summary
+from torch_batch_process.engine.liveness import Heartbeats, watch_peers
 from torch_batch_process.engine.plan import BucketedPlan, ContiguousPlan, Plan, planned_batches
 from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
@@ -111,6 +112,7 @@ class JobRun:
         self.call_id = ""
         self._prefixed_store: Any = None
         self._scheduler: Scheduler | None = None
+        self._peers: Heartbeats | None = None
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -181,8 +183,11 @@ class JobRun:
     def _process(self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher, stop_now: bool) -> Outcome:
         """Runs this rank's batches with their commits, then the closing commit; returns its outcome."""
         self._scheduler = scheduler
+        self._peers = watch_peers(self)  # dynamic: a rank that dies stops the others (engine/liveness.py)
         decision = Decision.STOP if stop_now else self._steps(processor, scheduler, signals)
         scheduler.close()
+        if self._peers is not None:
+            self._peers.stop_watching()
         committer = self._committer()
         lockstep = scheduler.kind == "static"  # Determined's semantics: every rank's hook runs at the closing commit
         if decision in (Decision.STOP, Decision.DONE) and (lockstep or committer.part.num_batches or stop_now):
@@ -294,6 +299,11 @@ class JobRun:
         if self._scheduler is not None:
             self._scheduler.post(Decision.FAIL)
 
+    def lost_peer(self, error: BaseException) -> None:
+        """Rank 0's heartbeats found a silent rank (from their thread): this rank fails, every rank stops."""
+        self.failures.record(error, "watching the other ranks' heartbeats")
+        self._post_failure()
+
     def _start_observer(self, start: Start, remaining: RangeSet) -> None:
         committed = start.latest.committed if start.latest else RangeSet()
         self.observer.start(
@@ -313,6 +323,8 @@ class JobRun:
     def _shutdown(self) -> None:
         """Always, when the call ends: background work completes (before the lock goes: no record write may
         outlive it), then the stager, the observer, the lock and the storage's local resources."""
+        if self._peers is not None:
+            self._peers.close()
         if self.committer is not None:
             self.committer.shutdown()
         if self.stager is not None:

@@ -1,0 +1,142 @@
+"""Heartbeats of a dynamic job's ranks, so that a rank that dies stops the others promptly (DESIGN §8).
+
+With ``schedule="dynamic"`` no collective runs per step: a rank killed outright (``kill -9``, a lost node, a
+launcher that does not stop the others) would go unnoticed by the other ranks until the closing commit, after
+they processed every batch left. So every rank's heartbeat thread adds 1 to a counter of its own in the
+call's rendezvous store every :data:`BEAT_S` seconds, from the start of its steps to the end of the call, and
+rank 0's thread also reads every rank's counter while rank 0 runs its steps. When one has not moved for
+:data:`SILENCE_S` seconds, rank 0 records a :class:`~torch_batch_process.errors.WorkerLostError` and tells
+every rank to stop at its next batch (the scheduler's failure mark); the closing commit then makes every rank
+raise. Rank 0 dying is seen by the others at their next claim, since the store lives in rank 0's process (or
+torchrun's agent).
+
+A heartbeat only says that the process runs: a rank stuck in a batch is ``batch_timeout``'s job. When rank 0's
+own thread did not run for a while (the whole job suspended, e.g. by Slurm, or a starved process), every rank
+gets a fresh :data:`SILENCE_S` before it counts as silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch_batch_process.errors import WorkerLostError
+
+if TYPE_CHECKING:
+    from torch_batch_process.engine.loop import JobRun
+
+__all__ = ["BEAT_S", "SILENCE_S", "Heartbeats", "watch_peers"]
+
+logger = logging.getLogger(__name__)
+
+BEAT_S = 1.0
+"""Seconds between two heartbeats of a rank (one store request each; rank 0 also reads one counter per rank)."""
+
+SILENCE_S = 15.0
+"""A rank whose heartbeats stopped for this long is lost."""
+
+
+class Heartbeats:
+    """This rank's heartbeat thread; on rank 0 it also watches the others' (see the module docstring).
+
+    Args:
+        store: factory of a rendezvous store connection for the thread.
+        rank: this rank.
+        world_size: the number of ranks.
+        on_lost: rank 0: called once, from the thread, with the error of a rank that went silent.
+        beat_s: seconds between heartbeats.
+        silence_s: seconds without a heartbeat after which a rank is lost.
+    """
+
+    def __init__(
+        self,
+        store: Callable[[], Any],
+        rank: int,
+        world_size: int,
+        on_lost: Callable[[WorkerLostError], None],
+        *,
+        beat_s: float = BEAT_S,
+        silence_s: float = SILENCE_S,
+    ) -> None:
+        self._store_factory = store
+        self._rank = rank
+        self._world_size = world_size
+        self._on_lost = on_lost
+        self._beat_s = beat_s
+        self._silence_s = silence_s
+        self._watching = rank == 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tbp-heartbeats", daemon=True)
+
+    def start(self) -> Heartbeats:
+        """Starts the thread; returns ``self``."""
+        self._thread.start()
+        return self
+
+    def stop_watching(self) -> None:
+        """Rank 0's steps are over: it stops judging the others (its heartbeats go on until :meth:`close`)."""
+        self._watching = False
+
+    def close(self) -> None:
+        """Stops the thread (the end of the call)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        try:
+            store = self._store_factory()
+        except Exception as exc:  # noqa: BLE001 - the main thread sees a lost store at its next claim
+            logger.debug("rank %d: no heartbeats (%s)", self._rank, exc)
+            return
+        own = f"alive/{self._rank}"
+        counts: dict[int, int] = {}
+        heard: dict[int, float] = {}
+        last_tick = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - last_tick > 3 * self._beat_s:  # this thread did not run: nobody's silence counts meanwhile
+                heard = dict.fromkeys(heard, now)
+            last_tick = now
+            try:
+                store.add(own, 1)
+                if self._watching:
+                    lost = self._silent_rank(store, counts, heard, now)
+                    if lost is not None:
+                        self._report(lost, now - heard[lost])
+                        return
+            except Exception as exc:  # noqa: BLE001 - rank 0 is gone: the main thread raises at its next claim
+                logger.debug("rank %d: heartbeats stopped (%s)", self._rank, exc)
+                return
+            self._stop.wait(self._beat_s)
+
+    def _silent_rank(self, store: Any, counts: dict[int, int], heard: dict[int, float], now: float) -> int | None:
+        """Reads every other rank's counter; returns a rank silent for longer than allowed, or ``None``."""
+        for rank in range(self._world_size):
+            if rank == self._rank:
+                continue
+            count = store.add(f"alive/{rank}", 0)
+            if counts.get(rank) != count:
+                counts[rank], heard[rank] = count, now
+            elif now - heard[rank] > self._silence_s:
+                return rank
+        return None
+
+    def _report(self, rank: int, silent_s: float) -> None:
+        message = (
+            f"rank {rank} stopped answering: no heartbeat for {silent_s:.0f} s (it crashed, was killed, or its host "
+            "or network failed). The last commit is intact: run the job again to resume from it"
+        )
+        logger.error("rank %d: %s; every rank stops at its next batch", self._rank, message)
+        self._on_lost(WorkerLostError(message))
+
+
+def watch_peers(job: JobRun) -> Heartbeats | None:
+    """The started heartbeats of ``job``'s rank with the dynamic schedule on several ranks, else ``None``; rank 0
+    reports a lost rank to :meth:`~torch_batch_process.engine.loop.JobRun.lost_peer`."""
+    if job.args.schedule != "dynamic" or job.world_size == 1:
+        return None
+    return Heartbeats(job.call_store().clone, job.rank, job.world_size, job.lost_peer).start()
