@@ -297,3 +297,21 @@ def test_memory_storage_is_refused_with_several_ranks(tmp_path):
         assert error["type"] == "StorageError", error
         assert "memory://tbp-two-ranks/job" in error["message"] and "not shared by all ranks" in error["message"]
         assert reports[rank].get("calls", []) == []
+
+
+@pytest.mark.parametrize("cut", ["mid-line", "no newline at all", "long line"])
+def test_an_append_drops_a_last_line_cut_off_before_adding_its_own(storage_url, cut):
+    stored = {
+        "mid-line": b'{"a": 1}\n{"b": 2}\n{"c": 3',
+        "no newline at all": b'{"a": 1',
+        "long line": b'{"a": 1}\n' + b"x" * 200_000,
+    }[cut]
+    kept = stored[: stored.rfind(b"\n") + 1]
+    Storage(storage_url).write_bytes("metrics.jsonl", stored)
+    storage = Storage(storage_url)  # a new job's storage: its first append checks the file
+    storage.append("metrics.jsonl", b'{"d": 4}\n')
+    storage.append("metrics.jsonl", b'{"e": 5}\n')
+    assert Storage(storage_url).read_bytes("metrics.jsonl") == kept + b'{"d": 4}\n{"e": 5}\n'
+    whole = Storage(storage_url)
+    whole.append("metrics.jsonl", b'{"f": 6}\n')  # whole lines stay as they are
+    assert Storage(storage_url).read_bytes("metrics.jsonl") == kept + b'{"d": 4}\n{"e": 5}\n{"f": 6}\n'

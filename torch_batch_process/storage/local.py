@@ -4,7 +4,8 @@
   the file is renamed over the target, so readers see the old or the new file even after ``kill -9`` or a
   power cut.
 - **Appends**: one ``write()`` on an ``O_APPEND`` descriptor, so a killed process leaves a line whole or
-  absent.
+  absent. A last line without its newline (a file cut off by damage or a machine's crash) is dropped before
+  this process's first append to the file, so that new lines never join it.
 - **Files in**: output files are written in scratch folders inside the storage and renamed into place
   (no copy, whatever their size).
 - **Lock**: an OS file lock (:class:`~torch_batch_process.storage.lock.FileJobLock`), released by the
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalStorage"]
 
+logger = logging.getLogger(__name__)
+
 SCRATCH_DIR = "_tbp/scratch"
 """Where :meth:`LocalStorage.scratch_folder` makes its folders (same filesystem as the outputs)."""
 
@@ -41,6 +45,7 @@ class LocalStorage(Storage):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(path))
         self.url = self.root
+        self._appended: set[str] = set()  # files whose last line this process checked (append)
 
     # ------------------------------------------------------------------ paths
 
@@ -131,8 +136,11 @@ class LocalStorage(Storage):
         path = self.path(rel)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
+                if path not in self._appended:
+                    _drop_partial_line(fd, rel)
+                    self._appended.add(path)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
@@ -255,6 +263,23 @@ class _RenameSink(FileSink):
 class _SameFolder(MirroredFolder):
     def __init__(self, path: Path) -> None:
         self.path = path
+
+
+def _drop_partial_line(fd: int, rel: str) -> None:
+    """Truncates the open file after its last newline when its last line has none (see the module docstring)."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return  # whole lines
+    keep, end = 0, size - 1
+    while end > 0:
+        start = max(0, end - 65536)
+        cut = os.pread(fd, end - start, start).rfind(b"\n")
+        if cut >= 0:
+            keep = start + cut + 1
+            break
+        end = start
+    logger.warning("%s: dropping its last %d bytes, a line cut off (damaged storage or a crash)", rel, size - keep)
+    os.ftruncate(fd, keep)
 
 
 def _fsync_dir(folder: str) -> None:

@@ -15,6 +15,7 @@ next process on the host that needs scratch space removes those of processes tha
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import shutil
@@ -27,6 +28,8 @@ from pathlib import Path
 from torch_batch_process.processes import pid_alive
 
 __all__ = ["AppendedFiles", "LocalScratch"]
+
+logger = logging.getLogger(__name__)
 
 TMP_PREFIX = "tbp-scratch-"
 """The name prefix of every local temporary folder of object-store storage (``<prefix><pid>-...``)."""
@@ -91,7 +94,11 @@ class AppendedFiles:
             folder = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-append-"))
             copy = folder / posixpath.basename(rel)
             try:
-                copy.write_bytes(self._read(rel))
+                stored = self._read(rel)
+                whole = stored[: stored.rfind(b"\n") + 1]  # a last line cut off (damage) is dropped
+                if len(whole) < len(stored):
+                    logger.warning("%s: dropping its last %d bytes, a line cut off", rel, len(stored) - len(whole))
+                copy.write_bytes(whole)
             except FileNotFoundError:
                 copy.write_bytes(b"")
             except BaseException:
