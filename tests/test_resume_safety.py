@@ -204,3 +204,31 @@ def test_processor_states_are_merged_on_a_resume_with_another_world_size(tmp_pat
     for rank in range(3):  # every new rank received the merged state of the two earlier ranks
         assert second[rank]["loaded"] == {"count": committed, "merged_from": 2}
     assert sum(second[rank]["count"] for rank in range(3)) == 120 // 4, "the counters survived the world-size change"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["state file cut short", "state file zeroed", "record without a key", "record of the wrong type", "job file"],
+)
+def test_damaged_progress_is_refused_with_what_to_do(tmp_path, damage):
+    storage = tmp_path / "store"
+    torch_batch_process(Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    state_file = next((storage / "_tbp" / "states").rglob("*.pt"))
+    record = sorted((storage / "_tbp" / "commits").glob("*.json"))[-1]
+    if damage == "state file cut short":
+        state_file.write_bytes(state_file.read_bytes()[:30])
+    elif damage == "state file zeroed":
+        state_file.write_bytes(bytes(state_file.stat().st_size))
+    elif damage == "record without a key":
+        value = json.loads(record.read_text())
+        del value["committed"]
+        record.write_text(json.dumps(value))
+    elif damage == "record of the wrong type":
+        record.write_text("[1, 2, 3]")
+    else:
+        (storage / "_tbp" / "job.json").write_text('{"format": 1}')
+    with pytest.raises(CheckpointCorruptError) as info:
+        torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert "resume=False" in str(info.value) and "new storage_path" in str(info.value), str(info.value)
+    fresh = torch_batch_process(Writer, list(range(40)), batch_size=4, storage_path=str(storage), resume=False)
+    assert fresh.finished and fresh.batches_skipped == 0

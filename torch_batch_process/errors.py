@@ -36,6 +36,12 @@ class CheckpointCorruptError(BatchProcessError):
     """A checkpoint record or state file exists but cannot be read."""
 
 
+CORRUPT_HINT = (  # what a CheckpointCorruptError tells the user to do
+    "The job cannot resume from it: restore the file from a backup, or start the job afresh with resume=False "
+    "(this erases the stored progress and outputs) or a new storage_path"
+)
+
+
 class WorkerFailedError(BatchProcessError, RuntimeError):
     """Another rank raised an exception; raised on the ranks that did not fail."""
 

@@ -19,7 +19,7 @@ from typing import Any
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
 from torch_batch_process.engine.store import JobStore
-from torch_batch_process.errors import JobMismatchError, StorageError, WorkerFailedError
+from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError, WorkerFailedError
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.layout import JOB_FILE
 from torch_batch_process.storage.lock import JobLock
@@ -69,6 +69,7 @@ class JobOpener:
         self.resume = resume
         self.coll = collectives
         self.lock: JobLock | None = None
+        self._damaged: CheckpointCorruptError | None = None  # resume=False: the damaged job erased
 
     def open(self, planned: int, planned_examples: int) -> Start:
         """Every rank: the :class:`Start` of this attempt (raises on every rank what rank 0 raised).
@@ -109,7 +110,7 @@ class JobOpener:
             )
         self.lock = self.storage.job_lock()  # the first write to storage
         job, latest = self._read_and_check()  # again, now that no other job can change it
-        if not self.resume and (job is not None or latest is not None):
+        if not self.resume and (job is not None or latest is not None or self._damaged is not None):
             logger.warning("resume=False: erasing the job stored at %s", self.storage.url)
             self.store.erase()
             job, latest = None, None
@@ -127,6 +128,8 @@ class JobOpener:
         )
 
     def _read_and_check(self) -> tuple[JobInfo | None, CommitRecord | None]:
+        if not self.resume:
+            return self._read_to_erase()
         job = self.store.load_job()
         latest = self.store.load_latest()
         if self.resume and job is not None:
@@ -139,6 +142,15 @@ class JobOpener:
                 "resume=False to erase it and start afresh, or use a new storage_path."
             )
         return job, latest
+
+    def _read_to_erase(self) -> tuple[JobInfo | None, CommitRecord | None]:
+        """``resume=False``: the stored job is erased, so damage in it is no error (the error messages of damaged
+        progress give resume=False as the fix)."""
+        try:
+            return self.store.load_job(), self.store.load_latest()
+        except CheckpointCorruptError as exc:
+            self._damaged = exc
+            return None, None
 
     def _check_shared_storage(self) -> None:
         """Every rank must see the storage rank 0 wrote (a local path must be shared by all nodes)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.engine.ranges import RangeSet
-from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
+from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, JobMismatchError
 
 __all__ = ["CommitRecord", "JobInfo", "JobSpec", "check_fingerprint", "parse_json", "qualified_name"]
 
@@ -97,7 +97,8 @@ class JobInfo:
                 planned_examples=int(value["planned_examples"]) if value.get("planned_examples") is not None else None,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"job file {where} is not a valid job record: {exc}") from exc
+            message = f"job file {where} is not a valid job record ({exc}). {CORRUPT_HINT}."
+            raise CheckpointCorruptError(message) from exc
 
 
 @dataclass
@@ -166,7 +167,8 @@ class CommitRecord:
                 last_stage=int(value.get("last_stage") or value["commit"]),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"commit record {where} is not a valid record: {exc}") from exc
+            message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."
+            raise CheckpointCorruptError(message) from exc
 
     def referenced_files(self) -> set[str]:
         """State files this record needs."""
@@ -192,8 +194,7 @@ def parse_json(raw: bytes, where: str) -> Any:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointCorruptError(
-            f"{where} is corrupt ({exc}). The job cannot resume from it; to start the job afresh, "
-            "pass resume=False (this erases the stored progress and outputs) or use a new storage_path."
+            f"{where} is corrupt ({exc}). {CORRUPT_HINT}."
         ) from exc
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch_batch_process.engine.records import CommitRecord, JobInfo, parse_json
-from torch_batch_process.errors import CheckpointCorruptError
+from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
 from torch_batch_process.storage.base import TMP_MARKER, Storage
 from torch_batch_process.storage.layout import (
     ATTEMPT_FILE,
@@ -84,10 +84,10 @@ class JobStore:
         try:
             raw = self.storage.read_bytes(rel)
         except FileNotFoundError as exc:  # deleted between list and read: a newer commit's clean-up
-            raise CheckpointCorruptError(f"commit record {where} vanished while reading it") from exc
+            raise CheckpointCorruptError(f"commit record {where} vanished while reading it. {CORRUPT_HINT}.") from exc
         record = CommitRecord.from_json(parse_json(raw, where), where)
         if record.commit != numbers[-1]:
-            raise CheckpointCorruptError(f"commit record {where} says it is commit {record.commit}")
+            raise CheckpointCorruptError(f"commit record {where} says it is commit {record.commit}. {CORRUPT_HINT}.")
         return record
 
     def load_state(self, rel: str) -> dict[str, Any]:
@@ -98,13 +98,14 @@ class JobStore:
         try:
             raw = self.storage.read_bytes(rel)
         except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"state file {where} referenced by the last commit is missing") from exc
+            message = f"state file {where} referenced by the last commit is missing. {CORRUPT_HINT}."
+            raise CheckpointCorruptError(message) from exc
         try:
             state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
         except Exception as exc:  # noqa: BLE001 - any unpickling error means a damaged file
-            raise CheckpointCorruptError(f"state file {where} cannot be read: {exc}") from exc
+            raise CheckpointCorruptError(f"state file {where} cannot be read ({exc}). {CORRUPT_HINT}.") from exc
         if not isinstance(state, dict) or "reducers" not in state:
-            raise CheckpointCorruptError(f"state file {where} is not a torch_batch_process state file")
+            raise CheckpointCorruptError(f"state file {where} is not a torch_batch_process state file. {CORRUPT_HINT}.")
         return state
 
     def staged(self) -> dict[int, list[str]]:
