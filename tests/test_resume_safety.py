@@ -232,3 +232,26 @@ def test_damaged_progress_is_refused_with_what_to_do(tmp_path, damage):
     assert "resume=False" in str(info.value) and "new storage_path" in str(info.value), str(info.value)
     fresh = torch_batch_process(Writer, list(range(40)), batch_size=4, storage_path=str(storage), resume=False)
     assert fresh.finished and fresh.batches_skipped == 0
+
+
+def test_a_committed_output_folder_deleted_by_hand_is_refused_at_resume_and_only_warned_about_once_finished(
+    tmp_path, caplog
+):
+    storage = tmp_path / "store"
+    result = torch_batch_process(Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert result.preempted
+    folders = sorted((storage / "outputs").glob("commit_*"))
+    assert len(folders) >= 2
+    shutil.rmtree(folders[1])
+    before = tree_digest(storage)
+    with pytest.raises(CheckpointCorruptError, match="committed output folder") as info:
+        torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert folders[1].name in str(info.value) and "resume=False" in str(info.value)
+    assert tree_digest(storage) == before, "nothing changed"
+
+    other = tmp_path / "finished"
+    torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(other))
+    shutil.rmtree(sorted((other / "outputs").glob("commit_*"))[0])
+    again = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(other))
+    assert again.already_finished
+    assert "committed output folder(s) are missing" in caplog.text

@@ -226,7 +226,7 @@ class Committer:
                     state_file = self._store.write_state(self.stage, self.rank, slots, processor_state)
             except Exception as exc:  # noqa: BLE001 - travels in the vote
                 self._failures.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
-        has_files = self._stager.has_files
+        has_files, outputs = self._stager.has_files, self._stager.has_outputs
         if self._stager.has_failures:
             self._with_failures.add(self.stage)
         part, self.part = self.part, Part()
@@ -244,6 +244,7 @@ class Committer:
             durable=self._writes.durable if self._writes is not None else -1,
             queued=self._queue.queued if self._queue is not None else 0,
             extra={"failed": part.failed} if part.failed else {},
+            outputs=outputs,
         )
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()

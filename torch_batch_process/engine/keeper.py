@@ -112,6 +112,8 @@ class RecordKeeper:
         self.stages = RangeSet()
         if latest is not None:
             self.stages = latest.stages if latest.stages is not None else RangeSet([(1, latest.commit + 1)])
+        # stages with output files: unknown for good when resuming from a record that does not say
+        self.output_stages: RangeSet | None = RangeSet() if latest is None else latest.output_stages
         self.state_files: list[str | None] = [None] * world_size
         self.frozen = list(start.frozen_state_files)
         self.provenance = list(latest.provenance) if latest else []
@@ -133,6 +135,8 @@ class RecordKeeper:
                 batches = RangeSet.from_json(vote.batches)
                 self.committed.update(batches)
                 self.stages.add(vote.stage)
+                if vote.outputs and self.output_stages is not None:
+                    self.output_stages.add(vote.stage)
                 self.last_stage = max(self.last_stage, vote.stage)
                 if vote.state_file is not None:
                     self.state_files[vote.rank] = vote.state_file
@@ -178,6 +182,7 @@ class RecordKeeper:
             committed = RangeSet(self.committed.ranges())  # a snapshot: merging goes on while it is written
             state_files = list(self.state_files)
             stages = RangeSet(self.stages.ranges())
+            output_stages = RangeSet(self.output_stages.ranges()) if self.output_stages is not None else None
             provenance = list(self.provenance)
             number, last_stage = self.number, self.last_stage
             failed = self.summary.failed_examples
@@ -220,6 +225,7 @@ class RecordKeeper:
             },
             provenance=provenance,
             stages=stages,
+            output_stages=output_stages,
             last_stage=last_stage,
         )
         all_lines = list(lines)

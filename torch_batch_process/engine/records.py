@@ -125,6 +125,9 @@ class CommitRecord:
     to ``commit`` (with ``schedule="static"`` stage numbers are commit numbers)."""
     last_stage: int = 0
     """The highest stage number used so far (committed or not): the next attempt numbers its stages after it."""
+    output_stages: RangeSet | None = None
+    """Committed stages with output files (``outputs/commit_<s>/`` exists once published); ``None`` (records of
+    older versions, and the jobs resumed from them): unknown."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,6 +146,7 @@ class CommitRecord:
             "provenance": self.provenance,
             "stages": self.stages.to_json() if self.stages is not None else None,
             "last_stage": self.last_stage,
+            "output_stages": self.output_stages.to_json() if self.output_stages is not None else None,
         }
 
     @classmethod
@@ -165,6 +169,9 @@ class CommitRecord:
                 provenance=list(value.get("provenance") or []),
                 stages=RangeSet.from_json(value["stages"]) if value.get("stages") is not None else None,
                 last_stage=int(value.get("last_stage") or value["commit"]),
+                output_stages=(
+                    RangeSet.from_json(value["output_stages"]) if value.get("output_stages") is not None else None
+                ),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."

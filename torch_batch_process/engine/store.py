@@ -33,6 +33,7 @@ from torch_batch_process.storage.layout import (
     STATES_DIR,
     TENSORBOARD_DIR,
     failures_file,
+    number_name,
     outputs_dir,
     record_file,
     staging_dir,
@@ -155,6 +156,31 @@ class JobStore:
                 "metrics and processor state. Nothing was changed. Restore them, or start afresh with resume=False "
                 "(this erases the stored progress and outputs) or a new storage_path."
             )
+        self._check_outputs(latest)
+
+    def _check_outputs(self, latest: CommitRecord) -> None:
+        """Committed output folders that are gone (deleted by hand, a partial copy): a resume refuses, since the
+        job would end with their examples' outputs missing; a finished job only warns (its outputs were made)."""
+        if latest.output_stages is None or not len(latest.output_stages):
+            return
+        present = {name for name in self.storage.list(OUTPUTS_DIR) if name.startswith("commit_")}
+        present.update(f"commit_{number_name(stage)}" for stage, ranks in self.staged().items() if ranks)
+        missing = [stage for stage in latest.output_stages if f"commit_{number_name(stage)}" not in present]
+        if not missing:
+            return
+        message = (
+            f"{len(missing)} committed output folder(s) are missing (first: "
+            f"{self.storage.url_of(outputs_dir(missing[0]))}; committed by "
+            f"{self.storage.url_of(record_file(latest.commit))})"
+        )
+        if latest.finished:
+            logger.warning("%s: the job finished; its result stands, but those outputs are gone", message)
+            return
+        raise CheckpointCorruptError(
+            f"{message}: resuming would end the job with their examples' outputs missing. Nothing was changed. "
+            "Restore them, or start afresh with resume=False (this erases the stored progress and outputs) or a new "
+            "storage_path."
+        )
 
     def _present(self, rel: str) -> bool:
         """Whether file ``rel`` exists, or folder ``rel`` holds anything."""

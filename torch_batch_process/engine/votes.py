@@ -30,6 +30,7 @@ class Vote:
     stage: int
     """The stage its files and state went into (see :mod:`torch_batch_process.storage.layout`)."""
     has_files: bool
+    """Its stage holds files (outputs or failure records): it is published."""
     batches: list[list[int]]
     """Global batches completed since its previous commit (ranges)."""
     examples: int
@@ -46,6 +47,8 @@ class Vote:
     queued: int = 0
     """Dynamic schedule, closing vote: how many votes this rank queued before it (rank 0 takes them all first)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    outputs: bool = False
+    """Its stage holds output files (``outputs/commit_<stage>/`` once published; see ``CommitRecord.output_stages``)."""
 
 
 class GatheredVotes:

@@ -88,6 +88,11 @@ class OutputStager:
         return bool(self._names) or bool(self._failures)
 
     @property
+    def has_outputs(self) -> bool:
+        """Whether the current stage has output files (its failure records are published elsewhere)."""
+        return bool(self._names - {STAGED_FAILURES_NAME})
+
+    @property
     def has_failures(self) -> bool:
         """Whether the current stage has failure records (before or after :meth:`flush` wrote them)."""
         return bool(self._failures) or STAGED_FAILURES_NAME in self._names
