@@ -2,7 +2,8 @@
 :class:`Start` before any work.
 
 Rank 0 refuses another job (a different fingerprint) and damaged progress, returns the stored result of a
-finished job (after publishing files a kill left unpublished), erases the job with ``resume=False``, repairs
+finished job (its final commit record's; after publishing files a kill left unpublished and writing a
+``result.json`` a kill left unwritten, under the job lock), erases the job with ``resume=False``, repairs
 what a crash left (:meth:`~torch_batch_process.engine.store.JobStore.repair`), writes the job file at the
 first start and counts the attempt. Its answer, or its exception, is broadcast to every rank.
 """
@@ -21,10 +22,10 @@ from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, c
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError, WorkerFailedError
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import JOB_FILE
+from torch_batch_process.storage.layout import JOB_FILE, RESULT_FILE
 from torch_batch_process.storage.lock import JobLock
 
-__all__ = ["JobOpener", "Start"]
+__all__ = ["JobOpener", "Start", "picklable_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class JobOpener:
             try:
                 answer = self._read(planned, planned_examples)
             except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
-                answer = _picklable(exc)
+                answer = picklable_error(exc)
         answer = self.coll.broadcast(answer)
         if isinstance(answer, BaseException):
             raise answer
@@ -96,7 +97,8 @@ class JobOpener:
         self.storage.check()  # unreachable, missing bucket, no permission: a clear error before anything else
         job, latest = self._read_and_check()
         if latest is not None and latest.finished and self.resume and latest.result is not None:
-            if self.store.unpublished_stages(latest):  # killed while publishing its last outputs
+            # killed while publishing its last outputs, or before writing result.json
+            if self.store.unpublished_stages(latest) or not self.storage.exists(RESULT_FILE):
                 self.lock = self.storage.job_lock()
                 job, latest = self._read_and_check()
                 assert latest is not None
@@ -174,7 +176,7 @@ class JobOpener:
             self.lock = None
 
 
-def _picklable(exc: BaseException) -> BaseException:
+def picklable_error(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling (to be re-raised on every rank), else a stand-in with its message."""
     try:
         pickle.loads(pickle.dumps(exc))

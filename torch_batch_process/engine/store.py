@@ -40,9 +40,12 @@ from torch_batch_process.storage.layout import (
     state_file,
 )
 
-__all__ = ["JobStore"]
+__all__ = ["JobStore", "job_finished", "latest_record_at"]
 
 logger = logging.getLogger(__name__)
+
+_LIST_AGAIN = 5
+"""How often :func:`latest_record_at` lists a running job's records again when the latest one vanished while read."""
 
 
 class JobStore:
@@ -222,7 +225,17 @@ class JobStore:
         return attempt
 
     def write_result(self, result: dict[str, Any]) -> None:
+        """Writes ``result.json``: a copy of the final record's result, written right after that record."""
         self.storage.write_json(RESULT_FILE, result)
+
+    def restore_result(self, latest: CommitRecord | None) -> None:
+        """Writes the ``result.json`` of a finished job when it is missing (a kill between the final record,
+        the commit point, and ``result.json``); nothing otherwise."""
+        if latest is None or not latest.finished or latest.result is None or self.storage.exists(RESULT_FILE):
+            return
+        where = self.storage.url_of(RESULT_FILE)
+        logger.info("writing %s from the final commit record (the job was killed before writing it)", where)
+        self.write_result(latest.result)
 
     def publish(self, stage: int, rank: int | None = None, *, sole: bool = False, failures: bool = True) -> None:
         """Moves the staged files of ``stage`` (one rank's, or all of it) into ``outputs/``, and their failure
@@ -258,7 +271,8 @@ class JobStore:
         any other rank writes).
 
         Publishes the stages the record commits, deletes stages and state files it does not (they were never
-        committed), and removes scratch folders and temporary files of interrupted writes.
+        committed), removes scratch folders and temporary files of interrupted writes, and writes the
+        ``result.json`` of a finished job that was killed before writing it.
         """
         for stage, ranks in self.staged().items():
             if ranks and latest is not None and latest.has_stage(stage):
@@ -284,6 +298,21 @@ class JobStore:
         for name in self.storage.list(INTERNAL_DIR):
             if TMP_MARKER in name:
                 self.storage.delete(f"{INTERNAL_DIR}/{name}")
+        self.restore_result(latest)
+
+    def repair_finished(self) -> None:
+        """Rank 0, on a finished job: the repairs of :meth:`repair` (stages a kill left unpublished, a missing
+        ``result.json``) under the job lock, taken only when one is due; nothing on a job that is not finished."""
+        latest = self.load_latest()
+        if latest is None or not latest.finished:
+            return
+        if not self.unpublished_stages(latest) and self.storage.exists(RESULT_FILE):
+            return
+        lock = self.storage.job_lock()
+        try:
+            self.repair(self.load_latest())
+        finally:
+            lock.release()
 
     def collect_garbage(
         self, record: CommitRecord, previous: CommitRecord | None, skipped: Sequence[CommitRecord] = ()
@@ -327,3 +356,41 @@ class JobStore:
             COMMITS_DIR,
         ):
             self.storage.delete(rel, recursive=True)
+
+
+def job_finished(storage: Storage, root: str = "") -> bool:
+    """Whether the job stored in folder ``root`` of ``storage`` (``""``: its root) is finished: its latest commit
+    record is the final one.
+
+    ``result.json`` is written after the final record, so when it exists the job is finished (one request);
+    without it the latest record decides (a kill may come between the two).
+    """
+    if storage.exists(f"{root}/{RESULT_FILE}" if root else RESULT_FILE):
+        return True
+    latest = latest_record_at(storage, root)
+    return latest is not None and latest.finished
+
+
+def latest_record_at(storage: Storage, root: str = "") -> CommitRecord | None:
+    """The latest commit record of the job stored in folder ``root`` of ``storage`` (``None``: none yet).
+
+    Read-only and safe while the job runs: a record deleted while it is read (a newer commit superseded it) makes
+    it list again.
+    """
+    folder = f"{root}/{COMMITS_DIR}" if root else COMMITS_DIR
+    for _ in range(_LIST_AGAIN):
+        numbers = [int(name[: -len(".json")]) for name in storage.list(folder) if _is_record(name)]
+        if not numbers:
+            return None
+        rel = f"{root}/{record_file(max(numbers))}" if root else record_file(max(numbers))
+        try:
+            raw = storage.read_bytes(rel)
+        except FileNotFoundError:
+            continue
+        where = storage.url_of(rel)
+        return CommitRecord.from_json(parse_json(raw, where), where)
+    raise CheckpointCorruptError(f"the commit records in {storage.url_of(folder)} keep vanishing while they are read")
+
+
+def _is_record(name: str) -> bool:
+    return name.endswith(".json") and name[: -len(".json")].isdigit()
