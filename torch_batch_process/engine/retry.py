@@ -11,6 +11,10 @@ The failures a retry records replace the ones it retried: the job's current fail
 finished retry (``retries/<k>/failures/``), else its own (:func:`current_failures_root`); so a failure that
 succeeds in a retry is cleared, and one that fails again is listed once, by the retry. The result of a retry
 call is the retry job's (``failed_examples``: the failures left).
+
+A job or retry is finished when its latest commit record is the final one (:func:`job_finished`); its
+``result.json`` is a copy written after that record, which a kill in between leaves unwritten: rank 0 writes
+it before a retry starts (:func:`choose_retry`), and opening the finished job does too.
 """
 
 from __future__ import annotations
@@ -23,35 +27,68 @@ from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.engine.store import JobStore, job_finished
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.storage.base import Storage, open_storage
-from torch_batch_process.storage.layout import RESULT_FILE, RETRIES_DIR
+from torch_batch_process.storage.layout import RETRIES_DIR
 
-__all__ = ["IndexPlan", "current_failures_root", "next_retry", "prepare_retry"]
+__all__ = ["IndexPlan", "choose_retry", "current_failures_root", "next_retry", "prepare_retry"]
 
 if TYPE_CHECKING:
+    from torch_batch_process.engine.distributed import Collectives
     from torch_batch_process.validation import JobArguments
 
 logger = logging.getLogger(__name__)
 
 
-def prepare_retry(args: JobArguments) -> tuple[JobArguments, IndexPlan]:
-    """The arguments and plan of the retry to run for the finished job of ``args`` (see the module docstring)."""
-    from torch_batch_process.observe.failures import read_failure_records
+def prepare_retry(args: JobArguments, collectives: Collectives) -> tuple[JobArguments, IndexPlan]:
+    """Every rank: the arguments and plan of the retry to run for the finished job of ``args`` (see the module
+    docstring). Rank 0 repairs and reads storage (:func:`choose_retry`); every rank gets its answer, or raises
+    what it raised."""
+    from torch_batch_process.engine.job import picklable_error  # job imports torch: `tbp failures` needs none here
 
-    storage = open_storage(args.storage_path, args.storage_options)
-    try:
-        k, source = next_retry(storage)
-        indices = sorted({int(r["index"]) for r in read_failure_records(storage, source)})
-        url = storage.url_of(f"{RETRIES_DIR}/{k}")
-    finally:
-        storage.close()
+    answer: tuple[int, str, list[int]] | BaseException | None = None
+    if collectives.rank == 0:
+        try:
+            answer = choose_retry(args)
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
+            answer = picklable_error(exc)
+    answer = collectives.broadcast(answer)
+    if isinstance(answer, BaseException):
+        raise answer
+    assert answer is not None
+    k, url, indices = answer
     logger.info(
         "retry %d of job %s: %d failed example(s) to process again, stored in %s", k, args.job_name, len(indices), url
     )
     options = dataclasses.replace(args.failures, retry_failed=False)
     retry_args = dataclasses.replace(args, storage_path=url, max_batches=None, lengths=None, failures=options)
     return retry_args, IndexPlan(indices, args.batch_size)
+
+
+def choose_retry(args: JobArguments) -> tuple[int, str, list[int]]:
+    """Rank 0: the retry to run (its number and URL) and the dataset indices it retries.
+
+    The job, and the retry whose failures are retried, get the repairs of a finished job first (their last
+    failures published, their ``result.json`` written: :meth:`JobStore.repair_finished`), so that the failures
+    read are all those committed.
+    """
+    from torch_batch_process.observe.failures import read_failure_records
+
+    storage = open_storage(args.storage_path, args.storage_options)
+    try:
+        k, source = next_retry(storage)
+        for root in dict.fromkeys(["", source]):
+            job = open_storage(storage.url_of(root), args.storage_options) if root else storage
+            try:
+                JobStore(job).repair_finished()
+            finally:
+                if job is not storage:
+                    job.close()
+        indices = sorted({int(r["index"]) for r in read_failure_records(storage, source)})
+        return k, storage.url_of(f"{RETRIES_DIR}/{k}"), indices
+    finally:
+        storage.close()
 
 
 class IndexPlan(Plan):
@@ -92,33 +129,31 @@ def _retries(storage: Storage) -> list[int]:
 def current_failures_root(storage: Storage) -> str:
     """The folder (relative to ``storage``) whose ``failures/`` lists the job's current failures: its latest
     finished retry, else the job itself (``""``)."""
-    for k in reversed(_retries(storage)):
-        if storage.exists(f"{RETRIES_DIR}/{k}/{RESULT_FILE}"):
-            return f"{RETRIES_DIR}/{k}"
-    return ""
+    return _latest_finished(storage, _retries(storage))
 
 
 def next_retry(storage: Storage) -> tuple[int, str]:
     """The retry to run: the latest one when it is not finished (a resume), else a new one; and the folder
     whose failures it retries."""
-    if not storage.exists(RESULT_FILE):
+    if not job_finished(storage):
         raise InvalidArgumentError(
             f"retry_failed=True: the job at {storage.url} is not finished; run it without retry_failed first "
             "(it resumes), then retry its failures"
         )
     numbers = _retries(storage)
-    source = current_failures_root(storage)
-    if numbers and not storage.exists(f"{RETRIES_DIR}/{numbers[-1]}/{RESULT_FILE}"):
-        k = numbers[-1]
-        source = current_failures_root_before(storage, k)
-    else:
-        k = (numbers[-1] if numbers else 0) + 1
-    return k, source
+    if numbers and not job_finished(storage, f"{RETRIES_DIR}/{numbers[-1]}"):
+        return numbers[-1], current_failures_root_before(storage, numbers[-1])
+    return (numbers[-1] if numbers else 0) + 1, _latest_finished(storage, numbers)
 
 
 def current_failures_root_before(storage: Storage, k: int) -> str:
     """The current failures' folder as it was when retry ``k`` started (the latest finished retry before it)."""
-    for j in reversed([j for j in _retries(storage) if j < k]):
-        if storage.exists(f"{RETRIES_DIR}/{j}/{RESULT_FILE}"):
-            return f"{RETRIES_DIR}/{j}"
+    return _latest_finished(storage, [j for j in _retries(storage) if j < k])
+
+
+def _latest_finished(storage: Storage, numbers: list[int]) -> str:
+    """The folder of the latest finished retry among ``numbers`` (ascending), else the job's (``""``)."""
+    for k in reversed(numbers):
+        if job_finished(storage, f"{RETRIES_DIR}/{k}"):
+            return f"{RETRIES_DIR}/{k}"
     return ""
