@@ -21,7 +21,8 @@ the last commit: ``{"attempt", "world_size", "examples_per_s", "elapsed_s", "exa
 "batches_processed", "started"}``), ``eta_s`` (while running), ``metrics`` (reduced metrics: final
 when finished, else the latest computed "so far"), ``metrics_final``, ``metrics_batches_committed``,
 ``metrics_time``, ``outputs_path``, ``metrics_path``, ``tensorboard_path``, ``result_path`` (when
-finished).
+finished and ``result.json`` is written: a job killed between its final commit record, which makes it finished,
+and ``result.json`` has none until it is run again).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "outputs_path": storage.url_of(OUTPUTS_DIR),
         "metrics_path": storage.url_of(METRICS_FILE),
         "tensorboard_path": storage.url_of(TENSORBOARD_DIR),
-        "result_path": storage.url_of(RESULT_FILE) if finished else None,
+        "result_path": storage.url_of(RESULT_FILE) if finished and result is not None else None,
     }
 
 
@@ -244,6 +245,9 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append(("tensorboard", status["tensorboard_path"]))
     if status.get("result_path"):
         lines.append(("result", status["result_path"]))
+    elif status["state"] in ("finished", "unpublished"):
+        lines.append(("result", "in the final commit record; result.json is not written yet (killed before it): a "
+                      "re-run writes it"))
     width = max(len(key) for key, _ in lines)
     return "\n".join(f"{key:<{width}}  {value}" for key, value in lines)
 
