@@ -17,6 +17,7 @@ from harness import JOBS, spawn_ranks, storage_fs, wait_all
 from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
 from torch_batch_process.launch.cli import main as cli_main
 from torch_batch_process.observe.failures import read_failures
+from torch_batch_process.observe.status import format_status, read_status
 
 FAILING_JOB = JOBS / "failing_job.py"
 
@@ -238,6 +239,77 @@ def test_retry_failed_processes_only_the_failures(tmp_path: Path) -> None:
     nothing = dict(fixed, attempt=4)  # no failure left: an empty retry
     assert run_job(nothing, 1)[0][0] == 0
     assert report(nothing, 0, attempt=4)["result"]["num_examples"] == 0
+
+
+def final_record(storage: Path) -> dict[str, Any]:
+    """The latest commit record of the job stored at ``storage``."""
+    return json.loads(max(Path(storage, "_tbp", "commits").glob("*.json")).read_text())
+
+
+@pytest.mark.parametrize("then", ["rerun", "retry"])
+def test_kill_between_the_final_record_and_result_json(tmp_path: Path, then: str) -> None:
+    """The final commit record makes a job finished; result.json is a copy that the next start writes (a plain
+    re-run, or a retry_failed call right away)."""
+    spec = spec_for(tmp_path, kill_before_result=True)
+    storage = Path(spec["storage"])
+    assert run_job(spec, 1)[0][0] == -signal.SIGKILL
+    record = final_record(storage)
+    assert record["finished"] and not (storage / "result.json").exists()
+    status = read_status(str(storage))
+    assert status["state"] == "finished" and status["result_path"] is None
+    assert "result.json is not written yet" in format_status(status)
+    assert [f["index"] for f in read_failures(str(storage))] == BAD
+
+    if then == "rerun":
+        rerun = dict(spec, kill_before_result=False, attempt=2)
+        assert run_job(rerun, 1)[0][0] == 0
+        result = report(rerun, 0, attempt=2)["result"]
+        assert result["already_finished"] and result["failed_examples"] == len(BAD)
+        assert json.loads((storage / "result.json").read_text()) == record["result"]
+        status = read_status(str(storage))
+        assert status["state"] == "finished" and status["result_path"] == str(storage / "result.json")
+
+    retry = dict(spec, kill_before_result=False, bad_load=[], bad_process=[], retry_failed=True, attempt=3)
+    results = run_job(retry, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    result = report(retry, 0, attempt=3)["result"]
+    assert result["num_examples"] == len(BAD) and result["failed_examples"] == 0
+    assert json.loads((storage / "result.json").read_text()) == record["result"]
+    assert read_failures(str(storage)) == []
+    everything = output_counts(str(storage)) + output_counts(str(storage / "retries" / "1"))
+    assert everything == Counter(range(N)), "every example's output once, over the job and its retry"
+
+
+def test_kill_between_a_retrys_final_record_and_its_result_json(tmp_path: Path) -> None:
+    """A retry killed after its final record is finished: its failures are the current ones, the next
+    retry_failed call starts a new retry of them (and writes the killed one's result.json)."""
+    spec = spec_for(tmp_path)
+    storage = Path(spec["storage"])
+    assert run_job(spec, 1)[0][0] == 0
+    retry = dict(spec, bad_load=[41], bad_process=[99], retry_failed=True, kill_before_result=True, attempt=2)
+    assert run_job(retry, 1)[0][0] == -signal.SIGKILL
+    first = final_record(storage / "retries" / "1")
+    assert first["finished"] and not (storage / "retries" / "1" / "result.json").exists()
+    assert [f["index"] for f in read_failures(str(storage))] == [41, 99], "the killed retry's failures"
+
+    again = dict(retry, bad_load=[], bad_process=[], kill_before_result=False, attempt=3)
+    results = run_job(again, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    result = report(again, 0, attempt=3)["result"]
+    assert not result["already_finished"] and result["num_examples"] == 2 and result["failed_examples"] == 0
+    assert json.loads((storage / "retries" / "1" / "result.json").read_text()) == first["result"]
+    assert (storage / "retries" / "2" / "result.json").exists()
+    assert read_failures(str(storage)) == []
+    everything = output_counts(str(storage))
+    for k in (1, 2):
+        everything += output_counts(str(storage / "retries" / str(k)))
+    assert everything == Counter(range(N)), "every example's output once, over the job and its retries"
+
+    last = dict(again, attempt=4)  # retry 2 is finished: a new, empty retry (neither 1 nor 2 is reopened)
+    assert run_job(last, 1)[0][0] == 0
+    result = report(last, 0, attempt=4)["result"]
+    assert not result["already_finished"] and result["num_examples"] == 0
+    assert (storage / "retries" / "3" / "result.json").exists()
 
 
 class _Noop(TorchBatchProcessor):

@@ -5,7 +5,8 @@ whose ``__getitem__`` raises), ``bad_process`` (indices that make ``process_batc
 ``on_error``, ``max_failures``, ``batch_timeout``, ``stuck_batch`` (a batch whose ``process_batch`` sleeps for
 an hour), ``stuck_mode`` (``"blocked"``: the stuck batch blocks
 the watchdog's signal), ``sleep`` (seconds per batch), ``num_workers``, ``schedule``, ``checkpoint_interval``,
-``progress_file`` (touched at the first batch), ``attempt``.
+``progress_file`` (touched at the first batch), ``kill_before_result`` (the process SIGKILLs itself when the
+library is about to write ``result.json``, right after the final commit record), ``attempt``.
 
 Each batch writes ``vals_<batch_idx>.json`` (the dataset indices it processed) through ``upload_path()``, updates
 a sum reducer and a function reducer, and ``report_metrics`` once. Each rank writes
@@ -86,7 +87,19 @@ class Processor(TorchBatchProcessor):
         time.sleep(SPEC.get("sleep", 0.0))
 
 
+def kill_before_result():
+    """Makes ``JobStore.write_result`` (called right after the final commit record) SIGKILL this process."""
+    from torch_batch_process.engine.store import JobStore
+
+    def killed(self, result):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    JobStore.write_result = killed
+
+
 def main():
+    if SPEC.get("kill_before_result"):
+        kill_before_result()
     rank = int(os.environ.get("RANK", "0"))
     report = {"rank": rank}
     names = ("on_error", "max_failures", "batch_timeout", "schedule", "retry_failed")
