@@ -3,7 +3,8 @@
 ::
 
     outputs/commit_<s>/rank_<r>/...   committed files of stage s of rank r (upload_path() files, record shards)
-    result.json                       the final result of a finished job (metrics, counts)
+    result.json                       the final result of a finished job (metrics, counts): a copy of the final
+                                      commit record's result, written after it (the record makes a job finished)
     metrics.jsonl                     report_metrics() records, reduced metrics, progress, one JSON per line
     tensorboard/rank_<r>/             get_tensorboard_path() of each rank
     retries/<k>/                      the k-th retry_failed=True run: a job of its own (see the retry module)
