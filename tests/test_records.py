@@ -187,6 +187,20 @@ def test_bad_output_format_is_refused_before_any_write(tmp_path):
     assert not (tmp_path / "storage").exists()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unknown_columns_and_bad_storage_options_are_clear_errors_when_reading_back(tmp_path, fmt):
+    Misuse.rows = lambda b: {"score": [float(x) for x in b]}
+    result = _run(tmp_path, processor=Misuse, n=10, batch_size=3, output_format=fmt)
+    readers = [read_outputs, lambda path, **kw: list(iter_outputs(path, **kw))]
+    unknown = r"columns: unknown column\(s\) \['scroe'\].*\['index', 'score'\]"  # the argument, the names, the columns
+    for read in readers:
+        with pytest.raises(InvalidArgumentError, match=unknown):
+            read(result.storage_path, columns=["score", "scroe"])
+        with pytest.raises(InvalidArgumentError, match="storage_options must be a dict"):
+            read(result.storage_path, storage_options=[1])
+        assert read(result.storage_path, columns=["score"], storage_options={}) is not None
+
+
 def test_list_of_row_dicts_and_write_outside_process_batch(tmp_path):
     Misuse.rows = lambda b: [{"v": int(x), "t": torch.tensor([int(x), 1])} for x in b]
     result = _run(tmp_path, processor=Misuse, n=10, batch_size=3)

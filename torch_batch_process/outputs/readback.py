@@ -15,7 +15,7 @@ rows held at once are those of the runs whose index ranges overlap, which depend
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +61,11 @@ def _open(storage_path: Any, storage_options: dict[str, Any] | None) -> tuple[St
         raise InvalidArgumentError(
             f"storage_path must be a local path or an fsspec URL, got {type(storage_path).__name__}"
         )
-    storage = open_storage(storage_path, storage_options)
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise InvalidArgumentError(
+            f"storage_options must be a dict of fsspec filesystem options or None, got {type(storage_options).__name__}"
+        )
+    storage = open_storage(storage_path, dict(storage_options) if storage_options is not None else None)
     shards = list_shards(storage)
     if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
         raise FileNotFoundError(f"{storage.url} holds no job (no {JOB_FILE}, no {OUTPUTS_DIR}/); check storage_path")
@@ -74,6 +78,15 @@ def _columns(columns: Sequence[str] | None) -> list[str] | None:
     if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
         raise InvalidArgumentError(f"columns must be a list of column names, got {columns!r}")
     return [INDEX_COLUMN, *[c for c in columns if c != INDEX_COLUMN]]
+
+
+def _check_columns(wanted: list[str] | None, available: Sequence[str], where: str) -> None:
+    """Raises InvalidArgumentError when ``wanted`` (from ``columns``) names columns that ``available`` lacks."""
+    unknown = [c for c in wanted or () if c not in available]
+    if unknown:
+        raise InvalidArgumentError(
+            f"columns: unknown column(s) {unknown}; the record outputs at {where} have the columns {list(available)}"
+        )
 
 
 @dataclass
@@ -91,7 +104,10 @@ def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None) -> Any:
 
     with storage.open_input(shard) as f:
         table = pj.read_json(f)
-    return table.select(columns) if columns is not None else table
+    if columns is None:
+        return table
+    _check_columns(columns, table.column_names, storage.url)
+    return table.select(columns)
 
 
 def _runs(storage: Storage, shards: list[str]) -> tuple[list[_Run], Any]:
@@ -168,7 +184,8 @@ def iter_outputs(
 
     Args:
         storage_path: the job's storage path (local path or fsspec URL).
-        columns: the columns to read (``index`` is always included, first); ``None``: all.
+        columns: the columns to read (``index`` is always included, first); ``None``: all. A name that is not
+            stored raises :class:`~torch_batch_process.errors.InvalidArgumentError`.
         storage_options: options of the fsspec filesystem.
         batch_rows: most rows per yielded record batch.
     """
@@ -179,6 +196,7 @@ def iter_outputs(
     try:
         runs, schema = _runs(storage, shards)
         if schema is not None:  # every yielded batch has one schema
+            _check_columns(wanted, schema.names, storage.url)
             names = wanted if wanted is not None else schema.names
             schema = require_pyarrow().schema([schema.field(name) for name in names])
         held: list[Any] = []
@@ -211,7 +229,8 @@ def read_outputs(
 
     Args:
         storage_path: the job's storage path (local path or fsspec URL).
-        columns: the columns to read (``index`` is always included, first); ``None``: all.
+        columns: the columns to read (``index`` is always included, first); ``None``: all. A name that is not
+            stored raises :class:`~torch_batch_process.errors.InvalidArgumentError`.
         storage_options: options of the fsspec filesystem.
     """
     import pyarrow.parquet as pq
@@ -223,7 +242,9 @@ def read_outputs(
         if shard.endswith(".jsonl"):
             return _read_jsonl(storage, shard, wanted)
         with storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table on a file object
-            return pq.ParquetFile(f).read(columns=wanted)
+            parquet = pq.ParquetFile(f)
+            _check_columns(wanted, parquet.schema_arrow.names, storage.url)  # pyarrow ignores unknown names
+            return parquet.read(columns=wanted)
 
     try:  # shards are decoded in parallel (pyarrow releases the GIL)
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tbp-read") as pool:
