@@ -181,3 +181,24 @@ def test_tbp_run_dry_run_and_bad_config_exit_codes(tmp_path, capsys):
     bad = _write(tmp_path, "entrypoint: job.py\nresources: {slots_per_trial: 0}\n")
     assert main(["run", str(bad)]) == 2
     assert "resources.slots_per_trial: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_tbp_run_with_an_empty_storage_option_is_refused(tmp_path, capsys):
+    path = _write(tmp_path, "entrypoint: python3 job.py\n")
+    for storage in ("", "  "):
+        assert main(["run", str(path), "--storage", storage, "--dry-run"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # nothing planned: no job in the config's folder
+        assert captured.err.startswith("[tbp] error: --storage is empty") and captured.err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+
+
+def test_tbp_run_on_a_config_that_is_not_utf8_is_one_clear_error(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"entrypoint: python3 job.py\nname: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(path)
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"[tbp] error: cannot read the job config {str(path)!r}: it is not UTF-8")
+    assert err.count("\n") == 1

@@ -118,13 +118,18 @@ def load_config(path: str | os.PathLike[str]) -> JobConfig:
     """Reads and checks the job config at ``path``.
 
     Raises:
-        ConfigError: the file is missing, not YAML, or a key is missing, unknown or has a bad value.
+        ConfigError: the file is missing, not UTF-8 text, not YAML, or a key is missing, unknown or has a bad value.
     """
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read the job config {str(file)!r}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"cannot read the job config {str(file)!r}: it is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+            "save it as UTF-8 YAML"
+        ) from exc
     return parse_config(text, file)
 
 

@@ -71,6 +71,9 @@ def job_environment(
 
     The storage path is ``storage`` (``tbp run --storage``), else an exported ``$TBP_STORAGE_PATH``,
     else the config's ``checkpoint_storage``, else the engine's default (``./tbp_runs/<job name>``).
+
+    Raises:
+        ConfigError: ``storage`` is given but empty.
     """
     from torch_batch_process.environment import HPARAMS_ENV, JOB_NAME_ENV, STORAGE_ENV, STORAGE_OPTIONS_ENV
 
@@ -81,6 +84,11 @@ def job_environment(
     if config.name is not None:
         env[JOB_NAME_ENV] = config.name
     if storage is not None:
+        if not storage.strip():
+            raise ConfigError(
+                "--storage is empty: give a local path or a URL such as s3://bucket/prefix, or leave --storage out "
+                "to use the config's checkpoint_storage"
+            )
         env[STORAGE_ENV] = absolute_path(storage, Path.cwd())
         if config.storage_path is not None:
             notes.append(f"storage {env[STORAGE_ENV]} (from --storage, instead of checkpoint_storage)")
