@@ -338,3 +338,19 @@ def test_bad_failure_options_are_refused_before_any_work(tmp_path: Path, options
     with pytest.raises(InvalidArgumentError, match=needle):
         torch_batch_process(_Noop, list(range(8)), batch_size=2, storage_path=str(tmp_path / "s"), **options)
     assert not (tmp_path / "s").exists()
+
+
+def test_tbp_failures_on_a_path_with_no_job_is_the_error_of_tbp_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nothing = str(tmp_path / "nothing")
+    assert cli_main(["status", nothing]) == 1
+    status_error = capsys.readouterr().err
+    assert cli_main(["failures", nothing]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == status_error.replace("tbp status:", "tbp failures:")
+    assert "no job is stored at" in captured.err and not (tmp_path / "nothing").exists()
+    torch_batch_process(_Noop, list(range(8)), batch_size=2, storage_path=str(tmp_path / "s"), progress=False)
+    assert read_failures(str(tmp_path / "s")) == []  # a job without failures: none, no error
+    assert cli_main(["failures", str(tmp_path / "s")]) == 0
+    assert capsys.readouterr().out.startswith("0 failed example(s)")

@@ -15,18 +15,25 @@ from typing import Any
 from torch_batch_process.environment import command_storage_options
 from torch_batch_process.errors import BatchProcessError
 from torch_batch_process.storage.base import Storage, open_storage
-from torch_batch_process.storage.layout import FAILURES_DIR
+from torch_batch_process.storage.layout import FAILURES_DIR, JOB_FILE
 
 __all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_failures"]
 
 
 def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The current failure records of the job at ``storage_path`` (those of its latest finished
-    ``retry_failed`` run, if any: see :mod:`torch_batch_process.engine.retry`), ordered by dataset index."""
+    ``retry_failed`` run, if any: see :mod:`torch_batch_process.engine.retry`), ordered by dataset index.
+
+    Raises:
+        NoJobError: no job is stored at ``storage_path`` (as ``tbp status`` says).
+    """
     from torch_batch_process.engine.retry import current_failures_root
+    from torch_batch_process.observe.status import NoJobError
 
     storage = open_storage(storage_path, storage_options)
     try:
+        if not storage.exists(JOB_FILE):
+            raise NoJobError(f"no job is stored at {storage.url!r} (no {JOB_FILE})")
         return read_failure_records(storage, current_failures_root(storage))
     finally:
         storage.close()
@@ -63,7 +70,8 @@ def add_failures_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_failures(args: argparse.Namespace) -> int:
-    """Runs ``tbp failures``; returns the exit code (0; 1 when the storage cannot be read)."""
+    """Runs ``tbp failures``; returns the exit code (0; 1 when no job is stored there or the storage cannot be
+    read)."""
     try:
         options = command_storage_options(args.storage_options)
     except ValueError as exc:
