@@ -61,6 +61,26 @@ CASES = {
     "bad loader value": (dict(dataloader_kwargs={"num_workers": -1}), "dataloader_kwargs", ValueError),
     "prefetch without workers": (dict(dataloader_kwargs={"prefetch_factor": 2}), "dataloader_kwargs", ValueError),
     "dataloader_kwargs not a dict": (dict(dataloader_kwargs=[("num_workers", 1)]), "dataloader_kwargs", TypeError),
+    "collate_fn not callable": (
+        dict(dataloader_kwargs={"collate_fn": "stack"}),
+        "dataloader_kwargs['collate_fn'] must be a function",
+        TypeError,
+    ),
+    "worker_init_fn not callable": (
+        dict(dataloader_kwargs={"num_workers": 1, "worker_init_fn": 3}),
+        "dataloader_kwargs['worker_init_fn'] must be a function",
+        TypeError,
+    ),
+    "generator not a Generator": (
+        dict(dataloader_kwargs={"generator": 5}),
+        "dataloader_kwargs['generator'] must be a torch.Generator",
+        TypeError,
+    ),
+    "pin_memory_device not a str": (
+        dict(dataloader_kwargs={"pin_memory_device": 3}),
+        "dataloader_kwargs['pin_memory_device'] must be a device name str",
+        TypeError,
+    ),
     "resume not bool": (dict(resume="yes"), "resume", TypeError),
     "job_name bad": (dict(job_name="../escape"), "job_name", ValueError),
     "storage_path empty": (dict(storage_path=""), "storage_path", ValueError),
@@ -108,7 +128,15 @@ def test_shuffle_false_and_valid_loader_options_are_accepted(tmp_path):
     result = torch_batch_process(
         Ok,
         list(range(10)),
-        dataloader_kwargs={"shuffle": False, "batch_size": 4, "num_workers": 0, "sampler": None},
+        dataloader_kwargs={
+            "shuffle": False,
+            "batch_size": 4,
+            "num_workers": 0,
+            "sampler": None,
+            "collate_fn": torch.utils.data.default_collate,
+            "worker_init_fn": None,
+            "generator": torch.Generator().manual_seed(0),
+        },
         storage_path=str(tmp_path / "store"),
     )
     assert CALLS == [-1, 0, 1, 2]

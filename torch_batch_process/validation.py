@@ -180,11 +180,38 @@ def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset:
         batch_size = 1
     else:
         _positive_int("batch_size", batch_size)
+    _check_loader_value_types(kwargs)
     try:  # Let the DataLoader check the remaining options now, before any work (it starts nothing).
         DataLoader(dataset, batch_sampler=[], **kwargs)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"dataloader_kwargs are not accepted by torch.utils.data.DataLoader: {exc}") from exc
     return kwargs, batch_size
+
+
+def _check_loader_value_types(kwargs: Mapping[str, Any]) -> None:
+    """Raises InvalidArgumentError for DataLoader options of a wrong type that the DataLoader itself only trips
+    over once it runs (in a batch, or in a worker process)."""
+    import torch
+
+    for key in ("collate_fn", "worker_init_fn"):
+        value = kwargs.get(key)
+        if value is not None and not callable(value):
+            raise InvalidArgumentError(
+                f"dataloader_kwargs[{key!r}] must be a function (or None), got {type(value).__name__} {value!r:.80}; "
+                f"pass the function itself, e.g. {key}=my_function"
+            )
+    generator = kwargs.get("generator")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InvalidArgumentError(
+            f"dataloader_kwargs['generator'] must be a torch.Generator (or None), got {type(generator).__name__}; "
+            "e.g. torch.Generator().manual_seed(0)"
+        )
+    device = kwargs.get("pin_memory_device")
+    if device is not None and not isinstance(device, str):
+        raise InvalidArgumentError(
+            f"dataloader_kwargs['pin_memory_device'] must be a device name str such as 'cuda', got "
+            f"{type(device).__name__} {device!r:.80}"
+        )
 
 
 def script_stem() -> str | None:
