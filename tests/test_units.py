@@ -288,3 +288,18 @@ def test_heartbeats_report_a_rank_that_stops_beating_and_never_one_that_beats():
     finally:
         for beats in (watcher, alive, dying):
             beats.close()
+
+
+def test_the_start_line_of_a_resume_says_where_it_resumes_or_that_nothing_is_left(caplog):
+    from torch_batch_process.engine.announce import log_start
+    from torch_batch_process.engine.job import Start
+
+    plan = ContiguousPlan(400, 10)  # 40 batches
+    common = dict(job_name="j", start=Start(attempt=2, next_number=3, planned_batches=40), plan=plan, world_size=1,
+                  schedule="static", storage_url="/s", plan_s=0.0)
+    with caplog.at_level("INFO", logger="torch_batch_process.engine.announce"):
+        log_start(remaining=RangeSet([(30, 40)]), **common)
+        log_start(remaining=RangeSet(), **common)
+    resumed, nothing_left = (record.getMessage() for record in caplog.records)
+    assert "resuming at batch 30; 30 of 40 batches already committed, 10 to go" in resumed
+    assert "all 40 batches already committed, none to go" in nothing_left and "None" not in nothing_left

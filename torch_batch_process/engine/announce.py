@@ -40,8 +40,13 @@ def log_start(
     where = f"on {world_size} rank(s), schedule {schedule}; storage {storage_url}"
     if plan_s >= 0.01:
         where += f"; plan computed in {plan_s:.2f} s"
-    if done:
-        first = next(iter(remaining), None)
+    if done and not remaining:
+        logger.info(
+            "job %s attempt %d%s: all %d batches already committed, none to go; finishing the job %s",
+            job_name, start.attempt, note, plan.num_batches, where,
+        )
+    elif done:
+        first = next(iter(remaining))
         logger.info(
             "job %s attempt %d%s: resuming at batch %s; %d of %d batches already committed, %d to go %s",
             job_name, start.attempt, note, first, done, plan.num_batches, len(remaining), where,
