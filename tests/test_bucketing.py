@@ -316,6 +316,7 @@ def test_resolve_lengths_tells_which_index_the_callable_failed_on():
         ({"max_tokens": 0}, "max_tokens must be None or an int >= 1"),
         ({"max_tokens": "4096"}, "max_tokens must be None or an int >= 1"),
         ({"bucket_by": None, "max_tokens": 100}, "max_tokens needs bucket_by"),
+        ({"bucket_by": None, "bucket_window": 5}, "bucket_window=5 needs bucket_by"),
         ({"batch_size": 0}, "batch_size must be an int >= 1"),
         ({"bucket_by": 5}, "bucket_by must be a sequence of ints"),
         ({"bucket_by": "lengths"}, "bucket_by must be a sequence of ints"),

@@ -81,6 +81,7 @@ CASES = {
         "dataloader_kwargs['pin_memory_device'] must be a device name str",
         TypeError,
     ),
+    "bucket_window without bucket_by": (dict(bucket_window=5), "bucket_window=5 needs bucket_by", ValueError),
     "resume not bool": (dict(resume="yes"), "resume", TypeError),
     "job_name bad": (dict(job_name="../escape"), "job_name", ValueError),
     "storage_path empty": (dict(storage_path=""), "storage_path", ValueError),

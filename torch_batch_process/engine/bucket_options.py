@@ -30,7 +30,8 @@ def _is_int(value: Any) -> bool:
 
 
 def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any, batch_size: Any) -> None:
-    """Checks the options of §9 before any work: types, ranges, and that ``max_tokens`` comes with ``bucket_by``.
+    """Checks the options of §9 before any work: types, ranges, and that ``max_tokens`` and a ``bucket_window``
+    other than the default come with ``bucket_by`` (the default, given or not, is no request).
 
     The lengths themselves are checked by :func:`resolve_lengths` (it needs the dataset length).
 
@@ -55,6 +56,12 @@ def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any,
                 "max_tokens needs bucket_by: batches are cut by token count only when the library knows each "
                 "example's length; pass bucket_by=<one length per example> (see torch_batch_process.lengths) "
                 "or drop max_tokens"
+            )
+        if bucket_window != DEFAULT_BUCKET_WINDOW:
+            raise InvalidArgumentError(
+                f"bucket_window={bucket_window} needs bucket_by: only batches planned by example length are sorted "
+                "in windows; pass bucket_by=<one length per example> (see torch_batch_process.lengths) or drop "
+                "bucket_window"
             )
         return
     if callable(bucket_by):
