@@ -202,3 +202,45 @@ def test_tbp_run_on_a_config_that_is_not_utf8_is_one_clear_error(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(f"[tbp] error: cannot read the job config {str(path)!r}: it is not UTF-8")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("storage", "path", "options"),
+    [
+        ("{type: shared_fs, host_path: /mnt/data, storage_path: ckpts, propagation: rprivate}", "/mnt/data/ckpts", None),
+        ("{type: shared_fs, host_path: /mnt/data, storage_path: /mnt/data/x, save_trial_best: 1}", "/mnt/data/x", None),
+        ("{type: shared_fs, host_path: shared}", "<base>/shared", None),
+        ("{type: directory, container_path: /ckpt}", "/ckpt", None),
+        ("{type: s3, bucket: b, prefix: runs/a/}", "s3://b/runs/a", None),
+        (
+            "{type: s3, bucket: b, access_key: K, secret_key: S, endpoint_url: 'http://127.0.0.1:9000'}",
+            "s3://b",
+            {"key": "K", "secret": "S", "endpoint_url": "http://127.0.0.1:9000"},
+        ),
+        ("{type: gcs, bucket: b, prefix: p}", "gs://b/p", None),
+        (
+            "{type: azure, container: c, account_url: 'https://acct.blob.core.windows.net', credential: T}",
+            "az://c",
+            {"account_name": "acct", "credential": "T"},
+        ),
+    ],
+)
+def test_determined_checkpoint_storage_mappings_run_unchanged(tmp_path, storage, path, options):
+    config = load_config(_write(tmp_path, f"entrypoint: job.py\ncheckpoint_storage: {storage}\n"))
+    assert config.storage_path == path.replace("<base>", str(tmp_path.resolve()))
+    assert config.storage_options == options
+
+
+@pytest.mark.parametrize(
+    ("storage", "message"),
+    [
+        ("{type: shared_fs, storage_path: x}", "type 'shared_fs' needs host_path"),
+        ("{type: shared_fs, host_path: /mnt/data, storage_path: /elsewhere}", "must be inside host_path"),
+        ("{type: s3, bucket: b, region: x}", "checkpoint_storage.region: unknown key for type 's3'"),
+        ("{type: s3, bucket: 5}", "checkpoint_storage.bucket: must be a non-empty string"),
+        ("{type: gcs, prefix: p}", "type 'gcs' needs bucket"),
+    ],
+)
+def test_determined_checkpoint_storage_mistakes_name_the_key(tmp_path, storage, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(_write(tmp_path, f"entrypoint: job.py\ncheckpoint_storage: {storage}\n"))

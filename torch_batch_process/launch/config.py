@@ -36,6 +36,7 @@ import yaml
 
 from torch_batch_process.environment import is_valid_job_name
 from torch_batch_process.launch.config_lines import ConfigError, KeyLines, type_name
+from torch_batch_process.launch.determined_storage import determined_storage
 
 __all__ = ["ConfigError", "JobConfig", "absolute_path", "load_config", "parse_config"]
 
@@ -266,6 +267,9 @@ def _storage(value: Any, base: Path, lines: KeyLines) -> tuple[str | None, dict[
         raise lines.error(
             key, f"must be a path/URL string or a mapping (type, path, storage_options), got {type_name(value)}"
         )
+    determined = determined_storage(value, base, lines)  # Determined's own keys (host_path, bucket, ...)
+    if determined is not None:
+        return determined
     _check_keys(value, STORAGE_KEYS, key, lines)
     path = value.get("path")
     if not isinstance(path, str) or not path.strip():
