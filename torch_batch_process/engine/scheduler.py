@@ -10,6 +10,8 @@
   others and no collective runs per step. Each rank commits after each ``checkpoint_interval`` of *its*
   batches. A rank that must stop or that failed adds a large mark to the same counter: every rank sees it at
   its next claim (one request it makes anyway), stops within one batch, and all meet at the closing commit.
+  A rank that dies outright is found by rank 0's watch of every rank's heartbeats, which posts the failure
+  mark (:mod:`~torch_batch_process.engine.liveness`).
 
 Batch ids reach the DataLoader through :meth:`Scheduler.batch_ids` (the batch sampler iterates it in the main
 process, so claims happen as the loader asks for its next batches, a few ahead).
