@@ -379,3 +379,33 @@ def test_with_on_error_skip_the_rows_of_every_good_example_are_kept_once_and_no_
     good = [i for i in range(37) if i not in SkipsBadExamples.bad]
     assert table.column("index").to_pylist() == good  # the split parts' rows, each once, in dataset order
     assert table.column("name").to_pylist() == [f"n{i}" for i in good]
+
+
+class Empty(TorchBatchProcessor):
+    """Columns whose per-example values have no elements: a (N, 0) and a (N, 2, 0) tensor, and a list of
+    per-example tensors that are all empty in some batches (Arrow has no fixed-size list of size 0)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        self.context.write(
+            {
+                "none": torch.zeros(len(ids), 0),
+                "pairs_of_none": np.zeros((len(ids), 2, 0), dtype=np.int64),
+                "ragged": [torch.arange(i % 4 if batch_idx % 2 else 0) for i in ids],
+            }
+        )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_per_example_values_with_no_elements_are_stored_as_empty_lists(tmp_path, fmt):
+    result = _run(tmp_path, processor=Empty, n=12, batch_size=3, output_format=fmt)
+    assert result.finished
+    rows = read_outputs(result.storage_path).to_pylist()
+    assert [row["index"] for row in rows] == list(range(12))
+    for row in rows:
+        i, batch_idx = row["index"], row["index"] // 3
+        assert row["none"] == [] and row["pairs_of_none"] == [[], []]
+        assert row["ragged"] == (list(range(i % 4)) if batch_idx % 2 else [])

@@ -71,8 +71,13 @@ def _from_numpy(pa: Any, array: np.ndarray, landing: bool = False) -> Any:
         values = pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), len(flat), [None, pa.py_buffer(flat)])
     else:
         values = pa.array(flat, type=pa.from_numpy_dtype(flat.dtype))  # typed: zero-copy (untyped inference scans)
-    for size in reversed(array.shape[1:]):
-        values = pa.FixedSizeListArray.from_arrays(values, size)
+    shape = array.shape
+    for level in range(len(shape) - 1, 0, -1):
+        if shape[level]:
+            values = pa.FixedSizeListArray.from_arrays(values, shape[level])
+        else:  # Arrow has no fixed-size list of size 0: empty lists, one per element of the outer dimensions
+            parents = int(np.prod(shape[:level]))
+            values = pa.ListArray.from_arrays(pa.array(np.zeros(parents + 1, dtype=np.int32)), values)
     return values
 
 
