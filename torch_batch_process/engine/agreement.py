@@ -101,12 +101,9 @@ class StepAgreement:
         """Called by every rank at every non-commit step boundary; returns the common decision."""
         if self._collectives.world_size == 1:
             return Decision.FAIL if failed else Decision.STOP if preempt else Decision.CONTINUE
-        flags = self._pending.wait() if self._pending is not None else [0, 0]
-        self._pending = None
-        if flags[self.FAIL]:
-            return Decision.FAIL
-        if flags[self.PREEMPT]:
-            return Decision.STOP
+        agreed = self._settle()
+        if agreed is not None:
+            return agreed
         self._pending = self._collectives.start_max([int(preempt), int(failed)])
         return Decision.CONTINUE
 
@@ -117,16 +114,19 @@ class StepAgreement:
         once on its own request."""
         if self._collectives.world_size == 1:
             return Decision.STOP if preempt else Decision.COMMIT
+        agreed = self._settle()
+        return Decision.COMMIT if agreed is None else agreed
+
+    def drain(self) -> None:
+        """Completes the agreement in flight (when the steps end)."""
+        self._settle()
+
+    def _settle(self) -> Decision | None:
+        """Completes the agreement in flight, if any: FAIL or STOP when it carried a rank's request, else ``None``."""
         flags = self._pending.wait() if self._pending is not None else [0, 0]
         self._pending = None
         if flags[self.FAIL]:
             return Decision.FAIL
         if flags[self.PREEMPT]:
             return Decision.STOP
-        return Decision.COMMIT
-
-    def drain(self) -> None:
-        """Completes the agreement in flight (when the steps end)."""
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        return None
