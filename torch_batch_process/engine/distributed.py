@@ -25,17 +25,20 @@ import logging
 import os
 import pickle
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from torch_batch_process.device import get_default_device
 from torch_batch_process.engine.rendezvous import RendezvousStore
-from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerLostError
+from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TBP_COLLECTIVE_TIMEOUT_S", "1800"))
 
@@ -136,6 +139,20 @@ class Collectives:
         except (RuntimeError, ConnectionError, EOFError) as exc:
             raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
         return box[0]
+
+    def from_rank0(self, compute: Callable[[], T], what: str) -> T:
+        """Rank 0 runs ``compute`` (reading storage, say); every rank gets its answer, or raises the exception it
+        raised (one that does not pickle becomes a :class:`WorkerFailedError` that says it came from ``what``)."""
+        answer: Any = None
+        if self.rank == 0:
+            try:
+                answer = compute()
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
+                answer = _picklable(exc, what)
+        answer = self.broadcast(answer)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[no-any-return]
 
     def start_all_gather(self, obj: Any, capacity: int = 4096) -> PendingGather:
         """Starts gathering a picklable object from every rank without waiting (see :class:`PendingGather`)."""
@@ -360,3 +377,12 @@ def _check_expected(expected: Any, rank: int, world_size: int, initialized: bool
             f"{world_size}: start the job with as many processes as the context describes (torchrun "
             "--nproc-per-node, or the library's launcher), or pass distributed_context=None"
         )
+
+
+def _picklable(exc: BaseException, what: str) -> BaseException:
+    """``exc`` if it survives pickling (to be re-raised on every rank), else a stand-in with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling problem
+        return WorkerFailedError(f"rank 0 failed while {what}: {type(exc).__name__}: {exc}")

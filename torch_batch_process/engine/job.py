@@ -11,7 +11,6 @@ first start and counts the attempt. Its answer, or its exception, is broadcast t
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,12 +19,12 @@ from typing import Any
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
 from torch_batch_process.engine.store import JobStore
-from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError, WorkerFailedError
+from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.layout import JOB_FILE, RESULT_FILE
 from torch_batch_process.storage.lock import JobLock
 
-__all__ = ["JobOpener", "Start", "picklable_error"]
+__all__ = ["JobOpener", "Start"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +78,7 @@ class JobOpener:
             planned: the number of global batches of a fresh job (the plan's, after ``max_batches``).
             planned_examples: the examples in them.
         """
-        answer: Start | BaseException | None = None
-        if self.coll.rank == 0:
-            try:
-                answer = self._read(planned, planned_examples)
-            except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
-                answer = picklable_error(exc)
-        answer = self.coll.broadcast(answer)
-        if isinstance(answer, BaseException):
-            raise answer
+        answer = self.coll.from_rank0(lambda: self._read(planned, planned_examples), "opening the job")
         assert isinstance(answer, Start)
         if self.coll.world_size > 1 and answer.finished_result is None:
             self._check_shared_storage()
@@ -175,11 +166,3 @@ class JobOpener:
             self.lock.release()
             self.lock = None
 
-
-def picklable_error(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling (to be re-raised on every rank), else a stand-in with its message."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - any pickling problem
-        return WorkerFailedError(f"rank 0 failed while opening the job: {type(exc).__name__}: {exc}")

@@ -45,19 +45,7 @@ def prepare_retry(args: JobArguments, collectives: Collectives) -> tuple[JobArgu
     """Every rank: the arguments and plan of the retry to run for the finished job of ``args`` (see the module
     docstring). Rank 0 repairs and reads storage (:func:`choose_retry`); every rank gets its answer, or raises
     what it raised."""
-    from torch_batch_process.engine.job import picklable_error  # job imports torch: `tbp failures` needs none here
-
-    answer: tuple[int, str, list[int]] | BaseException | None = None
-    if collectives.rank == 0:
-        try:
-            answer = choose_retry(args)
-        except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised everywhere
-            answer = picklable_error(exc)
-    answer = collectives.broadcast(answer)
-    if isinstance(answer, BaseException):
-        raise answer
-    assert answer is not None
-    k, url, indices = answer
+    k, url, indices = collectives.from_rank0(lambda: choose_retry(args), "choosing the retry")
     logger.info(
         "retry %d of job %s: %d failed example(s) to process again, stored in %s", k, args.job_name, len(indices), url
     )

@@ -67,12 +67,7 @@ class JobStore:
 
     def record_numbers(self) -> list[int]:
         """Numbers of the commit records present, ascending."""
-        numbers = []
-        for name in self.storage.list(COMMITS_DIR):
-            stem = name[: -len(".json")] if name.endswith(".json") else ""
-            if stem.isdigit():
-                numbers.append(int(stem))
-        return sorted(numbers)
+        return _record_numbers(self.storage, COMMITS_DIR)
 
     def load_latest(self) -> CommitRecord | None:
         """The latest commit record, ``None`` when nothing was committed.
@@ -379,10 +374,10 @@ def latest_record_at(storage: Storage, root: str = "") -> CommitRecord | None:
     """
     folder = f"{root}/{COMMITS_DIR}" if root else COMMITS_DIR
     for _ in range(_LIST_AGAIN):
-        numbers = [int(name[: -len(".json")]) for name in storage.list(folder) if _is_record(name)]
+        numbers = _record_numbers(storage, folder)
         if not numbers:
             return None
-        rel = f"{root}/{record_file(max(numbers))}" if root else record_file(max(numbers))
+        rel = f"{root}/{record_file(numbers[-1])}" if root else record_file(numbers[-1])
         try:
             raw = storage.read_bytes(rel)
         except FileNotFoundError:
@@ -392,5 +387,7 @@ def latest_record_at(storage: Storage, root: str = "") -> CommitRecord | None:
     raise CheckpointCorruptError(f"the commit records in {storage.url_of(folder)} keep vanishing while they are read")
 
 
-def _is_record(name: str) -> bool:
-    return name.endswith(".json") and name[: -len(".json")].isdigit()
+def _record_numbers(storage: Storage, folder: str) -> list[int]:
+    """Numbers of the commit records in ``folder`` (``<n>.json``), ascending."""
+    stems = (name[: -len(".json")] for name in storage.list(folder) if name.endswith(".json"))
+    return sorted(int(stem) for stem in stems if stem.isdigit())

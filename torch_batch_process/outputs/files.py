@@ -90,7 +90,7 @@ class OutputStager:
     @property
     def has_outputs(self) -> bool:
         """Whether the current stage has output files (its failure records are published elsewhere)."""
-        return bool(self._names - {STAGED_FAILURES_NAME})
+        return any(name != STAGED_FAILURES_NAME for name in self._names)  # no copy of a large stage's names
 
     @property
     def has_failures(self) -> bool:
