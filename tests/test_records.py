@@ -21,6 +21,7 @@ from harness import JOBS, assert_exactly_once, read_reports, run_torchrun, spawn
 from torch_batch_process import (
     InvalidArgumentError,
     JobMismatchError,
+    SchemaConflictError,
     TorchBatchProcessor,
     iter_outputs,
     predict,
@@ -28,7 +29,7 @@ from torch_batch_process import (
     torch_batch_process,
 )
 from torch_batch_process.outputs.columns import column_to_numpy
-from torch_batch_process.outputs.readback import OUTPUTS_GLOB
+from torch_batch_process.outputs.readback import OUTPUTS_GLOB, RETRY_OUTPUTS_GLOB
 
 pa = pytest.importorskip("pyarrow")
 
@@ -409,3 +410,202 @@ def test_per_example_values_with_no_elements_are_stored_as_empty_lists(tmp_path,
         i, batch_idx = row["index"], row["index"] // 3
         assert row["none"] == [] and row["pairs_of_none"] == [[], []]
         assert row["ragged"] == (list(range(i % 4)) if batch_idx % 2 else [])
+
+
+# ----------------------------------------------------------------------------- one schema for the whole job
+
+
+class Shapes(TorchBatchProcessor):
+    """``vector``: a (N, d) tensor whose d changes at batch 2 (``as_list``: a list of per-example tensors)."""
+
+    as_list = False
+    fail_at: int | None = None
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        width = 3 if batch_idx < 2 else 4
+        vector = torch.stack([torch.full((width,), float(i)) for i in ids])
+        self.context.write({"vector": list(vector) if Shapes.as_list else vector})
+        if batch_idx == Shapes.fail_at:
+            raise RuntimeError(f"fail at {batch_idx}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tensor_whose_per_example_shape_changes_is_refused_naming_both_batches(tmp_path, fmt, monkeypatch):
+    monkeypatch.setattr(Shapes, "as_list", False)
+    with pytest.raises(InvalidArgumentError, match=r"'vector' is float of per-example shape \(4,\) in batch 2 \(rank 0\), "
+                       r"float of per-example shape \(3,\) in batch 0 \(rank 0\)"):
+        _run(tmp_path, processor=Shapes, n=20, batch_size=3, checkpoint_interval=1, output_format=fmt)
+    table = read_outputs(tmp_path / "storage")  # what was committed stays readable
+    assert table.column("index").to_pylist() == list(range(6))
+    assert table.column("vector").to_pylist() == [[float(i)] * 3 for i in range(6)]
+    if fmt == "parquet":  # with its exact shape
+        assert column_to_numpy(table.column("vector")).shape == (6, 3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_list_of_per_example_tensors_may_change_shape(tmp_path, fmt, monkeypatch):
+    monkeypatch.setattr(Shapes, "as_list", True)
+    result = _run(tmp_path, processor=Shapes, n=20, batch_size=3, checkpoint_interval=1, output_format=fmt)
+    assert result.finished
+    rows = read_outputs(result.storage_path).to_pylist()
+    assert [row["vector"] for row in rows] == [[float(i)] * (3 if i < 6 else 4) for i in range(20)]
+
+
+class Labels(TorchBatchProcessor):
+    """``label`` as strings, or as ints (``as_int``)."""
+
+    as_int = False
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        self.context.write({"label": ids if Labels.as_int else [f"ex{i}" for i in ids]})
+        if batch_idx == 3 and not Labels.as_int:
+            raise RuntimeError("stop after some commits")
+
+
+def test_a_resume_whose_rows_do_not_unify_with_the_committed_ones_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(Labels, "as_int", False)
+    with pytest.raises(RuntimeError, match="stop after some commits"):
+        _run(tmp_path, processor=Labels, n=20, batch_size=3, checkpoint_interval=1)
+    monkeypatch.setattr(Labels, "as_int", True)
+    with pytest.raises(InvalidArgumentError, match=r"'label' is int64 in batch 3 \(rank 0\), string in batch 0 "
+                       r"\(rank 0\), committed by an earlier run"):
+        _run(tmp_path, processor=Labels, n=20, batch_size=3, checkpoint_interval=1)
+    table = read_outputs(tmp_path / "storage")
+    assert table.column("label").to_pylist() == [f"ex{i}" for i in range(9)]  # nothing of the refused run
+
+
+def test_a_damaged_schema_in_the_commit_record_is_reported_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(Labels, "as_int", False)
+    with pytest.raises(RuntimeError, match="stop after some commits"):
+        _run(tmp_path, processor=Labels, n=20, batch_size=3, checkpoint_interval=1)
+    commits = sorted(glob.glob(str(tmp_path / "storage" / "_tbp" / "commits" / "*.json")))
+    record = json.loads(Path(commits[-1]).read_text())
+    record["record_schema"]["arrow"] = "not base64!"
+    Path(commits[-1]).write_text(json.dumps(record))
+    from torch_batch_process import CheckpointCorruptError
+
+    with pytest.raises(CheckpointCorruptError, match="record outputs' schema is damaged"):
+        _run(tmp_path, processor=Labels, n=20, batch_size=3, checkpoint_interval=1)
+
+
+@pytest.mark.parametrize(
+    ("earlier", "later", "ragged", "expected"),
+    [
+        (pa.null(), pa.int64(), False, pa.int64()),
+        (pa.string(), pa.null(), False, pa.string()),
+        (pa.int32(), pa.int64(), False, pa.int64()),
+        (pa.int64(), pa.float32(), False, pa.float64()),
+        (pa.list_(pa.null()), pa.list_(pa.float32(), 3), False, pa.list_(pa.float32(), 3)),
+        (pa.list_(pa.float32(), 3), pa.list_(pa.float32(), 3), False, pa.list_(pa.float32(), 3)),
+        (pa.list_(pa.float32(), 3), pa.list_(pa.float32(), 4), True, pa.list_(pa.float32())),
+        (pa.list_(pa.float32(), 3), pa.list_(pa.float64()), True, pa.list_(pa.float64())),
+        (pa.struct([("a", pa.int64())]), pa.struct([("b", pa.string())]), False,
+         pa.struct([("a", pa.int64()), ("b", pa.string())])),
+        (pa.list_(pa.float32(), 3), pa.list_(pa.float32(), 4), False, "per-example shape changed"),
+        (pa.list_(pa.float32(), 3), pa.list_(pa.float32()), False, "per-example shape changed"),
+        (pa.string(), pa.int64(), False, "is int64 in b, string in a"),
+        (pa.bool_(), pa.int64(), False, "is int64 in b, bool in a"),
+    ],
+)
+def test_the_unification_rules(earlier, later, ragged, expected):
+    from torch_batch_process.outputs.schema import RecordSchema, unify
+
+    first = RecordSchema(pa.schema([("index", pa.int64()), ("c", earlier)]), frozenset({"c"} if ragged else ()), "a")
+    second = RecordSchema(pa.schema([("index", pa.int64()), ("c", later)]), frozenset(), "b")
+    if isinstance(expected, str):
+        with pytest.raises(InvalidArgumentError, match=expected):
+            unify(first, second)
+    else:
+        unified = unify(first, second)
+        assert unified.schema.field("c").type == expected and unified.origin == "a"
+        assert RecordSchema.from_json(unified.to_json(), "x").schema.equals(unified.schema)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_ranks_whose_rows_do_not_unify_fail_the_job_and_commit_nothing_unreadable(tmp_path, schedule):
+    """Rank 1 writes ``label`` as ints, rank 0 as strings: each rank alone is consistent. Rank 0 refuses to commit
+    the conflicting stages, every rank raises, what was committed reads back, and a resume with the fix finishes
+    with every row once."""
+    spec = _spec(tmp_path, n=120, conflict=True, kwargs={"schedule": schedule})
+    outcomes = wait_all(spawn_ranks(2, RECORDS_JOB, json.dumps(spec)), timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [1, 1], outcomes
+    reports = read_reports(spec, 1)
+    assert reports[0]["error"]["type"] == "SchemaConflictError", reports
+    assert reports[1]["error"]["type"] == "WorkerFailedError", reports
+    for report in reports.values():
+        assert "column 'label' is" in report["error"]["message"] and "(rank 1)" in report["error"]["message"]
+    committed = read_outputs(spec["storage"]).to_pylist()  # readable: one type (whichever rank committed first)
+    records = sorted(glob.glob(os.path.join(spec["storage"], "_tbp", "commits", "*.json")))
+    examples = json.loads(Path(records[-1]).read_text())["stats"]["examples_committed"] if records else 0
+    assert len(committed) == examples  # every committed row is published before the ranks raise
+    strings = all(row["label"] == f"ex{row['index']}" for row in committed)
+    assert strings or all(row["label"] == row["index"] for row in committed), committed
+    fixed = json.dumps(dict(spec, attempt=2, conflict=False))  # every rank writes strings
+    outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, fixed), timeout=120)
+    if not strings:  # rank 1's ints were committed first (dynamic): the earlier run's type holds
+        assert [rc for rc, _, _ in outcomes] == [1], outcomes
+        error = read_reports(spec, 2)[0]["error"]
+        assert error["type"] == "SchemaConflictError" and "committed by an earlier run" in error["message"], error
+        return
+    assert [rc for rc, _, _ in outcomes] == [0], (outcomes, read_reports(spec, 2))
+    _check_job_outputs(spec["storage"], spec["n"])
+
+
+class FlakyExamples(TorchBatchProcessor):
+    """Writes a row per example; raises for a batch holding an example of ``bad`` (``on_error="skip"`` records it)."""
+
+    bad: set[int] = set()
+    int_labels = False
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        failing = FlakyExamples.bad & set(ids)
+        if failing:
+            raise ValueError(f"bad examples {sorted(failing)}")
+        labels = ids if FlakyExamples.int_labels else [f"ex{i}" for i in ids]
+        self.context.write({"label": labels, "vector": torch.tensor([[i, -i] for i in ids])})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_read_outputs_includes_the_rows_that_retry_failed_runs_recovered(tmp_path, fmt, monkeypatch):
+    options = dict(n=40, batch_size=4, on_error="skip", output_format=fmt)
+    monkeypatch.setattr(FlakyExamples, "bad", {3, 17, 18, 30})
+    assert _run(tmp_path, processor=FlakyExamples, **options).failed_examples == 4
+    monkeypatch.setattr(FlakyExamples, "bad", {17})  # the first retry recovers 3, 18, 30
+    assert _run(tmp_path, processor=FlakyExamples, retry_failed=True, **options).failed_examples == 1
+    rows = read_outputs(tmp_path / "storage").to_pylist()
+    assert [row["index"] for row in rows] == [i for i in range(40) if i != 17]
+    monkeypatch.setattr(FlakyExamples, "bad", set())  # the second recovers 17
+    assert _run(tmp_path, processor=FlakyExamples, retry_failed=True, **options).failed_examples == 0
+    table = read_outputs(tmp_path / "storage")
+    assert table.to_pylist() == [{"index": i, "label": f"ex{i}", "vector": [i, -i]} for i in range(40)]
+    streamed = pa.Table.from_batches(list(iter_outputs(tmp_path / "storage", batch_rows=7)))
+    assert streamed.to_pylist() == table.to_pylist()
+    globbed = [glob.glob(str(tmp_path / "storage" / f"{p}.{fmt}")) for p in (OUTPUTS_GLOB, RETRY_OUTPUTS_GLOB)]
+    assert globbed[0] and len(globbed[1]) == 2  # the documented globs: the job's shards, one shard per retry
+
+
+def test_a_retry_whose_rows_do_not_unify_with_the_job_is_refused(tmp_path, monkeypatch):
+    options = dict(n=40, batch_size=4, on_error="skip")
+    monkeypatch.setattr(FlakyExamples, "bad", {3, 17})
+    assert _run(tmp_path, processor=FlakyExamples, **options).failed_examples == 2
+    monkeypatch.setattr(FlakyExamples, "bad", set())
+    monkeypatch.setattr(FlakyExamples, "int_labels", True)  # the "fixed" code writes labels as ints
+    with pytest.raises(SchemaConflictError, match=r"'label' is int64 in batch 0 \(rank 0\), string in .*committed by "
+                       "an earlier run"):
+        _run(tmp_path, processor=FlakyExamples, retry_failed=True, **options)
+    assert [row["index"] for row in read_outputs(tmp_path / "storage").to_pylist()] == [
+        i for i in range(40) if i not in (3, 17)
+    ]

@@ -158,6 +158,6 @@ def torch_batch_process(
         if failures.retry_failed:
             from torch_batch_process.engine.retry import prepare_retry
 
-            retry_args, plan = prepare_retry(args, env.collectives)
-            return JobRun(retry_args, env, observe, plan=plan).run()
+            retry_args, plan, schema = prepare_retry(args, env.collectives)
+            return JobRun(retry_args, env, observe, plan=plan, record_schema=schema).run()
         return JobRun(args, env, observe).run()

@@ -4,7 +4,8 @@ The spec comes as JSON in argv[1]: ``n``, ``batch_size``, ``checkpoint_interval`
 (more options of torch_batch_process), ``sleep`` (seconds per batch), ``progress_file`` (touched after each
 batch, for tests that kill workers), ``report_dir``; ``mode="predict"`` calls ``predict`` instead and stores
 what it returned on each rank. Example ``i`` gets the row ``emb=[i, i+0.5, -i]``, ``label="ex<i>"``,
-``parts=[i] * (i % 3)``.
+``parts=[i] * (i % 3)``; with ``conflict=True`` rank 1 writes ``label`` as ints (each rank sees one type). An
+error is stored in the report (``error``: type and message) and the process exits with status 1.
 """
 
 import json
@@ -26,11 +27,12 @@ class Processor(TorchBatchProcessor):
 
     def process_batch(self, batch, batch_idx):
         values = [int(v) for v in batch]
+        ints = SPEC.get("conflict") and self.context.distributed.get_rank() == 1
         assert values == list(self.context.batch_indices), (values, list(self.context.batch_indices))
         self.context.write(
             {
                 "emb": torch.stack([torch.tensor([v, v + 0.5, -v]) for v in values]),
-                "label": [f"ex{v}" for v in values],
+                "label": values if ints else [f"ex{v}" for v in values],
                 "parts": [[v] * (v % 3) for v in values],
             }
         )
@@ -49,19 +51,24 @@ def main():
                       checkpoint_interval=SPEC.get("checkpoint_interval", 2))
         report["predicted"] = out.tolist()
     else:
-        result = torch_batch_process(
-            Processor,
-            dataset,
-            batch_size=SPEC["batch_size"],
-            checkpoint_interval=SPEC.get("checkpoint_interval", 2),
-            storage_path=SPEC["storage"],
-            progress=False,
-            **SPEC.get("kwargs", {}),
-        )
-        report["result"] = result.to_json()
+        try:
+            result = torch_batch_process(
+                Processor,
+                dataset,
+                batch_size=SPEC["batch_size"],
+                checkpoint_interval=SPEC.get("checkpoint_interval", 2),
+                storage_path=SPEC["storage"],
+                progress=False,
+                **SPEC.get("kwargs", {}),
+            )
+            report["result"] = result.to_json()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            report["error"] = {"type": type(exc).__name__, "message": str(exc)}
     report_dir = Path(SPEC["report_dir"])
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json").write_text(json.dumps(report))
+    if "error" in report:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,10 @@ class VoteCollector:
         if self._error is not None:
             raise self._error
 
-    def stop(self, expected: int | None) -> None:
+    def stop(self, expected: int | None, *, check: bool = True) -> None:
         """Lets the thread take the ``expected`` queued votes (all of them: every rank queued them before the
-        closing exchange; ``None``: do not wait for votes), stops it, and raises its error if it failed."""
+        closing exchange; ``None``: do not wait for votes), stops it, and raises its error if it failed (unless
+        not ``check``: the error is already being reported). Raises ``TimeoutError`` if it does not end."""
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while expected is not None and self.taken < expected and self._thread.is_alive():
             if time.monotonic() > deadline:
@@ -85,4 +86,7 @@ class VoteCollector:
             time.sleep(0.005)
         self._queue.wake()
         self._thread.join(timeout=STOP_TIMEOUT_S)
-        self.check()
+        if self._thread.is_alive():
+            raise TimeoutError(f"rank 0's vote collector did not stop in {STOP_TIMEOUT_S:.0f} s")
+        if check:
+            self.check()

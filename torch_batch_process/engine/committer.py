@@ -61,9 +61,10 @@ from torch_batch_process.engine.part import Part
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.voted import VotedStages
 from torch_batch_process.engine.votes import GatheredVotes, QueuedVotes, Vote
-from torch_batch_process.errors import WorkerFailedError
+from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
 from torch_batch_process.observe.stragglers import RankInterval
 from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.reducers import ReducerRegistry
 
@@ -105,6 +106,7 @@ class Committer:
         stage_counter: dynamic schedule: draws the next stage number (shared by all ranks).
         on_background_error: called (from any thread) when rank 0's collector fails, so that the other ranks
             stop at their next batch.
+        records: this rank's record writer (``context.write()``): its votes carry its schema.
     """
 
     def __init__(
@@ -123,8 +125,10 @@ class Committer:
         queue: QueuedVotes | None = None,
         stage_counter: Callable[[], int] | None = None,
         on_background_error: Callable[[], None] | None = None,
+        records: RecordWriter | None = None,
     ) -> None:
         self.rank = rank
+        self._records = records
         self._coll = collectives
         self._store = store
         self._stager = stager
@@ -184,9 +188,14 @@ class Committer:
         self._publish(self._voted.covered(votes[0].durable))
         metrics = None
         if self._keeper is not None and self._writes is not None:
-            prepared = self._keeper.prepare(self._keeper.merge(votes))
-            metrics = prepared.metrics
-            self._writes.put(prepared)
+            try:
+                lines = self._keeper.merge(votes)
+            except SchemaConflictError as exc:  # never committed: travels in rank 0's next vote, all ranks raise
+                self._failures.record(exc, f"commit of stage {pending.stage} (checking the ranks' record outputs)")
+            else:
+                prepared = self._keeper.prepare(lines)
+                metrics = prepared.metrics
+                self._writes.put(prepared)
         self._observe(votes, metrics)
         self.part.timings["commit"] += time.perf_counter() - t0
         return any(v.preempt for v in votes)
@@ -245,6 +254,7 @@ class Committer:
             queued=self._queue.queued if self._queue is not None else 0,
             extra={"failed": part.failed} if part.failed else {},
             outputs=outputs,
+            schema=self._records.schema if self._records is not None else None,
         )
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()
@@ -276,11 +286,13 @@ class Committer:
             except Exception as exc:  # noqa: BLE001 - sent to every rank
                 own_error = exc
                 answer = FailureInfo(0, "writing the closing commit record", type(exc).__name__, str(exc), "")
+                answer = (answer, self._writes.newest_durable() if self._writes is not None else -1)
         answer = self._coll.broadcast(answer)
-        if isinstance(answer, FailureInfo):
+        if isinstance(answer[0], FailureInfo):
+            self._publish_committed(answer[1])  # what earlier records made durable
             if own_error is not None:
                 raise own_error
-            raise WorkerFailedError(f"{answer.describe()}; the commit did not happen. Run the job again to resume.")
+            raise WorkerFailedError(f"{answer[0].describe()}; the commit did not happen. Run the job again to resume.")
         self._voted.append(vote.stage, vote.has_files)
         self._publish(len(self._voted), wait=True)  # every vote of this rank is durable now
         self._observe(votes, answer[0])
@@ -320,9 +332,9 @@ class Committer:
         if not any(infos):
             return
         try:
-            if self._collector is not None:
+            if self._collector is not None:  # its own error, if any, is among the failures being raised
                 collector, self._collector = self._collector, None
-                collector.stop(expected=None)
+                collector.stop(expected=None, check=False)
             if self._writes is not None:
                 self._writes.settle()
             self._background.settle()
@@ -332,15 +344,20 @@ class Committer:
             settled = False
         marks = self._coll.all_gather((settled, self._writes.newest_durable() if self._writes is not None else -1))
         if all(done for done, _ in marks):  # every record write rank 0 queued or took has ended
-            if self._queue is not None:
-                durable = self._queue.acknowledged()  # acknowledged only once their record is durable
-            else:
-                durable = self._voted.covered(marks[0][1])
-            try:
-                self._publish(durable, wait=True)
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("rank %d: publishing committed outputs failed (the next start will): %s", self.rank, exc)
+            self._publish_committed(marks[0][1])
         self._failures.raise_for(infos)
+
+    def _publish_committed(self, newest_durable: int) -> None:
+        """When the job fails: publishes this rank's stages that durable records cover (static: up to record
+        ``newest_durable``; dynamic: those acknowledged), and waits; a failure is left to the next start."""
+        if self._queue is not None:
+            durable = self._queue.acknowledged()  # acknowledged only once their record is durable
+        else:
+            durable = self._voted.covered(newest_durable)
+        try:
+            self._publish(durable, wait=True)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("rank %d: publishing committed outputs failed (the next start will): %s", self.rank, exc)
 
     def check(self) -> None:
         """Records a failure of this rank's background work (never waits), so that it travels in its votes."""

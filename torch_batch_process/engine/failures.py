@@ -45,7 +45,7 @@ from typing import Any
 
 from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.part import Part
-from torch_batch_process.errors import BatchTimeoutError, TooManyFailuresError, WorkerLostError
+from torch_batch_process.errors import BatchTimeoutError, SchemaConflictError, TooManyFailuresError, WorkerLostError
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 
@@ -53,7 +53,7 @@ __all__ = ["FailureHandler", "check_total", "no_span", "too_many_message"]
 
 logger = logging.getLogger(__name__)
 
-FATAL = (BatchTimeoutError, TooManyFailuresError, WorkerLostError)
+FATAL = (BatchTimeoutError, TooManyFailuresError, WorkerLostError, SchemaConflictError)
 """Errors that fail the job even with ``on_error="skip"``: they are not an example's fault."""
 
 

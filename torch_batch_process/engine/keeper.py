@@ -22,6 +22,7 @@ from torch_batch_process.engine.records import CommitRecord
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.votes import Vote
 from torch_batch_process.observe.metrics import MetricsLog
+from torch_batch_process.outputs.schema import RecordSchema, unify
 from torch_batch_process.provenance import merge_entries
 from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.result import to_jsonable
@@ -122,15 +123,27 @@ class RecordKeeper:
         self.last_record = latest
         self.summary = Summary(timings_per_rank=[{} for _ in range(world_size)])
         self.summary.failed_examples = int(latest.stats.get("failed_examples", 0)) if latest else 0
+        # the committed rows' columns: every vote's must unify with them
+        self.record_schema: RecordSchema | None = latest.record_schema if latest else None
         self.started = started
         self._mutex = threading.Lock()  # dynamic schedules merge votes on a thread of their own
 
     # ---------------------------------------------------------------- merging
 
     def merge(self, votes: list[Vote]) -> list[dict[str, Any]]:
-        """Adds votes to the durable-to-be state and the counts; returns their ``metrics.jsonl`` lines."""
+        """Adds votes to the durable-to-be state and the counts; returns their ``metrics.jsonl`` lines.
+
+        Raises:
+            SchemaConflictError: a vote's record outputs do not unify with the job's (then no vote is merged:
+                their stages are never committed, see :mod:`torch_batch_process.outputs.schema`).
+        """
         lines: list[dict[str, Any]] = []
         with self._mutex:
+            schema = self.record_schema
+            for vote in votes:
+                if vote.schema is not None:
+                    schema = unify(schema, vote.schema)
+            self.record_schema = schema
             for vote in votes:
                 batches = RangeSet.from_json(vote.batches)
                 self.committed.update(batches)
@@ -185,6 +198,7 @@ class RecordKeeper:
             output_stages = RangeSet(self.output_stages.ranges()) if self.output_stages is not None else None
             provenance = list(self.provenance)
             number, last_stage = self.number, self.last_stage
+            record_schema = self.record_schema
             failed = self.summary.failed_examples
         examples_committed = self._plan.count_examples(committed)
         metrics: dict[str, Any] | None = None
@@ -227,6 +241,7 @@ class RecordKeeper:
             stages=stages,
             output_stages=output_stages,
             last_stage=last_stage,
+            record_schema=record_schema,
         )
         all_lines = list(lines)
         if metrics is not None:

@@ -49,6 +49,7 @@ from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
+from torch_batch_process.outputs.schema import RecordSchema
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.storage.base import open_storage
@@ -64,9 +65,15 @@ class JobRun:
     """One call of :func:`~torch_batch_process.torch_batch_process` on one rank (see the module docstring)."""
 
     def __init__(
-        self, args: JobArguments, env: DistributedEnv, options: ObserveOptions | None = None, plan: Plan | None = None
+        self,
+        args: JobArguments,
+        env: DistributedEnv,
+        options: ObserveOptions | None = None,
+        plan: Plan | None = None,
+        record_schema: RecordSchema | None = None,
     ) -> None:
         self.args = args
+        self.parent_schema = record_schema  # a retry's rows unify with those of the job it retries
         self.env = env
         self.rank, self.world_size = env.info.rank, env.info.size
         self.coll = env.collectives
@@ -109,6 +116,7 @@ class JobRun:
         )
         self.committer: Committer | None = None
         self.stager: OutputStager | None = None
+        self.records: RecordWriter | None = None  # context.write()
         self.call_id = ""
         self._prefixed_store: Any = None
         self._scheduler: Scheduler | None = None
@@ -151,7 +159,8 @@ class JobRun:
         """The stager, context and committer of this rank, then the processor (restored) and the first agreement."""
         self.stager = OutputStager(self.storage, self.rank)
         current = CurrentBatch()
-        records = RecordWriter(self.stager, current, self.rank, self.args.output_format)  # context.write()
+        committed = start.latest.record_schema if start.latest is not None else self.parent_schema
+        records = RecordWriter(self.stager, current, self.rank, self.args.output_format, committed)  # context.write()
         context = TorchBatchProcessorContext(
             device=self.env.device,
             distributed=self.env.info,
@@ -162,7 +171,7 @@ class JobRun:
             current=current,
             records=records,
         )
-        self.context, self.current = context, current
+        self.context, self.current, self.records = context, current, records
         result_json = lambda metrics, summary: self._result(start, metrics, summary).to_json()  # noqa: E731
         self.committer = make_committer(self, start, context, result_json, self._post_failure)
         t0 = time.perf_counter()

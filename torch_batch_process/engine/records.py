@@ -15,6 +15,7 @@ from typing import Any
 
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, JobMismatchError
+from torch_batch_process.outputs.schema import RecordSchema
 
 __all__ = ["CommitRecord", "JobInfo", "JobSpec", "check_fingerprint", "parse_json", "qualified_name"]
 
@@ -128,6 +129,8 @@ class CommitRecord:
     output_stages: RangeSet | None = None
     """Committed stages with output files (``outputs/commit_<s>/`` exists once published); ``None`` (records of
     older versions, and the jobs resumed from them): unknown."""
+    record_schema: RecordSchema | None = None
+    """The schema of the committed record outputs (``context.write()``); ``None``: no rows committed yet."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -147,6 +150,7 @@ class CommitRecord:
             "stages": self.stages.to_json() if self.stages is not None else None,
             "last_stage": self.last_stage,
             "output_stages": self.output_stages.to_json() if self.output_stages is not None else None,
+            "record_schema": self.record_schema.to_json() if self.record_schema is not None else None,
         }
 
     @classmethod
@@ -172,6 +176,7 @@ class CommitRecord:
                 output_stages=(
                     RangeSet.from_json(value["output_stages"]) if value.get("output_stages") is not None else None
                 ),
+                record_schema=_record_schema(value.get("record_schema"), where),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."
@@ -188,6 +193,10 @@ class CommitRecord:
     def slot_files(self) -> list[str]:
         """State files whose reducer summaries are slots of the final reduction."""
         return list(self.frozen_state_files) + [f for f in self.state_files if f]
+
+
+def _record_schema(value: Any, where: str) -> RecordSchema | None:
+    return None if value is None else RecordSchema.from_json(value, where)  # pyarrow: only for jobs with records
 
 
 def qualified_name(cls: type) -> str:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.ranges import RangeSet
-from torch_batch_process.engine.store import JobStore, job_finished
+from torch_batch_process.engine.store import JobStore, job_finished, latest_record_at
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.layout import RETRIES_DIR
@@ -36,26 +36,31 @@ __all__ = ["IndexPlan", "choose_retry", "current_failures_root", "next_retry", "
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.distributed import Collectives
+    from torch_batch_process.outputs.schema import RecordSchema
     from torch_batch_process.validation import JobArguments
 
 logger = logging.getLogger(__name__)
 
 
-def prepare_retry(args: JobArguments, collectives: Collectives) -> tuple[JobArguments, IndexPlan]:
+def prepare_retry(
+    args: JobArguments, collectives: Collectives
+) -> tuple[JobArguments, IndexPlan, RecordSchema | None]:
     """Every rank: the arguments and plan of the retry to run for the finished job of ``args`` (see the module
-    docstring). Rank 0 repairs and reads storage (:func:`choose_retry`); every rank gets its answer, or raises
+    docstring), and the record schema its rows must unify with (the retried job's: ``read_outputs`` reads them
+    together). Rank 0 repairs and reads storage (:func:`choose_retry`); every rank gets its answer, or raises
     what it raised."""
-    k, url, indices = collectives.from_rank0(lambda: choose_retry(args), "choosing the retry")
+    k, url, indices, schema = collectives.from_rank0(lambda: choose_retry(args), "choosing the retry")
     logger.info(
         "retry %d of job %s: %d failed example(s) to process again, stored in %s", k, args.job_name, len(indices), url
     )
     options = dataclasses.replace(args.failures, retry_failed=False)
     retry_args = dataclasses.replace(args, storage_path=url, max_batches=None, lengths=None, failures=options)
-    return retry_args, IndexPlan(indices, args.batch_size)
+    return retry_args, IndexPlan(indices, args.batch_size), schema
 
 
-def choose_retry(args: JobArguments) -> tuple[int, str, list[int]]:
-    """Rank 0: the retry to run (its number and URL) and the dataset indices it retries.
+def choose_retry(args: JobArguments) -> tuple[int, str, list[int], RecordSchema | None]:
+    """Rank 0: the retry to run (its number and URL), the dataset indices it retries and the record schema of
+    the job or retry whose failures it retries (``None``: no rows).
 
     The job, and the retry whose failures are retried, get the repairs of a finished job first (their last
     failures published, their ``result.json`` written: :meth:`JobStore.repair_finished`), so that the failures
@@ -74,7 +79,8 @@ def choose_retry(args: JobArguments) -> tuple[int, str, list[int]]:
                 if job is not storage:
                     job.close()
         indices = sorted({int(r["index"]) for r in read_failure_records(storage, source)})
-        return k, storage.url_of(f"{RETRIES_DIR}/{k}"), indices
+        latest = latest_record_at(storage, source)
+        return k, storage.url_of(f"{RETRIES_DIR}/{k}"), indices, latest.record_schema if latest else None
     finally:
         storage.close()
 

@@ -49,6 +49,9 @@ class Vote:
     extra: dict[str, Any] = field(default_factory=dict)
     outputs: bool = False
     """Its stage holds output files (``outputs/commit_<stage>/`` once published; see ``CommitRecord.output_stages``)."""
+    schema: Any = None
+    """The rank's record schema (:class:`~torch_batch_process.outputs.schema.RecordSchema`) once it wrote rows:
+    rank 0 commits no stage whose rows do not unify with the job's."""
 
 
 class GatheredVotes:

@@ -125,7 +125,14 @@ def _same_device_tensors(value: Any, copies: DeviceCopies) -> bool:
     return all(v.shape == first.shape and v.dtype == first.dtype and v.device == first.device for v in value)
 
 
-def rows_to_table(rows: Any, indices: Sequence[int], copies: DeviceCopies | None = None) -> pa.Table:
+def _is_per_example_list(value: Any) -> bool:
+    """A column given as a list of per-example values (not as one tensor or array)."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def rows_to_table(
+    rows: Any, indices: Sequence[int], copies: DeviceCopies | None = None, ragged: set[str] | None = None
+) -> pa.Table:
     """The rows of one ``context.write(rows)`` call as a table, with the ``index`` column first.
 
     Args:
@@ -133,6 +140,8 @@ def rows_to_table(rows: Any, indices: Sequence[int], copies: DeviceCopies | None
         indices: the dataset indices of the batch's examples (``context.batch_indices``).
         copies: copies CUDA tensors asynchronously (see :mod:`torch_batch_process.outputs.copyback`); the caller
             waits for them (``copies.done().wait()``) before reading the table's values. ``None``: ``.cpu()``.
+        ragged: if given, receives the names of the columns given as lists of per-example values, whose
+            per-example shapes may differ between batches (see :mod:`torch_batch_process.outputs.schema`).
     """
     pa = require_pyarrow()
     n = len(indices)
@@ -157,6 +166,8 @@ def rows_to_table(rows: Any, indices: Sequence[int], copies: DeviceCopies | None
             f"context.write(): the column name {INDEX_COLUMN!r} is reserved (the library adds each example's dataset "
             "index under it); rename your column"
         )
+    if ragged is not None:
+        ragged.update(name for name, value in zip(names, rows.values(), strict=True) if _is_per_example_list(value))
     arrays = [pa.array(np.asarray(indices, dtype=np.int64), type=pa.int64())]
     arrays += [_column(pa, name, value, n, copies) for name, value in zip(names, rows.values(), strict=True)]
     return pa.Table.from_arrays(arrays, names=[INDEX_COLUMN, *names])

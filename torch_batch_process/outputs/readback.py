@@ -1,8 +1,10 @@
 """Reading record outputs back in dataset order: :func:`read_outputs` and :func:`iter_outputs`.
 
 The committed shards of a job are ``<storage_path>/outputs/commit_*/rank_*/records/part-*.parquet`` (or
-``.jsonl``): plain files that pandas, polars, DuckDB, Spark and Hugging Face ``datasets`` read with that glob
-(rows are in no particular order there; sort by ``index``).
+``.jsonl``), and those of its ``retry_failed=True`` runs (the rows of the examples they recovered)
+``<storage_path>/retries/*/outputs/commit_*/rank_*/records/part-*.parquet``: plain files that pandas, polars,
+DuckDB, Spark and Hugging Face ``datasets`` read with those globs (rows are in no particular order there; sort
+by ``index``). :func:`read_outputs` and :func:`iter_outputs` read both.
 
 Shards are not each sorted by ``index`` (ranks interleave, and ``bucket_by`` orders a batch by length), so
 :func:`iter_outputs` merges *runs*: a Parquet row group, or a whole JSONL shard, each with its smallest and
@@ -26,32 +28,46 @@ from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.records import RECORDS_DIR
 from torch_batch_process.storage.base import Storage, open_storage
-from torch_batch_process.storage.layout import JOB_FILE, OUTPUTS_DIR
+from torch_batch_process.storage.layout import JOB_FILE, OUTPUTS_DIR, RETRIES_DIR
 
-__all__ = ["OUTPUTS_GLOB", "iter_outputs", "list_shards", "read_outputs"]
+__all__ = ["OUTPUTS_GLOB", "RETRY_OUTPUTS_GLOB", "iter_outputs", "list_shards", "read_outputs"]
 
 OUTPUTS_GLOB = f"{OUTPUTS_DIR}/commit_*/rank_*/{RECORDS_DIR}/part-*"
 """Glob of the record shards below a job's storage path (add ``.parquet`` or ``.jsonl``)."""
+
+RETRY_OUTPUTS_GLOB = f"{RETRIES_DIR}/*/{OUTPUTS_GLOB}"
+"""Glob of the record shards of its ``retry_failed=True`` runs (the rows of the examples they recovered)."""
 
 _SUFFIXES = (".parquet", ".jsonl")
 
 
 def list_shards(storage: Storage) -> list[str]:
-    """The committed record shards of the job (paths relative to the storage), in commit and rank order."""
-    shards: list[str] = []
-    for commit in storage.list(OUTPUTS_DIR):
-        if not commit.startswith("commit_"):
-            continue
-        for rank in storage.list(f"{OUTPUTS_DIR}/{commit}"):
-            if not rank.startswith("rank_"):
-                continue
-            folder = f"{OUTPUTS_DIR}/{commit}/{rank}/{RECORDS_DIR}"
-            shards += [f"{folder}/{n}" for n in storage.list(folder) if n.startswith("part-") and n.endswith(_SUFFIXES)]
+    """The committed record shards of the job (paths relative to the storage), in commit and rank order, then
+    those of its ``retry_failed=True`` runs (``retries/<k>/``, in order: the rows of the examples they
+    recovered)."""
+    shards = _committed_shards(storage, "")
+    retries = sorted(int(name) for name in storage.list(RETRIES_DIR) if name.isdigit())
+    for k in retries:
+        shards += _committed_shards(storage, f"{RETRIES_DIR}/{k}/")
     kinds = {os.path.splitext(s)[1] for s in shards}
     if len(kinds) > 1:
         raise ValueError(
             f"{storage.url}: record shards of several formats ({sorted(kinds)}); read them one format at a time"
         )
+    return shards
+
+
+def _committed_shards(storage: Storage, root: str) -> list[str]:
+    """The shards published below ``root`` (the job's folder, or a retry's)."""
+    shards: list[str] = []
+    for commit in storage.list(f"{root}{OUTPUTS_DIR}"):
+        if not commit.startswith("commit_"):
+            continue
+        for rank in storage.list(f"{root}{OUTPUTS_DIR}/{commit}"):
+            if not rank.startswith("rank_"):
+                continue
+            folder = f"{root}{OUTPUTS_DIR}/{commit}/{rank}/{RECORDS_DIR}"
+            shards += [f"{folder}/{n}" for n in storage.list(folder) if n.startswith("part-") and n.endswith(_SUFFIXES)]
     return shards
 
 
@@ -178,7 +194,8 @@ def iter_outputs(
     storage_options: dict[str, Any] | None = None,
     batch_rows: int = 65536,
 ) -> Iterator[Any]:
-    """Yields a job's committed record outputs as ``pyarrow.RecordBatch``\\ es in ``index`` (dataset) order.
+    """Yields a job's committed record outputs (with the rows its ``retry_failed=True`` runs recovered) as
+    ``pyarrow.RecordBatch``\\ es in ``index`` (dataset) order.
 
     Memory holds the runs (row groups) whose index ranges overlap, not the job: see the module docstring.
 
@@ -221,7 +238,8 @@ def read_outputs(
     columns: Sequence[str] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
-    """A job's committed record outputs (``context.write()``) as one ``pyarrow.Table`` sorted by ``index``.
+    """A job's committed record outputs (``context.write()``), with the rows that its ``retry_failed=True`` runs
+    recovered, as one ``pyarrow.Table`` sorted by ``index``.
 
     Tensors come back as nested fixed-size lists (see :func:`torch_batch_process.outputs.columns.column_to_numpy`
     for a ``(N, *shape)`` numpy array); ``table.to_pandas()`` or ``polars.from_arrow(table)`` convert it.

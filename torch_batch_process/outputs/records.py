@@ -29,6 +29,7 @@ from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.outputs.columns import rows_to_table
 from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
 from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.outputs.schema import RecordSchema, unify
 from torch_batch_process.storage.layout import number_name
 
 if TYPE_CHECKING:
@@ -62,18 +63,26 @@ class RecordWriter:
         current: the context's current batch (its indices give the ``index`` column).
         rank: this rank.
         output_format: ``"parquet"`` or ``"jsonl"``.
+        schema: the job's record schema committed by earlier attempts (``None``: none yet).
     """
 
-    def __init__(self, stager: OutputStager, current: CurrentBatch, rank: int, output_format: str = "parquet") -> None:
+    def __init__(
+        self,
+        stager: OutputStager,
+        current: CurrentBatch,
+        rank: int,
+        output_format: str = "parquet",
+        schema: RecordSchema | None = None,
+    ) -> None:
         self._stager = stager
         self._current = current
         self._rank = rank
         self._format = output_format
-        self._pending: tuple[Any, CopiesDone] | None = None  # the current batch's table, until process_batch returns
+        self._pending: tuple[Any, CopiesDone, RecordSchema] | None = None  # the batch's rows, until it returns
         self._buffer: list[Any] = []  # parquet: tables waiting for the next row group
         self._landing: list[CopiesDone] = []  # the copies back from the device that the buffered tables wait for
         self._buffered = 0
-        self._schema: Any = None
+        self._schema = schema  # the rank's rows so far (seeded with the job's: every shard unifies with it)
         self._folder: Path | None = None
         self._file: Path | None = None
         self._writer: Any = None  # pyarrow.parquet.ParquetWriter or a text file
@@ -96,17 +105,18 @@ class RecordWriter:
                 f"context.write() was already called for batch {self._current.batch_idx}: write all the rows of a "
                 "batch in one call (one row per example of context.batch_indices)"
             )
-        copies = DeviceCopies()
-        table = rows_to_table(rows, self._current.indices, copies)
-        self._pending = (table, copies.done())
+        copies, ragged = DeviceCopies(), set()
+        table = rows_to_table(rows, self._current.indices, copies, ragged)
+        schema = RecordSchema(table.schema, frozenset(ragged), f"batch {self._current.batch_idx} (rank {self._rank})")
+        self._pending = (table, copies.done(), schema)
 
     def _batch_finished(self, ok: bool) -> None:
         """The current batch returned (``ok``: its rows join the shard) or raised (they are dropped)."""
         pending, self._pending = self._pending, None
         if not ok or pending is None:
             return
-        table, landing = pending
-        table = self._conform(table, landing)
+        table, landing, schema = pending
+        table = self._conform(table, landing, schema)
         if self._format == "jsonl":
             self._open()
             landing.wait()  # the lines are made now
@@ -122,36 +132,22 @@ class RecordWriter:
         if self._shard_bytes >= SHARD_BYTES:
             self._close_shard()
 
-    def _conform(self, table: Any, landing: CopiesDone) -> Any:
-        """``table`` with the shard's schema (the first batch's): same columns, same types. A cast reads values:
-        it waits for the copies back first."""
+    def _conform(self, table: Any, landing: CopiesDone, schema: RecordSchema) -> Any:
+        """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
+        :mod:`torch_batch_process.outputs.schema`; a wider type starts a new shard). A cast reads values: it waits
+        for the copies back first."""
         if self._schema is None:
-            self._schema = table.schema
+            self._schema = schema
             return table
-        if table.schema.equals(self._schema):
+        if table.schema.equals(self._schema.schema) and schema.ragged <= self._schema.ragged:
             return table
-        if set(table.column_names) != set(self._schema.names):
-            raise InvalidArgumentError(
-                f"context.write(): batch {self._current.batch_idx} has columns {table.column_names[1:]}, earlier "
-                f"batches {self._schema.names[1:]}; write the same columns in every batch"
-            )
-        import pyarrow as pa
-
-        try:
-            table = table.select(self._schema.names)
-            schema = pa.unify_schemas([self._schema, table.schema], promote_options="permissive")
-            landing.wait()
-            if not schema.equals(self._schema):  # e.g. a column that was all None so far: a new shard, wider types
-                self._close_shard()
-                self._buffer = [t.cast(schema) for t in self._buffer]
-                self._schema = schema
-            return table.cast(self._schema)
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
-            raise InvalidArgumentError(
-                f"context.write(): batch {self._current.batch_idx} has types {table.schema.types[1:]}, earlier "
-                f"batches {self._schema.types[1:]} ({exc}); give every batch the same types and per-example shapes "
-                "(pad to a fixed shape, or write a list of per-example tensors for shapes that vary)"
-            ) from exc
+        unified = unify(self._schema, schema)  # raises InvalidArgumentError naming the column and the batch
+        table = table.select(unified.schema.names)
+        landing.wait()
+        if not unified.schema.equals(self._schema.schema):  # e.g. a column that was all None so far
+            self._close_shard()
+        self._schema = unified
+        return table if table.schema.equals(unified.schema) else table.cast(unified.schema)
 
     def _open(self) -> None:
         if self._writer is not None:
@@ -170,10 +166,11 @@ class RecordWriter:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
-            dictionary = [f.name for f in self._schema if _is_text(f.type)]
-            flat = [f.name for f in self._schema if not pa.types.is_nested(f.type)]
+            schema = self._schema.schema
+            dictionary = [f.name for f in schema if _is_text(f.type)]
+            flat = [f.name for f in schema if not pa.types.is_nested(f.type)]
             self._writer = pq.ParquetWriter(  # statistics of flat columns only: min/max of tensors cost ~15%
-                self._file, self._schema, use_dictionary=dictionary, write_statistics=flat, compression="snappy"
+                self._file, schema, use_dictionary=dictionary, write_statistics=flat, compression="snappy"
             )
         self._name = name
 
@@ -217,6 +214,11 @@ class RecordWriter:
         assert self._file is not None
         self._stager.add_file(self._file, self._name)
         self._shard_bytes = 0
+
+    @property
+    def schema(self) -> RecordSchema | None:
+        """The rank's record schema so far (``None``: no rows yet); its commit votes carry it."""
+        return self._schema
 
     def seal(self) -> None:
         """Before a commit: the open shard joins the stage being committed."""
