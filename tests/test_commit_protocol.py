@@ -161,8 +161,12 @@ def test_a_failed_background_record_write_on_rank_0_makes_both_ranks_raise_with_
     assert reports[1]["error"]["type"] == "WorkerFailedError", reports[1]["error"]
     message = reports[1]["error"]["message"]
     assert "rank 0" in message and "Traceback" in message and "IsADirectoryError" in message, message
-    # the storage is repaired (the folders in the way removed): a re-run resumes from the last durable record
+    # every stage that a durable record commits was published before the ranks raised
     commits = Path(spec["storage"], "_tbp", "commits")
+    latest = json.loads(max(p for p in commits.glob("*.json") if p.is_file()).read_text())
+    staged = [int(d.parent.name) for d in Path(spec["storage"], "_tbp", "staging").glob("*/rank_*")]
+    assert not [s for s in staged if any(a <= s < b for a, b in latest["stages"])], (staged, latest["stages"])
+    # the storage is repaired (the folders in the way removed): a re-run resumes from the last durable record
     for blocked in commits.glob("*.json"):
         if blocked.is_dir():
             blocked.rmdir()
