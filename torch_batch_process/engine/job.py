@@ -21,7 +21,7 @@ from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, c
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import JOB_FILE, RESULT_FILE
+from torch_batch_process.storage.layout import JOB_FILE
 from torch_batch_process.storage.lock import JobLock
 
 __all__ = ["JobOpener", "Start"]
@@ -88,8 +88,7 @@ class JobOpener:
         self.storage.check()  # unreachable, missing bucket, no permission: a clear error before anything else
         job, latest = self._read_and_check()
         if latest is not None and latest.finished and self.resume and latest.result is not None:
-            # killed while publishing its last outputs, or before writing result.json
-            if self.store.unpublished_stages(latest) or not self.storage.exists(RESULT_FILE):
+            if self.store.finished_repair_due(latest):
                 self.lock = self.storage.job_lock()
                 job, latest = self._read_and_check()
                 assert latest is not None

@@ -32,7 +32,7 @@ from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.layout import RETRIES_DIR
 
-__all__ = ["IndexPlan", "choose_retry", "current_failures_root", "next_retry", "prepare_retry"]
+__all__ = ["IndexPlan", "choose_retry", "current_failures_root", "next_retry", "prepare_retry", "retry_numbers"]
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.distributed import Collectives
@@ -116,14 +116,15 @@ class IndexPlan(Plan):
         return f"retry of {self.num_examples} failed examples in {self.num_batches} batches of {self.batch_size}"
 
 
-def _retries(storage: Storage) -> list[int]:
+def retry_numbers(storage: Storage) -> list[int]:
+    """The numbers ``k`` of the job's retries (``retries/<k>/``), ascending."""
     return sorted(int(name) for name in storage.list(RETRIES_DIR) if name.isdigit())
 
 
 def current_failures_root(storage: Storage) -> str:
     """The folder (relative to ``storage``) whose ``failures/`` lists the job's current failures: its latest
     finished retry, else the job itself (``""``)."""
-    return _latest_finished(storage, _retries(storage))
+    return _latest_finished(storage, retry_numbers(storage))
 
 
 def next_retry(storage: Storage) -> tuple[int, str]:
@@ -134,7 +135,7 @@ def next_retry(storage: Storage) -> tuple[int, str]:
             f"retry_failed=True: the job at {storage.url} is not finished; run it without retry_failed first "
             "(it resumes), then retry its failures"
         )
-    numbers = _retries(storage)
+    numbers = retry_numbers(storage)
     if numbers and not job_finished(storage, f"{RETRIES_DIR}/{numbers[-1]}"):
         return numbers[-1], current_failures_root_before(storage, numbers[-1])
     return (numbers[-1] if numbers else 0) + 1, _latest_finished(storage, numbers)
@@ -142,7 +143,7 @@ def next_retry(storage: Storage) -> tuple[int, str]:
 
 def current_failures_root_before(storage: Storage, k: int) -> str:
     """The current failures' folder as it was when retry ``k`` started (the latest finished retry before it)."""
-    return _latest_finished(storage, [j for j in _retries(storage) if j < k])
+    return _latest_finished(storage, [j for j in retry_numbers(storage) if j < k])
 
 
 def _latest_finished(storage: Storage, numbers: list[int]) -> str:

@@ -120,6 +120,11 @@ class JobStore:
         """Stages committed by ``latest`` whose files are still staged (a crash while publishing)."""
         return [stage for stage, ranks in self.staged().items() if ranks and latest.has_stage(stage)]
 
+    def finished_repair_due(self, latest: CommitRecord) -> bool:
+        """Whether a finished job needs :meth:`repair`: a kill left committed stages unpublished, or came between
+        the final record and ``result.json``."""
+        return bool(self.unpublished_stages(latest)) or not self.storage.exists(RESULT_FILE)
+
     def check_integrity(self, latest: CommitRecord | None) -> None:
         """Raises :class:`CheckpointCorruptError` when the stored progress is damaged.
 
@@ -301,7 +306,7 @@ class JobStore:
         latest = self.load_latest()
         if latest is None or not latest.finished:
             return
-        if not self.unpublished_stages(latest) and self.storage.exists(RESULT_FILE):
+        if not self.finished_repair_due(latest):
             return
         lock = self.storage.job_lock()
         try:

@@ -97,7 +97,7 @@ def _column(pa: Any, name: str, value: Any, n: int, copies: DeviceCopies | None 
                 f"batch's {n} example(s)"
             )
         return _from_numpy(pa, value, landing)
-    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+    if not _is_per_example_list(value):
         raise InvalidArgumentError(
             f"context.write(): column {name!r} is a {type(value).__name__}; give a tensor, a numpy array or a "
             f"list with one value per example ({n})"

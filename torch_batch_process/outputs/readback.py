@@ -45,9 +45,10 @@ def list_shards(storage: Storage) -> list[str]:
     """The committed record shards of the job (paths relative to the storage), in commit and rank order, then
     those of its ``retry_failed=True`` runs (``retries/<k>/``, in order: the rows of the examples they
     recovered)."""
+    from torch_batch_process.engine.retry import retry_numbers
+
     shards = _committed_shards(storage, "")
-    retries = sorted(int(name) for name in storage.list(RETRIES_DIR) if name.isdigit())
-    for k in retries:
+    for k in retry_numbers(storage):
         shards += _committed_shards(storage, f"{RETRIES_DIR}/{k}/")
     kinds = {os.path.splitext(s)[1] for s in shards}
     if len(kinds) > 1:
