@@ -455,6 +455,24 @@ def test_a_list_of_per_example_tensors_may_change_shape(tmp_path, fmt, monkeypat
     assert [row["vector"] for row in rows] == [[float(i)] * (3 if i < 6 else 4) for i in range(20)]
 
 
+class HugeInt(TorchBatchProcessor):
+    """``value``: floats, then in batch 2 an int that a float64 cannot hold exactly."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        self.context.write({"value": [2**60 + 1] * len(ids) if batch_idx == 2 else [i + 0.5 for i in ids]})
+
+
+def test_rows_whose_values_do_not_fit_the_widened_type_are_a_schema_conflict(tmp_path):
+    with pytest.raises(SchemaConflictError, match=r"the rows of batch 2 \(rank 0\) do not fit the types of earlier"):
+        _run(tmp_path, processor=HugeInt, n=20, batch_size=3, checkpoint_interval=1)
+    table = read_outputs(tmp_path / "storage")
+    assert table.column("value").to_pylist() == [i + 0.5 for i in range(6)]
+
+
 class Labels(TorchBatchProcessor):
     """``label`` as strings, or as ints (``as_int``)."""
 

@@ -25,11 +25,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.errors import InvalidArgumentError, SchemaConflictError
 from torch_batch_process.outputs.columns import rows_to_table
 from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
 from torch_batch_process.outputs.files import OutputStager
-from torch_batch_process.outputs.schema import RecordSchema, unify
+from torch_batch_process.outputs.schema import FIX_HINT, RecordSchema, unify
 from torch_batch_process.storage.layout import number_name
 
 if TYPE_CHECKING:
@@ -141,13 +141,21 @@ class RecordWriter:
             return table
         if table.schema.equals(self._schema.schema) and schema.ragged <= self._schema.ragged:
             return table
-        unified = unify(self._schema, schema)  # raises InvalidArgumentError naming the column and the batch
+        unified = unify(self._schema, schema)  # raises SchemaConflictError naming the column and the batch
         table = table.select(unified.schema.names)
         landing.wait()
+        if not table.schema.equals(unified.schema):
+            try:
+                table = table.cast(unified.schema)
+            except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
+                raise SchemaConflictError(
+                    f"context.write(): the rows of {schema.origin} do not fit the types of earlier batches "
+                    f"{unified.schema.types[1:]} ({exc}); {FIX_HINT}"
+                ) from exc
         if not unified.schema.equals(self._schema.schema):  # e.g. a column that was all None so far
             self._close_shard()
         self._schema = unified
-        return table if table.schema.equals(unified.schema) else table.cast(unified.schema)
+        return table
 
     def _open(self) -> None:
         if self._writer is not None:
