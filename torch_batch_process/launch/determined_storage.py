@@ -78,9 +78,11 @@ def determined_storage(
 
 
 def _local(kind: str, fields: dict[str, str], base: Path, lines: KeyLines) -> str:
+    from torch_batch_process.launch.config import absolute_path  # config reads these mappings through this module
+
     if kind == "directory":
-        return _absolute(fields["container_path"], base)
-    host = _absolute(fields["host_path"], base)
+        return absolute_path(fields["container_path"], base)
+    host = absolute_path(fields["host_path"], base)
     inner = fields.get("storage_path")
     if inner is None:
         return host
@@ -108,8 +110,3 @@ def _remote(kind: str, fields: dict[str, str]) -> tuple[str, dict[str, Any] | No
         options = {names[name]: fields[name] for name in names if name in fields}
     url = f"{protocol}://{fields['bucket']}" + (f"/{prefix}" if prefix else "")
     return url, options or None
-
-
-def _absolute(path: str, base: Path) -> str:
-    local = os.path.expanduser(path)
-    return str(Path(local) if os.path.isabs(local) else (base / local).resolve())
