@@ -95,3 +95,21 @@ def test_a_failed_write_raises_on_the_main_thread_and_its_records_are_never_call
     assert writes.newest_durable() == 2
     writes.put(keeper.prepare())  # never raises: the failure travels through advance()
     writes.close()
+
+
+def test_settle_without_check_waits_for_a_failing_write_and_tells_the_newest_durable_record():
+    """A failing job settles its writes without raising (the failed write is what it reports already), then
+    publishes what the newest written record covers: a failed write must not stop that publication."""
+    keeper = RecordingKeeper(fail_at=3)
+    writes = RecordWrites(keeper, spacing_s=0.0)
+    writes.put(keeper.prepare())
+    writes.settle()
+    keeper.gate.clear()
+    writes.put(keeper.prepare())  # 2 is written alone, 3 fails
+    time.sleep(0.1)
+    writes.put(keeper.prepare())
+    threading.Timer(0.2, keeper.gate.set).start()
+    writes.settle(check=False)  # waits for both writes, raises nothing
+    assert isinstance(writes.error, OSError)
+    assert writes.durable == 2 and keeper.groups == [[1], [2]]
+    writes.close()

@@ -25,6 +25,7 @@ from harness import (
     read_outputs,
     read_reports,
     spawn_ranks,
+    stop_with_stacks,
     storage_fs,
     tree_digest,
     wait_all,
@@ -264,7 +265,9 @@ def _attempt_killed(spec: dict[str, Any], world_size: int, attempt: int, rng: ra
     procs = spawn_ranks(world_size, STREAM_JOB, json.dumps(dict(spec, attempt=attempt)))
     deadline = time.monotonic() + 120
     while committed_batches(spec["storage"]) <= before:
-        assert time.monotonic() < deadline, "the attempt never committed"
+        if time.monotonic() > deadline:  # show where each rank is
+            stacks = [stop_with_stacks(p)[1][-6000:] for p in procs]
+            pytest.fail("the attempt never committed; the ranks' stderr and stacks:\n" + "\n----\n".join(stacks))
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 0.5))

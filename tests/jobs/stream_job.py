@@ -14,8 +14,10 @@ Each batch writes ``batch_<idx>.json``: ``{"ids": [...], "indices": context.batc
 writes ``<report_dir>/attempt<k>_rank<r>.json`` with its calls and the result or the exception.
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -24,6 +26,7 @@ from pathlib import Path
 from torch_batch_process import TorchBatchProcessor, sources, torch_batch_process
 
 SPEC = json.loads(sys.argv[1])
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for the stacks
 
 
 def generate(starts, size):

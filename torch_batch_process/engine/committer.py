@@ -335,8 +335,10 @@ class Committer:
             if self._collector is not None:  # its own error, if any, is among the failures being raised
                 collector, self._collector = self._collector, None
                 collector.stop(expected=None, check=False)
-            if self._writes is not None:
-                self._writes.settle()
+            if self._writes is not None:  # a failed write has ended too: its records are simply not durable
+                self._writes.settle(check=False)
+                if self._writes.error is not None and not self._failures.failed:  # else it is what rank 0 raises
+                    logger.warning("rank 0: writing a commit record failed: %s", self._writes.error)
             self._background.settle()
             settled = True
         except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs

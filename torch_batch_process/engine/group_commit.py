@@ -100,6 +100,11 @@ class RecordWrites:
                 self._written, self._writing = group[-1].record.commit, False
                 self._cond.notify_all()
 
+    @property
+    def error(self) -> BaseException | None:
+        """The error of a failed write (no record is written after it), or None."""
+        return self._error
+
     def advance(self) -> None:
         """Advances :attr:`durable` over the records written; raises the error of a failed write. Never waits."""
         if self._error is not None:
@@ -112,8 +117,9 @@ class RecordWrites:
         self.durable = max(self.durable, self._written)
         return self.durable
 
-    def settle(self, timeout: float = 600.0) -> None:
-        """Writes every queued record now (no spacing) and waits for it; raises the error of a failed write."""
+    def settle(self, timeout: float = 600.0, *, check: bool = True) -> None:
+        """Writes every queued record now (no spacing) and waits for it; raises the error of a failed write
+        unless ``check`` is False (the job is failing already: a failed write has ended too)."""
         with self._cond:
             self._hurry = True
             self._cond.notify_all()
@@ -123,7 +129,10 @@ class RecordWrites:
             self._hurry = False
         if not ended:
             raise TimeoutError(f"writing commit records took more than {timeout:.0f} s")
-        self.advance()
+        if check:
+            self.advance()
+        else:
+            self.newest_durable()
 
     def close(self) -> None:
         """Writes what is queued (logging an error: the caller is leaving and the next start repairs), then
