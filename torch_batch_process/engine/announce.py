@@ -10,9 +10,10 @@ import warnings
 from torch_batch_process.engine.job import Start
 from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.result import BatchProcessResult
 
-__all__ = ["log_preempted", "log_start", "warn_max_batches"]
+__all__ = ["log_preempted", "log_start", "start_observing", "warn_max_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,19 @@ def warn_max_batches(plan: Plan, max_batches: int | None, world_size: int) -> No
             UserWarning,
             stacklevel=5,
         )
+
+
+def start_observing(observer: JobObserver, plan: Plan, start: Start, remaining: RangeSet) -> None:
+    """Tells the observer what the job holds, what earlier calls committed and what this call has to do."""
+    committed = start.latest.committed if start.latest else RangeSet()
+    observer.start(
+        total_batches=plan.num_batches,
+        total_examples=plan.num_examples,
+        committed_batches=len(committed),
+        committed_examples=plan.count_examples(committed),
+        remaining_batches=len(remaining),
+        previous_stats=start.latest.stats if start.latest is not None else None,
+    )
 
 
 def log_start(

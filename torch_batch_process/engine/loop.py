@@ -25,7 +25,7 @@ from typing import Any
 
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.agreement import Decision, FailureTracker
-from torch_batch_process.engine.announce import log_preempted, log_start, warn_max_batches
+from torch_batch_process.engine.announce import log_preempted, log_start, start_observing, warn_max_batches
 from torch_batch_process.engine.autocast import resolve_autocast
 from torch_batch_process.engine.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.building import build_processor
@@ -36,11 +36,11 @@ from torch_batch_process.engine.guard import check_failures, guard_runner
 from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.keeper import Summary
 from torch_batch_process.engine.liveness import Heartbeats, watch_peers
-from torch_batch_process.engine.plan import BucketedPlan, ContiguousPlan, Plan, planned_batches
+from torch_batch_process.engine.plan import Plan, dataset_plan, planned_batches
 from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.ranges import RangeSet
-from torch_batch_process.engine.records import JobSpec, qualified_name
+from torch_batch_process.engine.records import JobSpec
 from torch_batch_process.engine.results import job_result, stored_result
 from torch_batch_process.engine.runner import BatchRunner
 from torch_batch_process.engine.scheduler import Scheduler, make_scheduler
@@ -87,21 +87,12 @@ class JobRun:
         self.full_plan: Plan = plan or (  # a given plan: retry_failed (engine/retry.py)
             self.stream.plan
             if self.stream is not None
-            else ContiguousPlan(args.dataset_length, args.batch_size)
-            if args.lengths is None
-            else BucketedPlan(args.lengths, args.batch_size, args.bucket_window, args.max_tokens)
+            else dataset_plan(args.dataset_length, args.batch_size, args.lengths, args.bucket_window, args.max_tokens)
         )
         self.plan_s = args.lengths_s + time.perf_counter() - t0
         self.plan = self.full_plan
-        spec = JobSpec(
-            self.stream.plan.dataset_length if self.stream is not None else args.dataset_length,
-            args.batch_size,
-            qualified_name(args.processor_cls),
-            args.max_batches,
-            qualified_name(type(args.dataset)),
-            self.plan.fingerprint(),
-            output_format=args.output_format,
-        )
+        length = self.stream.plan.dataset_length if self.stream is not None else args.dataset_length
+        spec = JobSpec.of_call(args, length, self.plan.fingerprint())
         self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll)
         self.failures = FailureTracker(self.rank)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(self.rank), f"tensorboard-rank{self.rank}")
@@ -129,20 +120,27 @@ class JobRun:
         try:
             with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
                 planned = planned_batches(self.plan.num_batches, self.args.max_batches, self.world_size)
-                start = self.opener.open(planned, self._plan_of(planned).num_examples)
+                start = self.opener.open(planned, self.full_plan.cut(planned).num_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
                 self.call_id, self.start = start.call_id, start
                 if self.stream is not None:
                     self.stream.opened()  # row counts counted now are kept for resumes
-                self.plan = self._plan_of(start.planned_batches)
+                self.plan = self.full_plan.cut(start.planned_batches)
                 remaining = RangeSet([(0, self.plan.num_batches)] if self.plan.num_batches else [])
                 if start.latest is not None:
                     remaining = start.latest.committed.complement(self.plan.num_batches)
                 processor, stop_now = self._build(start, signals)
                 schedule = make_scheduler if self.stream is None else self.stream.make_scheduler
-                scheduler = schedule(self.args.schedule, remaining, self.coll, self.args.checkpoint_interval, self.call_store())
-                self._start_observer(start, remaining)
+                interval = self.args.checkpoint_interval
+                scheduler = schedule(self.args.schedule, remaining, self.coll, interval, self.call_store())
+                start_observing(self.observer, self.plan, start, remaining)
+                if self.rank == 0:
+                    log_start(
+                        job_name=self.args.job_name, start=start, plan=self.plan, remaining=remaining,
+                        world_size=self.world_size, schedule=self.args.schedule, storage_url=self.storage.url,
+                        plan_s=self.plan_s,
+                    )
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
                 if outcome is None or not outcome.preempted:
                     check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
@@ -189,7 +187,9 @@ class JobRun:
 
     # ------------------------------------------------------------------------ steps and commits
 
-    def _process(self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher, stop_now: bool) -> Outcome:
+    def _process(
+        self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher, stop_now: bool
+    ) -> Outcome:
         """Runs this rank's batches with their commits, then the closing commit; returns its outcome."""
         self._scheduler = scheduler
         self._peers = watch_peers(self)  # dynamic: a rank that dies stops the others (engine/liveness.py)
@@ -206,7 +206,8 @@ class JobRun:
     def _steps(self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher) -> Decision:
         committer = self._committer()
         runner = BatchRunner(
-            processor, self.current, self.plan, self.failures, inference_mode=self.args.inference_mode, mode=self.autocast
+            processor, self.current, self.plan, self.failures,
+            inference_mode=self.args.inference_mode, mode=self.autocast,
         )
         dataset, order, kwargs = self.args.dataset, scheduler, self.args.dataloader_kwargs
         if self.stream is not None:  # a source: its dataset view, worker-affine order, columnar collation
@@ -269,7 +270,9 @@ class JobRun:
 
     # ------------------------------------------------------------------------ results
 
-    def _result(self, start: Start, metrics: dict[str, Any], summary: Summary, *, preempted: bool = False) -> BatchProcessResult:
+    def _result(
+        self, start: Start, metrics: dict[str, Any], summary: Summary, *, preempted: bool = False
+    ) -> BatchProcessResult:
         return job_result(
             plan=self.plan,
             start=start,
@@ -282,14 +285,6 @@ class JobRun:
         )
 
     # ------------------------------------------------------------------------ helpers
-
-    def _plan_of(self, num_batches: int) -> Plan:
-        """The job's plan, cut to its first ``num_batches`` batches (``max_batches``)."""
-        plan = self.full_plan
-        cut = getattr(plan, "cut", None)  # BucketedPlan, StreamPlan, IndexPlan (retry_failed)
-        if cut is not None:
-            return cut(num_batches)  # type: ignore[no-any-return]
-        return ContiguousPlan(self.args.dataset_length, self.args.batch_size, num_batches)
 
     def _committer(self) -> Committer:
         assert self.committer is not None
@@ -312,22 +307,6 @@ class JobRun:
         """Rank 0's heartbeats found a silent rank (from their thread): this rank fails, every rank stops."""
         self.failures.record(error, "watching the other ranks' heartbeats")
         self._post_failure()
-
-    def _start_observer(self, start: Start, remaining: RangeSet) -> None:
-        committed = start.latest.committed if start.latest else RangeSet()
-        self.observer.start(
-            total_batches=self.plan.num_batches,
-            total_examples=self.plan.num_examples,
-            committed_batches=len(committed),
-            committed_examples=self.plan.count_examples(committed),
-            remaining_batches=len(remaining),
-            previous_stats=start.latest.stats if start.latest is not None else None,
-        )
-        if self.rank == 0:
-            log_start(
-                job_name=self.args.job_name, start=start, plan=self.plan, remaining=remaining, world_size=self.world_size,
-                schedule=self.args.schedule, storage_url=self.storage.url, plan_s=self.plan_s,
-            )
 
     def _shutdown(self) -> None:
         """Always, when the call ends: background work completes (before the lock goes: no record write may

@@ -22,10 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from torch_batch_process.engine.bucketing import BucketLayout, bucket_layout, contiguous_padded_tokens, layout_fingerprint
+from torch_batch_process.engine.bucketing import (
+    BucketLayout,
+    bucket_layout,
+    contiguous_padded_tokens,
+    layout_fingerprint,
+)
 from torch_batch_process.engine.ranges import RangeSet
 
-__all__ = ["BucketedPlan", "ContiguousPlan", "Plan", "planned_batches"]
+__all__ = ["BucketedPlan", "ContiguousPlan", "Plan", "dataset_plan", "planned_batches"]
 
 
 class Plan(abc.ABC):
@@ -41,6 +46,10 @@ class Plan(abc.ABC):
     @abc.abstractmethod
     def count_examples(self, batches: RangeSet) -> int:
         """Number of examples in a set of global batches."""
+
+    @abc.abstractmethod
+    def cut(self, num_batches: int) -> Plan:
+        """The same plan with only its first ``num_batches`` batches (``max_batches``)."""
 
     @property
     def num_examples(self) -> int:
@@ -63,6 +72,9 @@ class ContiguousPlan(Plan):
         self.dataset_length = dataset_length
         self.batch_size = batch_size
         self.num_batches = math.ceil(dataset_length / batch_size) if num_batches is None else num_batches
+
+    def cut(self, num_batches: int) -> ContiguousPlan:
+        return ContiguousPlan(self.dataset_length, self.batch_size, num_batches)
 
     def batch_indices(self, batch: int) -> range:
         start = batch * self.batch_size
@@ -98,7 +110,6 @@ class BucketedPlan(Plan):
         self._fingerprint = layout_fingerprint(lengths, batch_size, window, max_tokens)
 
     def cut(self, num_batches: int) -> BucketedPlan:
-        """The same plan with only its first ``num_batches`` batches (``max_batches``)."""
         plan = object.__new__(BucketedPlan)
         plan.__dict__.update(self.__dict__)
         plan.num_batches = min(num_batches, self.layout.num_batches())
@@ -128,7 +139,8 @@ class BucketedPlan(Plan):
 
     def describe(self) -> str:
         bucketed, ordered = self.padded_tokens()
-        oversized = f"; {self.layout.num_oversized} example(s) longer than max_tokens, alone" if self.layout.num_oversized else ""
+        oversized = self.layout.num_oversized
+        oversized = f"; {oversized} example(s) longer than max_tokens, alone" if oversized else ""
         return (
             f"{self.num_examples} examples in {self.num_batches} length-bucketed batches (at most {self.batch_size}, "
             f"windows of {self.window} batches{f', max_tokens {self.max_tokens}' if self.max_tokens else ''}): "
@@ -141,3 +153,12 @@ def planned_batches(num_batches: int, max_batches: int | None, world_size: int) 
     if max_batches is None:
         return num_batches
     return min(num_batches, max_batches * world_size)
+
+
+def dataset_plan(
+    dataset_length: int, batch_size: int, lengths: np.ndarray | None, window: int, max_tokens: int | None
+) -> Plan:
+    """The plan of a map-style dataset: contiguous batches, or length-bucketed ones when ``lengths`` are given."""
+    if lengths is None:
+        return ContiguousPlan(dataset_length, batch_size)
+    return BucketedPlan(lengths, batch_size, window, max_tokens)

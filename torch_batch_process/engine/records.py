@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, JobMismatchError
 from torch_batch_process.outputs.schema import RecordSchema
+
+if TYPE_CHECKING:
+    from torch_batch_process.validation import JobArguments
 
 __all__ = ["CommitRecord", "JobInfo", "JobSpec", "check_fingerprint", "parse_json", "qualified_name"]
 
@@ -39,6 +42,19 @@ class JobSpec:
     output_format: str = "parquet"
     """Format of record shards: a resume in another format would mix formats (stored only when not the default)."""
 
+    @classmethod
+    def of_call(cls, args: JobArguments, dataset_length: int, plan: dict[str, Any] | None) -> JobSpec:
+        """The spec of a call's checked arguments (``dataset_length``: a source's rows, counted)."""
+        return cls(
+            dataset_length,
+            args.batch_size,
+            qualified_name(args.processor_cls),
+            args.max_batches,
+            qualified_name(type(args.dataset)),
+            plan,
+            output_format=args.output_format,
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "dataset_length": self.dataset_length,
@@ -54,7 +70,8 @@ class JobSpec:
         """Human-readable differences between this spec and a stored one."""
         mine = self.to_json()
         keys = sorted(set(mine) | set(stored))
-        return [f"{key}: stored {stored.get(key)!r}, now {mine.get(key)!r}" for key in keys if stored.get(key) != mine.get(key)]
+        changed = [key for key in keys if stored.get(key) != mine.get(key)]
+        return [f"{key}: stored {stored.get(key)!r}, now {mine.get(key)!r}" for key in changed]
 
 
 @dataclass

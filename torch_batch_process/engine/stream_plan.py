@@ -66,7 +66,6 @@ class StreamPlan(Plan):
         return len(self.counts)
 
     def cut(self, num_batches: int) -> StreamPlan:
-        """The same plan with only its first ``num_batches`` batches (``max_batches``)."""
         return StreamPlan(self.source_fingerprint, self.counts, self.batch_size, num_batches)
 
     def locate(self, batch: int) -> tuple[int, int, int]:
