@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from harness import JOBS, assert_exactly_once, read_reports, run_torchrun, spawn_ranks, wait_all
 
 from torch_batch_process import (
@@ -93,10 +92,34 @@ def test_write_and_read_back_every_kind_of_column(tmp_path, fmt):
     assert only.column_names == ["index", "name"] and only.column("name").to_pylist() == [f"n{i}" for i in range(37)]
     shards = glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt))
     assert len(shards) == 4  # one shard per commit (8 batches, checkpoint_interval=2)
-    if fmt == "parquet":  # shapes come back exactly
-        matrix = column_to_numpy(table.column("matrix"))
-        assert matrix.shape == (37, 3, 2) and matrix.dtype == np.float32
-        assert column_to_numpy(table.column("vector")).shape == (37, 4)
+    # types and per-example shapes come back exactly, from JSONL too (cast to the schema the commit records keep)
+    matrix = column_to_numpy(table.column("matrix"))
+    assert matrix.shape == (37, 3, 2) and matrix.dtype == np.float32
+    vector = column_to_numpy(table.column("vector"))
+    assert vector.shape == (37, 4) and vector.dtype == np.int32
+    assert pa.types.is_float64(table.schema.field("score").type)
+    assert pa.types.is_list(table.schema.field("ragged").type)  # written as a list of per-example tensors
+    assert streamed[0].schema == table.schema
+
+
+def test_jsonl_and_parquet_outputs_read_back_as_the_same_table(tmp_path):
+    tables = {}
+    for fmt in FORMATS:
+        result = _run(tmp_path, storage_path=str(tmp_path / fmt), output_format=fmt)
+        tables[fmt] = read_outputs(result.storage_path)
+    parquet, jsonl = tables["parquet"], tables["jsonl"]
+    assert [f.type for f in jsonl.schema] == [f.type for f in parquet.schema]
+    assert jsonl.to_pylist() == parquet.to_pylist()
+
+
+def test_jsonl_outputs_stay_readable_when_the_commit_record_is_damaged(tmp_path, caplog):
+    result = _run(tmp_path, output_format="jsonl")
+    for record in Path(result.storage_path, "_tbp", "commits").glob("*.json"):
+        record.write_text("{ damaged")
+    table = read_outputs(result.storage_path)  # the published shards are whole: read with JSON's own types
+    _check_rich(table, 37)
+    assert pa.types.is_float64(table.schema.field("matrix").type.value_type.value_type)
+    assert "not the written ones" in caplog.text and "corrupt" in caplog.text
 
 
 def test_shards_are_read_by_pandas_and_datasets_with_the_documented_glob(tmp_path):

@@ -50,8 +50,9 @@ class Vote:
     outputs: bool = False
     """Its stage holds output files (``outputs/commit_<stage>/`` once published; see ``CommitRecord.output_stages``)."""
     schema: Any = None
-    """The rank's record schema (:class:`~torch_batch_process.outputs.schema.RecordSchema`) once it wrote rows:
-    rank 0 commits no stage whose rows do not unify with the job's."""
+    """The rank's record schema (:class:`~torch_batch_process.outputs.schema.RecordSchema`) when it changed since
+    the rank's previous vote (``None``: unchanged, or no rows yet): rank 0 commits no stage whose rows do not
+    unify with the job's."""
 
 
 class GatheredVotes:

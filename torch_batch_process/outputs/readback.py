@@ -16,6 +16,7 @@ rows held at once are those of the runs whose index ranges overlap, which depend
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.records import RECORDS_DIR
 from torch_batch_process.storage.base import Storage, open_storage
@@ -39,6 +40,8 @@ RETRY_OUTPUTS_GLOB = f"{RETRIES_DIR}/*/{OUTPUTS_GLOB}"
 """Glob of the record shards of its ``retry_failed=True`` runs (the rows of the examples they recovered)."""
 
 _SUFFIXES = (".parquet", ".jsonl")
+
+logger = logging.getLogger(__name__)
 
 
 def list_shards(storage: Storage) -> list[str]:
@@ -72,7 +75,7 @@ def _committed_shards(storage: Storage, root: str) -> list[str]:
     return shards
 
 
-def _open(storage_path: Any, storage_options: dict[str, Any] | None) -> tuple[Storage, list[str]]:
+def _open(storage_path: Any, storage_options: dict[str, Any] | None) -> tuple[Storage, list[str], Any]:
     require_pyarrow()
     if not isinstance(storage_path, (str, os.PathLike)):
         raise InvalidArgumentError(
@@ -86,7 +89,30 @@ def _open(storage_path: Any, storage_options: dict[str, Any] | None) -> tuple[St
     shards = list_shards(storage)
     if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
         raise FileNotFoundError(f"{storage.url} holds no job (no {JOB_FILE}, no {OUTPUTS_DIR}/); check storage_path")
-    return storage, shards
+    typed = _committed_schema(storage) if shards and shards[0].endswith(".jsonl") else None
+    return storage, shards, typed
+
+
+def _committed_schema(storage: Storage) -> Any:
+    """The Arrow schema of the job's rows as its newest commit record keeps it (its newest retry's, which unifies
+    with the job's), or ``None`` (nothing committed yet). Read after the shards are listed: records are
+    cumulative, so it covers every listed shard.
+
+    JSONL keeps numbers and tensors as plain JSON (a float32 tensor of shape ``(2, 3)`` per example reads back as a
+    list of lists of float64); cast to this schema, JSONL shards read back with the types and per-example shapes
+    they were written with, as Parquet shards do."""
+    from torch_batch_process.engine.retry import retry_numbers
+    from torch_batch_process.engine.store import latest_record_at
+
+    for root in [*(f"{RETRIES_DIR}/{k}" for k in reversed(retry_numbers(storage))), ""]:
+        try:
+            record = latest_record_at(storage, root)
+        except CheckpointCorruptError as exc:  # the published shards are still whole: read them untyped
+            logger.warning("reading JSONL outputs with the types JSON gives, not the written ones: %s", exc)
+            return None
+        if record is not None and record.record_schema is not None:
+            return record.record_schema.schema
+    return None
 
 
 def _columns(columns: Sequence[str] | None) -> list[str] | None:
@@ -116,18 +142,28 @@ class _Run:
     high: int
 
 
-def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None) -> Any:
+def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None, typed: Any) -> Any:
+    """A JSONL shard, its columns cast to ``typed`` (the committed schema, see :func:`_committed_schema`)."""
     import pyarrow.json as pj
 
     with storage.open_input(shard) as f:
         table = pj.read_json(f)
-    if columns is None:
+    if columns is not None:
+        _check_columns(columns, table.column_names, storage.url)
+        table = table.select(columns)
+    if typed is None:
         return table
-    _check_columns(columns, table.column_names, storage.url)
-    return table.select(columns)
+    fields = [typed.field(name) if name in typed.names else table.field(name) for name in table.column_names]
+    try:
+        return table.cast(require_pyarrow().schema(fields))
+    except (ValueError, TypeError, NotImplementedError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(
+            f"{storage.url_of(shard)}: its rows do not fit the record schema that the job's commit records keep "
+            f"({exc}); the shard or the commit record is damaged"
+        ) from exc
 
 
-def _runs(storage: Storage, shards: list[str]) -> tuple[list[_Run], Any]:
+def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], Any]:
     """Every run of the shards with its index range (footers only for Parquet), and the shards' schemas unified
     (a column that was all None in one shard is typed in another)."""
     import pyarrow.parquet as pq
@@ -137,7 +173,7 @@ def _runs(storage: Storage, shards: list[str]) -> tuple[list[_Run], Any]:
     schemas = []
     for shard in shards:
         if shard.endswith(".jsonl"):
-            table = _read_jsonl(storage, shard, None)
+            table = _read_jsonl(storage, shard, None, typed)
             schemas.append(table.schema)
             index = table.column(INDEX_COLUMN)
             if len(index):
@@ -165,11 +201,11 @@ def _np(column: Any) -> np.ndarray:
     return column.to_numpy() if hasattr(column, "to_numpy") else np.asarray(column)
 
 
-def _load(storage: Storage, run: _Run, columns: list[str] | None) -> Any:
+def _load(storage: Storage, run: _Run, columns: list[str] | None, typed: Any) -> Any:
     import pyarrow.parquet as pq
 
     if run.group < 0:
-        return _read_jsonl(storage, run.shard, columns)
+        return _read_jsonl(storage, run.shard, columns, typed)
     with storage.open_input(run.shard) as f:
         return pq.ParquetFile(f).read_row_group(run.group, columns=columns)
 
@@ -210,9 +246,9 @@ def iter_outputs(
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise InvalidArgumentError(f"batch_rows must be a positive int, got {batch_rows!r}")
     wanted = _columns(columns)
-    storage, shards = _open(storage_path, storage_options)
+    storage, shards, typed = _open(storage_path, storage_options)
     try:
-        runs, schema = _runs(storage, shards)
+        runs, schema = _runs(storage, shards, typed)
         if schema is not None:  # every yielded batch has one schema
             _check_columns(wanted, schema.names, storage.url)
             names = wanted if wanted is not None else schema.names
@@ -228,7 +264,7 @@ def iter_outputs(
                     yield from table.slice(start, min(batch_rows, cut - start)).to_batches()
                 held = [table.slice(cut)] if cut < len(index) else []
             if i < len(runs):
-                held.append(_load(storage, runs[i], wanted).select(schema.names).cast(schema))
+                held.append(_load(storage, runs[i], wanted, typed).select(schema.names).cast(schema))
     finally:
         storage.close()
 
@@ -255,11 +291,11 @@ def read_outputs(
     import pyarrow.parquet as pq
 
     wanted = _columns(columns)
-    storage, shards = _open(storage_path, storage_options)
+    storage, shards, typed = _open(storage_path, storage_options)
 
     def read(shard: str) -> Any:
         if shard.endswith(".jsonl"):
-            return _read_jsonl(storage, shard, wanted)
+            return _read_jsonl(storage, shard, wanted, typed)
         with storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table on a file object
             parquet = pq.ParquetFile(f)
             _check_columns(wanted, parquet.schema_arrow.names, storage.url)  # pyarrow ignores unknown names
