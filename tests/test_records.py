@@ -20,6 +20,7 @@ from harness import JOBS, assert_exactly_once, read_reports, run_torchrun, spawn
 from torch_batch_process import (
     InvalidArgumentError,
     JobMismatchError,
+    OutputCorruptError,
     SchemaConflictError,
     TorchBatchProcessor,
     iter_outputs,
@@ -110,6 +111,18 @@ def test_jsonl_and_parquet_outputs_read_back_as_the_same_table(tmp_path):
     parquet, jsonl = tables["parquet"], tables["jsonl"]
     assert [f.type for f in jsonl.schema] == [f.type for f in parquet.schema]
     assert jsonl.to_pylist() == parquet.to_pylist()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_damaged_shard_is_named_when_reading_back(tmp_path, fmt):
+    result = _run(tmp_path, output_format=fmt)
+    shard = sorted(glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt)))[1]
+    with open(shard, "r+b") as f:  # cut off in the middle: a disk or a copy that lost its end
+        f.truncate(os.path.getsize(shard) // 2 + 3)  # mid-line for JSONL (rows may have equal lengths)
+    for read in (read_outputs, lambda path: list(iter_outputs(path))):
+        with pytest.raises(OutputCorruptError, match="cannot be read.*damaged") as caught:
+            read(result.storage_path)
+        assert os.path.basename(shard) in str(caught.value)
 
 
 def test_jsonl_outputs_stay_readable_when_the_commit_record_is_damaged(tmp_path, caplog):

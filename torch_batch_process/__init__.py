@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "JobLockedError": "torch_batch_process.errors",
     "JobMismatchError": "torch_batch_process.errors",
     "MetricReducer": "torch_batch_process.reducers",
+    "OutputCorruptError": "torch_batch_process.errors",
     "SchemaConflictError": "torch_batch_process.errors",
     "StorageError": "torch_batch_process.errors",
     "TooManyFailuresError": "torch_batch_process.errors",
@@ -63,6 +64,7 @@ __all__ = [
     "JobLockedError",
     "JobMismatchError",
     "MetricReducer",
+    "OutputCorruptError",
     "SchemaConflictError",
     "StorageError",
     "TooManyFailuresError",
@@ -80,10 +82,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
+    from torch_batch_process.batch_process import torch_batch_process
     from torch_batch_process.context import TorchBatchProcessorContext
     from torch_batch_process.device import get_default_device, to_device
     from torch_batch_process.engine.distributed import DistributedInfo
-    from torch_batch_process.batch_process import torch_batch_process
     from torch_batch_process.errors import (
         BatchProcessError,
         BatchTimeoutError,
@@ -91,6 +93,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
         InvalidArgumentError,
         JobLockedError,
         JobMismatchError,
+        OutputCorruptError,
         SchemaConflictError,
         StorageError,
         TooManyFailuresError,

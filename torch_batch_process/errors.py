@@ -48,6 +48,10 @@ CORRUPT_HINT = (  # what a CheckpointCorruptError tells the user to do
 )
 
 
+class OutputCorruptError(BatchProcessError, ValueError):
+    """A committed record shard (``context.write()`` rows) exists but cannot be read back."""
+
+
 class WorkerFailedError(BatchProcessError, RuntimeError):
     """Another rank raised an exception; raised on the ranks that did not fail."""
 

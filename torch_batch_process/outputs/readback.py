@@ -20,12 +20,13 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError
+from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError, OutputCorruptError
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.records import RECORDS_DIR
 from torch_batch_process.storage.base import Storage, open_storage
@@ -142,11 +143,25 @@ class _Run:
     high: int
 
 
+@contextmanager
+def _reading(storage: Storage, shard: str) -> Iterator[None]:
+    """Around the reading of a committed shard: one that pyarrow cannot decode raises
+    :class:`~torch_batch_process.errors.OutputCorruptError` naming it (pyarrow's own error names no file)."""
+    pa = require_pyarrow()
+    try:
+        yield
+    except pa.ArrowException as exc:  # ArrowInvalid, ArrowIOError...: not the file that was committed
+        raise OutputCorruptError(
+            f"{storage.url_of(shard)}: this committed record shard cannot be read ({exc}); it is damaged. Restore it "
+            f"from a backup, or move it out of {OUTPUTS_DIR}/ to read the other rows (its rows are then missing)"
+        ) from exc
+
+
 def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None, typed: Any) -> Any:
     """A JSONL shard, its columns cast to ``typed`` (the committed schema, see :func:`_committed_schema`)."""
     import pyarrow.json as pj
 
-    with storage.open_input(shard) as f:
+    with _reading(storage, shard), storage.open_input(shard) as f:
         table = pj.read_json(f)
     if columns is not None:
         _check_columns(columns, table.column_names, storage.url)
@@ -157,7 +172,7 @@ def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None, typed: 
     try:
         return table.cast(require_pyarrow().schema(fields))
     except (ValueError, TypeError, NotImplementedError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise ValueError(
+        raise OutputCorruptError(
             f"{storage.url_of(shard)}: its rows do not fit the record schema that the job's commit records keep "
             f"({exc}); the shard or the commit record is damaged"
         ) from exc
@@ -179,7 +194,7 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
             if len(index):
                 runs.append(_Run(shard, -1, int(_np(index).min()), int(_np(index).max())))
             continue
-        with storage.open_input(shard) as f:
+        with _reading(storage, shard), storage.open_input(shard) as f:
             parquet = pq.ParquetFile(f)
             meta = parquet.metadata
             schemas.append(parquet.schema_arrow)
@@ -206,7 +221,7 @@ def _load(storage: Storage, run: _Run, columns: list[str] | None, typed: Any) ->
 
     if run.group < 0:
         return _read_jsonl(storage, run.shard, columns, typed)
-    with storage.open_input(run.shard) as f:
+    with _reading(storage, run.shard), storage.open_input(run.shard) as f:
         return pq.ParquetFile(f).read_row_group(run.group, columns=columns)
 
 
@@ -296,7 +311,7 @@ def read_outputs(
     def read(shard: str) -> Any:
         if shard.endswith(".jsonl"):
             return _read_jsonl(storage, shard, wanted, typed)
-        with storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table on a file object
+        with _reading(storage, shard), storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table
             parquet = pq.ParquetFile(f)
             _check_columns(wanted, parquet.schema_arrow.names, storage.url)  # pyarrow ignores unknown names
             return parquet.read(columns=wanted)
