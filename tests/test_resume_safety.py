@@ -27,7 +27,12 @@ from harness import (
     tree_digest,
     wait_all,
 )
-from torch_batch_process import CheckpointCorruptError, JobMismatchError, TorchBatchProcessor, torch_batch_process
+from torch_batch_process import (
+    CheckpointCorruptError,
+    JobMismatchError,
+    TorchBatchProcessor,
+    torch_batch_process,
+)
 from torch_batch_process.observe.status import read_status
 
 
@@ -204,6 +209,21 @@ def test_processor_states_are_merged_on_a_resume_with_another_world_size(tmp_pat
     for rank in range(3):  # every new rank received the merged state of the two earlier ranks
         assert second[rank]["loaded"] == {"count": committed, "merged_from": 2}
     assert sum(second[rank]["count"] for rank in range(3)) == 120 // 4, "the counters survived the world-size change"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_commit_record_is_a_prompt_error_not_a_hang(tmp_path):
+    storage = tmp_path / "store"
+    torch_batch_process(Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    record = sorted((storage / "_tbp" / "commits").glob("*.json"))[-1]
+    record.unlink()
+    os.mkfifo(record)  # reading it would wait for a writer forever
+    started = time.monotonic()
+    with pytest.raises(CheckpointCorruptError, match="not a regular file") as info:
+        torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert time.monotonic() - started < 30 and record.name in str(info.value) and "resume=False" in str(info.value)
+    fresh = torch_batch_process(Writer, list(range(40)), batch_size=4, storage_path=str(storage), resume=False)
+    assert fresh.finished and fresh.batches_skipped == 0
 
 
 @pytest.mark.parametrize(

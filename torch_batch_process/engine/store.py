@@ -17,6 +17,7 @@ from typing import Any
 from torch_batch_process.engine.records import CommitRecord, JobInfo, parse_json
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
 from torch_batch_process.storage.base import TMP_MARKER, Storage
+from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.layout import (
     ATTEMPT_FILE,
     COMMITS_DIR,
@@ -60,7 +61,7 @@ class JobStore:
         """The stored job info, ``None`` for a fresh storage path."""
         where = self.storage.url_of(JOB_FILE)
         try:
-            raw = self.storage.read_bytes(JOB_FILE)
+            raw = _read(self.storage, JOB_FILE, "job file")
         except FileNotFoundError:
             return None
         return JobInfo.from_json(parse_json(raw, where), where)
@@ -81,7 +82,7 @@ class JobStore:
         rel = record_file(numbers[-1])
         where = self.storage.url_of(rel)
         try:
-            raw = self.storage.read_bytes(rel)
+            raw = _read(self.storage, rel, "commit record")
         except FileNotFoundError as exc:  # deleted between list and read: a newer commit's clean-up
             raise CheckpointCorruptError(f"commit record {where} vanished while reading it. {CORRUPT_HINT}.") from exc
         record = CommitRecord.from_json(parse_json(raw, where), where)
@@ -95,7 +96,7 @@ class JobStore:
 
         where = self.storage.url_of(rel)
         try:
-            raw = self.storage.read_bytes(rel)
+            raw = _read(self.storage, rel, "state file")
         except FileNotFoundError as exc:
             message = f"state file {where} referenced by the last commit is missing. {CORRUPT_HINT}."
             raise CheckpointCorruptError(message) from exc
@@ -384,12 +385,20 @@ def latest_record_at(storage: Storage, root: str = "") -> CommitRecord | None:
             return None
         rel = f"{root}/{record_file(numbers[-1])}" if root else record_file(numbers[-1])
         try:
-            raw = storage.read_bytes(rel)
+            raw = _read(storage, rel, "commit record")
         except FileNotFoundError:
             continue
         where = storage.url_of(rel)
         return CommitRecord.from_json(parse_json(raw, where), where)
     raise CheckpointCorruptError(f"the commit records in {storage.url_of(folder)} keep vanishing while they are read")
+
+
+def _read(storage: Storage, rel: str, what: str) -> bytes:
+    """The bytes of a stored job file; something other than a file in its place is damaged progress."""
+    try:
+        return storage.read_bytes(rel)
+    except NotAFileError as exc:
+        raise CheckpointCorruptError(f"{what} {storage.url_of(rel)} is not a file ({exc}). {CORRUPT_HINT}.") from exc
 
 
 def _record_numbers(storage: Storage, folder: str) -> list[int]:

@@ -20,6 +20,7 @@ from typing import TypeVar
 from torch_batch_process.errors import StorageError
 
 __all__ = [
+    "NotAFileError",
     "RETRY_BASE_DELAY_S",
     "RETRY_MAX_DELAY_S",
     "describe",
@@ -33,6 +34,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class NotAFileError(OSError):
+    """Something other than a file (a folder, a FIFO, a socket, a device) is where a stored file should be:
+    damage to the storage, which callers name (a plain ``open`` of a FIFO would block until a writer comes)."""
 
 T = TypeVar("T")
 
@@ -152,7 +158,8 @@ _TRANSIENT_TEXT = ("throttl", "slow down", "service unavailable", "temporarily",
 
 def is_transient(exc: BaseException) -> bool:
     """Whether an object-store error is worth retrying (throttling, timeouts, 5xx, dropped connections)."""
-    if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+    if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                        NotAFileError)):
         return False
     answer = _client_error(exc)
     if answer is not None:

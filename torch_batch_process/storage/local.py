@@ -14,16 +14,18 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from torch_batch_process.errors import StorageError
 from torch_batch_process.storage.base import TMP_MARKER, FileSink, MirroredFolder, Storage
-from torch_batch_process.storage.errors import describe
+from torch_batch_process.storage.errors import NotAFileError, describe
 
 if TYPE_CHECKING:
     from torch_batch_process.storage.lock import JobLock
@@ -75,17 +77,17 @@ class LocalStorage(Storage):
 
     def read_bytes(self, rel: str) -> bytes:
         try:
-            with open(self.path(rel), "rb") as f:
+            with _open_regular(self.path(rel)) as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotAFileError):
             raise
         except OSError as exc:
             raise self._error(f"read {rel!r}", exc) from exc
 
     def open_input(self, rel: str) -> BinaryIO:
         try:
-            return open(self.path(rel), "rb")  # noqa: SIM115 - the caller closes it
-        except FileNotFoundError:
+            return _open_regular(self.path(rel))
+        except (FileNotFoundError, NotAFileError):
             raise
         except OSError as exc:
             raise self._error(f"open {rel!r}", exc) from exc
@@ -280,6 +282,24 @@ def _drop_partial_line(fd: int, rel: str) -> None:
         end = start
     logger.warning("%s: dropping its last %d bytes, a line cut off (damaged storage or a crash)", rel, size - keep)
     os.ftruncate(fd, keep)
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """Opens a file for reading; something else in its place raises :class:`NotAFileError` at once (a plain
+    ``open`` of a FIFO would block until a writer comes)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise NotAFileError(errno.EISDIR, "a folder, not a file", path)
+        if not stat.S_ISREG(mode):
+            raise NotAFileError(errno.EINVAL, "not a regular file (a FIFO, socket or device)", path)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _fsync_dir(folder: str) -> None:
