@@ -509,6 +509,25 @@ def test_rows_whose_values_do_not_fit_the_widened_type_are_a_schema_conflict(tmp
     assert table.column("value").to_pylist() == [i + 0.5 for i in range(6)]
 
 
+class Bytes(TorchBatchProcessor):
+    """``payload``: the bytes of each example (JSON has no bytes)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"payload": [bytes([int(v), 0xFF]) for v in batch]})
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_bytes_in_jsonl_outputs_fail_the_job_naming_the_column_even_when_skipping(tmp_path, on_error):
+    with pytest.raises(SchemaConflictError, match=r"column 'payload' as binary.*output_format='parquet'"):
+        _run(tmp_path, processor=Bytes, n=20, batch_size=3, output_format="jsonl", on_error=on_error)
+    assert not glob.glob(os.path.join(tmp_path, "storage", "failures", "*"))  # no example was blamed
+    result = _run(tmp_path, processor=Bytes, n=20, batch_size=3, storage_path=str(tmp_path / "parquet"))
+    assert read_outputs(result.storage_path).column("payload").to_pylist() == [bytes([i, 0xFF]) for i in range(20)]
+
+
 class Labels(TorchBatchProcessor):
     """``label`` as strings, or as ints (``as_int``)."""
 

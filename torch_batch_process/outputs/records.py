@@ -55,6 +55,32 @@ def shard_name(stage: int, rank: int, part: int, output_format: str) -> str:
     return f"{RECORDS_DIR}/part-{number_name(stage)}-rank{rank}-{part:05d}.{OUTPUT_FORMATS[output_format]}"
 
 
+def _not_json(arrow_type: Any) -> bool:
+    """Whether JSON lines cannot keep values of ``arrow_type`` (or of a type nested in it) as they are."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_binary(arrow_type) or t.is_large_binary(arrow_type) or t.is_fixed_size_binary(arrow_type):
+        return True
+    if t.is_temporal(arrow_type) or t.is_decimal(arrow_type):
+        return True
+    return any(_not_json(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
+
+
+def _check_json_storable(schema: RecordSchema) -> None:
+    """``output_format="jsonl"``: refuses columns that JSON cannot keep (bytes, dates and times, decimals).
+
+    A :class:`SchemaConflictError`: the code is at fault, not an example, so it fails the job even with
+    ``on_error="skip"``."""
+    for field in schema.schema:
+        if _not_json(field.type):
+            raise SchemaConflictError(
+                f"context.write(): {schema.origin} wrote column {field.name!r} as {field.type}, which "
+                "output_format='jsonl' cannot store (JSON has no bytes, dates, times or decimals); use "
+                "output_format='parquet', or write it as str (base64 for bytes, ISO 8601 for times)"
+            )
+
+
 class RecordWriter:
     """One rank's record outputs (see the module docstring).
 
@@ -108,6 +134,8 @@ class RecordWriter:
         copies, ragged = DeviceCopies(), set()
         table = rows_to_table(rows, self._current.indices, copies, ragged)
         schema = RecordSchema(table.schema, frozenset(ragged), f"batch {self._current.batch_idx} (rank {self._rank})")
+        if self._format == "jsonl":
+            _check_json_storable(schema)
         self._pending = (table, copies.done(), schema)
 
     def _batch_finished(self, ok: bool) -> None:
