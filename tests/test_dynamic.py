@@ -12,6 +12,7 @@ import pytest
 from harness import (
     GENERIC_JOB,
     assert_exactly_once,
+    base_env,
     buffered_values,
     job_spec,
     per_batch_values,
@@ -141,3 +142,22 @@ def test_a_killed_rank_makes_the_others_exit_within_the_heartbeat_silence(tmp_pa
     assert f"rank {victim} stopped answering" in "".join(err for _, _, err in outcomes), "rank 0 names the lost rank"
     calls = sum(len(reports[rank]["calls"]) for rank in survivors)
     assert calls < 15000 // 2, f"the survivors went on with {calls} batches"
+
+
+def test_a_rank_suspended_longer_than_the_default_silence_goes_on_when_the_silence_is_raised(tmp_path):
+    # a rank that does not run Python for 20 s (suspended here; a long GIL-holding C call looks the same) is not
+    # lost when $TBP_HEARTBEAT_SILENCE_S allows it: the job completes, every example once
+    # rank 0 alone would need 40 s: it is still taking batches (and watching) when the default silence ends
+    spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.02, kwargs=DYNAMIC, progress_file=str(tmp_path / "progress"))
+    env = base_env(TBP_HEARTBEAT_SILENCE_S="60")
+    procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)), env=env)
+    wait_for_progress(Path(spec["progress_file"]), procs)
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    try:
+        time.sleep(SILENCE_S + 5)
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    outcomes = wait_all(procs, timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    assert read_reports(spec, 1)[0]["result"]["metrics"]["sum_cls"] == sum(range(4000))
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), 4000)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_batch_process import MetricReducer, get_default_device, to_device
+from torch_batch_process import InvalidArgumentError, MetricReducer, get_default_device, to_device
 from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
 from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.engine.distributed import Collectives
@@ -288,6 +288,19 @@ def test_heartbeats_report_a_rank_that_stops_beating_and_never_one_that_beats():
     finally:
         for beats in (watcher, alive, dying):
             beats.close()
+
+
+def test_the_heartbeat_silence_comes_from_the_environment_and_a_bad_value_is_refused_naming_it(monkeypatch):
+    from torch_batch_process.engine.liveness import SILENCE_ENV, SILENCE_S, heartbeat_silence_s
+
+    monkeypatch.delenv(SILENCE_ENV, raising=False)
+    assert heartbeat_silence_s() == SILENCE_S
+    monkeypatch.setenv(SILENCE_ENV, "120")
+    assert heartbeat_silence_s() == 120.0
+    for bad in ("abc", "0", "1", "nan", "-5"):
+        monkeypatch.setenv(SILENCE_ENV, bad)
+        with pytest.raises(InvalidArgumentError, match=f"{SILENCE_ENV} must be a number of seconds >= 2"):
+            heartbeat_silence_s()
 
 
 def test_the_start_line_of_a_resume_says_where_it_resumes_or_that_nothing_is_left(caplog):

@@ -15,6 +15,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from torch_batch_process.engine.bucket_options import DEFAULT_BUCKET_WINDOW, resolve_lengths, validate_bucket_options
+from torch_batch_process.engine.liveness import heartbeat_silence_s
 from torch_batch_process.environment import (
     DEFAULT_ROOT,
     JOB_NAME_ENV,
@@ -339,6 +340,8 @@ def validate_arguments(
             f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}: 'static' deals batches round-robin in "
             "lockstep (Determined's behaviour), 'dynamic' lets each rank take the next batch when it is free"
         )
+    if schedule == "dynamic":
+        heartbeat_silence_s()  # $TBP_HEARTBEAT_SILENCE_S, which rank 0 reads when it watches the others
     check_output_format(output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:

@@ -18,17 +18,18 @@ gets a fresh :data:`SILENCE_S` before it counts as silent.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.errors import WorkerLostError
+from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.loop import JobRun
 
-__all__ = ["BEAT_S", "SILENCE_S", "Heartbeats", "watch_peers"]
+__all__ = ["BEAT_S", "SILENCE_ENV", "SILENCE_S", "Heartbeats", "heartbeat_silence_s", "watch_peers"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,31 @@ BEAT_S = 1.0
 """Seconds between two heartbeats of a rank (one store request each; rank 0 also reads one counter per rank)."""
 
 SILENCE_S = 15.0
-"""A rank whose heartbeats stopped for this long is lost."""
+"""A rank whose heartbeats stopped for this long is lost (default of ``TBP_HEARTBEAT_SILENCE_S``)."""
+
+SILENCE_ENV = "TBP_HEARTBEAT_SILENCE_S"
+
+
+def heartbeat_silence_s() -> float:
+    """Seconds of silence after which a rank is lost: ``$TBP_HEARTBEAT_SILENCE_S``, default :data:`SILENCE_S`.
+
+    Raise it when a rank may legitimately not run Python for longer: the heartbeat is a Python thread, so a batch
+    that holds the GIL in one long C call (one that does not release it), or a process suspended on its own,
+    looks silent. Raises :class:`~torch_batch_process.errors.InvalidArgumentError` for a value that is not a
+    number of seconds >= 2 (checked with the other arguments, before any work)."""
+    raw = os.environ.get(SILENCE_ENV)
+    if raw is None:
+        return SILENCE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 2 * BEAT_S:  # also NaN
+        raise InvalidArgumentError(
+            f"{SILENCE_ENV} must be a number of seconds >= {2 * BEAT_S:g} (heartbeats come every {BEAT_S:g} s), got "
+            f"{raw!r}; unset it for the default ({SILENCE_S:g} s)"
+        )
+    return value
 
 
 class Heartbeats:
@@ -48,7 +73,7 @@ class Heartbeats:
         world_size: the number of ranks.
         on_lost: rank 0: called once, from the thread, with the error of a rank that went silent.
         beat_s: seconds between heartbeats.
-        silence_s: seconds without a heartbeat after which a rank is lost.
+        silence_s: seconds without a heartbeat after which a rank is lost (``None``: :func:`heartbeat_silence_s`).
     """
 
     def __init__(
@@ -59,14 +84,14 @@ class Heartbeats:
         on_lost: Callable[[WorkerLostError], None],
         *,
         beat_s: float = BEAT_S,
-        silence_s: float = SILENCE_S,
+        silence_s: float | None = None,
     ) -> None:
         self._store_factory = store
         self._rank = rank
         self._world_size = world_size
         self._on_lost = on_lost
         self._beat_s = beat_s
-        self._silence_s = silence_s
+        self._silence_s = silence_s if silence_s is not None else heartbeat_silence_s()
         self._watching = rank == 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tbp-heartbeats", daemon=True)
