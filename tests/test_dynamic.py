@@ -148,7 +148,8 @@ def test_a_rank_suspended_longer_than_the_default_silence_goes_on_when_the_silen
     # a rank that does not run Python for 20 s (suspended here; a long GIL-holding C call looks the same) is not
     # lost when $TBP_HEARTBEAT_SILENCE_S allows it: the job completes, every example once
     # rank 0 alone would need 40 s: it is still taking batches (and watching) when the default silence ends
-    spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.02, kwargs=DYNAMIC, progress_file=str(tmp_path / "progress"))
+    progress = str(tmp_path / "progress")
+    spec = job_spec(tmp_path, n=4000, batch_size=2, sleep=0.02, kwargs=DYNAMIC, progress_file=progress)
     env = base_env(TBP_HEARTBEAT_SILENCE_S="60")
     procs = spawn_ranks(2, GENERIC_JOB, json.dumps(dict(spec, attempt=1)), env=env)
     wait_for_progress(Path(spec["progress_file"]), procs)
