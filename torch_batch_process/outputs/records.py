@@ -134,8 +134,6 @@ class RecordWriter:
         copies, ragged = DeviceCopies(), set()
         table = rows_to_table(rows, self._current.indices, copies, ragged)
         schema = RecordSchema(table.schema, frozenset(ragged), f"batch {self._current.batch_idx} (rank {self._rank})")
-        if self._format == "jsonl":
-            _check_json_storable(schema)
         self._pending = (table, copies.done(), schema)
 
     def _batch_finished(self, ok: bool) -> None:
@@ -164,12 +162,15 @@ class RecordWriter:
         """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
         :mod:`torch_batch_process.outputs.schema`; a wider type starts a new shard). A cast reads values: it waits
         for the copies back first."""
-        if self._schema is None:
+        known = self._schema
+        if known is not None and table.schema.equals(known.schema) and schema.ragged <= known.ragged:
+            return table  # the common case: types seen (and checked) before
+        if self._format == "jsonl":
+            _check_json_storable(schema)
+        if known is None:
             self._schema = schema
             return table
-        if table.schema.equals(self._schema.schema) and schema.ragged <= self._schema.ragged:
-            return table
-        unified = unify(self._schema, schema)  # raises SchemaConflictError naming the column and the batch
+        unified = unify(known, schema)  # raises SchemaConflictError naming the column and the batch
         table = table.select(unified.schema.names)
         landing.wait()
         if not table.schema.equals(unified.schema):
@@ -180,7 +181,7 @@ class RecordWriter:
                     f"context.write(): the rows of {schema.origin} do not fit the types of earlier batches "
                     f"{unified.schema.types[1:]} ({exc}); {FIX_HINT}"
                 ) from exc
-        if not unified.schema.equals(self._schema.schema):  # e.g. a column that was all None so far
+        if not unified.schema.equals(known.schema):  # e.g. a column that was all None so far
             self._close_shard()
         self._schema = unified
         return table
