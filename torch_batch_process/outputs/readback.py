@@ -169,13 +169,8 @@ def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None, typed: 
     if typed is None:
         return table
     fields = [typed.field(name) if name in typed.names else table.field(name) for name in table.column_names]
-    try:
+    with _reading(storage, shard):  # rows that do not fit the committed schema: the shard (or record) is damaged
         return table.cast(require_pyarrow().schema(fields))
-    except (ValueError, TypeError, NotImplementedError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise OutputCorruptError(
-            f"{storage.url_of(shard)}: its rows do not fit the record schema that the job's commit records keep "
-            f"({exc}); the shard or the commit record is damaged"
-        ) from exc
 
 
 def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], Any]:
