@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 from torch_batch_process.engine.job import Start
 from torch_batch_process.engine.plan import Plan
@@ -13,7 +14,10 @@ from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.result import BatchProcessResult
 
-__all__ = ["log_preempted", "log_start", "start_observing", "warn_max_batches"]
+if TYPE_CHECKING:
+    from torch_batch_process.engine.loop import JobRun
+
+__all__ = ["announce_start", "log_preempted", "log_start", "start_observing", "warn_max_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +31,16 @@ def warn_max_batches(plan: Plan, max_batches: int | None, world_size: int) -> No
             f"({plan.num_batches} batches over {world_size} rank(s)); max_batches is ignored",
             UserWarning,
             stacklevel=5,
+        )
+
+
+def announce_start(job: JobRun, start: Start, remaining: RangeSet) -> None:
+    """What this call starts with: told to ``job``'s observer on every rank, and logged by rank 0."""
+    start_observing(job.observer, job.plan, start, remaining)
+    if job.rank == 0:
+        log_start(
+            job_name=job.args.job_name, start=start, plan=job.plan, remaining=remaining, world_size=job.world_size,
+            schedule=job.args.schedule, storage_url=job.storage.url, plan_s=job.plan_s,
         )
 
 

@@ -15,10 +15,8 @@ covers it is durable, and a record covers a rank's files only together with the 
 and writes ``_tbp/commits/<n>.json`` atomically. **That write is the commit point**: the record lists the
 committed global batches, the committed stages, every rank's latest state file and those of earlier
 attempts. Once a record is durable, each rank *publishes* its stages that it covers (``staging/<s>/rank_<r>``
-moves to ``outputs/commit_<s>/rank_<r>``; one rename locally) and rank 0 deletes what the record supersedes.
-Publications run on a background thread, in order, on object stores (a move is a copy per object); on local
-storage they run on the loop's thread when the record is seen durable (one rename per stage, cheaper than
-handing it to a thread, see :mod:`torch_batch_process.engine.background`).
+moves to ``outputs/commit_<s>/rank_<r>``; one rename locally, see :mod:`torch_batch_process.engine.publisher`)
+and rank 0 deletes what the record supersedes.
 
 **How votes travel** (:mod:`torch_batch_process.engine.votes`): with ``schedule="static"`` all ranks commit
 at the same step; their votes are gathered asynchronously and the commit completes at the next step
@@ -52,14 +50,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_batch_process.engine.agreement import FailureInfo, FailureTracker
-from torch_batch_process.engine.background import BackgroundWork
 from torch_batch_process.engine.collector import VoteCollector
 from torch_batch_process.engine.distributed import Collectives, PendingGather
 from torch_batch_process.engine.group_commit import RecordWrites
 from torch_batch_process.engine.keeper import RecordKeeper, Summary
 from torch_batch_process.engine.part import Part
+from torch_batch_process.engine.publisher import Publisher
 from torch_batch_process.engine.store import JobStore
-from torch_batch_process.engine.voted import VotedStages
 from torch_batch_process.engine.votes import GatheredVotes, QueuedVotes, Vote
 from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
 from torch_batch_process.observe.stragglers import RankInterval
@@ -144,11 +141,9 @@ class Committer:
         self.part = Part()
         self.stage = first_stage
         self._stager.advance(first_stage)
-        self._background = BackgroundWork(inline=store.storage.moves_are_renames)  # publications, in order
+        self._published = Publisher(store, rank, sole=collectives.world_size == 1)
         self._pending: _Pending | None = None
         self._writes = RecordWrites(keeper) if keeper is not None and queue is None else None  # rank 0, static
-        self._voted = VotedStages()  # this rank's committed votes whose stages are not published yet
-        self._with_failures: set[int] = set()  # voted stages with failure records (on_error="skip")
         self._collector: VoteCollector | None = None  # rank 0, dynamic: writes the records of queued votes
         if queue is not None and keeper is not None:
             self._collector = VoteCollector(queue, keeper, on_background_error)
@@ -167,8 +162,8 @@ class Committer:
             return  # saving it failed
         if self._queue is not None:
             self._queue.push(vote)
-            self._voted.append(vote.stage, vote.has_files)
-            self._publish(self._queue.acknowledged())
+            self._published.voted(vote.stage, vote.has_files)
+            self._published.publish(self._queue.acknowledged())
             self._observe([vote], None)
         else:
             self._pending = _Pending(vote.stage, vote.has_files, self._gathered.start(vote))
@@ -185,8 +180,8 @@ class Committer:
         pending, self._pending = self._pending, None
         votes: list[Vote] = pending.votes.wait()
         self._raise_failures([v.failure for v in votes])
-        self._voted.append(pending.stage, pending.has_files)
-        self._publish(self._voted.covered(votes[0].durable))
+        self._published.voted(pending.stage, pending.has_files)
+        self._published.publish(self._published.covered(votes[0].durable))
         metrics = None
         if self._keeper is not None and self._writes is not None:
             try:
@@ -238,7 +233,7 @@ class Committer:
                 self._failures.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
         has_files, outputs = self._stager.has_files, self._stager.has_outputs
         if self._stager.has_failures:
-            self._with_failures.add(self.stage)
+            self._published.mark_failures(self.stage)
         part, self.part = self.part, Part()
         vote = Vote(
             rank=self.rank,
@@ -303,8 +298,8 @@ class Committer:
             if own_error is not None:
                 raise own_error
             raise WorkerFailedError(f"{answer[0].describe()}; the commit did not happen. Run the job again to resume.")
-        self._voted.append(vote.stage, vote.has_files)
-        self._publish(len(self._voted), wait=True)  # every vote of this rank is durable now
+        self._published.voted(vote.stage, vote.has_files)
+        self._published.publish(len(self._published), wait=True)  # every vote of this rank is durable now
         self._observe(votes, answer[0])
         self.part.timings["commit"] += time.perf_counter() - t0
         return Outcome(preempted=preempted, metrics=answer[0], summary=answer[1])
@@ -320,7 +315,7 @@ class Committer:
             self._collector = None
         if self._writes is not None:
             self._writes.settle()  # static: queued record writes
-        self._background.settle()
+        self._published.settle()
         slots = [v.slots for v in votes]
         prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=slots)
         keeper.persist(prepared)
@@ -349,7 +344,7 @@ class Committer:
                 self._writes.settle(check=False)
                 if self._writes.error is not None and not self._failures.failed:  # else it is what rank 0 raises
                     logger.warning("rank 0: writing a commit record failed: %s", self._writes.error)
-            self._background.settle()
+            self._published.settle()
             settled = True
         except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
             logger.warning("rank %d: completing earlier commits failed: %s", self.rank, exc)
@@ -363,13 +358,9 @@ class Committer:
         """When the job fails: publishes this rank's stages that durable records cover (static: up to record
         ``newest_durable``; dynamic: those acknowledged), and waits; a failure is left to the next start."""
         if self._queue is not None:
-            durable = self._queue.acknowledged()  # acknowledged only once their record is durable
+            self._published.publish_committed(self._queue.acknowledged())  # acknowledged once their record is durable
         else:
-            durable = self._voted.covered(newest_durable)
-        try:
-            self._publish(durable, wait=True)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("rank %d: publishing committed outputs failed (the next start will): %s", self.rank, exc)
+            self._published.publish_committed(self._published.covered(newest_durable))
 
     def check(self) -> None:
         """Records a failure of this rank's background work (never waits), so that it travels in its votes."""
@@ -381,29 +372,11 @@ class Committer:
             self._failures.record(exc, "completing an earlier commit (record or publication)")
 
     def _check_background(self) -> None:
-        self._background.check()
+        self._published.check()
         if self._collector is not None:
             self._collector.check()
         if self._writes is not None:
             self._writes.advance()
-
-    # ------------------------------------------------------------ static records and publication
-
-    def _publish(self, durable: int, *, wait: bool = False) -> None:
-        """Publishes this rank's first ``durable`` committed stages (those not published yet), without waiting
-        unless ``wait`` (see the module docstring: in the background, or at once on local storage)."""
-        stages = self._voted.take(durable)
-        if stages:
-            what = f"publishing the outputs of stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
-            failures = [stage in self._with_failures for stage in stages]
-            self._with_failures.difference_update(stages)
-            self._background.submit(what, self._publish_stages, stages, failures)
-        if wait:
-            self._background.settle()
-
-    def _publish_stages(self, stages: list[int], failures: list[bool]) -> None:
-        for stage, with_failures in zip(stages, failures, strict=True):
-            self._store.publish(stage, self.rank, sole=self._coll.world_size == 1, failures=with_failures)
 
     # ------------------------------------------------------------ end
 
@@ -417,4 +390,4 @@ class Committer:
                 logger.warning("rank 0: stopping the vote collector failed: %s", exc)
         if self._writes is not None:
             self._writes.close()
-        self._background.close()
+        self._published.close()

@@ -317,7 +317,8 @@ class DistributedEnv:
         store may outlive the call (under torchrun it is the agent's)."""
         from torch.distributed import distributed_c10d
 
-        return RendezvousStore(dist.PrefixStore(f"tbp/{call_id}/", distributed_c10d._get_default_store()), self.info.rank)
+        prefixed = dist.PrefixStore(f"tbp/{call_id}/", distributed_c10d._get_default_store())
+        return RendezvousStore(prefixed, self.info.rank)
 
     def teardown(self) -> None:
         """Destroys this call's control group (the default group stays for later calls, see above)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.integrity import check_integrity
 from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError
@@ -126,7 +127,7 @@ class JobOpener:
         latest = self.store.load_latest()
         if self.resume and job is not None:
             check_fingerprint(job, self.spec, self.storage.url)
-            self.store.check_integrity(latest)  # damaged progress is an error, never a restart from zero
+            check_integrity(self.store, latest)  # damaged progress is an error, never a restart from zero
         if self.resume and job is None and (latest is not None or self.store.has_outputs()):
             raise JobMismatchError(
                 f"storage_path {self.storage.url!r} holds {'commit records' if latest else 'outputs'} but no job file "

@@ -245,7 +245,8 @@ class RecordKeeper:
         )
         all_lines = list(lines)
         if metrics is not None:
-            all_lines.append({"group": "reduced", "steps_completed": len(committed), "rank": 0, "metrics": to_jsonable(metrics)})
+            reduced = to_jsonable(metrics)
+            all_lines.append({"group": "reduced", "steps_completed": len(committed), "rank": 0, "metrics": reduced})
         all_lines.extend(observed_lines)
         return PreparedRecord(record, all_lines, result, metrics)
 
@@ -271,5 +272,7 @@ class RecordKeeper:
                 self._store.write_result(prepared[-1].result)
             self._store.collect_garbage(record, self.last_record, skipped=[each.record for each in prepared[:-1]])
         except Exception as exc:  # noqa: BLE001 - the commit is durable; these are conveniences
-            logger.warning("commit %d is durable, but writing its metrics or cleaning up failed: %s", record.commit, exc)
+            logger.warning(
+                "commit %d is durable, but writing its metrics or cleaning up failed: %s", record.commit, exc
+            )
         self.last_record = record

@@ -161,7 +161,12 @@ class Heartbeats:
 
 def watch_peers(job: JobRun) -> Heartbeats | None:
     """The started heartbeats of ``job``'s rank with the dynamic schedule on several ranks, else ``None``; rank 0
-    reports a lost rank to :meth:`~torch_batch_process.engine.loop.JobRun.lost_peer`."""
+    records a lost rank as its own failure and stops every rank at its next batch."""
     if job.args.schedule != "dynamic" or job.world_size == 1:
         return None
-    return Heartbeats(job.call_store().clone, job.rank, job.world_size, job.lost_peer).start()
+
+    def lost_peer(error: BaseException) -> None:  # on rank 0's heartbeat thread
+        job.failures.record(error, "watching the other ranks' heartbeats")
+        job.post_failure()
+
+    return Heartbeats(job.call_store().clone, job.rank, job.world_size, lost_peer).start()

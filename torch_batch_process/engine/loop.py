@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.agreement import Decision, FailureTracker
-from torch_batch_process.engine.announce import log_preempted, log_start, start_observing, warn_max_batches
+from torch_batch_process.engine.announce import announce_start, log_preempted, warn_max_batches
 from torch_batch_process.engine.autocast import resolve_autocast
 from torch_batch_process.engine.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.building import build_processor
@@ -34,7 +36,6 @@ from torch_batch_process.engine.committer import Committer, Outcome
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.guard import check_failures, guard_runner
 from torch_batch_process.engine.job import JobOpener, Start
-from torch_batch_process.engine.keeper import Summary
 from torch_batch_process.engine.liveness import Heartbeats, watch_peers
 from torch_batch_process.engine.plan import Plan, dataset_plan, planned_batches
 from torch_batch_process.engine.preemption import SignalWatcher
@@ -112,6 +113,7 @@ class JobRun:
         self._prefixed_store: Any = None
         self._scheduler: Scheduler | None = None
         self._peers: Heartbeats | None = None
+        self._result: Callable[..., BatchProcessResult] = partial(job_result)  # bound to the call in run()
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -127,25 +129,21 @@ class JobRun:
                 if self.stream is not None:
                     self.stream.opened()  # row counts counted now are kept for resumes
                 self.plan = self.full_plan.cut(start.planned_batches)
-                remaining = RangeSet([(0, self.plan.num_batches)] if self.plan.num_batches else [])
-                if start.latest is not None:
-                    remaining = start.latest.committed.complement(self.plan.num_batches)
+                self._result = partial(  # this call's result from the closing commit's metrics and summary
+                    job_result, plan=self.plan, start=start, preempted=False, storage_url=self.storage.url,
+                    outputs_url=self.storage.url_of(OUTPUTS_DIR), world_size=self.world_size,
+                )
+                remaining = (start.latest.committed if start.latest else RangeSet()).complement(self.plan.num_batches)
                 processor, stop_now = self._build(start, signals)
                 schedule = make_scheduler if self.stream is None else self.stream.make_scheduler
                 interval = self.args.checkpoint_interval
                 scheduler = schedule(self.args.schedule, remaining, self.coll, interval, self.call_store())
-                start_observing(self.observer, self.plan, start, remaining)
-                if self.rank == 0:
-                    log_start(
-                        job_name=self.args.job_name, start=start, plan=self.plan, remaining=remaining,
-                        world_size=self.world_size, schedule=self.args.schedule, storage_url=self.storage.url,
-                        plan_s=self.plan_s,
-                    )
+                announce_start(self, start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
                 if outcome is None or not outcome.preempted:
                     check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
                     outcome = self._finish(processor)
-                result = self._result(start, outcome.metrics or {}, outcome.summary, preempted=outcome.preempted)
+                result = self._result(outcome.summary, outcome.metrics or {}, preempted=outcome.preempted)
                 if result.preempted:
                     log_preempted(result)
             self.observer.finish(result)
@@ -170,8 +168,8 @@ class JobRun:
             records=records,
         )
         self.context, self.current, self.records = context, current, records
-        result_json = lambda metrics, summary: self._result(start, metrics, summary).to_json()  # noqa: E731
-        self.committer = make_committer(self, start, context, result_json, self._post_failure)
+        result_json = lambda metrics, summary: self._result(summary, metrics).to_json()  # noqa: E731
+        self.committer = make_committer(self, start, context, result_json, self.post_failure)
         t0 = time.perf_counter()
         processor, stop_now = build_processor(
             self.args.processor_cls,
@@ -268,22 +266,6 @@ class JobRun:
             self.failures.record(exc, f"{name}()")
         self._committer().part.timings["hooks"] += time.perf_counter() - t0
 
-    # ------------------------------------------------------------------------ results
-
-    def _result(
-        self, start: Start, metrics: dict[str, Any], summary: Summary, *, preempted: bool = False
-    ) -> BatchProcessResult:
-        return job_result(
-            plan=self.plan,
-            start=start,
-            summary=summary,
-            metrics=metrics,
-            preempted=preempted,
-            storage_url=self.storage.url,
-            outputs_url=self.storage.url_of(OUTPUTS_DIR),
-            world_size=self.world_size,
-        )
-
     # ------------------------------------------------------------------------ helpers
 
     def _committer(self) -> Committer:
@@ -298,15 +280,11 @@ class JobRun:
             self._prefixed_store = self.env.call_store(self.call_id)
         return self._prefixed_store
 
-    def _post_failure(self) -> None:
-        """Rank 0's vote collector failed: every rank stops at its next batch (dynamic schedule)."""
+    def post_failure(self) -> None:
+        """Rank 0's vote collector or heartbeats found a failure (from their thread): every rank stops at its next
+        batch (dynamic schedule)."""
         if self._scheduler is not None:
             self._scheduler.post(Decision.FAIL)
-
-    def lost_peer(self, error: BaseException) -> None:
-        """Rank 0's heartbeats found a silent rank (from their thread): this rank fails, every rank stops."""
-        self.failures.record(error, "watching the other ranks' heartbeats")
-        self._post_failure()
 
     def _shutdown(self) -> None:
         """Always, when the call ends: background work completes (before the lock goes: no record write may

@@ -17,11 +17,11 @@ logger = logging.getLogger(__name__)
 
 
 def job_result(
+    summary: Summary,
+    metrics: dict[str, Any],
     *,
     plan: Plan,
     start: Start,
-    summary: Summary,
-    metrics: dict[str, Any],
     preempted: bool,
     storage_url: str,
     outputs_url: str,

@@ -34,7 +34,6 @@ from torch_batch_process.storage.layout import (
     STATES_DIR,
     TENSORBOARD_DIR,
     failures_file,
-    number_name,
     outputs_dir,
     record_file,
     staging_dir,
@@ -125,70 +124,6 @@ class JobStore:
         """Whether a finished job needs :meth:`repair`: a kill left committed stages unpublished, or came between
         the final record and ``result.json``."""
         return bool(self.unpublished_stages(latest)) or not self.storage.exists(RESULT_FILE)
-
-    def check_integrity(self, latest: CommitRecord | None) -> None:
-        """Raises :class:`CheckpointCorruptError` when the stored progress is damaged.
-
-        Two kinds of damage would otherwise make a resume silently redo (and duplicate) committed work, or
-        fail hours later: commit records missing while the job clearly committed before (its ``outputs/``,
-        ``result.json`` or ``metrics.jsonl`` exist: a partial copy or restore), and state files that the
-        latest record needs but that are gone.
-        """
-        if latest is None:
-            evidence = [rel for rel in (OUTPUTS_DIR, RESULT_FILE, METRICS_FILE) if self._present(rel)]
-            if evidence:
-                raise CheckpointCorruptError(
-                    f"storage_path {self.storage.url!r} holds a job that has committed before ({', '.join(evidence)} "
-                    f"exist) but its commit records ({self.storage.url_of(COMMITS_DIR)}/) are missing, so its "
-                    "progress is unknown; resuming would process everything again and duplicate outputs. Nothing was "
-                    "changed. Restore the missing records, or start afresh with resume=False (this erases the "
-                    "stored progress and outputs) or a new storage_path."
-                )
-            return
-        present: dict[str, set[str]] = {}  # one listing per state folder, not one request per file
-        missing = []
-        for rel in sorted(latest.referenced_files()):
-            folder, name = rel.rsplit("/", 1)
-            if folder not in present:
-                present[folder] = set(self.storage.list(folder))
-            if name not in present[folder]:
-                missing.append(rel)
-        if missing:
-            raise CheckpointCorruptError(
-                f"commit record {self.storage.url_of(record_file(latest.commit))} needs {len(missing)} state file(s) "
-                f"that are missing (first: {self.storage.url_of(missing[0])}); the job cannot resume with exact "
-                "metrics and processor state. Nothing was changed. Restore them, or start afresh with resume=False "
-                "(this erases the stored progress and outputs) or a new storage_path."
-            )
-        self._check_outputs(latest)
-
-    def _check_outputs(self, latest: CommitRecord) -> None:
-        """Committed output folders that are gone (deleted by hand, a partial copy): a resume refuses, since the
-        job would end with their examples' outputs missing; a finished job only warns (its outputs were made)."""
-        if latest.output_stages is None or not len(latest.output_stages):
-            return
-        present = {name for name in self.storage.list(OUTPUTS_DIR) if name.startswith("commit_")}
-        present.update(f"commit_{number_name(stage)}" for stage, ranks in self.staged().items() if ranks)
-        missing = [stage for stage in latest.output_stages if f"commit_{number_name(stage)}" not in present]
-        if not missing:
-            return
-        message = (
-            f"{len(missing)} committed output folder(s) are missing (first: "
-            f"{self.storage.url_of(outputs_dir(missing[0]))}; committed by "
-            f"{self.storage.url_of(record_file(latest.commit))})"
-        )
-        if latest.finished:
-            logger.warning("%s: the job finished; its result stands, but those outputs are gone", message)
-            return
-        raise CheckpointCorruptError(
-            f"{message}: resuming would end the job with their examples' outputs missing. Nothing was changed. "
-            "Restore them, or start afresh with resume=False (this erases the stored progress and outputs) or a new "
-            "storage_path."
-        )
-
-    def _present(self, rel: str) -> bool:
-        """Whether file ``rel`` exists, or folder ``rel`` holds anything."""
-        return bool(self.storage.list(rel)) or self.storage.exists(rel)
 
     def has_outputs(self) -> bool:
         """Whether ``outputs/`` holds anything."""

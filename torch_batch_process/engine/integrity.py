@@ -1,0 +1,96 @@
+"""Integrity checks of a job's stored progress before a resume: damage is an error, never a restart from zero.
+
+A resume trusts the latest commit record. Two kinds of damage would make it silently redo (and duplicate)
+committed work, or fail hours later: commit records missing while the job clearly committed before (a partial
+copy or restore), and files the latest record needs (state files, committed output folders) that are gone.
+Nothing here changes storage.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch_batch_process.engine.records import CommitRecord
+from torch_batch_process.engine.store import JobStore
+from torch_batch_process.errors import CheckpointCorruptError
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.layout import (
+    COMMITS_DIR,
+    METRICS_FILE,
+    OUTPUTS_DIR,
+    RESULT_FILE,
+    number_name,
+    outputs_dir,
+    record_file,
+)
+
+__all__ = ["check_integrity"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_integrity(store: JobStore, latest: CommitRecord | None) -> None:
+    """Raises :class:`CheckpointCorruptError` when the stored progress is damaged.
+
+    Two kinds of damage would otherwise make a resume silently redo (and duplicate) committed work, or
+    fail hours later: commit records missing while the job clearly committed before (its ``outputs/``,
+    ``result.json`` or ``metrics.jsonl`` exist: a partial copy or restore), and state files that the
+    latest record needs but that are gone.
+    """
+    if latest is None:
+        evidence = [rel for rel in (OUTPUTS_DIR, RESULT_FILE, METRICS_FILE) if _present(store.storage, rel)]
+        if evidence:
+            raise CheckpointCorruptError(
+                f"storage_path {store.storage.url!r} holds a job that has committed before ({', '.join(evidence)} "
+                f"exist) but its commit records ({store.storage.url_of(COMMITS_DIR)}/) are missing, so its "
+                "progress is unknown; resuming would process everything again and duplicate outputs. Nothing was "
+                "changed. Restore the missing records, or start afresh with resume=False (this erases the "
+                "stored progress and outputs) or a new storage_path."
+            )
+        return
+    present: dict[str, set[str]] = {}  # one listing per state folder, not one request per file
+    missing = []
+    for rel in sorted(latest.referenced_files()):
+        folder, name = rel.rsplit("/", 1)
+        if folder not in present:
+            present[folder] = set(store.storage.list(folder))
+        if name not in present[folder]:
+            missing.append(rel)
+    if missing:
+        raise CheckpointCorruptError(
+            f"commit record {store.storage.url_of(record_file(latest.commit))} needs {len(missing)} state file(s) "
+            f"that are missing (first: {store.storage.url_of(missing[0])}); the job cannot resume with exact "
+            "metrics and processor state. Nothing was changed. Restore them, or start afresh with resume=False "
+            "(this erases the stored progress and outputs) or a new storage_path."
+        )
+    _check_outputs(store, latest)
+
+
+def _check_outputs(store: JobStore, latest: CommitRecord) -> None:
+    """Committed output folders that are gone (deleted by hand, a partial copy): a resume refuses, since the
+    job would end with their examples' outputs missing; a finished job only warns (its outputs were made)."""
+    if latest.output_stages is None or not len(latest.output_stages):
+        return
+    present = {name for name in store.storage.list(OUTPUTS_DIR) if name.startswith("commit_")}
+    present.update(f"commit_{number_name(stage)}" for stage, ranks in store.staged().items() if ranks)
+    missing = [stage for stage in latest.output_stages if f"commit_{number_name(stage)}" not in present]
+    if not missing:
+        return
+    message = (
+        f"{len(missing)} committed output folder(s) are missing (first: "
+        f"{store.storage.url_of(outputs_dir(missing[0]))}; committed by "
+        f"{store.storage.url_of(record_file(latest.commit))})"
+    )
+    if latest.finished:
+        logger.warning("%s: the job finished; its result stands, but those outputs are gone", message)
+        return
+    raise CheckpointCorruptError(
+        f"{message}: resuming would end the job with their examples' outputs missing. Nothing was changed. "
+        "Restore them, or start afresh with resume=False (this erases the stored progress and outputs) or a new "
+        "storage_path."
+    )
+
+
+def _present(storage: Storage, rel: str) -> bool:
+    """Whether file ``rel`` exists, or folder ``rel`` holds anything."""
+    return bool(storage.list(rel)) or storage.exists(rel)
