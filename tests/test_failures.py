@@ -354,3 +354,31 @@ def test_tbp_failures_on_a_path_with_no_job_is_the_error_of_tbp_status(
     assert read_failures(str(tmp_path / "s")) == []  # a job without failures: none, no error
     assert cli_main(["failures", str(tmp_path / "s")]) == 0
     assert capsys.readouterr().out.startswith("0 failed example(s)")
+
+
+class _FailsOnThree(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        if 3 in [int(v) for v in batch]:
+            raise ValueError("three")
+
+
+def test_a_damaged_failures_file_is_named_by_read_failures_tbp_failures_and_retry_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch_batch_process import OutputCorruptError
+
+    storage = str(tmp_path / "s")
+    result = torch_batch_process(_FailsOnThree, list(range(8)), batch_size=2, storage_path=storage, on_error="skip")
+    assert result.failed_examples == 1 and [r["index"] for r in read_failures(storage)] == [3]
+    (failures_file,) = Path(storage, "failures").glob("*.jsonl")
+    failures_file.write_text('{"index": 3, "message": "cut sho')  # a copy that lost its end
+    with pytest.raises(OutputCorruptError, match=f"{failures_file.name}.*cannot be read.*damaged"):
+        read_failures(storage)
+    assert cli_main(["failures", storage]) == 1
+    assert "cannot be read" in capsys.readouterr().err
+    with pytest.raises(OutputCorruptError, match=failures_file.name):
+        torch_batch_process(_Noop, list(range(8)), batch_size=2, storage_path=storage, retry_failed=True)
+    assert not Path(storage, "retries").exists() or not any(Path(storage, "retries").iterdir())

@@ -228,7 +228,14 @@ def test_a_fifo_in_place_of_the_commit_record_is_a_prompt_error_not_a_hang(tmp_p
 
 @pytest.mark.parametrize(
     "damage",
-    ["state file cut short", "state file zeroed", "record without a key", "record of the wrong type", "job file"],
+    [
+        "state file cut short",
+        "state file zeroed",
+        "record without a key",
+        "record of the wrong type",
+        "job file",
+        "a folder in place of the attempt file",
+    ],
 )
 def test_damaged_progress_is_refused_with_what_to_do(tmp_path, damage):
     storage = tmp_path / "store"
@@ -245,6 +252,9 @@ def test_damaged_progress_is_refused_with_what_to_do(tmp_path, damage):
         record.write_text(json.dumps(value))
     elif damage == "record of the wrong type":
         record.write_text("[1, 2, 3]")
+    elif damage == "a folder in place of the attempt file":
+        (storage / "_tbp" / "attempt.json").unlink()
+        (storage / "_tbp" / "attempt.json").mkdir()
     else:
         (storage / "_tbp" / "job.json").write_text('{"format": 1}')
     with pytest.raises(CheckpointCorruptError) as info:

@@ -9,6 +9,7 @@ any point leaves storage that the next start repairs (:meth:`JobStore.repair`).
 from __future__ import annotations
 
 import io
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -152,9 +153,9 @@ class JobStore:
         """Counts this start as a new attempt (also attempts that crashed before their first commit)."""
         previous = latest.attempt if latest else 0
         try:
-            stored = self.storage.read_json(ATTEMPT_FILE)
+            stored = json.loads(_read(self.storage, ATTEMPT_FILE, "attempt file"))  # a folder there: an error
             previous = max(previous, int(stored.get("attempt", 0)))
-        except (FileNotFoundError, ValueError, AttributeError, TypeError):
+        except (FileNotFoundError, ValueError, AttributeError, TypeError):  # a damaged count: the record's stands
             pass
         attempt = previous + 1
         self.storage.write_json(ATTEMPT_FILE, {"attempt": attempt, "started": time.time(), "world_size": world_size})

@@ -13,8 +13,9 @@ import sys
 from typing import Any
 
 from torch_batch_process.environment import command_storage_options
-from torch_batch_process.errors import BatchProcessError
+from torch_batch_process.errors import BatchProcessError, OutputCorruptError
 from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.layout import FAILURES_DIR, JOB_FILE
 
 __all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_failures"]
@@ -45,8 +46,19 @@ def read_failure_records(storage: Storage, root: str = "") -> list[dict[str, Any
     records: list[dict[str, Any]] = []
     for name in storage.list(folder):
         if name.endswith(".jsonl"):
-            text = storage.read_bytes(f"{folder}/{name}").decode("utf-8")
-            records.extend(json.loads(line) for line in text.splitlines() if line.strip())
+            rel = f"{folder}/{name}"
+            try:
+                lines = storage.read_bytes(rel).decode("utf-8").splitlines()
+                found = [json.loads(line) for line in lines if line.strip()]
+                if not all(isinstance(record, dict) for record in found):
+                    raise ValueError("a line is not a JSON object")
+            except (ValueError, NotAFileError) as exc:  # bad JSON or UTF-8, a folder in its place
+                raise OutputCorruptError(
+                    f"{storage.url_of(rel)}: this committed failures file cannot be read ({exc}); it is damaged. "
+                    "Restore it from a backup, or move it out of the folder to read the other failures (its "
+                    "examples are then no longer listed, nor retried by retry_failed=True)"
+                ) from exc
+            records.extend(found)
     return sorted(records, key=lambda r: (r.get("index", 0), r.get("attempt", 0)))
 
 
