@@ -114,15 +114,53 @@ def test_jsonl_and_parquet_outputs_read_back_as_the_same_table(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_damaged_shard_is_named_when_reading_back(tmp_path, fmt):
+@pytest.mark.parametrize("damage", ["cut", "folder"])
+def test_a_damaged_shard_is_named_when_reading_back(tmp_path, fmt, damage):
     result = _run(tmp_path, output_format=fmt)
     shard = sorted(glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt)))[1]
-    with open(shard, "r+b") as f:  # cut off in the middle: a disk or a copy that lost its end
-        f.truncate(os.path.getsize(shard) // 2 + 3)  # mid-line for JSONL (rows may have equal lengths)
+    if damage == "folder":  # a bad restore
+        os.remove(shard)
+        os.mkdir(shard)
+    else:
+        with open(shard, "r+b") as f:  # cut off in the middle: a disk or a copy that lost its end
+            f.truncate(os.path.getsize(shard) // 2 + 3)  # mid-line for JSONL (rows may have equal lengths)
     for read in (read_outputs, lambda path: list(iter_outputs(path))):
         with pytest.raises(OutputCorruptError, match="cannot be read.*damaged") as caught:
             read(result.storage_path)
         assert os.path.basename(shard) in str(caught.value)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_missing_or_extra_shard_is_an_error_not_a_table_with_rows_missing_or_repeated(tmp_path, fmt):
+    result = _run(tmp_path, output_format=fmt)
+    record = json.loads(next(Path(result.storage_path, "_tbp", "commits").glob("*.json")).read_text())
+    assert record["stats"]["record_rows"] == 37  # the final record counts the committed rows
+    shards = sorted(glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt)))
+    spare = tmp_path / "spare"
+    os.rename(shards[1], spare)  # lost (deleted by hand, or a copy that missed it)
+    for read in (read_outputs, lambda path: list(iter_outputs(path))):
+        with pytest.raises(OutputCorruptError, match=r"committed 37 record rows, but the shards hold 27: shards are missing"):
+            read(result.storage_path)
+    os.rename(spare, shards[1])
+    _check_rich(read_outputs(result.storage_path), 37)
+    copy = Path(shards[1]).with_name("part-99999999-rank0-00000." + fmt)
+    copy.write_bytes(Path(shards[1]).read_bytes())  # the same rows twice
+    for read in (read_outputs, lambda path: list(iter_outputs(path))):
+        with pytest.raises(OutputCorruptError, match="shards were added"):
+            read(result.storage_path)
+
+
+def test_outputs_of_a_job_killed_while_publishing_read_back_without_a_false_alarm(tmp_path, caplog):
+    result = _run(tmp_path)
+    # as if killed between the final record and the publication of stage 3: it is still staged
+    staged = Path(result.storage_path, "_tbp", "staging", "00000003")
+    staged.mkdir(parents=True)
+    os.rename(Path(result.storage_path, "outputs", "commit_00000003", "rank_0"), staged / "rank_0")
+    table = read_outputs(result.storage_path)  # what is published, with a warning; no completeness error
+    assert table.num_rows == 37 - 10 and "still staged" in caplog.text
+    again = _run(tmp_path)  # the next start publishes it
+    assert again.finished and again.already_finished
+    _check_rich(read_outputs(result.storage_path), 37)
 
 
 def test_jsonl_outputs_stay_readable_when_the_commit_record_is_damaged(tmp_path, caplog):

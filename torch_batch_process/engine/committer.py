@@ -252,6 +252,9 @@ class Committer:
             outputs=outputs,
             schema=self._new_schema(),
         )
+        rows = self._records.take_rows() if self._records is not None else 0
+        if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
+            vote.extra["rows"] = rows
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()
             self._stager.advance(self.stage)

@@ -123,6 +123,8 @@ class RecordKeeper:
         self.last_record = latest
         self.summary = Summary(timings_per_rank=[{} for _ in range(world_size)])
         self.summary.failed_examples = int(latest.stats.get("failed_examples", 0)) if latest else 0
+        # record rows committed over all attempts; None: an earlier attempt's records did not count them
+        self.record_rows: int | None = latest.stats.get("record_rows") if latest else 0
         # the committed rows' columns: every vote's must unify with them
         self.record_schema: RecordSchema | None = latest.record_schema if latest else None
         self.started = started
@@ -157,6 +159,8 @@ class RecordKeeper:
                 summary.batches_processed += len(batches)
                 summary.examples_processed += vote.examples
                 summary.failed_examples += int(vote.extra.get("failed", 0))
+                if self.record_rows is not None:
+                    self.record_rows += int(vote.extra.get("rows", 0))
                 for key, value in vote.timings.items():
                     summary.timings[key] = summary.timings.get(key, 0.0) + value
                     per_rank = summary.timings_per_rank[vote.rank]
@@ -200,6 +204,7 @@ class RecordKeeper:
             number, last_stage = self.number, self.last_stage
             record_schema = self.record_schema
             failed = self.summary.failed_examples
+            rows = {"record_rows": self.record_rows} if self.record_rows is not None else {}
         examples_committed = self._plan.count_examples(committed)
         metrics: dict[str, Any] | None = None
         if self._reducers.wrapped and (final or preempting):
@@ -235,6 +240,7 @@ class RecordKeeper:
                 "examples_committed": examples_committed,
                 "planned_batches": self._plan.num_batches,
                 "failed_examples": failed,
+                **rows,
                 **stats,
             },
             provenance=provenance,

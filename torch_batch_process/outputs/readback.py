@@ -28,8 +28,10 @@ import numpy as np
 
 from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError, OutputCorruptError
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
+from torch_batch_process.outputs.completeness import check_rows, committed_rows, root_of
 from torch_batch_process.outputs.records import RECORDS_DIR
 from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.layout import JOB_FILE, OUTPUTS_DIR, RETRIES_DIR
 
 __all__ = ["OUTPUTS_GLOB", "RETRY_OUTPUTS_GLOB", "iter_outputs", "list_shards", "read_outputs"]
@@ -76,7 +78,11 @@ def _committed_shards(storage: Storage, root: str) -> list[str]:
     return shards
 
 
-def _open(storage_path: Any, storage_options: dict[str, Any] | None) -> tuple[Storage, list[str], Any]:
+def _open(
+    storage_path: Any, storage_options: dict[str, Any] | None
+) -> tuple[Storage, list[str], Any, dict[str, int]]:
+    """The storage, its committed shards, the JSONL shards' committed schema and the rows to find (read before
+    the shards are listed: see :mod:`torch_batch_process.outputs.completeness`)."""
     require_pyarrow()
     if not isinstance(storage_path, (str, os.PathLike)):
         raise InvalidArgumentError(
@@ -87,11 +93,12 @@ def _open(storage_path: Any, storage_options: dict[str, Any] | None) -> tuple[St
             f"storage_options must be a dict of fsspec filesystem options or None, got {type(storage_options).__name__}"
         )
     storage = open_storage(storage_path, dict(storage_options) if storage_options is not None else None)
+    expected = committed_rows(storage)
     shards = list_shards(storage)
     if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
         raise FileNotFoundError(f"{storage.url} holds no job (no {JOB_FILE}, no {OUTPUTS_DIR}/); check storage_path")
     typed = _committed_schema(storage) if shards and shards[0].endswith(".jsonl") else None
-    return storage, shards, typed
+    return storage, shards, typed, expected
 
 
 def _committed_schema(storage: Storage) -> Any:
@@ -141,6 +148,7 @@ class _Run:
     group: int
     low: int
     high: int
+    rows: int
 
 
 @contextmanager
@@ -150,7 +158,7 @@ def _reading(storage: Storage, shard: str) -> Iterator[None]:
     pa = require_pyarrow()
     try:
         yield
-    except pa.ArrowException as exc:  # ArrowInvalid, ArrowIOError...: not the file that was committed
+    except (pa.ArrowException, NotAFileError) as exc:  # ArrowInvalid, a folder in its place...: not what was committed
         raise OutputCorruptError(
             f"{storage.url_of(shard)}: this committed record shard cannot be read ({exc}); it is damaged. Restore it "
             f"from a backup, or move it out of {OUTPUTS_DIR}/ to read the other rows (its rows are then missing)"
@@ -173,9 +181,22 @@ def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None, typed: 
         return table.cast(require_pyarrow().schema(fields))
 
 
+def _read_jsonl_index(storage: Storage, shard: str) -> Any:
+    """The ``index`` column of a JSONL shard alone: the other fields are tokenized but never built (about half
+    the time of reading the whole shard, which :func:`iter_outputs` does once more when it yields its rows)."""
+    import pyarrow.json as pj
+
+    pa = require_pyarrow()
+    only_index = pa.schema([(INDEX_COLUMN, pa.int64())])
+    options = pj.ParseOptions(explicit_schema=only_index, unexpected_field_behavior="ignore")
+    with _reading(storage, shard), storage.open_input(shard) as f:
+        return pj.read_json(f, parse_options=options)
+
+
 def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], Any]:
-    """Every run of the shards with its index range (footers only for Parquet), and the shards' schemas unified
-    (a column that was all None in one shard is typed in another)."""
+    """Every run of the shards with its index range (footers only for Parquet, the index column for JSONL), and
+    the shards' schemas unified (a column that was all None in one shard is typed in another). JSONL shards have
+    the committed schema ``typed`` when the commit record keeps one (it covers every shard), else JSON's types."""
     import pyarrow.parquet as pq
 
     pa = require_pyarrow()
@@ -183,11 +204,11 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
     schemas = []
     for shard in shards:
         if shard.endswith(".jsonl"):
-            table = _read_jsonl(storage, shard, None, typed)
-            schemas.append(table.schema)
+            table = _read_jsonl(storage, shard, None, None) if typed is None else _read_jsonl_index(storage, shard)
+            schemas.append(table.schema if typed is None else typed)
             index = table.column(INDEX_COLUMN)
             if len(index):
-                runs.append(_Run(shard, -1, int(_np(index).min()), int(_np(index).max())))
+                runs.append(_Run(shard, -1, int(_np(index).min()), int(_np(index).max()), len(index)))
             continue
         with _reading(storage, shard), storage.open_input(shard) as f:
             parquet = pq.ParquetFile(f)
@@ -200,9 +221,9 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
                 continue
             stats = rg.column(position).statistics
             if stats is None or not stats.has_min_max:  # no statistics: the range is unknown, load it first
-                runs.append(_Run(shard, group, -1, 2**62))
+                runs.append(_Run(shard, group, -1, 2**62, rg.num_rows))
             else:
-                runs.append(_Run(shard, group, int(stats.min), int(stats.max)))
+                runs.append(_Run(shard, group, int(stats.min), int(stats.max), rg.num_rows))
     runs.sort(key=lambda run: (run.low, run.shard, run.group))
     return runs, pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
 
@@ -256,9 +277,13 @@ def iter_outputs(
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise InvalidArgumentError(f"batch_rows must be a positive int, got {batch_rows!r}")
     wanted = _columns(columns)
-    storage, shards, typed = _open(storage_path, storage_options)
+    storage, shards, typed, expected = _open(storage_path, storage_options)
     try:
         runs, schema = _runs(storage, shards, typed)
+        found: dict[str, int] = {}
+        for run in runs:
+            found[root_of(run.shard)] = found.get(root_of(run.shard), 0) + run.rows
+        check_rows(storage, expected, found)  # before the first row: never a partial table
         if schema is not None:  # every yielded batch has one schema
             _check_columns(wanted, schema.names, storage.url)
             names = wanted if wanted is not None else schema.names
@@ -301,7 +326,7 @@ def read_outputs(
     import pyarrow.parquet as pq
 
     wanted = _columns(columns)
-    storage, shards, typed = _open(storage_path, storage_options)
+    storage, shards, typed, expected = _open(storage_path, storage_options)
 
     def read(shard: str) -> Any:
         if shard.endswith(".jsonl"):
@@ -314,6 +339,10 @@ def read_outputs(
     try:  # shards are decoded in parallel (pyarrow releases the GIL)
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tbp-read") as pool:
             tables = list(pool.map(read, shards))
+        found: dict[str, int] = {}
+        for shard, table in zip(shards, tables, strict=True):
+            found[root_of(shard)] = found.get(root_of(shard), 0) + table.num_rows
+        check_rows(storage, expected, found)
     finally:
         storage.close()
     tables = [t for t in tables if t.num_rows]

@@ -119,6 +119,7 @@ class RecordWriter:
         self._encoder: ThreadPoolExecutor | None = None  # parquet: row groups are encoded off the batch's path
         self._encoding: Future[None] | None = None
         self.rows = 0
+        self._taken_rows = 0
         current.listeners.append(self._batch_finished)
         stager.attach(self)
 
@@ -256,6 +257,12 @@ class RecordWriter:
     def schema(self) -> RecordSchema | None:
         """The rank's record schema so far (``None``: no rows yet); its commit votes carry it."""
         return self._schema
+
+    def take_rows(self) -> int:
+        """The rows that joined shards since the last call (after :meth:`seal`: the rows of the stage being
+        committed; its vote counts them)."""
+        rows, self._taken_rows = self.rows - self._taken_rows, self.rows
+        return rows
 
     def seal(self) -> None:
         """Before a commit: the open shard joins the stage being committed."""

@@ -138,7 +138,9 @@ def _unify_type(a: Any, b: Any, ragged: bool) -> Any:
         return pa.large_list(value) if large else pa.list_(value)
     if types.is_struct(a) and types.is_struct(b):
         theirs = {field.name: field.type for field in b}
-        fields = [pa.field(f.name, _unify_type(f.type, theirs[f.name], ragged) if f.name in theirs else f.type) for f in a]
+        fields = [
+            pa.field(f.name, _unify_type(f.type, theirs[f.name], ragged) if f.name in theirs else f.type) for f in a
+        ]
         fields += [f for f in b if a.get_field_index(f.name) < 0]
         return pa.struct(fields)
     if _is_number(a) and _is_number(b):
