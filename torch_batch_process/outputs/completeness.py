@@ -18,6 +18,7 @@ so it is seen in one place or the other, and a retry that starts later is not am
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from torch_batch_process.errors import CheckpointCorruptError, OutputCorruptError
 from torch_batch_process.storage.base import Storage
@@ -63,9 +64,12 @@ def root_of(shard: str) -> str:
     return ""
 
 
-def check_rows(storage: Storage, expected: dict[str, int], found: dict[str, int]) -> None:
-    """Raises :class:`OutputCorruptError` when a checked folder's shards hold another number of rows than its
-    records committed."""
+def check_rows(storage: Storage, expected: dict[str, int], shard_rows: Iterable[tuple[str, int]]) -> None:
+    """Raises :class:`OutputCorruptError` when a checked folder's shards (``(shard, rows)`` pairs, some shards
+    may come in several pairs) hold another number of rows than its records committed."""
+    found: dict[str, int] = {}
+    for shard, count in shard_rows:
+        found[root_of(shard)] = found.get(root_of(shard), 0) + count
     for root, rows in expected.items():
         have = found.get(root, 0)
         if have == rows:

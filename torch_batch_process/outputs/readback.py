@@ -12,6 +12,9 @@ largest index (from the Parquet statistics, or one pass over the JSONL shard). R
 their smallest index; every row below the next run's smallest index is final and is yielded, sorted. So the
 rows held at once are those of the runs whose index ranges overlap, which depends on the batch size,
 ``checkpoint_interval`` and ``bucket_window``, never on the size of the job.
+
+Before returning anything, both compare the rows found with the rows the job's records committed
+(:mod:`torch_batch_process.outputs.completeness`): shards missing or added are an error, not a short table.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 
 from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError, OutputCorruptError
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
-from torch_batch_process.outputs.completeness import check_rows, committed_rows, root_of
+from torch_batch_process.outputs.completeness import check_rows, committed_rows
 from torch_batch_process.outputs.records import RECORDS_DIR
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.errors import NotAFileError
@@ -280,10 +283,7 @@ def iter_outputs(
     storage, shards, typed, expected = _open(storage_path, storage_options)
     try:
         runs, schema = _runs(storage, shards, typed)
-        found: dict[str, int] = {}
-        for run in runs:
-            found[root_of(run.shard)] = found.get(root_of(run.shard), 0) + run.rows
-        check_rows(storage, expected, found)  # before the first row: never a partial table
+        check_rows(storage, expected, ((run.shard, run.rows) for run in runs))  # before the first row is yielded
         if schema is not None:  # every yielded batch has one schema
             _check_columns(wanted, schema.names, storage.url)
             names = wanted if wanted is not None else schema.names
@@ -339,10 +339,7 @@ def read_outputs(
     try:  # shards are decoded in parallel (pyarrow releases the GIL)
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tbp-read") as pool:
             tables = list(pool.map(read, shards))
-        found: dict[str, int] = {}
-        for shard, table in zip(shards, tables, strict=True):
-            found[root_of(shard)] = found.get(root_of(shard), 0) + table.num_rows
-        check_rows(storage, expected, found)
+        check_rows(storage, expected, ((shard, table.num_rows) for shard, table in zip(shards, tables, strict=True)))
     finally:
         storage.close()
     tables = [t for t in tables if t.num_rows]
