@@ -139,7 +139,8 @@ def test_a_missing_or_extra_shard_is_an_error_not_a_table_with_rows_missing_or_r
     spare = tmp_path / "spare"
     os.rename(shards[1], spare)  # lost (deleted by hand, or a copy that missed it)
     for read in (read_outputs, lambda path: list(iter_outputs(path))):
-        with pytest.raises(OutputCorruptError, match=r"committed 37 record rows, but the shards hold 27: shards are missing"):
+        missing = r"committed 37 record rows, but the shards hold 27: shards are missing"
+        with pytest.raises(OutputCorruptError, match=missing):
             read(result.storage_path)
     os.rename(spare, shards[1])
     _check_rich(read_outputs(result.storage_path), 37)
