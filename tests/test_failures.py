@@ -382,3 +382,19 @@ def test_a_damaged_failures_file_is_named_by_read_failures_tbp_failures_and_retr
     with pytest.raises(OutputCorruptError, match=failures_file.name):
         torch_batch_process(_Noop, list(range(8)), batch_size=2, storage_path=storage, retry_failed=True)
     assert not Path(storage, "retries").exists() or not any(Path(storage, "retries").iterdir())
+
+
+def test_failures_a_kill_left_staged_are_named_by_a_warning_then_published_by_the_next_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = Path(tmp_path / "s")
+    torch_batch_process(_FailsOnThree, list(range(8)), batch_size=2, storage_path=str(storage), on_error="skip")
+    (failures_file,) = Path(storage, "failures").glob("*.jsonl")
+    stage = failures_file.stem.split("-")[0]  # <stage>-rank_<r>.jsonl
+    staged = storage / "_tbp" / "staging" / stage / "rank_0"
+    staged.mkdir(parents=True)
+    os.rename(failures_file, staged / "_tbp_failures.jsonl")  # as if killed before this stage was published
+    assert read_failures(str(storage)) == [] and "committed failure records are still staged" in caplog.text
+    again = torch_batch_process(_FailsOnThree, list(range(8)), batch_size=2, storage_path=str(storage), on_error="skip")
+    assert again.already_finished
+    assert [r["index"] for r in read_failures(str(storage))] == [3]

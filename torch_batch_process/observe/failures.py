@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from torch_batch_process.environment import command_storage_options
-from torch_batch_process.errors import BatchProcessError, OutputCorruptError
+from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError, OutputCorruptError
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.layout import FAILURES_DIR, JOB_FILE
@@ -35,9 +35,24 @@ def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None =
     try:
         if not storage.exists(JOB_FILE):
             raise NoJobError(f"no job is stored at {storage.url!r} (no {JOB_FILE})")
-        return read_failure_records(storage, current_failures_root(storage))
+        root = current_failures_root(storage)
+        _warn_if_staged(storage, root)  # before listing failures/: a stage moves from staging to there
+        return read_failure_records(storage, root)
     finally:
         storage.close()
+
+
+def _warn_if_staged(storage: Storage, root: str) -> None:
+    """Warns when committed failure records are still staged (a kill while publishing them)."""
+    from torch_batch_process.engine.store import latest_record_at
+    from torch_batch_process.outputs.completeness import still_staged
+
+    try:
+        record = latest_record_at(storage, root)
+    except CheckpointCorruptError:  # the published records can still be read
+        return
+    if record is not None:
+        still_staged(storage, f"{root}/" if root else "", record, "failure records")
 
 
 def read_failure_records(storage: Storage, root: str = "") -> list[dict[str, Any]]:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from torch_batch_process.engine.records import CommitRecord
 from torch_batch_process.errors import CheckpointCorruptError, OutputCorruptError
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.layout import OUTPUTS_DIR, RETRIES_DIR, STAGING_DIR
 
-__all__ = ["check_rows", "committed_rows", "root_of"]
+__all__ = ["check_rows", "committed_rows", "root_of", "still_staged"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +45,25 @@ def committed_rows(storage: Storage) -> dict[str, int]:
         rows = record.stats.get("record_rows") if record is not None and record.finished else None
         if not isinstance(rows, int):
             continue
-        staging = f"{root}{STAGING_DIR}"
-        staged = [name for name in storage.list(staging) if name.isdigit() and record.has_stage(int(name))]
-        if any(storage.list(f"{staging}/{name}") for name in staged):
-            logger.warning(
-                "%s: committed outputs are still staged (the job was killed while publishing them); run the job "
-                "again to publish them (it finishes at once). Reading what is published.",
-                storage.url_of(root.rstrip("/")) if root else storage.url,
-            )
-            continue
-        expected[root] = rows
+        if not still_staged(storage, root, record, "outputs"):
+            expected[root] = rows
     return expected
+
+
+def still_staged(storage: Storage, root: str, record: CommitRecord, what: str) -> bool:
+    """Whether stages that ``record`` commits are still staged below ``root`` (a kill while publishing them: the
+    next start publishes them); logs a warning naming ``what`` is incomplete if so."""
+    staging = f"{root}{STAGING_DIR}"
+    staged = [name for name in storage.list(staging) if name.isdigit() and record.has_stage(int(name))]
+    if not any(storage.list(f"{staging}/{name}") for name in staged):
+        return False
+    logger.warning(
+        "%s: committed %s are still staged (the job was killed while publishing them); run the job again to "
+        "publish them (it finishes at once). Reading what is published.",
+        storage.url_of(root.rstrip("/")) if root else storage.url,
+        what,
+    )
+    return True
 
 
 def root_of(shard: str) -> str:
