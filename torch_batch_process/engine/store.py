@@ -35,13 +35,14 @@ from torch_batch_process.storage.layout import (
     STATES_DIR,
     TENSORBOARD_DIR,
     failures_file,
+    number_name,
     outputs_dir,
     record_file,
     staging_dir,
     state_file,
 )
 
-__all__ = ["JobStore", "job_finished", "latest_record_at"]
+__all__ = ["JobStore", "job_finished", "latest_record_at", "unpublished_stages_at"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class JobStore:
 
     def unpublished_stages(self, latest: CommitRecord) -> list[int]:
         """Stages committed by ``latest`` whose files are still staged (a crash while publishing)."""
-        return [stage for stage, ranks in self.staged().items() if ranks and latest.has_stage(stage)]
+        return unpublished_stages_at(self.storage, latest)
 
     def finished_repair_due(self, latest: CommitRecord) -> bool:
         """Whether a finished job needs :meth:`repair`: a kill left committed stages unpublished, or came between
@@ -327,6 +328,14 @@ def latest_record_at(storage: Storage, root: str = "") -> CommitRecord | None:
         where = storage.url_of(rel)
         return CommitRecord.from_json(parse_json(raw, where), where)
     raise CheckpointCorruptError(f"the commit records in {storage.url_of(folder)} keep vanishing while they are read")
+
+
+def unpublished_stages_at(storage: Storage, latest: CommitRecord, root: str = "") -> list[int]:
+    """Stages committed by ``latest`` whose files are still staged in the job stored in folder ``root`` of
+    ``storage`` (``""``: its root): a kill while publishing them; the next start publishes them. Read-only."""
+    staging = f"{root}/{STAGING_DIR}" if root else STAGING_DIR
+    stages = [int(name) for name in storage.list(staging) if name.isdigit() and latest.has_stage(int(name))]
+    return [s for s in stages if any(e.startswith("rank_") for e in storage.list(f"{staging}/{number_name(s)}"))]
 
 
 def _read(storage: Storage, rel: str, what: str) -> bytes:

@@ -52,7 +52,7 @@ def _warn_if_staged(storage: Storage, root: str) -> None:
     except CheckpointCorruptError:  # the published records can still be read
         return
     if record is not None:
-        still_staged(storage, f"{root}/" if root else "", record, "failure records")
+        still_staged(storage, root, record, "failure records")
 
 
 def read_failure_records(storage: Storage, root: str = "") -> list[dict[str, Any]]:

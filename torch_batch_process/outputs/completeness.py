@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from torch_batch_process.engine.records import CommitRecord
 from torch_batch_process.errors import CheckpointCorruptError, OutputCorruptError
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import OUTPUTS_DIR, RETRIES_DIR, STAGING_DIR
+from torch_batch_process.storage.layout import OUTPUTS_DIR, RETRIES_DIR
 
 __all__ = ["check_rows", "committed_rows", "root_of", "still_staged"]
 
@@ -31,15 +31,15 @@ logger = logging.getLogger(__name__)
 
 
 def committed_rows(storage: Storage) -> dict[str, int]:
-    """Folder (``""`` for the job, ``"retries/<k>/"`` for a retry) -> the record rows its final record commits,
+    """Folder (``""`` for the job, ``"retries/<k>"`` for a retry) -> the record rows its final record commits,
     for each folder whose shards can be checked now (see the module docstring)."""
     from torch_batch_process.engine.retry import retry_numbers
     from torch_batch_process.engine.store import latest_record_at
 
     expected: dict[str, int] = {}
-    for root in ["", *(f"{RETRIES_DIR}/{k}/" for k in retry_numbers(storage))]:
+    for root in ["", *(f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage))]:
         try:
-            record = latest_record_at(storage, root.rstrip("/"))
+            record = latest_record_at(storage, root)
         except CheckpointCorruptError:  # reading the outputs does not need the records: no check
             continue
         rows = record.stats.get("record_rows") if record is not None and record.finished else None
@@ -53,14 +53,14 @@ def committed_rows(storage: Storage) -> dict[str, int]:
 def still_staged(storage: Storage, root: str, record: CommitRecord, what: str) -> bool:
     """Whether stages that ``record`` commits are still staged below ``root`` (a kill while publishing them: the
     next start publishes them); logs a warning naming ``what`` is incomplete if so."""
-    staging = f"{root}{STAGING_DIR}"
-    staged = [name for name in storage.list(staging) if name.isdigit() and record.has_stage(int(name))]
-    if not any(storage.list(f"{staging}/{name}") for name in staged):
+    from torch_batch_process.engine.store import unpublished_stages_at
+
+    if not unpublished_stages_at(storage, record, root):
         return False
     logger.warning(
         "%s: committed %s are still staged (the job was killed while publishing them); run the job again to "
         "publish them (it finishes at once). Reading what is published.",
-        storage.url_of(root.rstrip("/")) if root else storage.url,
+        storage.url_of(root),
         what,
     )
     return True
@@ -69,7 +69,7 @@ def still_staged(storage: Storage, root: str, record: CommitRecord, what: str) -
 def root_of(shard: str) -> str:
     """The folder (as :func:`committed_rows` names it) whose outputs hold ``shard``."""
     if shard.startswith(f"{RETRIES_DIR}/"):
-        return shard[: shard.index("/", len(RETRIES_DIR) + 1) + 1]
+        return shard[: shard.index("/", len(RETRIES_DIR) + 1)]
     return ""
 
 
@@ -78,7 +78,8 @@ def check_rows(storage: Storage, expected: dict[str, int], shard_rows: Iterable[
     may come in several pairs) hold another number of rows than its records committed."""
     found: dict[str, int] = {}
     for shard, count in shard_rows:
-        found[root_of(shard)] = found.get(root_of(shard), 0) + count
+        root = root_of(shard)
+        found[root] = found.get(root, 0) + count
     for root, rows in expected.items():
         have = found.get(root, 0)
         if have == rows:
@@ -88,7 +89,8 @@ def check_rows(storage: Storage, expected: dict[str, int], shard_rows: Iterable[
             if have < rows
             else "shards were added (copied in twice?); remove the files that the job did not write"
         )
+        outputs = storage.url_of(f"{root}/{OUTPUTS_DIR}" if root else OUTPUTS_DIR)
         raise OutputCorruptError(
-            f"{storage.url_of(f'{root}{OUTPUTS_DIR}')}: the job committed {rows} record rows, but the shards hold "
+            f"{outputs}: the job committed {rows} record rows, but the shards hold "
             f"{have}: {what}. Reading on would give a table with rows {'missing' if have < rows else 'repeated'}."
         )
