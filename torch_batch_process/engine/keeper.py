@@ -124,7 +124,8 @@ class RecordKeeper:
         self.summary = Summary(timings_per_rank=[{} for _ in range(world_size)])
         self.summary.failed_examples = int(latest.stats.get("failed_examples", 0)) if latest else 0
         # record rows committed over all attempts; None: an earlier attempt's records did not count them
-        self.record_rows: int | None = latest.stats.get("record_rows") if latest else 0
+        rows = latest.stats.get("record_rows") if latest else 0
+        self.record_rows: int | None = rows if isinstance(rows, int) else None
         # the committed rows' columns: every vote's must unify with them
         self.record_schema: RecordSchema | None = latest.record_schema if latest else None
         self.started = started
