@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from harness import JOBS, spawn_ranks, storage_fs, wait_all
 
+import torch_batch_process as tbp
 from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
 from torch_batch_process.launch.cli import main as cli_main
 from torch_batch_process.observe.failures import read_failures
@@ -67,6 +68,7 @@ def check_complete(spec: dict[str, Any], result: dict[str, Any]) -> None:
     storage = spec["storage"]
     assert output_counts(storage) == Counter(GOOD)
     failures = read_failures(storage)
+    assert tbp.read_failures(storage) == failures  # the public name, next to read_outputs
     assert sorted(f["index"] for f in failures) == BAD
     phases = {f["index"]: f["phase"] for f in failures}
     assert {i for i, phase in phases.items() if phase == "load"} == set(BAD_LOAD)

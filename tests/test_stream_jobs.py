@@ -32,6 +32,7 @@ from harness import (
 )
 from torch.utils.data import default_collate
 
+import torch_batch_process as tbp
 from torch_batch_process import TorchBatchProcessor, sources, torch_batch_process
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
@@ -233,15 +234,105 @@ def test_jsonl_and_sharded_jobs(tmp_path: Path, kind: str) -> None:
     assert len(counted) == (0 if kind == "jsonl_counted" else 1)  # counted once unless the source knows
 
 
+BAD_ROWS = {3, 41, 42, 97, 180}  # failing rows of the on_error="skip" stream jobs (global row numbers)
+
+
+class SkipBad(Collect):
+    """Fails on the rows of BAD_ROWS (while ``fail`` is set) after writing a file: a failed part leaves nothing."""
+
+    fail = True
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch["id"]]
+        assert ids == list(self.context.batch_indices)
+        with self.context.upload_path() as path:
+            (path / f"batch_{batch_idx}.json").write_text(json.dumps({"ids": ids, "indices": ids}))
+        if type(self).fail and BAD_ROWS.intersection(ids):
+            raise ValueError(f"bad rows in {ids}")
+        self.total.update(sum(ids))
+
+
+class SkipFixed(SkipBad):
+    fail = False
+
+
+SkipFixed.__qualname__ = "SkipBad"  # the same job, as if the user fixed the bug: retry_failed
+
+
+def collate_refusing_bad(rows: list[dict[str, Any]]) -> Any:
+    """A collate_fn that fails on the rows of BAD_ROWS: their failures are recorded as ``phase="load"``."""
+    bad = BAD_ROWS.intersection(int(row["id"]) for row in rows)
+    if bad:
+        raise ValueError(f"cannot collate rows {sorted(bad)}")
+    return default_collate(rows)
+
+
+def write_jsonl_files(folder: Path, counts: list[int], broken: set[int] = frozenset()) -> str:
+    """Files ``part-<k>.jsonl`` whose ``id`` is the global row number (the rows of ``broken``: a line that is not
+    JSON); returns their glob."""
+    folder.mkdir(parents=True)
+    base = 0
+    for k, n in enumerate(counts):
+        rows = ("{not json" if base + i in broken else json.dumps({"id": base + i, "x": float(i)}) for i in range(n))
+        lines = "".join(line + "\n" for line in rows)
+        (folder / f"part-{k}.jsonl").write_text(lines)
+        base += n
+    return str(folder / "*.jsonl")
+
+
 @pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
-def test_on_error_skip_with_a_source_is_refused(tmp_path: Path) -> None:
-    write_parquet_files(str(tmp_path / "data"), [10], row_group=10)
-    with pytest.raises(InvalidArgumentError, match="on_error='skip' needs a map-style dataset"):
-        torch_batch_process(
-            Collect, sources.parquet(str(tmp_path / "data")), batch_size=4, on_error="skip",
-            storage_path=str(tmp_path / "storage"),
+@pytest.mark.parametrize("kind, num_workers", [("parquet", 0), ("parquet", 2), ("jsonl", 0), ("jsonl_broken", 2)])
+def test_on_error_skip_with_a_source(tmp_path: Path, kind: str, num_workers: int) -> None:
+    """A stream job with failing rows (DESIGN §11 with §12): parts of a failing batch are read again by row
+    number (Parquet: as Arrow, collated from columns), the failing rows are recorded by global row number
+    and skipped, every other row's output is committed once; retry_failed clears them."""
+    counts = [60, 0, 70, 75]
+    n = sum(counts)
+    if kind == "parquet":
+        write_parquet_files(str(tmp_path / "data"), counts, row_group=16)
+        source = sources.parquet(str(tmp_path / "data" / "*.parquet"))
+        loader: dict[str, Any] = {"num_workers": num_workers}
+    elif kind == "jsonl":  # the collate_fn refuses the bad rows
+        source = sources.jsonl(write_jsonl_files(tmp_path / "data", counts))
+        loader = {"num_workers": num_workers, "collate_fn": collate_refusing_bad}
+    else:  # the bad rows' lines are not JSON: the source fails to read them (SourceDataError), a row's failure
+        source = sources.jsonl(write_jsonl_files(tmp_path / "data", counts, broken=BAD_ROWS))
+        loader = {"num_workers": num_workers}
+    storage = str(tmp_path / "storage")
+    processor = SkipBad if kind == "parquet" else SkipFixed  # jsonl: loading fails instead
+    result = torch_batch_process(
+        processor, source, batch_size=8, checkpoint_interval=3, on_error="skip", max_failures=10,
+        dataloader_kwargs=loader, storage_path=storage,
+    )
+    good = [i for i in range(n) if i not in BAD_ROWS]
+    assert result.finished and result.failed_examples == len(BAD_ROWS)
+    assert result.metrics == {"id_sum": sum(good)}
+    failures = tbp.read_failures(storage)
+    assert [f["index"] for f in failures] == sorted(BAD_ROWS)
+    assert {f["phase"] for f in failures} == {"process" if kind == "parquet" else "load"}
+    ids: Counter[int] = Counter()
+    for data in read_outputs(storage, "batch_*.json").values():  # the parts' files included (part_<first>/)
+        ids.update(json.loads(data)["ids"])
+    assert ids == Counter(good), "a failed part's file is never committed; every good row's once"
+
+    if kind == "parquet":  # the user fixes the bug: only the failed rows run again, by row number
+        retry = torch_batch_process(
+            SkipFixed, source, batch_size=8, checkpoint_interval=3, on_error="skip", retry_failed=True,
+            dataloader_kwargs=loader, storage_path=storage,
         )
-    assert not (tmp_path / "storage").exists()
+        assert retry.finished and retry.failed_examples == 0
+        assert retry.metrics == {"id_sum": sum(BAD_ROWS)}
+        assert tbp.read_failures(storage) == []
+
+
+def test_a_shard_shorter_than_counted_fails_the_job_even_with_on_error_skip(tmp_path: Path) -> None:
+    """A shard that ends before its declared row count is no row's fault: the job fails (SourceChangedError),
+    nothing is recorded as a failure, and the error names the shard."""
+    source = sources.Sharded([(0, 16), (16, 30)], open_range_shard, num_rows=[16, 20], names=["a", "b"])
+    storage = str(tmp_path / "storage")
+    with pytest.raises(sources.SourceChangedError, match="'b' ended after 14 rows but num_rows says 20"):
+        torch_batch_process(Collect, source, batch_size=4, on_error="skip", storage_path=storage)
+    assert tbp.read_failures(storage) == []
 
 
 def test_a_refused_job_leaves_storage_unchanged_even_after_counting(tmp_path: Path) -> None:
@@ -316,6 +407,38 @@ def test_parquet_kill9_resume_with_3_then_1(tmp_path: Path, schedule: str) -> No
         tmp_path, str(tmp_path / "storage"), {"kind": "parquet", "url": str(tmp_path / "data" / "*.parquet")},
         counts, 10, kwargs={"schedule": schedule}, dataloader_kwargs={"num_workers": 2},
     )
+
+
+@pytest.mark.slow
+def test_parquet_on_error_skip_kill9_resume_with_3_then_1(tmp_path: Path) -> None:
+    """Failing rows of a stream, kill -9 twice and other world sizes: every good row's output once, every failing
+    row listed once (by global row number), exact metrics. (The static schedule: with the dynamic one the
+    survivors of a kill go on until the heartbeats' silence, longer than this job.)"""
+    counts = [300, 250, 310]
+    n, batch_size = sum(counts), 10
+    bad = [7, 8, 299, 300, 555, 801]
+    write_parquet_files(str(tmp_path / "data"), counts, row_group=40)
+    rng = random.Random(11)
+    spec = {
+        "source": {"kind": "parquet", "url": str(tmp_path / "data" / "*.parquet")},
+        "batch_size": batch_size, "checkpoint_interval": 3, "sleep": 0.05, "fail_rows": bad,
+        "kwargs": {"on_error": "skip"}, "dataloader_kwargs": {"num_workers": 1},
+        "storage": str(tmp_path / "storage"), "report_dir": str(tmp_path / "reports"),
+    }
+    total = sum(-(-c // batch_size) for c in counts)
+    _attempt_killed(spec, 2, 1, rng, total)
+    _attempt_killed(spec, 3, 2, rng, total)
+    outcomes = wait_all(spawn_ranks(1, STREAM_JOB, json.dumps(dict(spec, attempt=3))), timeout=180)
+    assert outcomes[0][0] == 0, outcomes[0][2][-3000:]
+    result = read_reports(spec, 3)[0]["result"]
+    good = [i for i in range(n) if i not in bad]
+    assert result["finished"] and result["failed_examples"] == len(bad)
+    assert result["metrics"] == {"id_sum": sum(good)}
+    assert [f["index"] for f in tbp.read_failures(spec["storage"])] == bad
+    ids: Counter[int] = Counter()
+    for data in read_outputs(spec["storage"], "batch_*.json").values():
+        ids.update(json.loads(data)["ids"])
+    assert ids == Counter(good)
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "get_default_device": "torch_batch_process.device",
     "iter_outputs": "torch_batch_process.outputs.readback",
     "predict": "torch_batch_process.functional",
+    "read_failures": "torch_batch_process.observe.failures",
     "read_outputs": "torch_batch_process.outputs.readback",
     "to_device": "torch_batch_process.device",
     "torch_batch_process": "torch_batch_process.batch_process",
@@ -76,6 +77,7 @@ __all__ = [
     "get_default_device",
     "iter_outputs",
     "predict",
+    "read_failures",
     "read_outputs",
     "to_device",
     "torch_batch_process",
@@ -101,6 +103,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
         WorkerLostError,
     )
     from torch_batch_process.functional import predict
+    from torch_batch_process.observe.failures import read_failures
     from torch_batch_process.outputs.readback import iter_outputs, read_outputs
     from torch_batch_process.processor import TorchBatchProcessor
     from torch_batch_process.reducers import MetricReducer

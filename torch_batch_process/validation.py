@@ -317,11 +317,6 @@ def validate_arguments(
     if batch_size is not None:
         _positive_int("batch_size", batch_size)
     dataset_length = validate_dataset(dataset, bucket_by)
-    if failures.skip and not hasattr(dataset, "__getitem__"):
-        raise InvalidArgumentError(
-            "on_error='skip' needs a map-style dataset (a failing batch is split and its examples loaded one by "
-            "one), but dataset is a streaming source; use on_error='raise' with it"
-        )
     kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
     validate_bucket_options(bucket_by, bucket_window, max_tokens, resolved_batch_size)
     job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None

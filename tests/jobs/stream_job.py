@@ -8,7 +8,8 @@ The spec comes as JSON in argv[1]:
   Every row has an int ``id``.
 - ``reads_log``: a file that adds up the rows read by every process (``RowsReadLog``).
 - ``batch_size``, ``checkpoint_interval``, ``sleep`` (per batch), ``kwargs`` (more options),
-  ``storage``, ``report_dir``, ``attempt``, ``progress_file`` (touched after each batch).
+  ``storage``, ``report_dir``, ``attempt``, ``progress_file`` (touched after each batch), ``fail_rows`` (ids
+  whose batch raises after its work: with ``on_error="skip"`` they are recorded as failures).
 
 Each batch writes ``batch_<idx>.json``: ``{"ids": [...], "indices": context.batch_indices}``. Each rank
 writes ``<report_dir>/attempt<k>_rank<r>.json`` with its calls and the result or the exception.
@@ -78,6 +79,9 @@ class Processor(TorchBatchProcessor):
             (path / f"batch_{batch_idx}.json").write_text(json.dumps(record))
         if SPEC.get("progress_file"):
             Path(SPEC["progress_file"]).touch()
+        bad = set(SPEC.get("fail_rows", ())).intersection(ids)
+        if bad:  # with on_error="skip": everything above is rolled back, the rows are recorded as failures
+            raise ValueError(f"bad rows {sorted(bad)}")
 
 
 PROCESSOR = None

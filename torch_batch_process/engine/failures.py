@@ -48,13 +48,16 @@ from torch_batch_process.engine.part import Part
 from torch_batch_process.errors import BatchTimeoutError, SchemaConflictError, TooManyFailuresError, WorkerLostError
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
+from torch_batch_process.sources.base import SourceChangedError
 
 __all__ = ["FailureHandler", "check_total", "no_span", "too_many_message"]
 
 logger = logging.getLogger(__name__)
 
-FATAL = (BatchTimeoutError, TooManyFailuresError, WorkerLostError, SchemaConflictError)
-"""Errors that fail the job even with ``on_error="skip"``: they are not an example's fault."""
+FATAL = (BatchTimeoutError, TooManyFailuresError, WorkerLostError, SchemaConflictError, SourceChangedError)
+"""Errors that fail the job even with ``on_error="skip"``: they are not an example's fault (a streaming source's
+shard that holds fewer rows than counted fails the job as with ``on_error="raise"``; a row that cannot be
+decoded, e.g. a JSONL line that is not JSON, is that row's failure)."""
 
 
 def too_many_message(failed: int, limit: int, failures_url: str) -> str:
@@ -202,11 +205,12 @@ class FailureHandler:
             self.keep()
             return None
 
-    def _fetch(self, piece: list[int]) -> list[Any]:
-        """The examples of a part, fetched as the ``DataLoader`` fetches a batch."""
+    def _fetch(self, piece: list[int]) -> Any:
+        """The examples of a part, fetched as the ``DataLoader`` fetches a batch (``__getitems__``' result goes to
+        the ``collate_fn`` as it is: a streaming source's Parquet rows come as one Arrow table)."""
         getitems = getattr(self._dataset, "__getitems__", None)
         if getitems:
-            return list(getitems(piece))
+            return getitems(piece)
         return [self._dataset[i] for i in piece]
 
     def _record(self, batch_idx: int, index: int, phase: str, error: BaseException, part: Part) -> None:

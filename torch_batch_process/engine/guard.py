@@ -40,7 +40,7 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> BatchWatc
         place: Any = (lambda batch: to_device(batch, device)) if job.device_prefetch else (lambda batch: batch)
         latest = job.start.latest
         runner.skip = FailureHandler(
-            dataset=job.args.dataset,
+            dataset=feed.loader.dataset,  # a source's rows by global row number (engine/streams.py)
             collate_fn=feed.loader.collate_fn,
             place=place,
             process=runner.process,

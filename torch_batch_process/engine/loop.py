@@ -209,7 +209,7 @@ class JobRun:
         )
         dataset, order, kwargs = self.args.dataset, scheduler, self.args.dataloader_kwargs
         if self.stream is not None:  # a source: its dataset view, worker-affine order, columnar collation
-            dataset, order, kwargs = self.stream.feed_parts(scheduler, kwargs)
+            dataset, order, kwargs = self.stream.feed_parts(scheduler, kwargs, self.plan)
         feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
         watchdog = guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/guard.py)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)

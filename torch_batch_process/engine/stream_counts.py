@@ -3,8 +3,8 @@
 A plan numbers batches by rows inside shards, so it needs every shard's row count before the first batch.
 Sources that know them from metadata (Parquet footers, JSONL with ``count_rows=True``,
 ``Sharded(num_rows=...)``) cost nothing here. For the others (Hugging Face iterable datasets, JSONL without
-counts, ``Sharded`` without ``num_rows``) the shards are read once, in parallel over the ranks (shard ``s``
-by rank ``s % W``), at the job's first start; the counts are stored with the job
+counts, ``Sharded`` without ``num_rows``) the shards are read once (``Source.count_rows``: JSONL lines are
+counted, not parsed), in parallel over the ranks (shard ``s`` by rank ``s % W``), at the job's first start; the counts are stored with the job
 (``_tbp/source_rows/<digest of the source's fingerprint>.json``) and every resume, with any world size, reads
 them back instead of counting again. The counting pass is logged with its cost. Its writes never touch a
 stored job: the file is named by the source's fingerprint, so a job over other data gets its own file.
@@ -55,13 +55,6 @@ def _digest(fingerprint: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _count_shard(source: Source, shard: int) -> int:
-    rows = 0
-    for _ in source.read(shard):
-        rows += 1
-    return rows
-
-
 def shard_row_counts(source: Source, storage: Storage, coll: Collectives) -> CountedRows:
     """Every rank: the row counts of ``source``'s shards (see the module docstring).
 
@@ -90,7 +83,7 @@ def shard_row_counts(source: Source, storage: Storage, coll: Collectives) -> Cou
     try:
         for shard, n in enumerate(known):
             if shard % coll.world_size == coll.rank:
-                mine[shard] = int(n) if n is not None else _count_shard(source, shard)  # type: ignore[index]
+                mine[shard] = int(n) if n is not None else source.count_rows(shard)  # type: ignore[index]
     except Exception as exc:  # noqa: BLE001 - sent to every rank, raised everywhere
         mine = (
             f"rank {coll.rank} could not count the rows of its shards of the {source.kind} source: "

@@ -17,7 +17,10 @@ pinned memory:
 - without a ``collate_fn``, Parquet batches are collated from their Arrow columns
   (:mod:`~torch_batch_process.engine.stream_columns`);
 - the source's fingerprint and the shards' row counts are part of the plan's fingerprint, so a resume over
-  other files or other rows is refused.
+  other files or other rows is refused;
+- with ``on_error="skip"`` the halves of a failing batch are read again by row number through the same
+  :class:`StreamDataset` (:mod:`~torch_batch_process.engine.failures`), and a ``retry_failed`` run's plan of
+  scattered failed rows is read in the scheduler's order (:meth:`StreamJob.feed_parts`).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.scheduler import Scheduler
 from torch_batch_process.engine.stream_counts import CountedRows, shard_row_counts
 from torch_batch_process.engine.stream_order import WorkerAffineOrder, stream_scheduler
 from torch_batch_process.engine.stream_plan import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.sources.base import Source, SourceDataError
+from torch_batch_process.sources.base import Source, SourceChangedError
 from torch_batch_process.storage.base import Storage
 
 if TYPE_CHECKING:
@@ -106,7 +110,7 @@ class StreamDataset:
     def _check(self, shard: int, start: int, want: int, got: int) -> None:
         if got != want:
             name = self.source.shards()[shard].name
-            raise SourceDataError(
+            raise SourceChangedError(
                 f"shard {shard} ({name}) of the {self.source.kind} source ended after {start + got} rows, "
                 f"but the job counted {self.plan.counts[shard]} rows in it: the data changed since the job "
                 "started; restore it, or start afresh (resume=False) to process the data as it is now"
@@ -135,12 +139,17 @@ class StreamJob:
     make_scheduler = staticmethod(stream_scheduler)
     """The scheduler of a stream job (static: contiguous blocks per rank)."""
 
-    def feed_parts(self, scheduler: Scheduler, kwargs: dict[str, Any]) -> tuple[StreamDataset, Any, dict[str, Any]]:
+    def feed_parts(
+        self, scheduler: Scheduler, kwargs: dict[str, Any], plan: Plan
+    ) -> tuple[StreamDataset, Any, dict[str, Any]]:
         """What the feed gets: the dataset, the batch order (:class:`WorkerAffineOrder` with workers, so that
         they share no decoding) and the loader options (without a ``collate_fn``, Parquet batches are
-        collated from their Arrow columns: the same result as ``default_collate`` of the rows, faster)."""
+        collated from their Arrow columns: the same result as ``default_collate`` of the rows, faster).
+        ``plan`` is the job's: a ``retry_failed`` run's plan holds scattered rows (failures), read by row
+        number in the scheduler's order."""
         workers = int(kwargs.get("num_workers") or 0)
-        order = WorkerAffineOrder(scheduler, self.plan, self.source, workers) if workers > 1 else scheduler
+        affine = workers > 1 and isinstance(plan, StreamPlan)
+        order = WorkerAffineOrder(scheduler, self.plan, self.source, workers) if affine else scheduler
         if kwargs.get("collate_fn") is None and hasattr(self.source, "read_batches"):
             from torch_batch_process.engine.stream_columns import StreamCollate  # pyarrow: only for Parquet
 

@@ -14,7 +14,7 @@ Every source implements :class:`Source`: ``shards()``, ``read(shard, start, stop
 :class:`RowsReadLog`).
 """
 
-from torch_batch_process.sources.base import ShardInfo, Source, SourceDataError
+from torch_batch_process.sources.base import ShardInfo, Source, SourceChangedError, SourceDataError
 from torch_batch_process.sources.hf import HFSource, from_hf
 from torch_batch_process.sources.jsonl import JsonlSource, jsonl
 from torch_batch_process.sources.parquet import ParquetSource, parquet
@@ -29,6 +29,7 @@ __all__ = [
     "ShardInfo",
     "Sharded",
     "Source",
+    "SourceChangedError",
     "SourceDataError",
     "from_hf",
     "jsonl",

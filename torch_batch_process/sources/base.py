@@ -37,12 +37,17 @@ from typing import Any, ClassVar
 
 from torch_batch_process.errors import BatchProcessError, InvalidArgumentError
 
-__all__ = ["Cursor", "ShardInfo", "Source", "SourceDataError", "check_index"]
+__all__ = ["Cursor", "ShardInfo", "Source", "SourceChangedError", "SourceDataError", "check_index"]
 
 
 class SourceDataError(BatchProcessError, ValueError):
     """A shard's content does not match what the source expects (a line that is not JSON, a shard
     that yields fewer rows than its declared ``num_rows``...). The message names the shard and row."""
+
+
+class SourceChangedError(SourceDataError):
+    """A shard holds fewer rows than the job counted in it, or than its declared ``num_rows``: the data changed
+    under the job (or the count is wrong). No row's fault, so it fails the job even with ``on_error="skip"``."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,19 @@ class Source(abc.ABC):
         if stop is not None and start >= stop:
             return iter(())
         return self._rows(shard, start, stop)
+
+    def count_rows(self, shard: int) -> int:
+        """The rows of ``shard``, counted by skipping through it: without decoding where the format can (a JSONL
+        line is counted, not parsed, so a line that is not JSON is the failure of its row when read, not of
+        the count)."""
+        shard, _, _ = self._check_range(shard, 0, None)
+        cursor = self._open_cursor(shard, 0, None)
+        try:
+            while not cursor.at_end:
+                cursor.skip(self.CHUNK_ROWS)
+            return cursor.position
+        finally:
+            cursor.close()
 
     # ------------------------------------------------------------------ conveniences
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.sources.base import Cursor, ShardInfo, Source, SourceDataError
+from torch_batch_process.sources.base import Cursor, ShardInfo, Source, SourceChangedError
 
 __all__ = ["Sharded"]
 
@@ -111,7 +111,7 @@ class _ShardedCursor(Cursor):
         self.source._count_read(len(rows))
         if len(rows) < n and self._expected is not None and self._produced < self._expected:
             info = self.source._shards[self.shard]
-            raise SourceDataError(
+            raise SourceChangedError(
                 f"shard {info.name!r} ended after {self._produced} rows but num_rows says {self._expected}; "
                 "fix num_rows (or pass None for unknown)"
             )
