@@ -320,6 +320,16 @@ def test_predict_in_one_process_returns_outputs_in_order_and_resumes(tmp_path):
         predict(fn, list(range(10)), 3, storage_path=storage, progress=False)
 
 
+@pytest.mark.parametrize("option", [{"on_error": "skip"}, {"retry_failed": True}])
+def test_predict_refuses_skipping_examples(tmp_path, option):
+    """predict() returns one output per example in dataset order: a skipped example would shift every later one,
+    so on_error="skip" (and retry_failed) are refused before any work."""
+    storage = tmp_path / "pred"
+    with pytest.raises(InvalidArgumentError, match="shift every later output"):
+        predict(lambda batch: batch, list(range(10)), 3, storage_path=str(storage), progress=False, **option)
+    assert not storage.exists()
+
+
 # ----------------------------------------------------------------------------- multi-process
 
 def _spec(tmp_path, **extra):

@@ -52,7 +52,8 @@ def predict(
         storage_path: where the job and its outputs are stored (resumable); default: a temporary folder, removed
             when ``predict`` returns (one machine only: give a shared ``storage_path`` for several machines).
         **options: other keyword options of :func:`~torch_batch_process.torch_batch_process`
-            (``checkpoint_interval``, ``dataloader_kwargs``, ``schedule``, ``bucket_by``, ``output_format``...).
+            (``checkpoint_interval``, ``dataloader_kwargs``, ``schedule``, ``bucket_by``, ``output_format``...);
+            not ``on_error="skip"`` nor ``retry_failed`` (a skipped example has no output to return in its place).
 
     Returns:
         On every rank: for a tensor-valued ``fn`` a tensor of shape ``(len(dataset), *per_example_shape)``; for a
@@ -66,6 +67,13 @@ def predict(
     if "batch_processor_cls" in options:
         raise InvalidArgumentError(
             "predict() builds its own processor; call torch_batch_process() for a processor class"
+        )
+    if options.get("on_error") == "skip" or options.get("retry_failed"):
+        what = "on_error='skip'" if options.get("on_error") == "skip" else "retry_failed=True"
+        raise InvalidArgumentError(
+            f"predict() does not take {what}: it returns one output per example in dataset order, so a skipped "
+            "example would shift every later output. Call torch_batch_process() with a processor that calls "
+            "context.write(), then read_outputs(): its 'index' column says which examples have outputs"
         )
     loader = dict(options.pop("dataloader_kwargs", None) or {})
     if collate_fn is not None:
