@@ -4,10 +4,11 @@ A plan numbers batches by rows inside shards, so it needs every shard's row coun
 Sources that know them from metadata (Parquet footers, JSONL with ``count_rows=True``,
 ``Sharded(num_rows=...)``) cost nothing here. For the others (Hugging Face iterable datasets, JSONL without
 counts, ``Sharded`` without ``num_rows``) the shards are read once (``Source.count_rows``: JSONL lines are
-counted, not parsed), in parallel over the ranks (shard ``s`` by rank ``s % W``), at the job's first start; the counts are stored with the job
-(``_tbp/source_rows/<digest of the source's fingerprint>.json``) and every resume, with any world size, reads
-them back instead of counting again. The counting pass is logged with its cost. Its writes never touch a
-stored job: the file is named by the source's fingerprint, so a job over other data gets its own file.
+counted, not parsed), in parallel over the ranks (shard ``s`` by rank ``s % W``), at the job's first start;
+the counts are stored with the job (``_tbp/source_rows/<digest of the source's fingerprint>.json``) and every
+resume, with any world size, reads them back instead of counting again. The counting pass is logged with its
+cost. Its writes never touch a stored job: the file is named by the source's fingerprint, so a job over other
+data gets its own file.
 """
 
 from __future__ import annotations
