@@ -41,8 +41,8 @@ __all__ = ["Cursor", "ShardInfo", "Source", "SourceChangedError", "SourceDataErr
 
 
 class SourceDataError(BatchProcessError, ValueError):
-    """A shard's content does not match what the source expects (a line that is not JSON, a shard
-    that yields fewer rows than its declared ``num_rows``...). The message names the shard and row."""
+    """A shard's content does not match what the source expects (a line that is not JSON...; a shard with fewer
+    rows than counted raises the subclass :class:`SourceChangedError`). The message names the shard and row."""
 
 
 class SourceChangedError(SourceDataError):
