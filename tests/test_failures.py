@@ -386,6 +386,28 @@ def test_a_damaged_failures_file_is_named_by_read_failures_tbp_failures_and_retr
     assert not Path(storage, "retries").exists() or not any(Path(storage, "retries").iterdir())
 
 
+def test_a_deleted_failures_file_is_an_error_not_a_shorter_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished job's records count its failures: a file gone would make read_failures list fewer, and
+    retry_failed=True forget the missing examples for good."""
+    from torch_batch_process import OutputCorruptError
+
+    storage = str(tmp_path / "s")
+    dataset = list(range(12))
+    result = torch_batch_process(_FailsOnThree, dataset, batch_size=2, storage_path=storage, on_error="skip")
+    assert result.failed_examples == 1
+    (failures_file,) = Path(storage, "failures").glob("*.jsonl")
+    failures_file.unlink()
+    with pytest.raises(OutputCorruptError, match="committed 1 failure record.*hold 0"):
+        read_failures(storage)
+    assert cli_main(["failures", storage]) == 1
+    assert "committed 1 failure record" in capsys.readouterr().err
+    with pytest.raises(OutputCorruptError, match="committed 1 failure record"):
+        torch_batch_process(_Noop, dataset, batch_size=2, storage_path=storage, retry_failed=True)
+    assert not Path(storage, "retries").exists() or not any(Path(storage, "retries").iterdir())
+
+
 def test_failures_a_kill_left_staged_are_named_by_a_warning_then_published_by_the_next_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -285,3 +286,26 @@ def test_a_committed_output_folder_deleted_by_hand_is_refused_at_resume_and_only
     again = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(other))
     assert again.already_finished
     assert "committed output folder(s) are missing" in caplog.text
+
+
+def test_output_folders_and_record_names_the_job_did_not_write_are_left_alone(tmp_path, caplog):
+    """A ``commit_<s>`` folder that no record covers is named in a warning (globs of outputs/ would see it) and
+    left; a file in the records' folder whose name is not a record's (``99.json``) is not read as one."""
+    storage = tmp_path / "store"
+    assert torch_batch_process(
+        Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage)
+    ).preempted
+    stray = storage / "outputs" / "commit_98" / "rank_0" / "batch_999.json"
+    stray.parent.mkdir(parents=True)
+    stray.write_text("[]")
+    (storage / "_tbp" / "commits" / "99.json").write_text("{not a record")
+    result = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert result.finished and result.batches_skipped > 0
+    assert "not covered by the job's commit records" in caplog.text and "commit_98" in caplog.text
+    assert stray.exists()
+    stray.unlink()
+    counts = Counter()
+    for path in (storage / "outputs").rglob("batch_*.json"):
+        counts.update(json.loads(path.read_text()))
+    assert_exactly_once(counts, 40)
+    assert result.metrics["total"] == sum(range(40))

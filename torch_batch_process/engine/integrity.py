@@ -24,7 +24,7 @@ from torch_batch_process.storage.layout import (
     record_file,
 )
 
-__all__ = ["check_integrity"]
+__all__ = ["check_integrity", "warn_of_strays"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,31 @@ def _check_outputs(store: JobStore, latest: CommitRecord) -> None:
         "Restore them, or start afresh with resume=False (this erases the stored progress and outputs) or a new "
         "storage_path."
     )
+
+
+def warn_of_strays(store: JobStore, latest: CommitRecord) -> None:
+    """Warns of ``outputs/commit_<s>`` folders that no commit record covers. The job cannot have written them (it
+    publishes a stage only once a record covers it), so they were copied in by hand; they are left alone, but a
+    reader that globs ``outputs/`` would see their files."""
+    if latest.output_stages is None:
+        return
+    published = (name for name in store.storage.list(OUTPUTS_DIR) if name.startswith("commit_"))
+    strays = sorted(name for name in published if not _covered(name, latest))
+    if strays:
+        logger.warning(
+            "%d folder(s) under %s are not covered by the job's commit records, so the job did not write them "
+            "(first: %s); they are left as they are, but anything that reads outputs/ by a glob sees their files: "
+            "remove them",
+            len(strays),
+            store.storage.url_of(OUTPUTS_DIR),
+            strays[0],
+        )
+
+
+def _covered(folder: str, latest: CommitRecord) -> bool:
+    """Whether output folder ``commit_<s>`` is stage ``s`` of a record, by its canonical name."""
+    stem = folder[len("commit_") :]
+    return stem.isdigit() and stem == number_name(int(stem)) and int(stem) in latest.output_stages
 
 
 def _present(storage: Storage, rel: str) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.integrity import check_integrity
+from torch_batch_process.engine.integrity import check_integrity, warn_of_strays
 from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError
@@ -88,6 +88,8 @@ class JobOpener:
     def _read(self, planned: int, planned_examples: int) -> Start:
         self.storage.check()  # unreachable, missing bucket, no permission: a clear error before anything else
         job, latest = self._read_and_check()
+        if latest is not None and self.resume:
+            warn_of_strays(self.store, latest)
         if latest is not None and latest.finished and self.resume and latest.result is not None:
             if self.store.finished_repair_due(latest):
                 self.lock = self.storage.job_lock()

@@ -347,6 +347,7 @@ def _read(storage: Storage, rel: str, what: str) -> bytes:
 
 
 def _record_numbers(storage: Storage, folder: str) -> list[int]:
-    """Numbers of the commit records in ``folder`` (``<n>.json``), ascending."""
+    """Numbers of the commit records in ``folder`` (``<n>.json``, zero-padded as :func:`record_file` names
+    them), ascending. Other names (``7.json``, ``7.json.tmp``) are not records and are left alone."""
     stems = (name[: -len(".json")] for name in storage.list(folder) if name.endswith(".json"))
-    return sorted(int(stem) for stem in stems if stem.isdigit())
+    return sorted(int(stem) for stem in stems if stem.isdigit() and stem == number_name(int(stem)))

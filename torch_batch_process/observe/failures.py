@@ -35,28 +35,20 @@ def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None =
     try:
         if not storage.exists(JOB_FILE):
             raise NoJobError(f"no job is stored at {storage.url!r} (no {JOB_FILE})")
-        root = current_failures_root(storage)
-        _warn_if_staged(storage, root)  # before listing failures/: a stage moves from staging to there
-        return read_failure_records(storage, root)
+        return read_failure_records(storage, current_failures_root(storage))
     finally:
         storage.close()
 
 
-def _warn_if_staged(storage: Storage, root: str) -> None:
-    """Warns when committed failure records are still staged (a kill while publishing them)."""
-    from torch_batch_process.engine.store import latest_record_at
-    from torch_batch_process.outputs.completeness import still_staged
-
-    try:
-        record = latest_record_at(storage, root)
-    except CheckpointCorruptError:  # the published records can still be read
-        return
-    if record is not None:
-        still_staged(storage, root, record, "failure records")
-
-
 def read_failure_records(storage: Storage, root: str = "") -> list[dict[str, Any]]:
-    """The committed failure records in ``<root>/failures/`` of ``storage``, ordered by dataset index."""
+    """The committed failure records in ``<root>/failures/`` of ``storage``, ordered by dataset index.
+
+    Raises:
+        OutputCorruptError: a failures file cannot be read, or a finished job's files hold another number of
+            records than its commit records count (files deleted or copied in): a retry would silently forget
+            the missing ones.
+    """
+    expected = _committed_failures(storage, root)  # before listing failures/: a stage moves from staging to there
     folder = f"{root}/{FAILURES_DIR}" if root else FAILURES_DIR
     records: list[dict[str, Any]] = []
     for name in storage.list(folder):
@@ -70,11 +62,35 @@ def read_failure_records(storage: Storage, root: str = "") -> list[dict[str, Any
             except (ValueError, NotAFileError) as exc:  # bad JSON or UTF-8, a folder in its place
                 raise OutputCorruptError(
                     f"{storage.url_of(rel)}: this committed failures file cannot be read ({exc}); it is damaged. "
-                    "Restore it from a backup, or move it out of the folder to read the other failures (its "
-                    "examples are then no longer listed, nor retried by retry_failed=True)"
+                    "Restore it from a backup: until then its examples can be neither listed nor retried by "
+                    "retry_failed=True"
                 ) from exc
             records.extend(found)
+    if expected is not None and len(records) != expected:
+        change = "deleted, or not restored with the rest" if len(records) < expected else "copied in twice?"
+        raise OutputCorruptError(
+            f"{storage.url_of(folder)}: the job committed {expected} failure record(s), but its files hold "
+            f"{len(records)} (files {change}). Restore the folder from a backup; reading on would list, and "
+            "retry_failed=True would retry, the wrong examples"
+        )
     return sorted(records, key=lambda r: (r.get("index", 0), r.get("attempt", 0)))
+
+
+def _committed_failures(storage: Storage, root: str) -> int | None:
+    """The failure records that the finished job in folder ``root`` committed; ``None`` when that cannot be
+    checked now: a job still running or paused (its files may trail or pass its last record), a damaged record
+    (the files can still be read), or committed failures still staged (a kill while publishing them: warned)."""
+    from torch_batch_process.engine.store import latest_record_at
+    from torch_batch_process.outputs.completeness import still_staged
+
+    try:
+        record = latest_record_at(storage, root)
+    except CheckpointCorruptError:
+        return None
+    if record is None or still_staged(storage, root, record, "failure records") or not record.finished:
+        return None
+    count = record.stats.get("failed_examples")
+    return count if isinstance(count, int) else None
 
 
 def add_failures_parser(subparsers: Any) -> argparse.ArgumentParser:
