@@ -194,6 +194,34 @@ def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:
     assert output_counts(spec["storage"]) == Counter(range(N))
 
 
+@pytest.mark.parametrize(("num_workers", "schedule"), [(0, "static"), (2, "dynamic")])
+def test_a_batch_whose_loading_hangs_ends_every_rank(tmp_path: Path, num_workers: int, schedule: str) -> None:
+    """batch_timeout covers loading: a hang in the dataset's __getitem__ (in the main process, or in a DataLoader
+    worker, which ignores SIGTERM while the job runs) fails the job promptly on every rank, never a hang."""
+    timeout = 3.0
+    spec = spec_for(
+        tmp_path, bad_load=[], bad_process=[], stuck_load=37, batch_timeout=timeout, num_workers=num_workers,
+        schedule=schedule, sleep=0.02,
+    )
+    results = run_job(spec, 2, timeout=120)
+    ended = time.time()
+    stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
+    print(f"workers={num_workers}: every rank ended {ended - stuck_at:.1f} s after the load got stuck")
+    assert ended - stuck_at < timeout + 20, f"ranks ended {ended - stuck_at:.1f}s after the load got stuck"
+    assert [rc for rc, _, _ in results] == [1, 1]
+    errors = [report(spec, rank)["error"] for rank in (0, 1)]
+    assert sorted(e["type"] for e in errors) == ["BatchTimeoutError", "WorkerFailedError"], errors
+    stuck = next(e for e in errors if e["type"] == "BatchTimeoutError")["message"]
+    assert f"loading batch {37 // BATCH} on rank" in stuck, stuck
+    for rc, out, err in results:  # every rank dumped its stacks to the log
+        assert "Stacks of rank" in err or "stacks of rank" in err, (rc, out[-2000:], err[-3000:])
+
+    resumed = dict(spec, stuck_load=None, attempt=2)
+    results = run_job(resumed, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    assert output_counts(spec["storage"]) == Counter(range(N))
+
+
 def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> None:
     """A batch the watchdog cannot interrupt: the rank ends itself after the grace period, the other follows."""
     timeout = 2.0

@@ -110,8 +110,9 @@ def torch_batch_process(
             :mod:`torch_batch_process.engine.failures`).
         max_failures: with ``"skip"``: the most examples that may fail, an int count or a float fraction of the
             examples; past it the job fails with :class:`TooManyFailuresError` (resumable). ``None``: no limit.
-        batch_timeout: seconds a batch may run; a longer one makes the ranks dump their Python stacks to the
-            log and the job fail with :class:`BatchTimeoutError` (see :mod:`torch_batch_process.engine.watchdog`).
+        batch_timeout: seconds a batch may run, or take to load; a longer one makes the ranks dump their Python
+            stacks to the log and the job fail with :class:`BatchTimeoutError` (see
+            :mod:`torch_batch_process.engine.watchdog`).
         retry_failed: on a finished job: process only its recorded failures, as a retry job stored in
             ``<storage_path>/retries/<k>/``; those that succeed are cleared from the failures, the result is the
             retry's (see :mod:`torch_batch_process.engine.retry`).

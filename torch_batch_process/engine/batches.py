@@ -15,6 +15,9 @@ directly while no profiler is on, and through ``next()`` (with the range) while 
 from __future__ import annotations
 
 import collections
+import contextlib
+import multiprocessing
+import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -29,6 +32,9 @@ from torch_batch_process.engine.scheduler import Scheduler
 from torch_batch_process.errors import WorkerLostError
 
 __all__ = ["BatchFeed", "LoadFailed"]
+
+_KILLED_JOIN_S = 5.0
+"""How long :meth:`BatchFeed.close` waits for a killed worker to be gone."""
 
 
 class LoadFailed(Exception):
@@ -71,12 +77,15 @@ class BatchFeed:
     ) -> None:
         self._ids: collections.deque[int] = collections.deque()
         kwargs = dict(loader_kwargs)
-        kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
+        self._worker_init = _WorkerInit(kwargs.get("worker_init_fn"))
+        kwargs["worker_init_fn"] = self._worker_init
         if device.type == "cuda":
             kwargs.setdefault("pin_memory", True)
         self.loader = DataLoader(dataset, batch_sampler=_PlanSampler(scheduler, plan, self._ids), **kwargs)
         self._iter: Iterator[Any] | None = None
         self._direct: Callable[[], Any] | None = None  # the iterator's next batch without its profiler range
+        self.watch: Callable[[Callable[[], int | None]], contextlib.AbstractContextManager[Any]] | None = None
+        """``batch_timeout``: times each wait for a batch (``BatchWatchdog.loading``); set before the first batch."""
 
     def start(self) -> None:
         """Starts the loader (its workers fork here) and its first claims."""
@@ -91,7 +100,11 @@ class BatchFeed:
         self.start()
         assert self._iter is not None
         try:
-            batch = self._direct() if self._direct is not None and not _profiler_enabled() else next(self._iter)
+            if self.watch is None:  # the common case, inline: this runs once per batch
+                batch = self._direct() if self._direct is not None and not _profiler_enabled() else next(self._iter)
+            else:
+                with self.watch(self._waiting_for):
+                    batch = self._fetch()
         except StopIteration:
             raise
         except WorkerLostError:  # the scheduler lost the rendezvous store: not this batch's fault
@@ -102,13 +115,36 @@ class BatchFeed:
             raise LoadFailed(self._ids.popleft(), exc) from exc
         return self._ids.popleft(), batch
 
+    def _fetch(self) -> Any:
+        assert self._iter is not None
+        return self._direct() if self._direct is not None and not _profiler_enabled() else next(self._iter)
+
+    def _waiting_for(self) -> int | None:
+        """The batch the feed waits for (the loader yields in the sampler's order), ``None`` before its claim."""
+        ids = self._ids
+        return ids[0] if ids else None
+
     def close(self) -> None:
         """Stops the loader's worker processes (explicitly: a loading error kept alive, e.g. in a failure record's
-        exception chain, would otherwise keep the loader's iterator and its workers alive until exit)."""
+        exception chain, would otherwise keep the loader's iterator and its workers alive until exit).
+
+        Workers ignore SIGTERM while the job runs (see :class:`_WorkerInit`), so the ``DataLoader``'s own
+        ``terminate()`` of a worker that does not stop (stuck in a load: a ``batch_timeout``) would not end it,
+        and the interpreter's exit would wait for it forever. From here on SIGTERM ends a worker (exit code 0,
+        which the loader's child watch accepts); one still alive after the loader's shutdown (stuck in native
+        code) is killed.
+        """
         it, self._iter, self._direct = self._iter, None, None
         shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        if shutdown is None:
+            return
+        workers = list(getattr(it, "_workers", ()))
+        self._worker_init.stopping.value = 1
+        shutdown()
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=_KILLED_JOIN_S)
 
 
 def _without_profiler_range(iterator: Iterator[Any]) -> Callable[[], Any] | None:
@@ -120,14 +156,21 @@ def _without_profiler_range(iterator: Iterator[Any]) -> Callable[[], Any] | None
 
 
 class _WorkerInit:
-    """DataLoader worker initializer: workers ignore SIGINT/SIGTERM (the main process stops them after
-    committing), then run the user's ``worker_init_fn``."""
+    """DataLoader worker initializer: workers ignore SIGINT, and SIGTERM until the feed closes (a preemption's
+    SIGTERM to the whole process group must not end them before the main process commits; the main process stops
+    them after committing), then run the user's ``worker_init_fn``."""
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
+        self.stopping = multiprocessing.RawValue("b", 0)  # shared memory: 1 once the feed closes
 
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        del signum, frame
+        if self.stopping.value:  # the loader's terminate() at close: the worker did not stop on its own
+            os._exit(0)

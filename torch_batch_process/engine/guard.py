@@ -23,10 +23,11 @@ if TYPE_CHECKING:
 __all__ = ["check_failures", "guard_runner"]
 
 
-def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> BatchWatchdog | None:
-    """Sets up ``on_error="skip"`` and ``batch_timeout`` on ``runner``; returns the started watchdog (close it)."""
+def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> None:
+    """Sets up ``on_error="skip"`` and ``batch_timeout`` on ``runner`` and ``feed``; a started watchdog goes to
+    ``job.watchdog``, which the job closes when its call ends (so that a rank whose batches are done still dumps
+    its stacks when another rank's batch times out)."""
     options = job.args.failures
-    watchdog = None
     if options.batch_timeout is not None:
         store = None
         if job.world_size > 1:
@@ -34,7 +35,9 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> BatchWatc
             store = lambda: job.env.call_store(call_id).clone()  # noqa: E731
         watchdog = BatchWatchdog(options.batch_timeout, job.rank, store)
         runner.span = watchdog.span
+        feed.watch = watchdog.loading  # a batch whose loading hangs is a stuck batch too
         watchdog.start()
+        job.watchdog = watchdog
     if options.skip:
         device = job.env.device
         place: Any = (lambda batch: to_device(batch, device)) if job.device_prefetch else (lambda batch: batch)
@@ -54,7 +57,6 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> BatchWatc
             limit=options.limit(job.plan.num_examples),
             failures_url=job.storage.url_of(FAILURES_DIR),
         )
-    return watchdog
 
 
 def check_failures(job: JobRun, outcome: Outcome | None) -> None:

@@ -46,6 +46,7 @@ from torch_batch_process.engine.results import job_result, stored_result
 from torch_batch_process.engine.runner import BatchRunner
 from torch_batch_process.engine.scheduler import Scheduler, make_scheduler
 from torch_batch_process.engine.streams import StreamJob, is_source
+from torch_batch_process.engine.watchdog import BatchWatchdog
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.outputs.files import OutputStager
@@ -113,6 +114,7 @@ class JobRun:
         self._prefixed_store: Any = None
         self._scheduler: Scheduler | None = None
         self._peers: Heartbeats | None = None
+        self.watchdog: BatchWatchdog | None = None  # batch_timeout: watches until the call ends (engine/guard.py)
         self._result: Callable[..., BatchProcessResult] = partial(job_result)  # bound to the call in run()
 
     # ------------------------------------------------------------------------ lifecycle
@@ -211,7 +213,7 @@ class JobRun:
         if self.stream is not None:  # a source: its dataset view, worker-affine order, columnar collation
             dataset, order, kwargs = self.stream.feed_parts(scheduler, kwargs, self.plan)
         feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
-        watchdog = guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/guard.py)
+        guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/guard.py)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:
@@ -244,8 +246,6 @@ class JobRun:
         finally:
             batches.close()
             feed.close()  # stops the loader's worker processes
-            if watchdog is not None:
-                watchdog.close()
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
         """``on_checkpoint_start()`` before a commit (a rank that failed already skips it)."""
@@ -291,6 +291,8 @@ class JobRun:
         outlive it), then the stager, the observer, the lock and the storage's local resources."""
         if self._peers is not None:
             self._peers.close()
+        if self.watchdog is not None:  # after the closing commit: a timeout on a rank still busy is dumped here too
+            self.watchdog.close()
         if self.committer is not None:
             self.committer.shutdown()
         if self.stager is not None:

@@ -1,8 +1,11 @@
 """``batch_timeout``: a watchdog thread per rank, so that a stuck batch never hangs the job (DESIGN §11).
 
 The runner marks each ``process_batch`` call (and each load and call of a split batch's parts, see
-:mod:`torch_batch_process.engine.failures`) with :meth:`BatchWatchdog.span`. When one runs longer than
-``batch_timeout`` seconds, the rank's watchdog:
+:mod:`torch_batch_process.engine.failures`) with :meth:`BatchWatchdog.span`, and the feed marks each wait for
+the next batch from the ``DataLoader`` (the dataset's ``__getitem__`` and the ``collate_fn`` in the main process,
+or the wait for the workers) with :meth:`BatchWatchdog.loading`: a batch whose loading hangs (a stuck network
+read, a dead lock) is a stuck batch too. When one runs longer than ``batch_timeout`` seconds, the rank's
+watchdog:
 
 1. logs an error naming the batch and the rank, with the Python stack of every thread of the process;
 2. tells the other ranks (a counter in the job's rendezvous store): each logs its own stacks too;
@@ -16,7 +19,7 @@ The runner marks each ``process_batch`` call (and each load and call of a split 
    told about a timeout elsewhere does the same if it has not ended ``2 * grace_s`` seconds later.
 
 The last commit stays intact in every case (commits are atomic, as against ``kill -9``), so running the job
-again resumes. Loading by the ``DataLoader`` is not timed: its own ``timeout`` option covers stuck workers.
+again resumes.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class BatchWatchdog:
         self._poll_s = min(0.5, max(0.05, timeout_s / 10))
         self._remote_poll_s = min(5.0, max(1.0, timeout_s / 4))  # one store request per rank per this many seconds
         self._next_remote = 0.0
-        self._batch: int | None = None
+        self._batch: int | Callable[[], int | None] | None = None  # what runs: a batch, or a load (see loading())
         self._since = 0.0
         self._pending: BatchTimeoutError | None = None
         self._fired_at: float | None = None
@@ -96,6 +99,17 @@ class BatchWatchdog:
         """Times one call of batch ``batch_idx``."""
         self._since = time.monotonic()
         self._batch = batch_idx
+        try:
+            yield
+        finally:
+            self._batch = None
+
+    @contextlib.contextmanager
+    def loading(self, waiting_for: Callable[[], int | None]) -> Iterator[None]:
+        """Times one wait for the next batch from the loader; ``waiting_for()`` tells which batch it is, when
+        the timeout fires (``None``: not known yet, e.g. not claimed yet)."""
+        self._since = time.monotonic()
+        self._batch = waiting_for
         try:
             yield
         finally:
@@ -144,10 +158,18 @@ class BatchWatchdog:
             return None
         return store
 
-    def _fire(self, batch: int, now: float, store: Any) -> None:
+    def _fire(self, batch: int | Callable[[], int | None], now: float, store: Any) -> None:
         self._fired_at = now
+        if callable(batch):
+            loaded = batch()
+            what = f"loading batch {loaded} on rank {self.rank}" if loaded is not None else (
+                f"loading the next batch of rank {self.rank}"
+            )
+            what += " (the dataset's __getitem__, the collate_fn or the DataLoader's workers)"
+        else:
+            what = f"batch {batch} on rank {self.rank}"
         message = (
-            f"batch {batch} on rank {self.rank} ran longer than batch_timeout={self.timeout_s:g}s; the job stops "
+            f"{what} ran longer than batch_timeout={self.timeout_s:g}s; the job stops "
             "(the last commit is intact: run it again to resume)"
         )
         logger.error("rank %d: %s. Stacks of rank %d:\n%s", self.rank, message, self.rank, _stacks())
