@@ -99,13 +99,8 @@ class JobRun:
         self.failures = FailureTracker(self.rank)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(self.rank), f"tensorboard-rank{self.rank}")
         self.observer = JobObserver(
-            options or ObserveOptions(),
-            rank=self.rank,
-            world_size=self.world_size,
-            job_name=args.job_name,
-            batch_size=args.batch_size,
-            tensorboard=self.tensorboard,
-            device=env.device,
+            options or ObserveOptions(), rank=self.rank, world_size=self.world_size, job_name=args.job_name,
+            batch_size=args.batch_size, tensorboard=self.tensorboard, device=env.device,
         )
         self.committer: Committer | None = None
         self.stager: OutputStager | None = None
@@ -246,6 +241,8 @@ class JobRun:
         finally:
             batches.close()
             feed.close()  # stops the loader's worker processes
+            if self.watchdog is not None:
+                self.watchdog.steps_done()
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
         """``on_checkpoint_start()`` before a commit (a rank that failed already skips it)."""

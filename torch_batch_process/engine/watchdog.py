@@ -16,7 +16,7 @@ watchdog:
    :class:`~torch_batch_process.errors.WorkerFailedError` with its traceback;
 4. when the main thread is still stuck ``grace_s`` seconds later (inside native code that does not return),
    logs the stacks again and ends the process with exit code 1 (``os._exit``, after flushing the logs). A rank
-   told about a timeout elsewhere does the same if it has not ended ``2 * grace_s`` seconds later.
+   told about a timeout elsewhere does the same if its batches have not stopped ``2 * grace_s`` seconds later.
 
 The last commit stays intact in every case (commits are atomic, as against ``kill -9``), so running the job
 again resumes.
@@ -72,6 +72,7 @@ class BatchWatchdog:
         self._pending: BatchTimeoutError | None = None
         self._fired_at: float | None = None
         self._remote_at: float | None = None
+        self._stepping = True  # until steps_done(): a rank that stays busy after a timeout elsewhere is ended
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler: Any = None
@@ -83,6 +84,11 @@ class BatchWatchdog:
             self._previous_handler = signal.signal(SIGNAL, self._on_signal)
         self._thread = threading.Thread(target=self._watch, name="tbp-watchdog", daemon=True)
         self._thread.start()
+
+    def steps_done(self) -> None:
+        """The rank's batches are over: from now on a timeout on another rank is only dumped (the closing commit,
+        which learns of it from the votes, may take its time to publish what was committed)."""
+        self._stepping = False
 
     def close(self) -> None:
         """Stops the thread and restores the signal handler."""
@@ -140,7 +146,7 @@ class BatchWatchdog:
                 store = self._check_remote(store, now)
             if self._fired_at is not None and self._batch is not None and now - self._fired_at > self._grace_s:
                 self._exit(f"batch {self._batch} is still running {self._grace_s:g}s after its BatchTimeoutError")
-            if self._remote_at is not None and now - self._remote_at > 2 * self._grace_s:
+            if self._remote_at is not None and self._stepping and now - self._remote_at > 2 * self._grace_s:
                 self._exit("a batch on another rank timed out and this rank has not stopped")
         if self._fired_at is None and self._remote_at is None and store is not None:
             self._check_remote(store, time.monotonic())  # the job stopped faster than a poll: dump now
