@@ -222,6 +222,49 @@ def test_a_batch_whose_loading_hangs_ends_every_rank(tmp_path: Path, num_workers
     assert output_counts(spec["storage"]) == Counter(range(N))
 
 
+@pytest.mark.parametrize("how", ["kill -9", "SIGTERM twice"])
+def test_a_loader_worker_stuck_in_a_load_does_not_outlive_its_rank(tmp_path: Path, how: str) -> None:
+    """DataLoader workers ignore SIGTERM while the job runs and a worker stuck in a load never checks on its
+    parent: when the rank ends at once (kill -9, or a second SIGTERM), the worker must end with it."""
+    spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_load=37, num_workers=2, on_error="raise")
+    (proc,) = spawn_ranks(1, FAILING_JOB, json.dumps(spec))
+    stuck = Path(spec["report_dir"], "stuck_at")
+    deadline = time.monotonic() + 90
+    while not stuck.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stuck.exists(), wait_all([proc], 5)[0][2][-3000:]
+    worker = int(Path(spec["report_dir"], "stuck_pid").read_text())
+    assert worker != proc.pid, "the stuck load runs in a DataLoader worker"
+    if how == "kill -9":
+        proc.kill()
+    else:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(3)  # the second one, after the window in which a repeat counts as the same request
+        proc.send_signal(signal.SIGTERM)
+    ((rc, _, err),) = wait_all([proc], 30)
+    assert rc is not None and rc != 0, err[-3000:]
+    deadline = time.monotonic() + 15
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(worker)
+    if alive:
+        os.kill(worker, signal.SIGKILL)
+    assert not alive, f"the DataLoader worker {worker} outlived its rank ({how})"
+
+    resumed = dict(spec, stuck_load=None, attempt=2)
+    assert run_job(resumed, 1)[0][0] == 0
+    assert output_counts(spec["storage"]) == Counter(range(N))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> None:
     """A batch the watchdog cannot interrupt: the rank ends itself after the grace period, the other follows."""
     timeout = 2.0

@@ -40,6 +40,7 @@ class Items(torch.utils.data.Dataset):
             raise ValueError(f"cannot load item {i}")
         if i == SPEC.get("stuck_load"):  # loading this example hangs (a stuck network read)
             Path(SPEC["report_dir"]).mkdir(parents=True, exist_ok=True)
+            Path(SPEC["report_dir"], "stuck_pid").write_text(str(os.getpid()))  # a DataLoader worker's, or the rank's
             Path(SPEC["report_dir"], "stuck_at").write_text(str(time.time()))
             time.sleep(3600)
         return torch.tensor(i)

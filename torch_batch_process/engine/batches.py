@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -167,6 +169,7 @@ class _WorkerInit:
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        _die_with_parent()
         if self.user_fn is not None:
             self.user_fn(worker_id)
 
@@ -174,3 +177,19 @@ class _WorkerInit:
         del signum, frame
         if self.stopping.value:  # the loader's terminate() at close: the worker did not stop on its own
             os._exit(0)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGKILL when the process that started it ends, however it ends (``kill -9``, a
+    second SIGTERM's stop at once). A worker stuck in a load never looks at its parent, as the ``DataLoader``'s
+    workers otherwise do between batches, and would outlive the job. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no libc prctl (an unusual libc): workers keep the loader's own check
+        pass
