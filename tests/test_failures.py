@@ -265,6 +265,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_a_dead_loader_worker_fails_the_job_even_when_skipping_and_is_no_example_s_failure(tmp_path: Path) -> None:
+    """A DataLoader worker killed (the out-of-memory killer) is reported by the loader wherever the main thread is
+    (its next batch, or process_batch, or a commit, through its SIGCHLD handler): it must fail the job with a clear
+    error, not be bisected as if examples had failed, and a re-run resumes."""
+    spec = spec_for(tmp_path, bad_load=[], bad_process=[], kill_worker_at=37, num_workers=2, sleep=0.01)
+    results = run_job(spec, 2, timeout=120)
+    assert [rc for rc, _, _ in results] == [1, 1], results[0][2][-3000:]
+    errors = [report(spec, rank)["error"] for rank in (0, 1)]
+    assert sorted(e["type"] for e in errors) == ["LoaderWorkerDiedError", "WorkerFailedError"], errors
+    died = next(e for e in errors if e["type"] == "LoaderWorkerDiedError")["message"]
+    assert "DataLoader worker (pid" in died and "out-of-memory" in died, died  # killed by signal / exited
+    assert read_failures(spec["storage"]) == []  # no example was blamed
+
+    resumed = dict(spec, kill_worker_at=None, attempt=2)
+    results = run_job(resumed, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    assert report(resumed, 0, attempt=2)["result"]["failed_examples"] == 0
+    assert output_counts(spec["storage"]) == Counter(range(N))
+
+
 def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> None:
     """A batch the watchdog cannot interrupt: the rank ends itself after the grace period, the other follows."""
     timeout = 2.0

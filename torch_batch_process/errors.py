@@ -65,6 +65,30 @@ LOST_HINT = (  # what a WorkerLostError tells the user to do
     "another rank of this job stopped answering (it crashed, was killed, or the network failed). "
     "The last commit is intact: run the job again to resume from it"
 )
+class LoaderWorkerDiedError(BatchProcessError, RuntimeError):
+    """A ``DataLoader`` worker process of this rank died (killed by a signal, often the kernel's out-of-memory
+    killer, or exited). No example's fault: it fails the job even with ``on_error="skip"``; the last commit is
+    intact, so running the job again resumes."""
+
+    @classmethod
+    def wrap(cls, exc: BaseException) -> LoaderWorkerDiedError | None:
+        """This error for the ``DataLoader``'s own report of a dead worker (a ``RuntimeError`` raised by its next
+        batch, or by its SIGCHLD handler wherever the main thread is: in ``process_batch``, in a commit), with
+        ``exc`` as its cause; ``None`` for any other exception."""
+        if isinstance(exc, cls) or not isinstance(exc, RuntimeError):
+            return None
+        if not str(exc).startswith("DataLoader worker (pid"):
+            return None
+        report = str(exc).strip().rstrip(".")
+        error = cls(
+            f"{report}. A DataLoader worker of this rank died: no example's fault (the kernel's "
+            "out-of-memory killer is the usual cause: lower num_workers, prefetch_factor or the batch size). The job "
+            "stops, even with on_error='skip'; the last commit is intact: run it again to resume."
+        )
+        error.__cause__ = exc
+        return error
+
+
 class BatchTimeoutError(BatchProcessError, TimeoutError):
     """A batch ran longer than ``batch_timeout`` seconds (see :mod:`torch_batch_process.engine.watchdog`)."""
 

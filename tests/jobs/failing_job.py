@@ -3,7 +3,8 @@
 The spec comes as JSON in argv[1]: ``storage``, ``report_dir``, ``n``, ``batch_size``, ``bad_load`` (indices
 whose ``__getitem__`` raises), ``bad_process`` (indices that make ``process_batch`` raise when in its batch),
 ``on_error``, ``max_failures``, ``batch_timeout``, ``stuck_batch`` (a batch whose ``process_batch`` sleeps for
-an hour), ``stuck_load`` (an example whose ``__getitem__`` sleeps for an hour), ``stuck_mode`` (``"blocked"``:
+an hour), ``stuck_load`` (an example whose ``__getitem__`` sleeps for an hour), ``kill_worker_at`` (an example whose loading
+in a DataLoader worker SIGKILLs the worker), ``stuck_mode`` (``"blocked"``:
 the stuck batch blocks the watchdog's signal), ``sleep`` (seconds per batch), ``num_workers``, ``schedule``,
 ``checkpoint_interval``, ``progress_file`` (touched at the first batch), ``kill_before_result`` (the process
 SIGKILLs itself when the library is about to write ``result.json``, right after the final commit record),
@@ -38,6 +39,8 @@ class Items(torch.utils.data.Dataset):
     def __getitem__(self, i):
         if i in BAD_LOAD:
             raise ValueError(f"cannot load item {i}")
+        if i == SPEC.get("kill_worker_at") and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)  # a DataLoader worker dies (as by the out-of-memory killer)
         if i == SPEC.get("stuck_load"):  # loading this example hangs (a stuck network read)
             Path(SPEC["report_dir"]).mkdir(parents=True, exist_ok=True)
             Path(SPEC["report_dir"], "stuck_pid").write_text(str(os.getpid()))  # a DataLoader worker's, or the rank's

@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass
 
 from torch_batch_process.engine.distributed import Collectives, PendingMax
-from torch_batch_process.errors import WorkerFailedError
+from torch_batch_process.errors import LoaderWorkerDiedError, WorkerFailedError
 
 
 class Decision(enum.Enum):
@@ -64,6 +64,9 @@ class FailureTracker:
         return self.exception is not None
 
     def record(self, exc: BaseException, where: str) -> None:
+        died = LoaderWorkerDiedError.wrap(exc)  # may surface anywhere: it is the loader's, not that place's
+        if died is not None:
+            exc, where = died, "the DataLoader's workers"
         if self.exception is None:
             self.exception = exc
             self.info = FailureInfo(

@@ -16,11 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import multiprocessing
-import os
-import signal
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,14 +24,12 @@ from torch.autograd import _profiler_enabled
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from torch_batch_process.engine.loader_workers import LoaderWorkers
 from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.scheduler import Scheduler
 from torch_batch_process.errors import WorkerLostError
 
 __all__ = ["BatchFeed", "LoadFailed"]
-
-_KILLED_JOIN_S = 5.0
-"""How long :meth:`BatchFeed.close` waits for a killed worker to be gone."""
 
 
 class LoadFailed(Exception):
@@ -79,8 +72,8 @@ class BatchFeed:
     ) -> None:
         self._ids: collections.deque[int] = collections.deque()
         kwargs = dict(loader_kwargs)
-        self._worker_init = _WorkerInit(kwargs.get("worker_init_fn"))
-        kwargs["worker_init_fn"] = self._worker_init
+        self._workers = LoaderWorkers(kwargs.get("worker_init_fn"))
+        kwargs["worker_init_fn"] = self._workers.init
         if device.type == "cuda":
             kwargs.setdefault("pin_memory", True)
         self.loader = DataLoader(dataset, batch_sampler=_PlanSampler(scheduler, plan, self._ids), **kwargs)
@@ -94,6 +87,7 @@ class BatchFeed:
         if self._iter is None:
             self._iter = iter(self.loader)
             self._direct = _without_profiler_range(self._iter)
+            self._workers.started(self._iter)
 
     def __iter__(self) -> BatchFeed:
         return self
@@ -101,6 +95,8 @@ class BatchFeed:
     def __next__(self) -> tuple[int, Any]:
         self.start()
         assert self._iter is not None
+        if self._workers.died is not None:  # reported meanwhile (engine/loader_workers.py): raised here, safely
+            raise LoadFailed(self._ids[0] if self._ids else -1, self._workers.died)
         try:
             if self.watch is None:  # the common case, inline: this runs once per batch
                 batch = self._direct() if self._direct is not None and not _profiler_enabled() else next(self._iter)
@@ -128,25 +124,10 @@ class BatchFeed:
 
     def close(self) -> None:
         """Stops the loader's worker processes (explicitly: a loading error kept alive, e.g. in a failure record's
-        exception chain, would otherwise keep the loader's iterator and its workers alive until exit).
-
-        Workers ignore SIGTERM while the job runs (see :class:`_WorkerInit`), so the ``DataLoader``'s own
-        ``terminate()`` of a worker that does not stop (stuck in a load: a ``batch_timeout``) would not end it,
-        and the interpreter's exit would wait for it forever. From here on SIGTERM ends a worker (exit code 0,
-        which the loader's child watch accepts); one still alive after the loader's shutdown (stuck in native
-        code) is killed.
-        """
+        exception chain, would otherwise keep the loader's iterator and its workers alive until exit), even one
+        stuck in a load (see :mod:`~torch_batch_process.engine.loader_workers`)."""
         it, self._iter, self._direct = self._iter, None, None
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is None:
-            return
-        workers = list(getattr(it, "_workers", ()))
-        self._worker_init.stopping.value = 1
-        shutdown()
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=_KILLED_JOIN_S)
+        self._workers.stop(it)
 
 
 def _without_profiler_range(iterator: Iterator[Any]) -> Callable[[], Any] | None:
@@ -155,41 +136,3 @@ def _without_profiler_range(iterator: Iterator[Any]) -> Callable[[], Any] | None
     if not isinstance(iterator, _BaseDataLoaderIter) or getattr(iterator, "_sampler_iter", None) is None:
         return None
     return getattr(iterator, "_next_data", None)
-
-
-class _WorkerInit:
-    """DataLoader worker initializer: workers ignore SIGINT, and SIGTERM until the feed closes (a preemption's
-    SIGTERM to the whole process group must not end them before the main process commits; the main process stops
-    them after committing), then run the user's ``worker_init_fn``."""
-
-    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
-        self.user_fn = user_fn
-        self.stopping = multiprocessing.RawValue("b", 0)  # shared memory: 1 once the feed closes
-
-    def __call__(self, worker_id: int) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        _die_with_parent()
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        del signum, frame
-        if self.stopping.value:  # the loader's terminate() at close: the worker did not stop on its own
-            os._exit(0)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: the worker gets SIGKILL when the process that started it ends, however it ends (``kill -9``, a
-    second SIGTERM's stop at once). A worker stuck in a load never looks at its parent, as the ``DataLoader``'s
-    workers otherwise do between batches, and would outlive the job. Elsewhere: nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # no libc prctl (an unusual libc): workers keep the loader's own check
-        pass

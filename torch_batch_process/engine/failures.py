@@ -45,7 +45,13 @@ from typing import Any
 
 from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.part import Part
-from torch_batch_process.errors import BatchTimeoutError, SchemaConflictError, TooManyFailuresError, WorkerLostError
+from torch_batch_process.errors import (
+    BatchTimeoutError,
+    LoaderWorkerDiedError,
+    SchemaConflictError,
+    TooManyFailuresError,
+    WorkerLostError,
+)
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 from torch_batch_process.sources.base import SourceChangedError
@@ -54,10 +60,18 @@ __all__ = ["FailureHandler", "check_total", "no_span", "too_many_message"]
 
 logger = logging.getLogger(__name__)
 
-FATAL = (BatchTimeoutError, TooManyFailuresError, WorkerLostError, SchemaConflictError, SourceChangedError)
+FATAL = (
+    BatchTimeoutError,
+    TooManyFailuresError,
+    WorkerLostError,
+    SchemaConflictError,
+    SourceChangedError,
+    LoaderWorkerDiedError,
+)
 """Errors that fail the job even with ``on_error="skip"``: they are not an example's fault (a streaming source's
 shard that holds fewer rows than counted fails the job as with ``on_error="raise"``; a row that cannot be
-decoded, e.g. a JSONL line that is not JSON, is that row's failure)."""
+decoded, e.g. a JSONL line that is not JSON, is that row's failure; a dead ``DataLoader`` worker is reported by the
+loader as a ``RuntimeError``, which :meth:`FailureHandler.recoverable` tells apart)."""
 
 
 def too_many_message(failed: int, limit: int, failures_url: str) -> str:
@@ -131,7 +145,7 @@ class FailureHandler:
     @staticmethod
     def recoverable(exc: BaseException) -> bool:
         """Whether ``exc`` is an example's failure (else it fails the job)."""
-        return isinstance(exc, Exception) and not isinstance(exc, FATAL)
+        return isinstance(exc, Exception) and not isinstance(exc, FATAL) and LoaderWorkerDiedError.wrap(exc) is None
 
     # ------------------------------------------------------------------ one attempt as a transaction
 
