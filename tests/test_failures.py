@@ -171,14 +171,21 @@ def test_max_failures_counts_all_ranks(tmp_path: Path) -> None:
     assert report(again, 0, attempt=2)["error"]["type"] == "TooManyFailuresError"
 
 
-def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:
-    timeout = 3.0
-    spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_batch=9, batch_timeout=timeout, sleep=0.05)
+def _run_until_stuck(spec: dict[str, Any], within: float, what: str) -> list[tuple[int | None, str, str]]:
+    """Runs ``spec`` on 2 ranks, whose batch or load gets stuck (it writes ``stuck_at``); asserts that every rank
+    ended within ``within`` seconds of that; returns the ranks' outcomes."""
     results = run_job(spec, 2, timeout=120)
     ended = time.time()
     stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
-    print(f"batch_timeout={timeout}: every rank ended {ended - stuck_at:.1f} s after the stuck batch started")
-    assert ended - stuck_at < timeout + 10, f"ranks ended {ended - stuck_at:.1f}s after the stuck batch started"
+    print(f"{what}: every rank ended {ended - stuck_at:.1f} s after the batch or load got stuck")
+    assert ended - stuck_at < within, f"ranks ended {ended - stuck_at:.1f}s after the batch or load got stuck"
+    return results
+
+
+def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:
+    timeout = 3.0
+    spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_batch=9, batch_timeout=timeout, sleep=0.05)
+    results = _run_until_stuck(spec, within=timeout + 10, what=f"batch_timeout={timeout}")
     assert [rc for rc, _, _ in results] == [1, 1]
     assert report(spec, 1)["error"]["type"] == "BatchTimeoutError"  # batch 9 runs on rank 1
     assert "batch 9 on rank 1" in report(spec, 1)["error"]["message"]
@@ -203,11 +210,7 @@ def test_a_batch_whose_loading_hangs_ends_every_rank(tmp_path: Path, num_workers
         tmp_path, bad_load=[], bad_process=[], stuck_load=37, batch_timeout=timeout, num_workers=num_workers,
         schedule=schedule, sleep=0.02,
     )
-    results = run_job(spec, 2, timeout=120)
-    ended = time.time()
-    stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
-    print(f"workers={num_workers}: every rank ended {ended - stuck_at:.1f} s after the load got stuck")
-    assert ended - stuck_at < timeout + 20, f"ranks ended {ended - stuck_at:.1f}s after the load got stuck"
+    results = _run_until_stuck(spec, within=timeout + 20, what=f"workers={num_workers}, a stuck load")
     assert [rc for rc, _, _ in results] == [1, 1]
     errors = [report(spec, rank)["error"] for rank in (0, 1)]
     assert sorted(e["type"] for e in errors) == ["BatchTimeoutError", "WorkerFailedError"], errors
@@ -289,11 +292,7 @@ def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> No
     """A batch the watchdog cannot interrupt: the rank ends itself after the grace period, the other follows."""
     timeout = 2.0
     spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_batch=8, stuck_mode="blocked", batch_timeout=timeout)
-    results = run_job(spec, 2, timeout=120)
-    ended = time.time()
-    stuck_at = float(Path(spec["report_dir"], "stuck_at").read_text())
-    print(f"batch_timeout={timeout}, signal blocked: every rank ended {ended - stuck_at:.1f} s after the stuck batch")
-    assert ended - stuck_at < timeout + 25, f"ranks ended {ended - stuck_at:.1f}s after the stuck batch started"
+    results = _run_until_stuck(spec, within=timeout + 25, what=f"batch_timeout={timeout}, signal blocked")
     assert all(rc not in (0, None) for rc, _, _ in results), [rc for rc, _, _ in results]
     assert "ending the process" in results[0][2]  # batch 8 runs on rank 0
     assert list(Path(spec["storage"], "_tbp", "commits").glob("*.json")), "the commits before it stay"

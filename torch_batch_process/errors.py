@@ -71,13 +71,18 @@ class LoaderWorkerDiedError(BatchProcessError, RuntimeError):
     intact, so running the job again resumes."""
 
     @classmethod
+    def reports(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` is the ``DataLoader``'s own report of a dead worker: a ``RuntimeError`` raised by its
+        next batch, or by its SIGCHLD handler wherever the main thread is (in ``process_batch``, in a commit)."""
+        if not isinstance(exc, RuntimeError) or isinstance(exc, cls):
+            return False
+        return str(exc).startswith("DataLoader worker (pid")
+
+    @classmethod
     def wrap(cls, exc: BaseException) -> LoaderWorkerDiedError | None:
-        """This error for the ``DataLoader``'s own report of a dead worker (a ``RuntimeError`` raised by its next
-        batch, or by its SIGCHLD handler wherever the main thread is: in ``process_batch``, in a commit), with
-        ``exc`` as its cause; ``None`` for any other exception."""
-        if isinstance(exc, cls) or not isinstance(exc, RuntimeError):
-            return None
-        if not str(exc).startswith("DataLoader worker (pid"):
+        """This error, with ``exc`` as its cause, for the loader's report ``exc`` (see :meth:`reports`); ``None`` for
+        any other exception."""
+        if not cls.reports(exc):
             return None
         report = str(exc).strip().rstrip(".")
         error = cls(

@@ -80,7 +80,7 @@ class BatchFeed:
         self._iter: Iterator[Any] | None = None
         self._direct: Callable[[], Any] | None = None  # the iterator's next batch without its profiler range
         self.watch: Callable[[Callable[[], int | None]], contextlib.AbstractContextManager[Any]] | None = None
-        """``batch_timeout``: times each wait for a batch (``BatchWatchdog.loading``); set before the first batch."""
+        """``batch_timeout``: times each wait for a batch (``BatchWatchdog.span``); set before the first batch."""
 
     def start(self) -> None:
         """Starts the loader (its workers fork here) and its first claims."""

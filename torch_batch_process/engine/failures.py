@@ -145,7 +145,7 @@ class FailureHandler:
     @staticmethod
     def recoverable(exc: BaseException) -> bool:
         """Whether ``exc`` is an example's failure (else it fails the job)."""
-        return isinstance(exc, Exception) and not isinstance(exc, FATAL) and LoaderWorkerDiedError.wrap(exc) is None
+        return isinstance(exc, Exception) and not isinstance(exc, FATAL) and not LoaderWorkerDiedError.reports(exc)
 
     # ------------------------------------------------------------------ one attempt as a transaction
 

@@ -35,7 +35,7 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> None:
             store = lambda: job.env.call_store(call_id).clone()  # noqa: E731
         watchdog = BatchWatchdog(options.batch_timeout, job.rank, store)
         runner.span = watchdog.span
-        feed.watch = watchdog.loading  # a batch whose loading hangs is a stuck batch too
+        feed.watch = watchdog.span  # a batch whose loading hangs is a stuck batch too
         watchdog.start()
         job.watchdog = watchdog
     if options.skip:

@@ -100,7 +100,7 @@ class LoaderWorkers:
         try:
             self._loader_handler(signum, frame)
         except RuntimeError as exc:
-            if LoaderWorkerDiedError.wrap(exc) is None:
+            if not LoaderWorkerDiedError.reports(exc):
                 raise
             if self.died is None:
                 self.died = exc

@@ -3,9 +3,9 @@
 The runner marks each ``process_batch`` call (and each load and call of a split batch's parts, see
 :mod:`torch_batch_process.engine.failures`) with :meth:`BatchWatchdog.span`, and the feed marks each wait for
 the next batch from the ``DataLoader`` (the dataset's ``__getitem__`` and the ``collate_fn`` in the main process,
-or the wait for the workers) with :meth:`BatchWatchdog.loading`: a batch whose loading hangs (a stuck network
-read, a dead lock) is a stuck batch too. When one runs longer than ``batch_timeout`` seconds, the rank's
-watchdog:
+or the wait for the workers) with the same span, given a function that tells the batch waited for: a batch
+whose loading hangs (a stuck network read, a dead lock) is a stuck batch too. When one runs longer than
+``batch_timeout`` seconds, the rank's watchdog:
 
 1. logs an error naming the batch and the rank, with the Python stack of every thread of the process;
 2. tells the other ranks (a counter in the job's rendezvous store): each logs its own stacks too;
@@ -67,7 +67,7 @@ class BatchWatchdog:
         self._poll_s = min(0.5, max(0.05, timeout_s / 10))
         self._remote_poll_s = min(5.0, max(1.0, timeout_s / 4))  # one store request per rank per this many seconds
         self._next_remote = 0.0
-        self._batch: int | Callable[[], int | None] | None = None  # what runs: a batch, or a load (see loading())
+        self._batch: int | Callable[[], int | None] | None = None  # what runs: a batch, or a load (see span())
         self._since = 0.0
         self._pending: BatchTimeoutError | None = None
         self._fired_at: float | None = None
@@ -101,21 +101,11 @@ class BatchWatchdog:
             self._previous_handler = None
 
     @contextlib.contextmanager
-    def span(self, batch_idx: int) -> Iterator[None]:
-        """Times one call of batch ``batch_idx``."""
+    def span(self, batch: int | Callable[[], int | None]) -> Iterator[None]:
+        """Times one call of batch ``batch``, or, given a function, one wait for the next batch from the loader:
+        the function tells which batch that is when the timeout fires (``None``: not known yet, not claimed)."""
         self._since = time.monotonic()
-        self._batch = batch_idx
-        try:
-            yield
-        finally:
-            self._batch = None
-
-    @contextlib.contextmanager
-    def loading(self, waiting_for: Callable[[], int | None]) -> Iterator[None]:
-        """Times one wait for the next batch from the loader; ``waiting_for()`` tells which batch it is, when
-        the timeout fires (``None``: not known yet, e.g. not claimed yet)."""
-        self._since = time.monotonic()
-        self._batch = waiting_for
+        self._batch = batch
         try:
             yield
         finally:
