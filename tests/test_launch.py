@@ -330,11 +330,16 @@ def test_a_repeated_signal_is_one_request_unless_it_comes_later(monkeypatch):
     from torch_batch_process.engine import preemption
 
     monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.5)
-    with preemption.SignalWatcher() as watcher:
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)  # the same request, delivered twice
-        assert watcher.requested == "SIGINT"
-        time.sleep(0.6)
-        with pytest.raises(KeyboardInterrupt):  # an impatient second Ctrl-C: stop at once
+    # Python's own Ctrl-C handler, whatever started pytest (a shell's background job starts with SIGINT ignored)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with preemption.SignalWatcher() as watcher:
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            signal.raise_signal(signal.SIGINT)  # the same request, delivered twice
+            assert watcher.requested == "SIGINT"
+            time.sleep(0.6)
+            with pytest.raises(KeyboardInterrupt):  # an impatient second Ctrl-C: stop at once
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
