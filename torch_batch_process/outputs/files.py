@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +117,13 @@ class OutputStager:
         """Adds a failed example's record to the current stage (written at :meth:`flush`)."""
         self._failures.append(json.dumps(record, default=str))
 
-    @contextlib.contextmanager
-    def upload_path(self) -> Iterator[Path]:
-        """Yields an empty folder; its files join the current stage when the block exits normally."""
-        folder = self._take_folder()
-        try:
-            yield folder
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)  # a failed block contributes nothing
-            raise
+    def upload_path(self) -> contextlib.AbstractContextManager[Path]:
+        """A context manager yielding an empty folder; its files join the current stage when the block exits
+        normally (see :class:`_Block`)."""
+        return _Block(self)
+
+    def _finish_block(self, folder: Path) -> None:
+        """A block exited normally: its files join the stage (or wait, held); the folder is kept when emptied."""
         if self._held is not None:
             self._hold_block(folder)
             return
@@ -209,20 +206,54 @@ class OutputStager:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+class _Block:
+    """One ``upload_path()`` block: a class rather than a generator-based context manager, which costs a frame
+    and a generator per batch (this runs once per batch, see BENCHMARKS.md, "The tiny-batch job")."""
+
+    __slots__ = ("_folder", "_stager")
+
+    def __init__(self, stager: OutputStager) -> None:
+        self._stager = stager
+        self._folder: Path | None = None
+
+    def __enter__(self) -> Path:
+        self._folder = self._stager._take_folder()
+        return self._folder
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        folder, self._folder = self._folder, None
+        assert folder is not None
+        if exc_type is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # a failed block contributes nothing; its error goes on
+            return
+        self._stager._finish_block(folder)
+
+
 def _list_files(folder: Path) -> tuple[list[str], list[str], bool]:
     """The files (and symlinks) below ``folder`` sorted by name: their paths, their names relative to ``folder``
     (``/``-separated), and whether ``folder`` holds any sub-folder. Strings, not pathlib: this runs per batch."""
+    top = os.fspath(folder)
+    names: list[str] = []
+    with os.scandir(top) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                return _walk_files(top)
+            names.append(entry.name)
+    names.sort()
+    return [top + os.sep + name for name in names], names, False
+
+
+def _walk_files(top: str) -> tuple[list[str], list[str], bool]:
+    """:func:`_list_files` of a folder that holds sub-folders."""
     found: list[tuple[str, str]] = []
-    has_dirs = False
-    pending = [(os.fspath(folder), "")]
+    pending = [(top, "")]
     while pending:
         directory, prefix = pending.pop()
         with os.scandir(directory) as entries:
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
-                    has_dirs = True
                     pending.append((entry.path, f"{prefix}{entry.name}/"))
                 else:
                     found.append((f"{prefix}{entry.name}", entry.path))
     found.sort()
-    return [path for _, path in found], [name for name, _ in found], has_dirs
+    return [path for _, path in found], [name for name, _ in found], True

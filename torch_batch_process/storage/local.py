@@ -242,16 +242,17 @@ class _RenameSink(FileSink):
 
     def __init__(self, storage: LocalStorage) -> None:
         self._storage = storage
-        self._made: set[str] = set()  # parent folders known to exist: making folders costs syscalls per file
+        self._made: dict[str, str] = {}  # parent folders known to exist (rel -> path): making folders costs syscalls
 
     def add(self, local_file: str | os.PathLike[str], rel: str) -> None:
-        target = self._storage.path(rel)
-        parent = os.path.dirname(target)
+        parent_rel, _, name = rel.rpartition("/")
+        parent = self._made.get(parent_rel)
         try:
-            if parent not in self._made:
+            if parent is None:
+                parent = self._storage.path(parent_rel)
                 os.makedirs(parent, exist_ok=True)
-                self._made.add(parent)
-            os.rename(local_file, target)
+                self._made[parent_rel] = parent
+            os.rename(local_file, parent + os.sep + name)
         except OSError as exc:
             raise self._storage._error(f"write {rel!r}", exc) from exc
 
