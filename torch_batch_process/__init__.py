@@ -56,6 +56,11 @@ _EXPORTS: dict[str, str] = {
 }
 """Public name -> the module that defines it (imported on first access)."""
 
+_SUBMODULES = frozenset({"launch", "lengths", "pytorch", "sources"})
+"""Public sub-packages and modules reachable as attributes once the package is imported, as a user spells them
+(``torch_batch_process.sources.parquet(...)``; ``import torch_batch_process as det`` then
+``det.pytorch.experimental``, Determined's ``import determined as det`` with only the import changed)."""
+
 __all__ = [
     "BatchProcessError",
     "BatchProcessResult",
@@ -115,6 +120,8 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
 
 def __getattr__(name: str) -> Any:
     """Imports a public name's module on first access and caches the name in this module."""
+    if name in _SUBMODULES:  # importing it binds it in this module, as a plain submodule import does
+        return importlib.import_module(f"{__name__}.{name}")
     module_name = _EXPORTS.get(name)
     if module_name is None:  # AttributeError lets ``from torch_batch_process import <submodule>`` import it
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -124,4 +131,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | _SUBMODULES)

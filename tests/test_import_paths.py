@@ -1,0 +1,84 @@
+"""The package's public sub-packages are attributes of ``import torch_batch_process``, as users spell them.
+
+Determined code is often written as ``import determined as det`` then ``det.pytorch.experimental...`` and
+``det.pytorch.MetricReducer``: with only the import changed (``import torch_batch_process as det``), that must run.
+DESIGN §12 spells sources as ``torch_batch_process.sources.parquet(...)``. A bare import still does not import torch
+(the ``tbp`` command starts fast).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from harness import base_env
+
+DETERMINED_ALIAS_JOB = textwrap.dedent(
+    """
+    import json, pathlib, sys
+
+    import torch_batch_process as det  # was: import determined as det
+
+    assert "torch" not in sys.modules, "a bare import must not import torch"
+    sources_parquet = det.sources.parquet  # DESIGN §12's spelling, before anything else imported the package
+
+
+    class Count(det.pytorch.MetricReducer):
+        def __init__(self):
+            self.reset()
+
+        def reset(self):
+            self.count = 0
+
+        def update(self, value):
+            self.count += value
+
+        def per_slot_reduce(self):
+            return self.count
+
+        def cross_slot_reduce(self, per_slot_metrics):
+            return sum(per_slot_metrics)
+
+
+    class Processor(det.pytorch.experimental.TorchBatchProcessor):
+        def __init__(self, context):
+            self.context = context
+            self.seen = context.wrap_reducer(reducer=Count(), name="examples")
+
+        def process_batch(self, batch, batch_idx):
+            self.seen.update(len(batch))
+            with self.context.upload_path() as path:
+                pathlib.Path(path, f"batch_{batch_idx}.json").write_text(json.dumps(batch.tolist()))
+
+
+    result = det.pytorch.experimental.torch_batch_process(
+        Processor, list(range(10)), batch_size=4, checkpoint_interval=1, storage_path=sys.argv[1]
+    )
+    print(json.dumps({"metrics": result.metrics, "finished": result.finished}))
+    """
+)
+
+
+def test_determined_code_written_as_import_determined_as_det_runs_with_the_import_changed(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", DETERMINED_ALIAS_JOB, str(tmp_path / "storage")],
+        env=base_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"metrics": {"examples": 10}, "finished": True}
+    written = sorted((tmp_path / "storage" / "outputs").rglob("batch_*.json"))
+    assert sorted(v for path in written for v in json.loads(path.read_text())) == list(range(10))
+
+
+def test_public_submodules_are_listed_and_unknown_names_still_raise_attribute_error():
+    import torch_batch_process
+
+    assert {"sources", "pytorch", "lengths", "launch"} <= set(dir(torch_batch_process))
+    try:
+        torch_batch_process.no_such_thing  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_thing" in str(exc)
+    else:
+        raise AssertionError("an unknown attribute must raise AttributeError")
