@@ -249,6 +249,8 @@ class Misuse(TorchBatchProcessor):
         (lambda b: {"x": 3}, "one value per example"),
         (lambda b: [{"a": 1}] * len(b) + [{"a": 2}], "row dicts"),
         (lambda b: "text", "dict of columns"),
+        (lambda b: {"z": torch.zeros(len(b), dtype=torch.complex64)}, r"column 'z' holds complex numbers.*view_as_real"),
+        (lambda b: {"z": [torch.zeros(2, dtype=torch.complex64)] * len(b)}, "column 'z' holds complex numbers"),
     ],
 )
 def test_bad_rows_are_clear_errors(tmp_path, rows, match):

@@ -96,11 +96,11 @@ def _column(pa: Any, name: str, value: Any, n: int, copies: DeviceCopies | None 
                 f"context.write(): column {name!r} has shape {tuple(value.shape)}; its first dimension must be the "
                 f"batch's {n} example(s)"
             )
-        return _from_numpy(pa, value, landing)
+        return _arrow_array(pa, name, value, landing)
     if not _is_per_example_list(value):
         raise InvalidArgumentError(
-            f"context.write(): column {name!r} is a {type(value).__name__}; give a tensor, a numpy array or a "
-            f"list with one value per example ({n})"
+            f"context.write(): column {name!r} is one {type(value).__name__} value; give a tensor, a numpy array or "
+            f"a list with one value per example ({n})"
         )
     if len(value) != n:
         raise InvalidArgumentError(
@@ -109,12 +109,26 @@ def _column(pa: Any, name: str, value: Any, n: int, copies: DeviceCopies | None 
     items = [_to_numpy(v) for v in value]
     if items and all(isinstance(v, np.ndarray) for v in items):
         if len({(v.shape, v.dtype) for v in items}) == 1 and items[0].dtype.kind not in "OUS":
-            return _from_numpy(pa, np.stack(items))
+            return _arrow_array(pa, name, np.stack(items))
         items = [v.tolist() for v in items]  # shapes differ: variable-length nested lists
     try:
         return pa.array(items)
     except (pa.ArrowException, TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"context.write(): column {name!r} cannot be stored: {exc}") from exc
+
+
+def _arrow_array(pa: Any, name: str, array: np.ndarray, landing: bool = False) -> Any:
+    """:func:`_from_numpy`, with a clear error naming the column for values neither format can store."""
+    if array.dtype.kind == "c":
+        raise InvalidArgumentError(
+            f"context.write(): column {name!r} holds complex numbers ({array.dtype}), which Parquet and JSONL cannot "
+            "store; write the real and imaginary parts as two columns (tensor.real, tensor.imag) or one column of "
+            "torch.view_as_real(tensor)"
+        )
+    try:
+        return _from_numpy(pa, array, landing)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"context.write(): column {name!r} ({array.dtype}) cannot be stored: {exc}") from exc
 
 
 def _same_device_tensors(value: Any, copies: DeviceCopies) -> bool:
