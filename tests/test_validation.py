@@ -57,6 +57,10 @@ CASES = {
     "sampler": (dict(dataloader_kwargs={"sampler": torch.utils.data.SequentialSampler(range(10))}), "sampler", ValueError),
     "batch_sampler": (dict(dataloader_kwargs={"batch_sampler": [[0, 1]]}), "batch_sampler", ValueError),
     "drop_last=True": (dict(dataloader_kwargs={"drop_last": True}), "drop_last", ValueError),
+    "in_order=False": (
+        dict(dataloader_kwargs={"num_workers": 2, "in_order": False}), "dataloader_kwargs['in_order']=False", ValueError
+    ),
+    "timeout without workers": (dict(dataloader_kwargs={"timeout": 5}), "needs num_workers > 0", ValueError),
     "unknown loader key": (dict(dataloader_kwargs={"num_wrokers": 2}), "num_wrokers", ValueError),
     "bad loader value": (dict(dataloader_kwargs={"num_workers": -1}), "dataloader_kwargs", ValueError),
     "prefetch without workers": (dict(dataloader_kwargs={"prefetch_factor": 2}), "dataloader_kwargs", ValueError),
@@ -137,6 +141,8 @@ def test_shuffle_false_and_valid_loader_options_are_accepted(tmp_path):
             "collate_fn": torch.utils.data.default_collate,
             "worker_init_fn": None,
             "generator": torch.Generator().manual_seed(0),
+            "in_order": True,
+            "timeout": 0,
         },
         storage_path=str(tmp_path / "store"),
     )

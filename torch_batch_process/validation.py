@@ -164,6 +164,17 @@ def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset:
             "batch may be short); use max_batches to process fewer batches"
         )
     kwargs.pop("drop_last", None)
+    if kwargs.get("in_order", True) is not True:
+        raise InvalidArgumentError(
+            f"dataloader_kwargs['in_order']={kwargs['in_order']!r} is not allowed: the workers' batches must arrive "
+            "in order, or a batch would be processed as another one (its batch_idx, context.batch_indices and record "
+            "index would name other examples); remove it (in_order=True is fine)"
+        )
+    if kwargs.get("timeout") and not kwargs.get("num_workers"):
+        raise InvalidArgumentError(
+            f"dataloader_kwargs['timeout']={kwargs['timeout']!r} needs num_workers > 0 (torch's DataLoader only "
+            "times its worker processes); remove it, or bound a stuck batch, loading included, with batch_timeout="
+        )
     unknown = sorted(set(kwargs) - _LOADER_PARAMETERS - {"batch_size"})
     if unknown:
         raise InvalidArgumentError(
