@@ -332,6 +332,20 @@ def test_predict_refuses_skipping_examples(tmp_path, option):
     assert not storage.exists()
 
 
+@pytest.mark.parametrize(
+    ("fn", "match"),
+    [
+        (lambda batch: batch.sum(), r"its output has shape \(\)"),
+        (lambda batch: batch[:-1], r"its output has shape \(2,\); its first dimension must be the batch's 3"),
+        (lambda batch: None, "its output is one NoneType value"),
+        (lambda batch: {"a": batch, "b": 1.5}, "column 'b' is one float value"),
+    ],
+)
+def test_predict_names_fn_when_its_output_is_not_one_value_per_example(tmp_path, fn, match):
+    with pytest.raises(InvalidArgumentError, match=r"predict\(fn=\.\.\.\): fn\(batch\) must return .*" + match):
+        predict(fn, torch.arange(9), 3, storage_path=str(tmp_path / "pred"), progress=False)
+
+
 # ----------------------------------------------------------------------------- multi-process
 
 def _spec(tmp_path, **extra):

@@ -57,7 +57,12 @@ def predict(
 
     Returns:
         On every rank: for a tensor-valued ``fn`` a tensor of shape ``(len(dataset), *per_example_shape)``; for a
-        dict a dict of such tensors (columns that are not numeric with a fixed shape come back as lists).
+        dict a dict of such tensors (columns that are not numeric with a fixed shape come back as lists). An empty
+        dataset gives an empty dict (``fn`` never ran, so the type of its outputs is unknown).
+
+    Raises:
+        InvalidArgumentError: ``fn`` returned something that is not one value per example (a scalar, ``None``, a
+            tensor whose first dimension is not the batch's size...), naming what it returned.
     """
     from torch_batch_process.batch_process import torch_batch_process
     from torch_batch_process.outputs.readback import read_outputs
@@ -109,11 +114,25 @@ def _processor_for(fn: Callable[[Any], Any]) -> type[TorchBatchProcessor]:
 
         def process_batch(self, batch: Any, batch_idx: int) -> None:
             out = fn(self.context.to_device(batch))
-            self.context.write(dict(out) if isinstance(out, Mapping) else {_OUTPUT: out})
+            try:
+                self.context.write(dict(out) if isinstance(out, Mapping) else {_OUTPUT: out})
+            except InvalidArgumentError as exc:  # say it of fn, which the user wrote, not of context.write()
+                raise InvalidArgumentError(_fn_output_error(out, exc)) from exc
 
     name = getattr(fn, "__qualname__", type(fn).__qualname__)
     _Predictor.__qualname__ = f"predict[{getattr(fn, '__module__', None) or '?'}.{name}]"
     return _Predictor
+
+
+def _fn_output_error(out: Any, exc: InvalidArgumentError) -> str:
+    """The message of an output of ``fn`` that cannot be stored, naming ``fn`` and what it must return."""
+    what = str(exc).removeprefix("context.write(): ")
+    if not isinstance(out, Mapping):
+        what = what.replace(f"column {_OUTPUT!r}", "its output", 1)
+    return (
+        f"predict(fn=...): fn(batch) must return a tensor whose first dimension is the batch's size, or a dict of "
+        f"such tensors (or of per-example lists); {what}"
+    )
 
 
 def _outputs(table: Any) -> Any:
