@@ -23,29 +23,12 @@ DETERMINED_ALIAS_JOB = textwrap.dedent(
 
     assert "torch" not in sys.modules, "a bare import must not import torch"
     sources_parquet = det.sources.parquet  # DESIGN §12's spelling, before anything else imported the package
-
-
-    class Count(det.pytorch.MetricReducer):
-        def __init__(self):
-            self.reset()
-
-        def reset(self):
-            self.count = 0
-
-        def update(self, value):
-            self.count += value
-
-        def per_slot_reduce(self):
-            return self.count
-
-        def cross_slot_reduce(self, per_slot_metrics):
-            return sum(per_slot_metrics)
-
+    assert det.pytorch.MetricReducer is det.MetricReducer  # Determined's det.pytorch.MetricReducer
 
     class Processor(det.pytorch.experimental.TorchBatchProcessor):
         def __init__(self, context):
             self.context = context
-            self.seen = context.wrap_reducer(reducer=Count(), name="examples")
+            self.seen = context.wrap_reducer(lambda counts: sum(counts), name="examples")
 
         def process_batch(self, batch, batch_idx):
             self.seen.update(len(batch))
