@@ -19,6 +19,7 @@ from torch_batch_process import (
     TorchBatchProcessor,
     torch_batch_process,
 )
+from torch_batch_process import read_outputs as torch_batch_process_read_outputs
 
 LOG: dict[str, list] = {}
 
@@ -90,6 +91,30 @@ def test_single_process_call_counts(store, n, b, calls):
     assert result.batches_processed == calls and result.examples_processed == n
     assert result.storage_path == store
     assert outputs(store) == list(range(n))
+
+
+class FilesAndRows(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        with self.context.upload_path() as path:
+            (path / f"batch_{batch_idx}.json").write_text(json.dumps(batch.tolist()))
+        self.context.write({"x": batch})
+
+
+def test_a_finished_job_leaves_nothing_staged_on_any_backend(store, caplog):
+    """memory:// keeps a folder after its files have moved: a published stage must not look still staged
+    (read-back warned that the job was killed while publishing, and each start re-published it)."""
+    torch_batch_process(FilesAndRows, list(range(9)), batch_size=2, checkpoint_interval=2, storage_path=store)
+    with caplog.at_level("WARNING"):
+        table = torch_batch_process_read_outputs(store)
+    assert table.column("index").to_pylist() == list(range(9))
+    assert outputs(store) == list(range(9))
+    assert "still staged" not in caplog.text
+    fs, root = fsspec.core.url_to_fs(store)
+    below = [path for path in fs.find(f"{root}/_tbp/staging", withdirs=True) if "/_tbp/staging/" in path]
+    assert below == []  # the staging folder itself may stay; nothing below it
 
 
 def test_checkpoint_interval_commits_and_final_commit_is_not_repeated(store):

@@ -298,6 +298,7 @@ class ObjectStorage(Storage):
                 for future in [pool.submit(_copy, rel_file) for rel_file in files]:
                     future.result()
         self.delete_files([_below(src, rel_file) for rel_file in files])
+        self.remove_empty_folder(src)
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
         path = self.path(rel)
@@ -327,7 +328,22 @@ class ObjectStorage(Storage):
         self._call(f"delete {len(rels)} file(s)", _rm)
 
     def remove_empty_folder(self, rel: str) -> None:
-        pass  # object stores have no folders
+        """Object stores have no folders, except filesystems that keep them (``memory://``: a folder outlives its
+        files, and a published stage would look still staged): there, the empty folders below ``rel`` go, deepest
+        first."""
+        if getattr(self.fs, "pseudo_dirs", None) is None:
+            return
+        base = self.path(rel)
+        try:
+            found = self.fs.find(base, withdirs=True, detail=True)
+        except FileNotFoundError:
+            return
+        folders = [path for path, info in found.items() if info.get("type") == "directory"]
+        for path in [*sorted(folders, key=len, reverse=True), base]:
+            try:
+                self.fs.rmdir(path)
+            except OSError:  # not empty (FileNotFoundError: gone already)
+                pass
 
     # ------------------------------------------- what differs between backends
 
