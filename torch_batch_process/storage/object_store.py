@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -328,22 +329,15 @@ class ObjectStorage(Storage):
         self._call(f"delete {len(rels)} file(s)", _rm)
 
     def remove_empty_folder(self, rel: str) -> None:
-        """Object stores have no folders, except filesystems that keep them (``memory://``: a folder outlives its
-        files, and a published stage would look still staged): there, the empty folders below ``rel`` go, deepest
-        first."""
+        """Object stores have no folders, but ``memory://`` keeps them after their files move (a published stage
+        would look still staged): there, the empty folders below ``rel`` go, deepest first."""
         if getattr(self.fs, "pseudo_dirs", None) is None:
             return
         base = self.path(rel)
-        try:
-            found = self.fs.find(base, withdirs=True, detail=True)
-        except FileNotFoundError:
-            return
-        folders = [path for path, info in found.items() if info.get("type") == "directory"]
-        for path in [*sorted(folders, key=len, reverse=True), base]:
-            try:
+        below = self.fs.find(base, withdirs=True, detail=True) if self.fs.exists(base) else {}
+        for path in [*sorted((p for p, info in below.items() if info["type"] == "directory"), key=len)[::-1], base]:
+            with contextlib.suppress(OSError):  # not empty, or gone already
                 self.fs.rmdir(path)
-            except OSError:  # not empty (FileNotFoundError: gone already)
-                pass
 
     # ------------------------------------------- what differs between backends
 
