@@ -164,7 +164,7 @@ def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset:
             "batch may be short); use max_batches to process fewer batches"
         )
     kwargs.pop("drop_last", None)
-    if kwargs.get("in_order", True) is not True:
+    if not kwargs.get("in_order", True):
         raise InvalidArgumentError(
             f"dataloader_kwargs['in_order']={kwargs['in_order']!r} is not allowed: the workers' batches must arrive "
             "in order, or a batch would be processed as another one (its batch_idx, context.batch_indices and record "
