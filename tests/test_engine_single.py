@@ -105,7 +105,7 @@ class FilesAndRows(TorchBatchProcessor):
 
 def test_a_finished_job_leaves_nothing_staged_on_any_backend(store, caplog):
     """memory:// keeps a folder after its files have moved: a published stage must not look still staged
-    (read-back warned that the job was killed while publishing, and each start re-published it)."""
+    (read-back of a finished job warned that it was killed while publishing)."""
     torch_batch_process(FilesAndRows, list(range(9)), batch_size=2, checkpoint_interval=2, storage_path=store)
     with caplog.at_level("WARNING"):
         table = torch_batch_process_read_outputs(store)
