@@ -655,7 +655,7 @@ def test_a_damaged_schema_in_the_commit_record_is_reported_before_any_work(tmp_p
     ],
 )
 def test_the_unification_rules(earlier, later, ragged, expected):
-    from torch_batch_process.outputs.schema import RecordSchema, unify
+    from torch_batch_process.jobstore.schema import RecordSchema, unify
 
     first = RecordSchema(pa.schema([("index", pa.int64()), ("c", earlier)]), frozenset({"c"} if ragged else ()), "a")
     second = RecordSchema(pa.schema([("index", pa.int64()), ("c", later)]), frozenset(), "b")

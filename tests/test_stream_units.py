@@ -14,11 +14,11 @@ from torch.utils.data import default_collate
 
 from torch_batch_process import sources
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.engine.scheduler import StaticScheduler
 from torch_batch_process.engine.stream_columns import ArrowRows, StreamCollate, columns_of
 from torch_batch_process.engine.stream_order import BlockScheduler, WorkerAffineOrder
 from torch_batch_process.engine.stream_plan import StreamPlan
+from torch_batch_process.jobstore.ranges import RangeSet
 
 
 def test_stream_plan_cuts_each_shard_into_batches() -> None:

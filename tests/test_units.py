@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from torch_batch_process import InvalidArgumentError, MetricReducer, get_default_device, to_device
-from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
-from torch_batch_process.reducers import ReducerRegistry
+from torch_batch_process.engine.background import BackgroundWork
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.plan import ContiguousPlan, planned_batches
 from torch_batch_process.engine.scheduler import StaticScheduler
-from torch_batch_process.engine.background import BackgroundWork
-from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.voted import VotedStages
+from torch_batch_process.jobstore.layout import STAGED_FAILURES_NAME, failures_file, outputs_dir, staging_dir
+from torch_batch_process.jobstore.ranges import IndexedRanges, RangeSet
+from torch_batch_process.jobstore.store import JobStore
+from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.storage.base import open_storage
-from torch_batch_process.storage.layout import STAGED_FAILURES_NAME, failures_file, outputs_dir, staging_dir
 
 
 def test_rangeset_merges_and_counts():
@@ -305,7 +305,7 @@ def test_the_heartbeat_silence_comes_from_the_environment_and_a_bad_value_is_ref
 
 def test_the_start_line_of_a_resume_says_where_it_resumes_or_that_nothing_is_left(caplog):
     from torch_batch_process.engine.announce import log_start
-    from torch_batch_process.engine.job import Start
+    from torch_batch_process.jobstore.opening import Start
 
     plan = ContiguousPlan(400, 10)  # 40 batches
     common = dict(job_name="j", start=Start(attempt=2, next_number=3, planned_batches=40), plan=plan, world_size=1,

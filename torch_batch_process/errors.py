@@ -22,7 +22,7 @@ class InvalidArgumentError(BatchProcessError, TypeError, ValueError):
 
 class SchemaConflictError(InvalidArgumentError):
     """``context.write()`` rows whose columns do not unify with the job's (another type, a tensor whose
-    per-example shape changed; see :mod:`torch_batch_process.outputs.schema`), or that the job's
+    per-example shape changed; see :mod:`torch_batch_process.jobstore.schema`), or that the job's
     ``output_format`` cannot store (bytes, dates or decimals in JSONL). Raised before those rows are
     committed; it fails the job even with ``on_error="skip"``, since the code is at fault, not an example."""
 

@@ -98,7 +98,7 @@ class Processor(TorchBatchProcessor):
 
 def kill_before_result():
     """Makes ``JobStore.write_result`` (called right after the final commit record) SIGKILL this process."""
-    from torch_batch_process.engine.store import JobStore
+    from torch_batch_process.jobstore.store import JobStore
 
     def killed(self, result):
         os.kill(os.getpid(), signal.SIGKILL)

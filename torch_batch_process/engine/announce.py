@@ -8,9 +8,9 @@ import os
 import warnings
 from typing import TYPE_CHECKING
 
-from torch_batch_process.engine.job import Start
 from torch_batch_process.engine.plan import Plan
-from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.jobstore.opening import Start
+from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.result import BatchProcessResult
 

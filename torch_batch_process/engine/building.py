@@ -18,9 +18,9 @@ from typing import Any
 from torch_batch_process.context import TorchBatchProcessorContext
 from torch_batch_process.engine.agreement import FailureTracker
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.records import CommitRecord
-from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import JobMismatchError
+from torch_batch_process.jobstore.records import CommitRecord
+from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.processor import TorchBatchProcessor
 
 __all__ = ["build_processor"]

@@ -14,8 +14,8 @@ from torch_batch_process.observe.metrics import MetricsLog
 
 if TYPE_CHECKING:
     from torch_batch_process.context import TorchBatchProcessorContext
-    from torch_batch_process.engine.job import Start
     from torch_batch_process.engine.loop import JobRun
+    from torch_batch_process.jobstore.opening import Start
 
 __all__ = ["make_committer"]
 

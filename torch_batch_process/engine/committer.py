@@ -3,7 +3,7 @@
 Exactly-once outputs rest on one rule: a file appears under ``outputs/`` only once the commit record that
 covers it is durable, and a record covers a rank's files only together with the batches they came from.
 
-**A rank's commit** (its *stage* ``s``, see :mod:`torch_batch_process.storage.layout`):
+**A rank's commit** (its *stage* ``s``, see :mod:`torch_batch_process.jobstore.layout`):
 
 1. the loop runs ``on_checkpoint_start()``; everything written through ``upload_path()`` (and record
    outputs) since the rank's previous commit is in, or finishes uploading to, ``_tbp/staging/<s>/rank_<r>/``;
@@ -36,7 +36,7 @@ raises, the failing rank its own exception and the others :class:`WorkerFailedEr
 what was committed before stays committed and published.
 
 **Crash anywhere**: every step is idempotent and the next start repairs storage under the job lock before
-any work (:meth:`~torch_batch_process.engine.store.JobStore.repair`): stages the latest record commits are
+any work (:meth:`~torch_batch_process.jobstore.store.JobStore.repair`): stages the latest record commits are
 published, others deleted (their batches were not committed and are processed again). So every example's
 output is committed exactly once, whatever is killed when.
 """
@@ -56,9 +56,9 @@ from torch_batch_process.engine.group_commit import RecordWrites
 from torch_batch_process.engine.keeper import RecordKeeper, Summary
 from torch_batch_process.engine.part import Part
 from torch_batch_process.engine.publisher import Publisher
-from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.votes import GatheredVotes, QueuedVotes, Vote
 from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
+from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.stragglers import RankInterval
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter

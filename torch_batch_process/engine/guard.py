@@ -15,7 +15,7 @@ from torch_batch_process.engine.committer import Outcome
 from torch_batch_process.engine.failures import FailureHandler, check_total
 from torch_batch_process.engine.runner import BatchRunner
 from torch_batch_process.engine.watchdog import BatchWatchdog
-from torch_batch_process.storage.layout import FAILURES_DIR
+from torch_batch_process.jobstore.layout import FAILURES_DIR
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.loop import JobRun

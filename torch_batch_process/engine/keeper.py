@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.engine.plan import Plan
-from torch_batch_process.engine.ranges import RangeSet
-from torch_batch_process.engine.records import CommitRecord
-from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.votes import Vote
+from torch_batch_process.jobstore.ranges import RangeSet
+from torch_batch_process.jobstore.records import CommitRecord
+from torch_batch_process.jobstore.schema import RecordSchema, unify
+from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.metrics import MetricsLog
-from torch_batch_process.outputs.schema import RecordSchema, unify
 from torch_batch_process.provenance import merge_entries
 from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.result import to_jsonable
@@ -138,7 +138,7 @@ class RecordKeeper:
 
         Raises:
             SchemaConflictError: a vote's record outputs do not unify with the job's (then no vote is merged:
-                their stages are never committed, see :mod:`torch_batch_process.outputs.schema`).
+                their stages are never committed, see :mod:`torch_batch_process.jobstore.schema`).
         """
         lines: list[dict[str, Any]] = []
         with self._mutex:

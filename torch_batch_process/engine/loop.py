@@ -1,7 +1,7 @@
 """The loop: the lifecycle of one call on one rank, wiring the engine's components together.
 
 1. Open the job: rank 0 reads, checks and repairs what is stored, under the job lock; every rank gets the
-   :class:`~torch_batch_process.engine.job.Start` (:mod:`~torch_batch_process.engine.job`).
+   :class:`~torch_batch_process.jobstore.opening.Start` (:mod:`~torch_batch_process.jobstore.opening`).
 2. Build the processor on every rank (``cls(context)``), restore its state, agree to start
    (:mod:`~torch_batch_process.engine.building`).
 3. Run this rank's batches as its scheduler deals them (:mod:`~torch_batch_process.engine.scheduler`):
@@ -35,27 +35,27 @@ from torch_batch_process.engine.commit_wiring import make_committer
 from torch_batch_process.engine.committer import Committer, Outcome
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.guard import check_failures, guard_runner
-from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.liveness import Heartbeats, watch_peers
 from torch_batch_process.engine.plan import Plan, dataset_plan, planned_batches
 from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
-from torch_batch_process.engine.ranges import RangeSet
-from torch_batch_process.engine.records import JobSpec
 from torch_batch_process.engine.results import job_result, stored_result
 from torch_batch_process.engine.runner import BatchRunner
 from torch_batch_process.engine.scheduler import Scheduler, make_scheduler
 from torch_batch_process.engine.streams import StreamJob, is_source
 from torch_batch_process.engine.watchdog import BatchWatchdog
+from torch_batch_process.jobstore.layout import OUTPUTS_DIR, tensorboard_dir
+from torch_batch_process.jobstore.opening import JobOpener, Start
+from torch_batch_process.jobstore.ranges import RangeSet
+from torch_batch_process.jobstore.records import JobSpec
+from torch_batch_process.jobstore.schema import RecordSchema
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
-from torch_batch_process.outputs.schema import RecordSchema
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.storage.base import open_storage
-from torch_batch_process.storage.layout import OUTPUTS_DIR, tensorboard_dir
 from torch_batch_process.validation import JobArguments
 
 __all__ = ["JobRun"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.jobstore.ranges import RangeSet
 
 __all__ = ["Part"]
 

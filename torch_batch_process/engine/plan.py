@@ -28,7 +28,7 @@ from torch_batch_process.engine.bucketing import (
     contiguous_padded_tokens,
     layout_fingerprint,
 )
-from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.jobstore.ranges import RangeSet
 
 __all__ = ["BucketedPlan", "ContiguousPlan", "Plan", "dataset_plan", "planned_batches"]
 

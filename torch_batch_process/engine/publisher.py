@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 
 from torch_batch_process.engine.background import BackgroundWork
-from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.voted import VotedStages
+from torch_batch_process.jobstore.store import JobStore
 
 __all__ = ["Publisher"]
 

@@ -6,9 +6,9 @@ import logging
 import time
 from typing import Any
 
-from torch_batch_process.engine.job import Start
 from torch_batch_process.engine.keeper import Summary
 from torch_batch_process.engine.plan import Plan
+from torch_batch_process.jobstore.opening import Start
 from torch_batch_process.result import BatchProcessResult
 
 __all__ = ["job_result", "stored_result"]

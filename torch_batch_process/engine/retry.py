@@ -26,17 +26,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.plan import Plan
-from torch_batch_process.engine.ranges import RangeSet
-from torch_batch_process.engine.store import JobStore, job_finished, latest_record_at
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.jobstore.layout import RETRIES_DIR
+from torch_batch_process.jobstore.ranges import RangeSet
+from torch_batch_process.jobstore.store import JobStore, job_finished, latest_record_at
 from torch_batch_process.storage.base import Storage, open_storage
-from torch_batch_process.storage.layout import RETRIES_DIR
 
 __all__ = ["IndexPlan", "choose_retry", "current_failures_root", "next_retry", "prepare_retry", "retry_numbers"]
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.distributed import Collectives
-    from torch_batch_process.outputs.schema import RecordSchema
+    from torch_batch_process.jobstore.schema import RecordSchema
     from torch_batch_process.validation import JobArguments
 
 logger = logging.getLogger(__name__)

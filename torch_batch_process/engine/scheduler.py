@@ -26,8 +26,8 @@ from typing import Any
 
 from torch_batch_process.engine.agreement import Decision, StepAgreement
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.ranges import IndexedRanges, RangeSet
 from torch_batch_process.engine.rendezvous import RendezvousStore
+from torch_batch_process.jobstore.ranges import IndexedRanges, RangeSet
 
 __all__ = ["DynamicScheduler", "Scheduler", "StaticScheduler", "make_scheduler"]
 

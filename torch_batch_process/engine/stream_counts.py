@@ -21,9 +21,9 @@ from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.errors import InvalidArgumentError, WorkerFailedError
+from torch_batch_process.jobstore.layout import source_rows_file
 from torch_batch_process.sources.base import Source
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import source_rows_file
 
 __all__ = ["CountedRows", "shard_row_counts"]
 

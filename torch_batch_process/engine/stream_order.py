@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.engine.scheduler import Scheduler, StaticScheduler, make_scheduler
 from torch_batch_process.engine.stream_plan import StreamPlan
+from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.sources.base import Source
 
 __all__ = ["BlockScheduler", "WorkerAffineOrder", "stream_scheduler"]

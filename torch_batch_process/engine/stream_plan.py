@@ -7,7 +7,7 @@ row range that a reader can seek to). Global batch ids number the batches shard 
     shard 0: batches 0 .. b0-1      rows [0, B), [B, 2B), ... of shard 0
     shard 1: batches b0 .. b0+b1-1  ...
 
-so the set of committed batch ids (the job's progress, a :class:`~torch_batch_process.engine.ranges.RangeSet`)
+so the set of committed batch ids (the job's progress, a :class:`~torch_batch_process.jobstore.ranges.RangeSet`)
 is exactly a set of per-shard row offsets, valid for any world size and both schedules, and a batch id
 names the same rows forever. The plan needs every shard's row count: from the source's metadata (Parquet
 footers, JSONL with ``count_rows``, ``Sharded(num_rows=...)``), else counted once per job
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch_batch_process.engine.plan import Plan
-from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.jobstore.ranges import RangeSet
 
 __all__ = ["StreamPlan", "rows_digest"]
 

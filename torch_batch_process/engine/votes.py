@@ -28,7 +28,7 @@ class Vote:
 
     rank: int
     stage: int
-    """The stage its files and state went into (see :mod:`torch_batch_process.storage.layout`)."""
+    """The stage its files and state went into (see :mod:`torch_batch_process.jobstore.layout`)."""
     has_files: bool
     """Its stage holds files (outputs or failure records): it is published."""
     batches: list[list[int]]
@@ -50,7 +50,7 @@ class Vote:
     outputs: bool = False
     """Its stage holds output files (``outputs/commit_<stage>/`` once published; see ``CommitRecord.output_stages``)."""
     schema: Any = None
-    """The rank's record schema (:class:`~torch_batch_process.outputs.schema.RecordSchema`) when it changed since
+    """The rank's record schema (:class:`~torch_batch_process.jobstore.schema.RecordSchema`) when it changed since
     the rank's previous vote (``None``: unchanged, or no rows yet): rank 0 commits no stage whose rows do not
     unify with the job's."""
 

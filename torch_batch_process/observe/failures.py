@@ -14,9 +14,9 @@ from typing import Any
 
 from torch_batch_process.environment import command_storage_options
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError, OutputCorruptError
+from torch_batch_process.jobstore.layout import FAILURES_DIR, JOB_FILE
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.errors import NotAFileError
-from torch_batch_process.storage.layout import FAILURES_DIR, JOB_FILE
 
 __all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_failures"]
 
@@ -80,7 +80,7 @@ def _committed_failures(storage: Storage, root: str) -> int | None:
     """The failure records that the finished job in folder ``root`` committed; ``None`` when that cannot be
     checked now: a job still running or paused (its files may trail or pass its last record), a damaged record
     (the files can still be read), or committed failures still staged (a kill while publishing them: warned)."""
-    from torch_batch_process.engine.store import latest_record_at
+    from torch_batch_process.jobstore.store import latest_record_at
     from torch_batch_process.outputs.completeness import still_staged
 
     try:

@@ -26,8 +26,8 @@ import json
 import time
 from typing import Any
 
+from torch_batch_process.jobstore.layout import METRICS_FILE
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import METRICS_FILE
 
 
 class MetricsLog:

@@ -155,7 +155,7 @@ def rows_to_table(
         copies: copies CUDA tensors asynchronously (see :mod:`torch_batch_process.outputs.copyback`); the caller
             waits for them (``copies.done().wait()``) before reading the table's values. ``None``: ``.cpu()``.
         ragged: if given, receives the names of the columns given as lists of per-example values, whose
-            per-example shapes may differ between batches (see :mod:`torch_batch_process.outputs.schema`).
+            per-example shapes may differ between batches (see :mod:`torch_batch_process.jobstore.schema`).
     """
     pa = require_pyarrow()
     n = len(indices)

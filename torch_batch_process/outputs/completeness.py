@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from torch_batch_process.engine.records import CommitRecord
 from torch_batch_process.errors import CheckpointCorruptError, OutputCorruptError
+from torch_batch_process.jobstore.layout import OUTPUTS_DIR, RETRIES_DIR
+from torch_batch_process.jobstore.records import CommitRecord
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import OUTPUTS_DIR, RETRIES_DIR
 
 __all__ = ["check_rows", "committed_rows", "root_of", "still_staged"]
 
@@ -34,7 +34,7 @@ def committed_rows(storage: Storage) -> dict[str, int]:
     """Folder (``""`` for the job, ``"retries/<k>"`` for a retry) -> the record rows its final record commits,
     for each folder whose shards can be checked now (see the module docstring)."""
     from torch_batch_process.engine.retry import retry_numbers
-    from torch_batch_process.engine.store import latest_record_at
+    from torch_batch_process.jobstore.store import latest_record_at
 
     expected: dict[str, int] = {}
     for root in ["", *(f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage))]:
@@ -53,7 +53,7 @@ def committed_rows(storage: Storage) -> dict[str, int]:
 def still_staged(storage: Storage, root: str, record: CommitRecord, what: str) -> bool:
     """Whether stages that ``record`` commits are still staged below ``root`` (a kill while publishing them: the
     next start publishes them); logs a warning naming ``what`` is incomplete if so."""
-    from torch_batch_process.engine.store import unpublished_stages_at
+    from torch_batch_process.jobstore.store import unpublished_stages_at
 
     if not unpublished_stages_at(storage, record, root):
         return False

@@ -31,8 +31,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from torch_batch_process.jobstore.layout import STAGED_FAILURES_NAME, staging_dir
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import STAGED_FAILURES_NAME, staging_dir
 
 __all__ = ["OutputStager"]
 

@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 
 from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError, OutputCorruptError
+from torch_batch_process.jobstore.layout import JOB_FILE, OUTPUTS_DIR, RETRIES_DIR
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import check_rows, committed_rows
 from torch_batch_process.outputs.records import RECORDS_DIR
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.errors import NotAFileError
-from torch_batch_process.storage.layout import JOB_FILE, OUTPUTS_DIR, RETRIES_DIR
 
 __all__ = ["OUTPUTS_GLOB", "RETRY_OUTPUTS_GLOB", "iter_outputs", "list_shards", "read_outputs"]
 
@@ -113,7 +113,7 @@ def _committed_schema(storage: Storage) -> Any:
     list of lists of float64); cast to this schema, JSONL shards read back with the types and per-example shapes
     they were written with, as Parquet shards do."""
     from torch_batch_process.engine.retry import retry_numbers
-    from torch_batch_process.engine.store import latest_record_at
+    from torch_batch_process.jobstore.store import latest_record_at
 
     for root in [*(f"{RETRIES_DIR}/{k}" for k in reversed(retry_numbers(storage))), ""]:
         try:

@@ -13,7 +13,7 @@ At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer b
 shard is closed and handed to the :class:`~torch_batch_process.outputs.files.OutputStager` like an
 ``upload_path()`` file: it joins the rank's stage and is published exactly once with the batches it came from,
 at ``outputs/commit_<s>/rank_<r>/records/part-<s>-rank<r>-<k>.<ext>`` (see
-:mod:`torch_batch_process.storage.layout`). A shard also rolls over to a new file every
+:mod:`torch_batch_process.jobstore.layout`). A shard also rolls over to a new file every
 :data:`SHARD_BYTES`. Rows of a stage that is never committed (a killed attempt) are never published.
 """
 
@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.errors import InvalidArgumentError, SchemaConflictError
+from torch_batch_process.jobstore.layout import number_name
+from torch_batch_process.jobstore.schema import FIX_HINT, RecordSchema, unify
 from torch_batch_process.outputs.columns import rows_to_table
 from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
 from torch_batch_process.outputs.files import OutputStager
-from torch_batch_process.outputs.schema import FIX_HINT, RecordSchema, unify
-from torch_batch_process.storage.layout import number_name
 
 if TYPE_CHECKING:
     from torch_batch_process.context import CurrentBatch
@@ -161,7 +161,7 @@ class RecordWriter:
 
     def _conform(self, table: Any, landing: CopiesDone, schema: RecordSchema) -> Any:
         """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
-        :mod:`torch_batch_process.outputs.schema`; a wider type starts a new shard). A cast reads values: it waits
+        :mod:`torch_batch_process.jobstore.schema`; a wider type starts a new shard). A cast reads values: it waits
         for the copies back first."""
         known = self._schema
         if known is not None and table.schema.equals(known.schema) and schema.ragged <= known.ragged:

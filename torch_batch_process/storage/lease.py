@@ -38,8 +38,8 @@ import uuid
 from typing import Any
 
 from torch_batch_process.errors import JobLockedError, StorageError
+from torch_batch_process.jobstore.layout import LEASE_FILE
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage.layout import LEASE_FILE
 from torch_batch_process.storage.lock import JobLock, holder_info, locked_message, machine_id, read_holder_info
 from torch_batch_process.storage.object_store import ConditionFailed, ObjectStorage
 

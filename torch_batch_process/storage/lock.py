@@ -21,8 +21,8 @@ from typing import Any
 import filelock
 
 from torch_batch_process.errors import JobLockedError
+from torch_batch_process.jobstore.layout import LOCK_FILE, LOCK_INFO_FILE
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage.layout import LOCK_FILE, LOCK_INFO_FILE
 from torch_batch_process.storage.local import LocalStorage
 from torch_batch_process.storage.object_store import ObjectStorage
 

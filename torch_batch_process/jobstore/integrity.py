@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from torch_batch_process.engine.records import CommitRecord
-from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import CheckpointCorruptError
-from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import (
+from torch_batch_process.jobstore.layout import (
     COMMITS_DIR,
     METRICS_FILE,
     OUTPUTS_DIR,
@@ -23,6 +20,9 @@ from torch_batch_process.storage.layout import (
     outputs_dir,
     record_file,
 )
+from torch_batch_process.jobstore.records import CommitRecord
+from torch_batch_process.jobstore.store import JobStore
+from torch_batch_process.storage.base import Storage
 
 __all__ = ["check_integrity", "warn_of_strays"]
 

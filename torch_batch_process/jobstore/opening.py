@@ -4,7 +4,7 @@
 Rank 0 refuses another job (a different fingerprint) and damaged progress, returns the stored result of a
 finished job (its final commit record's; after publishing files a kill left unpublished and writing a
 ``result.json`` a kill left unwritten, under the job lock), erases the job with ``resume=False``, repairs
-what a crash left (:meth:`~torch_batch_process.engine.store.JobStore.repair`), writes the job file at the
+what a crash left (:meth:`~torch_batch_process.jobstore.store.JobStore.repair`), writes the job file at the
 first start and counts the attempt. Its answer, or its exception, is broadcast to every rank.
 """
 
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.integrity import check_integrity, warn_of_strays
-from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
-from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError
+from torch_batch_process.jobstore.integrity import check_integrity, warn_of_strays
+from torch_batch_process.jobstore.layout import JOB_FILE
+from torch_batch_process.jobstore.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
+from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.storage.base import Storage
-from torch_batch_process.storage.layout import JOB_FILE
 from torch_batch_process.storage.lock import JobLock
 
 __all__ = ["JobOpener", "Start"]

@@ -1,7 +1,7 @@
 """The job's stored state on a :class:`~torch_batch_process.storage.base.Storage`: job file, commit records,
 state files, stages, and their repair after a crash.
 
-Names are those of :mod:`torch_batch_process.storage.layout`; the commit protocol that writes them is the
+Names are those of :mod:`torch_batch_process.jobstore.layout`; the commit protocol that writes them is the
 committer's (:mod:`torch_batch_process.engine.committer`). Everything here is idempotent, so that a crash at
 any point leaves storage that the next start repairs (:meth:`JobStore.repair`).
 """
@@ -15,11 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torch_batch_process.engine.records import CommitRecord, JobInfo, parse_json
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
-from torch_batch_process.storage.base import TMP_MARKER, Storage
-from torch_batch_process.storage.errors import NotAFileError
-from torch_batch_process.storage.layout import (
+from torch_batch_process.jobstore.layout import (
     ATTEMPT_FILE,
     COMMITS_DIR,
     FAILURES_DIR,
@@ -41,6 +38,9 @@ from torch_batch_process.storage.layout import (
     staging_dir,
     state_file,
 )
+from torch_batch_process.jobstore.records import CommitRecord, JobInfo, parse_json
+from torch_batch_process.storage.base import TMP_MARKER, Storage
+from torch_batch_process.storage.errors import NotAFileError
 
 __all__ = ["JobStore", "job_finished", "latest_record_at", "unpublished_stages_at"]
 

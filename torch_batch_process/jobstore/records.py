@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, JobMismatchError
-from torch_batch_process.outputs.schema import RecordSchema
+from torch_batch_process.jobstore.ranges import RangeSet
+from torch_batch_process.jobstore.schema import RecordSchema
 
 if TYPE_CHECKING:
     from torch_batch_process.validation import JobArguments
