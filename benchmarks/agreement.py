@@ -1,7 +1,7 @@
 """Per-step cost of the preemption/failure agreement between ranks (2 processes, gloo).
 
 Every step boundary, the ranks combine their stop/failure flags with an asynchronous all_reduce that is
-started at the end of a step and read at the end of the next one (torch_batch_process.engine.agreement).
+started at the end of a step and read at the end of the next one (torch_batch_process.engine.schedule.agreement).
 This measures what that costs per step, against the same loop without any agreement, for steps of
 different lengths (0 ms shows the raw collective; longer steps show how much of it overlaps with work).
 Rounds are interleaved and the median per-step overhead is reported.
@@ -33,8 +33,8 @@ def busy(ms: float) -> None:
 def worker(steps: int, rounds: int) -> None:
     import torch.distributed as dist
 
-    from torch_batch_process.engine.agreement import StepAgreement
     from torch_batch_process.engine.distributed import Collectives
+    from torch_batch_process.engine.schedule.agreement import StepAgreement
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -64,7 +64,6 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks.common import Reporter, count_output_rows, env_rank, save_tensor
 from benchmarks.launch import RUN_TIMEOUT_S, RunResult, run_logged, steady_throughput
 from benchmarks.report import fmt, fmt_spread, machine, machine_line, median_spread, new_results_dir, save_json
-from torch_batch_process import TorchBatchProcessor, torch_batch_process
 from benchmarks.workloads import (
     IMAGE_MEAN,
     IMAGE_STD,
@@ -75,6 +74,7 @@ from benchmarks.workloads import (
     load_sentences,
     output_name,
 )
+from torch_batch_process import TorchBatchProcessor, torch_batch_process
 
 WORKLOADS = ("resnet50", "minilm")
 WORKLOAD_NAMES = {"resnet50": "ResNet-50, 3x224x224 uint8 images", "minilm": "MiniLM-L6 embeddings"}
@@ -883,7 +883,7 @@ def render_saved(path: Path) -> str:
 def prefetch_overhead(batches: int = 200_000, repeats: int = 7) -> str:
     """CPU cost per batch of :class:`DevicePrefetcher` when it passes batches through (CPU, mps, or
     disabled), and of its lookahead's bookkeeping (the CUDA path without its CUDA calls)."""
-    from torch_batch_process.engine.prefetch import DevicePrefetcher, Lookahead
+    from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, Lookahead
 
     items = [(i, None) for i in range(batches)]
 

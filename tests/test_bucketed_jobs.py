@@ -33,7 +33,7 @@ from harness import (
 )
 
 from torch_batch_process import JobMismatchError, TorchBatchProcessor, torch_batch_process
-from torch_batch_process.engine.plan import BucketedPlan
+from torch_batch_process.engine.plan.plans import BucketedPlan
 
 N, BATCH, WINDOW, MAX_TOKENS = 600, 8, 4, 400
 LENGTHS = [(i * 37) % 101 + 1 for i in range(N)]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from torch_batch_process.engine.bucket_options import resolve_lengths, validate_bucket_options
-from torch_batch_process.engine.bucketing import (
+from torch_batch_process.engine.plan.bucket_options import resolve_lengths, validate_bucket_options
+from torch_batch_process.engine.plan.bucketing import (
     BucketLayout,
     bucket_layout,
     contiguous_padded_tokens,
@@ -220,7 +220,7 @@ def _digest(layout: BucketLayout) -> str:
 _CHILD = """
 import hashlib, sys
 import numpy as np
-from torch_batch_process.engine.bucketing import bucket_layout
+from torch_batch_process.engine.plan.bucketing import bucket_layout
 rng = np.random.default_rng(11)
 lengths = np.minimum(rng.lognormal(3.0, 0.9, 50_000).astype(np.int64) + 1, 512)
 layout = bucket_layout(lengths, 32, int(sys.argv[1]), None if sys.argv[2] == "none" else int(sys.argv[2]))

@@ -46,7 +46,7 @@ def run_attempt_with_kill(spec: dict[str, Any], world_size: int, attempt: int, r
     alive_before = procs[victim].poll() is None
     os.kill(procs[victim].pid, signal.SIGKILL)
     if spec["kwargs"]["schedule"] == "dynamic":
-        # Dynamic survivors stop only when rank 0 finds the victim's heartbeats silent (engine/liveness.py, see
+        # Dynamic survivors stop only when rank 0 finds the victim's heartbeats silent (engine/schedule/liveness.py, see
         # test_dynamic.py), so meanwhile they would do much of the work; as torchrun's agent does when a worker
         # dies, the others are killed too, a moment later (mid-commit, mid-batch...).
         time.sleep(rng.uniform(0.0, 0.5))

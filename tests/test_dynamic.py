@@ -23,7 +23,7 @@ from harness import (
     wait_for_progress,
 )
 
-from torch_batch_process.engine.liveness import SILENCE_S
+from torch_batch_process.engine.schedule.liveness import SILENCE_S
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The GPU path's standalone parts: device prefetch (engine/prefetch.py) and autocast (engine/autocast.py).
+"""The GPU path's standalone parts: device prefetch (engine/feed/prefetch.py) and autocast (engine/feed/autocast.py).
 
 The CPU tests run everywhere: the pass-through, the lookahead's order and error positions (the same
 code the CUDA path runs, with identity stages), option validation, bf16 autocast on CPU. The CUDA tests
@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from torch_batch_process.device import to_device
-from torch_batch_process.engine.autocast import AUTOCAST_DTYPES, resolve_autocast
-from torch_batch_process.engine.prefetch import DevicePrefetcher, Lookahead, validate_device_prefetch
+from torch_batch_process.engine.feed.autocast import AUTOCAST_DTYPES, resolve_autocast
+from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, Lookahead, validate_device_prefetch
 from torch_batch_process.errors import InvalidArgumentError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -324,7 +324,7 @@ def test_autocast_none_is_a_null_context() -> None:
 
 @pytest.mark.parametrize("value", ["bf16", "fp16"])
 def test_autocast_runs_a_linear_in_the_dtype_on_cpu(value: str) -> None:
-    # torch >= 2.3 supports both on CPU; fp16 is accepted there (documented in engine/autocast.py).
+    # torch >= 2.3 supports both on CPU; fp16 is accepted there (documented in engine/feed/autocast.py).
     factory = resolve_autocast(value, torch.device("cpu"))
     linear = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
@@ -430,7 +430,7 @@ def nested_batch(i: int, pin: bool = True) -> dict[str, Any]:
 def test_copy_ahead_follows_to_device_and_defers_what_it_cannot_track() -> None:
     """The CUDA path's structure walk, run with the CPU as the target (only its stream calls need a
     GPU): copied ahead, then finished at hand-out, a batch equals ``to_device`` of the original."""
-    from torch_batch_process.engine.prefetch import _copy_ahead
+    from torch_batch_process.engine.feed.prefetch import _copy_ahead
 
     cpu = torch.device("cpu")
     original = nested_batch(3, pin=False)

@@ -1,4 +1,4 @@
-"""Group commits of rank 0's static record writes (engine/group_commit.py): records that wait share one write."""
+"""Group commits of rank 0's static record writes (engine/commit/group_commit.py): records that wait share one write."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from torch_batch_process.engine.group_commit import RecordWrites
+from torch_batch_process.engine.commit.group_commit import RecordWrites
 
 
 class RecordingKeeper:

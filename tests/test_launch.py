@@ -327,7 +327,7 @@ def test_workers_of_a_killed_launcher_commit_and_stop_instead_of_running_on(tmp_
 
 def test_a_repeated_signal_is_one_request_unless_it_comes_later(monkeypatch):
     """A worker gets SIGTERM from the scheduler and again from torchrun: one request. Later, it means "now"."""
-    from torch_batch_process.engine import preemption
+    from torch_batch_process.engine.schedule import preemption
 
     monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.5)
     # Python's own Ctrl-C handler, whatever started pytest (a shell's background job starts with SIGINT ignored)

@@ -34,7 +34,7 @@ from torch.utils.data import default_collate
 
 import torch_batch_process as tbp
 from torch_batch_process import TorchBatchProcessor, sources, torch_batch_process
-from torch_batch_process.engine.stream_plan import StreamPlan
+from torch_batch_process.engine.plan.streamed import StreamPlan
 from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
 
 STREAM_JOB = JOBS / "stream_job.py"

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from torch_batch_process import InvalidArgumentError, MetricReducer, get_default_device, to_device
-from torch_batch_process.engine.background import BackgroundWork
+from torch_batch_process.engine.commit.background import BackgroundWork
+from torch_batch_process.engine.commit.voted import VotedStages
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.plan import ContiguousPlan, planned_batches
-from torch_batch_process.engine.scheduler import StaticScheduler
-from torch_batch_process.engine.voted import VotedStages
+from torch_batch_process.engine.plan.plans import ContiguousPlan, planned_batches
+from torch_batch_process.engine.schedule.scheduler import StaticScheduler
 from torch_batch_process.jobstore.layout import STAGED_FAILURES_NAME, failures_file, outputs_dir, staging_dir
 from torch_batch_process.jobstore.ranges import IndexedRanges, RangeSet
 from torch_batch_process.jobstore.store import JobStore
@@ -237,7 +237,7 @@ def test_publishing_a_stage_moves_failure_records_only_when_told_it_has_some(tmp
 def test_the_feed_skips_the_loaders_profiler_range_only_while_no_profiler_runs():
     from torch.profiler import profile
 
-    from torch_batch_process.engine.batches import BatchFeed
+    from torch_batch_process.engine.feed.batches import BatchFeed
 
     plan = ContiguousPlan(20, 4)
     scheduler = StaticScheduler(RangeSet([(0, plan.num_batches)]), Collectives(None, 0, 1), interval=1)
@@ -262,7 +262,7 @@ def test_heartbeats_report_a_rank_that_stops_beating_and_never_one_that_beats():
 
     from torch.distributed import TCPStore
 
-    from torch_batch_process.engine.liveness import Heartbeats
+    from torch_batch_process.engine.schedule.liveness import Heartbeats
 
     server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     connect = lambda: TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
@@ -291,7 +291,7 @@ def test_heartbeats_report_a_rank_that_stops_beating_and_never_one_that_beats():
 
 
 def test_the_heartbeat_silence_comes_from_the_environment_and_a_bad_value_is_refused_naming_it(monkeypatch):
-    from torch_batch_process.engine.liveness import SILENCE_ENV, SILENCE_S, heartbeat_silence_s
+    from torch_batch_process.engine.schedule.liveness import SILENCE_ENV, SILENCE_S, heartbeat_silence_s
 
     monkeypatch.delenv(SILENCE_ENV, raising=False)
     assert heartbeat_silence_s() == SILENCE_S

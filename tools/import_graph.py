@@ -71,9 +71,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 _BEFORE_27 = "there before the layout of issue 27; being removed"
 
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset('engine.announce engine.building engine.collector engine.commit_wiring engine.committer engine.group_commit engine.guard engine.keeper engine.liveness engine.loop engine.publisher engine.results jobstore.integrity jobstore.opening jobstore.records jobstore.store validation'.split()): _BEFORE_27,
+    frozenset('engine.announce engine.building engine.commit.collector engine.commit.committer engine.commit.group_commit engine.commit.keeper engine.commit.publisher engine.commit.wiring engine.feed.error_handling engine.loop engine.results engine.schedule.liveness jobstore.integrity jobstore.opening jobstore.records jobstore.store validation'.split()): _BEFORE_27,
     frozenset('storage.base storage.lease storage.local storage.lock storage.object_store storage.uploads'.split()): _BEFORE_27,
-    frozenset('engine.retry observe.failures outputs.completeness'.split()): _BEFORE_27,
+    frozenset('engine.plan.retry observe.failures outputs.completeness'.split()): _BEFORE_27,
     frozenset('launch.config launch.determined_storage'.split()): _BEFORE_27,
 }
 """Cycles that stay, each with the reason (module names relative to the package)."""
@@ -82,12 +82,12 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = dict.fromkeys(
     [
         ('context', 'engine.distributed'),
         ('engine.loop', 'validation'),
-        ('engine.retry', 'validation'),
+        ('engine.plan.retry', 'validation'),
         ('jobstore.opening', 'engine.distributed'),
         ('jobstore.records', 'validation'),
-        ('observe.failures', 'engine.retry'),
-        ('outputs.completeness', 'engine.retry'),
-        ('outputs.readback', 'engine.retry'),
+        ('observe.failures', 'engine.plan.retry'),
+        ('outputs.completeness', 'engine.plan.retry'),
+        ('outputs.readback', 'engine.plan.retry'),
         ('outputs.records', 'context'),
         ('storage.lease', 'jobstore.layout'),
         ('storage.lock', 'jobstore.layout'),

@@ -7,9 +7,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch_batch_process.engine.bucket_options import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import JobRun
+from torch_batch_process.engine.plan.bucket_options import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.failure_options import validate_failure_options
 from torch_batch_process.log import setup_logging
 from torch_batch_process.observe.options import resolve_observe_options
@@ -88,10 +88,10 @@ def torch_batch_process(
             ``active``...); default ``$TBP_PROFILE``. See :mod:`torch_batch_process.observe.options`.
         schedule: ``"static"`` (default, Determined's behaviour): batches dealt round-robin, ranks in lockstep;
             ``"dynamic"``: a free rank takes the next batch, so a slow batch or rank never stalls the others
-            (see :mod:`torch_batch_process.engine.scheduler`).
+            (see :mod:`torch_batch_process.engine.schedule.scheduler`).
         bucket_by: the length of each example (a sequence of ints, or a callable ``index -> int``): batches
             then hold examples of similar length, sorted inside windows of ``bucket_window * batch_size``
-            consecutive examples, largest batches first (see :mod:`torch_batch_process.engine.bucketing`;
+            consecutive examples, largest batches first (see :mod:`torch_batch_process.engine.plan.bucketing`;
             cheap ways to get lengths: :mod:`torch_batch_process.lengths`). ``context.batch_indices`` tells
             which examples a batch holds. The plan is part of the job's fingerprint.
         bucket_window: batches' worth of consecutive examples sorted together (default 100).
@@ -107,15 +107,15 @@ def torch_batch_process(
         on_error: ``"raise"`` (default): an exception in loading or ``process_batch`` fails the job. ``"skip"``: a
             failing batch is retried in halves down to single examples; those that still fail are recorded in
             ``<storage_path>/failures/`` (``tbp failures``) and skipped (see
-            :mod:`torch_batch_process.engine.failures`).
+            :mod:`torch_batch_process.engine.feed.failing_examples`).
         max_failures: with ``"skip"``: the most examples that may fail, an int count or a float fraction of the
             examples; past it the job fails with :class:`TooManyFailuresError` (resumable). ``None``: no limit.
         batch_timeout: seconds a batch may run, or take to load; a longer one makes the ranks dump their Python
             stacks to the log and the job fail with :class:`BatchTimeoutError` (see
-            :mod:`torch_batch_process.engine.watchdog`).
+            :mod:`torch_batch_process.engine.feed.watchdog`).
         retry_failed: on a finished job: process only its recorded failures, as a retry job stored in
             ``<storage_path>/retries/<k>/``; those that succeed are cleared from the failures, the result is the
-            retry's (see :mod:`torch_batch_process.engine.retry`).
+            retry's (see :mod:`torch_batch_process.engine.plan.retry`).
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -157,7 +157,7 @@ def torch_batch_process(
     with DistributedEnv(expected=distributed_context) as env:
         setup_logging(env.info.rank)
         if failures.retry_failed:
-            from torch_batch_process.engine.retry import prepare_retry
+            from torch_batch_process.engine.plan.retry import prepare_retry
 
             retry_args, plan, schema = prepare_retry(args, env.collectives)
             return JobRun(retry_args, env, observe, plan=plan, record_schema=schema).run()

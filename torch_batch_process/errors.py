@@ -95,7 +95,7 @@ class LoaderWorkerDiedError(BatchProcessError, RuntimeError):
 
 
 class BatchTimeoutError(BatchProcessError, TimeoutError):
-    """A batch ran longer than ``batch_timeout`` seconds (see :mod:`torch_batch_process.engine.watchdog`)."""
+    """A batch ran longer than ``batch_timeout`` seconds (see :mod:`torch_batch_process.engine.feed.watchdog`)."""
 
 
 class TooManyFailuresError(BatchProcessError, RuntimeError):

@@ -2,12 +2,12 @@
 
 - ``on_error``: ``"raise"`` (default) fails the job on the first exception; ``"skip"`` splits a failing batch
   down to the examples that fail, records them under ``<storage>/failures/`` and goes on
-  (:mod:`torch_batch_process.engine.failures`).
+  (:mod:`torch_batch_process.engine.feed.failing_examples`).
 - ``max_failures``: with ``"skip"``, the most examples that may fail: an int count, or a float fraction of
   the job's examples (``0 < f < 1``); ``None``: no limit. Past it the job fails with
   :class:`~torch_batch_process.errors.TooManyFailuresError`.
-- ``batch_timeout``: seconds a batch may run (:mod:`torch_batch_process.engine.watchdog`); ``None``: no limit.
-- ``retry_failed``: on a finished job, process only its recorded failures (:mod:`torch_batch_process.engine.retry`).
+- ``batch_timeout``: seconds a batch may run (:mod:`torch_batch_process.engine.feed.watchdog`); ``None``: no limit.
+- ``retry_failed``: on a finished job, process only its recorded failures (:mod:`torch_batch_process.engine.plan.retry`).
 """
 
 from __future__ import annotations

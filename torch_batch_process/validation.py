@@ -14,8 +14,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from torch_batch_process.engine.bucket_options import DEFAULT_BUCKET_WINDOW, resolve_lengths, validate_bucket_options
-from torch_batch_process.engine.liveness import heartbeat_silence_s
+from torch_batch_process.engine.plan.bucket_options import (
+    DEFAULT_BUCKET_WINDOW,
+    resolve_lengths,
+    validate_bucket_options,
+)
+from torch_batch_process.engine.schedule.liveness import heartbeat_silence_s
 from torch_batch_process.environment import (
     DEFAULT_ROOT,
     JOB_NAME_ENV,
@@ -63,9 +67,9 @@ class JobArguments:
     lengths_s: float = 0.0
     """Seconds spent getting the lengths (part of the plan's cost)."""
     device_prefetch: bool | None = None
-    """Checked on the rank's device (:func:`~torch_batch_process.engine.prefetch.validate_device_prefetch`)."""
+    """Checked on the rank's device (:func:`~torch_batch_process.engine.feed.prefetch.validate_device_prefetch`)."""
     autocast: str | None = None
-    """Checked on the rank's device (:func:`~torch_batch_process.engine.autocast.resolve_autocast`)."""
+    """Checked on the rank's device (:func:`~torch_batch_process.engine.feed.autocast.resolve_autocast`)."""
     output_format: str = "parquet"
     """Format of the shards of ``context.write()``: ``"parquet"`` or ``"jsonl"``."""
     failures: FailureOptions = FailureOptions()
@@ -111,7 +115,7 @@ def validate_processor_cls(processor_cls: Any) -> type[TorchBatchProcessor]:
 def validate_dataset(dataset: Any, bucket_by: Any = None) -> int:
     """Checks that ``dataset`` is map-style with a ``__len__`` (returns its length) or a streaming source
     (returns its rows when its metadata tells them, else -1: the plan counts them)."""
-    from torch_batch_process.engine.streams import is_source, validate_source
+    from torch_batch_process.engine.feed.streams import is_source, validate_source
 
     if is_source(dataset):
         return validate_source(dataset, bucket_by)

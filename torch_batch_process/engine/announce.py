@@ -8,7 +8,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING
 
-from torch_batch_process.engine.plan import Plan
+from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.opening import Start
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.observe.observer import JobObserver

@@ -4,11 +4,11 @@
    :class:`~torch_batch_process.jobstore.opening.Start` (:mod:`~torch_batch_process.jobstore.opening`).
 2. Build the processor on every rank (``cls(context)``), restore its state, agree to start
    (:mod:`~torch_batch_process.engine.building`).
-3. Run this rank's batches as its scheduler deals them (:mod:`~torch_batch_process.engine.scheduler`):
-   ``process_batch(batch, batch_idx)`` with the global batch index (:mod:`~torch_batch_process.engine.runner`),
-   loaded by the feed (:mod:`~torch_batch_process.engine.batches`).
+3. Run this rank's batches as its scheduler deals them (:mod:`~torch_batch_process.engine.schedule.scheduler`):
+   ``process_batch(batch, batch_idx)`` with the global batch index (:mod:`~torch_batch_process.engine.feed.runner`),
+   loaded by the feed (:mod:`~torch_batch_process.engine.feed.batches`).
 4. Commit when the scheduler says so: ``on_checkpoint_start()``, then the committer makes outputs, progress and
-   states durable together (:mod:`~torch_batch_process.engine.committer`); stop (preemption) or fail with the
+   states durable together (:mod:`~torch_batch_process.engine.commit.committer`); stop (preemption) or fail with the
    other ranks when the scheduler says so.
 5. When the batches are done, or the ranks stop or fail: the closing commit, together.
 6. When every batch is committed: ``on_finish()``, the final commit with the reduced metrics, and the same
@@ -26,24 +26,24 @@ from functools import partial
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
-from torch_batch_process.engine.agreement import Decision, FailureTracker
 from torch_batch_process.engine.announce import announce_start, log_preempted, warn_max_batches
-from torch_batch_process.engine.autocast import resolve_autocast
-from torch_batch_process.engine.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.building import build_processor
-from torch_batch_process.engine.commit_wiring import make_committer
-from torch_batch_process.engine.committer import Committer, Outcome
+from torch_batch_process.engine.commit.committer import Committer, Outcome
+from torch_batch_process.engine.commit.wiring import make_committer
 from torch_batch_process.engine.distributed import DistributedEnv
-from torch_batch_process.engine.guard import check_failures, guard_runner
-from torch_batch_process.engine.liveness import Heartbeats, watch_peers
-from torch_batch_process.engine.plan import Plan, dataset_plan, planned_batches
-from torch_batch_process.engine.preemption import SignalWatcher
-from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
+from torch_batch_process.engine.feed.autocast import resolve_autocast
+from torch_batch_process.engine.feed.batches import BatchFeed, LoadFailed
+from torch_batch_process.engine.feed.error_handling import check_failures, guard_runner
+from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_device_prefetch
+from torch_batch_process.engine.feed.runner import BatchRunner
+from torch_batch_process.engine.feed.streams import StreamJob, is_source
+from torch_batch_process.engine.feed.watchdog import BatchWatchdog
+from torch_batch_process.engine.plan.plans import Plan, dataset_plan, planned_batches
 from torch_batch_process.engine.results import job_result, stored_result
-from torch_batch_process.engine.runner import BatchRunner
-from torch_batch_process.engine.scheduler import Scheduler, make_scheduler
-from torch_batch_process.engine.streams import StreamJob, is_source
-from torch_batch_process.engine.watchdog import BatchWatchdog
+from torch_batch_process.engine.schedule.agreement import Decision, FailureTracker
+from torch_batch_process.engine.schedule.liveness import Heartbeats, watch_peers
+from torch_batch_process.engine.schedule.preemption import SignalWatcher
+from torch_batch_process.engine.schedule.scheduler import Scheduler, make_scheduler
 from torch_batch_process.jobstore.layout import OUTPUTS_DIR, tensorboard_dir
 from torch_batch_process.jobstore.opening import JobOpener, Start
 from torch_batch_process.jobstore.ranges import RangeSet
@@ -86,7 +86,7 @@ class JobRun:
         t0 = time.perf_counter()
         streamed = is_source(args.dataset)  # a streaming source: its plan needs the shards' row counts
         self.stream = StreamJob(args.dataset, args.batch_size, self.storage, self.coll) if streamed else None
-        self.full_plan: Plan = plan or (  # a given plan: retry_failed (engine/retry.py)
+        self.full_plan: Plan = plan or (  # a given plan: retry_failed (engine/plan/retry.py)
             self.stream.plan
             if self.stream is not None
             else dataset_plan(args.dataset_length, args.batch_size, args.lengths, args.bucket_window, args.max_tokens)
@@ -109,7 +109,7 @@ class JobRun:
         self._prefixed_store: Any = None
         self._scheduler: Scheduler | None = None
         self._peers: Heartbeats | None = None
-        self.watchdog: BatchWatchdog | None = None  # batch_timeout: watches until the call ends (engine/guard.py)
+        self.watchdog: BatchWatchdog | None = None  # batch_timeout: watches until the call ends (engine/feed/error_handling.py)
         self._result: Callable[..., BatchProcessResult] = partial(job_result)  # bound to the call in run()
 
     # ------------------------------------------------------------------------ lifecycle
@@ -138,7 +138,7 @@ class JobRun:
                 announce_start(self, start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
                 if outcome is None or not outcome.preempted:
-                    check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
+                    check_failures(self, outcome)  # max_failures over all ranks (engine/feed/error_handling.py)
                     outcome = self._finish(processor)
                 result = self._result(outcome.summary, outcome.metrics or {}, preempted=outcome.preempted)
                 if result.preempted:
@@ -187,7 +187,7 @@ class JobRun:
     ) -> Outcome:
         """Runs this rank's batches with their commits, then the closing commit; returns its outcome."""
         self._scheduler = scheduler
-        self._peers = watch_peers(self)  # dynamic: a rank that dies stops the others (engine/liveness.py)
+        self._peers = watch_peers(self)  # dynamic: a rank that dies stops the others (engine/schedule/liveness.py)
         decision = Decision.STOP if stop_now else self._steps(processor, scheduler, signals)
         scheduler.close()
         if self._peers is not None:
@@ -208,7 +208,7 @@ class JobRun:
         if self.stream is not None:  # a source: its dataset view, worker-affine order, columnar collation
             dataset, order, kwargs = self.stream.feed_parts(scheduler, kwargs, self.plan)
         feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
-        guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/guard.py)
+        guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/feed/error_handling.py)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:

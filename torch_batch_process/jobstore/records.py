@@ -3,7 +3,7 @@
 A commit record is the durable truth of a job: the set of committed global batches, the stages whose files
 are committed (published or to be published), each rank's latest state file, the state files of earlier
 attempts (their reducer summaries stay slots of the final reduction), and the reducers' signature. The
-committer (:mod:`torch_batch_process.engine.committer`) writes one atomically at each commit point.
+committer (:mod:`torch_batch_process.engine.commit.committer`) writes one atomically at each commit point.
 """
 
 from __future__ import annotations

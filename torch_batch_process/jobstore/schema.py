@@ -2,7 +2,7 @@
 
 One rule decides, for a rank's batches (its shard writer, :mod:`torch_batch_process.outputs.records`) and for
 the ranks and attempts of a job (rank 0 checks each commit vote against the job's schema before the record
-that commits it, :class:`~torch_batch_process.engine.keeper.RecordKeeper`): two types *unify* when
+that commits it, :class:`~torch_batch_process.engine.commit.keeper.RecordKeeper`): two types *unify* when
 
 - they are equal;
 - one is ``null`` (a column that was all ``None`` so far), or a list of ``null`` (all empty lists so far): the

@@ -2,7 +2,7 @@
 state files, stages, and their repair after a crash.
 
 Names are those of :mod:`torch_batch_process.jobstore.layout`; the commit protocol that writes them is the
-committer's (:mod:`torch_batch_process.engine.committer`). Everything here is idempotent, so that a crash at
+committer's (:mod:`torch_batch_process.engine.commit.committer`). Everything here is idempotent, so that a crash at
 any point leaves storage that the next start repairs (:meth:`JobStore.repair`).
 """
 

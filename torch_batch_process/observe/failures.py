@@ -1,7 +1,7 @@
 """``tbp failures STORAGE_PATH`` and :func:`read_failures`: the examples a job skipped with ``on_error="skip"``.
 
 The failures are read from ``<storage_path>/failures/*.jsonl`` (one JSON object a line; the keys are listed in
-:mod:`torch_batch_process.engine.failures`). Only committed failures are there, each exactly once. Read-only:
+:mod:`torch_batch_process.engine.feed.failing_examples`). Only committed failures are there, each exactly once. Read-only:
 safe while the job runs. Imports no torch.
 """
 
@@ -23,12 +23,12 @@ __all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_
 
 def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The current failure records of the job at ``storage_path`` (those of its latest finished
-    ``retry_failed`` run, if any: see :mod:`torch_batch_process.engine.retry`), ordered by dataset index.
+    ``retry_failed`` run, if any: see :mod:`torch_batch_process.engine.plan.retry`), ordered by dataset index.
 
     Raises:
         NoJobError: no job is stored at ``storage_path`` (as ``tbp status`` says).
     """
-    from torch_batch_process.engine.retry import current_failures_root
+    from torch_batch_process.engine.plan.retry import current_failures_root
     from torch_batch_process.observe.status import NoJobError
 
     storage = open_storage(storage_path, storage_options)

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 def committed_rows(storage: Storage) -> dict[str, int]:
     """Folder (``""`` for the job, ``"retries/<k>"`` for a retry) -> the record rows its final record commits,
     for each folder whose shards can be checked now (see the module docstring)."""
-    from torch_batch_process.engine.retry import retry_numbers
+    from torch_batch_process.engine.plan.retry import retry_numbers
     from torch_batch_process.jobstore.store import latest_record_at
 
     expected: dict[str, int] = {}

@@ -3,7 +3,7 @@
 Each ``upload_path()`` yields an empty local folder (``storage.scratch_folder``: inside the storage for local
 storage, so that files are renamed and never copied; a local temporary folder for object stores). When the
 ``with`` block ends, what was written there joins this rank's stage of its next commit,
-``_tbp/staging/<s>/rank_<r>/`` (see :mod:`torch_batch_process.engine.committer`), through the storage's
+``_tbp/staging/<s>/rank_<r>/`` (see :mod:`torch_batch_process.engine.commit.committer`), through the storage's
 file sink: a rename locally, a background upload (streamed from disk) to object stores. The commit waits
 for those uploads (:meth:`OutputStager.flush`). A block that raises contributes nothing.
 
@@ -17,7 +17,7 @@ Two files with the same path in the same stage of one rank would overwrite each 
 With ``on_error="skip"`` the engine runs each batch between :meth:`OutputStager.hold` and
 :meth:`OutputStager.release`: the blocks of a batch that fails are discarded, those of one that succeeds join
 the stage; the parts of a split batch write under a sub-folder of their own (``prefix``, see
-:mod:`torch_batch_process.engine.failures`). The failure records of the stage (:meth:`OutputStager.add_failure`)
+:mod:`torch_batch_process.engine.feed.failing_examples`). The failure records of the stage (:meth:`OutputStager.add_failure`)
 are written next to its files at :meth:`OutputStager.flush` and published to ``failures/``.
 """
 

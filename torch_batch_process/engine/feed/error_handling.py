@@ -1,6 +1,6 @@
 """Wires the failure options into a rank's runner: ``on_error="skip"`` (a
-:class:`~torch_batch_process.engine.failures.FailureHandler`) and ``batch_timeout`` (a
-:class:`~torch_batch_process.engine.watchdog.BatchWatchdog`), and checks ``max_failures`` at the end.
+:class:`~torch_batch_process.engine.feed.failing_examples.FailureHandler`) and ``batch_timeout`` (a
+:class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`), and checks ``max_failures`` at the end.
 
 Kept apart from the loop so that the loop only calls :func:`guard_runner` and :func:`check_failures`.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.device import to_device
-from torch_batch_process.engine.batches import BatchFeed
-from torch_batch_process.engine.committer import Outcome
-from torch_batch_process.engine.failures import FailureHandler, check_total
-from torch_batch_process.engine.runner import BatchRunner
-from torch_batch_process.engine.watchdog import BatchWatchdog
+from torch_batch_process.engine.commit.committer import Outcome
+from torch_batch_process.engine.feed.batches import BatchFeed
+from torch_batch_process.engine.feed.failing_examples import FailureHandler, check_total
+from torch_batch_process.engine.feed.runner import BatchRunner
+from torch_batch_process.engine.feed.watchdog import BatchWatchdog
 from torch_batch_process.jobstore.layout import FAILURES_DIR
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> None:
         place: Any = (lambda batch: to_device(batch, device)) if job.device_prefetch else (lambda batch: batch)
         latest = job.start.latest
         runner.skip = FailureHandler(
-            dataset=feed.loader.dataset,  # a source's rows by global row number (engine/streams.py)
+            dataset=feed.loader.dataset,  # a source's rows by global row number (engine/feed/streams.py)
             collate_fn=feed.loader.collate_fn,
             place=place,
             process=runner.process,

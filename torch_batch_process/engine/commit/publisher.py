@@ -1,10 +1,10 @@
 """The publisher: moves a rank's committed stages into ``outputs/`` once a durable record covers them.
 
 A stage may be published only once the commit record that covers it is durable (the rule of
-:mod:`torch_batch_process.engine.committer`); the committer says how many of this rank's votes are covered, the
+:mod:`torch_batch_process.engine.commit.committer`); the committer says how many of this rank's votes are covered, the
 publisher moves their stages, in vote order: on a background thread on object stores (a move is a copy per
 object), on the caller's thread on local storage (one rename per stage, cheaper than handing it to a thread,
-see :mod:`torch_batch_process.engine.background`). A failed publication is raised by :meth:`Publisher.check`
+see :mod:`torch_batch_process.engine.commit.background`). A failed publication is raised by :meth:`Publisher.check`
 or :meth:`Publisher.settle`, so it travels in the rank's next vote like any other error.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from torch_batch_process.engine.background import BackgroundWork
-from torch_batch_process.engine.voted import VotedStages
+from torch_batch_process.engine.commit.background import BackgroundWork
+from torch_batch_process.engine.commit.voted import VotedStages
 from torch_batch_process.jobstore.store import JobStore
 
 __all__ = ["Publisher"]

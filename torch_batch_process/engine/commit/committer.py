@@ -11,18 +11,18 @@ covers it is durable, and a record covers a rank's files only together with the 
 3. it sends its vote (stage, batches completed, state file, metrics lines, timings, failure, preemption
    request) to rank 0 and goes on with its next batches.
 
-**Rank 0** merges votes into the job's cumulative state (:class:`~torch_batch_process.engine.keeper.RecordKeeper`)
+**Rank 0** merges votes into the job's cumulative state (:class:`~torch_batch_process.engine.commit.keeper.RecordKeeper`)
 and writes ``_tbp/commits/<n>.json`` atomically. **That write is the commit point**: the record lists the
 committed global batches, the committed stages, every rank's latest state file and those of earlier
 attempts. Once a record is durable, each rank *publishes* its stages that it covers (``staging/<s>/rank_<r>``
-moves to ``outputs/commit_<s>/rank_<r>``; one rename locally, see :mod:`torch_batch_process.engine.publisher`)
+moves to ``outputs/commit_<s>/rank_<r>``; one rename locally, see :mod:`torch_batch_process.engine.commit.publisher`)
 and rank 0 deletes what the record supersedes.
 
-**How votes travel** (:mod:`torch_batch_process.engine.votes`): with ``schedule="static"`` all ranks commit
+**How votes travel** (:mod:`torch_batch_process.engine.commit.votes`): with ``schedule="static"`` all ranks commit
 at the same step; their votes are gathered asynchronously and the commit completes at the next step
 boundary, where rank 0 queues the record write on its background thread and tells (in its next vote) which
 records are durable; records that queue up are written as one group commit
-(:mod:`torch_batch_process.engine.group_commit`). With ``schedule="dynamic"`` every rank commits on its own, after each
+(:mod:`torch_batch_process.engine.commit.group_commit`). With ``schedule="dynamic"`` every rank commits on its own, after each
 ``checkpoint_interval`` of *its* batches: votes go into a queue in the rendezvous store, rank 0's collector
 thread merges and writes records as votes arrive and acknowledges them per rank through the store; no rank
 ever waits for another at a commit. A single process takes the static path, whose exchanges are then local.
@@ -49,14 +49,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch_batch_process.engine.agreement import FailureInfo, FailureTracker
-from torch_batch_process.engine.collector import VoteCollector
+from torch_batch_process.engine.commit.collector import VoteCollector
+from torch_batch_process.engine.commit.group_commit import RecordWrites
+from torch_batch_process.engine.commit.keeper import RecordKeeper, Summary
+from torch_batch_process.engine.commit.part import Part
+from torch_batch_process.engine.commit.publisher import Publisher
+from torch_batch_process.engine.commit.votes import GatheredVotes, QueuedVotes, Vote
 from torch_batch_process.engine.distributed import Collectives, PendingGather
-from torch_batch_process.engine.group_commit import RecordWrites
-from torch_batch_process.engine.keeper import RecordKeeper, Summary
-from torch_batch_process.engine.part import Part
-from torch_batch_process.engine.publisher import Publisher
-from torch_batch_process.engine.votes import GatheredVotes, QueuedVotes, Vote
+from torch_batch_process.engine.schedule.agreement import FailureInfo, FailureTracker
 from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.stragglers import RankInterval

@@ -4,14 +4,14 @@
   batches not committed yet are dealt round-robin over the ranks, the ``i``-th to rank ``i % W`` at step
   ``i // W``; every rank runs the same number of steps (a rank with no batch left idles), commits every
   ``checkpoint_interval`` steps with the others, and the ranks agree at every step boundary whether to go on,
-  stop or fail (:class:`~torch_batch_process.engine.agreement.StepAgreement`).
+  stop or fail (:class:`~torch_batch_process.engine.schedule.agreement.StepAgreement`).
 - :class:`DynamicScheduler` (``schedule="dynamic"``, DESIGN §8): a rank that is free takes the next batch not
   yet taken, from a counter in the job's rendezvous store, so a slow batch or a slow rank never stalls the
   others and no collective runs per step. Each rank commits after each ``checkpoint_interval`` of *its*
   batches. A rank that must stop or that failed adds a large mark to the same counter: every rank sees it at
   its next claim (one request it makes anyway), stops within one batch, and all meet at the closing commit.
   A rank that dies outright is found by rank 0's watch of every rank's heartbeats, which posts the failure
-  mark (:mod:`~torch_batch_process.engine.liveness`).
+  mark (:mod:`~torch_batch_process.engine.schedule.liveness`).
 
 Batch ids reach the DataLoader through :meth:`Scheduler.batch_ids` (the batch sampler iterates it in the main
 process, so claims happen as the loader asks for its next batches, a few ahead).
@@ -24,9 +24,9 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from torch_batch_process.engine.agreement import Decision, StepAgreement
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.rendezvous import RendezvousStore
+from torch_batch_process.engine.schedule.agreement import Decision, StepAgreement
 from torch_batch_process.jobstore.ranges import IndexedRanges, RangeSet
 
 __all__ = ["DynamicScheduler", "Scheduler", "StaticScheduler", "make_scheduler"]

@@ -2,10 +2,10 @@
 
 The context tells the processor which batch it is in (``context.batch_indices``); the batch counts as done
 (part of this rank's next commit) only when ``process_batch`` returned. An exception in loading or in
-``process_batch`` is recorded for this rank (see :class:`~torch_batch_process.engine.agreement.FailureTracker`),
+``process_batch`` is recorded for this rank (see :class:`~torch_batch_process.engine.schedule.agreement.FailureTracker`),
 and the loop makes every rank stop with it; with ``on_error="skip"`` the batch goes to the
-:class:`~torch_batch_process.engine.failures.FailureHandler` instead, which bisects it. With ``batch_timeout``
-each call is timed by the :class:`~torch_batch_process.engine.watchdog.BatchWatchdog`.
+:class:`~torch_batch_process.engine.feed.failing_examples.FailureHandler` instead, which bisects it. With ``batch_timeout``
+each call is timed by the :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from torch_batch_process.context import CurrentBatch
-from torch_batch_process.engine.agreement import FailureTracker
-from torch_batch_process.engine.batches import LoadFailed
-from torch_batch_process.engine.failures import FailureHandler, no_span
-from torch_batch_process.engine.part import Part
-from torch_batch_process.engine.plan import Plan
+from torch_batch_process.engine.commit.part import Part
+from torch_batch_process.engine.feed.batches import LoadFailed
+from torch_batch_process.engine.feed.failing_examples import FailureHandler, no_span
+from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.engine.schedule.agreement import FailureTracker
 from torch_batch_process.processor import TorchBatchProcessor
 
 __all__ = ["BatchRunner"]

@@ -24,9 +24,9 @@ from torch.autograd import _profiler_enabled
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from torch_batch_process.engine.loader_workers import LoaderWorkers
-from torch_batch_process.engine.plan import Plan
-from torch_batch_process.engine.scheduler import Scheduler
+from torch_batch_process.engine.feed.loader_workers import LoaderWorkers
+from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.engine.schedule.scheduler import Scheduler
 from torch_batch_process.errors import WorkerLostError
 
 __all__ = ["BatchFeed", "LoadFailed"]
@@ -95,7 +95,7 @@ class BatchFeed:
     def __next__(self) -> tuple[int, Any]:
         self.start()
         assert self._iter is not None
-        if self._workers.died is not None:  # reported meanwhile (engine/loader_workers.py): raised here, safely
+        if self._workers.died is not None:  # reported meanwhile (engine/feed/loader_workers.py): raised here, safely
             raise LoadFailed(self._ids[0] if self._ids else -1, self._workers.died)
         try:
             if self.watch is None:  # the common case, inline: this runs once per batch
@@ -125,7 +125,7 @@ class BatchFeed:
     def close(self) -> None:
         """Stops the loader's worker processes (explicitly: a loading error kept alive, e.g. in a failure record's
         exception chain, would otherwise keep the loader's iterator and its workers alive until exit), even one
-        stuck in a load (see :mod:`~torch_batch_process.engine.loader_workers`)."""
+        stuck in a load (see :mod:`~torch_batch_process.engine.feed.loader_workers`)."""
         it, self._iter, self._direct = self._iter, None, None
         self._workers.stop(it)
 

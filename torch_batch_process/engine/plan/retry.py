@@ -25,7 +25,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.engine.plan import Plan
+from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.jobstore.layout import RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet

@@ -2,7 +2,7 @@
 
 While a job runs, :class:`SignalWatcher` replaces the handlers of SIGTERM and SIGINT with one that
 only records the request; the loop then makes every rank agree to stop (see
-:mod:`torch_batch_process.engine.agreement`), commits and returns with ``preempted=True``. A second
+:mod:`torch_batch_process.engine.schedule.agreement`), commits and returns with ``preempted=True``. A second
 signal of the same kind stops the process at once the usual way (for an impatient Ctrl-C), without
 a commit; the last commit stays intact. The user's own handlers are restored when the job returns.
 

@@ -1,7 +1,7 @@
 """Rank 0's vote collector (dynamic schedule): a thread that turns queued commit votes into durable records.
 
 Each rank of a dynamic job pushes its commit votes into a queue in the rendezvous store and goes on with its
-batches (see :mod:`torch_batch_process.engine.committer`). The collector takes every vote waiting in the queue,
+batches (see :mod:`torch_batch_process.engine.commit.committer`). The collector takes every vote waiting in the queue,
 merges them into one record, writes it (the commit point), then acknowledges the votes to their ranks, which
 publish their stages once acknowledged. An error stops it: it is kept for rank 0's main thread
 (:meth:`VoteCollector.check`, :meth:`VoteCollector.stop`) and the other ranks are told to stop at their next
@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from torch_batch_process.engine.keeper import RecordKeeper
-from torch_batch_process.engine.votes import QueuedVotes
+from torch_batch_process.engine.commit.keeper import RecordKeeper
+from torch_batch_process.engine.commit.votes import QueuedVotes
 
 __all__ = ["VoteCollector"]
 

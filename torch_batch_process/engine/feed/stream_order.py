@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.scheduler import Scheduler, StaticScheduler, make_scheduler
-from torch_batch_process.engine.stream_plan import StreamPlan
+from torch_batch_process.engine.plan.streamed import StreamPlan
+from torch_batch_process.engine.schedule.scheduler import Scheduler, StaticScheduler, make_scheduler
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.sources.base import Source
 
@@ -119,7 +119,7 @@ def stream_scheduler(
     kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: Any = None
 ) -> Scheduler:
     """The scheduler of a stream job: :class:`BlockScheduler` for ``"static"`` (and one process), else as
-    :func:`~torch_batch_process.engine.scheduler.make_scheduler`."""
+    :func:`~torch_batch_process.engine.schedule.scheduler.make_scheduler`."""
     if kind == "dynamic" and collectives.world_size > 1:
         return make_scheduler(kind, remaining, collectives, interval, store)
     return BlockScheduler(remaining, collectives, interval)

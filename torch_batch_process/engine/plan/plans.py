@@ -6,7 +6,7 @@ outputs and ``batch_idx`` are about. Two kinds exist:
 
 - :class:`ContiguousPlan` (DESIGN §3): global batch ``g`` holds examples ``[g*B, min((g+1)*B, N))``;
 - :class:`BucketedPlan` (DESIGN §9): examples of similar length batched together (see
-  :mod:`torch_batch_process.engine.bucketing`).
+  :mod:`torch_batch_process.engine.plan.bucketing`).
 
 ``max_batches`` caps the batches of each rank, as in Determined: with round-robin dealing the first
 ``max_batches`` batches of every rank of a fresh run are exactly global batches ``[0, max_batches * W)``,
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_batch_process.engine.bucketing import (
+from torch_batch_process.engine.plan.bucketing import (
     BucketLayout,
     bucket_layout,
     contiguous_padded_tokens,
@@ -91,7 +91,7 @@ class ContiguousPlan(Plan):
 
 
 class BucketedPlan(Plan):
-    """Batches of examples of similar length (see :mod:`torch_batch_process.engine.bucketing`).
+    """Batches of examples of similar length (see :mod:`torch_batch_process.engine.plan.bucketing`).
 
     Args:
         lengths: the length of every example (``bucket_by``, resolved).

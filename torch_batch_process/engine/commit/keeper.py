@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_batch_process.engine.plan import Plan
-from torch_batch_process.engine.votes import Vote
+from torch_batch_process.engine.commit.votes import Vote
+from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.records import CommitRecord
 from torch_batch_process.jobstore.schema import RecordSchema, unify

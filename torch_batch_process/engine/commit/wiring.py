@@ -1,4 +1,4 @@
-"""Builds a rank's :class:`~torch_batch_process.engine.committer.Committer` for a call: rank 0's record keeper,
+"""Builds a rank's :class:`~torch_batch_process.engine.commit.committer.Committer` for a call: rank 0's record keeper,
 and with the dynamic schedule on several ranks, the vote queue and shared stage numbers in the rendezvous store.
 """
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.engine.committer import Committer
-from torch_batch_process.engine.keeper import KeeperStart, RecordKeeper, Summary
-from torch_batch_process.engine.votes import QueuedVotes
+from torch_batch_process.engine.commit.committer import Committer
+from torch_batch_process.engine.commit.keeper import KeeperStart, RecordKeeper, Summary
+from torch_batch_process.engine.commit.votes import QueuedVotes
 from torch_batch_process.observe.metrics import MetricsLog
 
 if TYPE_CHECKING:

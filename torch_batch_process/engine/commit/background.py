@@ -1,8 +1,8 @@
 """Background work of one rank: publishing its stages off the critical path.
 
 One thread runs the tasks in submission order (stages are published in order; a publication is queued only
-once the record that covers it is durable, see :mod:`torch_batch_process.engine.committer`; rank 0's records
-are written by :mod:`torch_batch_process.engine.group_commit`).
+once the record that covers it is durable, see :mod:`torch_batch_process.engine.commit.committer`; rank 0's records
+are written by :mod:`torch_batch_process.engine.commit.group_commit`).
 Errors are not lost: :meth:`BackgroundWork.check` (called before every vote, without waiting)
 raises the first error of a finished task, so it fails the job cooperatively like any other error
 of that rank; :meth:`BackgroundWork.settle` waits for everything.

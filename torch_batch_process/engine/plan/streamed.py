@@ -11,7 +11,7 @@ so the set of committed batch ids (the job's progress, a :class:`~torch_batch_pr
 is exactly a set of per-shard row offsets, valid for any world size and both schedules, and a batch id
 names the same rows forever. The plan needs every shard's row count: from the source's metadata (Parquet
 footers, JSONL with ``count_rows``, ``Sharded(num_rows=...)``), else counted once per job
-(:mod:`~torch_batch_process.engine.stream_counts`).
+(:mod:`~torch_batch_process.engine.plan.stream_counts`).
 
 ``context.batch_indices`` and the ``index`` of record outputs are **global row numbers**: the rows of the
 shards before the batch's shard, plus the row's offset inside its shard (shards in the source's order).
@@ -25,7 +25,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from torch_batch_process.engine.plan import Plan
+from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.ranges import RangeSet
 
 __all__ = ["StreamPlan", "rows_digest"]

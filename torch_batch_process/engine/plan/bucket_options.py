@@ -2,7 +2,7 @@
 
 ``bucket_by`` (one length per example, or a callable ``index -> length``), ``bucket_window`` and
 ``max_tokens`` are checked for type and range when the call starts; the lengths become one validated
-int64 array (:func:`resolve_lengths`) that :mod:`~torch_batch_process.engine.bucketing` plans from.
+int64 array (:func:`resolve_lengths`) that :mod:`~torch_batch_process.engine.plan.bucketing` plans from.
 Every error names the argument and the fix.
 """
 

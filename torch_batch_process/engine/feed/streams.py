@@ -1,7 +1,7 @@
 """A streaming source as a job's dataset (DESIGN §12): its checks, its plan and the dataset the loader reads.
 
 The engine treats a :class:`~torch_batch_process.sources.Source` like a map-style dataset whose examples are
-numbered by global row (:mod:`~torch_batch_process.engine.stream_plan`): the batch sampler hands the loader
+numbered by global row (:mod:`~torch_batch_process.engine.plan.streamed`): the batch sampler hands the loader
 the row numbers of one batch, always a contiguous range inside one shard, and :class:`StreamDataset` turns
 them into one ``source.read(shard, start, stop)``. So the feed, the schedulers, the committer, ``batch_idx``,
 ``context.batch_indices`` and ``context.write`` work unchanged, with the user's ``collate_fn``, workers and
@@ -11,15 +11,15 @@ pinned memory:
   format can (Parquet row groups, an indexed JSONL file) instead of reading the rows before it;
 - a reader (a rank, or a DataLoader worker) that reads consecutive ranges of a shard continues one open
   cursor; different readers read different batches, and DataLoader workers get whole row groups
-  (:mod:`~torch_batch_process.engine.stream_order`), so they decode no row twice. Ranks interleave: a rank
+  (:mod:`~torch_batch_process.engine.feed.stream_order`), so they decode no row twice. Ranks interleave: a rank
   whose next batch starts further on in the same Parquet row group decodes the rows in between (without
   converting them to Python), so row groups about a batch long suit jobs of many ranks;
 - without a ``collate_fn``, Parquet batches are collated from their Arrow columns
-  (:mod:`~torch_batch_process.engine.stream_columns`);
+  (:mod:`~torch_batch_process.engine.feed.stream_columns`);
 - the source's fingerprint and the shards' row counts are part of the plan's fingerprint, so a resume over
   other files or other rows is refused;
 - with ``on_error="skip"`` the halves of a failing batch are read again by row number through the same
-  :class:`StreamDataset` (:mod:`~torch_batch_process.engine.failures`), and a ``retry_failed`` run's plan of
+  :class:`StreamDataset` (:mod:`~torch_batch_process.engine.feed.failing_examples`), and a ``retry_failed`` run's plan of
   scattered failed rows is read in the scheduler's order (:meth:`StreamJob.feed_parts`).
 """
 
@@ -28,17 +28,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.plan import Plan
-from torch_batch_process.engine.scheduler import Scheduler
-from torch_batch_process.engine.stream_counts import CountedRows, shard_row_counts
-from torch_batch_process.engine.stream_order import WorkerAffineOrder, stream_scheduler
-from torch_batch_process.engine.stream_plan import StreamPlan
+from torch_batch_process.engine.feed.stream_order import WorkerAffineOrder, stream_scheduler
+from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.engine.plan.stream_counts import CountedRows, shard_row_counts
+from torch_batch_process.engine.plan.streamed import StreamPlan
+from torch_batch_process.engine.schedule.scheduler import Scheduler
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.sources.base import Source, SourceChangedError
 from torch_batch_process.storage.base import Storage
 
 if TYPE_CHECKING:
-    from torch_batch_process.engine.stream_columns import ArrowRows
+    from torch_batch_process.engine.feed.stream_columns import ArrowRows
 
 __all__ = ["StreamDataset", "StreamJob", "is_source", "validate_source"]
 
@@ -65,7 +65,7 @@ class StreamDataset:
     ``DataLoader`` calls :meth:`__getitems__` with the row numbers of one batch (torch's batched fetch);
     :meth:`__getitem__` reads one row (for completeness: the engine never asks for single rows). With
     ``columnar`` (a Parquet source and the default ``collate_fn``) a batch is read as one Arrow table and
-    collated from its columns (:mod:`~torch_batch_process.engine.stream_columns`).
+    collated from its columns (:mod:`~torch_batch_process.engine.feed.stream_columns`).
     """
 
     def __init__(self, source: Source, plan: StreamPlan) -> None:
@@ -86,7 +86,7 @@ class StreamDataset:
             if indices[-1] - indices[0] == want - 1 and start + want <= self.plan.counts[shard]:
                 import pyarrow as pa
 
-                from torch_batch_process.engine.stream_columns import ArrowRows
+                from torch_batch_process.engine.feed.stream_columns import ArrowRows
 
                 parts = list(self.source.read_batches(shard, start, start + want, want))  # type: ignore[attr-defined]
                 table = pa.Table.from_batches(parts, schema=self.source.schema)  # type: ignore[attr-defined]
@@ -151,7 +151,7 @@ class StreamJob:
         affine = workers > 1 and isinstance(plan, StreamPlan)
         order = WorkerAffineOrder(scheduler, self.plan, self.source, workers) if affine else scheduler
         if kwargs.get("collate_fn") is None and hasattr(self.source, "read_batches"):
-            from torch_batch_process.engine.stream_columns import StreamCollate  # pyarrow: only for Parquet
+            from torch_batch_process.engine.feed.stream_columns import StreamCollate  # pyarrow: only for Parquet
 
             self.dataset.columnar = True
             kwargs = {**kwargs, "collate_fn": StreamCollate()}

@@ -113,7 +113,7 @@ class StepAgreement:
     def at_commit(self, preempt: bool) -> Decision:
         """Called by every rank at a commit step's boundary instead of :meth:`boundary`: completes the agreement
         in flight and returns STOP or FAIL when it carried a rank's request, else COMMIT (the commit's votes
-        then carry fresh flags, see :class:`~torch_batch_process.engine.votes.Vote`). A single process stops at
+        then carry fresh flags, see :class:`~torch_batch_process.engine.commit.votes.Vote`). A single process stops at
         once on its own request."""
         if self._collectives.world_size == 1:
             return Decision.STOP if preempt else Decision.COMMIT

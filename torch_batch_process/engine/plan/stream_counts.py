@@ -1,4 +1,4 @@
-"""Row counts of a streaming source's shards, for its plan (:mod:`~torch_batch_process.engine.stream_plan`).
+"""Row counts of a streaming source's shards, for its plan (:mod:`~torch_batch_process.engine.plan.streamed`).
 
 A plan numbers batches by rows inside shards, so it needs every shard's row count before the first batch.
 Sources that know them from metadata (Parquet footers, JSONL with ``count_rows=True``,

@@ -1,6 +1,6 @@
 """A rank's committed stages waiting for publication, in vote order.
 
-A stage may be published once a durable record covers it (see :mod:`torch_batch_process.engine.committer`).
+A stage may be published once a durable record covers it (see :mod:`torch_batch_process.engine.commit.committer`).
 Only the stages not yet published are kept: a long job commits hundreds of thousands of times, and looking up
 the stages a record covers must cost the same at its last commit as at its first.
 """

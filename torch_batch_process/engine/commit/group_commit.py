@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 
-from torch_batch_process.engine.keeper import PreparedRecord, RecordKeeper
+from torch_batch_process.engine.commit.keeper import PreparedRecord, RecordKeeper
 
 __all__ = ["MAX_RECORDS_WAITING", "RECORD_SPACING_S", "RecordWrites"]
 

@@ -22,7 +22,7 @@ compute of a batch in dataset order goes into padding. Given the length of every
    the single largest batch of the whole plan (the first one in plan order when several tie) is moved
    to position 0, so the worst case of the whole job shows in its very first batch, not hours in.
 
-The options and the lengths are checked before, by :mod:`~torch_batch_process.engine.bucket_options`.
+The options and the lengths are checked before, by :mod:`~torch_batch_process.engine.plan.bucket_options`.
 The plan only depends on the lengths, ``batch_size``, ``bucket_window`` and ``max_tokens`` (see
 :func:`layout_fingerprint`), never on the world size, so a resume with another number of ranks
 computes the same batches. Everything is vectorised with numpy (sorts of 8- or 16-bit keys are radix
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_batch_process.engine.bucket_options import check_lengths, validate_bucket_options
+from torch_batch_process.engine.plan.bucket_options import check_lengths, validate_bucket_options
 
 __all__ = [
     "BucketLayout",
@@ -230,7 +230,7 @@ def bucket_layout(lengths: np.ndarray, batch_size: int, window: int, max_tokens:
 
     Args:
         lengths: int64 length of each example, as returned by
-            :func:`~torch_batch_process.engine.bucket_options.resolve_lengths`.
+            :func:`~torch_batch_process.engine.plan.bucket_options.resolve_lengths`.
         batch_size: most examples per batch (exactly this many without ``max_tokens``, except the last).
         window: ``bucket_window``: the examples of ``window * batch_size`` consecutive indices are sorted together.
         max_tokens: if set, a batch holds at most ``max_tokens`` padded tokens (``len * max length``),

@@ -1,0 +1,11 @@
+"""The feed: this rank's batches, loaded and run (DESIGN §7).
+
+The loader with the user's options and the library's batch sampler, the device prefetcher, the DataLoader's
+workers, the batch runner (``process_batch`` under inference mode and autocast), a streaming source's
+dataset and order, and what guards a batch: ``on_error="skip"`` (failing examples split off and recorded)
+and ``batch_timeout`` (the watchdog).
+
+Promise: only this rank's batches are loaded, each with its global ``batch_idx``; a batch counts as done only
+when ``process_batch`` returned; a failure (a load, a batch, a timeout) is recorded for this rank, never
+swallowed, and with ``on_error="skip"`` only the examples that fail alone are skipped.
+"""
