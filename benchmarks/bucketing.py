@@ -18,7 +18,7 @@ import numpy as np
 
 from benchmarks.common import configure_process
 from benchmarks.workloads import MINILM_MAX_LENGTH, load_sentences, minilm_dir
-from torch_batch_process.engine.plan.bucket_options import DEFAULT_BUCKET_WINDOW
+from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.plan.bucketing import bucket_layout, contiguous_padded_tokens
 
 BATCH_SIZE = 32

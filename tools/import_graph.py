@@ -35,8 +35,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry", ("", "batch_process", "functional", "experimental", "pytorch", "launch", "validation")),
     # the engine: the loop and its components
     ("engine", ("engine",)),
-    # the user's side of the loop: the processor and its context
-    ("processor", ("processor", "context")),
     # what the engine and the commands tell and read: observer, status, failures
     ("observe", ("observe",)),
     # upload_path staging, record writer, read-back
@@ -47,12 +45,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jobstore", ("jobstore",)),
     # one interface, a backend per kind, the job lock
     ("storage", ("storage",)),
-    # public types, errors, reducers, device, small helpers every layer may use
+    # public types (the processor, its context, the call's arguments, the ranks), errors, reducers, device and
+    # small helpers: every layer may import them
     (
         "base",
         (
             "arguments",
+            "context",
             "device",
+            "distributed_info",
             "environment",
             "errors",
             "failure_options",
@@ -60,9 +61,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "log",
             "processes",
             "provenance",
+            "processor",
             "reducers",
             "result",
-            "world",
         ),
     ),
 )
@@ -71,8 +72,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 _BEFORE_27 = "there before the layout of issue 27; being removed"
 
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset('engine.announce engine.building engine.commit.collector engine.commit.committer engine.commit.group_commit engine.commit.keeper engine.commit.publisher engine.commit.wiring engine.feed.error_handling engine.loop engine.results engine.schedule.liveness jobstore.integrity jobstore.opening jobstore.records jobstore.store validation'.split()): _BEFORE_27,
     frozenset('storage.base storage.lease storage.local storage.lock storage.object_store storage.uploads'.split()): _BEFORE_27,
+    frozenset('engine.announce engine.commit.wiring engine.feed.error_handling engine.loop engine.schedule.liveness'.split()): _BEFORE_27,
     frozenset('engine.plan.retry observe.failures outputs.completeness'.split()): _BEFORE_27,
     frozenset('launch.config launch.determined_storage'.split()): _BEFORE_27,
 }
@@ -80,15 +81,10 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
 
 ALLOWED_UPWARD: dict[tuple[str, str], str] = dict.fromkeys(
     [
-        ('context', 'engine.distributed'),
-        ('engine.loop', 'validation'),
-        ('engine.plan.retry', 'validation'),
         ('jobstore.opening', 'engine.distributed'),
-        ('jobstore.records', 'validation'),
         ('observe.failures', 'engine.plan.retry'),
         ('outputs.completeness', 'engine.plan.retry'),
         ('outputs.readback', 'engine.plan.retry'),
-        ('outputs.records', 'context'),
         ('storage.lease', 'jobstore.layout'),
         ('storage.lock', 'jobstore.layout'),
     ],

@@ -32,7 +32,7 @@ _EXPORTS: dict[str, str] = {
     "BatchProcessResult": "torch_batch_process.result",
     "BatchTimeoutError": "torch_batch_process.errors",
     "CheckpointCorruptError": "torch_batch_process.errors",
-    "DistributedInfo": "torch_batch_process.engine.distributed",
+    "DistributedInfo": "torch_batch_process.distributed_info",
     "InvalidArgumentError": "torch_batch_process.errors",
     "JobLockedError": "torch_batch_process.errors",
     "JobMismatchError": "torch_batch_process.errors",
@@ -94,7 +94,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from torch_batch_process.batch_process import torch_batch_process
     from torch_batch_process.context import TorchBatchProcessorContext
     from torch_batch_process.device import get_default_device, to_device
-    from torch_batch_process.engine.distributed import DistributedInfo
+    from torch_batch_process.distributed_info import DistributedInfo
     from torch_batch_process.errors import (
         BatchProcessError,
         BatchTimeoutError,

@@ -7,9 +7,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import JobRun
-from torch_batch_process.engine.plan.bucket_options import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.failure_options import validate_failure_options
 from torch_batch_process.log import setup_logging
 from torch_batch_process.observe.options import resolve_observe_options

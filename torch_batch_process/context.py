@@ -13,14 +13,12 @@ import torch
 from torch import nn
 
 from torch_batch_process.device import to_device
+from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.environment import HPARAMS_ENV
-from torch_batch_process.engine.distributed import DistributedInfo
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.provenance import describe_checkpoint, describe_model_version
 from torch_batch_process.reducers import MetricReducer, ReducerRegistry
 from torch_batch_process.result import to_jsonable
-
 
 
 class CurrentBatch:
@@ -59,19 +57,19 @@ class TorchBatchProcessorContext:
         *,
         device: torch.device,
         distributed: DistributedInfo,
-        stager: OutputStager,
+        upload_path: Callable[[], contextlib.AbstractContextManager[Path]],
         storage_path: str,
         tensorboard_path: Path,
         metrics_sink: Callable[[dict[str, Any]], None],
         current: CurrentBatch | None = None,
-        records: Any = None,
+        write_rows: Callable[[Any], None] | None = None,
     ) -> None:
         self.device = device
         self.distributed = distributed
         self.storage_path = storage_path
         self._current = current or CurrentBatch()
-        self._stager = stager
-        self._records = records  # outputs.records.RecordWriter (context.write)
+        self._upload_path = upload_path  # the rank's output stager's (outputs/files.py)
+        self._write_rows = write_rows  # the rank's record writer's (outputs/records.py)
         self._tensorboard_path = tensorboard_path
         self._metrics_sink = metrics_sink
         self._reducers = ReducerRegistry()
@@ -136,7 +134,7 @@ class TorchBatchProcessorContext:
         exactly once even if the job is killed and resumed. If the block raises, its files are
         discarded. File names must be unique among this rank's uploads between two commits.
         """
-        return self._stager.upload_path()
+        return self._upload_path()
 
     def write(self, rows: Any) -> None:
         """Stores one row per example of the current batch as record outputs (inside ``process_batch``).
@@ -154,9 +152,9 @@ class TorchBatchProcessorContext:
                 pinned memory (``write`` does not wait for the GPU; the rows are encoded once the copies land);
                 tensors on other devices are copied with ``.cpu()``.
         """
-        if self._records is None:
+        if self._write_rows is None:
             raise RuntimeError("context.write() is not available in this context")
-        self._records.write(rows)
+        self._write_rows(rows)
 
     def report_metrics(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
         """Records metrics; they are written to ``<storage_path>/metrics.jsonl`` at the next commit.

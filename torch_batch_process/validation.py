@@ -8,17 +8,13 @@ import re
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from torch_batch_process.engine.plan.bucket_options import (
-    DEFAULT_BUCKET_WINDOW,
-    resolve_lengths,
-    validate_bucket_options,
-)
+from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW, JobArguments
+from torch_batch_process.engine.plan.bucket_options import resolve_lengths, validate_bucket_options
 from torch_batch_process.engine.schedule.liveness import heartbeat_silence_s
 from torch_batch_process.environment import (
     DEFAULT_ROOT,
@@ -40,40 +36,6 @@ _FORBIDDEN_LOADER_KEYS = {
     "dataset": "pass the dataset as the dataset argument of torch_batch_process, not in dataloader_kwargs",
 }
 _LOADER_PARAMETERS = set(inspect.signature(DataLoader.__init__).parameters) - {"self"}
-
-
-@dataclass(frozen=True)
-class JobArguments:
-    """Validated arguments of one call."""
-
-    processor_cls: type[TorchBatchProcessor]
-    dataset: Any
-    dataset_length: int
-    """Examples of a map-style dataset; for a streaming source its rows if known from metadata, else -1."""
-    batch_size: int
-    max_batches: int | None
-    checkpoint_interval: int
-    dataloader_kwargs: dict[str, Any]
-    storage_path: str
-    storage_options: dict[str, Any] | None
-    job_name: str
-    resume: bool
-    inference_mode: bool
-    schedule: str = "static"
-    lengths: Any = None
-    """``bucket_by`` resolved: one length per example (numpy int64), or ``None`` (contiguous batches)."""
-    bucket_window: int = DEFAULT_BUCKET_WINDOW
-    max_tokens: int | None = None
-    lengths_s: float = 0.0
-    """Seconds spent getting the lengths (part of the plan's cost)."""
-    device_prefetch: bool | None = None
-    """Checked on the rank's device (:func:`~torch_batch_process.engine.feed.prefetch.validate_device_prefetch`)."""
-    autocast: str | None = None
-    """Checked on the rank's device (:func:`~torch_batch_process.engine.feed.autocast.resolve_autocast`)."""
-    output_format: str = "parquet"
-    """Format of the shards of ``context.write()``: ``"parquet"`` or ``"jsonl"``."""
-    failures: FailureOptions = FailureOptions()
-    """``on_error``, ``max_failures``, ``batch_timeout`` (:mod:`torch_batch_process.failure_options`)."""
 
 
 def _is_int(value: Any) -> bool:

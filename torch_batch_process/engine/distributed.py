@@ -26,13 +26,13 @@ import os
 import pickle
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from torch_batch_process.device import get_default_device
+from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.engine.rendezvous import RendezvousStore
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
@@ -51,63 +51,6 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         return int(value)
     except ValueError:
         raise InvalidArgumentError(f"environment variable {name}={value!r} must be an integer") from None
-
-
-@dataclass
-class DistributedInfo:
-    """Ranks of this process, with Determined's ``DistributedContext`` accessors.
-
-    Attributes:
-        rank: global rank.
-        size: number of processes (world size).
-        local_rank: rank on this node.
-        local_size: processes on this node.
-        cross_rank: index of this node.
-        cross_size: number of nodes.
-    """
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    _collectives: Collectives | None = None
-
-    def get_rank(self) -> int:
-        return self.rank
-
-    def get_size(self) -> int:
-        return self.size
-
-    def get_local_rank(self) -> int:
-        return self.local_rank
-
-    def get_local_size(self) -> int:
-        return self.local_size
-
-    def get_cross_rank(self) -> int:
-        return self.cross_rank
-
-    def get_cross_size(self) -> int:
-        return self.cross_size
-
-    def allgather(self, stuff: Any) -> list[Any]:
-        """Gathers a picklable object from every rank, on every rank."""
-        return self._coll().all_gather(stuff)
-
-    def gather(self, stuff: Any) -> list[Any] | None:
-        """Gathers a picklable object from every rank on rank 0 (others get ``None``)."""
-        gathered = self._coll().all_gather(stuff)
-        return gathered if self.rank == 0 else None
-
-    def broadcast(self, stuff: Any) -> Any:
-        """Returns rank 0's ``stuff`` on every rank."""
-        return self._coll().broadcast(stuff)
-
-    def _coll(self) -> Collectives:
-        assert self._collectives is not None
-        return self._collectives
 
 
 class Collectives:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from torch_batch_process.arguments import JobArguments
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.announce import announce_start, log_preempted, warn_max_batches
 from torch_batch_process.engine.building import build_processor
@@ -56,7 +57,6 @@ from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.storage.base import open_storage
-from torch_batch_process.validation import JobArguments
 
 __all__ = ["JobRun"]
 
@@ -157,12 +157,12 @@ class JobRun:
         context = TorchBatchProcessorContext(
             device=self.env.device,
             distributed=self.env.info,
-            stager=self.stager,
+            upload_path=self.stager.upload_path,
             storage_path=self.storage.url,
             tensorboard_path=self.tensorboard.path,
             metrics_sink=lambda line: self._committer().part.lines.append(line),
             current=current,
-            records=records,
+            write_rows=records.write,
         )
         self.context, self.current, self.records = context, current, records
         result_json = lambda metrics, summary: self._result(summary, metrics).to_json()  # noqa: E731

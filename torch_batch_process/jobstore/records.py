@@ -18,7 +18,7 @@ from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.schema import RecordSchema
 
 if TYPE_CHECKING:
-    from torch_batch_process.validation import JobArguments
+    from torch_batch_process.arguments import JobArguments
 
 __all__ = ["CommitRecord", "JobInfo", "JobSpec", "check_fingerprint", "parse_json", "qualified_name"]
 

@@ -14,12 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_BUCKET_WINDOW", "LengthsSource", "check_lengths", "resolve_lengths", "validate_bucket_options"]
-
-DEFAULT_BUCKET_WINDOW = 100
-"""Default ``bucket_window``: the examples of 100 batches are sorted together."""
 
 LengthsSource = Sequence[int] | np.ndarray | Callable[[int], int]
 """What ``bucket_by`` accepts: one length per example, or a callable ``index -> length``."""

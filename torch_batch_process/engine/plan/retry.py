@@ -35,9 +35,9 @@ from torch_batch_process.storage.base import Storage, open_storage
 __all__ = ["IndexPlan", "choose_retry", "current_failures_root", "next_retry", "prepare_retry", "retry_numbers"]
 
 if TYPE_CHECKING:
+    from torch_batch_process.arguments import JobArguments
     from torch_batch_process.engine.distributed import Collectives
     from torch_batch_process.jobstore.schema import RecordSchema
-    from torch_batch_process.validation import JobArguments
 
 logger = logging.getLogger(__name__)
 

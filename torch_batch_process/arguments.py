@@ -1,0 +1,49 @@
+"""The arguments of one call of :func:`~torch_batch_process.torch_batch_process`, checked: a public type every
+layer may import (the checks themselves are :mod:`torch_batch_process.validation`'s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch_batch_process.failure_options import FailureOptions
+from torch_batch_process.processor import TorchBatchProcessor
+
+__all__ = ["DEFAULT_BUCKET_WINDOW", "JobArguments"]
+
+DEFAULT_BUCKET_WINDOW = 100
+"""Default ``bucket_window``: the examples of 100 batches are sorted together."""
+
+
+@dataclass(frozen=True)
+class JobArguments:
+    """Validated arguments of one call."""
+
+    processor_cls: type[TorchBatchProcessor]
+    dataset: Any
+    dataset_length: int
+    """Examples of a map-style dataset; for a streaming source its rows if known from metadata, else -1."""
+    batch_size: int
+    max_batches: int | None
+    checkpoint_interval: int
+    dataloader_kwargs: dict[str, Any]
+    storage_path: str
+    storage_options: dict[str, Any] | None
+    job_name: str
+    resume: bool
+    inference_mode: bool
+    schedule: str = "static"
+    lengths: Any = None
+    """``bucket_by`` resolved: one length per example (numpy int64), or ``None`` (contiguous batches)."""
+    bucket_window: int = DEFAULT_BUCKET_WINDOW
+    max_tokens: int | None = None
+    lengths_s: float = 0.0
+    """Seconds spent getting the lengths (part of the plan's cost)."""
+    device_prefetch: bool | None = None
+    """Checked on the rank's device (:func:`~torch_batch_process.engine.feed.prefetch.validate_device_prefetch`)."""
+    autocast: str | None = None
+    """Checked on the rank's device (:func:`~torch_batch_process.engine.feed.autocast.resolve_autocast`)."""
+    output_format: str = "parquet"
+    """Format of the shards of ``context.write()``: ``"parquet"`` or ``"jsonl"``."""
+    failures: FailureOptions = FailureOptions()
+    """``on_error``, ``max_failures``, ``batch_timeout`` (:mod:`torch_batch_process.failure_options`)."""
