@@ -30,6 +30,7 @@ from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.announce import announce_start, log_preempted, warn_max_batches
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.commit.committer import Committer, Outcome
+from torch_batch_process.engine.commit.opening import open_job
 from torch_batch_process.engine.commit.wiring import make_committer
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.feed.autocast import resolve_autocast
@@ -95,7 +96,7 @@ class JobRun:
         self.plan = self.full_plan
         length = self.stream.plan.dataset_length if self.stream is not None else args.dataset_length
         spec = JobSpec.of_call(args, length, self.plan.fingerprint())
-        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll)
+        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.world_size)
         self.failures = FailureTracker(self.rank)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(self.rank), f"tensorboard-rank{self.rank}")
         self.observer = JobObserver(
@@ -119,7 +120,7 @@ class JobRun:
         try:
             with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
                 planned = planned_batches(self.plan.num_batches, self.args.max_batches, self.world_size)
-                start = self.opener.open(planned, self.full_plan.cut(planned).num_examples)
+                start = open_job(self.opener, self.coll, planned, self.full_plan.cut(planned).num_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
                 self.call_id, self.start = start.call_id, start

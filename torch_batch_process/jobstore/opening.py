@@ -1,11 +1,11 @@
-"""Opening a job: rank 0 reads, checks and repairs what is stored, under the job lock; every rank gets a
-:class:`Start` before any work.
+"""Opening a job: rank 0 reads, checks and repairs what is stored, under the job lock; its :class:`Start` (or its
+exception) goes to every rank before any work (:mod:`torch_batch_process.engine.commit.opening`).
 
 Rank 0 refuses another job (a different fingerprint) and damaged progress, returns the stored result of a
 finished job (its final commit record's; after publishing files a kill left unpublished and writing a
 ``result.json`` a kill left unwritten, under the job lock), erases the job with ``resume=False``, repairs
 what a crash left (:meth:`~torch_batch_process.jobstore.store.JobStore.repair`), writes the job file at the
-first start and counts the attempt. Its answer, or its exception, is broadcast to every rank.
+first start and counts the attempt.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError
+from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
 from torch_batch_process.jobstore.integrity import check_integrity, warn_of_strays
-from torch_batch_process.jobstore.layout import JOB_FILE
 from torch_batch_process.jobstore.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.storage.base import Storage
@@ -59,33 +57,26 @@ class JobOpener:
         spec: this job's fingerprint.
         job_name: stored in the job file at the first start.
         resume: ``False`` erases a stored job first.
-        collectives: the library's collectives.
+        world_size: ranks of this attempt (stored with the attempt count).
     """
 
-    def __init__(self, storage: Storage, spec: JobSpec, job_name: str, resume: bool, collectives: Collectives) -> None:
+    def __init__(self, storage: Storage, spec: JobSpec, job_name: str, resume: bool, world_size: int) -> None:
         self.storage = storage
         self.store = JobStore(storage)
         self.spec = spec
         self.job_name = job_name
         self.resume = resume
-        self.coll = collectives
+        self.world_size = world_size
         self.lock: JobLock | None = None
         self._damaged: CheckpointCorruptError | None = None  # resume=False: the damaged job erased
 
-    def open(self, planned: int, planned_examples: int) -> Start:
-        """Every rank: the :class:`Start` of this attempt (raises on every rank what rank 0 raised).
+    def read(self, planned: int, planned_examples: int) -> Start:
+        """Rank 0: the :class:`Start` of this attempt, after the checks and repairs (see the module docstring).
 
         Args:
             planned: the number of global batches of a fresh job (the plan's, after ``max_batches``).
             planned_examples: the examples in them.
         """
-        answer = self.coll.from_rank0(lambda: self._read(planned, planned_examples), "opening the job")
-        assert isinstance(answer, Start)
-        if self.coll.world_size > 1 and answer.finished_result is None:
-            self._check_shared_storage()
-        return answer
-
-    def _read(self, planned: int, planned_examples: int) -> Start:
         self.storage.check()  # unreachable, missing bucket, no permission: a clear error before anything else
         job, latest = self._read_and_check()
         if latest is not None and self.resume:
@@ -116,7 +107,7 @@ class JobOpener:
         if latest is not None and latest.finished:  # finished, but resume=False was handled above
             latest = None
         return Start(
-            attempt=self.store.next_attempt(latest, self.coll.world_size),
+            attempt=self.store.next_attempt(latest, self.world_size),
             next_number=max(latest.commit, latest.last_stage) + 1 if latest else 1,
             planned_batches=job.planned_batches,
             latest=latest,
@@ -146,21 +137,6 @@ class JobOpener:
         except CheckpointCorruptError as exc:
             self._damaged = exc
             return None, None
-
-    def _check_shared_storage(self) -> None:
-        """Every rank must see the storage rank 0 wrote (a local path must be shared by all nodes)."""
-        try:
-            visible = self.storage.exists(JOB_FILE)
-        except Exception:  # noqa: BLE001
-            visible = False
-        everyone = self.coll.all_gather(visible)
-        if not all(everyone):
-            blind = [rank for rank, ok in enumerate(everyone) if not ok]
-            raise StorageError(
-                f"storage_path {self.storage.url!r} is not shared by all ranks: rank(s) {blind} cannot see what rank "
-                "0 wrote there. Use a filesystem mounted on every node (NFS, Lustre...) or an object store URL "
-                "(s3://..., gs://...)"
-            )
 
     def release(self) -> None:
         """Releases the job lock (when rank 0 took it)."""

@@ -15,6 +15,10 @@ from typing import Any
 from torch_batch_process.environment import command_storage_options
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError, OutputCorruptError
 from torch_batch_process.jobstore.layout import FAILURES_DIR, JOB_FILE
+from torch_batch_process.jobstore.retries import current_failures_root
+from torch_batch_process.jobstore.store import latest_record_at
+from torch_batch_process.observe.status import NoJobError
+from torch_batch_process.outputs.completeness import still_staged
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.errors import NotAFileError
 
@@ -23,14 +27,11 @@ __all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_
 
 def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The current failure records of the job at ``storage_path`` (those of its latest finished
-    ``retry_failed`` run, if any: see :mod:`torch_batch_process.engine.plan.retry`), ordered by dataset index.
+    ``retry_failed`` run, if any: see :mod:`torch_batch_process.jobstore.retries`), ordered by dataset index.
 
     Raises:
         NoJobError: no job is stored at ``storage_path`` (as ``tbp status`` says).
     """
-    from torch_batch_process.engine.plan.retry import current_failures_root
-    from torch_batch_process.observe.status import NoJobError
-
     storage = open_storage(storage_path, storage_options)
     try:
         if not storage.exists(JOB_FILE):
@@ -80,9 +81,6 @@ def _committed_failures(storage: Storage, root: str) -> int | None:
     """The failure records that the finished job in folder ``root`` committed; ``None`` when that cannot be
     checked now: a job still running or paused (its files may trail or pass its last record), a damaged record
     (the files can still be read), or committed failures still staged (a kill while publishing them: warned)."""
-    from torch_batch_process.jobstore.store import latest_record_at
-    from torch_batch_process.outputs.completeness import still_staged
-
     try:
         record = latest_record_at(storage, root)
     except CheckpointCorruptError:

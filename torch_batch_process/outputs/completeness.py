@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from torch_batch_process.errors import CheckpointCorruptError, OutputCorruptError
 from torch_batch_process.jobstore.layout import OUTPUTS_DIR, RETRIES_DIR
 from torch_batch_process.jobstore.records import CommitRecord
+from torch_batch_process.jobstore.retries import retry_numbers
+from torch_batch_process.jobstore.store import latest_record_at, unpublished_stages_at
 from torch_batch_process.storage.base import Storage
 
 __all__ = ["check_rows", "committed_rows", "root_of", "still_staged"]
@@ -33,9 +35,6 @@ logger = logging.getLogger(__name__)
 def committed_rows(storage: Storage) -> dict[str, int]:
     """Folder (``""`` for the job, ``"retries/<k>"`` for a retry) -> the record rows its final record commits,
     for each folder whose shards can be checked now (see the module docstring)."""
-    from torch_batch_process.engine.plan.retry import retry_numbers
-    from torch_batch_process.jobstore.store import latest_record_at
-
     expected: dict[str, int] = {}
     for root in ["", *(f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage))]:
         try:
@@ -53,8 +52,6 @@ def committed_rows(storage: Storage) -> dict[str, int]:
 def still_staged(storage: Storage, root: str, record: CommitRecord, what: str) -> bool:
     """Whether stages that ``record`` commits are still staged below ``root`` (a kill while publishing them: the
     next start publishes them); logs a warning naming ``what`` is incomplete if so."""
-    from torch_batch_process.jobstore.store import unpublished_stages_at
-
     if not unpublished_stages_at(storage, record, root):
         return False
     logger.warning(

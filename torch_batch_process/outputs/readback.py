@@ -31,6 +31,8 @@ import numpy as np
 
 from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError, OutputCorruptError
 from torch_batch_process.jobstore.layout import JOB_FILE, OUTPUTS_DIR, RETRIES_DIR
+from torch_batch_process.jobstore.retries import retry_numbers
+from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import check_rows, committed_rows
 from torch_batch_process.outputs.records import RECORDS_DIR
@@ -54,8 +56,6 @@ def list_shards(storage: Storage) -> list[str]:
     """The committed record shards of the job (paths relative to the storage), in commit and rank order, then
     those of its ``retry_failed=True`` runs (``retries/<k>/``, in order: the rows of the examples they
     recovered)."""
-    from torch_batch_process.engine.plan.retry import retry_numbers
-
     shards = _committed_shards(storage, "")
     for k in retry_numbers(storage):
         shards += _committed_shards(storage, f"{RETRIES_DIR}/{k}/")
@@ -112,9 +112,6 @@ def _committed_schema(storage: Storage) -> Any:
     JSONL keeps numbers and tensors as plain JSON (a float32 tensor of shape ``(2, 3)`` per example reads back as a
     list of lists of float64); cast to this schema, JSONL shards read back with the types and per-example shapes
     they were written with, as Parquet shards do."""
-    from torch_batch_process.engine.plan.retry import retry_numbers
-    from torch_batch_process.jobstore.store import latest_record_at
-
     for root in [*(f"{RETRIES_DIR}/{k}" for k in reversed(retry_numbers(storage))), ""]:
         try:
             record = latest_record_at(storage, root)

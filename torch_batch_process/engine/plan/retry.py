@@ -8,11 +8,13 @@ until it finishes), ``on_error``, ``max_failures``. ``context.batch_indices`` gi
 indices; ``batch_idx`` is the batch's index in the retry's plan.
 
 The failures a retry records replace the ones it retried: the job's current failures are those of its latest
-finished retry (``retries/<k>/failures/``), else its own (:func:`current_failures_root`); so a failure that
+finished retry (``retries/<k>/failures/``), else its own
+(:func:`~torch_batch_process.jobstore.retries.current_failures_root`); so a failure that
 succeeds in a retry is cleared, and one that fails again is listed once, by the retry. The result of a retry
 call is the retry job's (``failed_examples``: the failures left).
 
-A job or retry is finished when its latest commit record is the final one (:func:`job_finished`); its
+A job or retry is finished when its latest commit record is the final one
+(:func:`~torch_batch_process.jobstore.store.job_finished`); its
 ``result.json`` is a copy written after that record, which a kill in between leaves unwritten: rank 0 writes
 it before a retry starts (:func:`choose_retry`), and opening the finished job does too.
 """
@@ -26,13 +28,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.plan.plans import Plan
-from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.jobstore.layout import RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
-from torch_batch_process.jobstore.store import JobStore, job_finished, latest_record_at
-from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.jobstore.retries import next_retry
+from torch_batch_process.jobstore.store import JobStore, latest_record_at
+from torch_batch_process.storage.base import open_storage
 
-__all__ = ["IndexPlan", "choose_retry", "current_failures_root", "next_retry", "prepare_retry", "retry_numbers"]
+__all__ = ["IndexPlan", "choose_retry", "prepare_retry"]
 
 if TYPE_CHECKING:
     from torch_batch_process.arguments import JobArguments
@@ -114,41 +116,3 @@ class IndexPlan(Plan):
 
     def describe(self) -> str:
         return f"retry of {self.num_examples} failed examples in {self.num_batches} batches of {self.batch_size}"
-
-
-def retry_numbers(storage: Storage) -> list[int]:
-    """The numbers ``k`` of the job's retries (``retries/<k>/``), ascending."""
-    return sorted(int(name) for name in storage.list(RETRIES_DIR) if name.isdigit())
-
-
-def current_failures_root(storage: Storage) -> str:
-    """The folder (relative to ``storage``) whose ``failures/`` lists the job's current failures: its latest
-    finished retry, else the job itself (``""``)."""
-    return _latest_finished(storage, retry_numbers(storage))
-
-
-def next_retry(storage: Storage) -> tuple[int, str]:
-    """The retry to run: the latest one when it is not finished (a resume), else a new one; and the folder
-    whose failures it retries."""
-    if not job_finished(storage):
-        raise InvalidArgumentError(
-            f"retry_failed=True: the job at {storage.url} is not finished; run it without retry_failed first "
-            "(it resumes), then retry its failures"
-        )
-    numbers = retry_numbers(storage)
-    if numbers and not job_finished(storage, f"{RETRIES_DIR}/{numbers[-1]}"):
-        return numbers[-1], current_failures_root_before(storage, numbers[-1])
-    return (numbers[-1] if numbers else 0) + 1, _latest_finished(storage, numbers)
-
-
-def current_failures_root_before(storage: Storage, k: int) -> str:
-    """The current failures' folder as it was when retry ``k`` started (the latest finished retry before it)."""
-    return _latest_finished(storage, [j for j in retry_numbers(storage) if j < k])
-
-
-def _latest_finished(storage: Storage, numbers: list[int]) -> str:
-    """The folder of the latest finished retry among ``numbers`` (ascending), else the job's (``""``)."""
-    for k in reversed(numbers):
-        if job_finished(storage, f"{RETRIES_DIR}/{k}"):
-            return f"{RETRIES_DIR}/{k}"
-    return ""
