@@ -99,8 +99,8 @@ def observer_costs(calls: int = 20_000) -> tuple[float, float, float]:
 
     from torch_batch_process.observe.observer import JobObserver
     from torch_batch_process.observe.options import ObserveOptions, tensorboard_installed
-    from torch_batch_process.storage.base import open_storage as Storage
     from torch_batch_process.observe.stragglers import RankInterval
+    from torch_batch_process.storage.registry import open_storage as Storage
 
     with tempfile.TemporaryDirectory() as tmp:
         observer = JobObserver(

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "met": ratio >= GOAL,
     }
     save_json(out_dir / "results.json", {"machine": info, "summary": summary, "rounds": rounds})
-    print(f"| Workload | Procs | Hand loop, ex/s | torch_batch_process, ex/s | Ratio (job) | Ratio (steady) | Goal |")
+    print("| Workload | Procs | Hand loop, ex/s | torch_batch_process, ex/s | Ratio (job) | Ratio (steady) | Goal |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     print(
         f"| {args.workload}, {num_examples:,} ex, batch {batch_size} | {args.nproc} "

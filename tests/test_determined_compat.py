@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-
 from harness import JOBS, base_env, tbp_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.slow

@@ -8,15 +8,14 @@ import sys
 import textwrap
 
 import pytest
-
 from harness import (
     REPO,
     assert_exactly_once,
     base_env,
     buffered_values,
     committed_values,
-    per_batch_values,
     job_spec,
+    per_batch_values,
     run_generic,
     spawn_ranks,
     wait_all,

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import REPO, base_env, run_torchrun
 
 EXAMPLE = REPO / "examples" / "digits"

@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from harness import REPO, base_env
 
 pytest.importorskip("transformers")

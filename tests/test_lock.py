@@ -32,7 +32,7 @@ from harness import (
 
 from torch_batch_process.errors import JobLockedError
 from torch_batch_process.jobstore.layout import LEASE_FILE
-from torch_batch_process.storage.base import open_storage as Storage
+from torch_batch_process.storage.registry import open_storage as Storage
 
 pytestmark = pytest.mark.slow
 

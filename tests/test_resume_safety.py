@@ -14,11 +14,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from harness import (
     GENERIC_JOB,
     JOBS,
-    REPO,
     assert_exactly_once,
     base_env,
     job_spec,
@@ -28,6 +26,7 @@ from harness import (
     tree_digest,
     wait_all,
 )
+
 from torch_batch_process import (
     CheckpointCorruptError,
     JobMismatchError,

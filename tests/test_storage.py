@@ -30,8 +30,8 @@ from harness import (
 from s3 import FaultProxy
 
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
-from torch_batch_process.storage.base import open_storage as Storage
-from torch_batch_process.storage.object_store import UPLOAD_PART_BYTES
+from torch_batch_process.storage.registry import open_storage as Storage
+from torch_batch_process.storage.s3 import UPLOAD_PART_BYTES
 from torch_batch_process.storage.scratch import AppendedFiles, LocalScratch
 
 # ---------------------------------------------------------------- atomic records under kill -9
@@ -39,7 +39,7 @@ from torch_batch_process.storage.scratch import AppendedFiles, LocalScratch
 _WRITER = textwrap.dedent(
     """
     import hashlib, os, sys
-    from torch_batch_process.storage.base import open_storage as Storage
+    from torch_batch_process.storage.registry import open_storage as Storage
 
     url, progress, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     storage = Storage(url)

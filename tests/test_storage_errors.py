@@ -22,7 +22,7 @@ from harness import REPO, assert_exactly_once, base_env, committed_values
 from s3 import FaultProxy, MotoServer, free_port
 
 from torch_batch_process import StorageError, TorchBatchProcessor, torch_batch_process
-from torch_batch_process.storage.base import open_storage as Storage
+from torch_batch_process.storage.registry import open_storage as Storage
 
 BUILT: list[int] = []
 

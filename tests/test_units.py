@@ -19,7 +19,7 @@ from torch_batch_process.jobstore.layout import STAGED_FAILURES_NAME, failures_f
 from torch_batch_process.jobstore.ranges import IndexedRanges, RangeSet
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.reducers import ReducerRegistry
-from torch_batch_process.storage.base import open_storage
+from torch_batch_process.storage.registry import open_storage
 
 
 def test_rangeset_merges_and_counts():

@@ -72,7 +72,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 _BEFORE_27 = "there before the layout of issue 27; being removed"
 
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset('storage.base storage.lease storage.local storage.lock storage.object_store storage.uploads'.split()): _BEFORE_27,
     frozenset('engine.announce engine.commit.wiring engine.feed.error_handling engine.loop engine.schedule.liveness'.split()): _BEFORE_27,
     frozenset('launch.config launch.determined_storage'.split()): _BEFORE_27,
 }
@@ -80,8 +79,6 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
 
 ALLOWED_UPWARD: dict[tuple[str, str], str] = dict.fromkeys(
     [
-        ('storage.lease', 'jobstore.layout'),
-        ('storage.lock', 'jobstore.layout'),
     ],
     _BEFORE_27,
 )

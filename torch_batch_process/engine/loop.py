@@ -57,7 +57,7 @@ from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
-from torch_batch_process.storage.base import open_storage
+from torch_batch_process.storage.registry import open_storage
 
 __all__ = ["JobRun"]
 

@@ -21,12 +21,18 @@
     _tbp/lease.json                   the job lease of object stores
     _tbp/source_rows/<digest>.json    row counts of a streaming source's shards, counted once (see stream_counts)
 
+The job lock's names are the storage's (:mod:`torch_batch_process.storage.lock`,
+:mod:`torch_batch_process.storage.lease`), listed here with the others.
+
 A *stage* is one rank's part of a commit: the files and state it committed together. With
 ``schedule="static"`` every rank commits at the same step and a stage number is the commit's number; with
 ``"dynamic"`` each rank commits on its own and its stages take numbers from a shared counter.
 """
 
 from __future__ import annotations
+
+from torch_batch_process.storage.lease import LEASE_FILE
+from torch_batch_process.storage.lock import LOCK_FILE, LOCK_INFO_FILE
 
 __all__ = [
     "ATTEMPT_FILE",
@@ -64,9 +70,6 @@ COMMITS_DIR = f"{INTERNAL_DIR}/commits"
 STATES_DIR = f"{INTERNAL_DIR}/states"
 STAGING_DIR = f"{INTERNAL_DIR}/staging"
 SCRATCH_DIR = f"{INTERNAL_DIR}/scratch"
-LOCK_FILE = f"{INTERNAL_DIR}/lock"
-LOCK_INFO_FILE = f"{INTERNAL_DIR}/lock.json"
-LEASE_FILE = f"{INTERNAL_DIR}/lease.json"
 OUTPUTS_DIR = "outputs"
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"

@@ -19,8 +19,9 @@ from torch_batch_process.jobstore.retries import current_failures_root
 from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.observe.status import NoJobError
 from torch_batch_process.outputs.completeness import still_staged
-from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
+from torch_batch_process.storage.registry import open_storage
 
 __all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_failures"]
 

@@ -40,7 +40,8 @@ from torch_batch_process.jobstore.layout import ATTEMPT_FILE, METRICS_FILE, OUTP
 from torch_batch_process.jobstore.records import CommitRecord
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.progress import format_duration
-from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.registry import open_storage
 
 _READ_RETRIES = 5
 

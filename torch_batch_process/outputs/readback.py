@@ -36,8 +36,9 @@ from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import check_rows, committed_rows
 from torch_batch_process.outputs.records import RECORDS_DIR
-from torch_batch_process.storage.base import Storage, open_storage
+from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
+from torch_batch_process.storage.registry import open_storage
 
 __all__ = ["OUTPUTS_GLOB", "RETRY_OUTPUTS_GLOB", "iter_outputs", "list_shards", "read_outputs"]
 

@@ -14,6 +14,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from torch_batch_process.errors import InvalidArgumentError, StorageError
 from torch_batch_process.sources.base import Source
+from torch_batch_process.storage.errors import missing_backend_hint
 
 __all__ = ["FileEntry", "FileSource", "list_files", "open_filesystem"]
 
@@ -93,15 +94,8 @@ def open_filesystem(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSys
         fs, _ = fsspec.core.url_to_fs(url, **options)
         return fs
     except ImportError as exc:
-        hint = {
-            "s3": "pip install s3fs",
-            "s3a": "pip install s3fs",
-            "gs": "pip install gcsfs",
-            "gcs": "pip install gcsfs",
-        }
         raise StorageError(
-            f"urls_or_glob {url!r}: the filesystem of {protocol}:// is not installed; "
-            f"{hint.get(protocol, f'install the fsspec implementation of {protocol}://')}"
+            f"urls_or_glob {url!r}: the filesystem of {protocol}:// is not installed; {missing_backend_hint(protocol)}"
         ) from exc
     except ValueError as exc:
         if "protocol" in str(exc).lower():

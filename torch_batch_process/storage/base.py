@@ -1,14 +1,17 @@
 """The storage interface: every byte the library stores goes through a :class:`Storage`.
 
 A storage is rooted at the job's storage path; paths given to its methods are relative to that root and
-use ``/``. :func:`open_storage` picks the backend, like fsspec's one-interface-many-backends:
+use ``/``. :func:`~torch_batch_process.storage.registry.open_storage` picks the backend, like fsspec's
+one-interface-many-backends:
 
 - :class:`~torch_batch_process.storage.local.LocalStorage` for a local (or network-mounted) folder
   (plain paths and ``file://``): atomic writes by temporary file + rename + fsync, ``O_APPEND`` appends,
   an OS file lock, files staged by rename (no copy);
 - :class:`~torch_batch_process.storage.object_store.ObjectStorage` for every other fsspec URL
-  (``s3://``, ``gs://``, ``memory://``...): one PUT per write, bounded retries of transient errors,
-  a heartbeat lease with conditional writes, files uploaded in the background.
+  (``gs://``, ``memory://``...): one PUT per write, bounded retries of transient errors, a heartbeat lease,
+  files uploaded in the background;
+- :class:`~torch_batch_process.storage.s3.S3Storage` for ``s3://``: an object store whose lease writes are
+  conditional, with S3's own requests where they are cheaper (one GET, one CopyObject, multipart uploads).
 
 Callers never ask which backend they have: what differs (how a file gets in, how the job is locked, where
 a folder that is written locally lives) is a method of the backend. Credentials and endpoints come from the
@@ -25,12 +28,9 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
-if TYPE_CHECKING:
-    from torch_batch_process.storage.lock import JobLock
-
-__all__ = ["FileSink", "MirroredFolder", "Storage", "TMP_MARKER", "open_storage"]
+__all__ = ["FileSink", "JobLock", "MirroredFolder", "Storage", "TMP_MARKER"]
 
 TMP_MARKER = ".tmp-"
 """Part of the name of a file being written (a crash may leave one; the next start removes it)."""
@@ -151,7 +151,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def job_lock(self) -> JobLock:
-        """Takes the job lock of this storage path (see :mod:`torch_batch_process.storage.lock`)."""
+        """Takes the job lock of this storage path (:mod:`~torch_batch_process.storage.lock` locally,
+        :mod:`~torch_batch_process.storage.lease` on object stores)."""
 
     @abc.abstractmethod
     def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
@@ -198,20 +199,12 @@ class MirroredFolder(abc.ABC):
         """A last :meth:`sync`, then local clean-up."""
 
 
-def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:
-    """The storage rooted at ``url``: a local path or ``file://`` URL, or any other fsspec URL.
+class JobLock:
+    """Held by rank 0 for the whole job; ``storage.job_lock()`` takes the backend's kind."""
 
-    Args:
-        url: local path or fsspec URL of the folder.
-        storage_options: options of the fsspec filesystem (credentials, endpoint...). When not given, the
-            filesystem reads its usual environment (e.g. ``AWS_ENDPOINT_URL``).
-    """
-    text = os.fspath(url)
-    protocol = text.split("://", 1)[0].lower() if "://" in text else "file"
-    if protocol in ("file", "local"):
-        from torch_batch_process.storage.local import LocalStorage
+    def release(self) -> None:
+        """Releases the lock (idempotent)."""
 
-        return LocalStorage(text.split("://", 1)[1] if "://" in text else text)
-    from torch_batch_process.storage.object_store import ObjectStorage
-
-    return ObjectStorage(text, storage_options)
+    def check(self) -> None:
+        """Raises :class:`~torch_batch_process.errors.JobLockedError` when the lock was lost (lease taken over or
+        not renewable)."""

@@ -23,13 +23,16 @@ __all__ = [
     "NotAFileError",
     "RETRY_BASE_DELAY_S",
     "RETRY_MAX_DELAY_S",
+    "BACKEND_EXTRAS",
     "describe",
     "is_missing_backend",
+    "missing_backend_hint",
     "is_missing_bucket",
     "is_precondition_failed",
     "is_transient",
     "retry_attempts",
     "retry_budget_s",
+    "storage_error",
     "with_retries",
 ]
 
@@ -115,6 +118,23 @@ def describe(exc: BaseException) -> str:
     if answer and answer[1] >= 500:
         return f"the object store answered HTTP {answer[1]} {answer[0]} ({exc})"
     return f"{type(exc).__name__}: {exc}"
+
+
+def storage_error(url: str, action: str, exc: BaseException) -> StorageError:
+    """The error of a failed storage operation: the storage's URL, the action and the cause."""
+    return StorageError(f"storage {url!r}: cannot {action}: {describe(exc)}")
+
+
+BACKEND_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+"""Protocol -> the extra of this package that installs its fsspec backend (storage paths and sources alike)."""
+
+
+def missing_backend_hint(protocol: str) -> str:
+    """How to install the fsspec backend of ``protocol`` (the fix in a missing-backend error)."""
+    extra = BACKEND_EXTRAS.get(protocol)
+    if extra:
+        return f"pip install 'torch-batch-process[{extra}]'"
+    return f"install the fsspec implementation of the {protocol!r} protocol"
 
 
 def is_missing_backend(exc: BaseException) -> bool:

@@ -35,19 +35,39 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from torch_batch_process.errors import JobLockedError, StorageError
-from torch_batch_process.jobstore.layout import LEASE_FILE
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage.lock import JobLock, holder_info, locked_message, machine_id, read_holder_info
-from torch_batch_process.storage.object_store import ConditionFailed, ObjectStorage
+from torch_batch_process.storage.base import JobLock, Storage
+from torch_batch_process.storage.lock import holder_info, locked_message, machine_id, read_holder_info
 
-__all__ = ["LeaseJobLock", "lease_ttl_s"]
+__all__ = ["LEASE_FILE", "ConditionFailed", "ConditionalWrites", "LeaseJobLock", "lease_ttl_s"]
 
 logger = logging.getLogger(__name__)
 
 _READ_BACK_DELAY_S = 0.2
+
+LEASE_FILE = "_tbp/lease.json"
+"""The job lease of object stores, in the job's internal folder (see :mod:`torch_batch_process.jobstore.layout`)."""
+
+
+class ConditionFailed(Exception):
+    """A conditional write lost: the object changed (or appeared) since it was read."""
+
+
+class ConditionalWrites(Protocol):
+    """Writes that succeed only when the object is still the version read (S3:
+    :class:`~torch_batch_process.storage.s3.S3Storage`)."""
+
+    def read_versioned(self, rel: str) -> tuple[bytes, str]:
+        """Reads a file and its version tag; ``FileNotFoundError`` when missing."""
+        ...
+
+    def write_conditional(self, rel: str, data: bytes, *, if_version: str | None) -> str:
+        """Writes ``rel`` only if it is still at version ``if_version`` (``None``: only if absent); returns the new
+        version tag; raises :class:`ConditionFailed` when another writer won."""
+        ...
 
 
 def lease_ttl_s() -> float:
@@ -59,14 +79,19 @@ def lease_ttl_s() -> float:
 
 
 class LeaseJobLock(JobLock):
-    """A heartbeat lease on ``_tbp/lease.json`` (object stores; see the module docstring)."""
+    """A heartbeat lease on ``_tbp/lease.json`` (object stores; see the module docstring).
+
+    Args:
+        storage: the object store.
+        conditional: its conditional writes, where it has them (S3); ``None``: write then read back.
+    """
 
     GRACE = 3.0
     """:meth:`holder`: a lease whose last heartbeat is older than this many TTLs belongs to a job that is gone."""
 
-    def __init__(self, storage: ObjectStorage) -> None:
+    def __init__(self, storage: Storage, conditional: ConditionalWrites | None = None) -> None:
         self._storage = storage
-        self._conditional = storage.supports_conditional_writes
+        self._conditional = conditional  # None: written then read back (see the module docstring)
         self._ttl = lease_ttl_s()
         self._owner = uuid.uuid4().hex
         self._since = time.time()
@@ -95,8 +120,8 @@ class LeaseJobLock(JobLock):
     def _read(self) -> tuple[dict[str, Any] | None, str | None]:
         """The current lease and its version (``None, None`` when there is none)."""
         try:
-            if self._conditional:
-                raw, version = self._storage.read_versioned(LEASE_FILE)
+            if self._conditional is not None:
+                raw, version = self._conditional.read_versioned(LEASE_FILE)
             else:
                 raw, version = self._storage.read_bytes(LEASE_FILE), None
         except FileNotFoundError:
@@ -133,7 +158,7 @@ class LeaseJobLock(JobLock):
 
     def _write_lease(self, *, if_version: str | None, create: bool) -> bool:
         """Writes our lease over the version read (or only if absent); False when another job won."""
-        if self._conditional:
+        if self._conditional is not None:
             try:
                 return self._write_lease_conditional(if_version=if_version, create=create)
             except StorageError as exc:
@@ -146,8 +171,9 @@ class LeaseJobLock(JobLock):
         return current is not None and current.get("owner") == self._owner
 
     def _write_lease_conditional(self, *, if_version: str | None, create: bool) -> bool:
+        assert self._conditional is not None
         try:
-            self._version = self._storage.write_conditional(
+            self._version = self._conditional.write_conditional(
                 LEASE_FILE, self._lease(), if_version=None if create else if_version
             )
             return True
@@ -166,7 +192,7 @@ class LeaseJobLock(JobLock):
             self._storage.url,
             exc,
         )
-        self._conditional = False
+        self._conditional = None
         self._version = None
 
     def _watch(
@@ -232,9 +258,9 @@ class LeaseJobLock(JobLock):
         request was in flight (or just after it returned) must not count the pause as held time."""
         self._beat += 1
         sent = time.monotonic()
-        if self._conditional:
+        if self._conditional is not None:
             try:
-                self._version = self._storage.write_conditional(LEASE_FILE, self._lease(), if_version=self._version)
+                self._version = self._conditional.write_conditional(LEASE_FILE, self._lease(), if_version=self._version)
                 self._renewed = sent
                 return
             except ConditionFailed:
@@ -280,7 +306,7 @@ class LeaseJobLock(JobLock):
             logger.warning("storage %s: could not remove the job lease: %s", self._storage.url, exc)
 
     @classmethod
-    def holder(cls, storage: ObjectStorage) -> tuple[bool | None, dict[str, Any] | None]:
+    def holder(cls, storage: Storage) -> tuple[bool | None, dict[str, Any] | None]:
         """Whether a job holds a live lease now (its heartbeat is recent), and who. Read-only."""
         lease = read_holder_info(storage, LEASE_FILE)
         if not lease:

@@ -21,14 +21,12 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from torch_batch_process.errors import StorageError
-from torch_batch_process.storage.base import TMP_MARKER, FileSink, MirroredFolder, Storage
-from torch_batch_process.storage.errors import NotAFileError, describe
-
-if TYPE_CHECKING:
-    from torch_batch_process.storage.lock import JobLock
+from torch_batch_process.storage.base import TMP_MARKER, FileSink, JobLock, MirroredFolder, Storage
+from torch_batch_process.storage.errors import NotAFileError, describe, storage_error
+from torch_batch_process.storage.lock import LOCK_FILE, FileJobLock
 
 __all__ = ["LocalStorage"]
 
@@ -59,7 +57,7 @@ class LocalStorage(Storage):
         return self.path(rel)
 
     def _error(self, action: str, exc: BaseException) -> StorageError:
-        return StorageError(f"storage {self.url!r}: cannot {action}: {describe(exc)}")
+        return storage_error(self.url, action, exc)
 
     # ------------------------------------------------------------------ reads
 
@@ -227,14 +225,11 @@ class LocalStorage(Storage):
         return _SameFolder(Path(self.path(rel)))
 
     def job_lock(self) -> JobLock:
-        from torch_batch_process.storage.lock import FileJobLock
-
-        return FileJobLock(self)
+        self.makedirs(LOCK_FILE.rsplit("/", 1)[0])
+        return FileJobLock(self, self.path(LOCK_FILE))
 
     def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
-        from torch_batch_process.storage.lock import FileJobLock
-
-        return FileJobLock.holder(self)
+        return FileJobLock.holder(self, self.path(LOCK_FILE))
 
 
 class _RenameSink(FileSink):

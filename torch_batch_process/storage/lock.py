@@ -21,23 +21,27 @@ from typing import Any
 import filelock
 
 from torch_batch_process.errors import JobLockedError
-from torch_batch_process.jobstore.layout import LOCK_FILE, LOCK_INFO_FILE
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage.local import LocalStorage
-from torch_batch_process.storage.object_store import ObjectStorage
+from torch_batch_process.storage.base import JobLock, Storage
+from torch_batch_process.storage.errors import storage_error
 
-__all__ = ["FileJobLock", "JobLock", "flock_held", "holder_info", "locked_message", "machine_id", "read_holder_info"]
+__all__ = [
+    "LOCK_FILE",
+    "LOCK_INFO_FILE",
+    "FileJobLock",
+    "flock_held",
+    "holder_info",
+    "locked_message",
+    "machine_id",
+    "read_holder_info",
+]
 
 logger = logging.getLogger(__name__)
 
-class JobLock:
-    """Held by rank 0 for the whole job; ``storage.job_lock()`` takes the backend's kind."""
-
-    def release(self) -> None:
-        """Releases the lock (idempotent)."""
-
-    def check(self) -> None:
-        """Raises :class:`JobLockedError` when the lock was lost (lease taken over or not renewable)."""
+LOCK_FILE = "_tbp/lock"
+"""The OS file lock of local storage, in the job's internal folder (see :mod:`torch_batch_process.jobstore.layout`)."""
+LOCK_INFO_FILE = "_tbp/lock.json"
+"""Who holds the lock: host, pid, since when."""
 
 
 def machine_id() -> dict[str, Any]:
@@ -62,18 +66,22 @@ def holder_info() -> dict[str, Any]:
 
 
 class FileJobLock(JobLock):
-    """An OS file lock on ``_tbp/lock`` (local and network-mounted folders)."""
+    """An OS file lock on ``_tbp/lock`` (local and network-mounted folders).
 
-    def __init__(self, storage: LocalStorage) -> None:
+    Args:
+        storage: the local storage (its folder ``_tbp`` exists).
+        lock_path: the local path of its :data:`LOCK_FILE`.
+    """
+
+    def __init__(self, storage: Storage, lock_path: str) -> None:
         self._storage = storage
-        storage.makedirs("_tbp")
-        self._lock = filelock.FileLock(storage.path(LOCK_FILE), timeout=0)
+        self._lock = filelock.FileLock(lock_path, timeout=0)
         try:
             self._lock.acquire()
         except filelock.Timeout:
             raise JobLockedError(locked_message(storage, read_holder_info(storage, LOCK_INFO_FILE))) from None
         except OSError as exc:
-            raise storage._error("create the job lock", exc) from exc
+            raise storage_error(storage.url, "create the job lock", exc) from exc
         try:
             storage.write_json(LOCK_INFO_FILE, holder_info())
         except BaseException:
@@ -85,7 +93,7 @@ class FileJobLock(JobLock):
             self._lock.release()
 
     @staticmethod
-    def holder(storage: LocalStorage) -> tuple[bool | None, dict[str, Any] | None]:
+    def holder(storage: Storage, lock_path: str) -> tuple[bool | None, dict[str, Any] | None]:
         """Whether a process holds the lock now (``None``: cannot tell from this host), and who.
 
         Read-only: it looks at ``/proc/locks`` instead of trying to take the lock.
@@ -93,7 +101,7 @@ class FileJobLock(JobLock):
         info = read_holder_info(storage, LOCK_INFO_FILE)
         who = {"host": info.get("host"), "pid": info.get("pid")} if info else None
         same_host = not info or info.get("host") == socket.gethostname()
-        held = flock_held(storage.path(LOCK_FILE), info.get("pid") if info else None)
+        held = flock_held(lock_path, info.get("pid") if info else None)
         if held:
             return True, who
         if not same_host:
@@ -104,7 +112,7 @@ class FileJobLock(JobLock):
         return False, None
 
 
-def read_holder_info(storage: LocalStorage | ObjectStorage, rel: str) -> dict[str, Any] | None:
+def read_holder_info(storage: Storage, rel: str) -> dict[str, Any] | None:
     """The holder written at ``rel`` (lock info or lease), or ``None`` when it is missing or unreadable."""
     try:
         value = storage.read_json(rel)
@@ -113,7 +121,7 @@ def read_holder_info(storage: LocalStorage | ObjectStorage, rel: str) -> dict[st
     return value if isinstance(value, dict) else None
 
 
-def locked_message(storage: LocalStorage | ObjectStorage, info: dict[str, Any] | None) -> str:
+def locked_message(storage: Storage, info: dict[str, Any] | None) -> str:
     """The error message of a job refused because ``info``'s holder has the storage path."""
     holder = ""
     if info:

@@ -12,8 +12,10 @@
 - **Appends**: objects cannot be appended to, so the appender keeps a local copy of the file and uploads
   it whole, in one atomic PUT, at each append (:mod:`torch_batch_process.storage.scratch`, with the other
   local temporary folders).
-- **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lease.LeaseJobLock`), with conditional
-  writes on S3 (:meth:`ObjectStorage.read_versioned`, :meth:`ObjectStorage.write_conditional`).
+- **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lease.LeaseJobLock`).
+
+S3 is a subclass (:class:`~torch_batch_process.storage.s3.S3Storage`): conditional lease writes and S3's own
+requests; this class holds what every object store shares.
 """
 
 from __future__ import annotations
@@ -25,45 +27,33 @@ import posixpath
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 
 from torch_batch_process.errors import StorageError
-from torch_batch_process.storage.base import FileSink, MirroredFolder, Storage
+from torch_batch_process.storage.base import FileSink, JobLock, MirroredFolder, Storage
 from torch_batch_process.storage.errors import (
     describe,
     is_missing_backend,
     is_missing_bucket,
-    is_precondition_failed,
+    missing_backend_hint,
+    storage_error,
     with_retries,
 )
+from torch_batch_process.storage.lease import LeaseJobLock
 from torch_batch_process.storage.scratch import AppendedFiles, LocalScratch
 from torch_batch_process.storage.uploads import UploadedFolder, UploadSink
 
-if TYPE_CHECKING:
-    from torch_batch_process.storage.lock import JobLock
-
-__all__ = ["ConditionFailed", "ObjectStorage"]
+__all__ = ["COPY_THREADS", "ObjectStorage"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Which extra of this package installs the backend of a protocol.
-_BACKEND_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}
 
-# Part size and parts in flight per file for multipart uploads to S3: a large output is streamed from
-# disk, holding at most UPLOAD_PART_BYTES * UPLOAD_PART_CONCURRENCY bytes in memory per file.
-UPLOAD_PART_BYTES = 8 * 2**20
-UPLOAD_PART_CONCURRENCY = 2
 COPY_THREADS = 16
-_S3_SIMPLE_COPY_BYTES = 5 * 2**30  # CopyObject's limit; larger objects take s3fs's multipart copy
-
-
-class ConditionFailed(Exception):
-    """A conditional write lost: the object changed (or appeared) since it was read."""
 
 
 class ObjectStorage(Storage):
@@ -72,12 +62,11 @@ class ObjectStorage(Storage):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.protocol = url.split("://", 1)[0].lower()
         self._given_url = url
-        self._options = _default_options(self.protocol, dict(storage_options or {}))
+        self._options = self._default_options(dict(storage_options or {}))
         self._pid = os.getpid()
         self._fs, root = self._open()
         self.root: str = root.rstrip("/")
         self.url = url.rstrip("/")
-        self.supports_conditional_writes = self.protocol in ("s3", "s3a")
         self._appended = AppendedFiles(self.read_bytes, self.write_bytes)
         self._scratch = LocalScratch()
 
@@ -85,23 +74,26 @@ class ObjectStorage(Storage):
         url = self._given_url
         try:
             fs, root = fsspec.core.url_to_fs(url, **self._options)
-            if self.protocol in ("s3", "s3a") and hasattr(fs, "retries"):
-                fs.retries = 1  # our own instance (skip_instance_cache): this module's _call is the retry policy
+            self._configure(fs)
             return fs, root
         except (ImportError, ValueError) as exc:
             if is_missing_backend(exc):
-                extra = _BACKEND_EXTRAS.get(self.protocol)
-                hint = (
-                    f"pip install 'torch-batch-process[{extra}]'"
-                    if extra
-                    else f"install the fsspec implementation of the {self.protocol!r} protocol"
-                )
                 raise StorageError(
-                    f"storage_path {url!r}: the filesystem backend of {self.protocol}:// is not installed; {hint}"
+                    f"storage_path {url!r}: the filesystem backend of {self.protocol}:// is not installed; "
+                    f"{missing_backend_hint(self.protocol)}"
                 ) from exc
             raise StorageError(f"storage_path {url!r} is not a valid fsspec URL: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - any backend error at construction
             raise StorageError(f"storage_path {url!r}: cannot open the filesystem: {describe(exc)}") from exc
+
+    def _default_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The library's defaults for this backend, under the user's explicit ``options``."""
+        if self.protocol in _BUCKET_PROTOCOLS:
+            options.setdefault("use_listings_cache", False)
+        return options
+
+    def _configure(self, fs: fsspec.AbstractFileSystem) -> None:
+        """Sets up a filesystem just created (a backend's own settings)."""
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -121,7 +113,7 @@ class ObjectStorage(Storage):
         return f"{self.url}/{rel}" if rel else self.url
 
     def _error(self, action: str, exc: BaseException) -> StorageError:
-        return StorageError(f"storage {self.url!r}: cannot {action}: {describe(exc)}")
+        return storage_error(self.url, action, exc)
 
     # ------------------------------------------------------------------ reads
 
@@ -144,8 +136,6 @@ class ObjectStorage(Storage):
         return self._call(f"read {rel!r}", lambda: self._cat(self.path(rel)), missing_ok=False)
 
     def _cat(self, path: str) -> bytes:
-        if self.protocol in ("s3", "s3a"):
-            return self.fs.cat_file(path, max_concurrency=1)  # one GET, no size probe first
         return self.fs.cat_file(path)
 
     def open_input(self, rel: str) -> BinaryIO:
@@ -204,75 +194,9 @@ class ObjectStorage(Storage):
         self._appended.append(rel, data)
 
     def put_file(self, local_file: str | os.PathLike[str], rel: str) -> None:
-        """Uploads (a copy: the local file stays). On S3 a file of up to ``2 * UPLOAD_PART_BYTES`` is one
-        PUT; a larger one is a multipart upload read part by part."""
+        """Uploads (a copy: the local file stays)."""
         source = os.fspath(local_file)
-        if self.protocol in ("s3", "s3a"):
-            upload = lambda: self.fs.put_file(  # noqa: E731
-                source, self.path(rel), chunksize=UPLOAD_PART_BYTES, max_concurrency=UPLOAD_PART_CONCURRENCY
-            )
-        else:
-            upload = lambda: self.fs.put_file(source, self.path(rel))  # noqa: E731
-        self._call(f"upload to {rel!r}", upload)
-
-    def read_versioned(self, rel: str) -> tuple[bytes, str]:
-        """Reads a file and its version tag (S3: the ETag); ``FileNotFoundError`` when missing.
-
-        Only where :attr:`supports_conditional_writes`.
-        """
-        if not self.supports_conditional_writes:
-            raise NotImplementedError(f"{self.protocol}:// has no conditional writes")
-        bucket, key = self._bucket_key(rel)
-
-        def _get() -> tuple[bytes, str]:
-            from fsspec.asyn import sync
-
-            async def _read() -> tuple[bytes, str]:
-                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-                try:
-                    return await response["Body"].read(), response["ETag"]
-                finally:
-                    response["Body"].close()
-
-            return sync(self.fs.loop, _read)
-
-        return self._call(f"read {rel!r}", _get, missing_ok=False)
-
-    def write_conditional(self, rel: str, data: bytes, *, if_version: str | None) -> str:
-        """Writes ``rel`` only if it is still at version ``if_version`` (``None``: only if absent).
-
-        Returns the new version tag; raises :class:`ConditionFailed` when another writer won.
-        Only where :attr:`supports_conditional_writes`.
-        """
-        if not self.supports_conditional_writes:
-            raise NotImplementedError(f"{self.protocol}:// has no conditional writes")
-        bucket, key = self._bucket_key(rel)
-        condition = {"IfNoneMatch": "*"} if if_version is None else {"IfMatch": if_version}
-
-        def _put() -> str:
-            try:
-                response = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
-            except (OSError, FileNotFoundError) as exc:
-                if is_precondition_failed(exc):
-                    raise ConditionFailed(str(exc)) from exc
-                raise
-            return response["ETag"]
-
-        try:
-            return self._call(f"write {rel!r}", _put, missing_ok=False, passthrough=(ConditionFailed,))
-        except FileNotFoundError as exc:  # If-Match on an object deleted meanwhile
-            raise ConditionFailed(str(exc)) from exc
-
-    def _bucket_key(self, rel: str) -> tuple[str, str]:
-        full = self.path(rel)
-        bucket, _, key = full.partition("/")
-        return bucket, key
-
-    def _s3_copy(self, source: str, target: str) -> None:
-        src_bucket, _, src_key = source.partition("/")
-        dst_bucket, _, dst_key = target.partition("/")
-        source_ref = {"Bucket": src_bucket, "Key": src_key}
-        self.fs.call_s3("copy_object", Bucket=dst_bucket, Key=dst_key, CopySource=source_ref)
+        self._call(f"upload to {rel!r}", lambda: self.fs.put_file(source, self.path(rel)))
 
     def move(self, src: str, dst: str) -> None:
         """Moves file or folder ``src`` to ``dst``, merging folders; safe to repeat after a crash.
@@ -286,10 +210,8 @@ class ObjectStorage(Storage):
 
         def _copy(rel_file: str) -> None:
             source, target = _below(self.path(src), rel_file), _below(self.path(dst), rel_file)
-            if self.protocol in ("s3", "s3a") and files[rel_file] <= _S3_SIMPLE_COPY_BYTES:
-                copy = lambda: self._s3_copy(source, target)  # noqa: E731 - one request, no size probe
-            else:
-                copy = lambda: self.fs.copy(source, target)  # noqa: E731
+            size = files[rel_file]
+            copy = lambda: self._copy_object(source, target, size)  # noqa: E731
             self._call(f"copy {src}/{rel_file} to {dst}/", copy, missing_ok=False)
 
         if len(files) == 1:
@@ -300,6 +222,10 @@ class ObjectStorage(Storage):
                     future.result()
         self.delete_files([_below(src, rel_file) for rel_file in files])
         self.remove_empty_folder(src)
+
+    def _copy_object(self, source: str, target: str, size: int) -> None:
+        """Copies one object (filesystem paths) of ``size`` bytes, server-side where the backend can."""
+        self.fs.copy(source, target)
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
         path = self.path(rel)
@@ -349,19 +275,15 @@ class ObjectStorage(Storage):
         return self._scratch.root()
 
     def file_sink(self) -> FileSink:
-        return UploadSink(self)
+        return UploadSink(self, self.scratch_root)
 
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
         return UploadedFolder(self, rel, LocalScratch.mirror_path(name))
 
     def job_lock(self) -> JobLock:
-        from torch_batch_process.storage.lease import LeaseJobLock
-
         return LeaseJobLock(self)
 
     def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
-        from torch_batch_process.storage.lease import LeaseJobLock
-
         return LeaseJobLock.holder(self)
 
     def close(self) -> None:
@@ -381,18 +303,6 @@ class ObjectStorage(Storage):
         """Runs a remote operation with this storage's retry policy
         (:func:`~torch_batch_process.storage.errors.with_retries`)."""
         return with_retries(self.url, self.root.split("/", 1)[0], action, fn, passthrough=passthrough)
-
-
-def _default_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The library's defaults for a backend, under the user's explicit options."""
-    if protocol in _BUCKET_PROTOCOLS:
-        options.setdefault("use_listings_cache", False)
-    if protocol in ("s3", "s3a"):
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("retries", {"total_max_attempts": 1})  # this module retries, see its docstring
-        options["config_kwargs"] = config
-        options.setdefault("skip_instance_cache", True)
-    return options
 
 
 def _below(folder: str, rel_file: str) -> str:

@@ -9,40 +9,44 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from torch_batch_process.storage.base import FileSink, MirroredFolder
+from torch_batch_process.storage.base import FileSink, MirroredFolder, Storage
 
-if TYPE_CHECKING:
-    from torch_batch_process.storage.object_store import ObjectStorage
-
-__all__ = ["UPLOAD_THREADS", "UploadSink", "UploadedFolder"]
+__all__ = ["UploadSink", "UploadedFolder", "upload_threads"]
 
 logger = logging.getLogger(__name__)
 
-UPLOAD_THREADS = int(os.environ.get("TBP_UPLOAD_THREADS", "8"))
-"""Threads uploading output files (``TBP_UPLOAD_THREADS``)."""
+
+def upload_threads() -> int:
+    """Threads uploading output files: ``$TBP_UPLOAD_THREADS``, default 8 (read when a sink starts uploading)."""
+    return int(os.environ.get("TBP_UPLOAD_THREADS", "8"))
 
 
 class UploadSink(FileSink):
-    """Uploads files with ``UPLOAD_THREADS`` threads (``TBP_UPLOAD_THREADS``, default 8); each local file is
-    deleted once uploaded."""
+    """Uploads files with :func:`upload_threads` threads; each local file is deleted once uploaded.
 
-    def __init__(self, storage: ObjectStorage) -> None:
+    Args:
+        storage: the object store.
+        spool_root: this process's local temporary folder (on the files' filesystem: they are renamed there).
+    """
+
+    def __init__(self, storage: Storage, spool_root: Callable[[], Path]) -> None:
         self._storage = storage
+        self._spool_root = spool_root
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
 
     def add(self, local_file: str | os.PathLike[str], rel: str) -> None:
         # Out of the caller's folder at once (a rename: same temporary tree), so the folder can be reused.
-        spool = self._storage.scratch_root() / f"spool-{uuid.uuid4().hex}"
+        spool = self._spool_root() / f"spool-{uuid.uuid4().hex}"
         os.rename(local_file, spool)
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="tbp-upload")
+                self._pool = ThreadPoolExecutor(max_workers=upload_threads(), thread_name_prefix="tbp-upload")
             self._pending.append(self._pool.submit(self._upload, spool, rel))
 
     def _upload(self, local_file: Path, rel: str) -> None:
@@ -75,7 +79,7 @@ class UploadedFolder(MirroredFolder):
     """A local temporary folder whose new or changed files are uploaded to ``rel`` (at most every
     ``interval`` seconds when asked by :meth:`due`, and at :meth:`close`)."""
 
-    def __init__(self, storage: ObjectStorage, rel: str, path: Path, *, interval: float = 30.0) -> None:
+    def __init__(self, storage: Storage, rel: str, path: Path, *, interval: float = 30.0) -> None:
         self.path = path
         self._storage = storage
         self._rel = rel

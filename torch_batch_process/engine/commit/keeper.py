@@ -26,7 +26,7 @@ from torch_batch_process.observe.metrics import MetricsLog
 from torch_batch_process.provenance import merge_entries
 from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.result import to_jsonable
-from torch_batch_process.storage.lock import JobLock
+from torch_batch_process.storage.base import JobLock
 
 __all__ = ["PreparedRecord", "RecordKeeper", "Summary"]
 

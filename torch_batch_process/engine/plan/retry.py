@@ -32,7 +32,7 @@ from torch_batch_process.jobstore.layout import RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.retries import next_retry
 from torch_batch_process.jobstore.store import JobStore, latest_record_at
-from torch_batch_process.storage.base import open_storage
+from torch_batch_process.storage.registry import open_storage
 
 __all__ = ["IndexPlan", "choose_retry", "prepare_retry"]
 
