@@ -37,8 +37,9 @@ import yaml
 from torch_batch_process.environment import is_valid_job_name
 from torch_batch_process.launch.config_lines import ConfigError, KeyLines, type_name
 from torch_batch_process.launch.determined_storage import determined_storage
+from torch_batch_process.launch.paths import absolute_path
 
-__all__ = ["ConfigError", "JobConfig", "absolute_path", "load_config", "parse_config"]
+__all__ = ["ConfigError", "JobConfig", "load_config", "parse_config"]
 
 TOP_LEVEL_KEYS = (
     "name",
@@ -297,15 +298,6 @@ def _storage(value: Any, base: Path, lines: KeyLines) -> tuple[str | None, dict[
     if scheme is not None and scheme != kind:
         raise lines.error(key + ("path",), f"the URL {path!r} does not match type {kind!r}")
     return (path if scheme else f"{kind}://{path.lstrip('/')}"), options
-
-
-def absolute_path(path: str, base: Path) -> str:
-    """A URL as is; a local path made absolute against the config's directory."""
-    if "://" in path and not path.startswith("file://"):
-        return path
-    local = path[len("file://") :] if path.startswith("file://") else path
-    local = os.path.expanduser(local)
-    return str(Path(local) if os.path.isabs(local) else (base / local).resolve())
 
 
 def _check_json(value: Any, path: tuple[Any, ...], lines: KeyLines) -> None:

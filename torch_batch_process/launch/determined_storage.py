@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from torch_batch_process.launch.config_lines import KeyLines, type_name
+from torch_batch_process.launch.paths import absolute_path
 
 __all__ = ["DETERMINED_STORAGE_KEYS", "determined_storage"]
 
@@ -78,8 +79,6 @@ def determined_storage(
 
 
 def _local(kind: str, fields: dict[str, str], base: Path, lines: KeyLines) -> str:
-    from torch_batch_process.launch.config import absolute_path  # config reads these mappings through this module
-
     if kind == "directory":
         return absolute_path(fields["container_path"], base)
     host = absolute_path(fields["host_path"], base)

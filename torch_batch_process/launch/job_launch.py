@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torch_batch_process.launch.config import ConfigError, JobConfig, absolute_path
+from torch_batch_process.launch.config import ConfigError, JobConfig
+from torch_batch_process.launch.paths import absolute_path
 
 __all__ = ["hparams_json", "job_environment", "launcher_argv"]
 
