@@ -15,9 +15,9 @@ from torch.utils.data import default_collate
 from torch_batch_process import sources
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.feed.stream_columns import ArrowRows, StreamCollate, columns_of
-from torch_batch_process.engine.feed.stream_order import BlockScheduler, WorkerAffineOrder
+from torch_batch_process.engine.feed.stream_order import WorkerAffineOrder
 from torch_batch_process.engine.plan.streamed import StreamPlan
-from torch_batch_process.engine.schedule.scheduler import StaticScheduler
+from torch_batch_process.engine.schedule.scheduler import BlockScheduler, StaticScheduler
 from torch_batch_process.jobstore.ranges import RangeSet
 
 

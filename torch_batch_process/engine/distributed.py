@@ -10,6 +10,9 @@ it would re-run the rendezvous on a store that still holds the keys of the first
 the agent's store outlives the group), which made the second call fail or hang. A group the user
 created is never destroyed.
 
+The job's rendezvous store (the default group's) carries the dynamic schedule's shared counters and queues, per
+call (:class:`RendezvousStore`).
+
 Its own coordination (votes at commits, the per-step stop/failure agreement) runs on a gloo group
 of its own, created and destroyed with each call, even when the default group is gloo too: it needs
 no device synchronization, it never queues behind the user's collectives (nor they behind it), and a
@@ -33,8 +36,9 @@ import torch.distributed as dist
 
 from torch_batch_process.device import get_default_device
 from torch_batch_process.distributed_info import DistributedInfo
-from torch_batch_process.engine.rendezvous import RendezvousStore
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
+
+__all__ = ["Collectives", "DistributedEnv", "PendingGather", "PendingMax", "RendezvousStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +175,53 @@ class PendingMax:
                 raise WorkerLostError(f"rank {self._rank}: {LOST_HINT} ({exc})") from exc
             self._work = None
         return [int(v) for v in self._tensor.tolist()]
+
+
+class RendezvousStore:
+    """Counters and queues in the job's rendezvous store; losing the store (rank 0's process hosts it under
+    the plain env contract, torchrun's agent otherwise) means losing the job's other ranks, so every error
+    is a :class:`WorkerLostError` (except the timeout of a blocking :meth:`queue_pop`, which just waited)."""
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self._store = store
+        self._rank = rank
+
+    def _lost(self, exc: BaseException) -> WorkerLostError:
+        return WorkerLostError(f"rank {self._rank}: the job's rendezvous store stopped answering ({exc}); {LOST_HINT}")
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return int(self._store.add(key, amount))
+        except Exception as exc:  # noqa: BLE001 - connection refused, reset, timeout...
+            raise self._lost(exc) from exc
+
+    def queue_push(self, key: str, value: bytes) -> None:
+        try:
+            self._store.queue_push(key, value)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
+    def queue_len(self, key: str) -> int:
+        try:
+            return int(self._store.queue_len(key))
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
+    def queue_pop(self, key: str) -> bytes | None:
+        """The next item, waiting for one; ``None`` when the store's wait timed out (call again)."""
+        try:
+            return self._store.queue_pop(key, block=True)
+        except Exception as exc:  # noqa: BLE001
+            if "timeout" in str(exc).lower():
+                return None
+            raise self._lost(exc) from exc
+
+    def clone(self) -> RendezvousStore:
+        """A connection of its own (for another thread)."""
+        try:
+            return RendezvousStore(self._store.clone(), self._rank)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
 
 
 class DistributedEnv:

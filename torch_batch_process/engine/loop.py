@@ -36,16 +36,16 @@ from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.feed.autocast import resolve_autocast
 from torch_batch_process.engine.feed.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.feed.error_handling import check_failures, guard_runner
+from torch_batch_process.engine.feed.inputs import JobInput, open_input
 from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.feed.runner import BatchRunner
-from torch_batch_process.engine.feed.streams import StreamJob, is_source
 from torch_batch_process.engine.feed.watchdog import BatchWatchdog
-from torch_batch_process.engine.plan.plans import Plan, dataset_plan, planned_batches
+from torch_batch_process.engine.plan.plans import Plan, planned_batches
 from torch_batch_process.engine.results import job_result, stored_result
 from torch_batch_process.engine.schedule.agreement import Decision, FailureTracker
 from torch_batch_process.engine.schedule.liveness import Heartbeats, watch_peers
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
-from torch_batch_process.engine.schedule.scheduler import Scheduler, make_scheduler
+from torch_batch_process.engine.schedule.scheduler import Scheduler
 from torch_batch_process.jobstore.layout import OUTPUTS_DIR, tensorboard_dir
 from torch_batch_process.jobstore.opening import JobOpener, Start
 from torch_batch_process.jobstore.ranges import RangeSet
@@ -85,17 +85,11 @@ class JobRun:
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
         self.storage = open_storage(args.storage_path, args.storage_options)
         t0 = time.perf_counter()
-        streamed = is_source(args.dataset)  # a streaming source: its plan needs the shards' row counts
-        self.stream = StreamJob(args.dataset, args.batch_size, self.storage, self.coll) if streamed else None
-        self.full_plan: Plan = plan or (  # a given plan: retry_failed (engine/plan/retry.py)
-            self.stream.plan
-            if self.stream is not None
-            else dataset_plan(args.dataset_length, args.batch_size, args.lengths, args.bucket_window, args.max_tokens)
-        )
+        self.input: JobInput = open_input(args, self.storage, self.coll)  # a stream's rows are counted here
+        self.full_plan: Plan = plan or self.input.plan  # a given plan: retry_failed (engine/plan/retry.py)
         self.plan_s = args.lengths_s + time.perf_counter() - t0
         self.plan = self.full_plan
-        length = self.stream.plan.dataset_length if self.stream is not None else args.dataset_length
-        spec = JobSpec.of_call(args, length, self.plan.fingerprint())
+        spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
         self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.world_size)
         self.failures = FailureTracker(self.rank)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(self.rank), f"tensorboard-rank{self.rank}")
@@ -124,8 +118,7 @@ class JobRun:
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
                 self.call_id, self.start = start.call_id, start
-                if self.stream is not None:
-                    self.stream.opened()  # row counts counted now are kept for resumes
+                self.input.opened()  # what a resume reuses (a stream's row counts) is kept now
                 self.plan = self.full_plan.cut(start.planned_batches)
                 self._result = partial(  # this call's result from the closing commit's metrics and summary
                     job_result, plan=self.plan, start=start, preempted=False, storage_url=self.storage.url,
@@ -133,9 +126,8 @@ class JobRun:
                 )
                 remaining = (start.latest.committed if start.latest else RangeSet()).complement(self.plan.num_batches)
                 processor, stop_now = self._build(start, signals)
-                schedule = make_scheduler if self.stream is None else self.stream.make_scheduler
                 interval = self.args.checkpoint_interval
-                scheduler = schedule(self.args.schedule, remaining, self.coll, interval, self.call_store())
+                scheduler = self.input.scheduler(self.args.schedule, remaining, self.coll, interval, self.call_store())
                 announce_start(self, start, remaining)
                 outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
                 if outcome is None or not outcome.preempted:
@@ -205,9 +197,7 @@ class JobRun:
             processor, self.current, self.plan, self.failures,
             inference_mode=self.args.inference_mode, mode=self.autocast,
         )
-        dataset, order, kwargs = self.args.dataset, scheduler, self.args.dataloader_kwargs
-        if self.stream is not None:  # a source: its dataset view, worker-affine order, columnar collation
-            dataset, order, kwargs = self.stream.feed_parts(scheduler, kwargs, self.plan)
+        dataset, order, kwargs = self.input.feed_parts(scheduler, self.args.dataloader_kwargs, self.plan)
         feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
         guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/feed/error_handling.py)
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
@@ -297,6 +287,5 @@ class JobRun:
             self.stager.close()
         self.observer.close()
         self.opener.release()
-        if self.stream is not None:
-            self.stream.close()
+        self.input.close()
         self.storage.close()

@@ -15,8 +15,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_batch_process.engine.distributed import Collectives, PendingGather
-from torch_batch_process.engine.rendezvous import RendezvousStore
+from torch_batch_process.engine.distributed import Collectives, PendingGather, RendezvousStore
 from torch_batch_process.engine.schedule.agreement import FailureInfo
 
 __all__ = ["GatheredVotes", "QueuedVotes", "Vote"]

@@ -1,5 +1,5 @@
-"""The order of a stream job's batches: over ranks (:class:`BlockScheduler`) and over a rank's DataLoader
-workers (:class:`WorkerAffineOrder`), so that parallel readers share no decoding.
+"""The order of a stream job's batches over a rank's DataLoader workers (:class:`WorkerAffineOrder`), so that
+parallel readers share no decoding (over ranks: :class:`~torch_batch_process.engine.schedule.scheduler.BlockScheduler`).
 
 ``DataLoader`` gives the ``i``-th batch its sampler yields to worker ``i % num_workers``. Dealt in the
 scheduler's order, consecutive batches of one Parquet row group would go to different workers, and each of
@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from typing import Any
 
-from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.plan.streamed import StreamPlan
-from torch_batch_process.engine.schedule.scheduler import Scheduler, StaticScheduler, make_scheduler
-from torch_batch_process.jobstore.ranges import RangeSet
+from torch_batch_process.engine.schedule.scheduler import Scheduler
 from torch_batch_process.sources.base import Source
 
-__all__ = ["BlockScheduler", "WorkerAffineOrder", "stream_scheduler"]
+__all__ = ["WorkerAffineOrder"]
 
 _MAX_LOOKAHEAD = 100_000
 _KEYS_KEPT = 64
@@ -85,41 +82,3 @@ class WorkerAffineOrder:
             buffered -= 1
             position += 1
             yield queue.popleft()
-
-
-class BlockScheduler(StaticScheduler):
-    """``schedule="static"`` for a stream: each rank takes one contiguous block of the batches left.
-
-    The ``i``-th of the ``R`` batches left goes to rank ``i // ceil(R / W)`` (not ``i % W``), so a rank reads
-    its rows front to back and ranks do not decode each other's Parquet row groups. Everything else is the
-    static schedule's: every rank runs ``ceil(R / W)`` steps in lockstep (a rank with fewer batches idles
-    through the last ones), commits every ``checkpoint_interval`` steps with the others, and a resume deals the
-    batches left, whatever the world size, in blocks again.
-    """
-
-    def __init__(self, remaining: RangeSet, collectives: Collectives, interval: int) -> None:
-        super().__init__(remaining, collectives, interval)
-        self._block = self.num_steps
-
-    def batch_at(self, step: int, rank: int) -> int | None:
-        if step >= self.num_batches_of(rank):
-            return None
-        return self._remaining[rank * self._block + step]
-
-    def num_batches_of(self, rank: int) -> int:
-        return max(0, min(self._block, len(self._remaining) - rank * self._block))
-
-    def batch_ids(self) -> Iterator[int]:
-        first = self._rank * self._block
-        for step in range(self.num_batches_of(self._rank)):
-            yield self._remaining[first + step]
-
-
-def stream_scheduler(
-    kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: Any = None
-) -> Scheduler:
-    """The scheduler of a stream job: :class:`BlockScheduler` for ``"static"`` (and one process), else as
-    :func:`~torch_batch_process.engine.schedule.scheduler.make_scheduler`."""
-    if kind == "dynamic" and collectives.world_size > 1:
-        return make_scheduler(kind, remaining, collectives, interval, store)
-    return BlockScheduler(remaining, collectives, interval)

@@ -20,27 +20,22 @@ pinned memory:
   other files or other rows is refused;
 - with ``on_error="skip"`` the halves of a failing batch are read again by row number through the same
   :class:`StreamDataset` (:mod:`~torch_batch_process.engine.feed.failing_examples`), and a ``retry_failed`` run's plan of
-  scattered failed rows is read in the scheduler's order (:meth:`StreamJob.feed_parts`).
+  scattered failed rows is read in the scheduler's order
+  (:meth:`~torch_batch_process.engine.feed.inputs.StreamInput.feed_parts`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.feed.stream_order import WorkerAffineOrder, stream_scheduler
-from torch_batch_process.engine.plan.plans import Plan
-from torch_batch_process.engine.plan.stream_counts import CountedRows, shard_row_counts
 from torch_batch_process.engine.plan.streamed import StreamPlan
-from torch_batch_process.engine.schedule.scheduler import Scheduler
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.sources.base import Source, SourceChangedError
-from torch_batch_process.storage.base import Storage
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.feed.stream_columns import ArrowRows
 
-__all__ = ["StreamDataset", "StreamJob", "is_source", "validate_source"]
+__all__ = ["StreamDataset", "is_source", "validate_source"]
 
 
 def is_source(dataset: Any) -> bool:
@@ -115,52 +110,3 @@ class StreamDataset:
                 f"but the job counted {self.plan.counts[shard]} rows in it: the data changed since the job "
                 "started; restore it, or start afresh (resume=False) to process the data as it is now"
             )
-
-
-class StreamJob:
-    """The streaming side of one job on one rank: the plan (from the shards' row counts) and the dataset the
-    loader reads.
-
-    Args:
-        source: the user's source.
-        batch_size: rows per batch.
-        storage: the job's storage (stored row counts).
-        coll: the library's collectives (counting shards in parallel over the ranks).
-    """
-
-    def __init__(self, source: Source, batch_size: int, storage: Storage, coll: Collectives) -> None:
-        self.source = source
-        self.storage = storage
-        self.rank = coll.rank
-        self.rows: CountedRows = shard_row_counts(source, storage, coll)
-        self.plan = StreamPlan(source.fingerprint(), self.rows.counts, batch_size)
-        self.dataset = StreamDataset(source, self.plan)
-
-    make_scheduler = staticmethod(stream_scheduler)
-    """The scheduler of a stream job (static: contiguous blocks per rank)."""
-
-    def feed_parts(
-        self, scheduler: Scheduler, kwargs: dict[str, Any], plan: Plan
-    ) -> tuple[StreamDataset, Any, dict[str, Any]]:
-        """What the feed gets: the dataset, the batch order (:class:`WorkerAffineOrder` with workers, so that
-        they share no decoding) and the loader options (without a ``collate_fn``, Parquet batches are
-        collated from their Arrow columns: the same result as ``default_collate`` of the rows, faster).
-        ``plan`` is the job's: a ``retry_failed`` run's plan holds scattered rows (failures), read by row
-        number in the scheduler's order."""
-        workers = int(kwargs.get("num_workers") or 0)
-        affine = workers > 1 and isinstance(plan, StreamPlan)
-        order = WorkerAffineOrder(scheduler, self.plan, self.source, workers) if affine else scheduler
-        if kwargs.get("collate_fn") is None and hasattr(self.source, "read_batches"):
-            from torch_batch_process.engine.feed.stream_columns import StreamCollate  # pyarrow: only for Parquet
-
-            self.dataset.columnar = True
-            kwargs = {**kwargs, "collate_fn": StreamCollate()}
-        return self.dataset, order, kwargs
-
-    def opened(self) -> None:
-        """Once the job is open: keeps row counts counted now for the resumes."""
-        self.rows.save(self.storage, self.rank)
-
-    def close(self) -> None:
-        """Closes the readers the source keeps open in this process."""
-        self.source.close()

@@ -5,6 +5,8 @@
   ``i // W``; every rank runs the same number of steps (a rank with no batch left idles), commits every
   ``checkpoint_interval`` steps with the others, and the ranks agree at every step boundary whether to go on,
   stop or fail (:class:`~torch_batch_process.engine.schedule.agreement.StepAgreement`).
+- :class:`BlockScheduler` (``schedule="static"`` for a streaming source, DESIGN §12): the static schedule with each
+  rank's batches one contiguous block, so that ranks do not decode each other's Parquet row groups.
 - :class:`DynamicScheduler` (``schedule="dynamic"``, DESIGN §8): a rank that is free takes the next batch not
   yet taken, from a counter in the job's rendezvous store, so a slow batch or a slow rank never stalls the
   others and no collective runs per step. Each rank commits after each ``checkpoint_interval`` of *its*
@@ -24,12 +26,11 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.rendezvous import RendezvousStore
+from torch_batch_process.engine.distributed import Collectives, RendezvousStore
 from torch_batch_process.engine.schedule.agreement import Decision, StepAgreement
 from torch_batch_process.jobstore.ranges import IndexedRanges, RangeSet
 
-__all__ = ["DynamicScheduler", "Scheduler", "StaticScheduler", "make_scheduler"]
+__all__ = ["BlockScheduler", "DynamicScheduler", "Scheduler", "StaticScheduler", "make_scheduler", "stream_scheduler"]
 
 
 class Scheduler(abc.ABC):
@@ -202,3 +203,41 @@ def make_scheduler(
     if kind == "dynamic" and collectives.world_size > 1:
         return DynamicScheduler(remaining, store, interval)
     return StaticScheduler(remaining, collectives, interval)
+
+
+class BlockScheduler(StaticScheduler):
+    """``schedule="static"`` for a stream: each rank takes one contiguous block of the batches left.
+
+    The ``i``-th of the ``R`` batches left goes to rank ``i // ceil(R / W)`` (not ``i % W``), so a rank reads
+    its rows front to back and ranks do not decode each other's Parquet row groups. Everything else is the
+    static schedule's: every rank runs ``ceil(R / W)`` steps in lockstep (a rank with fewer batches idles
+    through the last ones), commits every ``checkpoint_interval`` steps with the others, and a resume deals the
+    batches left, whatever the world size, in blocks again.
+    """
+
+    def __init__(self, remaining: RangeSet, collectives: Collectives, interval: int) -> None:
+        super().__init__(remaining, collectives, interval)
+        self._block = self.num_steps
+
+    def batch_at(self, step: int, rank: int) -> int | None:
+        if step >= self.num_batches_of(rank):
+            return None
+        return self._remaining[rank * self._block + step]
+
+    def num_batches_of(self, rank: int) -> int:
+        return max(0, min(self._block, len(self._remaining) - rank * self._block))
+
+    def batch_ids(self) -> Iterator[int]:
+        first = self._rank * self._block
+        for step in range(self.num_batches_of(self._rank)):
+            yield self._remaining[first + step]
+
+
+def stream_scheduler(
+    kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: Any = None
+) -> Scheduler:
+    """The scheduler of a stream job: :class:`BlockScheduler` for ``"static"`` (and one process), else as
+    :func:`make_scheduler`."""
+    if kind == "dynamic" and collectives.world_size > 1:
+        return make_scheduler(kind, remaining, collectives, interval, store)
+    return BlockScheduler(remaining, collectives, interval)
