@@ -72,7 +72,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 _BEFORE_27 = "there before the layout of issue 27; being removed"
 
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset('engine.announce engine.commit.wiring engine.feed.error_handling engine.loop engine.schedule.liveness'.split()): _BEFORE_27,
 }
 """Cycles that stay, each with the reason (module names relative to the package)."""
 

@@ -6,16 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import TYPE_CHECKING
 
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.opening import Start
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.result import BatchProcessResult
-
-if TYPE_CHECKING:
-    from torch_batch_process.engine.loop import JobRun
 
 __all__ = ["announce_start", "log_preempted", "log_start", "start_observing", "warn_max_batches"]
 
@@ -34,13 +30,26 @@ def warn_max_batches(plan: Plan, max_batches: int | None, world_size: int) -> No
         )
 
 
-def announce_start(job: JobRun, start: Start, remaining: RangeSet) -> None:
-    """What this call starts with: told to ``job``'s observer on every rank, and logged by rank 0."""
-    start_observing(job.observer, job.plan, start, remaining)
-    if job.rank == 0:
+def announce_start(
+    observer: JobObserver,
+    plan: Plan,
+    start: Start,
+    remaining: RangeSet,
+    *,
+    rank: int,
+    job_name: str,
+    world_size: int,
+    schedule: str,
+    storage_url: str,
+    plan_s: float,
+) -> None:
+    """What this call starts with: told to the rank's observer on every rank, and logged by rank 0 (see
+    :func:`log_start` for the arguments)."""
+    start_observing(observer, plan, start, remaining)
+    if rank == 0:
         log_start(
-            job_name=job.args.job_name, start=start, plan=job.plan, remaining=remaining, world_size=job.world_size,
-            schedule=job.args.schedule, storage_url=job.storage.url, plan_s=job.plan_s,
+            job_name=job_name, start=start, plan=plan, remaining=remaining, world_size=world_size,
+            schedule=schedule, storage_url=storage_url, plan_s=plan_s,
         )
 
 

@@ -1,14 +1,15 @@
 """The loop: the lifecycle of one call on one rank, wiring the engine's components together.
 
-1. Open the job: rank 0 reads, checks and repairs what is stored, under the job lock; every rank gets the
-   :class:`~torch_batch_process.jobstore.opening.Start` (:mod:`~torch_batch_process.jobstore.opening`).
+1. Open the job: the storage, the input and its plan (:mod:`~torch_batch_process.engine.feed.inputs`); rank 0
+   reads, checks and repairs what is stored, under the job lock; every rank gets the
+   :class:`~torch_batch_process.jobstore.opening.Start` (:mod:`~torch_batch_process.engine.commit.opening`).
 2. Build the processor on every rank (``cls(context)``), restore its state, agree to start
    (:mod:`~torch_batch_process.engine.building`).
-3. Run this rank's batches as its scheduler deals them (:mod:`~torch_batch_process.engine.schedule.scheduler`):
-   ``process_batch(batch, batch_idx)`` with the global batch index (:mod:`~torch_batch_process.engine.feed.runner`),
-   loaded by the feed (:mod:`~torch_batch_process.engine.feed.batches`).
+3. Run this rank's batches as its scheduler deals them (:mod:`~torch_batch_process.engine.schedule`):
+   ``process_batch(batch, batch_idx)`` with the global batch index, loaded by the feed
+   (:mod:`~torch_batch_process.engine.feed`).
 4. Commit when the scheduler says so: ``on_checkpoint_start()``, then the committer makes outputs, progress and
-   states durable together (:mod:`~torch_batch_process.engine.commit.committer`); stop (preemption) or fail with the
+   states durable together (:mod:`~torch_batch_process.engine.commit`); stop (preemption) or fail with the
    other ranks when the scheduler says so.
 5. When the batches are done, or the ranks stop or fail: the closing commit, together.
 6. When every batch is committed: ``on_finish()``, the final commit with the reduced metrics, and the same
@@ -19,6 +20,7 @@ The observer (:mod:`~torch_batch_process.observe.observer`) is told what happens
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -32,21 +34,20 @@ from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.commit.committer import Committer, Outcome
 from torch_batch_process.engine.commit.opening import open_job
 from torch_batch_process.engine.commit.wiring import make_committer
-from torch_batch_process.engine.distributed import DistributedEnv
+from torch_batch_process.engine.distributed import DistributedEnv, RendezvousStore
 from torch_batch_process.engine.feed.autocast import resolve_autocast
 from torch_batch_process.engine.feed.batches import BatchFeed, LoadFailed
-from torch_batch_process.engine.feed.error_handling import check_failures, guard_runner
+from torch_batch_process.engine.feed.error_handling import check_max_failures, guard_batches
 from torch_batch_process.engine.feed.inputs import JobInput, open_input
 from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.feed.runner import BatchRunner
-from torch_batch_process.engine.feed.watchdog import BatchWatchdog
 from torch_batch_process.engine.plan.plans import Plan, planned_batches
 from torch_batch_process.engine.results import job_result, stored_result
 from torch_batch_process.engine.schedule.agreement import Decision, FailureTracker
-from torch_batch_process.engine.schedule.liveness import Heartbeats, watch_peers
+from torch_batch_process.engine.schedule.liveness import watch_peers
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.engine.schedule.scheduler import Scheduler
-from torch_batch_process.jobstore.layout import OUTPUTS_DIR, tensorboard_dir
+from torch_batch_process.jobstore.layout import FAILURES_DIR, OUTPUTS_DIR, tensorboard_dir
 from torch_batch_process.jobstore.opening import JobOpener, Start
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.records import JobSpec
@@ -57,6 +58,7 @@ from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
+from torch_batch_process.storage.base import MirroredFolder, Storage
 from torch_batch_process.storage.registry import open_storage
 
 __all__ = ["JobRun"]
@@ -65,7 +67,35 @@ logger = logging.getLogger(__name__)
 
 
 class JobRun:
-    """One call of :func:`~torch_batch_process.torch_batch_process` on one rank (see the module docstring)."""
+    """One call of :func:`~torch_batch_process.torch_batch_process` on one rank (see the module docstring).
+
+    The constructor keeps the call's arguments and checks those that depend on the rank's device: no I/O, no
+    collective. :meth:`run` makes the components in the order of the lifecycle, each from the components it
+    uses, and closes them when the call ends, the last made first (the committer's background work completes
+    before the job lock goes: no record write outlives it).
+
+    Args:
+        args: the call's checked arguments.
+        env: the rank's distributed context.
+        options: the observer's options.
+        plan: a retry's plan (:mod:`~torch_batch_process.engine.plan.retry`); ``None``: the input's.
+        record_schema: the schema a retry's rows unify with (the retried job's).
+    """
+
+    # the components run() makes, in this order
+    storage: Storage
+    input: JobInput
+    plan: Plan
+    """The job's plan: the input's (or a retry's), cut to the batches planned at the job's first start."""
+    plan_s: float
+    opener: JobOpener
+    tensorboard: MirroredFolder
+    observer: JobObserver
+    stager: OutputStager
+    current: CurrentBatch
+    context: TorchBatchProcessorContext
+    committer: Committer
+    _result_of: Callable[..., BatchProcessResult]
 
     def __init__(
         self,
@@ -76,98 +106,109 @@ class JobRun:
         record_schema: RecordSchema | None = None,
     ) -> None:
         self.args = args
-        self.parent_schema = record_schema  # a retry's rows unify with those of the job it retries
         self.env = env
+        self.options = options or ObserveOptions()
+        self.given_plan = plan
+        self.parent_schema = record_schema
         self.rank, self.world_size = env.info.rank, env.info.size
         self.coll = env.collectives
         self.started = time.monotonic()
         self.autocast = resolve_autocast(args.autocast, env.device)  # checked on the rank's device, before any I/O
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
-        self.storage = open_storage(args.storage_path, args.storage_options)
-        t0 = time.perf_counter()
-        self.input: JobInput = open_input(args, self.storage, self.coll)  # a stream's rows are counted here
-        self.full_plan: Plan = plan or self.input.plan  # a given plan: retry_failed (engine/plan/retry.py)
-        self.plan_s = args.lengths_s + time.perf_counter() - t0
-        self.plan = self.full_plan
-        spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
-        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.world_size)
         self.failures = FailureTracker(self.rank)
-        self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(self.rank), f"tensorboard-rank{self.rank}")
-        self.observer = JobObserver(
-            options or ObserveOptions(), rank=self.rank, world_size=self.world_size, job_name=args.job_name,
-            batch_size=args.batch_size, tensorboard=self.tensorboard, device=env.device,
-        )
-        self.committer: Committer | None = None
-        self.stager: OutputStager | None = None
-        self.records: RecordWriter | None = None  # context.write()
-        self.call_id = ""
-        self._prefixed_store: Any = None
-        self._scheduler: Scheduler | None = None
-        self._peers: Heartbeats | None = None
-        self.watchdog: BatchWatchdog | None = None  # batch_timeout: watches until the call ends (engine/feed/error_handling.py)
-        self._result: Callable[..., BatchProcessResult] = partial(job_result)  # bound to the call in run()
+        self._scheduler: Scheduler | None = None  # dynamic: told to stop every rank by background threads
+        self._closing = contextlib.ExitStack()  # what run() made, closed when the call ends
 
     # ------------------------------------------------------------------------ lifecycle
 
     def run(self) -> BatchProcessResult:
-        warn_max_batches(self.plan, self.args.max_batches, self.world_size)
-        try:
+        with self._closing:
+            planned, planned_examples = self._prepare()
             with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
-                planned = planned_batches(self.plan.num_batches, self.args.max_batches, self.world_size)
-                start = open_job(self.opener, self.coll, planned, self.full_plan.cut(planned).num_examples)
+                start = open_job(self.opener, self.coll, planned, planned_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
-                self.call_id, self.start = start.call_id, start
                 self.input.opened()  # what a resume reuses (a stream's row counts) is kept now
-                self.plan = self.full_plan.cut(start.planned_batches)
-                self._result = partial(  # this call's result from the closing commit's metrics and summary
-                    job_result, plan=self.plan, start=start, preempted=False, storage_url=self.storage.url,
-                    outputs_url=self.storage.url_of(OUTPUTS_DIR), world_size=self.world_size,
-                )
+                self.plan = self.plan.cut(start.planned_batches)
                 remaining = (start.latest.committed if start.latest else RangeSet()).complement(self.plan.num_batches)
-                processor, stop_now = self._build(start, signals)
+                store = self.env.call_store(start.call_id) if self._dynamic else None
+                processor, stop_now = self._build(start, signals, store)
                 interval = self.args.checkpoint_interval
-                scheduler = self.input.scheduler(self.args.schedule, remaining, self.coll, interval, self.call_store())
-                announce_start(self, start, remaining)
-                outcome = self._process(processor, scheduler, signals, stop_now) if len(remaining) or stop_now else None
+                scheduler = self.input.scheduler(self.args.schedule, remaining, self.coll, interval, store)
+                announce_start(
+                    self.observer, self.plan, start, remaining, rank=self.rank, job_name=self.args.job_name,
+                    world_size=self.world_size, schedule=self.args.schedule, storage_url=self.storage.url,
+                    plan_s=self.plan_s,
+                )
+                outcome = None
+                if len(remaining) or stop_now:
+                    outcome = self._process(processor, scheduler, signals, stop_now, start, store)
                 if outcome is None or not outcome.preempted:
-                    check_failures(self, outcome)  # max_failures over all ranks (engine/feed/error_handling.py)
+                    failed = outcome.summary.failed_examples if outcome is not None else None
+                    check_max_failures(self.args.failures, failed, start, self.plan.num_examples, self._failures_url)
                     outcome = self._finish(processor)
-                result = self._result(outcome.summary, outcome.metrics or {}, preempted=outcome.preempted)
+                result = self._result_of(outcome.summary, outcome.metrics or {}, preempted=outcome.preempted)
                 if result.preempted:
                     log_preempted(result)
             self.observer.finish(result)
             return result
-        finally:
-            self._shutdown()
 
-    def _build(self, start: Start, signals: SignalWatcher) -> tuple[TorchBatchProcessor, bool]:
+    def _prepare(self) -> tuple[int, int]:
+        """The storage, the input and its plan, the observer; returns the batches and examples a fresh job plans
+        (the plan's, after ``max_batches``)."""
+        args, rank = self.args, self.rank
+        self.storage = self._closing.enter_context(contextlib.closing(open_storage(args.storage_path, args.storage_options)))
+        t0 = time.perf_counter()
+        self.input = self._closing.enter_context(contextlib.closing(open_input(args, self.storage, self.coll)))
+        self.plan = self.given_plan or self.input.plan
+        self.plan_s = args.lengths_s + time.perf_counter() - t0
+        spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
+        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.world_size)
+        self._closing.callback(self.opener.release)
+        self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(rank), f"tensorboard-rank{rank}")
+        self.observer = JobObserver(
+            self.options, rank=rank, world_size=self.world_size, job_name=args.job_name,
+            batch_size=args.batch_size, tensorboard=self.tensorboard, device=self.env.device,
+        )
+        self._closing.callback(self.observer.close)
+        warn_max_batches(self.plan, args.max_batches, self.world_size)
+        planned = planned_batches(self.plan.num_batches, args.max_batches, self.world_size)
+        return planned, self.plan.cut(planned).num_examples
+
+    def _build(
+        self, start: Start, signals: SignalWatcher, store: RendezvousStore | None
+    ) -> tuple[TorchBatchProcessor, bool]:
         """The stager, context and committer of this rank, then the processor (restored) and the first agreement."""
         self.stager = OutputStager(self.storage, self.rank)
-        current = CurrentBatch()
+        self._closing.callback(self.stager.close)
+        self.current = CurrentBatch()
         committed = start.latest.record_schema if start.latest is not None else self.parent_schema
-        records = RecordWriter(self.stager, current, self.rank, self.args.output_format, committed)  # context.write()
-        context = TorchBatchProcessorContext(
+        records = RecordWriter(self.stager, self.current, self.rank, self.args.output_format, committed)
+        self.context = TorchBatchProcessorContext(
             device=self.env.device,
             distributed=self.env.info,
             upload_path=self.stager.upload_path,
             storage_path=self.storage.url,
             tensorboard_path=self.tensorboard.path,
-            metrics_sink=lambda line: self._committer().part.lines.append(line),
-            current=current,
+            metrics_sink=lambda line: self.committer.part.lines.append(line),
+            current=self.current,
             write_rows=records.write,
         )
-        self.context, self.current, self.records = context, current, records
-        result_json = lambda metrics, summary: self._result(summary, metrics).to_json()  # noqa: E731
-        self.committer = make_committer(self, start, context, result_json, self.post_failure)
+        self._result_of = partial(  # this call's result from the closing commit's metrics and summary
+            job_result, plan=self.plan, start=start, preempted=False, storage_url=self.storage.url,
+            outputs_url=self.storage.url_of(OUTPUTS_DIR), world_size=self.world_size,
+        )
+        self.committer = make_committer(
+            rank=self.rank, collectives=self.coll, job_store=self.opener.store, lock=self.opener.lock,
+            storage=self.storage, plan=self.plan, start=start, reducers=self.context.reducers, observer=self.observer,
+            failures=self.failures, stager=self.stager, records=records, call_store=store,
+            result_json=lambda metrics, summary: self._result_of(summary, metrics).to_json(), started=self.started,
+            on_background_error=self._post_failure,
+        )
+        self._closing.callback(self.committer.shutdown)
         t0 = time.perf_counter()
         processor, stop_now = build_processor(
-            self.args.processor_cls,
-            context,
-            start.latest,
-            self.opener.store,
-            self.coll,
-            self.failures,
+            self.args.processor_cls, self.context, start.latest, self.opener.store, self.coll, self.failures,
             lambda: signals.preempt_requested,
         )
         self.committer.part.timings["hooks"] += time.perf_counter() - t0
@@ -176,42 +217,57 @@ class JobRun:
     # ------------------------------------------------------------------------ steps and commits
 
     def _process(
-        self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher, stop_now: bool
+        self,
+        processor: TorchBatchProcessor,
+        scheduler: Scheduler,
+        signals: SignalWatcher,
+        stop_now: bool,
+        start: Start,
+        store: RendezvousStore | None,
     ) -> Outcome:
         """Runs this rank's batches with their commits, then the closing commit; returns its outcome."""
         self._scheduler = scheduler
-        self._peers = watch_peers(self)  # dynamic: a rank that dies stops the others (engine/schedule/liveness.py)
-        decision = Decision.STOP if stop_now else self._steps(processor, scheduler, signals)
+        peers = watch_peers(store, self.rank, self.world_size, self._lost_peer)  # dynamic: a rank that dies stops
+        if peers is not None:  # the others (engine/schedule/liveness.py)
+            self._closing.callback(peers.close)
+        decision = Decision.STOP if stop_now else self._steps(processor, scheduler, signals, start)
         scheduler.close()
-        if self._peers is not None:
-            self._peers.stop_watching()
-        committer = self._committer()
+        if peers is not None:
+            peers.stop_watching()
         lockstep = scheduler.kind == "static"  # Determined's semantics: every rank's hook runs at the closing commit
-        if decision in (Decision.STOP, Decision.DONE) and (lockstep or committer.part.num_batches or stop_now):
+        if decision in (Decision.STOP, Decision.DONE) and (lockstep or self.committer.part.num_batches or stop_now):
             self._checkpoint_hook(processor)
-        return committer.close(processor, preempt=decision is Decision.STOP or signals.preempt_requested)
+        return self.committer.close(processor, preempt=decision is Decision.STOP or signals.preempt_requested)
 
-    def _steps(self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher) -> Decision:
-        committer = self._committer()
+    def _steps(
+        self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher, start: Start
+    ) -> Decision:
+        committer, failures = self.committer, self.failures
         runner = BatchRunner(
-            processor, self.current, self.plan, self.failures,
-            inference_mode=self.args.inference_mode, mode=self.autocast,
+            processor, self.current, self.plan, failures, inference_mode=self.args.inference_mode, mode=self.autocast
         )
         dataset, order, kwargs = self.input.feed_parts(scheduler, self.args.dataloader_kwargs, self.plan)
         feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
-        guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/feed/error_handling.py)
+        watchdog = guard_batches(  # on_error="skip", batch_timeout (engine/feed/error_handling.py)
+            runner, feed, self.args.failures, rank=self.rank, store=self._watchdog_store(start),
+            device=self.env.device if self.device_prefetch else None, current=self.current, stager=self.stager,
+            reducers=self.context.reducers, start=start, num_examples=self.plan.num_examples,
+            failures_url=self._failures_url,
+        )
+        if watchdog is not None:  # it watches until the call ends: a rank whose batches are done still dumps
+            self._closing.callback(watchdog.close)  # its stacks when another rank's batch times out
         batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
         observer = self.observer
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
-                if has_batch and not self.failures.failed:
+                if has_batch and not failures.failed:
                     t0 = time.perf_counter()
                     try:
                         with runner.loading():
                             batch_idx, batch = next(batches)
                     except StopIteration:  # no batch left for this rank (dynamic), or a stop seen at a claim
-                        return scheduler.after_last(failed=self.failures.failed)
+                        return scheduler.after_last(failed=failures.failed)
                     except LoadFailed as failed:
                         runner.load_failed(failed, committer.part, time.perf_counter() - t0)
                     else:
@@ -221,7 +277,7 @@ class JobRun:
                 committer.check()
                 agreed_stop = committer.poll()
                 decision = scheduler.decide(
-                    step, agreed_stop=agreed_stop, preempt=signals.preempt_requested, failed=self.failures.failed
+                    step, agreed_stop=agreed_stop, preempt=signals.preempt_requested, failed=failures.failed
                 )
                 if decision is Decision.COMMIT:
                     self._checkpoint_hook(processor)
@@ -232,8 +288,8 @@ class JobRun:
         finally:
             batches.close()
             feed.close()  # stops the loader's worker processes
-            if self.watchdog is not None:
-                self.watchdog.steps_done()
+            if watchdog is not None:
+                watchdog.steps_done()
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
         """``on_checkpoint_start()`` before a commit (a rank that failed already skips it)."""
@@ -243,49 +299,42 @@ class JobRun:
     def _finish(self, processor: TorchBatchProcessor) -> Outcome:
         """``on_finish()`` on every rank, then the final commit (its files, the result, the reduced metrics)."""
         self._hook("on_finish", processor.on_finish)
-        return self._committer().close(processor, preempt=False, final=True)
+        return self.committer.close(processor, preempt=False, final=True)
 
-    def _hook(self, name: str, hook: Any) -> None:
+    def _hook(self, name: str, hook: Callable[[], Any]) -> None:
         """Runs a processor hook, timed; its failure travels in this rank's next vote."""
         t0 = time.perf_counter()
         try:
             hook()
         except Exception as exc:  # noqa: BLE001
             self.failures.record(exc, f"{name}()")
-        self._committer().part.timings["hooks"] += time.perf_counter() - t0
+        self.committer.part.timings["hooks"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------ helpers
 
-    def _committer(self) -> Committer:
-        assert self.committer is not None
-        return self.committer
+    @property
+    def _dynamic(self) -> bool:
+        """The dynamic schedule on several ranks: ranks share counters and queues in the rendezvous store."""
+        return self.args.schedule == "dynamic" and self.world_size > 1
 
-    def call_store(self) -> Any:
-        """This call's keys in the rendezvous store (dynamic schedule on several ranks), or ``None``."""
-        if self.args.schedule != "dynamic" or self.world_size == 1:
+    @property
+    def _failures_url(self) -> str:
+        return self.storage.url_of(FAILURES_DIR)
+
+    def _watchdog_store(self, start: Start) -> Callable[[], RendezvousStore] | None:
+        """``batch_timeout`` on several ranks: a factory of rendezvous store connections for the watchdog thread."""
+        if self.world_size == 1:
             return None
-        if self._prefixed_store is None:
-            self._prefixed_store = self.env.call_store(self.call_id)
-        return self._prefixed_store
+        call_store = self.env.call_store
+        return lambda: call_store(start.call_id).clone()
 
-    def post_failure(self) -> None:
+    def _lost_peer(self, error: BaseException) -> None:
+        """Rank 0's heartbeat thread found a rank gone: its failure, and every rank stops at its next batch."""
+        self.failures.record(error, "watching the other ranks' heartbeats")
+        self._post_failure()
+
+    def _post_failure(self) -> None:
         """Rank 0's vote collector or heartbeats found a failure (from their thread): every rank stops at its next
         batch (dynamic schedule)."""
         if self._scheduler is not None:
             self._scheduler.post(Decision.FAIL)
-
-    def _shutdown(self) -> None:
-        """Always, when the call ends: background work completes (before the lock goes: no record write may
-        outlive it), then the stager, the observer, the lock and the storage's local resources."""
-        if self._peers is not None:
-            self._peers.close()
-        if self.watchdog is not None:  # after the closing commit: a timeout on a rank still busy is dumped here too
-            self.watchdog.close()
-        if self.committer is not None:
-            self.committer.shutdown()
-        if self.stager is not None:
-            self.stager.close()
-        self.observer.close()
-        self.opener.release()
-        self.input.close()
-        self.storage.close()

@@ -5,68 +5,96 @@ and with the dynamic schedule on several ranks, the vote queue and shared stage 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch_batch_process.engine.commit.committer import Committer
 from torch_batch_process.engine.commit.keeper import KeeperStart, RecordKeeper, Summary
 from torch_batch_process.engine.commit.votes import QueuedVotes
+from torch_batch_process.engine.distributed import Collectives, RendezvousStore
+from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.engine.schedule.agreement import FailureTracker
+from torch_batch_process.jobstore.opening import Start
+from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.metrics import MetricsLog
-
-if TYPE_CHECKING:
-    from torch_batch_process.context import TorchBatchProcessorContext
-    from torch_batch_process.engine.loop import JobRun
-    from torch_batch_process.jobstore.opening import Start
+from torch_batch_process.observe.observer import JobObserver
+from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.outputs.records import RecordWriter
+from torch_batch_process.reducers import ReducerRegistry
+from torch_batch_process.storage.base import JobLock, Storage
 
 __all__ = ["make_committer"]
 
 
 def make_committer(
-    job: JobRun,
+    *,
+    rank: int,
+    collectives: Collectives,
+    job_store: JobStore,
+    lock: JobLock | None,
+    storage: Storage,
+    plan: Plan,
     start: Start,
-    context: TorchBatchProcessorContext,
+    reducers: ReducerRegistry,
+    observer: JobObserver,
+    failures: FailureTracker,
+    stager: OutputStager,
+    records: RecordWriter,
+    call_store: RendezvousStore | None,
     result_json: Callable[[dict[str, Any], Summary], dict[str, Any]],
+    started: float,
     on_background_error: Callable[[], None],
 ) -> Committer:
-    """The committer of ``job``'s rank for this call.
+    """The committer of this rank for this call.
 
     Args:
-        job: the call on this rank.
+        rank: this rank.
+        collectives: the library's collectives.
+        job_store: the job's stored state.
+        lock: the job lock (rank 0 holds it; ``None`` elsewhere).
+        storage: the job's storage (``metrics.jsonl``).
+        plan: the job's plan (to count examples).
         start: what opening the job found.
-        context: the processor's context (its reducers are committed).
+        reducers: the processor context's reducers (their states are committed).
+        observer: the rank's observer (told about commits; rank 0 adds its stats to records).
+        failures: the rank's failure tracker.
+        stager: the rank's ``upload_path()`` files.
+        records: the rank's record writer (``context.write()``).
+        call_store: the call's keys in the rendezvous store with the dynamic schedule on several ranks, else
+            ``None``.
         result_json: the final result's JSON from the reduced metrics and the summary (rank 0, final record).
+        started: when the call started (``time.monotonic()``).
         on_background_error: called when rank 0's vote collector fails (dynamic schedule).
     """
     keeper = None
-    if job.rank == 0:
+    if rank == 0:
         keeper = RecordKeeper(
-            store=job.opener.store,
-            plan=job.plan,
+            store=job_store,
+            plan=plan,
             start=KeeperStart(start.attempt, start.next_number, start.latest, start.frozen_state_files),
-            world_size=job.world_size,
-            reducers=context.reducers,
-            observer=job.observer,
-            metrics_log=MetricsLog(job.storage),
-            lock=job.opener.lock,
+            world_size=collectives.world_size,
+            reducers=reducers,
+            observer=observer,
+            metrics_log=MetricsLog(storage),
+            lock=lock,
             result_of=result_json,
-            started=job.started,
+            started=started,
         )
-    store = job.call_store()
     latest = start.latest
-    committed = (len(latest.committed), job.plan.count_examples(latest.committed)) if latest is not None else (0, 0)
-    assert job.stager is not None
+    committed = (len(latest.committed), plan.count_examples(latest.committed)) if latest is not None else (0, 0)
+    store = call_store
     return Committer(
-        rank=job.rank,
-        collectives=job.coll,
-        store=job.opener.store,
-        stager=job.stager,
-        reducers=context.reducers,
-        failures=job.failures,
+        rank=rank,
+        collectives=collectives,
+        store=job_store,
+        stager=stager,
+        reducers=reducers,
+        failures=failures,
         keeper=keeper,
-        observer=job.observer,
+        observer=observer,
         committed=committed,
         first_stage=start.next_number + (store.add("stage", 1) - 1 if store is not None else 0),
-        queue=QueuedVotes(store, job.rank) if store is not None else None,
+        queue=QueuedVotes(store, rank) if store is not None else None,
         stage_counter=(lambda: start.next_number + store.add("stage", 1) - 1) if store is not None else None,
         on_background_error=on_background_error,
-        records=job.records,
+        records=records,
     )

@@ -1,74 +1,112 @@
-"""Wires the failure options into a rank's runner: ``on_error="skip"`` (a
-:class:`~torch_batch_process.engine.feed.failing_examples.FailureHandler`) and ``batch_timeout`` (a
-:class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`), and checks ``max_failures`` at the end.
-
-Kept apart from the loop so that the loop only calls :func:`guard_runner` and :func:`check_failures`.
+"""The call's error handling around a rank's batches (DESIGN §11): ``on_error="skip"`` (a
+:class:`~torch_batch_process.engine.feed.failing_examples.FailureHandler` on the runner), ``batch_timeout`` (a
+:class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog` timing the runner's batches and the feed's
+loads), and ``max_failures`` over all ranks at the end.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
+import torch
+
+from torch_batch_process.context import CurrentBatch
 from torch_batch_process.device import to_device
-from torch_batch_process.engine.commit.committer import Outcome
+from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.engine.feed.batches import BatchFeed
 from torch_batch_process.engine.feed.failing_examples import FailureHandler, check_total
 from torch_batch_process.engine.feed.runner import BatchRunner
 from torch_batch_process.engine.feed.watchdog import BatchWatchdog
-from torch_batch_process.jobstore.layout import FAILURES_DIR
+from torch_batch_process.failure_options import FailureOptions
+from torch_batch_process.jobstore.opening import Start
+from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.reducers import ReducerRegistry
 
-if TYPE_CHECKING:
-    from torch_batch_process.engine.loop import JobRun
-
-__all__ = ["check_failures", "guard_runner"]
+__all__ = ["check_max_failures", "guard_batches"]
 
 
-def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> None:
-    """Sets up ``on_error="skip"`` and ``batch_timeout`` on ``runner`` and ``feed``; a started watchdog goes to
-    ``job.watchdog``, which the job closes when its call ends (so that a rank whose batches are done still dumps
-    its stacks when another rank's batch times out)."""
-    options = job.args.failures
+def guard_batches(
+    runner: BatchRunner,
+    feed: BatchFeed,
+    options: FailureOptions,
+    *,
+    rank: int,
+    store: Callable[[], RendezvousStore] | None,
+    device: torch.device | None,
+    current: CurrentBatch,
+    stager: OutputStager,
+    reducers: ReducerRegistry,
+    start: Start,
+    num_examples: int,
+    failures_url: str,
+) -> BatchWatchdog | None:
+    """Sets up ``on_error="skip"`` and ``batch_timeout`` on ``runner`` and ``feed``; returns the started watchdog
+    (``batch_timeout``), which the caller closes when its call ends (so that a rank whose batches are done still
+    dumps its stacks when another rank's batch times out), else ``None``.
+
+    Args:
+        runner: the rank's batch runner.
+        feed: the rank's batch feed (its loader's dataset and ``collate_fn`` load a failing batch's parts).
+        options: ``on_error``, ``max_failures``, ``batch_timeout``.
+        rank: this rank.
+        store: several ranks: a factory of rendezvous store connections for the watchdog (a timeout is told to
+            the others); ``None``: one rank.
+        device: the device a failing batch's parts go to before ``process_batch`` (device prefetch: batches
+            arrive there); ``None``: they stay where the loader put them.
+        current: the context's current batch.
+        stager: the rank's ``upload_path()`` files (a failed part's are dropped, failure records staged).
+        reducers: the rank's reducers (restored after a failed part).
+        start: what opening the job found (the attempt, the failures committed before).
+        num_examples: examples of the job's plan (``max_failures`` as a fraction).
+        failures_url: where failure records are published (for messages).
+    """
+    watchdog = None
     if options.batch_timeout is not None:
-        store = None
-        if job.world_size > 1:
-            call_id = job.call_id
-            store = lambda: job.env.call_store(call_id).clone()  # noqa: E731
-        watchdog = BatchWatchdog(options.batch_timeout, job.rank, store)
+        watchdog = BatchWatchdog(options.batch_timeout, rank, store)
         runner.span = watchdog.span
         feed.watch = watchdog.span  # a batch whose loading hangs is a stuck batch too
         watchdog.start()
-        job.watchdog = watchdog
     if options.skip:
-        device = job.env.device
-        place: Any = (lambda batch: to_device(batch, device)) if job.device_prefetch else (lambda batch: batch)
-        latest = job.start.latest
+        place: Any = (lambda batch: to_device(batch, device)) if device is not None else (lambda batch: batch)
         runner.skip = FailureHandler(
             dataset=feed.loader.dataset,  # a source's rows by global row number (engine/feed/streams.py)
             collate_fn=feed.loader.collate_fn,
             place=place,
             process=runner.process,
             span=runner.span,
-            current=job.current,
-            stager=job.stager,
-            reducers=job.context.reducers,
-            rank=job.rank,
-            attempt=job.start.attempt,
-            failed_before=int(latest.stats.get("failed_examples", 0)) if latest is not None else 0,
-            limit=options.limit(job.plan.num_examples),
-            failures_url=job.storage.url_of(FAILURES_DIR),
+            current=current,
+            stager=stager,
+            reducers=reducers,
+            rank=rank,
+            attempt=start.attempt,
+            failed_before=_failed_before(start),
+            limit=options.limit(num_examples),
+            failures_url=failures_url,
         )
+    return watchdog
 
 
-def check_failures(job: JobRun, outcome: Outcome | None) -> None:
-    """After the closing commit (``outcome``; ``None``: every batch was committed before this call), on every
-    rank: fails the job when its committed failures exceed ``max_failures`` (the same counts on every rank, so
-    every rank raises together)."""
-    options = job.args.failures
+def check_max_failures(
+    options: FailureOptions, failed: int | None, start: Start, num_examples: int, failures_url: str
+) -> None:
+    """After the closing commit, on every rank: fails the job when its committed failures exceed ``max_failures``
+    (the same counts on every rank, so every rank raises together).
+
+    Args:
+        options: the call's failure options (nothing to check without ``on_error="skip"``).
+        failed: the failed examples the closing commit counted; ``None``: every batch was committed before this
+            call (the latest record's count then).
+        start: what opening the job found.
+        num_examples: examples of the job's plan.
+        failures_url: where failure records are published (for the message).
+    """
     if not options.skip:
         return
-    if outcome is not None:
-        failed = outcome.summary.failed_examples
-    else:
-        latest = job.start.latest
-        failed = int(latest.stats.get("failed_examples", 0)) if latest is not None else 0
-    check_total(failed, options.limit(job.plan.num_examples), job.storage.url_of(FAILURES_DIR))
+    check_total(failed if failed is not None else _failed_before(start), options.limit(num_examples), failures_url)
+
+
+def _failed_before(start: Start) -> int:
+    """Failed examples committed by earlier attempts."""
+    latest = start.latest
+    return int(latest.stats.get("failed_examples", 0)) if latest is not None else 0

@@ -22,12 +22,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
-
-if TYPE_CHECKING:
-    from torch_batch_process.engine.loop import JobRun
 
 __all__ = ["BEAT_S", "SILENCE_ENV", "SILENCE_S", "Heartbeats", "heartbeat_silence_s", "watch_peers"]
 
@@ -159,14 +157,12 @@ class Heartbeats:
         self._on_lost(WorkerLostError(message))
 
 
-def watch_peers(job: JobRun) -> Heartbeats | None:
-    """The started heartbeats of ``job``'s rank with the dynamic schedule on several ranks, else ``None``; rank 0
-    records a lost rank as its own failure and stops every rank at its next batch."""
-    if job.args.schedule != "dynamic" or job.world_size == 1:
+def watch_peers(
+    store: RendezvousStore | None, rank: int, world_size: int, on_lost: Callable[[WorkerLostError], None]
+) -> Heartbeats | None:
+    """The started heartbeats of this rank with the dynamic schedule on several ranks (the call's rendezvous
+    ``store``; ``None`` otherwise: no heartbeats). Rank 0 calls ``on_lost`` (from its heartbeat thread) with the
+    error of a rank that went silent: it records it as its own failure and stops every rank at its next batch."""
+    if store is None:
         return None
-
-    def lost_peer(error: BaseException) -> None:  # on rank 0's heartbeat thread
-        job.failures.record(error, "watching the other ranks' heartbeats")
-        job.post_failure()
-
-    return Heartbeats(job.call_store().clone, job.rank, job.world_size, lost_peer).start()
+    return Heartbeats(store.clone, rank, world_size, on_lost).start()
