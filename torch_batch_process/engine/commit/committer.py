@@ -18,14 +18,17 @@ attempts. Once a record is durable, each rank *publishes* its stages that it cov
 moves to ``outputs/commit_<s>/rank_<r>``; one rename locally, see :mod:`torch_batch_process.engine.commit.publisher`)
 and rank 0 deletes what the record supersedes.
 
-**How votes travel** (:mod:`torch_batch_process.engine.commit.votes`): with ``schedule="static"`` all ranks commit
-at the same step; their votes are gathered asynchronously and the commit completes at the next step
-boundary, where rank 0 queues the record write on its background thread and tells (in its next vote) which
-records are durable; records that queue up are written as one group commit
-(:mod:`torch_batch_process.engine.commit.group_commit`). With ``schedule="dynamic"`` every rank commits on its own, after each
-``checkpoint_interval`` of *its* batches: votes go into a queue in the rendezvous store, rank 0's collector
-thread merges and writes records as votes arrive and acknowledges them per rank through the store; no rank
-ever waits for another at a commit. A single process takes the static path, whose exchanges are then local.
+**How votes travel**: by one of two transports behind one interface
+(:class:`~torch_batch_process.engine.commit.votes.VoteTransport`), which the committer uses without asking which.
+Gathered (``schedule="static"``, :mod:`~torch_batch_process.engine.commit.gathered`): all ranks commit at the same
+step; their votes are gathered asynchronously and the commit completes at the next step boundary, where rank 0
+queues the record write on its background thread and tells (in its next vote) which records are durable;
+records that queue up are written as one group commit (:mod:`~torch_batch_process.engine.commit.group_commit`).
+Queued (``schedule="dynamic"``, :mod:`~torch_batch_process.engine.commit.queued`): every rank commits on its own,
+after each ``checkpoint_interval`` of *its* batches: votes go into a queue in the rendezvous store, rank 0's
+collector thread merges and writes records as votes arrive and acknowledges them per rank through the store; no
+rank ever waits for another at a commit. A single process takes the gathered path, whose exchanges are then
+local.
 
 **Closing commit**: when a rank has no batch left, or the ranks stop (preemption) or fail, every rank makes
 one synchronous commit together (:meth:`Committer.close`): the votes (with failures, preemption requests and
@@ -45,17 +48,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch_batch_process.engine.commit.collector import VoteCollector
-from torch_batch_process.engine.commit.group_commit import RecordWrites
 from torch_batch_process.engine.commit.keeper import RecordKeeper, Summary
-from torch_batch_process.engine.commit.part import Part
 from torch_batch_process.engine.commit.publisher import Publisher
-from torch_batch_process.engine.commit.votes import GatheredVotes, QueuedVotes, Vote
-from torch_batch_process.engine.distributed import Collectives, PendingGather
+from torch_batch_process.engine.commit.votes import Part, Vote, VoteTransport
+from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.schedule.agreement import FailureInfo, FailureTracker
 from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
 from torch_batch_process.jobstore.store import JobStore
@@ -78,13 +77,6 @@ class Outcome:
     summary: Summary
 
 
-@dataclass
-class _Pending:
-    stage: int
-    has_files: bool
-    votes: PendingGather
-
-
 class Committer:
     """This rank's side of the commit protocol (see the module docstring).
 
@@ -99,10 +91,7 @@ class Committer:
         observer: told about every commit this rank sees complete (progress, stragglers, TensorBoard).
         committed: batches and examples committed before this attempt.
         first_stage: the stage this rank's first commit fills.
-        queue: the dynamic schedule's vote queue (``None``: votes are gathered, the static schedule).
-        stage_counter: dynamic schedule: draws the next stage number (shared by all ranks).
-        on_background_error: called (from any thread) when rank 0's collector fails, so that the other ranks
-            stop at their next batch.
+        transport: how this rank's regular votes travel (gathered: static schedule; queued: dynamic).
         records: this rank's record writer (``context.write()``): its votes carry its schema.
     """
 
@@ -119,9 +108,7 @@ class Committer:
         observer: Any,
         committed: tuple[int, int],
         first_stage: int,
-        queue: QueuedVotes | None = None,
-        stage_counter: Callable[[], int] | None = None,
-        on_background_error: Callable[[], None] | None = None,
+        transport: VoteTransport,
         records: RecordWriter | None = None,
     ) -> None:
         self.rank = rank
@@ -135,65 +122,52 @@ class Committer:
         self._keeper = keeper
         self._observer = observer
         self._committed_batches, self._committed_examples = committed
-        self._gathered = GatheredVotes(collectives)
-        self._queue = queue
-        self._stage_counter = stage_counter
+        self._transport = transport
         self.part = Part()
         self.stage = first_stage
         self._stager.advance(first_stage)
         self._published = Publisher(store, rank, sole=collectives.world_size == 1)
-        self._pending: _Pending | None = None
-        self._writes = RecordWrites(keeper) if keeper is not None and queue is None else None  # rank 0, static
-        self._collector: VoteCollector | None = None  # rank 0, dynamic: writes the records of queued votes
-        if queue is not None and keeper is not None:
-            self._collector = VoteCollector(queue, keeper, on_background_error)
 
     # ------------------------------------------------------------ regular commits
 
     def commit(self, processor: TorchBatchProcessor, *, preempt: bool = False) -> None:
         """Commits this rank's part (after ``on_checkpoint_start()``): saves it and sends its vote, which
-        carries this rank's preemption request (static schedule: :meth:`poll` tells every rank to stop)."""
+        carries this rank's preemption request (gathered votes: :meth:`poll` tells every rank to stop)."""
         t0 = time.perf_counter()
-        if self._queue is not None and self._failures.failed:
+        if self._failures.failed and not self._transport.every_rank_votes:
             return  # a failed rank's part is never committed: the closing exchange makes every rank raise
         vote = self._vote(processor, final=False)
         vote.preempt = preempt
-        if self._queue is not None and vote.failure is not None:
-            return  # saving it failed
-        if self._queue is not None:
-            self._queue.push(vote)
-            self._published.voted(vote.stage, vote.has_files)
-            self._published.publish(self._queue.acknowledged())
-            self._observe([vote], None)
-        else:
-            self._pending = _Pending(vote.stage, vote.has_files, self._gathered.start(vote))
-            if self._coll.world_size == 1:
-                self.poll()  # nothing to wait for: the record goes to the background writer now
+        if self._transport.send(vote):  # complete now (queued, or one process): no step to wait for the votes
+            self._complete()
         self.part.timings["commit"] += time.perf_counter() - t0
 
     def poll(self) -> bool:
-        """At a step boundary: completes a commit whose votes have arrived (static schedule); returns True
+        """At a step boundary: completes a commit whose votes have arrived (gathered votes); returns True
         when some rank asked to stop. Raises on every rank when a rank failed."""
-        if self._pending is None:
+        if not self._transport.pending:
             return False
         t0 = time.perf_counter()
-        pending, self._pending = self._pending, None
-        votes: list[Vote] = pending.votes.wait()
-        self._raise_failures([v.failure for v in votes])
-        self._published.voted(pending.stage, pending.has_files)
-        self._published.publish(self._published.covered(votes[0].durable))
-        metrics = None
-        if self._keeper is not None and self._writes is not None:
-            try:
-                lines = self._keeper.merge(votes)
-            except SchemaConflictError as exc:  # never committed: travels in rank 0's next vote, all ranks raise
-                self._failures.record(exc, f"commit of stage {pending.stage} (checking the ranks' record outputs)")
-            else:
-                prepared = self._keeper.prepare(lines)
-                metrics = prepared.metrics
-                self._writes.put(prepared)
-        self._observe(votes, metrics)
+        stop = self._complete()
         self.part.timings["commit"] += time.perf_counter() - t0
+        return stop
+
+    def _complete(self) -> bool:
+        """Completes the regular commit sent last, once its votes arrived: publishes what durable records cover,
+        has rank 0 record the votes, tells the observer; returns whether some rank asked to stop."""
+        votes = self._transport.arrived()
+        if votes is None:
+            return False
+        self._raise_failures([v.failure for v in votes])
+        own = next(v for v in votes if v.rank == self.rank)
+        self._published.voted(own.stage, own.has_files)
+        self._published.publish(self._transport.durable_votes(votes[0].durable, self._published))
+        metrics = None
+        try:
+            metrics = self._transport.record(votes)
+        except SchemaConflictError as exc:  # never committed: travels in rank 0's next vote, all ranks raise
+            self._failures.record(exc, f"commit of stage {own.stage} (checking the ranks' record outputs)")
+        self._observe(votes, metrics)
         return any(v.preempt for v in votes)
 
     def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None) -> None:
@@ -246,17 +220,16 @@ class Committer:
             timings=part.timings,
             failure=self._failures.info,
             slots=slots if closing else None,
-            durable=self._writes.durable if self._writes is not None else -1,
-            queued=self._queue.queued if self._queue is not None else 0,
             extra={"failed": part.failed} if part.failed else {},
             outputs=outputs,
             schema=self._new_schema(),
         )
+        self._transport.stamp(vote)
         rows = self._records.take_rows() if self._records is not None else 0
         if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
             vote.extra["rows"] = rows
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
-            self.stage = self._next_stage()
+            self.stage = self._transport.next_stage(self.stage)
             self._stager.advance(self.stage)
         return vote
 
@@ -269,21 +242,16 @@ class Committer:
         self._sent_schema = schema
         return schema
 
-    def _next_stage(self) -> int:
-        if self._stage_counter is not None:
-            return self._stage_counter()
-        return self.stage + 1
-
     # ------------------------------------------------------------ closing commits
 
     def close(self, processor: TorchBatchProcessor, *, preempt: bool, final: bool = False) -> Outcome:
         """The synchronous commit every rank makes together at the end of its batches, when the ranks stop,
         or when one failed (see the module docstring). Raises on every rank when any rank failed."""
         t0 = time.perf_counter()
-        stop = self.poll()  # a static commit still on its way completes first
+        stop = self.poll()  # a gathered commit still on its way completes first
         vote = self._vote(processor, final=final, closing=True)
         vote.preempt = preempt or stop
-        votes: list[Vote] = self._gathered.gather(vote)
+        votes: list[Vote] = self._coll.all_gather(vote)
         self._raise_failures([v.failure for v in votes])
         preempted = any(v.preempt for v in votes)
         own_error: BaseException | None = None
@@ -294,7 +262,7 @@ class Committer:
             except Exception as exc:  # noqa: BLE001 - sent to every rank
                 own_error = exc
                 answer = FailureInfo(0, "writing the closing commit record", type(exc).__name__, str(exc), "")
-                answer = (answer, self._writes.newest_durable() if self._writes is not None else -1)
+                answer = (answer, self._transport.newest_durable())
         answer = self._coll.broadcast(answer)
         if isinstance(answer[0], FailureInfo):
             self._publish_committed(answer[1])  # what earlier records made durable
@@ -313,17 +281,12 @@ class Committer:
         """Rank 0: every record still owed, then the closing one, written now."""
         keeper = self._keeper
         assert keeper is not None
-        if self._collector is not None:
-            self._collector.stop(expected=sum(v.queued for v in votes))
-            self._collector = None
-        if self._writes is not None:
-            self._writes.settle()  # static: queued record writes
+        self._transport.drain(votes)
         self._published.settle()
         slots = [v.slots for v in votes]
         prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=slots)
         keeper.persist(prepared)
-        if self._writes is not None:
-            self._writes.durable = prepared.record.commit
+        self._transport.written(prepared.record.commit)
         return prepared.metrics, keeper.summary
 
     # ------------------------------------------------------------ failures
@@ -340,30 +303,21 @@ class Committer:
         if not any(infos):
             return
         try:
-            if self._collector is not None:  # its own error, if any, is among the failures being raised
-                collector, self._collector = self._collector, None
-                collector.stop(expected=None, check=False)
-            if self._writes is not None:  # a failed write has ended too: its records are simply not durable
-                self._writes.settle(check=False)
-                if self._writes.error is not None and not self._failures.failed:  # else it is what rank 0 raises
-                    logger.warning("rank 0: writing a commit record failed: %s", self._writes.error)
+            self._transport.stop_for_failure(self._failures.failed)
             self._published.settle()
             settled = True
         except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
             logger.warning("rank %d: completing earlier commits failed: %s", self.rank, exc)
             settled = False
-        marks = self._coll.all_gather((settled, self._writes.newest_durable() if self._writes is not None else -1))
+        marks = self._coll.all_gather((settled, self._transport.newest_durable()))
         if all(done for done, _ in marks):  # every record write rank 0 queued or took has ended
             self._publish_committed(marks[0][1])
         self._failures.raise_for(infos)
 
     def _publish_committed(self, newest_durable: int) -> None:
-        """When the job fails: publishes this rank's stages that durable records cover (static: up to record
-        ``newest_durable``; dynamic: those acknowledged), and waits; a failure is left to the next start."""
-        if self._queue is not None:
-            self._published.publish_committed(self._queue.acknowledged())  # acknowledged once their record is durable
-        else:
-            self._published.publish_committed(self._published.covered(newest_durable))
+        """When the job fails: publishes this rank's stages that durable records cover (gathered: up to record
+        ``newest_durable``; queued: those acknowledged), and waits; a failure is left to the next start."""
+        self._published.publish_committed(self._transport.durable_votes(newest_durable, self._published))
 
     def check(self) -> None:
         """Records a failure of this rank's background work (never waits), so that it travels in its votes."""
@@ -376,21 +330,12 @@ class Committer:
 
     def _check_background(self) -> None:
         self._published.check()
-        if self._collector is not None:
-            self._collector.check()
-        if self._writes is not None:
-            self._writes.advance()
+        self._transport.check()
 
     # ------------------------------------------------------------ end
 
     def shutdown(self) -> None:
-        """Always, when the call ends: lets queued background work finish, stops the collector."""
-        if self._collector is not None:
-            collector, self._collector = self._collector, None
-            try:
-                collector.stop(expected=None)
-            except Exception as exc:  # noqa: BLE001 - leaving anyway; the next start repairs
-                logger.warning("rank 0: stopping the vote collector failed: %s", exc)
-        if self._writes is not None:
-            self._writes.close()
+        """Always, when the call ends: lets queued background work finish (record writes, publications), stops
+        rank 0's vote collector."""
+        self._transport.close()
         self._published.close()

@@ -1,24 +1,47 @@
-"""Votes: one rank's part of a commit, and how votes travel to rank 0.
+"""Votes: what one rank did since its previous commit (its :class:`Part`), the :class:`Vote` that carries it to
+rank 0, and the interface of the two ways votes travel (:class:`VoteTransport`).
 
-- :class:`GatheredVotes` (``schedule="static"``, and every closing commit): the ranks commit at the same
-  step and exchange their votes with one ``all_gather`` on the library's gloo group, started at the commit's
-  step boundary and completed at the next one, so that its latency overlaps with a step of work.
-- :class:`QueuedVotes` (``schedule="dynamic"``): each rank commits on its own; its vote goes into a queue in
-  the job's rendezvous store and rank 0 takes it from there on a thread of its own. When a record covering a
-  rank's votes is durable, rank 0 raises that rank's acknowledgement counter in the store; the rank reads it
-  (one request) at its next commit and publishes its stages.
+- gathered (``schedule="static"``, :mod:`~torch_batch_process.engine.commit.gathered`): every rank votes at the
+  same step, the votes are exchanged with one collective, and rank 0 writes the records on a thread of its own;
+- queued (``schedule="dynamic"``, :mod:`~torch_batch_process.engine.commit.queued`): each rank votes on its own
+  into a queue in the rendezvous store, and rank 0's collector thread turns the votes into records.
+
+The closing commit is the same for both: every rank's vote is gathered at once
+(:meth:`~torch_batch_process.engine.commit.committer.Committer.close`).
 """
 
 from __future__ import annotations
 
-import pickle
+import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.engine.distributed import Collectives, PendingGather, RendezvousStore
 from torch_batch_process.engine.schedule.agreement import FailureInfo
+from torch_batch_process.jobstore.ranges import RangeSet
 
-__all__ = ["GatheredVotes", "QueuedVotes", "Vote"]
+if TYPE_CHECKING:
+    from torch_batch_process.engine.commit.publisher import Publisher
+
+__all__ = ["Part", "Vote", "VoteTransport"]
+
+
+class Part:
+    """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase."""
+
+    def __init__(self) -> None:
+        self.batches = RangeSet()
+        self.examples = 0
+        self.failed = 0  # examples skipped as failed (on_error="skip"), recorded in the stage
+        self.lines: list[dict[str, Any]] = []
+        self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
+
+    def add_batch(self, batch: int, examples: int) -> None:
+        self.batches.add(batch)
+        self.examples += examples
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.batches)
 
 
 @dataclass
@@ -42,9 +65,9 @@ class Vote:
     slots: list[Any] | None = None
     """Closing votes: the reducers' summaries (rank 0 reduces without reading state files)."""
     durable: int = -1
-    """Static schedule, rank 0: every record up to this number is durable (stages up to it may be published)."""
+    """Gathered votes, rank 0: every record up to this number is durable (stages up to it may be published)."""
     queued: int = 0
-    """Dynamic schedule, closing vote: how many votes this rank queued before it (rank 0 takes them all first)."""
+    """Queued votes, closing vote: how many votes this rank queued before it (rank 0 takes them all first)."""
     extra: dict[str, Any] = field(default_factory=dict)
     outputs: bool = False
     """Its stage holds output files (``outputs/commit_<stage>/`` once published; see ``CommitRecord.output_stages``)."""
@@ -54,58 +77,72 @@ class Vote:
     unify with the job's."""
 
 
-class GatheredVotes:
-    """Votes exchanged with an asynchronous ``all_gather`` (every rank votes at the same step)."""
+class VoteTransport(abc.ABC):
+    """How this rank's regular votes reach rank 0, how rank 0 makes them durable, and how the rank learns which
+    of its votes are durable (so that it may publish their stages).
 
-    def __init__(self, collectives: Collectives) -> None:
-        self._collectives = collectives
-
-    def start(self, vote: Vote) -> PendingGather:
-        return self._collectives.start_all_gather(vote)
-
-    def gather(self, vote: Any) -> list[Any]:
-        """A synchronous exchange (closing commits)."""
-        return self._collectives.all_gather(vote)
-
-
-class QueuedVotes:
-    """Votes queued in the rendezvous store, taken by rank 0 (see the module docstring).
-
-    Args:
-        store: the job's prefixed store (a ``torch.distributed.Store``).
-        rank: this rank.
+    Rank 0's background work (writing records, or collecting votes) fails on its own thread; :meth:`check`
+    raises its error on the main thread, so that it travels in the rank's next vote like any other failure.
     """
 
-    QUEUE = "votes"
-    STOP = b"stop"
+    every_rank_votes: bool
+    """Every rank takes part in each regular vote, a failed one too (its failure travels in it); else a failed rank
+    sends no regular vote (the closing exchange makes every rank raise)."""
 
-    def __init__(self, store: RendezvousStore, rank: int) -> None:
-        self.store = store
-        self._rank = rank
-        self.queued = 0
+    @abc.abstractmethod
+    def next_stage(self, stage: int) -> int:
+        """The stage this rank's next commit fills, after ``stage``."""
 
-    def push(self, vote: Vote) -> None:
-        self.store.queue_push(self.QUEUE, pickle.dumps(vote, protocol=pickle.HIGHEST_PROTOCOL))
-        self.queued += 1
+    @abc.abstractmethod
+    def stamp(self, vote: Vote) -> None:
+        """Adds what the transport tells in a vote (rank 0's newest durable record, the votes queued before)."""
 
-    def acknowledged(self) -> int:
-        """How many of this rank's votes rank 0 has made durable."""
-        return int(self.store.add(f"ack/{self._rank}", 0))
+    @abc.abstractmethod
+    def send(self, vote: Vote) -> bool:
+        """Sends a regular vote; returns whether its commit is complete now (its votes are :meth:`arrived`)."""
 
-    @staticmethod
-    def acknowledge(reader: RendezvousStore, rank: int, count: int) -> None:
-        """Rank 0's collector thread: ``count`` more votes of ``rank`` are durable."""
-        reader.add(f"ack/{rank}", count)
+    @property
+    @abc.abstractmethod
+    def pending(self) -> bool:
+        """Whether a regular commit this rank sent waits for its votes (:meth:`arrived` then waits for them)."""
 
-    def wake(self) -> None:
-        """Rank 0: unblocks its collector, waiting for a vote (:meth:`take` then returns ``None``)."""
-        self.store.queue_push(self.QUEUE, self.STOP)
+    @abc.abstractmethod
+    def arrived(self) -> list[Vote] | None:
+        """The votes of the regular commit sent last (gathered: every rank's, waited for; queued: this rank's own),
+        or ``None`` when none is pending."""
 
-    @staticmethod
-    def take(reader: RendezvousStore) -> Vote | None:
-        """Rank 0's collector thread: the next vote (blocking, on its own store connection ``reader``),
-        ``None`` when woken by :meth:`wake`."""
-        raw = None
-        while raw is None:
-            raw = reader.queue_pop(QueuedVotes.QUEUE)  # None: the store's wait timed out, wait again
-        return None if raw == QueuedVotes.STOP else pickle.loads(raw)
+    @abc.abstractmethod
+    def durable_votes(self, newest_durable: int, published: Publisher) -> int:
+        """How many of this rank's votes durable records cover (their stages may be published); ``newest_durable``
+        is rank 0's newest durable record as its last gathered vote said."""
+
+    def record(self, votes: list[Vote]) -> dict[str, Any] | None:
+        """Rank 0, after the votes of a regular commit arrived: starts making their record durable; returns the
+        metrics computed for it, if any. Raises ``SchemaConflictError`` when their record outputs do not unify with
+        the job's (nothing of them is committed)."""
+        return None
+
+    @abc.abstractmethod
+    def drain(self, votes: list[Vote]) -> None:
+        """Rank 0, before the closing record: makes durable every record still owed for regular votes (``votes``:
+        the closing votes, which tell how many votes each rank queued)."""
+
+    def written(self, number: int) -> None:  # noqa: B027 - only transports that track records need it
+        """Rank 0: record ``number`` was written (the closing one)."""
+
+    @abc.abstractmethod
+    def stop_for_failure(self, failed_here: bool) -> None:
+        """When a rank failed: ends rank 0's background work without raising its error (``failed_here``: this rank's
+        own failure is what it raises)."""
+
+    def newest_durable(self) -> int:
+        """Rank 0: the newest record known durable (``-1`` where the transport does not track records)."""
+        return -1
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raises the error of rank 0's background work, if it failed (never waits)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """When the call ends: lets background work finish or stops it, logging errors (the next start repairs)."""

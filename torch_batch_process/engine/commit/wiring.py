@@ -1,5 +1,6 @@
-"""Builds a rank's :class:`~torch_batch_process.engine.commit.committer.Committer` for a call: rank 0's record keeper,
-and with the dynamic schedule on several ranks, the vote queue and shared stage numbers in the rendezvous store.
+"""Builds a rank's :class:`~torch_batch_process.engine.commit.committer.Committer` for a call: rank 0's record keeper
+and the vote transport: gathered, or with the dynamic schedule on several ranks, queued (the vote queue and shared
+stage numbers in the rendezvous store).
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_batch_process.engine.commit.committer import Committer
+from torch_batch_process.engine.commit.gathered import GatheredVotes
 from torch_batch_process.engine.commit.keeper import KeeperStart, RecordKeeper, Summary
-from torch_batch_process.engine.commit.votes import QueuedVotes
+from torch_batch_process.engine.commit.queued import QueuedVotes
+from torch_batch_process.engine.commit.votes import VoteTransport
 from torch_batch_process.engine.distributed import Collectives, RendezvousStore
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.engine.schedule.agreement import FailureTracker
@@ -82,6 +85,14 @@ def make_committer(
     latest = start.latest
     committed = (len(latest.committed), plan.count_examples(latest.committed)) if latest is not None else (0, 0)
     store = call_store
+    transport: VoteTransport
+    if store is not None:
+        first_stage = start.next_number + store.add("stage", 1) - 1
+        stage_counter = lambda: start.next_number + store.add("stage", 1) - 1  # noqa: E731
+        transport = QueuedVotes(store, rank, stage_counter, keeper, on_background_error)
+    else:
+        first_stage = start.next_number
+        transport = GatheredVotes(collectives, keeper)
     return Committer(
         rank=rank,
         collectives=collectives,
@@ -92,9 +103,7 @@ def make_committer(
         keeper=keeper,
         observer=observer,
         committed=committed,
-        first_stage=start.next_number + (store.add("stage", 1) - 1 if store is not None else 0),
-        queue=QueuedVotes(store, rank) if store is not None else None,
-        stage_counter=(lambda: start.next_number + store.add("stage", 1) - 1) if store is not None else None,
-        on_background_error=on_background_error,
+        first_stage=first_stage,
+        transport=transport,
         records=records,
     )

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch
-from torch_batch_process.engine.commit.part import Part
+from torch_batch_process.engine.commit.votes import Part
 from torch_batch_process.errors import (
     BatchTimeoutError,
     LoaderWorkerDiedError,

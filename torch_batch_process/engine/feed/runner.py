@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from torch_batch_process.context import CurrentBatch
-from torch_batch_process.engine.commit.part import Part
+from torch_batch_process.engine.commit.votes import Part
 from torch_batch_process.engine.feed.batches import LoadFailed
 from torch_batch_process.engine.feed.failing_examples import FailureHandler, no_span
 from torch_batch_process.engine.plan.plans import Plan
