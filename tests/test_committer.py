@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.commit.committer import Outcome
+from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.commit.wiring import make_committer
 from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.engine.plan.plans import ContiguousPlan
-from torch_batch_process.engine.schedule.agreement import FailureTracker
 from torch_batch_process.errors import StorageError, WorkerFailedError
 from torch_batch_process.jobstore.layout import COMMITS_DIR, OUTPUTS_DIR, STAGING_DIR
 from torch_batch_process.jobstore.opening import Start
@@ -117,7 +117,7 @@ def run_rank(
     current = CurrentBatch()
     committer = make_committer(
         rank=rank, collectives=world.collectives(rank), job_store=JobStore(storage), lock=None, storage=storage,  # type: ignore[arg-type]
-        plan=plan, start=start, reducers=ReducerRegistry(), observer=observer, failures=FailureTracker(rank),
+        plan=plan, start=start, reducers=ReducerRegistry(), observer=observer, rank_failure=RankFailure(rank),
         stager=stager,
         records=RecordWriter(stager, current, rank, "parquet", None),
         call_store=RendezvousStore(store, rank) if store is not None else None,

@@ -1,8 +1,10 @@
-"""The README's main job (examples/digits) runs as one process and under torchrun, with its real accuracy."""
+"""The README's main job (examples/digits) runs as one process and under torchrun, with its real accuracy, and says
+that it had finished when it is run again."""
 
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +70,18 @@ def test_example_two_processes_with_loader_workers(tmp_path, true_predictions):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("Accuracy:") == 1, "printed once, by rank 0"
     check_run(proc.stdout, storage, true_predictions)
+
+
+def test_example_rerun_says_it_had_finished_instead_of_processed_0(tmp_path):
+    storage = tmp_path / "run"
+    command = [sys.executable, str(REPO / "examples" / "digits" / "batch_inference.py"), "--storage", str(storage)]
+    command += ["--batch-size", "100"]
+    first = subprocess.run(command, capture_output=True, text=True, env=base_env(), timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    accuracy = re.search(r"Accuracy: (\d\.\d{4}) over (\d+) held-out digits", first.stdout)
+    assert accuracy and "Processed " in first.stdout
+    again = subprocess.run(command, capture_output=True, text=True, env=base_env(), timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Processed " not in again.stdout, again.stdout
+    expected = f"Already finished earlier: {accuracy.group(2)} examples, accuracy {accuracy.group(1)}"
+    assert expected in again.stdout, again.stdout

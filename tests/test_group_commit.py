@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from torch_batch_process.engine.commit.group_commit import RecordWrites
+from torch_batch_process.engine.commit.group_commit import GroupCommit
 
 
 class RecordingKeeper:
@@ -37,7 +37,7 @@ class RecordingKeeper:
 
 def test_records_queued_during_a_write_are_written_as_one_and_all_become_durable():
     keeper = RecordingKeeper()
-    writes = RecordWrites(keeper, spacing_s=0.0)
+    writes = GroupCommit(keeper, spacing_s=0.0)
     keeper.gate.clear()  # the first write waits, so the next records queue up behind it
     writes.put(keeper.prepare())
     time.sleep(0.1)
@@ -53,7 +53,7 @@ def test_records_queued_during_a_write_are_written_as_one_and_all_become_durable
 
 def test_writes_are_spaced_and_commits_made_meanwhile_share_the_next_one():
     keeper = RecordingKeeper()
-    writes = RecordWrites(keeper, spacing_s=0.3)
+    writes = GroupCommit(keeper, spacing_s=0.3)
     for _ in range(10):  # 10 commits in about 0.1 s
         writes.put(keeper.prepare())
         time.sleep(0.01)
@@ -67,7 +67,7 @@ def test_writes_are_spaced_and_commits_made_meanwhile_share_the_next_one():
 
 def test_settle_writes_at_once_without_waiting_for_the_spacing():
     keeper = RecordingKeeper()
-    writes = RecordWrites(keeper, spacing_s=30.0)
+    writes = GroupCommit(keeper, spacing_s=30.0)
     writes.put(keeper.prepare())
     writes.settle()
     writes.put(keeper.prepare())
@@ -79,7 +79,7 @@ def test_settle_writes_at_once_without_waiting_for_the_spacing():
 
 def test_a_failed_write_raises_on_the_main_thread_and_its_records_are_never_called_durable():
     keeper = RecordingKeeper(fail_at=3)
-    writes = RecordWrites(keeper, spacing_s=0.0)
+    writes = GroupCommit(keeper, spacing_s=0.0)
     writes.put(keeper.prepare())
     writes.settle()
     keeper.gate.clear()
@@ -101,7 +101,7 @@ def test_settle_without_check_waits_for_a_failing_write_and_tells_the_newest_dur
     """A failing job settles its writes without raising (the failed write is what it reports already), then
     publishes what the newest written record covers: a failed write must not stop that publication."""
     keeper = RecordingKeeper(fail_at=3)
-    writes = RecordWrites(keeper, spacing_s=0.0)
+    writes = GroupCommit(keeper, spacing_s=0.0)
     writes.put(keeper.prepare())
     writes.settle()
     keeper.gate.clear()

@@ -3,7 +3,7 @@
 Determined code is often written as ``import determined as det`` then ``det.pytorch.experimental...`` and
 ``det.pytorch.MetricReducer``: with only the import changed (``import torch_batch_process as det``), that must run.
 DESIGN §12 spells sources as ``torch_batch_process.sources.parquet(...)``. A bare import still does not import torch
-(the ``tbp`` command starts fast).
+(the ``tbp`` command starts fast), and every public name imports from the package on first use.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from harness import base_env
 
 DETERMINED_ALIAS_JOB = textwrap.dedent(
@@ -65,3 +66,38 @@ def test_public_submodules_are_listed_and_unknown_names_still_raise_attribute_er
         assert "no_such_thing" in str(exc)
     else:
         raise AssertionError("an unknown attribute must raise AttributeError")
+
+
+def test_package_import_is_lazy():
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import torch_batch_process as tbp
+        print(json.dumps({
+            "version": tbp.__version__,
+            "torch": "torch" in sys.modules,
+            "all_in_dir": set(tbp.__all__) <= set(dir(tbp)),
+        }))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"version": "0.1.0", "torch": False, "all_in_dir": True}
+    import torch_batch_process as tbp
+
+    assert set(tbp.__all__) == set(tbp._EXPORTS) | {"__version__"}, "every public name has its module"
+
+
+def test_every_public_name_still_imports_from_the_package():
+    import torch_batch_process as tbp
+    from torch_batch_process import batch_process, experimental
+
+    namespace: dict = {}
+    exec("from torch_batch_process import *", namespace)
+    assert set(tbp.__all__) <= set(namespace)
+    assert namespace["torch_batch_process"] is batch_process.torch_batch_process
+    assert namespace["__version__"] == "0.1.0"
+    assert type(experimental).__name__ == "module", "a submodule, not a lazy name"
+    assert experimental.TorchBatchProcessor is namespace["TorchBatchProcessor"]
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        tbp.no_such_name  # noqa: B018

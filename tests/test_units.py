@@ -11,7 +11,7 @@ import torch
 
 from torch_batch_process import InvalidArgumentError, MetricReducer, get_default_device, to_device
 from torch_batch_process.engine.commit.background import BackgroundWork
-from torch_batch_process.engine.commit.voted import VotedStages
+from torch_batch_process.engine.commit.publisher import VotedStages
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.plan.plans import ContiguousPlan, planned_batches
 from torch_batch_process.engine.schedule.scheduler import StaticScheduler

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_batch_process.context import TorchBatchProcessorContext
+from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.schedule.agreement import FailureTracker
 from torch_batch_process.errors import JobMismatchError
-from torch_batch_process.jobstore.records import CommitRecord
+from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.processor import TorchBatchProcessor
 
@@ -34,7 +34,7 @@ def build_processor(
     latest: CommitRecord | None,
     store: JobStore,
     collectives: Collectives,
-    failures: FailureTracker,
+    rank_failure: RankFailure,
     preempt_requested: Callable[[], bool],
 ) -> tuple[TorchBatchProcessor, bool]:
     """Builds and restores this rank's processor; returns it and whether the ranks agreed to stop at once.
@@ -45,14 +45,14 @@ def build_processor(
     try:
         processor = processor_cls(context)
     except Exception as exc:  # noqa: BLE001 - every rank raises below
-        failures.record(exc, f"{processor_cls.__name__}.__init__")
-    if processor is not None and not failures.failed:
+        rank_failure.record(exc, f"{processor_cls.__name__}.__init__")
+    if processor is not None and not rank_failure.failed:
         try:
             _restore(processor, context, latest, store, collectives)
         except Exception as exc:  # noqa: BLE001
-            failures.record(exc, "restoring the processor state")
-    answers = collectives.all_gather((failures.info, preempt_requested()))
-    failures.raise_for([info for info, _ in answers])
+            rank_failure.record(exc, "restoring the processor state")
+    answers = collectives.all_gather((rank_failure.info, preempt_requested()))
+    rank_failure.raise_for([info for info, _ in answers])
     assert processor is not None
     return processor, any(preempt for _, preempt in answers)
 

@@ -33,6 +33,7 @@ from torch_batch_process.engine.announce import announce_start, log_preempted, w
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.commit.committer import Committer, Outcome
 from torch_batch_process.engine.commit.opening import open_job
+from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.commit.wiring import make_committer
 from torch_batch_process.engine.distributed import DistributedEnv, RendezvousStore
 from torch_batch_process.engine.feed.autocast import resolve_autocast
@@ -43,14 +44,14 @@ from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_
 from torch_batch_process.engine.feed.runner import BatchRunner
 from torch_batch_process.engine.plan.plans import Plan, planned_batches
 from torch_batch_process.engine.results import job_result, stored_result
-from torch_batch_process.engine.schedule.agreement import Decision, FailureTracker
+from torch_batch_process.engine.schedule.agreement import Decision
 from torch_batch_process.engine.schedule.liveness import watch_peers
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.engine.schedule.scheduler import Scheduler
+from torch_batch_process.jobstore.formats import JobSpec
 from torch_batch_process.jobstore.layout import FAILURES_DIR, OUTPUTS_DIR, tensorboard_dir
 from torch_batch_process.jobstore.opening import JobOpener, Start
 from torch_batch_process.jobstore.ranges import RangeSet
-from torch_batch_process.jobstore.records import JobSpec
 from torch_batch_process.jobstore.schema import RecordSchema
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
@@ -115,7 +116,7 @@ class JobRun:
         self.started = time.monotonic()
         self.autocast = resolve_autocast(args.autocast, env.device)  # checked on the rank's device, before any I/O
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
-        self.failures = FailureTracker(self.rank)
+        self.rank_failure = RankFailure(self.rank)
         self._scheduler: Scheduler | None = None  # dynamic: told to stop every rank by background threads
         self._closing = contextlib.ExitStack()  # what run() made, closed when the call ends
 
@@ -201,14 +202,14 @@ class JobRun:
         self.committer = make_committer(
             rank=self.rank, collectives=self.coll, job_store=self.opener.store, lock=self.opener.lock,
             storage=self.storage, plan=self.plan, start=start, reducers=self.context.reducers, observer=self.observer,
-            failures=self.failures, stager=self.stager, records=records, call_store=store,
+            rank_failure=self.rank_failure, stager=self.stager, records=records, call_store=store,
             result_json=lambda metrics, summary: self._result_of(summary, metrics).to_json(), started=self.started,
             on_background_error=self._post_failure,
         )
         self._closing.callback(self.committer.shutdown)
         t0 = time.perf_counter()
         processor, stop_now = build_processor(
-            self.args.processor_cls, self.context, start.latest, self.opener.store, self.coll, self.failures,
+            self.args.processor_cls, self.context, start.latest, self.opener.store, self.coll, self.rank_failure,
             lambda: signals.preempt_requested,
         )
         self.committer.part.timings["hooks"] += time.perf_counter() - t0
@@ -242,9 +243,9 @@ class JobRun:
     def _steps(
         self, processor: TorchBatchProcessor, scheduler: Scheduler, signals: SignalWatcher, start: Start
     ) -> Decision:
-        committer, failures = self.committer, self.failures
+        committer, rank_failure = self.committer, self.rank_failure
         runner = BatchRunner(
-            processor, self.current, self.plan, failures, inference_mode=self.args.inference_mode, mode=self.autocast
+            processor, self.current, self.plan, rank_failure, inference_mode=self.args.inference_mode, mode=self.autocast
         )
         dataset, order, kwargs = self.input.feed_parts(scheduler, self.args.dataloader_kwargs, self.plan)
         feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
@@ -261,13 +262,13 @@ class JobRun:
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
-                if has_batch and not failures.failed:
+                if has_batch and not rank_failure.failed:
                     t0 = time.perf_counter()
                     try:
                         with runner.loading():
                             batch_idx, batch = next(batches)
                     except StopIteration:  # no batch left for this rank (dynamic), or a stop seen at a claim
-                        return scheduler.after_last(failed=failures.failed)
+                        return scheduler.after_last(failed=rank_failure.failed)
                     except LoadFailed as failed:
                         runner.load_failed(failed, committer.part, time.perf_counter() - t0)
                     else:
@@ -277,7 +278,7 @@ class JobRun:
                 committer.check()
                 agreed_stop = committer.poll()
                 decision = scheduler.decide(
-                    step, agreed_stop=agreed_stop, preempt=signals.preempt_requested, failed=failures.failed
+                    step, agreed_stop=agreed_stop, preempt=signals.preempt_requested, failed=rank_failure.failed
                 )
                 if decision is Decision.COMMIT:
                     self._checkpoint_hook(processor)
@@ -293,7 +294,7 @@ class JobRun:
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
         """``on_checkpoint_start()`` before a commit (a rank that failed already skips it)."""
-        if not self.failures.failed:
+        if not self.rank_failure.failed:
             self._hook("on_checkpoint_start", processor.on_checkpoint_start)
 
     def _finish(self, processor: TorchBatchProcessor) -> Outcome:
@@ -307,7 +308,7 @@ class JobRun:
         try:
             hook()
         except Exception as exc:  # noqa: BLE001
-            self.failures.record(exc, f"{name}()")
+            self.rank_failure.record(exc, f"{name}()")
         self.committer.part.timings["hooks"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------ helpers
@@ -330,7 +331,7 @@ class JobRun:
 
     def _lost_peer(self, error: BaseException) -> None:
         """Rank 0's heartbeat thread found a rank gone: its failure, and every rank stops at its next batch."""
-        self.failures.record(error, "watching the other ranks' heartbeats")
+        self.rank_failure.record(error, "watching the other ranks' heartbeats")
         self._post_failure()
 
     def _post_failure(self) -> None:

@@ -1,7 +1,7 @@
 """The stored job: everything a job keeps on its storage, and the only code that names or reads it.
 
 What it holds: every stored name (:mod:`~torch_batch_process.jobstore.layout`), the job file and its fingerprint,
-the commit records and the record schema they carry (:mod:`~torch_batch_process.jobstore.records`,
+the commit records and the record schema they carry (:mod:`~torch_batch_process.jobstore.formats`,
 :mod:`~torch_batch_process.jobstore.schema`), the state files, stages and their publication and repair
 (:mod:`~torch_batch_process.jobstore.store`), the integrity checks before a resume
 (:mod:`~torch_batch_process.jobstore.integrity`), rank 0's reading of the job at a start

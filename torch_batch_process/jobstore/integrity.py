@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from torch_batch_process.errors import CheckpointCorruptError
+from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.layout import (
     COMMITS_DIR,
     METRICS_FILE,
@@ -20,7 +21,6 @@ from torch_batch_process.jobstore.layout import (
     outputs_dir,
     record_file,
 )
-from torch_batch_process.jobstore.records import CommitRecord
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.storage.base import Storage
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
+from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, JobSpec, check_fingerprint
 from torch_batch_process.jobstore.integrity import check_integrity, warn_of_strays
-from torch_batch_process.jobstore.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.storage.base import JobLock, Storage
 

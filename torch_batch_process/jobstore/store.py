@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
+from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, parse_json
 from torch_batch_process.jobstore.layout import (
     ATTEMPT_FILE,
     COMMITS_DIR,
@@ -38,7 +39,6 @@ from torch_batch_process.jobstore.layout import (
     staging_dir,
     state_file,
 )
-from torch_batch_process.jobstore.records import CommitRecord, JobInfo, parse_json
 from torch_batch_process.storage.base import TMP_MARKER, Storage
 from torch_batch_process.storage.errors import NotAFileError
 

@@ -36,8 +36,8 @@ from typing import Any
 
 from torch_batch_process.environment import command_storage_options
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
+from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.layout import ATTEMPT_FILE, METRICS_FILE, OUTPUTS_DIR, RESULT_FILE, TENSORBOARD_DIR
-from torch_batch_process.jobstore.records import CommitRecord
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.storage.base import Storage

@@ -21,8 +21,8 @@ import logging
 from collections.abc import Iterable
 
 from torch_batch_process.errors import CheckpointCorruptError, OutputCorruptError
+from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.layout import OUTPUTS_DIR, RETRIES_DIR
-from torch_batch_process.jobstore.records import CommitRecord
 from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import latest_record_at, unpublished_stages_at
 from torch_batch_process.storage.base import Storage

@@ -53,9 +53,9 @@ from typing import Any
 
 from torch_batch_process.engine.commit.keeper import RecordKeeper, Summary
 from torch_batch_process.engine.commit.publisher import Publisher
+from torch_batch_process.engine.commit.rank_failure import FailureInfo, RankFailure
 from torch_batch_process.engine.commit.votes import Part, Vote, VoteTransport
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.schedule.agreement import FailureInfo, FailureTracker
 from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.stragglers import RankInterval
@@ -86,7 +86,7 @@ class Committer:
         store: the job's stored state.
         stager: this rank's ``upload_path()`` files.
         reducers: this rank's reducers.
-        failures: this rank's failure tracker (errors of background work are recorded there).
+        rank_failure: this rank's failure (errors of background work are recorded there).
         keeper: rank 0's record keeper (``None`` elsewhere).
         observer: told about every commit this rank sees complete (progress, stragglers, TensorBoard).
         committed: batches and examples committed before this attempt.
@@ -103,7 +103,7 @@ class Committer:
         store: JobStore,
         stager: OutputStager,
         reducers: ReducerRegistry,
-        failures: FailureTracker,
+        rank_failure: RankFailure,
         keeper: RecordKeeper | None,
         observer: Any,
         committed: tuple[int, int],
@@ -118,7 +118,7 @@ class Committer:
         self._store = store
         self._stager = stager
         self._reducers = reducers
-        self._failures = failures
+        self._rank_failure = rank_failure
         self._keeper = keeper
         self._observer = observer
         self._committed_batches, self._committed_examples = committed
@@ -134,7 +134,7 @@ class Committer:
         """Commits this rank's part (after ``on_checkpoint_start()``): saves it and sends its vote, which
         carries this rank's preemption request (gathered votes: :meth:`poll` tells every rank to stop)."""
         t0 = time.perf_counter()
-        if self._failures.failed and not self._transport.every_rank_votes:
+        if self._rank_failure.failed and not self._transport.every_rank_votes:
             return  # a failed rank's part is never committed: the closing exchange makes every rank raise
         vote = self._vote(processor, final=False)
         vote.preempt = preempt
@@ -166,7 +166,7 @@ class Committer:
         try:
             metrics = self._transport.record(votes)
         except SchemaConflictError as exc:  # never committed: travels in rank 0's next vote, all ranks raise
-            self._failures.record(exc, f"commit of stage {own.stage} (checking the ranks' record outputs)")
+            self._rank_failure.record(exc, f"commit of stage {own.stage} (checking the ranks' record outputs)")
         self._observe(votes, metrics)
         return any(v.preempt for v in votes)
 
@@ -194,7 +194,7 @@ class Committer:
         """Settles this rank's part (earlier background work, uploads, state file) into a vote, and starts
         the next stage."""
         state_file, slots = None, None
-        if not self._failures.failed:
+        if not self._rank_failure.failed:
             try:
                 self._check_background()
                 self._stager.seal()  # open record shards join this stage
@@ -204,7 +204,7 @@ class Committer:
                     slots = self._reducers.per_slot_states()
                     state_file = self._store.write_state(self.stage, self.rank, slots, processor_state)
             except Exception as exc:  # noqa: BLE001 - travels in the vote
-                self._failures.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
+                self._rank_failure.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
         has_files, outputs = self._stager.has_files, self._stager.has_outputs
         if self._stager.has_failures:
             self._published.mark_failures(self.stage)
@@ -218,7 +218,7 @@ class Committer:
             state_file=state_file,
             lines=part.lines,
             timings=part.timings,
-            failure=self._failures.info,
+            failure=self._rank_failure.info,
             slots=slots if closing else None,
             extra={"failed": part.failed} if part.failed else {},
             outputs=outputs,
@@ -303,7 +303,7 @@ class Committer:
         if not any(infos):
             return
         try:
-            self._transport.stop_for_failure(self._failures.failed)
+            self._transport.stop_for_failure(self._rank_failure.failed)
             self._published.settle()
             settled = True
         except Exception as exc:  # noqa: BLE001 - the job fails anyway; the next start repairs
@@ -312,7 +312,7 @@ class Committer:
         marks = self._coll.all_gather((settled, self._transport.newest_durable()))
         if all(done for done, _ in marks):  # every record write rank 0 queued or took has ended
             self._publish_committed(marks[0][1])
-        self._failures.raise_for(infos)
+        self._rank_failure.raise_for(infos)
 
     def _publish_committed(self, newest_durable: int) -> None:
         """When the job fails: publishes this rank's stages that durable records cover (gathered: up to record
@@ -321,12 +321,12 @@ class Committer:
 
     def check(self) -> None:
         """Records a failure of this rank's background work (never waits), so that it travels in its votes."""
-        if self._failures.failed:
+        if self._rank_failure.failed:
             return
         try:
             self._check_background()
         except Exception as exc:  # noqa: BLE001
-            self._failures.record(exc, "completing an earlier commit (record or publication)")
+            self._rank_failure.record(exc, "completing an earlier commit (record or publication)")
 
     def _check_background(self) -> None:
         self._published.check()

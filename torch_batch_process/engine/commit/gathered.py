@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.engine.commit.group_commit import RecordWrites
+from torch_batch_process.engine.commit.group_commit import GroupCommit
 from torch_batch_process.engine.commit.keeper import RecordKeeper
 from torch_batch_process.engine.commit.votes import Vote, VoteTransport
 from torch_batch_process.engine.distributed import Collectives, PendingGather
@@ -38,7 +38,7 @@ class GatheredVotes(VoteTransport):
     def __init__(self, collectives: Collectives, keeper: RecordKeeper | None) -> None:
         self._collectives = collectives
         self._keeper = keeper
-        self._writes = RecordWrites(keeper) if keeper is not None else None  # rank 0
+        self._writes = GroupCommit(keeper) if keeper is not None else None  # rank 0
         self._pending: PendingGather | None = None
 
     def next_stage(self, stage: int) -> int:

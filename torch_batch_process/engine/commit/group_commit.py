@@ -20,7 +20,7 @@ import time
 
 from torch_batch_process.engine.commit.keeper import PreparedRecord, RecordKeeper
 
-__all__ = ["MAX_RECORDS_WAITING", "RECORD_SPACING_S", "RecordWrites"]
+__all__ = ["MAX_RECORDS_WAITING", "RECORD_SPACING_S", "GroupCommit"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ MAX_RECORDS_WAITING = 256
 """Rank 0 waits at a commit when this many prepared records wait for a write (storage slower than commits)."""
 
 
-class RecordWrites:
+class GroupCommit:
     """Rank 0's prepared records (static schedule), written by a thread of their own as group commits.
 
     Errors never leave the writer thread on their own: :meth:`advance` (called before every vote) raises the

@@ -18,8 +18,8 @@ from typing import Any
 
 from torch_batch_process.engine.commit.votes import Vote
 from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.ranges import RangeSet
-from torch_batch_process.jobstore.records import CommitRecord
 from torch_batch_process.jobstore.schema import RecordSchema, unify
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.metrics import MetricsLog

@@ -6,17 +6,21 @@ publisher moves their stages, in vote order: on a background thread on object st
 object), on the caller's thread on local storage (one rename per stage, cheaper than handing it to a thread,
 see :mod:`torch_batch_process.engine.commit.background`). A failed publication is raised by :meth:`Publisher.check`
 or :meth:`Publisher.settle`, so it travels in the rank's next vote like any other error.
+
+Only the stages not yet published are kept (:class:`VotedStages`): a long job commits hundreds of thousands of
+times, and looking up the stages a record covers must cost the same at its last commit as at its first.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+from collections import deque
 
 from torch_batch_process.engine.commit.background import BackgroundWork
-from torch_batch_process.engine.commit.voted import VotedStages
 from torch_batch_process.jobstore.store import JobStore
 
-__all__ = ["Publisher"]
+__all__ = ["Publisher", "VotedStages"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,3 +93,33 @@ class Publisher:
     def _publish_stages(self, stages: list[int], failures: list[bool]) -> None:
         for stage, with_failures in zip(stages, failures, strict=True):
             self._store.publish(stage, self._rank, sole=self._sole, failures=with_failures)
+
+
+class VotedStages:
+    """This rank's voted stages (``stage``, whether it has files), in order; stage numbers increase."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[tuple[int, bool]] = deque()  # voted, not published yet
+        self._taken = 0  # votes published (or being published): they are no longer kept
+
+    def append(self, stage: int, has_files: bool) -> None:
+        """Adds the stage of a vote this rank sent (its commit is complete)."""
+        self._waiting.append((stage, has_files))
+
+    def __len__(self) -> int:
+        """Every vote added so far, published or not."""
+        return self._taken + len(self._waiting)
+
+    def covered(self, durable: int) -> int:
+        """How many votes have a stage up to ``durable`` (the stage number of the newest durable record)."""
+        return self._taken + bisect.bisect_right(self._waiting, durable, key=lambda voted: voted[0])
+
+    def take(self, count: int) -> list[int]:
+        """Marks the first ``count`` votes published; returns the stages with files among those not taken before."""
+        stages = []
+        while self._taken < count and self._waiting:
+            stage, has_files = self._waiting.popleft()
+            self._taken += 1
+            if has_files:
+                stages.append(stage)
+        return stages

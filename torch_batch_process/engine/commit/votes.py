@@ -16,7 +16,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.engine.schedule.agreement import FailureInfo
+from torch_batch_process.engine.commit.rank_failure import FailureInfo
 from torch_batch_process.jobstore.ranges import RangeSet
 
 if TYPE_CHECKING:

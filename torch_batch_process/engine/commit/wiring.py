@@ -12,10 +12,10 @@ from torch_batch_process.engine.commit.committer import Committer
 from torch_batch_process.engine.commit.gathered import GatheredVotes
 from torch_batch_process.engine.commit.keeper import KeeperStart, RecordKeeper, Summary
 from torch_batch_process.engine.commit.queued import QueuedVotes
+from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.commit.votes import VoteTransport
 from torch_batch_process.engine.distributed import Collectives, RendezvousStore
 from torch_batch_process.engine.plan.plans import Plan
-from torch_batch_process.engine.schedule.agreement import FailureTracker
 from torch_batch_process.jobstore.opening import Start
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.metrics import MetricsLog
@@ -39,7 +39,7 @@ def make_committer(
     start: Start,
     reducers: ReducerRegistry,
     observer: JobObserver,
-    failures: FailureTracker,
+    rank_failure: RankFailure,
     stager: OutputStager,
     records: RecordWriter,
     call_store: RendezvousStore | None,
@@ -59,7 +59,7 @@ def make_committer(
         start: what opening the job found.
         reducers: the processor context's reducers (their states are committed).
         observer: the rank's observer (told about commits; rank 0 adds its stats to records).
-        failures: the rank's failure tracker.
+        rank_failure: the rank's failure.
         stager: the rank's ``upload_path()`` files.
         records: the rank's record writer (``context.write()``).
         call_store: the call's keys in the rendezvous store with the dynamic schedule on several ranks, else
@@ -99,7 +99,7 @@ def make_committer(
         store=job_store,
         stager=stager,
         reducers=reducers,
-        failures=failures,
+        rank_failure=rank_failure,
         keeper=keeper,
         observer=observer,
         committed=committed,

@@ -1,5 +1,5 @@
 """The call's error handling around a rank's batches (DESIGN §11): ``on_error="skip"`` (a
-:class:`~torch_batch_process.engine.feed.failing_examples.FailureHandler` on the runner), ``batch_timeout`` (a
+:class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` on the runner), ``batch_timeout`` (a
 :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog` timing the runner's batches and the feed's
 loads), and ``max_failures`` over all ranks at the end.
 """
@@ -15,7 +15,7 @@ from torch_batch_process.context import CurrentBatch
 from torch_batch_process.device import to_device
 from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.engine.feed.batches import BatchFeed
-from torch_batch_process.engine.feed.failing_examples import FailureHandler, check_total
+from torch_batch_process.engine.feed.failing_examples import FailingExamples, check_total
 from torch_batch_process.engine.feed.runner import BatchRunner
 from torch_batch_process.engine.feed.watchdog import BatchWatchdog
 from torch_batch_process.failure_options import FailureOptions
@@ -69,7 +69,7 @@ def guard_batches(
         watchdog.start()
     if options.skip:
         place: Any = (lambda batch: to_device(batch, device)) if device is not None else (lambda batch: batch)
-        runner.skip = FailureHandler(
+        runner.skip = FailingExamples(
             dataset=feed.loader.dataset,  # a source's rows by global row number (engine/feed/streams.py)
             collate_fn=feed.loader.collate_fn,
             place=place,

@@ -56,7 +56,7 @@ from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 from torch_batch_process.sources.base import SourceChangedError
 
-__all__ = ["FailureHandler", "check_total", "no_span", "too_many_message"]
+__all__ = ["FailingExamples", "check_total", "no_span", "too_many_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ FATAL = (
 """Errors that fail the job even with ``on_error="skip"``: they are not an example's fault (a streaming source's
 shard that holds fewer rows than counted fails the job as with ``on_error="raise"``; a row that cannot be
 decoded, e.g. a JSONL line that is not JSON, is that row's failure; a dead ``DataLoader`` worker is reported by the
-loader as a ``RuntimeError``, which :meth:`FailureHandler.recoverable` tells apart)."""
+loader as a ``RuntimeError``, which :meth:`FailingExamples.recoverable` tells apart)."""
 
 
 def too_many_message(failed: int, limit: int, failures_url: str) -> str:
@@ -89,7 +89,7 @@ def check_total(failed: int, limit: int | None, failures_url: str) -> None:
         raise TooManyFailuresError(too_many_message(failed, limit, failures_url))
 
 
-class FailureHandler:
+class FailingExamples:
     """Runs a rank's batches as transactions and bisects those that fail (see the module docstring).
 
     Args:

@@ -2,9 +2,9 @@
 
 The context tells the processor which batch it is in (``context.batch_indices``); the batch counts as done
 (part of this rank's next commit) only when ``process_batch`` returned. An exception in loading or in
-``process_batch`` is recorded for this rank (see :class:`~torch_batch_process.engine.schedule.agreement.FailureTracker`),
+``process_batch`` is recorded for this rank (see :class:`~torch_batch_process.engine.commit.rank_failure.RankFailure`),
 and the loop makes every rank stop with it; with ``on_error="skip"`` the batch goes to the
-:class:`~torch_batch_process.engine.feed.failing_examples.FailureHandler` instead, which bisects it. With ``batch_timeout``
+:class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` instead, which bisects it. With ``batch_timeout``
 each call is timed by the :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`.
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from torch_batch_process.context import CurrentBatch
+from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.commit.votes import Part
 from torch_batch_process.engine.feed.batches import LoadFailed
-from torch_batch_process.engine.feed.failing_examples import FailureHandler, no_span
+from torch_batch_process.engine.feed.failing_examples import FailingExamples, no_span
 from torch_batch_process.engine.plan.plans import Plan
-from torch_batch_process.engine.schedule.agreement import FailureTracker
 from torch_batch_process.processor import TorchBatchProcessor
 
 __all__ = ["BatchRunner"]
@@ -35,7 +35,7 @@ class BatchRunner:
         processor: the rank's processor.
         current: the context's current batch (``context.batch_indices``).
         plan: the job's plan.
-        failures: the rank's failure tracker.
+        rank_failure: the rank's failure.
         inference_mode: run under ``torch.inference_mode()``.
         mode: extra context manager factory around ``process_batch`` (autocast), or ``None``.
         span: context manager factory timing a batch (``batch_timeout``), or ``None``.
@@ -46,7 +46,7 @@ class BatchRunner:
         processor: TorchBatchProcessor,
         current: CurrentBatch,
         plan: Plan,
-        failures: FailureTracker,
+        rank_failure: RankFailure,
         *,
         inference_mode: bool,
         mode: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
@@ -55,11 +55,11 @@ class BatchRunner:
         self._processor = processor
         self._current = current
         self._plan = plan
-        self._failures = failures
+        self._rank_failure = rank_failure
         self._inference = torch.inference_mode if inference_mode else contextlib.nullcontext
         self._mode = mode or contextlib.nullcontext
         self.span = span or no_span
-        self.skip: FailureHandler | None = None  # on_error="skip" (set by the loop)
+        self.skip: FailingExamples | None = None  # on_error="skip" (set by the loop)
 
     def loading(self) -> contextlib.AbstractContextManager[Any]:
         """The mode batches are loaded in: ``torch.inference_mode()`` with ``inference_mode`` (as in a hand loop
@@ -85,7 +85,7 @@ class BatchRunner:
             indices = self._plan.batch_indices(failed.batch_idx)
             self._recover(failed.batch_idx, indices, failed.error, "load", part)
             return
-        self._failures.record(failed.error, f"loading batch {failed.batch_idx}")
+        self._rank_failure.record(failed.error, f"loading batch {failed.batch_idx}")
 
     def run(self, batch_idx: int, batch: Any, part: Part, loaded_s: float) -> None:
         """Runs ``process_batch`` on a loaded batch; on success the batch joins ``part``."""
@@ -106,7 +106,7 @@ class BatchRunner:
                 self._current.leave()
                 self._recover(batch_idx, indices, exc, "process", part)
             else:
-                self._failures.record(exc, f"process_batch(batch_idx={batch_idx})")
+                self._rank_failure.record(exc, f"process_batch(batch_idx={batch_idx})")
             return
         finally:
             part.timings["process"] += time.perf_counter() - t0
@@ -121,4 +121,4 @@ class BatchRunner:
         try:
             self.skip.recover(batch_idx, indices, error, phase, part)
         except Exception as exc:  # noqa: BLE001 - TooManyFailuresError, BatchTimeoutError...
-            self._failures.record(exc, f"splitting failed batch {batch_idx}")
+            self._rank_failure.record(exc, f"splitting failed batch {batch_idx}")

@@ -16,11 +16,8 @@ carry the same flags in their votes, where the decision is immediate.
 from __future__ import annotations
 
 import enum
-import traceback
-from dataclasses import dataclass
 
 from torch_batch_process.engine.distributed import Collectives, PendingMax
-from torch_batch_process.errors import LoaderWorkerDiedError, WorkerFailedError
 
 
 class Decision(enum.Enum):
@@ -35,60 +32,6 @@ class Decision(enum.Enum):
     """A rank failed: the closing exchange, where every rank raises."""
     DONE = "done"
     """No batch left for this rank: the closing commit."""
-
-
-@dataclass
-class FailureInfo:
-    """A picklable summary of an exception raised on one rank."""
-
-    rank: int
-    where: str
-    type_name: str
-    message: str
-    traceback: str
-
-    def describe(self) -> str:
-        return f"rank {self.rank} failed in {self.where}: {self.type_name}: {self.message}"
-
-
-class FailureTracker:
-    """Remembers the first exception this rank raised, to report it to the others and re-raise it."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.exception: BaseException | None = None
-        self.info: FailureInfo | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.exception is not None
-
-    def record(self, exc: BaseException, where: str) -> None:
-        died = LoaderWorkerDiedError.wrap(exc)  # may surface anywhere: it is the loader's, not that place's
-        if died is not None:
-            exc, where = died, "the DataLoader's workers"
-        if self.exception is None:
-            self.exception = exc
-            self.info = FailureInfo(
-                rank=self.rank,
-                where=where,
-                type_name=type(exc).__name__,
-                message=str(exc),
-                traceback="".join(traceback.format_exception(exc)),
-            )
-
-    def raise_for(self, infos: list[FailureInfo | None]) -> None:
-        """Raises this rank's own exception if it failed, else a :class:`WorkerFailedError`."""
-        if self.exception is not None:
-            raise self.exception
-        failures = [info for info in infos if info is not None]
-        if failures:
-            first = failures[0]
-            others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
-            raise WorkerFailedError(
-                f"{first.describe()}{others}; this rank stops too. The last commit is intact: fix the error "
-                f"and run the job again to resume.\n--- traceback of rank {first.rank} ---\n{first.traceback}"
-            )
 
 
 class StepAgreement:

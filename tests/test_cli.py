@@ -1,0 +1,118 @@
+"""The ``tbp`` command: it starts without importing torch, and it exits quietly (code 141, no traceback) when the
+program reading its output (``head``, ``less``) goes away."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from harness import REPO, base_env
+
+from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+
+class Quick(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+
+def _finished_job(tmp_path: Path) -> Path:
+    storage = tmp_path / "job"
+    assert torch_batch_process(Quick, list(range(30)), batch_size=3, storage_path=str(storage), progress=False).finished
+    return storage
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        pytest.param(["status"], marks=pytest.mark.slow),  # slow: the subprocess imports torch (see below)
+        pytest.param(["status", "--json"], marks=pytest.mark.slow),
+    ],
+)
+def test_tbp_writing_into_a_closed_pipe_exits_quietly_with_141(tmp_path, args):
+    if args[0] == "status":
+        args = [*args, str(_finished_job(tmp_path))]
+    env = base_env()
+    env.pop("PYTHONUNBUFFERED")  # a user's shell: stdout is block-buffered when it is a pipe
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (head, less...) is gone before tbp writes
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch_batch_process.launch.cli", *args],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, env=env, cwd=str(REPO), timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == "", "no traceback, no 'Exception ignored' message"
+
+
+class ManyMetrics(TorchBatchProcessor):
+    """Its reduced metrics make ``tbp status --json`` print about 1 MB: more than a pipe holds."""
+
+    def __init__(self, context):
+        self.context = context
+        context.wrap_reducer(lambda values: {f"metric_{i:05d}": i for i in range(40_000)})
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+
+@pytest.mark.slow
+def test_tbp_status_through_head_prints_the_first_line_and_no_traceback(tmp_path):
+    storage = tmp_path / "job"
+    result = torch_batch_process(ManyMetrics, list(range(6)), batch_size=3, storage_path=str(storage), progress=False)
+    assert result.finished
+    env = base_env()
+    env.pop("PYTHONUNBUFFERED")
+    command = f"set -o pipefail; {sys.executable} -m torch_batch_process.launch.cli status --json {storage} | head -n 1"
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, cwd=str(REPO), timeout=120)
+    assert proc.stdout == "{\n"
+    assert proc.returncode == 141 and proc.stderr == "", (proc.returncode, proc.stderr[-2000:])
+
+
+NO_TORCH_CHECK = textwrap.dedent(
+    """
+    import json, sys
+    from torch_batch_process.launch.cli import main
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exc:
+        code = exc.code
+    sys.stdout.flush()
+    heavy = sorted(m for m in ("torch", "numpy", "torch_batch_process.batch_process") if m in sys.modules)
+    print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+    """
+)
+
+
+def _imports_of(*args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_CHECK, *args],
+        capture_output=True, text=True, env=base_env(), cwd=str(REPO), timeout=120,
+    )
+    return json.loads(proc.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["run", "--help"], ["status", "--help"]])
+def test_tbp_help_imports_no_torch(args):
+    assert _imports_of(*args) == {"code": 0, "heavy": []}
+
+
+def test_tbp_status_of_a_job_imports_no_torch(tmp_path):
+    assert _imports_of("status", str(_finished_job(tmp_path))) == {"code": 0, "heavy": []}
+
+
+def test_tbp_run_dry_run_imports_no_torch(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("name: dry\nentrypoint: python3 job.py\nhyperparameters: {lr: 0.1}\n")
+    assert _imports_of("run", str(config), "--dry-run") == {"code": 0, "heavy": []}

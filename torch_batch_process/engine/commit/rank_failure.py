@@ -1,0 +1,73 @@
+"""A rank's failure and how every rank raises it (DESIGN §3, §7: a failure anywhere travels to every rank with the
+next vote).
+
+A rank that fails keeps its first exception (:class:`RankFailure`) and goes on stepping (idle); the exception's
+picklable summary (:class:`FailureInfo`) travels in the rank's next vote or agreement, and when the ranks stop
+together the failing rank raises its own exception and every other rank a
+:class:`~torch_batch_process.errors.WorkerFailedError` with its traceback. (Failing *examples*, with
+``on_error="skip"``, are :mod:`~torch_batch_process.engine.feed.failing_examples`'.)
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+from torch_batch_process.errors import LoaderWorkerDiedError, WorkerFailedError
+
+__all__ = ["FailureInfo", "RankFailure"]
+
+
+@dataclass
+class FailureInfo:
+    """A picklable summary of an exception raised on one rank."""
+
+    rank: int
+    where: str
+    type_name: str
+    message: str
+    traceback: str
+
+    def describe(self) -> str:
+        return f"rank {self.rank} failed in {self.where}: {self.type_name}: {self.message}"
+
+
+class RankFailure:
+    """This rank's failure: the first exception it raised (in a hook, a batch, background work), reported to the
+    other ranks in its votes and raised again here when every rank stops."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.exception: BaseException | None = None
+        self.info: FailureInfo | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.exception is not None
+
+    def record(self, exc: BaseException, where: str) -> None:
+        died = LoaderWorkerDiedError.wrap(exc)  # may surface anywhere: it is the loader's, not that place's
+        if died is not None:
+            exc, where = died, "the DataLoader's workers"
+        if self.exception is None:
+            self.exception = exc
+            self.info = FailureInfo(
+                rank=self.rank,
+                where=where,
+                type_name=type(exc).__name__,
+                message=str(exc),
+                traceback="".join(traceback.format_exception(exc)),
+            )
+
+    def raise_for(self, infos: list[FailureInfo | None]) -> None:
+        """Raises this rank's own exception if it failed, else a :class:`WorkerFailedError`."""
+        if self.exception is not None:
+            raise self.exception
+        failures = [info for info in infos if info is not None]
+        if failures:
+            first = failures[0]
+            others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+            raise WorkerFailedError(
+                f"{first.describe()}{others}; this rank stops too. The last commit is intact: fix the error "
+                f"and run the job again to resume.\n--- traceback of rank {first.rank} ---\n{first.traceback}"
+            )
