@@ -57,6 +57,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "environment",
             "errors",
             "failure_options",
+            "integers",
             "lengths",
             "log",
             "processes",

@@ -48,6 +48,7 @@ import numpy as np
 import torch.utils.data
 
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.integers import is_integer
 
 __all__ = ["column_lengths", "tokenized_lengths"]
 
@@ -55,10 +56,6 @@ __all__ = ["column_lengths", "tokenized_lengths"]
 def _is_hf_dataset(value: Any) -> bool:
     """Whether ``value`` looks like a map-style Hugging Face ``datasets.Dataset`` (without importing datasets)."""
     return hasattr(value, "column_names") and hasattr(value, "data") and hasattr(value, "select_columns")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def column_lengths(dataset: Any, column: str) -> np.ndarray:
@@ -217,11 +214,11 @@ def tokenized_lengths(
     Raises:
         InvalidArgumentError: a bad argument (named), or a tokenizer that does not return one sequence per text.
     """
-    if not _is_int(batch_size) or batch_size < 1:
+    if not is_integer(batch_size) or batch_size < 1:
         raise InvalidArgumentError(f"tokenized_lengths: batch_size must be an int >= 1, got {batch_size!r}")
-    if not _is_int(num_workers) or num_workers < 0:
+    if not is_integer(num_workers) or num_workers < 0:
         raise InvalidArgumentError(f"tokenized_lengths: num_workers must be an int >= 0, got {num_workers!r}")
-    if max_length is not None and (not _is_int(max_length) or max_length < 1):
+    if max_length is not None and (not is_integer(max_length) or max_length < 1):
         raise InvalidArgumentError(f"tokenized_lengths: max_length must be None or an int >= 1, got {max_length!r}")
     if not callable(tokenizer):
         raise InvalidArgumentError(

@@ -25,6 +25,7 @@ from torch_batch_process.environment import (
 )
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.failure_options import FailureOptions
+from torch_batch_process.integers import is_int
 from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.processor import TorchBatchProcessor
 
@@ -38,14 +39,10 @@ _FORBIDDEN_LOADER_KEYS = {
 _LOADER_PARAMETERS = set(inspect.signature(DataLoader.__init__).parameters) - {"self"}
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if not _is_int(value):
+    if not is_int(value):
         raise InvalidArgumentError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
@@ -98,7 +95,7 @@ def validate_dataset(dataset: Any, bucket_by: Any = None) -> int:
         length = len(dataset)
     except Exception as exc:  # noqa: BLE001 - report any failure of the user's __len__
         raise InvalidArgumentError(f"dataset: len(dataset) failed: {type(exc).__name__}: {exc}") from exc
-    if not _is_int(length) or length < 0:
+    if not is_int(length) or length < 0:
         raise InvalidArgumentError(f"dataset: len(dataset) must be an int >= 0, got {length!r}")
     return int(length)
 

@@ -67,8 +67,7 @@ def _restore(
     signature = context.reducers.signature()
     if latest is None:
         return
-    frozen = latest.frozen_state_files + [f for f in latest.state_files if f]
-    if frozen and latest.reducers != signature:
+    if latest.slot_files() and latest.reducers != signature:
         raise JobMismatchError(
             f"the processor registers reducers {signature} but the stored job used {latest.reducers}; a resumed "
             "job must wrap the same reducers (same order, names and types). Start afresh with resume=False "

@@ -38,13 +38,20 @@ from torch_batch_process.device import get_default_device
 from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
-__all__ = ["Collectives", "DistributedEnv", "PendingGather", "PendingMax", "RendezvousStore"]
+__all__ = ["Collectives", "DistributedEnv", "PendingGather", "PendingMax", "RendezvousStore", "collective_timeout_s"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("TBP_COLLECTIVE_TIMEOUT_S", "1800"))
+COLLECTIVE_TIMEOUT_ENV = "TBP_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective of the job may wait: ``$TBP_COLLECTIVE_TIMEOUT_S`` (read when a call joins the process
+    group), default 1800."""
+    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, str(DEFAULT_COLLECTIVE_TIMEOUT_S)))
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -227,8 +234,8 @@ class RendezvousStore:
 class DistributedEnv:
     """Sets up (or reuses) torch.distributed for a job and tears down what it created."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, expected: Any = None) -> None:
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+    def __init__(self, timeout_s: float | None = None, expected: Any = None) -> None:
+        self._timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else collective_timeout_s())
         self._expected = expected
         self._created_control = False
         self.control_group: dist.ProcessGroup | None = None

@@ -21,8 +21,9 @@
     _tbp/lease.json                   the job lease of object stores
     _tbp/source_rows/<digest>.json    row counts of a streaming source's shards, counted once (see stream_counts)
 
-The job lock's names are the storage's (:mod:`torch_batch_process.storage.lock`,
-:mod:`torch_batch_process.storage.lease`), listed here with the others.
+The names of the job lock and of local storage's scratch folders are the storage's
+(:mod:`torch_batch_process.storage.lock`, :mod:`torch_batch_process.storage.lease`,
+:mod:`torch_batch_process.storage.local`), listed here with the others.
 
 A *stage* is one rank's part of a commit: the files and state it committed together. With
 ``schedule="static"`` every rank commits at the same step and a stage number is the commit's number; with
@@ -32,6 +33,7 @@ A *stage* is one rank's part of a commit: the files and state it committed toget
 from __future__ import annotations
 
 from torch_batch_process.storage.lease import LEASE_FILE
+from torch_batch_process.storage.local import SCRATCH_DIR
 from torch_batch_process.storage.lock import LOCK_FILE, LOCK_INFO_FILE
 
 __all__ = [
@@ -69,7 +71,6 @@ ATTEMPT_FILE = f"{INTERNAL_DIR}/attempt.json"
 COMMITS_DIR = f"{INTERNAL_DIR}/commits"
 STATES_DIR = f"{INTERNAL_DIR}/states"
 STAGING_DIR = f"{INTERNAL_DIR}/staging"
-SCRATCH_DIR = f"{INTERNAL_DIR}/scratch"
 OUTPUTS_DIR = "outputs"
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"

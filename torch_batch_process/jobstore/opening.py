@@ -44,8 +44,7 @@ class Start:
     @property
     def frozen_state_files(self) -> list[str]:
         """State files of earlier attempts, whose reducer summaries stay slots of the final reduction."""
-        latest = self.latest
-        return latest.frozen_state_files + [f for f in latest.state_files if f] if latest else []
+        return self.latest.slot_files() if self.latest is not None else []
 
 
 class JobOpener:

@@ -20,6 +20,8 @@ import shlex
 import sys
 from typing import Any
 
+from torch_batch_process.environment import DEFAULT_ROOT, JOB_NAME_ENV, STORAGE_ENV, STORAGE_OPTIONS_ENV
+
 EXIT_STDOUT_CLOSED = 141
 """Exit code when the reader of standard output went away (128 + SIGPIPE, as for tools killed by it)."""
 
@@ -40,7 +42,7 @@ def _add_run_parser(subparsers: Any) -> None:
             "resources.nodes, checkpoint_storage, max_restarts, hyperparameters, environment.variables) with "
             "python -m torch_batch_process.launch.torch_distributed, in the directory of the config file. The workers' "
             "context.get_hparams() returns the config's hyperparameters; the storage path and job name reach "
-            "torch_batch_process() through the environment (TBP_STORAGE_PATH, TBP_STORAGE_OPTIONS, TBP_JOB_NAME). "
+            f"torch_batch_process() through the environment ({STORAGE_ENV}, {STORAGE_OPTIONS_ENV}, {JOB_NAME_ENV}). "
             "On several nodes, run the same command on every node with --rdzv-endpoint."
         ),
         epilog=(
@@ -118,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         _say(f"error: {exc}")
         return 2
-    storage = os.environ.get("TBP_STORAGE_PATH") or "the default (./tbp_runs/<job name>)"
+    storage = os.environ.get(STORAGE_ENV) or f"the default (./{DEFAULT_ROOT}/<job name>)"
     _say(
         f"job {config.name or '(unnamed)'} from {config.path}: {plan.nproc_per_node} worker(s) per node on "
         f"{plan.nnodes} node(s), max_restarts {plan.max_restarts}, storage {storage}; runs {shlex.join(plan.command)}"

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from torch_batch_process.environment import is_valid_job_name
+from torch_batch_process.integers import is_int
 from torch_batch_process.launch.config_lines import ConfigError, KeyLines, type_name
 from torch_batch_process.launch.determined_storage import determined_storage
 from torch_batch_process.launch.paths import absolute_path
@@ -112,10 +113,6 @@ class JobConfig:
         return self.slots_per_trial // (self.nodes or 1)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def load_config(path: str | os.PathLike[str]) -> JobConfig:
     """Reads and checks the job config at ``path``.
 
@@ -172,7 +169,7 @@ def parse_config(text: str, file: str | os.PathLike[str] = "<config>") -> JobCon
     slots, nodes = _resources(data.get("resources"), lines)
     storage_path, storage_options = _storage(data.get("checkpoint_storage"), path.parent, lines)
     max_restarts = data.get("max_restarts", 0)
-    if not _is_int(max_restarts) or max_restarts < 0:
+    if not is_int(max_restarts) or max_restarts < 0:
         raise lines.error(("max_restarts",), f"must be an integer >= 0, got {max_restarts!r}")
     hparams = _hyperparameters(data.get("hyperparameters"), lines)
     variables = _environment(data.get("environment"), lines)
@@ -244,7 +241,7 @@ def _resources(value: Any, lines: KeyLines) -> tuple[int | None, int | None]:
     slots = value.get("slots_per_trial")
     nodes = value.get("nodes")
     for key, number in (("slots_per_trial", slots), ("nodes", nodes)):
-        if number is not None and (not _is_int(number) or number < 1):
+        if number is not None and (not is_int(number) or number < 1):
             raise lines.error(("resources", key), f"must be an integer >= 1, got {number!r}")
     if nodes is not None and slots is None:
         raise lines.error(("resources", "nodes"), "needs resources.slots_per_trial (the number of workers in total)")

@@ -3,7 +3,9 @@
 The loop calls a :class:`JobObserver` at four points: :meth:`~JobObserver.start` before the first
 step, :meth:`~JobObserver.on_step` after a step when ``step >= next_step`` (an int compare per step),
 :meth:`~JobObserver.on_record` (rank 0, while it writes a commit record) and
-:meth:`~JobObserver.on_commit` once a commit is durable, then :meth:`~JobObserver.finish` with the
+:meth:`~JobObserver.on_commit` once a commit's votes are in (its record may not be durable yet: rank 0
+writes it in the background; what is shown as committed is what the votes commit), then
+:meth:`~JobObserver.finish` with the
 result and :meth:`~JobObserver.close` in any case. Behind it:
 
 - rank 0's progress display (:mod:`~torch_batch_process.observe.progress`): between commits the done count

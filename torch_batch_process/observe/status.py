@@ -40,7 +40,6 @@ from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.layout import ATTEMPT_FILE, METRICS_FILE, OUTPUTS_DIR, RESULT_FILE, TENSORBOARD_DIR
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.progress import format_duration
-from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
 
 _READ_RETRIES = 5
@@ -64,8 +63,8 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
     latest = _load_latest(store)
     if job is None:
         raise NoJobError(f"no job is stored at {storage.url!r} (no _tbp/job.json)")
-    attempt_info = _read_json(storage, ATTEMPT_FILE) or {}
-    result = _read_json(storage, RESULT_FILE) if latest is not None and latest.finished else None
+    attempt_info = storage.read_json_object(ATTEMPT_FILE) or {}
+    result = storage.read_json_object(RESULT_FILE) if latest is not None and latest.finished else None
     running, holder = storage.lock_holder()
 
     spec = job.spec
@@ -169,14 +168,6 @@ def _load_latest(store: JobStore) -> CommitRecord | None:
                 raise
             time.sleep(0.05)
     return None  # pragma: no cover - the loop returns or raises
-
-
-def _read_json(storage: Storage, rel: str) -> dict[str, Any] | None:
-    try:
-        value = storage.read_json(rel)
-    except (FileNotFoundError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 # ------------------------------------------------------------------------------------ text

@@ -79,6 +79,15 @@ class Storage(abc.ABC):
         """Reads a JSON file; ``FileNotFoundError`` when missing, ``ValueError`` when not JSON."""
         return json.loads(self.read_bytes(rel).decode("utf-8"))
 
+    def read_json_object(self, rel: str) -> dict[str, Any] | None:
+        """A JSON object file that is only informative (who holds the lock, the attempt count): ``None`` when it is
+        missing, not JSON or not an object."""
+        try:
+            value = self.read_json(rel)
+        except (FileNotFoundError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
     @abc.abstractmethod
     def list(self, rel: str) -> list[str]:
         """Sorted names of the entries of folder ``rel`` (empty when it does not exist)."""

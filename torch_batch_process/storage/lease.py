@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from torch_batch_process.errors import JobLockedError, StorageError
 from torch_batch_process.processes import pid_alive
 from torch_batch_process.storage.base import JobLock, Storage
-from torch_batch_process.storage.lock import holder_info, locked_message, machine_id, read_holder_info
+from torch_batch_process.storage.lock import holder_info, locked_message, machine_id
 
 __all__ = ["LEASE_FILE", "ConditionFailed", "ConditionalWrites", "LeaseJobLock", "lease_ttl_s"]
 
@@ -308,7 +308,7 @@ class LeaseJobLock(JobLock):
     @classmethod
     def holder(cls, storage: Storage) -> tuple[bool | None, dict[str, Any] | None]:
         """Whether a job holds a live lease now (its heartbeat is recent), and who. Read-only."""
-        lease = read_holder_info(storage, LEASE_FILE)
+        lease = storage.read_json_object(LEASE_FILE)
         if not lease:
             return False, None
         heartbeat = lease.get("renewed", lease.get("since"))  # time of the last heartbeat

@@ -33,7 +33,6 @@ __all__ = [
     "holder_info",
     "locked_message",
     "machine_id",
-    "read_holder_info",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ class FileJobLock(JobLock):
         try:
             self._lock.acquire()
         except filelock.Timeout:
-            raise JobLockedError(locked_message(storage, read_holder_info(storage, LOCK_INFO_FILE))) from None
+            raise JobLockedError(locked_message(storage, storage.read_json_object(LOCK_INFO_FILE))) from None
         except OSError as exc:
             raise storage_error(storage.url, "create the job lock", exc) from exc
         try:
@@ -98,7 +97,7 @@ class FileJobLock(JobLock):
 
         Read-only: it looks at ``/proc/locks`` instead of trying to take the lock.
         """
-        info = read_holder_info(storage, LOCK_INFO_FILE)
+        info = storage.read_json_object(LOCK_INFO_FILE)
         who = {"host": info.get("host"), "pid": info.get("pid")} if info else None
         same_host = not info or info.get("host") == socket.gethostname()
         held = flock_held(lock_path, info.get("pid") if info else None)
@@ -110,15 +109,6 @@ class FileJobLock(JobLock):
             alive = bool(info) and isinstance(info.get("pid"), int) and pid_alive(info["pid"])
             return alive, who if alive else None
         return False, None
-
-
-def read_holder_info(storage: Storage, rel: str) -> dict[str, Any] | None:
-    """The holder written at ``rel`` (lock info or lease), or ``None`` when it is missing or unreadable."""
-    try:
-        value = storage.read_json(rel)
-    except (FileNotFoundError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def locked_message(storage: Storage, info: dict[str, Any] | None) -> str:

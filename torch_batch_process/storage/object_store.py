@@ -121,7 +121,7 @@ class ObjectStorage(Storage):
         if self.protocol in _BUCKET_PROTOCOLS:
             bucket = self.root.split("/", 1)[0]
             try:
-                self._call("open the bucket", lambda: self.fs.info(bucket), missing_ok=False)
+                self._call("open the bucket", lambda: self.fs.info(bucket))
             except FileNotFoundError as exc:
                 raise StorageError(
                     f"storage_path {self.url!r}: the bucket {bucket!r} does not exist (or is not visible with these "
@@ -133,13 +133,13 @@ class ObjectStorage(Storage):
         return self._call(f"check {rel!r}", lambda: self.fs.exists(self.path(rel)))
 
     def read_bytes(self, rel: str) -> bytes:
-        return self._call(f"read {rel!r}", lambda: self._cat(self.path(rel)), missing_ok=False)
+        return self._call(f"read {rel!r}", lambda: self._cat(self.path(rel)))
 
     def _cat(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
     def open_input(self, rel: str) -> BinaryIO:
-        return self._call(f"open {rel!r}", lambda: self.fs.open(self.path(rel), "rb"), missing_ok=False)
+        return self._call(f"open {rel!r}", lambda: self.fs.open(self.path(rel), "rb"))
 
     def list(self, rel: str) -> list[str]:
         def _ls() -> list[str]:
@@ -212,7 +212,7 @@ class ObjectStorage(Storage):
             source, target = _below(self.path(src), rel_file), _below(self.path(dst), rel_file)
             size = files[rel_file]
             copy = lambda: self._copy_object(source, target, size)  # noqa: E731
-            self._call(f"copy {src}/{rel_file} to {dst}/", copy, missing_ok=False)
+            self._call(f"copy {src}/{rel_file} to {dst}/", copy)
 
         if len(files) == 1:
             _copy(next(iter(files)))
@@ -297,7 +297,6 @@ class ObjectStorage(Storage):
         action: str,
         fn: Callable[[], T],
         *,
-        missing_ok: bool = True,
         passthrough: tuple[type[BaseException], ...] = (),
     ) -> T:
         """Runs a remote operation with this storage's retry policy

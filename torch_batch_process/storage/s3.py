@@ -87,7 +87,7 @@ class S3Storage(ObjectStorage):
 
             return sync(self.fs.loop, _read)
 
-        return self._call(f"read {rel!r}", _get, missing_ok=False)
+        return self._call(f"read {rel!r}", _get)
 
     def write_conditional(self, rel: str, data: bytes, *, if_version: str | None) -> str:
         """Writes ``rel`` only if it is still at version ``if_version`` (``None``: only if absent).
@@ -108,7 +108,7 @@ class S3Storage(ObjectStorage):
             return response["ETag"]
 
         try:
-            return self._call(f"write {rel!r}", _put, missing_ok=False, passthrough=(ConditionFailed,))
+            return self._call(f"write {rel!r}", _put, passthrough=(ConditionFailed,))
         except FileNotFoundError as exc:  # If-Match on an object deleted meanwhile
             raise ConditionFailed(str(exc)) from exc
 

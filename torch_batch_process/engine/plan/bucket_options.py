@@ -16,15 +16,12 @@ import numpy as np
 
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.integers import is_integer
 
 __all__ = ["DEFAULT_BUCKET_WINDOW", "LengthsSource", "check_lengths", "resolve_lengths", "validate_bucket_options"]
 
 LengthsSource = Sequence[int] | np.ndarray | Callable[[int], int]
 """What ``bucket_by`` accepts: one length per example, or a callable ``index -> length``."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any, batch_size: Any) -> None:
@@ -36,14 +33,14 @@ def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any,
     Raises:
         InvalidArgumentError: naming the argument and the fix.
     """
-    if not _is_int(batch_size) or batch_size < 1:
+    if not is_integer(batch_size) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if not _is_int(bucket_window) or bucket_window < 1:
+    if not is_integer(bucket_window) or bucket_window < 1:
         raise InvalidArgumentError(
             f"bucket_window must be an int >= 1 (how many batches' worth of consecutive examples are sorted "
             f"by length together; default {DEFAULT_BUCKET_WINDOW}), got {bucket_window!r}"
         )
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+    if max_tokens is not None and (not is_integer(max_tokens) or max_tokens < 1):
         raise InvalidArgumentError(
             f"max_tokens must be None or an int >= 1 (the most len(batch) * max(length in batch) a batch may "
             f"hold), got {max_tokens!r}"

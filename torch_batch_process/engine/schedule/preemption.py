@@ -87,6 +87,3 @@ class SignalWatcher:
     def preempt_requested(self) -> bool:
         return self.requested is not None
 
-    def request(self, reason: str) -> None:
-        """Asks for preemption from code (e.g. tests, embedding frameworks)."""
-        self.requested = self.requested or reason
