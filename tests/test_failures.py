@@ -82,6 +82,7 @@ def check_complete(spec: dict[str, Any], result: dict[str, Any]) -> None:
     assert not fs.find(f"{root}/_tbp/staging"), "nothing left staged"
 
 
+@pytest.mark.slow
 def test_skip_two_ranks_records_exactly_the_bad_examples(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = spec_for(tmp_path, num_workers=1)
     results = run_job(spec, 2)
@@ -107,6 +108,7 @@ def test_skip_two_ranks_records_exactly_the_bad_examples(tmp_path: Path, capsys:
     assert report(spec, 0, attempt=2)["result"]["failed_examples"] == len(BAD)
 
 
+@pytest.mark.slow
 @pytest.mark.s3
 def test_skip_dynamic_on_s3(tmp_path: Path, s3_url: str) -> None:
     """The dynamic schedule, and failure records published on an object store."""
@@ -118,6 +120,7 @@ def test_skip_dynamic_on_s3(tmp_path: Path, s3_url: str) -> None:
     assert not [p for p in fs.find(f"{root}/outputs") if "_tbp_failures" in p], "failure records stay out of outputs/"
 
 
+@pytest.mark.slow
 def test_kill_and_resume_with_another_world_size(tmp_path: Path) -> None:
     spec = spec_for(tmp_path, sleep=0.15)
     failures_dir = Path(spec["storage"], "failures")
@@ -142,6 +145,7 @@ def test_kill_and_resume_with_another_world_size(tmp_path: Path) -> None:
     check_complete(resumed, result)
 
 
+@pytest.mark.slow
 def test_max_failures_exceeded_fails_the_job_and_resumes(tmp_path: Path) -> None:
     spec = spec_for(tmp_path, max_failures=3)
     results = run_job(spec, 1)
@@ -157,6 +161,7 @@ def test_max_failures_exceeded_fails_the_job_and_resumes(tmp_path: Path) -> None
     check_complete(fraction, report(fraction, 0, attempt=2)["result"])
 
 
+@pytest.mark.slow
 def test_max_failures_counts_all_ranks(tmp_path: Path) -> None:
     """Each rank stays under the limit on its own; together they exceed it: the closing check fails the job."""
     spec = spec_for(tmp_path, bad_load=[1], bad_process=[6], max_failures=1)  # batch 0 on rank 0, batch 1 on rank 1
@@ -182,6 +187,7 @@ def _run_until_stuck(spec: dict[str, Any], within: float, what: str) -> list[tup
     return results
 
 
+@pytest.mark.slow
 def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:
     timeout = 3.0
     spec = spec_for(tmp_path, bad_load=[], bad_process=[], stuck_batch=9, batch_timeout=timeout, sleep=0.05)
@@ -201,6 +207,7 @@ def test_stuck_batch_ends_every_rank(tmp_path: Path) -> None:
     assert output_counts(spec["storage"]) == Counter(range(N))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("num_workers", "schedule"), [(0, "static"), (2, "dynamic")])
 def test_a_batch_whose_loading_hangs_ends_every_rank(tmp_path: Path, num_workers: int, schedule: str) -> None:
     """batch_timeout covers loading: a hang in the dataset's __getitem__ (in the main process, or in a DataLoader
@@ -225,6 +232,7 @@ def test_a_batch_whose_loading_hangs_ends_every_rank(tmp_path: Path, num_workers
     assert output_counts(spec["storage"]) == Counter(range(N))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill -9", "SIGTERM twice"])
 def test_a_loader_worker_stuck_in_a_load_does_not_outlive_its_rank(tmp_path: Path, how: str) -> None:
     """DataLoader workers ignore SIGTERM while the job runs and a worker stuck in a load never checks on its
@@ -268,6 +276,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_dead_loader_worker_fails_the_job_even_when_skipping_and_is_no_example_s_failure(tmp_path: Path) -> None:
     """A DataLoader worker killed (the out-of-memory killer) is reported by the loader wherever the main thread is
     (its next batch, or process_batch, or a commit, through its SIGCHLD handler): it must fail the job with a clear
@@ -288,6 +297,7 @@ def test_a_dead_loader_worker_fails_the_job_even_when_skipping_and_is_no_example
     assert output_counts(spec["storage"]) == Counter(range(N))
 
 
+@pytest.mark.slow
 def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> None:
     """A batch the watchdog cannot interrupt: the rank ends itself after the grace period, the other follows."""
     timeout = 2.0
@@ -304,6 +314,7 @@ def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> No
     assert output_counts(spec["storage"]) == Counter(range(N))
 
 
+@pytest.mark.slow
 def test_retry_failed_processes_only_the_failures(tmp_path: Path) -> None:
     spec = spec_for(tmp_path)
     assert run_job(spec, 1)[0][0] == 0
@@ -338,6 +349,7 @@ def final_record(storage: Path) -> dict[str, Any]:
     return json.loads(max(Path(storage, "_tbp", "commits").glob("*.json")).read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("then", ["rerun", "retry"])
 def test_kill_between_the_final_record_and_result_json(tmp_path: Path, then: str) -> None:
     """The final commit record makes a job finished; result.json is a copy that the next start writes (a plain
@@ -372,6 +384,7 @@ def test_kill_between_the_final_record_and_result_json(tmp_path: Path, then: str
     assert everything == Counter(range(N)), "every example's output once, over the job and its retry"
 
 
+@pytest.mark.slow
 def test_kill_between_a_retrys_final_record_and_its_result_json(tmp_path: Path) -> None:
     """A retry killed after its final record is finished: its failures are the current ones, the next
     retry_failed call starts a new retry of them (and writes the killed one's result.json)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -316,3 +317,18 @@ def test_the_start_line_of_a_resume_says_where_it_resumes_or_that_nothing_is_lef
     resumed, nothing_left = (record.getMessage() for record in caplog.records)
     assert "resuming at batch 30; 30 of 40 batches already committed, 10 to go" in resumed
     assert "all 40 batches already committed, none to go" in nothing_left and "None" not in nothing_left
+
+
+def test_the_quick_lane_rule_tells_job_processes_from_quick_commands():
+    """conftest.py fails a test not marked slow that starts one of these (the README's quick lane is true)."""
+    from conftest import starts_a_job
+    from harness import GENERIC_JOB, launcher_cmd, tbp_cmd, torchrun_cmd
+
+    assert starts_a_job(torchrun_cmd(2, GENERIC_JOB), None)
+    assert starts_a_job(launcher_cmd("--nproc-per-node", "2", "job.py"), None)
+    assert starts_a_job([sys.executable, str(GENERIC_JOB), "{}"], None)
+    assert starts_a_job([sys.executable, "job.py"], {"WORLD_SIZE": "2", "RANK": "1"})
+    assert starts_a_job(tbp_cmd("run", "job.yaml"), None)
+    assert not starts_a_job(tbp_cmd("run", "job.yaml", "--dry-run"), None)
+    assert not starts_a_job(tbp_cmd("status", "/some/job"), None)
+    assert not starts_a_job([sys.executable, "-c", "print(1)"], None)
