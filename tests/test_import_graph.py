@@ -58,10 +58,16 @@ def test_the_tool_finds_a_cycle_an_upward_import_and_imports_inside_functions_an
         "from torch_batch_process.storage.base import x\n"
         "def f():\n    from torch_batch_process.engine.loop import run\n"
     )
+    (package / "stray.py").write_text("")
     graph = import_graph.build_graph(package)
     assert graph.cycles() == [["engine.loop", "storage.base", "storage.local"]]
     assert graph.upward() == [("storage.local", "engine.loop")]
     assert graph.edges["storage.base"] == {"storage.local"}
+    assert graph.check() == [
+        "import cycle of 3 modules: engine.loop, storage.base, storage.local",
+        "upward import: storage.local (storage) imports engine.loop (engine) at line 3",
+        "module stray is in no layer: add it to LAYERS",
+    ]
 
 
 def test_the_command_prints_the_graph_and_exits_0():

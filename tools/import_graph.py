@@ -70,18 +70,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 """Layers, top first, each with the module name prefixes (relative to the package) that belong to it."""
 
-_BEFORE_27 = "there before the layout of issue 27; being removed"
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
+"""Cycles that stay, each with the reason (module names relative to the package). None today."""
 
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-}
-"""Cycles that stay, each with the reason (module names relative to the package)."""
-
-ALLOWED_UPWARD: dict[tuple[str, str], str] = dict.fromkeys(
-    [
-    ],
-    _BEFORE_27,
-)
-"""Upward imports that stay, ``(importer, imported)``, each with the reason."""
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+"""Upward imports that stay, ``(importer, imported)``, each with the reason. None today."""
 
 
 @dataclass
@@ -111,11 +104,11 @@ class Graph:
             if frozenset(c) not in ALLOWED_CYCLES
         ]
         problems += [
-            f"upward import: {a} ({layer_of(a)}) imports {b} ({layer_of(b)}), line {self.where[a, b]} of "
-            f"{self.modules[a].relative_to(ROOT)}"
+            f"upward import: {a} ({layer_of(a)}) imports {b} ({layer_of(b)}) at line {self.where[a, b]}"
             for a, b in self.upward()
             if (a, b) not in ALLOWED_UPWARD
         ]
+        problems += [f"module {m} is in no layer: add it to LAYERS" for m in self.modules if layer_of(m) == "?"]
         return problems
 
 
@@ -124,9 +117,8 @@ def layer_of(module: str) -> str:
     best, best_len = "?", -1
     for name, prefixes in LAYERS:
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".") or prefix == "") and len(prefix) > best_len:
-                if prefix == "" and module != "":
-                    continue
+            matches = module == prefix or (prefix != "" and module.startswith(prefix + "."))
+            if matches and len(prefix) > best_len:
                 best, best_len = name, len(prefix)
     return best
 
@@ -272,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(upward)} upward import(s)")
     for a, b in upward:
         reason = ALLOWED_UPWARD.get((a, b))
-        print(f"  {_label(a)} ({layer_of(a)}) -> {_label(b)} ({layer_of(b)})" + (f"  [allowed: {reason}]" if reason else ""))
+        note = f"  [allowed: {reason}]" if reason else ""
+        print(f"  {_label(a)} ({layer_of(a)}) -> {_label(b)} ({layer_of(b)}){note}")
     unlayered = sorted(m for m in graph.modules if layer_of(m) == "?")
     if unlayered:
         print(f"modules in no layer: {', '.join(unlayered)}")
