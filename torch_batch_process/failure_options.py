@@ -7,7 +7,8 @@
   the job's examples (``0 < f < 1``); ``None``: no limit. Past it the job fails with
   :class:`~torch_batch_process.errors.TooManyFailuresError`.
 - ``batch_timeout``: seconds a batch may run (:mod:`torch_batch_process.engine.feed.watchdog`); ``None``: no limit.
-- ``retry_failed``: on a finished job, process only its recorded failures (:mod:`torch_batch_process.engine.plan.retry`).
+- ``retry_failed``: on a finished job, process only its recorded failures
+  (:mod:`torch_batch_process.engine.plan.retry`).
 """
 
 from __future__ import annotations

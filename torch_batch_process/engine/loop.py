@@ -123,6 +123,7 @@ class JobRun:
     # ------------------------------------------------------------------------ lifecycle
 
     def run(self) -> BatchProcessResult:
+        """The call on this rank, steps 1 to 6 of the module docstring; the same result on every rank."""
         with self._closing:
             planned, planned_examples = self._prepare()
             with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
@@ -158,7 +159,8 @@ class JobRun:
         """The storage, the input and its plan, the observer; returns the batches and examples a fresh job plans
         (the plan's, after ``max_batches``)."""
         args, rank = self.args, self.rank
-        self.storage = self._closing.enter_context(contextlib.closing(open_storage(args.storage_path, args.storage_options)))
+        storage = open_storage(args.storage_path, args.storage_options)
+        self.storage = self._closing.enter_context(contextlib.closing(storage))
         t0 = time.perf_counter()
         self.input = self._closing.enter_context(contextlib.closing(open_input(args, self.storage, self.coll)))
         self.plan = self.given_plan or self.input.plan
@@ -245,7 +247,8 @@ class JobRun:
     ) -> Decision:
         committer, rank_failure = self.committer, self.rank_failure
         runner = BatchRunner(
-            processor, self.current, self.plan, rank_failure, inference_mode=self.args.inference_mode, mode=self.autocast
+            processor, self.current, self.plan, rank_failure,
+            inference_mode=self.args.inference_mode, mode=self.autocast,
         )
         dataset, order, kwargs = self.input.feed_parts(scheduler, self.args.dataloader_kwargs, self.plan)
         feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)

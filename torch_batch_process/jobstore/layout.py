@@ -9,7 +9,7 @@
     tensorboard/rank_<r>/             get_tensorboard_path() of each rank
     retries/<k>/                      the k-th retry_failed=True run: a job of its own (see the retry module)
     failures/<s>-rank_<r>.jsonl       examples that failed with on_error="skip" in stage s of rank r (one JSON a line;
-                                      see torch_batch_process.engine.feed.failing_examples), published with the stage's outputs
+                                      see engine/feed/failing_examples.py), published with the stage's outputs
     _tbp/job.json                     the job's fingerprint and plan, written at its first start
     _tbp/attempt.json                 the number of the latest attempt (also of attempts that never committed)
     _tbp/commits/<n>.json             the latest commit record: the durable truth (see the committer)

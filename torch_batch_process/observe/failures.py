@@ -1,8 +1,8 @@
 """``tbp failures STORAGE_PATH`` and :func:`read_failures`: the examples a job skipped with ``on_error="skip"``.
 
 The failures are read from ``<storage_path>/failures/*.jsonl`` (one JSON object a line; the keys are listed in
-:mod:`torch_batch_process.engine.feed.failing_examples`). Only committed failures are there, each exactly once. Read-only:
-safe while the job runs. Imports no torch.
+:mod:`torch_batch_process.engine.feed.failing_examples`). Only committed failures are there, each exactly once.
+Read-only: safe while the job runs. Imports no torch.
 """
 
 from __future__ import annotations

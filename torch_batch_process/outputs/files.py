@@ -17,8 +17,9 @@ Two files with the same path in the same stage of one rank would overwrite each 
 With ``on_error="skip"`` the engine runs each batch between :meth:`OutputStager.hold` and
 :meth:`OutputStager.release`: the blocks of a batch that fails are discarded, those of one that succeeds join
 the stage; the parts of a split batch write under a sub-folder of their own (``prefix``, see
-:mod:`torch_batch_process.engine.feed.failing_examples`). The failure records of the stage (:meth:`OutputStager.add_failure`)
-are written next to its files at :meth:`OutputStager.flush` and published to ``failures/``.
+:mod:`torch_batch_process.engine.feed.failing_examples`). The failure records of the stage
+(:meth:`OutputStager.add_failure`) are written next to its files at :meth:`OutputStager.flush` and published to
+``failures/``.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ covers it is durable, and a record covers a rank's files only together with the 
 3. it sends its vote (stage, batches completed, state file, metrics lines, timings, failure, preemption
    request) to rank 0 and goes on with its next batches.
 
-**Rank 0** merges votes into the job's cumulative state (:class:`~torch_batch_process.engine.commit.keeper.RecordKeeper`)
-and writes ``_tbp/commits/<n>.json`` atomically. **That write is the commit point**: the record lists the
-committed global batches, the committed stages, every rank's latest state file and those of earlier
-attempts. Once a record is durable, each rank *publishes* its stages that it covers (``staging/<s>/rank_<r>``
-moves to ``outputs/commit_<s>/rank_<r>``; one rename locally, see :mod:`torch_batch_process.engine.commit.publisher`)
-and rank 0 deletes what the record supersedes.
+**Rank 0** merges votes into the job's cumulative state
+(:class:`~torch_batch_process.engine.commit.keeper.RecordKeeper`) and writes ``_tbp/commits/<n>.json`` atomically.
+**That write is the commit point**: the record lists the committed global batches, the committed stages, every
+rank's latest state file and those of earlier attempts. Once a record is durable, each rank *publishes* its stages
+that it covers (``staging/<s>/rank_<r>`` moves to ``outputs/commit_<s>/rank_<r>``; one rename locally, see
+:mod:`torch_batch_process.engine.commit.publisher`) and rank 0 deletes what the record supersedes.
 
 **How votes travel**: by one of two transports behind one interface
 (:class:`~torch_batch_process.engine.commit.votes.VoteTransport`), which the committer uses without asking which.

@@ -47,7 +47,9 @@ class JobInput(abc.ABC):
         """This rank's scheduler of ``schedule=kind`` over the batches ``remaining``."""
 
     @abc.abstractmethod
-    def feed_parts(self, scheduler: Scheduler, loader_kwargs: dict[str, Any], plan: Plan) -> tuple[Any, Any, dict[str, Any]]:
+    def feed_parts(
+        self, scheduler: Scheduler, loader_kwargs: dict[str, Any], plan: Plan
+    ) -> tuple[Any, Any, dict[str, Any]]:
         """What the feed gets: the dataset the loader reads, the order of this rank's batches (an object with
         ``batch_ids()``, the scheduler or a view of it) and the loader's options. ``plan`` is the job's (a retry's
         plan holds scattered examples)."""
@@ -78,7 +80,9 @@ class MapInput(JobInput):
     ) -> Scheduler:
         return make_scheduler(kind, remaining, collectives, interval, store)
 
-    def feed_parts(self, scheduler: Scheduler, loader_kwargs: dict[str, Any], plan: Plan) -> tuple[Any, Any, dict[str, Any]]:
+    def feed_parts(
+        self, scheduler: Scheduler, loader_kwargs: dict[str, Any], plan: Plan
+    ) -> tuple[Any, Any, dict[str, Any]]:
         return self.dataset, scheduler, loader_kwargs
 
 

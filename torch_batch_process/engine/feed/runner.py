@@ -4,8 +4,8 @@ The context tells the processor which batch it is in (``context.batch_indices``)
 (part of this rank's next commit) only when ``process_batch`` returned. An exception in loading or in
 ``process_batch`` is recorded for this rank (see :class:`~torch_batch_process.engine.commit.rank_failure.RankFailure`),
 and the loop makes every rank stop with it; with ``on_error="skip"`` the batch goes to the
-:class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` instead, which bisects it. With ``batch_timeout``
-each call is timed by the :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`.
+:class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` instead, which bisects it. With
+``batch_timeout`` each call is timed by the :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ pinned memory:
 - the source's fingerprint and the shards' row counts are part of the plan's fingerprint, so a resume over
   other files or other rows is refused;
 - with ``on_error="skip"`` the halves of a failing batch are read again by row number through the same
-  :class:`StreamDataset` (:mod:`~torch_batch_process.engine.feed.failing_examples`), and a ``retry_failed`` run's plan of
-  scattered failed rows is read in the scheduler's order
+  :class:`StreamDataset` (:mod:`~torch_batch_process.engine.feed.failing_examples`), and a ``retry_failed`` run's
+  plan of scattered failed rows is read in the scheduler's order
   (:meth:`~torch_batch_process.engine.feed.inputs.StreamInput.feed_parts`).
 """
 

@@ -1,9 +1,9 @@
 """``batch_timeout``: a watchdog thread per rank, so that a stuck batch never hangs the job (DESIGN §11).
 
 The runner marks each ``process_batch`` call (and each load and call of a split batch's parts, see
-:mod:`torch_batch_process.engine.feed.failing_examples`) with :meth:`BatchWatchdog.span`, and the feed marks each wait for
-the next batch from the ``DataLoader`` (the dataset's ``__getitem__`` and the ``collate_fn`` in the main process,
-or the wait for the workers) with the same span, given a function that tells the batch waited for: a batch
+:mod:`torch_batch_process.engine.feed.failing_examples`) with :meth:`BatchWatchdog.span`, and the feed marks each
+wait for the next batch from the ``DataLoader`` (the dataset's ``__getitem__`` and the ``collate_fn`` in the main
+process, or the wait for the workers) with the same span, given a function that tells the batch waited for: a batch
 whose loading hangs (a stuck network read, a dead lock) is a stuck batch too. When one runs longer than
 ``batch_timeout`` seconds, the rank's watchdog:
 
