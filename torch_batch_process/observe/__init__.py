@@ -1,1 +1,7 @@
-"""Observation: progress, metrics, TensorBoard, profiler, stragglers and ``tbp status``; told by the loop, never driving it."""
+"""Observation: progress, metrics, TensorBoard, profiler and stragglers, told by the loop and never driving it;
+``tbp status`` and ``tbp failures``, which read the stored job (:mod:`torch_batch_process.jobstore`), never the
+engine, and import no torch.
+
+Promise: what it shows never changes what the job does (a display or an upload that fails is a warning) and costs
+the loop an int compare per step between the times it is due.
+"""
