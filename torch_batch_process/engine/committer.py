@@ -255,6 +255,9 @@ class Committer:
         rows = self._records.take_rows() if self._records is not None else 0
         if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
             vote.extra["rows"] = rows
+        files = self._records.take_table_files() if self._records is not None else []
+        if files:  # a table target's data files of this stage: rank 0 adds them to the table after the record
+            vote.extra["table_files"] = files
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._next_stage()
             self._stager.advance(self.stage)
