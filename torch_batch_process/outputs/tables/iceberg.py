@@ -80,8 +80,10 @@ def iceberg(
         catalog: the catalog, as pyiceberg's ``load_catalog`` takes it: a dict of catalog properties (e.g.
             ``{"type": "sql", "uri": "sqlite:////path/catalog.db", "warehouse": "file:///path/warehouse"}`` for a
             local SQL catalog, ``{"type": "rest", "uri": "https://..."}``, storage properties such as
-            ``s3.endpoint`` included), or the name of a catalog configured in ``~/.pyiceberg.yaml`` or the
-            ``PYICEBERG_CATALOG__...`` environment; ``None``: pyiceberg's default catalog.
+            ``s3.endpoint`` included; the optional key ``"name"`` names the catalog, default ``"default"``: a SQL
+            catalog keeps it with its tables, so read it back with ``load_catalog(name, ...)``), or the name of a
+            catalog configured in ``~/.pyiceberg.yaml`` or the ``PYICEBERG_CATALOG__...`` environment; ``None``:
+            pyiceberg's default catalog.
         compact: merge the table's small files when the job finishes (see the module docstring).
     """
     if not isinstance(identifier, str) or "." not in identifier.strip(".") or any(not p for p in identifier.split(".")):
@@ -97,7 +99,8 @@ def iceberg(
             "tables.iceberg(catalog=...) must be a catalog name or a dict of str catalog properties (e.g. "
             f"{{'type': 'sql', 'uri': 'sqlite:///catalog.db', 'warehouse': 'file:///warehouse'}}), got {catalog!r:.200}"
         )
-    return IcebergTableOutput(identifier, None, dict(catalog), compact)
+    properties = dict(catalog)
+    return IcebergTableOutput(identifier, properties.pop("name", None), properties, compact)
 
 
 def _key_property(job_id: str) -> str:
