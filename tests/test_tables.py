@@ -290,7 +290,7 @@ def chaos(tmp_path: Path, spec_table: dict, seed: int, storage: str, n: int = 60
     at a random moment), then one rank finishes the job: every index once in the table."""
     rng = random.Random(seed)
     spec = {
-        "table": spec_table, "n": n, "batch_size": 5, "checkpoint_interval": rng.choice([1, 2, 3]), "sleep": 0.01,
+        "table": spec_table, "n": n, "batch_size": 5, "checkpoint_interval": rng.choice([1, 2, 3]), "sleep": 0.03,
         "storage": storage, "report_dir": str(tmp_path / "reports"), "progress_file": str(tmp_path / "progress"),
     }
     kills = [("after", 2), ("before", 3), ("random", 2)]
@@ -302,7 +302,7 @@ def chaos(tmp_path: Path, spec_table: dict, seed: int, storage: str, n: int = 60
         procs = spawn_ranks(world, TABLE_JOB, json.dumps(dict(spec, attempt=attempt)), env=env)
         if how == "random":
             wait_for_progress(Path(spec["progress_file"]), procs)
-            time.sleep(rng.uniform(0.0, 1.0))
+            time.sleep(rng.uniform(0.0, 0.8))
             os.kill(procs[rng.randrange(world)].pid, signal.SIGKILL)
         outcomes = wait_all(procs, timeout=120)
         assert all(rc is not None for rc, _, _ in outcomes), "a rank hung"
@@ -333,4 +333,35 @@ def test_kill9_chaos_on_s3_delta_table_every_index_once(tmp_path, s3_url, moto_s
         "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true", "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
     }
     spec = table_spec("delta", tmp_path, options, uri=f"s3://{bucket}/rows")
-    chaos(tmp_path, spec, seed=21, storage=s3_url, n=300)
+    chaos(tmp_path, spec, seed=21, storage=s3_url, n=400)
+
+
+# ------------------------------------------------------------------ units
+
+
+def test_data_file_names_carry_the_job_and_the_stage():
+    from torch_batch_process.outputs.tables.base import data_file_name, data_file_stage
+
+    name = data_file_name("embed-1a2b", 12, 3, 2, 7)
+    assert name == "tbp-embed-1a2b-s00000012-r3-a2-00007.parquet"
+    assert data_file_stage(name, "embed-1a2b") == 12
+    assert data_file_stage(name, "embed") is None  # another job's file is never this job's orphan
+    assert data_file_stage("part-00001-abc.parquet", "embed-1a2b") is None
+
+
+def test_table_types_are_normalized_or_refused_naming_the_column():
+    from torch_batch_process.outputs.tables.base import normalize_schema
+
+    schema = pa.schema([
+        ("index", pa.int64()), ("v", pa.list_(pa.float32(), 4)), ("u", pa.uint8()), ("s", pa.large_string()),
+        ("m", pa.list_(pa.list_(pa.int32(), 2), 3)),
+    ])
+    lists = normalize_schema(schema, fixed_lists=False, what="a Delta table", origin="batch 0")
+    assert lists.field("v").type == pa.list_(pa.float32()) and lists.field("u").type == pa.int16()
+    assert lists.field("s").type == pa.string() and lists.field("m").type == pa.list_(pa.list_(pa.int32()))
+    fixed = normalize_schema(schema, fixed_lists=True, what="a Lance dataset", origin="batch 0")
+    assert fixed.field("v").type == pa.list_(pa.float32(), 4)
+    for bad, match in ((pa.float16(), "float16"), (pa.uint64(), "uint64"), (pa.null(), "all None")):
+        with pytest.raises(SchemaConflictError, match=f"column 'x'.*{match}"):
+            normalize_schema(pa.schema([("index", pa.int64()), ("x", bad)]), fixed_lists=False, what="a table",
+                             origin="batch 3")
