@@ -16,7 +16,7 @@ unchanged, readers of any version see them once.
 from __future__ import annotations
 
 import logging
-import os
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,6 @@ from torch_batch_process.outputs.tables.base import (
     DataFileWriter,
     Table,
     TableTarget,
-    data_file_name,
     data_file_stage,
     normalize_schema,
     require,
@@ -239,12 +238,12 @@ class IcebergTable(Table):
             return
         schema = self.arrow_schema()
         written = []
-        for number, group in enumerate(bins):
+        for group in bins:
             parts = []
             for data_file in group:
                 with table.io.new_input(str(data_file.file_path)).open() as f:
                     parts.append(pq.read_table(f).select(schema.names).cast(schema))
-            name = data_file_name(f"compacted-{os.getpid()}", 0, 0, 0, number)  # no job's orphan
+            name = f"tbp-compacted-{uuid.uuid4().hex}.parquet"  # no job's data file name: never taken for an orphan
             writer = ParquetDataFile(table.io.new_output(f"{self._data_folder()}/{name}").create(overwrite=True),
                                      f"{self._data_folder()}/{name}", schema, 0)
             writer.write_table(pa.concat_tables(parts))
