@@ -69,22 +69,22 @@ def child_write(rows: int, batch_size: int, storage: str, write: bool, table: st
     target = make_target(table, storage + "-table") if table else None
     if target is not None:
         target.check()  # imports the format's package: not on the clock, as torch's import is not
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = torch_batch_process(Embed, range(rows), batch_size=batch_size, checkpoint_interval=50,
                                  storage_path=storage, progress=False, dataloader_kwargs={"collate_fn": list},
                                  table=target)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     assert result.finished
-    files = compact_s = files_before = 0
+    files = compact_s = compact_cpu_s = files_before = 0
     if target is not None:  # what a finished job does when compact=True (the default), timed apart
         opened = target.open()
         files_before = opened.live_files()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         opened.compact()
-        compact_s = time.perf_counter() - t1
+        compact_s, compact_cpu_s = time.perf_counter() - t1, time.process_time() - c1
         files = opened.live_files()
-    return {"seconds": seconds, "peak_rss_mib": _peak_mib(), "batches": result.num_batches,
-            "compact_s": compact_s, "files_before_compaction": files_before,
+    return {"seconds": seconds, "cpu_s": cpu_s, "peak_rss_mib": _peak_mib(), "batches": result.num_batches,
+            "compact_s": compact_s, "compact_cpu_s": compact_cpu_s, "files_before_compaction": files_before,
             "process_s": result.timings.get("process", 0.0), "commit_s": result.timings.get("commit", 0.0),
             "files_after_compaction": files, "commits": result.to_json().get("commits")}
 
@@ -199,15 +199,17 @@ def compare_tables(sizes: list[int], batch_size: int, kinds: list[str], rounds: 
                 for kind in kinds:
                     wrote = run(kind, True, kind)
                     entry = dict(wrote, base_s=base["seconds"], shards_s=shards["seconds"],
-                                 ratio=(wrote["seconds"] - base["seconds"]) / shard_cost)
+                                 ratio=(wrote["seconds"] - base["seconds"]) / shard_cost,
+                                 base_cpu_s=base["cpu_s"], shards_cpu_s=shards["cpu_s"],
+                                 cpu_ratio=(wrote["cpu_s"] - base["cpu_s"]) / (shards["cpu_s"] - base["cpu_s"]))
                     results.setdefault((n, kind), []).append(entry)
                     print(json.dumps({"rows": n, "round": r, "format": kind, **entry}), file=sys.stderr)
     print(f"\n{DIM}-float32 embeddings, 1 process, batches of {batch_size}, checkpoint_interval=50, local storage; "
           f"{rounds} round(s), median of the same-round ratios")
     print("| rows | table | write job s (Parquet shards s, no-write s) | write cost per row: table, shards "
-          "| table / shards (each round) | compaction s (per row) | with compaction / shards | commits "
-          "| data files before -> after compaction |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| table / shards (each round) | CPU time: table / shards (each round) | compaction s (per row) "
+          "| with compaction / shards | commits | data files before -> after compaction |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (n, kind), entries in results.items():
         mid = sorted(entries, key=lambda e: e["ratio"])[len(entries) // 2]
         per_row = (mid["seconds"] - mid["base_s"]) / n * 1e6
@@ -217,7 +219,9 @@ def compare_tables(sizes: list[int], batch_size: int, kinds: list[str], rounds: 
         )
         print(f"| {n:,} | {kind} | {mid['seconds']:.2f} ({mid['shards_s']:.2f}, {mid['base_s']:.2f}) | "
               f"{per_row:.1f} us, {shard_row:.1f} us | {statistics.median(e['ratio'] for e in entries):.2f}x "
-              f"({', '.join(format(e['ratio'], '.2f') for e in entries)}) | {mid['compact_s']:.2f} "
+              f"({', '.join(format(e['ratio'], '.2f') for e in entries)}) | "
+              f"{statistics.median(e['cpu_ratio'] for e in entries):.2f}x "
+              f"({', '.join(format(e['cpu_ratio'], '.2f') for e in entries)}) | {mid['compact_s']:.2f} "
               f"({mid['compact_s'] / n * 1e6:.1f} us) | {with_compaction:.2f}x | {mid['commits']} | "
               f"{mid['files_before_compaction']} -> {mid['files_after_compaction']} |")
     return 0
