@@ -56,11 +56,12 @@ def table_spec(fmt: str, root: Path, storage_options: dict[str, str] | None = No
 
 
 def target_of(spec: dict) -> Any:
+    interval = spec.get("commit_interval_s", 1.0)
     if spec["format"] == "delta":
-        return tables.delta(spec["uri"], storage_options=spec.get("storage_options"))
+        return tables.delta(spec["uri"], storage_options=spec.get("storage_options"), commit_interval_s=interval)
     if spec["format"] == "iceberg":
-        return tables.iceberg(spec["identifier"], catalog=spec["catalog"])
-    return tables.lance(spec["uri"], storage_options=spec.get("storage_options"))
+        return tables.iceberg(spec["identifier"], catalog=spec["catalog"], commit_interval_s=interval)
+    return tables.lance(spec["uri"], storage_options=spec.get("storage_options"), commit_interval_s=interval)
 
 
 @pytest.fixture(autouse=True)
@@ -143,7 +144,7 @@ def run_job(tmp_path: Path, target: Any, n: int = 60, interval: int = 1, **kwarg
 def test_rows_go_into_the_table_once_and_read_back_in_order(tmp_path, fmt, monkeypatch):
     spec = table_spec(fmt, tmp_path)
     target = target_of(spec)
-    result = run_job(tmp_path, target, n=60, interval=1)  # a commit per batch: 15 transactions, then compaction
+    result = run_job(tmp_path, target, n=60, interval=1)  # a commit per batch, then compaction
     assert result.batches_committed == 15
     assert_each_index_once(spec, 60)
     table = read_outputs(target)
@@ -236,6 +237,8 @@ def test_bad_targets_are_clear_errors_before_any_write(tmp_path, monkeypatch):
         tables.iceberg("rows")
     with pytest.raises(InvalidArgumentError, match="catalog cannot be used"):
         run_job(tmp_path, tables.iceberg("db.rows", catalog={"type": "nosuch"}))
+    with pytest.raises(InvalidArgumentError, match="commit_interval_s must be a number of seconds"):
+        tables.lance(tmp_path / "x.lance", commit_interval_s=-1)
     with pytest.raises(InvalidArgumentError, match="storage_options must be a dict of str"):
         tables.delta(tmp_path / "d", storage_options={"AWS_ALLOW_HTTP": True})
     monkeypatch.setitem(sys.modules, "deltalake", None)  # as if the extra were not installed
@@ -271,7 +274,8 @@ def run_process(spec: dict, env: dict[str, str] | None = None, timeout: float = 
 )
 def test_kill9_between_the_record_and_the_table_transaction_neither_loses_nor_duplicates(tmp_path, fmt, moment):
     spec = {
-        "table": table_spec(fmt, tmp_path), "n": 40, "batch_size": 4, "checkpoint_interval": 1, "sleep": 0.05,
+        "table": dict(table_spec(fmt, tmp_path), commit_interval_s=0),  # a transaction per record: the 2nd is mid-job
+        "n": 40, "batch_size": 4, "checkpoint_interval": 1, "sleep": 0.05,
         "storage": str(tmp_path / "job"), "report_dir": str(tmp_path / "reports"),
     }
     assert run_process(spec, {"TBP_TEST_TABLE_KILL": f"{moment}:2"}) == -signal.SIGKILL
@@ -320,7 +324,8 @@ def chaos(tmp_path: Path, spec_table: dict, seed: int, storage: str, n: int = 60
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kill9_chaos_then_resume_on_other_world_sizes_every_index_once(tmp_path, fmt):
-    chaos(tmp_path, table_spec(fmt, tmp_path), seed=FORMATS.index(fmt) + 11, storage=str(tmp_path / "job"))
+    spec = dict(table_spec(fmt, tmp_path), commit_interval_s=0.2)  # transactions postponed, yet several per attempt
+    chaos(tmp_path, spec, seed=FORMATS.index(fmt) + 11, storage=str(tmp_path / "job"))
 
 
 @pytest.mark.slow
@@ -332,7 +337,7 @@ def test_kill9_chaos_on_s3_delta_table_every_index_once(tmp_path, s3_url, moto_s
         "AWS_ENDPOINT_URL": moto_server.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true", "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
     }
-    spec = table_spec("delta", tmp_path, options, uri=f"s3://{bucket}/rows")
+    spec = dict(table_spec("delta", tmp_path, options, uri=f"s3://{bucket}/rows"), commit_interval_s=0)
     chaos(tmp_path, spec, seed=21, storage=s3_url, n=400)
 
 
@@ -365,3 +370,23 @@ def test_table_types_are_normalized_or_refused_naming_the_column():
         with pytest.raises(SchemaConflictError, match=f"column 'x'.*{match}"):
             normalize_schema(pa.schema([("index", pa.int64()), ("x", bad)]), fixed_lists=False, what="a table",
                              origin="batch 3")
+
+
+def test_table_transactions_are_paced_but_the_final_one_never_waits(tmp_path):
+    need("lance")
+    import lance
+
+    target = tables.lance(tmp_path / "rows.lance", commit_interval_s=3600, compact=False)
+    run_job(tmp_path, target, n=40, interval=1)  # 10 job commits
+    dataset = lance.dataset(str(tmp_path / "rows.lance"))
+    keys = [
+        (dataset.read_transaction(v["version"]).transaction_properties or {}).get("tbp.commit")
+        for v in dataset.versions()
+    ]
+    assert [k for k in keys if k] == ["1", keys[-1]] and keys[-1] != "1"  # the first commit's, then the final one's
+    assert sorted(read_outputs(target).column("index").to_pylist()) == list(range(40))
+    paced = tables.lance(tmp_path / "fast.lance", commit_interval_s=0, compact=False)
+    run_job(tmp_path / "two", paced, n=40, interval=1)
+    fast = lance.dataset(str(tmp_path / "fast.lance"))
+    fast_keys = [(fast.read_transaction(v["version"]).transaction_properties or {}).get("tbp.commit") for v in fast.versions()]
+    assert len([k for k in fast_keys if k]) > 1  # at most one per commit, several here

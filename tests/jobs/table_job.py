@@ -1,7 +1,7 @@
 """A job writing ``context.write`` rows into a table target, run in real worker processes by tests/test_tables.py.
 
 The spec comes as JSON in argv[1]: ``table`` (``{"format": "delta"|"iceberg"|"lance", "uri"|"identifier",
-"storage_options"|"catalog"}``), ``n``, ``batch_size``, ``checkpoint_interval``, ``storage``, ``kwargs`` (more
+"storage_options"|"catalog", "commit_interval_s"}``), ``n``, ``batch_size``, ``checkpoint_interval``, ``storage``, ``kwargs`` (more
 options of torch_batch_process), ``sleep`` (seconds per batch), ``progress_file`` (touched after each batch, for
 tests that kill workers), ``report_dir``, ``attempt``. Example ``i`` gets ``emb=[i, i+0.5, -i]`` (float32) and
 ``label="ex<i>"``. An error is stored in the report and the process exits with status 1.
@@ -21,11 +21,12 @@ SPEC = json.loads(sys.argv[1])
 
 
 def make_table(spec):
+    interval = spec.get("commit_interval_s", 1.0)
     if spec["format"] == "delta":
-        return tables.delta(spec["uri"], storage_options=spec.get("storage_options"))
+        return tables.delta(spec["uri"], storage_options=spec.get("storage_options"), commit_interval_s=interval)
     if spec["format"] == "iceberg":
-        return tables.iceberg(spec["identifier"], catalog=spec["catalog"])
-    return tables.lance(spec["uri"], storage_options=spec.get("storage_options"))
+        return tables.iceberg(spec["identifier"], catalog=spec["catalog"], commit_interval_s=interval)
+    return tables.lance(spec["uri"], storage_options=spec.get("storage_options"), commit_interval_s=interval)
 
 
 class Processor(TorchBatchProcessor):

@@ -324,7 +324,7 @@ class Committer:
         self._published.settle()
         slots = [v.slots for v in votes]
         prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=slots)
-        keeper.persist(prepared)
+        keeper.persist(prepared, closing=True)
         if self._writes is not None:
             self._writes.durable = prepared.record.commit
         return prepared.metrics, keeper.summary

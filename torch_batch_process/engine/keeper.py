@@ -274,15 +274,16 @@ class RecordKeeper:
         frozen = [self._store.load_state(rel)["reducers"] for rel in self.frozen]
         return self._reducers.cross_slot_reduce(frozen + live)
 
-    def persist(self, *prepared: PreparedRecord) -> None:
+    def persist(self, *prepared: PreparedRecord, closing: bool = False) -> None:
         """Writes prepared records as one group commit: only the newest is written (records are cumulative, it
-        commits everything the others would), then every record's lines, the result and the clean-up."""
+        commits everything the others would), then every record's lines, the result and the clean-up.
+        ``closing``: the closing commit's record (a table target's transaction is then never postponed)."""
         record = prepared[-1].record
         if self._lock is not None:
             self._lock.check()
         self._store.write_record(record)
         if self._table is not None:  # the commit point is passed: the table follows (a failure fails the job)
-            self._table.after_record(record)
+            self._table.after_record(record, closing=closing)
         try:
             for each in prepared:
                 self._metrics_log.append(each.lines, commit=each.record.commit, attempt=self._attempt)

@@ -27,6 +27,7 @@ __all__ = [
     "DataFileWriter",
     "Table",
     "TableTarget",
+    "check_options",
     "check_storage_options",
     "data_file_name",
     "data_file_stage",
@@ -62,6 +63,20 @@ def require(module: str, extra: str, what: str) -> Any:
             f"table={what} needs the {module.split('.')[0]} package, which is not installed: "
             f"pip install 'torch-batch-process[{extra}]'"
         ) from exc
+
+
+def check_options(what: str, compact: Any, commit_interval_s: Any) -> float:
+    """Checks the options every target has; returns ``commit_interval_s`` as a float."""
+    if not isinstance(compact, bool):
+        raise InvalidArgumentError(f"{what}: compact must be True or False, got {compact!r}")
+    if isinstance(commit_interval_s, bool) or not isinstance(commit_interval_s, (int, float)) or not (
+        0 <= commit_interval_s < float("inf")
+    ):
+        raise InvalidArgumentError(
+            f"{what}: commit_interval_s must be a number of seconds >= 0 (the least time between two table "
+            f"transactions), got {commit_interval_s!r}"
+        )
+    return float(commit_interval_s)
 
 
 def check_storage_options(value: Any, what: str) -> dict[str, str] | None:
@@ -214,10 +229,12 @@ class TableTarget(ABC):
 
     Attributes:
         compact: whether a finished job compacts the table's small files (the format's own tools).
+        commit_interval_s: the least time between two table transactions (job commits in between are added by one).
     """
 
     kind: str = ""
     compact: bool = True
+    commit_interval_s: float = 1.0
 
     @abstractmethod
     def check(self) -> None:

@@ -17,9 +17,12 @@ one); *the key* of a table transaction is the number ``n`` of the commit record 
    group newer than the key the table holds, with key = the newest group's ``n``, written in the table's own
    metadata atomically with the files: a Delta application transaction (``txn``: app id ``tbp-<job id>``, version
    ``n``) and commit info, Iceberg snapshot summary properties and the table property ``tbp.commit.<job id>``,
-   Lance transaction properties. Group commits of records (:mod:`torch_batch_process.engine.group_commit`) make
-   several job commits one transaction: at most one transaction per commit, fewer when the table is slower than
-   the commits. Once it succeeded, the groups it added leave the next record.
+   Lance transaction properties. At most one transaction per commit, fewer: records written as one group commit
+   (:mod:`torch_batch_process.engine.group_commit`) make one transaction, and a transaction waits until
+   ``commit_interval_s`` (an option of the target, default 1 s) has passed since the previous one, so that
+   frequent job commits do not flood the table with versions (the groups stay pending in the records meanwhile;
+   the closing commit and the final record never wait). Once a transaction succeeded, the groups it added leave
+   the next record.
 4. **Start (rank 0, under the job lock, before any rank writes).** :meth:`TableCommits.reconcile`: the key the
    table holds (``k``) says which pending groups of the latest record are in it: groups ``n <= k`` are, the others
    are added now in one transaction (key = the newest). Then the data files of this job whose stage the latest
@@ -75,6 +78,7 @@ class TableCommits:
         self._merged: list[dict[str, Any]] = []  # files of merged votes, not yet in a prepared record
         self._pending: list[dict[str, Any]] = []  # groups {"n", "files"} not yet seen in the table
         self._key = 0  # the newest key the table holds for this job, as far as this process knows
+        self._last = float("-inf")  # when the previous transaction started (time.monotonic())
         self._transactions = 0
         self.commit_s = 0.0
         """Seconds spent in table transactions (for the benchmark)."""
@@ -129,13 +133,15 @@ class TableCommits:
                 return None
             return {"pending": list(self._pending)}
 
-    def after_record(self, record: Any) -> None:
+    def after_record(self, record: Any, *, closing: bool = False) -> None:
         """Rank 0, right after ``record`` is durable: the table transaction of its pending groups that the table lacks
-        (one, whatever their number), then, for the final record, compaction."""
+        (one, whatever their number; postponed while ``commit_interval_s`` has not passed since the previous one,
+        unless ``closing`` or final), then, for the final record, compaction."""
         with self._mutex:
             key = self._key
         groups = [g for g in _pending_of(record) if g["n"] > key]
-        if groups:
+        due = closing or record.finished or time.monotonic() - self._last >= self.table.target.commit_interval_s
+        if groups and due:
             self._transact(groups, record.record_schema.schema if record.record_schema else None)
         if record.finished:
             self._compact()
@@ -144,6 +150,7 @@ class TableCommits:
         key = max(g["n"] for g in groups)
         files = [f for g in groups for f in g["files"]]
         self._transactions += 1
+        self._last = time.monotonic()
         _test_kill("before", self._transactions)
         started = time.perf_counter()
         try:

@@ -25,6 +25,7 @@ from torch_batch_process.outputs.tables.base import (
     DataFileWriter,
     Table,
     TableTarget,
+    check_options,
     check_storage_options,
     data_file_stage,
     normalize_schema,
@@ -44,6 +45,7 @@ class DeltaTableOutput(TableTarget):
     uri: str
     storage_options: dict[str, str] | None = field(default=None, compare=False, repr=False)
     compact: bool = True
+    commit_interval_s: float = 1.0
     kind = "delta"
 
     def check(self) -> None:
@@ -61,7 +63,13 @@ class DeltaTableOutput(TableTarget):
         return DeltaTable(self)
 
 
-def delta(uri: str | os.PathLike[str], *, storage_options: dict[str, str] | None = None, compact: bool = True) -> DeltaTableOutput:
+def delta(
+    uri: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, str] | None = None,
+    compact: bool = True,
+    commit_interval_s: float = 1.0,
+) -> DeltaTableOutput:
     """A Delta Lake table as the target of ``context.write()`` rows: ``torch_batch_process(..., table=delta(uri))``.
 
     Args:
@@ -69,16 +77,17 @@ def delta(uri: str | os.PathLike[str], *, storage_options: dict[str, str] | None
             created at the first rows if it does not exist, else appended to (its columns must match).
         storage_options: delta-rs' object-store options (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...;
             default: the environment).
+        commit_interval_s: the least time between two table transactions: the job's commits in between are added by
+            one (at most one transaction per commit; the closing and final commits never wait).
         compact: compact the table's small files when the job finishes (``DeltaTable.optimize.compact()``).
     """
     if not isinstance(uri, (str, os.PathLike)) or not os.fspath(uri).strip():
         raise InvalidArgumentError(f"tables.delta(uri): uri must be a non-empty path or URI, got {uri!r}")
-    if not isinstance(compact, bool):
-        raise InvalidArgumentError(f"tables.delta(compact=...) must be True or False, got {compact!r}")
+    interval = check_options(f"tables.delta({uri!r})", compact, commit_interval_s)
     text = os.fspath(uri)
     if "://" not in text:
         text = os.path.abspath(text)
-    return DeltaTableOutput(text, check_storage_options(storage_options, f"tables.delta({text!r})"), compact)
+    return DeltaTableOutput(text, check_storage_options(storage_options, f"tables.delta({text!r})"), compact, interval)
 
 
 def _app_id(job_id: str) -> str:

@@ -26,6 +26,7 @@ from torch_batch_process.outputs.tables.base import (
     DataFileWriter,
     Table,
     TableTarget,
+    check_options,
     data_file_stage,
     normalize_schema,
     require,
@@ -48,6 +49,7 @@ class IcebergTableOutput(TableTarget):
     catalog: str | None = None
     catalog_properties: dict[str, str] | None = field(default=None, compare=False, repr=False)
     compact: bool = True
+    commit_interval_s: float = 1.0
     kind = "iceberg"
 
     def check(self) -> None:
@@ -70,6 +72,7 @@ def iceberg(
     *,
     catalog: str | Mapping[str, str] | None = None,
     compact: bool = True,
+    commit_interval_s: float = 1.0,
 ) -> IcebergTableOutput:
     """An Iceberg table as the target of ``context.write()`` rows: ``torch_batch_process(..., table=iceberg(...))``.
 
@@ -84,22 +87,23 @@ def iceberg(
             catalog configured in ``~/.pyiceberg.yaml`` or the ``PYICEBERG_CATALOG__...`` environment; ``None``:
             pyiceberg's default catalog.
         compact: merge the table's small files when the job finishes (see the module docstring).
+        commit_interval_s: the least time between two table transactions: the job's commits in between are added by
+            one (at most one transaction per commit; the closing and final commits never wait).
     """
     if not isinstance(identifier, str) or "." not in identifier.strip(".") or any(not p for p in identifier.split(".")):
         raise InvalidArgumentError(
             f"tables.iceberg(identifier): the table must be named 'namespace.table', got {identifier!r}"
         )
-    if not isinstance(compact, bool):
-        raise InvalidArgumentError(f"tables.iceberg(compact=...) must be True or False, got {compact!r}")
+    interval = check_options(f"tables.iceberg({identifier!r})", compact, commit_interval_s)
     if catalog is None or isinstance(catalog, str):
-        return IcebergTableOutput(identifier, catalog, None, compact)
+        return IcebergTableOutput(identifier, catalog, None, compact, interval)
     if not isinstance(catalog, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in catalog.items()):
         raise InvalidArgumentError(
             "tables.iceberg(catalog=...) must be a catalog name or a dict of str catalog properties (e.g. "
             f"{{'type': 'sql', 'uri': 'sqlite:///catalog.db', 'warehouse': 'file:///warehouse'}}), got {catalog!r:.200}"
         )
     properties = dict(catalog)
-    return IcebergTableOutput(identifier, properties.pop("name", None), properties, compact)
+    return IcebergTableOutput(identifier, properties.pop("name", None), properties, compact, interval)
 
 
 def _key_property(job_id: str) -> str:

@@ -27,6 +27,7 @@ from torch_batch_process.outputs.tables.base import (
     DataFileWriter,
     Table,
     TableTarget,
+    check_options,
     check_storage_options,
     normalize_schema,
     require,
@@ -44,6 +45,7 @@ class LanceTableOutput(TableTarget):
     uri: str
     storage_options: dict[str, str] | None = field(default=None, compare=False, repr=False)
     compact: bool = True
+    commit_interval_s: float = 1.0
     kind = "lance"
 
     def check(self) -> None:
@@ -59,7 +61,13 @@ class LanceTableOutput(TableTarget):
         return LanceTable(self)
 
 
-def lance(uri: str | os.PathLike[str], *, storage_options: dict[str, str] | None = None, compact: bool = True) -> LanceTableOutput:
+def lance(
+    uri: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, str] | None = None,
+    compact: bool = True,
+    commit_interval_s: float = 1.0,
+) -> LanceTableOutput:
     """A Lance dataset as the target of ``context.write()`` rows: ``torch_batch_process(..., table=lance(uri))``.
 
     Args:
@@ -67,16 +75,17 @@ def lance(uri: str | os.PathLike[str], *, storage_options: dict[str, str] | None
             appended to (its columns must match).
         storage_options: Lance's object-store options (``aws_endpoint``, ``allow_http``...; default: the
             environment).
+        commit_interval_s: the least time between two table transactions: the job's commits in between are added by
+            one (at most one transaction per commit; the closing and final commits never wait).
         compact: compact the dataset's fragments when the job finishes (``dataset.optimize.compact_files()``).
     """
     if not isinstance(uri, (str, os.PathLike)) or not os.fspath(uri).strip():
         raise InvalidArgumentError(f"tables.lance(uri): uri must be a non-empty path or URI, got {uri!r}")
-    if not isinstance(compact, bool):
-        raise InvalidArgumentError(f"tables.lance(compact=...) must be True or False, got {compact!r}")
+    interval = check_options(f"tables.lance({uri!r})", compact, commit_interval_s)
     text = os.fspath(uri)
     if "://" not in text:
         text = os.path.abspath(text)
-    return LanceTableOutput(text, check_storage_options(storage_options, f"tables.lance({text!r})"), compact)
+    return LanceTableOutput(text, check_storage_options(storage_options, f"tables.lance({text!r})"), compact, interval)
 
 
 class LanceTable(Table):
