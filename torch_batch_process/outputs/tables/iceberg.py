@@ -118,6 +118,7 @@ class IcebergTable(Table):
         self._target = target
         self._catalog: Any = None
         self._location: str | None = None
+        self._io: Any = None  # the table's FileIO, kept once the table exists (a rank opens many data files)
 
     def catalog(self) -> Any:
         """The catalog (loaded once)."""
@@ -170,13 +171,12 @@ class IcebergTable(Table):
         if self._location is None:
             table = self._load()
             assert table is not None, "ensure() creates the table before any data file"
-            self._location = table.location().rstrip("/")
+            self._location, self._io = table.location().rstrip("/"), table.io
         return f"{self._location}/data"
 
     def open_file(self, name: str, schema: Any, stage: int) -> DataFileWriter:
-        table = self._load()
-        path = f"{self._data_folder()}/{name}"
-        return ParquetDataFile(table.io.new_output(path).create(overwrite=True), path, schema, stage)
+        path = f"{self._data_folder()}/{name}"  # the table's location and FileIO, loaded once
+        return ParquetDataFile(self._io.new_output(path).create(overwrite=True), path, schema, stage)
 
     def committed_key(self, job_id: str) -> int:
         table = self._load()
