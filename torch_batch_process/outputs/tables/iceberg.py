@@ -159,10 +159,14 @@ class IcebergTable(Table):
     def ensure(self, schema: Any) -> Any:
         namespace = self._target.identifier.rsplit(".", 1)[0]
         catalog = self.catalog()
-        catalog.create_namespace_if_not_exists(namespace)
+        try:  # ranks race here at their first rows: whichever creates the namespace and the table, its schema decides
+            catalog.create_namespace_if_not_exists(namespace)
+        except Exception:
+            if not catalog.namespace_exists(namespace):
+                raise
         try:
             catalog.create_table_if_not_exists(self._target.identifier, schema=schema)
-        except Exception:  # another rank created it at the same moment: its schema decides
+        except Exception:
             if not self.exists():
                 raise
         return self.arrow_schema()
