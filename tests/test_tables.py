@@ -281,9 +281,26 @@ def test_kill9_between_the_record_and_the_table_transaction_neither_loses_nor_du
     assert run_process(spec, {"TBP_TEST_TABLE_KILL": f"{moment}:2"}) == -signal.SIGKILL
     before = own_reader_indices(spec["table"]) if target_of(spec["table"]).open().exists() else []
     assert len(before) == len(set(before)) < 40, len(before)  # killed mid-job, around its 2nd table transaction
+    if fmt == "delta":  # a data file of a stage never committed (as a kill mid-stage leaves), and another job's
+        job = json.loads((tmp_path / "job" / "_tbp" / "job.json").read_text())
+        uid = f"{job['job_name']}-{int(job['created'] * 1e6):x}"
+        orphan = Path(spec["table"]["uri"], f"tbp-{uid}-s00000099-r1-a1-00000.parquet")
+        foreign = Path(spec["table"]["uri"], "tbp-otherjob-1-s00000099-r1-a1-00000.parquet")
+        orphan.write_bytes(b"not committed")
+        foreign.write_bytes(b"another job's")
     assert run_process(dict(spec, attempt=2)) == 0
     assert_each_index_once(spec["table"], 40)
     assert read_outputs(target_of(spec["table"])).column("index").to_pylist() == list(range(40))
+    if fmt == "delta":  # the data files the killed attempt wrote for stages never committed are gone
+        root = Path(spec["table"]["uri"])
+        added = {
+            json.loads(line)["add"]["path"]
+            for log in (root / "_delta_log").glob("*.json")
+            for line in log.read_text().splitlines()
+            if '"add"' in line
+        }
+        on_disk = {p.name for p in root.glob("tbp-*.parquet")}
+        assert on_disk - added == {foreign.name}  # the orphan was deleted at the start, the other job's file kept
 
 
 # ------------------------------------------------------------------ several processes, SIGKILL at random moments
