@@ -26,10 +26,12 @@ one); *the key* of a table transaction is the number ``n`` of the commit record 
 4. **Start (rank 0, under the job lock, before any rank writes).** :meth:`TableCommits.reconcile`: the key the
    table holds (``k``) says which pending groups of the latest record are in it: groups ``n <= k`` are, the others
    are added now in one transaction (key = the newest). Then the data files of this job whose stage the latest
-   record does not commit are deleted: a killed attempt wrote them and no table version references them.
+   record does not commit are deleted: a killed attempt wrote them and no table version references them (Delta,
+   Iceberg; Lance names its files itself and leaves them to its own clean-up, see
+   :mod:`torch_batch_process.outputs.tables.lance`).
 
 **Crash anywhere.** Killed before the record: the stage is not committed; its data files are in no table version
-(invisible to readers) and the next start deletes them; its batches run again. Killed after the record and before
+(invisible to readers) and the next start deletes them (Lance: its clean-up); its batches run again. Killed after the record and before
 the table transaction: the next start finds ``k < n`` and adds the group. Killed after the table transaction and
 before the next record says so: the next start finds ``k >= n`` and adds nothing. A transaction is atomic, and its
 key rises with ``n``, so every committed row is in the table once. The job reports success only after the final
