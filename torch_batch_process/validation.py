@@ -70,6 +70,8 @@ class JobArguments:
     """Format of the shards of ``context.write()``: ``"parquet"`` or ``"jsonl"``."""
     failures: FailureOptions = FailureOptions()
     """``on_error``, ``max_failures``, ``batch_timeout`` (:mod:`torch_batch_process.failure_options`)."""
+    table: Any = None
+    """The table target of ``context.write()`` rows (a :class:`~torch_batch_process.tables.TableTarget`), or ``None``."""
 
 
 def _is_int(value: Any) -> bool:
@@ -83,6 +85,25 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
         raise InvalidArgumentError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+
+
+def validate_table(table: Any, output_format: Any) -> None:
+    """Checks a table target (``table=``): its package is installed, its options and catalog work."""
+    if table is None:
+        return
+    from torch_batch_process.outputs.tables.base import TableTarget
+
+    if not isinstance(table, TableTarget):
+        raise InvalidArgumentError(
+            f"table must be a table target such as torch_batch_process.tables.delta(uri), tables.iceberg(identifier, "
+            f"catalog=...) or tables.lance(uri), got {type(table).__name__} {table!r:.100}"
+        )
+    if output_format != "parquet":
+        raise InvalidArgumentError(
+            f"output_format={output_format!r} is for record shards in the job's storage; with table=, rows go into "
+            f"{table.describe_short()}: remove output_format"
+        )
+    table.check()
 
 
 def validate_processor_cls(processor_cls: Any) -> type[TorchBatchProcessor]:
@@ -320,6 +341,7 @@ def validate_arguments(
     autocast: Any = None,
     output_format: Any = "parquet",
     failures: FailureOptions = FailureOptions(),
+    table: Any = None,
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -349,6 +371,7 @@ def validate_arguments(
     if schedule == "dynamic":
         heartbeat_silence_s()  # $TBP_HEARTBEAT_SILENCE_S, which rank 0 reads when it watches the others
     check_output_format(output_format)
+    validate_table(table, output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:
         lengths = resolve_lengths(bucket_by, dataset_length)
@@ -374,4 +397,5 @@ def validate_arguments(
         autocast=autocast,
         output_format=output_format,
         failures=failures,
+        table=table,
     )

@@ -49,6 +49,7 @@ def make_committer(
             lock=job.opener.lock,
             result_of=result_json,
             started=job.started,
+            table=job.table_commits,
         )
     store = job.call_store()
     latest = start.latest

@@ -52,6 +52,8 @@ from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.outputs.schema import RecordSchema
+from torch_batch_process.outputs.tables.commits import TableCommits
+from torch_batch_process.outputs.tables.sink import TableSink
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.storage.base import open_storage
@@ -95,7 +97,9 @@ class JobRun:
         self.plan = self.full_plan
         length = self.stream.plan.dataset_length if self.stream is not None else args.dataset_length
         spec = JobSpec.of_call(args, length, self.plan.fingerprint())
-        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll)
+        self.table = args.table.open() if args.table is not None else None  # table= (outputs/tables)
+        self.table_commits = TableCommits(self.table) if self.table is not None and self.rank == 0 else None
+        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll, self.table_commits)
         self.failures = FailureTracker(self.rank)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(self.rank), f"tensorboard-rank{self.rank}")
         self.observer = JobObserver(
@@ -153,7 +157,8 @@ class JobRun:
         self.stager = OutputStager(self.storage, self.rank)
         current = CurrentBatch()
         committed = start.latest.record_schema if start.latest is not None else self.parent_schema
-        records = RecordWriter(self.stager, current, self.rank, self.args.output_format, committed)  # context.write()
+        sink = TableSink(self.table, self.rank, start.job_id, start.attempt) if self.table is not None else None
+        records = RecordWriter(self.stager, current, self.rank, self.args.output_format, committed, sink)  # context.write()
         context = TorchBatchProcessorContext(
             device=self.env.device,
             distributed=self.env.info,
