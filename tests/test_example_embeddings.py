@@ -45,3 +45,19 @@ def test_embeddings_example_embeds_every_sentence_once_in_order_and_finds_the_ne
     again = run_example(str(EXAMPLE), "--limit", str(LIMIT), "--batch-size", "16", "--storage", str(storage),
                         "--query", query, "--top", "1")
     assert f"The job had finished before: {LIMIT} sentences" in again and f"1.000  {query}" in again
+
+
+def test_embeddings_example_writes_a_lance_dataset_and_searches_it_with_lance(tmp_path):
+    pytest.importorskip("lance")
+    sys.path.insert(0, str(EXAMPLE.parent))
+    import embed_docstrings as example
+    import lance
+
+    dataset = tmp_path / "docstrings.lance"
+    query = example.docstring_sentences(LIMIT)[23]
+    out = run_example(str(EXAMPLE), "--limit", str(LIMIT), "--batch-size", "16", "--storage", str(tmp_path / "job"),
+                      "--lance", str(dataset), "--query", query, "--top", "1")
+    assert f"Embedded {LIMIT} sentences" in out and f"1.000  {query}" in out, out  # Lance's nearest= found it
+    rows = lance.dataset(str(dataset)).to_table()
+    assert sorted(rows["index"].to_pylist()) == list(range(LIMIT))
+    assert str(rows.schema.field("embedding").type) == "fixed_size_list<item: float>[384]"  # a vector column

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the call and the commands: what users import and run
-    ("entry", ("", "batch_process", "functional", "experimental", "pytorch", "launch", "validation")),
+    ("entry", ("", "batch_process", "functional", "experimental", "pytorch", "launch", "tables", "validation")),
     # the engine: the loop and its components
     ("engine", ("engine",)),
     # what the engine and the commands tell and read: observer, status, failures

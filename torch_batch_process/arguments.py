@@ -47,3 +47,5 @@ class JobArguments:
     """Format of the shards of ``context.write()``: ``"parquet"`` or ``"jsonl"``."""
     failures: FailureOptions = FailureOptions()
     """``on_error``, ``max_failures``, ``batch_timeout`` (:mod:`torch_batch_process.failure_options`)."""
+    table: Any = None
+    """The table target of ``context.write()`` rows (a :class:`~torch_batch_process.tables.TableTarget`), or ``None``."""

@@ -13,6 +13,7 @@ from torch_batch_process.engine.loop import JobRun
 from torch_batch_process.failure_options import validate_failure_options
 from torch_batch_process.log import setup_logging
 from torch_batch_process.observe.options import resolve_observe_options
+from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.validation import validate_arguments
@@ -45,6 +46,7 @@ def torch_batch_process(
     device_prefetch: bool | None = None,
     autocast: str | None = None,
     output_format: str = "parquet",
+    table: TableTarget | None = None,
     on_error: str = "raise",
     max_failures: int | float | None = None,
     batch_timeout: float | None = None,
@@ -104,6 +106,10 @@ def torch_batch_process(
             with that dtype on the rank's device.
         output_format: format of the shards ``context.write()`` stores: ``"parquet"`` (default) or ``"jsonl"``
             (see :func:`torch_batch_process.read_outputs`). Part of the job's fingerprint.
+        table: a table that receives the ``context.write()`` rows instead of shards, exactly once:
+            ``tables.delta(uri)``, ``tables.iceberg(identifier, catalog=...)`` or ``tables.lance(uri)`` (see
+            :mod:`torch_batch_process.tables`; each needs its extra). Checked before any work; part of the job's
+            fingerprint.
         on_error: ``"raise"`` (default): an exception in loading or ``process_batch`` fails the job. ``"skip"``: a
             failing batch is retried in halves down to single examples; those that still fail are recorded in
             ``<storage_path>/failures/`` (``tbp failures``) and skipped (see
@@ -152,6 +158,7 @@ def torch_batch_process(
         autocast=autocast,
         output_format=output_format,
         failures=failures,
+        table=table,
     )
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     with DistributedEnv(expected=distributed_context) as env:

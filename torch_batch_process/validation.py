@@ -48,6 +48,25 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
 
 
+def validate_table(table: Any, output_format: Any) -> None:
+    """Checks a table target (``table=``): its package is installed, its options and catalog work."""
+    if table is None:
+        return
+    from torch_batch_process.outputs.tables.base import TableTarget
+
+    if not isinstance(table, TableTarget):
+        raise InvalidArgumentError(
+            f"table must be a table target such as torch_batch_process.tables.delta(uri), tables.iceberg(identifier, "
+            f"catalog=...) or tables.lance(uri), got {type(table).__name__} {table!r:.100}"
+        )
+    if output_format != "parquet":
+        raise InvalidArgumentError(
+            f"output_format={output_format!r} is for record shards in the job's storage; with table=, rows go into "
+            f"{table.describe_short()}: remove output_format"
+        )
+    table.check()
+
+
 def validate_processor_cls(processor_cls: Any) -> type[TorchBatchProcessor]:
     """Checks that ``processor_cls`` is a concrete :class:`TorchBatchProcessor` subclass."""
     if isinstance(processor_cls, TorchBatchProcessor):
@@ -283,6 +302,7 @@ def validate_arguments(
     autocast: Any = None,
     output_format: Any = "parquet",
     failures: FailureOptions = FailureOptions(),
+    table: Any = None,
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -312,6 +332,7 @@ def validate_arguments(
     if schedule == "dynamic":
         heartbeat_silence_s()  # $TBP_HEARTBEAT_SILENCE_S, which rank 0 reads when it watches the others
     check_output_format(output_format)
+    validate_table(table, output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:
         lengths = resolve_lengths(bucket_by, dataset_length)
@@ -337,4 +358,5 @@ def validate_arguments(
         autocast=autocast,
         output_format=output_format,
         failures=failures,
+        table=table,
     )

@@ -10,6 +10,11 @@ back in dataset order and used: the sentences nearest to a query.
     python examples/embeddings/embed_docstrings.py                    # ~13,000 sentences, a few minutes on a CPU
     python examples/embeddings/embed_docstrings.py --limit 2000 --query "remove a directory tree"
     torchrun --standalone --nproc-per-node 2 examples/embeddings/embed_docstrings.py --limit 2000
+    python examples/embeddings/embed_docstrings.py --limit 2000 --lance tbp_runs/docstrings.lance
+
+With ``--lance PATH`` the embeddings go into a Lance dataset instead (``table=tables.lance(PATH)``, exactly once,
+compacted when the job finishes; needs ``pip install -e ".[lance]"``) and the search is Lance's own vector search
+(``nearest=``; with an IVF-PQ index once the dataset is large enough to train one).
 
 Interrupt it (Ctrl-C) and run the same command again: it resumes; run it once more: it finds the job finished
 and only searches. Requires ``pip install -e ".[examples]"``.
@@ -28,13 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process import TorchBatchProcessor, read_outputs, tables, torch_batch_process
 from torch_batch_process.lengths import tokenized_lengths
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MAX_TOKENS = 128  # what the model was trained with; longer sentences are truncated
+INDEX_FROM_ROWS = 5000  # --lance: an IVF-PQ vector index from this many rows on (smaller: exact search)
 
 
 def model_dir() -> str:
@@ -104,16 +110,34 @@ class Embedder(TorchBatchProcessor):
 
 def search(storage: str, sentences: list[str], query: str, k: int) -> list[tuple[float, str]]:
     """The ``k`` sentences nearest to ``query``, from the stored embeddings read back in dataset order."""
-    from transformers import AutoModel
-
     table = read_outputs(storage)
     assert table["index"].to_pylist() == list(range(len(sentences))), "every sentence once, in order"
     corpus = np.asarray(table["embedding"].combine_chunks().flatten(), dtype=np.float32).reshape(len(table), -1)
-    with torch.inference_mode():
-        question = embed(AutoModel.from_pretrained(model_dir()).eval(), Tokenize()([query]))[0].numpy()
-    scores = corpus @ question
+    scores = corpus @ query_embedding(query)
     best = np.argsort(-scores)[:k]
     return [(float(scores[i]), sentences[i]) for i in best]
+
+
+def query_embedding(query: str) -> np.ndarray:
+    """The normalized embedding of ``query``."""
+    from transformers import AutoModel
+
+    with torch.inference_mode():
+        return embed(AutoModel.from_pretrained(model_dir()).eval(), Tokenize()([query]))[0].numpy()
+
+
+def search_lance(path: str, sentences: list[str], query: str, k: int) -> list[tuple[float, str]]:
+    """The ``k`` sentences nearest to ``query`` by Lance's own vector search over the dataset the job wrote."""
+    import lance
+
+    dataset = lance.dataset(path)
+    assert sorted(dataset.to_table(columns=["index"])["index"].to_pylist()) == list(range(len(sentences)))
+    if dataset.count_rows() >= INDEX_FROM_ROWS and not dataset.list_indices():
+        dataset.create_index("embedding", index_type="IVF_PQ", metric="cosine",
+                             num_partitions=int(dataset.count_rows() ** 0.5), num_sub_vectors=16)
+    nearest = {"column": "embedding", "q": query_embedding(query), "k": k, "metric": "cosine"}
+    hits = dataset.to_table(columns=["index"], nearest=nearest)
+    return [(1.0 - float(d), sentences[i]) for i, d in zip(hits["index"].to_pylist(), hits["_distance"].to_pylist())]
 
 
 def main() -> None:
@@ -122,10 +146,12 @@ def main() -> None:
     parser.add_argument("--query", default="How do I copy a file and keep its metadata?")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--storage", default=None, help="default: ./tbp_runs/embed_docstrings[-<limit>]")
+    parser.add_argument("--storage", default=None, help="default: ./tbp_runs/embed_docstrings[-<limit>][-lance]")
+    parser.add_argument("--lance", default=None, metavar="PATH", help="write the embeddings to this Lance dataset")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
-    storage = args.storage or f"tbp_runs/embed_docstrings{f'-{args.limit}' if args.limit else ''}"
+    suffix = f"{f'-{args.limit}' if args.limit else ''}{'-lance' if args.lance else ''}"
+    storage = args.storage or f"tbp_runs/embed_docstrings{suffix}"
 
     sentences = docstring_sentences(args.limit)
     from transformers import AutoTokenizer
@@ -139,6 +165,7 @@ def main() -> None:
         storage_path=storage,
         bucket_by=lengths,  # similar lengths together: less padding
         schedule="dynamic",  # a free rank takes the next batch
+        table=tables.lance(args.lance) if args.lance else None,  # --lance: rows into a Lance dataset
     )
     if int(os.environ.get("RANK", "0")) != 0 or result.preempted:
         return
@@ -147,7 +174,8 @@ def main() -> None:
     else:
         print(f"Embedded {result.examples_processed} sentences in {result.elapsed_s:.1f} s ({storage})")
     print(f"Nearest to {args.query!r}:")
-    for score, sentence in search(storage, sentences, args.query, args.top):
+    found = search_lance(args.lance, sentences, args.query, args.top) if args.lance else None
+    for score, sentence in found or search(storage, sentences, args.query, args.top):
         print(f"  {score:.3f}  {sentence}")
 
 

@@ -57,6 +57,9 @@ from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
+from torch_batch_process.outputs.tables.base import Table
+from torch_batch_process.outputs.tables.commits import TableCommits
+from torch_batch_process.outputs.tables.sink import TableSink
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.storage.base import MirroredFolder, Storage
@@ -89,6 +92,10 @@ class JobRun:
     plan: Plan
     """The job's plan: the input's (or a retry's), cut to the batches planned at the job's first start."""
     plan_s: float
+    table: Table | None
+    """A table target's table (``table=``), ``None``: record shards in the job's storage."""
+    table_commits: TableCommits | None
+    """Rank 0's transactions of the table target."""
     opener: JobOpener
     tensorboard: MirroredFolder
     observer: JobObserver
@@ -166,7 +173,9 @@ class JobRun:
         self.plan = self.given_plan or self.input.plan
         self.plan_s = args.lengths_s + time.perf_counter() - t0
         spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
-        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.world_size)
+        self.table = args.table.open() if args.table is not None else None  # table= (outputs/tables)
+        self.table_commits = TableCommits(self.table) if self.table is not None and rank == 0 else None
+        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.world_size, self.table_commits)
         self._closing.callback(self.opener.release)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(rank), f"tensorboard-rank{rank}")
         self.observer = JobObserver(
@@ -186,7 +195,8 @@ class JobRun:
         self._closing.callback(self.stager.close)
         self.current = CurrentBatch()
         committed = start.latest.record_schema if start.latest is not None else self.parent_schema
-        records = RecordWriter(self.stager, self.current, self.rank, self.args.output_format, committed)
+        sink = TableSink(self.table, self.rank, start.job_id, start.attempt) if self.table is not None else None
+        records = RecordWriter(self.stager, self.current, self.rank, self.args.output_format, committed, sink)
         self.context = TorchBatchProcessorContext(
             device=self.env.device,
             distributed=self.env.info,
@@ -206,7 +216,7 @@ class JobRun:
             storage=self.storage, plan=self.plan, start=start, reducers=self.context.reducers, observer=self.observer,
             rank_failure=self.rank_failure, stager=self.stager, records=records, call_store=store,
             result_json=lambda metrics, summary: self._result_of(summary, metrics).to_json(), started=self.started,
-            on_background_error=self._post_failure,
+            on_background_error=self._post_failure, table=self.table_commits,
         )
         self._closing.callback(self.committer.shutdown)
         t0 = time.perf_counter()

@@ -41,6 +41,8 @@ class JobSpec:
     """The plan's own fingerprint (``None``: contiguous batches; bucketing and streams say more)."""
     output_format: str = "parquet"
     """Format of record shards: a resume in another format would mix formats (stored only when not the default)."""
+    table: dict[str, Any] | None = None
+    """The table target of record outputs (``table=``; its :meth:`~TableTarget.describe`), ``None``: shards."""
 
     @classmethod
     def of_call(cls, args: JobArguments, dataset_length: int, plan: dict[str, Any] | None) -> JobSpec:
@@ -53,6 +55,7 @@ class JobSpec:
             qualified_name(type(args.dataset)),
             plan,
             output_format=args.output_format,
+            table=args.table.describe() if args.table is not None else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -64,6 +67,7 @@ class JobSpec:
             "dataset_type": self.dataset_type,
             **({"plan": self.plan} if self.plan is not None else {}),
             **({"output_format": self.output_format} if self.output_format != "parquet" else {}),
+            **({"table": self.table} if self.table is not None else {}),
         }
 
     def differences(self, stored: dict[str, Any]) -> list[str]:
@@ -94,6 +98,12 @@ class JobInfo:
             "job_name": self.job_name,
             "created": self.created,
         }
+
+    @property
+    def uid(self) -> str:
+        """A name unique to this job (its name and the microsecond its job file was written): table outputs tag
+        their data files and transactions with it (a job erased by ``resume=False`` and started again gets another)."""
+        return f"{self.job_name}-{int(self.created * 1e6):x}"
 
     @property
     def examples_total(self) -> int:
@@ -148,6 +158,9 @@ class CommitRecord:
     older versions, and the jobs resumed from them): unknown."""
     record_schema: RecordSchema | None = None
     """The schema of the committed record outputs (``context.write()``); ``None``: no rows committed yet."""
+    table: dict[str, Any] | None = None
+    """A table target's data files committed by this or earlier records and not yet seen in the table
+    (``{"pending": [...]}``, see :mod:`torch_batch_process.outputs.tables.commits`); ``None``: none."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -168,6 +181,7 @@ class CommitRecord:
             "last_stage": self.last_stage,
             "output_stages": self.output_stages.to_json() if self.output_stages is not None else None,
             "record_schema": self.record_schema.to_json() if self.record_schema is not None else None,
+            **({"table": self.table} if self.table is not None else {}),
         }
 
     @classmethod
@@ -194,6 +208,7 @@ class CommitRecord:
                     RangeSet.from_json(value["output_stages"]) if value.get("output_stages") is not None else None
                 ),
                 record_schema=_record_schema(value.get("record_schema"), where),
+                table=dict(value["table"]) if value.get("table") is not None else None,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."

@@ -4,8 +4,9 @@ exception) goes to every rank before any work (:mod:`torch_batch_process.engine.
 Rank 0 refuses another job (a different fingerprint) and damaged progress, returns the stored result of a
 finished job (its final commit record's; after publishing files a kill left unpublished and writing a
 ``result.json`` a kill left unwritten, under the job lock), erases the job with ``resume=False``, repairs
-what a crash left (:meth:`~torch_batch_process.jobstore.store.JobStore.repair`), writes the job file at the
-first start and counts the attempt.
+what a crash left (:meth:`~torch_batch_process.jobstore.store.JobStore.repair`), brings a table target in line
+with the latest record (:meth:`~torch_batch_process.outputs.tables.commits.TableCommits.reconcile`, given as a
+:class:`TableReconciler`), writes the job file at the first start and counts the attempt.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
 from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, JobSpec, check_fingerprint
@@ -22,7 +24,7 @@ from torch_batch_process.jobstore.integrity import check_integrity, warn_of_stra
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.storage.base import JobLock, Storage
 
-__all__ = ["JobOpener", "Start"]
+__all__ = ["JobOpener", "Start", "TableReconciler"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class Start:
     latest: CommitRecord | None = None
     """The latest record of earlier attempts (``None``: nothing committed yet)."""
     finished_result: dict[str, Any] | None = None
+    job_id: str = ""
+    """The job's unique id (:attr:`JobInfo.uid`): a table target's data files and transactions carry it."""
     call_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Names this call's keys in the rendezvous store (the store may outlive the call: torchrun's agent)."""
 
@@ -45,6 +49,21 @@ class Start:
     def frozen_state_files(self) -> list[str]:
         """State files of earlier attempts, whose reducer summaries stay slots of the final reduction."""
         return self.latest.slot_files() if self.latest is not None else []
+
+
+class TableReconciler(Protocol):
+    """A table target's transactions as opening the job uses them
+    (:class:`~torch_batch_process.outputs.tables.commits.TableCommits`)."""
+
+    def due(self, latest: CommitRecord, job_id: str) -> bool:
+        """Whether the finished record ``latest`` has rows the table lacks."""
+        ...
+
+    def reconcile(
+        self, latest: CommitRecord | None, job_id: str, *, committed_stages: Callable[[int], bool]
+    ) -> bool:
+        """Adds the committed rows the table lacks, deletes the data files of stages never committed."""
+        ...
 
 
 class JobOpener:
@@ -56,9 +75,19 @@ class JobOpener:
         job_name: stored in the job file at the first start.
         resume: ``False`` erases a stored job first.
         world_size: ranks of this attempt (stored with the attempt count).
+        table: rank 0's table transactions (``table=``), reconciled with the latest record at the start.
     """
 
-    def __init__(self, storage: Storage, spec: JobSpec, job_name: str, resume: bool, world_size: int) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        spec: JobSpec,
+        job_name: str,
+        resume: bool,
+        world_size: int,
+        table: TableReconciler | None = None,
+    ) -> None:
+        self.table = table
         self.storage = storage
         self.store = JobStore(storage)
         self.spec = spec
@@ -80,11 +109,13 @@ class JobOpener:
         if latest is not None and self.resume:
             warn_of_strays(self.store, latest)
         if latest is not None and latest.finished and self.resume and latest.result is not None:
-            if self.store.finished_repair_due(latest):
+            table_due = self.table is not None and job is not None and self.table.due(latest, job.uid)
+            if self.store.finished_repair_due(latest) or table_due:
                 self.lock = self.storage.job_lock()
                 job, latest = self._read_and_check()
                 assert latest is not None
                 self.store.repair(latest)
+                self._reconcile_table(job, latest)
             return Start(
                 attempt=latest.attempt,
                 next_number=latest.commit + 1,
@@ -102,6 +133,7 @@ class JobOpener:
         if job is None:
             job = JobInfo(self.spec.to_json(), planned, self.job_name, time.time(), planned_examples)
             self.store.write_job(job)
+        self._reconcile_table(job, latest)
         if latest is not None and latest.finished:  # finished, but resume=False was handled above
             latest = None
         return Start(
@@ -109,7 +141,15 @@ class JobOpener:
             next_number=max(latest.commit, latest.last_stage) + 1 if latest else 1,
             planned_batches=job.planned_batches,
             latest=latest,
+            job_id=job.uid,
         )
+
+    def _reconcile_table(self, job: JobInfo | None, latest: CommitRecord | None) -> None:
+        """A table target: adds the committed rows it lacks, deletes data files of stages never committed."""
+        if self.table is None or job is None:
+            return
+        committed = latest.has_stage if latest is not None else (lambda stage: False)
+        self.table.reconcile(latest, job.uid, committed_stages=committed)
 
     def _read_and_check(self) -> tuple[JobInfo | None, CommitRecord | None]:
         if not self.resume:

@@ -15,6 +15,11 @@ rows held at once are those of the runs whose index ranges overlap, which depend
 
 Before returning anything, both compare the rows found with the rows the job's records committed
 (:mod:`torch_batch_process.outputs.completeness`): shards missing or added are an error, not a short table.
+
+Given a table target (``tables.delta(...)``, ``tables.iceberg(...)``, ``tables.lance(...)``) instead of a storage
+path, both read that table, in ``index`` order, with its format's reader
+(:mod:`torch_batch_process.outputs.tables.readback`). The storage path of a job that wrote to a table holds no
+shards: reading it is an error that names the table.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import check_rows, committed_rows
 from torch_batch_process.outputs.records import RECORDS_DIR
+from torch_batch_process.outputs.tables.base import TableTarget
+from torch_batch_process.outputs.tables.readback import iter_table, read_table
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.registry import open_storage
@@ -97,12 +104,30 @@ def _open(
             f"storage_options must be a dict of fsspec filesystem options or None, got {type(storage_options).__name__}"
         )
     storage = open_storage(storage_path, dict(storage_options) if storage_options is not None else None)
+    _refuse_table_job(storage)
     expected = committed_rows(storage)
     shards = list_shards(storage)
     if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
         raise FileNotFoundError(f"{storage.url} holds no job (no {JOB_FILE}, no {OUTPUTS_DIR}/); check storage_path")
     typed = _committed_schema(storage) if shards and shards[0].endswith(".jsonl") else None
     return storage, shards, typed, expected
+
+
+def _refuse_table_job(storage: Storage) -> None:
+    """Raises :class:`InvalidArgumentError` when the job stored there wrote its rows to a table (``table=``)."""
+    import json
+
+    try:
+        spec = json.loads(storage.read_bytes(JOB_FILE)).get("spec", {})
+    except (FileNotFoundError, NotAFileError, ValueError, AttributeError):
+        return  # no job file (or a damaged one): the shards, if any, are read as before
+    table = spec.get("table") if isinstance(spec, dict) else None
+    if table:
+        name = table.get("uri") or table.get("identifier")
+        raise InvalidArgumentError(
+            f"{storage.url}: this job wrote its rows to the {table.get('format')} table {name!r}, not to shards; read "
+            f"it with read_outputs(tables.{table.get('format')}(...)) (the same target the job was given)"
+        )
 
 
 def _committed_schema(storage: Storage) -> Any:
@@ -257,7 +282,7 @@ def _concat(tables: list[Any]) -> Any:
 
 
 def iter_outputs(
-    storage_path: str | os.PathLike[str],
+    storage_path: str | os.PathLike[str] | TableTarget,
     *,
     columns: Sequence[str] | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -269,7 +294,8 @@ def iter_outputs(
     Memory holds the runs (row groups) whose index ranges overlap, not the job: see the module docstring.
 
     Args:
-        storage_path: the job's storage path (local path or fsspec URL).
+        storage_path: the job's storage path (local path or fsspec URL), or a table target (``tables.delta(...)``...):
+            that table is read (see the module docstring).
         columns: the columns to read (``index`` is always included, first); ``None``: all. A name that is not
             stored raises :class:`~torch_batch_process.errors.InvalidArgumentError`.
         storage_options: options of the fsspec filesystem.
@@ -278,6 +304,9 @@ def iter_outputs(
     if not isinstance(batch_rows, int) or batch_rows < 1:
         raise InvalidArgumentError(f"batch_rows must be a positive int, got {batch_rows!r}")
     wanted = _columns(columns)
+    if isinstance(storage_path, TableTarget):
+        yield from iter_table(storage_path, wanted, batch_rows)
+        return
     storage, shards, typed, expected = _open(storage_path, storage_options)
     try:
         runs, schema = _runs(storage, shards, typed)
@@ -303,7 +332,7 @@ def iter_outputs(
 
 
 def read_outputs(
-    storage_path: str | os.PathLike[str],
+    storage_path: str | os.PathLike[str] | TableTarget,
     *,
     columns: Sequence[str] | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -316,7 +345,8 @@ def read_outputs(
     Holds the whole table in memory: use :func:`iter_outputs` for outputs larger than memory.
 
     Args:
-        storage_path: the job's storage path (local path or fsspec URL).
+        storage_path: the job's storage path (local path or fsspec URL), or a table target (``tables.delta(...)``...):
+            that table is read (see the module docstring).
         columns: the columns to read (``index`` is always included, first); ``None``: all. A name that is not
             stored raises :class:`~torch_batch_process.errors.InvalidArgumentError`.
         storage_options: options of the fsspec filesystem.
@@ -324,6 +354,8 @@ def read_outputs(
     import pyarrow.parquet as pq
 
     wanted = _columns(columns)
+    if isinstance(storage_path, TableTarget):
+        return read_table(storage_path, wanted)
     storage, shards, typed, expected = _open(storage_path, storage_options)
 
     def read(shard: str) -> Any:

@@ -15,6 +15,11 @@ shard is closed and handed to the :class:`~torch_batch_process.outputs.files.Out
 at ``outputs/commit_<s>/rank_<r>/records/part-<s>-rank<r>-<k>.<ext>`` (see
 :mod:`torch_batch_process.jobstore.layout`). A shard also rolls over to a new file every
 :data:`SHARD_BYTES`. Rows of a stage that is never committed (a killed attempt) are never published.
+
+With a table target (``table=``), shards are the table's data files instead, opened and closed through the rank's
+:class:`~torch_batch_process.outputs.tables.sink.TableSink`, which also fixes the rows' types to the table's; their
+descriptors travel in the rank's vote (:meth:`RecordWriter.take_table_files`), and rank 0 adds them to the table
+after the record (:mod:`torch_batch_process.outputs.tables.commits`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch_batch_process.outputs.files import OutputStager
 
 if TYPE_CHECKING:
     from torch_batch_process.context import CurrentBatch
+    from torch_batch_process.outputs.tables.sink import TableSink
 
 __all__ = ["OUTPUT_FORMATS", "RECORDS_DIR", "RecordWriter", "check_output_format", "shard_name"]
 
@@ -90,6 +96,7 @@ class RecordWriter:
         rank: this rank.
         output_format: ``"parquet"`` or ``"jsonl"``.
         schema: the job's record schema committed by earlier attempts (``None``: none yet).
+        sink: a table target's data files (``None``: shards in the job's storage).
     """
 
     def __init__(
@@ -99,8 +106,10 @@ class RecordWriter:
         rank: int,
         output_format: str = "parquet",
         schema: RecordSchema | None = None,
+        sink: TableSink | None = None,
     ) -> None:
         self._stager = stager
+        self._sink = sink
         self._current = current
         self._rank = rank
         self._format = output_format
@@ -163,6 +172,9 @@ class RecordWriter:
         """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
         :mod:`torch_batch_process.jobstore.schema`; a wider type starts a new shard). A cast reads values: it waits
         for the copies back first."""
+        if self._sink is not None:  # a table's types rule (outputs/tables/sink.py)
+            table, self._schema = self._sink.conform(table, schema, landing)
+            return table
         known = self._schema
         if known is not None and table.schema.equals(known.schema) and schema.ragged <= known.ragged:
             return table  # the common case: types seen (and checked) before
@@ -193,6 +205,10 @@ class RecordWriter:
         stage = self._stager.stage
         if stage != self._part_stage:
             self._part, self._part_stage = 0, stage
+        if self._sink is not None:
+            self._writer = self._sink.open(stage, self._part, self._schema.schema)
+            self._part += 1
+            return
         if self._folder is None:
             self._folder = self._stager.storage.scratch_folder(f"records-rank_{self._rank}")
         name = shard_name(stage, self._rank, self._part, self._format)
@@ -248,6 +264,10 @@ class RecordWriter:
         if self._writer is None:
             return
         writer, self._writer = self._writer, None
+        if self._sink is not None:
+            self._sink.closed(writer.close())
+            self._shard_bytes = 0
+            return
         writer.close()
         assert self._file is not None
         self._stager.add_file(self._file, self._name)
@@ -263,6 +283,10 @@ class RecordWriter:
         committed; its vote counts them)."""
         rows, self._taken_rows = self.rows - self._taken_rows, self.rows
         return rows
+
+    def take_table_files(self) -> list[dict[str, Any]]:
+        """A table target's data files closed since the last call (after :meth:`seal`: the stage's), for its vote."""
+        return self._sink.take() if self._sink is not None else []
 
     def seal(self) -> None:
         """Before a commit: the open shard joins the stage being committed."""

@@ -228,6 +228,9 @@ class Committer:
         rows = self._records.take_rows() if self._records is not None else 0
         if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
             vote.extra["rows"] = rows
+        files = self._records.take_table_files() if self._records is not None else []
+        if files:  # a table target's data files of this stage: rank 0 adds them to the table after the record
+            vote.extra["table_files"] = files
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._transport.next_stage(self.stage)
             self._stager.advance(self.stage)
@@ -285,7 +288,7 @@ class Committer:
         self._published.settle()
         slots = [v.slots for v in votes]
         prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=slots)
-        keeper.persist(prepared)
+        keeper.persist(prepared, closing=True)
         self._transport.written(prepared.record.commit)
         return prepared.metrics, keeper.summary
 

@@ -4,7 +4,8 @@ The keeper holds the job's cumulative state as the records will say it (committe
 each rank's latest state file, provenance) and the counts of this call (batches and examples processed,
 seconds per phase, per rank). A record is prepared on the thread that merged its votes and written there or
 in the background; :meth:`RecordKeeper.persist` is the commit point, followed by the conveniences
-(``metrics.jsonl``, ``result.json``, deleting what the new record supersedes).
+(``metrics.jsonl``, ``result.json``, deleting what the new record supersedes). With a table target, the table
+transaction of the record's rows follows the record (:mod:`torch_batch_process.outputs.tables.commits`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.schema import RecordSchema, unify
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.metrics import MetricsLog
+from torch_batch_process.outputs.tables.commits import TableCommits
 from torch_batch_process.provenance import merge_entries
 from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.result import to_jsonable
@@ -84,6 +86,7 @@ class RecordKeeper:
         lock: the job lock, checked before every record (a job never commits after losing it).
         result_of: builds the ``result.json`` of a finished job from the metrics and the summary.
         started: when the call started (``time.monotonic()``), for its elapsed time.
+        table: the table transactions of a table target (``None``: record shards only).
     """
 
     def __init__(
@@ -99,8 +102,10 @@ class RecordKeeper:
         lock: JobLock | None,
         result_of: Callable[[dict[str, Any], Summary], dict[str, Any]],
         started: float,
+        table: TableCommits | None = None,
     ) -> None:
         latest = start.latest
+        self._table = table
         self._store = store
         self._plan = plan
         self._attempt = start.attempt
@@ -147,6 +152,8 @@ class RecordKeeper:
                 if vote.schema is not None:
                     schema = unify(schema, vote.schema)
             self.record_schema = schema
+            if self._table is not None:
+                self._table.merge(votes)
             for vote in votes:
                 batches = RangeSet.from_json(vote.batches)
                 self.committed.update(batches)
@@ -206,6 +213,7 @@ class RecordKeeper:
             record_schema = self.record_schema
             failed = self.summary.failed_examples
             rows = {"record_rows": self.record_rows} if self.record_rows is not None else {}
+            table = self._table.prepare(number) if self._table is not None else None
         examples_committed = self._plan.count_examples(committed)
         metrics: dict[str, Any] | None = None
         if self._reducers.wrapped and (final or preempting):
@@ -249,6 +257,7 @@ class RecordKeeper:
             output_stages=output_stages,
             last_stage=last_stage,
             record_schema=record_schema,
+            table=table,
         )
         all_lines = list(lines)
         if metrics is not None:
@@ -265,13 +274,16 @@ class RecordKeeper:
         frozen = [self._store.load_state(rel)["reducers"] for rel in self.frozen]
         return self._reducers.cross_slot_reduce(frozen + live)
 
-    def persist(self, *prepared: PreparedRecord) -> None:
+    def persist(self, *prepared: PreparedRecord, closing: bool = False) -> None:
         """Writes prepared records as one group commit: only the newest is written (records are cumulative, it
-        commits everything the others would), then every record's lines, the result and the clean-up."""
+        commits everything the others would), then every record's lines, the result and the clean-up.
+        ``closing``: the closing commit's record (a table target's transaction is then never postponed)."""
         record = prepared[-1].record
         if self._lock is not None:
             self._lock.check()
         self._store.write_record(record)
+        if self._table is not None:  # the commit point is passed: the table follows (a failure fails the job)
+            self._table.after_record(record, closing=closing)
         try:
             for each in prepared:
                 self._metrics_log.append(each.lines, commit=each.record.commit, attempt=self._attempt)

@@ -22,6 +22,7 @@ from torch_batch_process.observe.metrics import MetricsLog
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
+from torch_batch_process.outputs.tables.commits import TableCommits
 from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.storage.base import JobLock, Storage
 
@@ -46,6 +47,7 @@ def make_committer(
     result_json: Callable[[dict[str, Any], Summary], dict[str, Any]],
     started: float,
     on_background_error: Callable[[], None],
+    table: TableCommits | None = None,
 ) -> Committer:
     """The committer of this rank for this call.
 
@@ -67,6 +69,7 @@ def make_committer(
         result_json: the final result's JSON from the reduced metrics and the summary (rank 0, final record).
         started: when the call started (``time.monotonic()``).
         on_background_error: called when rank 0's vote collector fails (dynamic schedule).
+        table: rank 0's transactions of a table target (``table=``), made after each record.
     """
     keeper = None
     if rank == 0:
@@ -81,6 +84,7 @@ def make_committer(
             lock=lock,
             result_of=result_json,
             started=started,
+            table=table,
         )
     latest = start.latest
     committed = (len(latest.committed), plan.count_examples(latest.committed)) if latest is not None else (0, 0)

@@ -1,0 +1,189 @@
+"""Table outputs exactly once: the protocol, and rank 0's side of it (:class:`TableCommits`).
+
+The job's commit records (``_tbp/commits/<n>.json``, :mod:`torch_batch_process.engine.commit.committer`) stay the source
+of truth; the table follows them. Names: *the job id* is unique to the job (its name and the time its job file was
+written, :attr:`~torch_batch_process.jobstore.formats.JobInfo.uid`; a job erased with ``resume=False`` gets a new
+one); *the key* of a table transaction is the number ``n`` of the commit record that made its rows committed.
+
+1. **Stage (every rank).** Rows are written once, during the stage, straight into data files of the table that
+   no version of the table references yet (:mod:`torch_batch_process.outputs.tables.sink`). Parquet-based formats
+   name them ``tbp-<job id>-s<stage>-r<rank>-a<attempt>-<k>.parquet``. At the rank's commit the open file is
+   closed; the descriptors of the stage's files (path, size, rows, ``index`` bounds; Lance: fragment metadata)
+   travel in the rank's vote.
+2. **Record (rank 0).** Merging the votes, rank 0 collects their files; the next record ``n`` lists them as a
+   *pending group* ``n`` (``table.pending`` in the record) with every earlier group whose table transaction has not
+   been seen to succeed. Writing the record is the commit point, as for every output.
+3. **Table transaction (rank 0, after the record is durable).** One transaction adds the files of every pending
+   group newer than the key the table holds, with key = the newest group's ``n``, written in the table's own
+   metadata atomically with the files: a Delta application transaction (``txn``: app id ``tbp-<job id>``, version
+   ``n``) and commit info, Iceberg snapshot summary properties and the table property ``tbp.commit.<job id>``,
+   Lance transaction properties. At most one transaction per commit, fewer: records written as one group commit
+   (:mod:`torch_batch_process.engine.commit.group_commit`) make one transaction, and a transaction waits until
+   ``commit_interval_s`` (an option of the target, default 1 s) has passed since the previous one, so that
+   frequent job commits do not flood the table with versions (the groups stay pending in the records meanwhile;
+   the closing commit and the final record never wait). Once a transaction succeeded, the groups it added leave
+   the next record.
+4. **Start (rank 0, under the job lock, before any rank writes).** :meth:`TableCommits.reconcile`: the key the
+   table holds (``k``) says which pending groups of the latest record are in it: groups ``n <= k`` are, the others
+   are added now in one transaction (key = the newest). Then the data files of this job whose stage the latest
+   record does not commit are deleted: a killed attempt wrote them and no table version references them (Delta,
+   Iceberg; Lance names its files itself and leaves them to its own clean-up, see
+   :mod:`torch_batch_process.outputs.tables.lance`).
+
+**Crash anywhere.** Killed before the record: the stage is not committed; its data files are in no table version
+(invisible to readers) and the next start deletes them (Lance: its clean-up); its batches run again. Killed after the record and before
+the table transaction: the next start finds ``k < n`` and adds the group. Killed after the table transaction and
+before the next record says so: the next start finds ``k >= n`` and adds nothing. A transaction is atomic, and its
+key rises with ``n``, so every committed row is in the table once. The job reports success only after the final
+record's transaction; a failed transaction fails the job (resumable: the next start adds what is missing).
+
+5. **Finish.** After the final record's transaction, rank 0 compacts the table's small files with the format's own
+   tool (unless the target says ``compact=False``): a transaction of its own that keeps every row once.
+
+Test hook: ``TBP_TEST_TABLE_KILL=before:<k>`` or ``after:<k>`` makes rank 0 kill itself (SIGKILL) right before or
+right after its ``k``-th table transaction, the moments between a record and the table's commit that fault tests
+must reach.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch_batch_process.errors import StorageError
+from torch_batch_process.outputs.tables.base import Table
+
+__all__ = ["KILL_ENV", "TableCommits"]
+
+logger = logging.getLogger(__name__)
+
+KILL_ENV = "TBP_TEST_TABLE_KILL"
+"""Test-only: ``before:<k>`` / ``after:<k>`` kills rank 0 around its ``k``-th table transaction (module docstring)."""
+
+
+class TableCommits:
+    """Rank 0's table transactions (see the module docstring).
+
+    Args:
+        table: the opened table.
+    """
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+        self.job_id = ""
+        self._mutex = threading.Lock()
+        self._merged: list[dict[str, Any]] = []  # files of merged votes, not yet in a prepared record
+        self._pending: list[dict[str, Any]] = []  # groups {"n", "files"} not yet seen in the table
+        self._key = 0  # the newest key the table holds for this job, as far as this process knows
+        self._last = float("-inf")  # when the previous transaction started (time.monotonic())
+        self._transactions = 0
+        self.commit_s = 0.0
+        """Seconds spent in table transactions (for the benchmark)."""
+
+    # ---------------------------------------------------------------- start
+
+    def reconcile(self, latest: Any, job_id: str, *, committed_stages: Callable[[int], bool]) -> bool:
+        """At the start of an attempt (rank 0, under the job lock): adds the pending groups of ``latest`` (the
+        latest commit record, ``None``: none) that the table lacks, deletes the data files of stages never
+        committed. Returns whether a transaction was made."""
+        self.job_id = job_id
+        self._key = self.table.committed_key(job_id)
+        groups = [g for g in _pending_of(latest) if g["n"] > self._key]
+        made = False
+        if groups:
+            logger.info(
+                "adding the rows of commit(s) %s to %s (committed, not yet in the table)",
+                [g["n"] for g in groups], self.table.target.describe_short(),
+            )
+            self._transact(groups, latest.record_schema.schema if latest.record_schema else None)
+            made = True
+        removed = self.table.remove_orphans(job_id, committed_stages)
+        if removed:
+            logger.info("deleted %d data file(s) of uncommitted stages from %s", removed,
+                        self.table.target.describe_short())
+        if made and latest is not None and latest.finished:
+            self._compact()
+        return made
+
+    def due(self, latest: Any, job_id: str) -> bool:
+        """Whether :meth:`reconcile` has a transaction to make for the finished record ``latest``."""
+        groups = _pending_of(latest)
+        return bool(groups) and max(g["n"] for g in groups) > self.table.committed_key(job_id)
+
+    # ---------------------------------------------------------------- commits
+
+    def merge(self, votes: list[Any]) -> None:
+        """Collects the data files that ``votes`` carry (under the record keeper's merge)."""
+        files = [f for vote in votes for f in vote.extra.get("table_files", ())]
+        if files:
+            with self._mutex:
+                self._merged.extend(files)
+
+    def prepare(self, number: int) -> dict[str, Any] | None:
+        """The ``table`` entry of record ``number``: its pending groups (the files merged since the last record form
+        group ``number``)."""
+        with self._mutex:
+            if self._merged:
+                self._pending.append({"n": number, "files": self._merged})
+                self._merged = []
+            if not self._pending:
+                return None
+            return {"pending": list(self._pending)}
+
+    def after_record(self, record: Any, *, closing: bool = False) -> None:
+        """Rank 0, right after ``record`` is durable: the table transaction of its pending groups that the table lacks
+        (one, whatever their number; postponed while ``commit_interval_s`` has not passed since the previous one,
+        unless ``closing`` or final), then, for the final record, compaction."""
+        with self._mutex:
+            key = self._key
+        groups = [g for g in _pending_of(record) if g["n"] > key]
+        due = closing or record.finished or time.monotonic() - self._last >= self.table.target.commit_interval_s
+        if groups and due:
+            self._transact(groups, record.record_schema.schema if record.record_schema else None)
+        if record.finished:
+            self._compact()
+
+    def _transact(self, groups: list[dict[str, Any]], schema: Any) -> None:
+        key = max(g["n"] for g in groups)
+        files = [f for g in groups for f in g["files"]]
+        self._transactions += 1
+        self._last = time.monotonic()
+        _test_kill("before", self._transactions)
+        started = time.perf_counter()
+        try:
+            self.table.commit(files, schema, self.job_id, key)
+        except Exception as exc:
+            raise StorageError(
+                f"commit {key} is durable, but adding its rows to {self.table.target.describe_short()} failed "
+                f"({type(exc).__name__}: {exc}); run the job again: its start adds them"
+            ) from exc
+        self.commit_s += time.perf_counter() - started
+        _test_kill("after", self._transactions)
+        with self._mutex:
+            self._key = max(self._key, key)
+            self._pending = [g for g in self._pending if g["n"] > self._key]
+
+    def _compact(self) -> None:
+        if not self.table.target.compact:
+            return
+        try:
+            self.table.compact()
+        except Exception as exc:  # noqa: BLE001 - every row is in the table; only the file count is not reduced
+            logger.warning("compacting %s failed (its rows are complete): %s", self.table.target.describe_short(), exc)
+
+
+def _pending_of(record: Any) -> list[dict[str, Any]]:
+    table = getattr(record, "table", None) if record is not None else None
+    return list((table or {}).get("pending", ()))
+
+
+def _test_kill(moment: str, count: int) -> None:
+    wanted = os.environ.get(KILL_ENV, "")
+    if wanted == f"{moment}:{count}":
+        logger.warning("%s=%s: killing this process %s table transaction %d", KILL_ENV, wanted, moment, count)
+        os.kill(os.getpid(), signal.SIGKILL)
