@@ -18,7 +18,7 @@ from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.integrity import check_integrity, warn_of_strays
-from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
+from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, Script, check_fingerprint, check_script
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError
 from torch_batch_process.storage.base import Storage
@@ -60,15 +60,25 @@ class JobOpener:
         job_name: stored in the job file at the first start.
         resume: ``False`` erases a stored job first.
         collectives: the library's collectives.
+        script: the script that runs this call (recorded at the first start; another one is refused on a resume).
     """
 
-    def __init__(self, storage: Storage, spec: JobSpec, job_name: str, resume: bool, collectives: Collectives) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        spec: JobSpec,
+        job_name: str,
+        resume: bool,
+        collectives: Collectives,
+        script: Script | None = None,
+    ) -> None:
         self.storage = storage
         self.store = JobStore(storage)
         self.spec = spec
         self.job_name = job_name
         self.resume = resume
         self.coll = collectives
+        self.script = script
         self.lock: JobLock | None = None
         self._damaged: CheckpointCorruptError | None = None  # resume=False: the damaged job erased
 
@@ -111,7 +121,7 @@ class JobOpener:
             job, latest = None, None
         self.store.repair(latest)
         if job is None:
-            job = JobInfo(self.spec.to_json(), planned, self.job_name, time.time(), planned_examples)
+            job = JobInfo(self.spec.to_json(), planned, self.job_name, time.time(), planned_examples, self.script)
             self.store.write_job(job)
         if latest is not None and latest.finished:  # finished, but resume=False was handled above
             latest = None
@@ -129,6 +139,7 @@ class JobOpener:
         latest = self.store.load_latest()
         if self.resume and job is not None:
             check_fingerprint(job, self.spec, self.storage.url)
+            check_script(job, self.script, self.storage.url)  # a job of another script of the same name
             check_integrity(self.store, latest)  # damaged progress is an error, never a restart from zero
         if self.resume and job is None and (latest is not None or self.store.has_outputs()):
             raise JobMismatchError(

@@ -95,7 +95,7 @@ class JobRun:
         self.plan = self.full_plan
         length = self.stream.plan.dataset_length if self.stream is not None else args.dataset_length
         spec = JobSpec.of_call(args, length, self.plan.fingerprint())
-        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll)
+        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll, args.script)
         self.failures = FailureTracker(self.rank)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(self.rank), f"tensorboard-rank{self.rank}")
         self.observer = JobObserver(
