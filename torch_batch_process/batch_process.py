@@ -159,6 +159,9 @@ def torch_batch_process(
         if failures.retry_failed:
             from torch_batch_process.engine.retry import prepare_retry
 
-            retry_args, plan, schema = prepare_retry(args, env.collectives)
-            return JobRun(retry_args, env, observe, plan=plan, record_schema=schema).run()
+            retry = prepare_retry(args, env.collectives)
+            return JobRun(
+                retry.args, env, observe, plan=retry.plan, record_schema=retry.schema, storage=retry.storage,
+                first_stage=retry.first_stage,
+            ).run()
         return JobRun(args, env, observe).run()

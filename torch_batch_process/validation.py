@@ -367,6 +367,11 @@ def validate_arguments(
     for name, value in (("resume", resume), ("inference_mode", inference_mode)):
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+    if failures.retry_failed and not resume:
+        raise InvalidArgumentError(
+            "retry_failed=True retries the failures of the job stored at storage_path, and resume=False would erase "
+            "it: pass retry_failed=True alone to retry them, or resume=False alone to start the job afresh"
+        )
     if schedule not in SCHEDULES:
         raise InvalidArgumentError(
             f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}: 'static' deals batches round-robin in "

@@ -25,7 +25,8 @@ files are named by ``batch_idx``. Use a recursive glob (``outputs/**/pred_*.pt``
 **Failure records** go into the stage of the rank's next commit, so they are committed (and published to
 ``<storage>/failures/<stage>-rank_<r>.jsonl``) exactly once together with the batch they belong to, across
 ``kill -9`` and resumes with another world size. One JSON object a line, with the keys ``index`` (dataset
-index), ``batch_idx``, ``attempt`` (the job's attempt), ``rank``, ``phase`` (``"load"`` or ``"process"``),
+index), ``batch_idx`` (in a retry: the batch the example failed in, in the job; ``retry_batch_idx`` is then the
+retry's), ``attempt`` (the job's attempt), ``rank``, ``phase`` (``"load"`` or ``"process"``),
 ``error_type``, ``message``, ``traceback`` and ``time`` (UNIX seconds). ``tbp failures STORAGE`` lists them.
 
 **max_failures**: when the committed failures plus this rank's new ones exceed the limit, the rank fails with
@@ -106,6 +107,8 @@ class FailureHandler:
         failed_before: failures committed by earlier attempts.
         limit: ``max_failures`` as a count (``None``: no limit).
         failures_url: where the failures are published (for messages).
+        original_batch: a retry's ``(batch_idx, index) -> the batch the example failed in, in the job``: its
+            failure records keep the original batch (``batch_idx``), and the retry's (``retry_batch_idx``).
     """
 
     def __init__(
@@ -124,8 +127,10 @@ class FailureHandler:
         failed_before: int,
         limit: int | None,
         failures_url: str,
+        original_batch: Callable[[int, int], int] | None = None,
     ) -> None:
         self._dataset = dataset
+        self._original_batch = original_batch
         self._collate = collate_fn
         self._place = place
         self._process = process
@@ -230,10 +235,13 @@ class FailureHandler:
     def _record(self, batch_idx: int, index: int, phase: str, error: BaseException, part: Part) -> None:
         self.failed += 1
         part.failed += 1
+        where = {"batch_idx": batch_idx}
+        if self._original_batch is not None:
+            where = {"batch_idx": self._original_batch(batch_idx, int(index)), "retry_batch_idx": batch_idx}
         self._stager.add_failure(
             {
                 "index": int(index),
-                "batch_idx": batch_idx,
+                **where,
                 "attempt": self._job_attempt,
                 "rank": self._rank,
                 "phase": phase,

@@ -61,6 +61,8 @@ class JobOpener:
         resume: ``False`` erases a stored job first.
         collectives: the library's collectives.
         script: the script that runs this call (recorded at the first start; another one is refused on a resume).
+        first_stage: the first commit and stage number of a fresh job (a retry's come after those of the job it
+            retries, whose ``outputs/`` it shares: see :mod:`torch_batch_process.engine.retry`).
     """
 
     def __init__(
@@ -71,9 +73,10 @@ class JobOpener:
         resume: bool,
         collectives: Collectives,
         script: Script | None = None,
+        first_stage: int = 1,
     ) -> None:
         self.storage = storage
-        self.store = JobStore(storage)
+        self.store = JobStore(storage, first_stage)
         self.spec = spec
         self.job_name = job_name
         self.resume = resume
@@ -127,7 +130,7 @@ class JobOpener:
             latest = None
         return Start(
             attempt=self.store.next_attempt(latest, self.coll.world_size),
-            next_number=max(latest.commit, latest.last_stage) + 1 if latest else 1,
+            next_number=max(latest.commit, latest.last_stage) + 1 if latest else self.store.first_stage,
             planned_batches=job.planned_batches,
             latest=latest,
         )

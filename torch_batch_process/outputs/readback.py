@@ -1,10 +1,11 @@
 """Reading record outputs back in dataset order: :func:`read_outputs` and :func:`iter_outputs`.
 
-The committed shards of a job are ``<storage_path>/outputs/commit_*/rank_*/records/part-*.parquet`` (or
-``.jsonl``), and those of its ``retry_failed=True`` runs (the rows of the examples they recovered)
-``<storage_path>/retries/*/outputs/commit_*/rank_*/records/part-*.parquet``: plain files that pandas, polars,
-DuckDB, Spark and Hugging Face ``datasets`` read with those globs (rows are in no particular order there; sort
-by ``index``). :func:`read_outputs` and :func:`iter_outputs` read both.
+The committed shards of a job, those of its ``retry_failed=True`` runs included (the rows of the examples they
+recovered), are ``<storage_path>/outputs/commit_*/rank_*/records/part-*.parquet`` (or ``.jsonl``): plain files
+that pandas, polars, DuckDB, Spark and Hugging Face ``datasets`` read with that glob (rows are in no particular
+order there; sort by ``index``). Retries run by earlier versions of the library kept theirs in
+``<storage_path>/retries/*/outputs/...`` (:data:`RETRY_OUTPUTS_GLOB`); :func:`read_outputs` and
+:func:`iter_outputs` read those too.
 
 Shards are not each sorted by ``index`` (ranks interleave, and ``bucket_by`` orders a batch by length), so
 :func:`iter_outputs` merges *runs*: a Parquet row group, or a whole JSONL shard, each with its smallest and
@@ -31,7 +32,7 @@ import numpy as np
 
 from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError, OutputCorruptError
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
-from torch_batch_process.outputs.completeness import check_rows, committed_rows
+from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
 from torch_batch_process.outputs.records import RECORDS_DIR
 from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.errors import NotAFileError
@@ -43,7 +44,8 @@ OUTPUTS_GLOB = f"{OUTPUTS_DIR}/commit_*/rank_*/{RECORDS_DIR}/part-*"
 """Glob of the record shards below a job's storage path (add ``.parquet`` or ``.jsonl``)."""
 
 RETRY_OUTPUTS_GLOB = f"{RETRIES_DIR}/*/{OUTPUTS_GLOB}"
-"""Glob of the record shards of its ``retry_failed=True`` runs (the rows of the examples they recovered)."""
+"""Glob of the record shards of ``retry_failed=True`` runs of earlier versions of the library (today's retries
+publish to the job's ``outputs/``, under :data:`OUTPUTS_GLOB`)."""
 
 _SUFFIXES = (".parquet", ".jsonl")
 
@@ -51,9 +53,9 @@ logger = logging.getLogger(__name__)
 
 
 def list_shards(storage: Storage) -> list[str]:
-    """The committed record shards of the job (paths relative to the storage), in commit and rank order, then
-    those of its ``retry_failed=True`` runs (``retries/<k>/``, in order: the rows of the examples they
-    recovered)."""
+    """The committed record shards of the job (paths relative to the storage), in commit and rank order (its
+    ``retry_failed=True`` runs' among them, after the job's), then those of retries of earlier versions
+    (``retries/<k>/outputs/``, in order)."""
     from torch_batch_process.engine.retry import retry_numbers
 
     shards = _committed_shards(storage, "")
@@ -83,7 +85,7 @@ def _committed_shards(storage: Storage, root: str) -> list[str]:
 
 def _open(
     storage_path: Any, storage_options: dict[str, Any] | None
-) -> tuple[Storage, list[str], Any, dict[str, int]]:
+) -> tuple[Storage, list[str], Any, CommittedRows]:
     """The storage, its committed shards, the JSONL shards' committed schema and the rows to find (read before
     the shards are listed: see :mod:`torch_batch_process.outputs.completeness`)."""
     require_pyarrow()
