@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -15,7 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from harness import JOBS, assert_exactly_once, read_reports, run_torchrun, spawn_ranks, wait_all
+from harness import (
+    JOBS,
+    assert_exactly_once,
+    base_env,
+    free_port,
+    read_reports,
+    run_torchrun,
+    spawn_ranks,
+    start_process,
+    wait_all,
+)
 
 from torch_batch_process import (
     InvalidArgumentError,
@@ -411,6 +422,50 @@ def test_predict_under_torchrun_every_rank_gets_the_full_ordered_list(tmp_path):
     expected = [[float(i), 2.0 * i] for i in range(50)]
     assert sorted(reports) == [0, 1]
     assert all(reports[r]["predicted"] == expected for r in reports)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["launcher", "tbp run"])
+def test_predict_without_storage_path_on_two_processes_of_one_machine(tmp_path, how):
+    """Issue 26 item 3: under the library's launcher and ``tbp run`` each worker has a parent of its own, so a
+    temporary folder named after the parent's pid differed between the ranks (StorageError, "not shared by all
+    ranks"). Rank 0 now makes it and tells the others; it is removed afterwards."""
+    import subprocess
+
+    import yaml
+    from harness import launcher_cmd, tbp_cmd
+
+    spec = {"mode": "predict", "n": 30, "batch_size": 4, "report_dir": str(tmp_path / "reports")}
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tbp-predict-*")))
+    if how == "launcher":
+        command = launcher_cmd("--nproc-per-node", "2", "python3", str(RECORDS_JOB), json.dumps(spec))
+    else:
+        config = {"name": "predict", "entrypoint": ["python3", str(RECORDS_JOB), json.dumps(spec)],
+                  "resources": {"slots_per_trial": 2}}
+        (tmp_path / "predict.yaml").write_text(yaml.safe_dump(config))
+        command = tbp_cmd("run", str(tmp_path / "predict.yaml"))
+    proc = subprocess.run(command, env=base_env(), capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = read_reports(spec)
+    assert sorted(reports) == [0, 1]
+    assert all(reports[r]["predicted"] == [[float(i), 2.0 * i] for i in range(30)] for r in reports)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tbp-predict-*"))) <= before, "the folder is removed"
+
+
+@pytest.mark.slow
+def test_predict_without_storage_path_on_several_machines_says_to_give_a_shared_one(tmp_path):
+    spec = {"mode": "predict", "n": 10, "batch_size": 4, "report_dir": str(tmp_path / "reports")}
+    env = base_env()
+    procs = []
+    port = str(free_port())
+    for rank in range(2):  # two "machines" of one process each, as torchrun describes them to the workers
+        rank_env = dict(env, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(start_process([sys.executable, str(RECORDS_JOB), json.dumps(spec)], rank_env))
+    outcomes = wait_all(procs, timeout=120)
+    for rc, _, err in outcomes:
+        assert rc != 0 and "InvalidArgumentError" in err, err[-3000:]
+        assert "runs on 2 machines: give storage_path=" in err and "object store URL" in err, err[-3000:]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

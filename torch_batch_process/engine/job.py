@@ -11,6 +11,7 @@ first start and counts the attempt. Its answer, or its exception, is broadcast t
 from __future__ import annotations
 
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -167,9 +168,21 @@ class JobOpener:
             visible = self.storage.exists(JOB_FILE)
         except Exception:  # noqa: BLE001
             visible = False
-        everyone = self.coll.all_gather(visible)
-        if not all(everyone):
-            blind = [rank for rank, ok in enumerate(everyone) if not ok]
+        everyone = self.coll.all_gather((visible, socket.gethostname()))
+        if not all(ok for ok, _ in everyone):
+            blind = [rank for rank, (ok, _) in enumerate(everyone) if not ok]
+            if self.storage.protocol == "memory":
+                raise StorageError(
+                    f"storage_path {self.storage.url!r} is not shared by all ranks: memory:// lives in the memory of "
+                    f"each process, so rank(s) {blind} cannot see what rank 0 wrote. With several ranks use a local "
+                    "folder (one machine), a filesystem mounted on every node, or an object store URL (s3://...)"
+                )
+            if len({host for _, host in everyone}) == 1:  # one machine: the ranks were given different paths
+                raise StorageError(
+                    f"storage_path {self.storage.url!r} is not the same on every rank: rank(s) {blind} cannot see what "
+                    "rank 0 wrote there, on the same machine. Give every rank the same storage_path (a path computed "
+                    "in each process, e.g. from a temporary folder, a pid or a time, differs between ranks)"
+                )
             raise StorageError(
                 f"storage_path {self.storage.url!r} is not shared by all ranks: rank(s) {blind} cannot see what rank "
                 "0 wrote there. Use a filesystem mounted on every node (NFS, Lustre...) or an object store URL "
