@@ -159,6 +159,51 @@ def test_max_failures_exceeded_fails_the_job_and_resumes(tmp_path: Path) -> None
     check_complete(fraction, report(fraction, 0, attempt=2)["result"])
 
 
+class _FailsOnSevens(TorchBatchProcessor):
+    """Raises for a batch that holds an example ``i`` with ``i % 7 == 3``."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        if any(int(v) % 7 == 3 for v in batch):
+            raise ValueError(f"bad value in {[int(v) for v in batch]}")
+
+
+def test_max_failures_exceeded_before_the_first_commit_names_the_examples(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 4: the limit is passed before any commit, so nothing lists the failures yet (`tbp failures`
+    says 0); the error used to send the user there. It names the examples, in a short message of its own."""
+    from torch_batch_process import TooManyFailuresError
+
+    storage = str(tmp_path / "s")
+    with pytest.raises(TooManyFailuresError) as raised:
+        torch_batch_process(
+            _FailsOnSevens, list(range(40)), batch_size=4, storage_path=storage, on_error="skip", max_failures=2,
+            checkpoint_interval=5, progress=False,
+        )
+    message = str(raised.value)
+    assert "example 3 (batch 0, ValueError: bad value in [3])" in message, message
+    assert "example 10 (batch 2," in message and "example 17 (batch 4," in message, message
+    assert "before committing them" in message and len(message) < 600, message
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__, "no chain of the examples' tracebacks"
+    assert cli_main(["failures", storage]) == 0
+    assert capsys.readouterr().out.startswith("0 failed example(s)"), "indeed nothing is committed yet"
+
+
+def test_an_exception_in_process_batch_of_a_one_process_job_is_logged_with_its_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 26 item 10: with one process the user's own exception is re-raised, which does not say which batch
+    failed; a log line does (with several ranks the others' WorkerFailedError did already)."""
+    with pytest.raises(ValueError, match="bad value"):
+        torch_batch_process(_FailsOnSevens, list(range(40)), batch_size=4, storage_path=str(tmp_path / "s"),
+                            progress=False)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("rank 0: process_batch(batch_idx=0) raised ValueError: bad value in [0, 1, 2, 3]" in m for m in errors), errors
+
+
 def test_max_failures_counts_all_ranks(tmp_path: Path) -> None:
     """Each rank stays under the limit on its own; together they exceed it: the closing check fails the job."""
     spec = spec_for(tmp_path, bad_load=[1], bad_process=[6], max_failures=1)  # batch 0 on rank 0, batch 1 on rank 1

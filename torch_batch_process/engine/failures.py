@@ -75,11 +75,27 @@ decoded, e.g. a JSONL line that is not JSON, is that row's failure; a dead ``Dat
 loader as a ``RuntimeError``, which :meth:`FailureHandler.recoverable` tells apart)."""
 
 
-def too_many_message(failed: int, limit: int, failures_url: str) -> str:
+_NAMED = 5
+"""A :class:`TooManyFailuresError` raised before a commit names at most this many of the examples."""
+
+
+def too_many_message(failed: int, limit: int, failures_url: str, uncommitted: Sequence[str] = (), rank: int = 0) -> str:
+    """The message of :class:`TooManyFailuresError`: after a commit the failures are in ``failures_url``; raised
+    by a rank before its failures are committed (``uncommitted``: descriptions of this rank's examples that failed
+    since its last commit), it names them, since nothing lists them yet."""
+    advice = "Fix the data or the code, or raise max_failures, and run the job again: it resumes from its last commit."
+    if not uncommitted:
+        return (
+            f"{failed} examples failed, more than max_failures allows ({limit}); the job stops. The failures are "
+            f"listed in {failures_url}/ (`tbp failures` shows them). {advice}"
+        )
+    named = ", ".join(uncommitted[-_NAMED:])
+    more = f" and {len(uncommitted) - _NAMED} earlier" if len(uncommitted) > _NAMED else ""
+    committed = failed - len(uncommitted)
+    earlier = f"; {committed} more were committed before (in {failures_url}/: `tbp failures` lists them)" if committed > 0 else ""
     return (
-        f"{failed} examples failed, more than max_failures allows ({limit}); the job stops. The failures are listed "
-        f"in {failures_url}/ (`tbp failures` shows them). Fix the data or the code, or raise max_failures, and run "
-        "the job again: it resumes from its last commit."
+        f"{failed} examples failed, more than max_failures allows ({limit}); the job stops before committing them. "
+        f"Rank {rank}'s since its last commit: {named}{more}{earlier}. {advice}"
     )
 
 
@@ -144,6 +160,7 @@ class FailureHandler:
         self._limit = limit
         self._failures_url = failures_url
         self.failed = 0  # failures this rank recorded in this call
+        self._uncommitted: list[str] = []  # descriptions of those since the rank's last commit (for the message)
         self._saved: list[Any] = []
         self._lines = 0
 
@@ -255,9 +272,15 @@ class FailureHandler:
             "rank %d: example %d of batch %d failed in %s (%s: %s); skipped, recorded in %s/",
             self._rank, index, batch_idx, phase, type(error).__name__, _first_line(error), self._failures_url,
         )
+        self._uncommitted.append(f"example {index} (batch {batch_idx}, {type(error).__name__}: {_first_line(error)[:80]})")
         total = self._failed_before + self.failed
         if self._limit is not None and total > self._limit:
-            raise TooManyFailuresError(too_many_message(total, self._limit, self._failures_url)) from error
+            message = too_many_message(total, self._limit, self._failures_url, self._uncommitted, self._rank)
+            raise TooManyFailuresError(message) from None  # each example's own error is in the message and the log
+
+    def committed(self) -> None:
+        """The rank's stage was committed: its failures so far are listed in ``failures/`` now."""
+        self._uncommitted.clear()
 
 
 _NULL = contextlib.nullcontext()
