@@ -468,6 +468,80 @@ def test_predict_without_storage_path_on_several_machines_says_to_give_a_shared_
         assert "runs on 2 machines: give storage_path=" in err and "object store URL" in err, err[-3000:]
 
 
+_THREADS_SCRIPT = """
+import json, os, sys, threading, time
+import torch
+from torch_batch_process import TorchBatchProcessor, iter_outputs, read_outputs, torch_batch_process
+
+def threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except OSError:
+            pass
+    return sorted(names)
+
+class P(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"x": batch.float() * 2, "v": torch.stack([batch.float(), -batch.float()], 1)})
+
+before = threads()
+for fmt in ("parquet", "jsonl"):
+    result = torch_batch_process(P, list(range(10)), batch_size=3, storage_path=sys.argv[1] + fmt, progress=False,
+                                 output_format=fmt)
+    assert read_outputs(result.storage_path).num_rows == 10
+    assert sum(b.num_rows for b in iter_outputs(result.storage_path, batch_rows=4)) == 10
+deadline = time.monotonic() + 5
+while threads() != before and time.monotonic() < deadline:  # a thread that is ending
+    time.sleep(0.1)
+print(json.dumps({"before": before, "after": threads(), "python": [t.name for t in threading.enumerate()]}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads with /proc")
+def test_a_call_and_the_read_back_leave_no_thread_running(tmp_path):
+    """Issue 26 item 6: a 1-process job with context.write() and read_outputs() died at interpreter exit now and
+    then (SIGABRT, "terminate called without an active exception"): a thread of pyarrow's pool, still releasing a
+    buffer that held a Python object, took the GIL while the interpreter was exiting. Every thread the call and the
+    read-back start is ended before they return (pyarrow's pools are not even started)."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADS_SCRIPT, str(tmp_path / "s")], env=base_env(), capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert threads["after"] == threads["before"], threads
+    assert threads["python"] == ["MainThread"], threads
+
+
+class FilesOnly(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        with self.context.upload_path() as path:
+            (path / f"pred_{batch_idx}.json").write_text(json.dumps([int(v) for v in batch]))
+
+
+def test_read_outputs_of_a_job_without_records_says_so_and_where_its_files_are(tmp_path, caplog):
+    """Issue 26 item 7: a job that wrote only upload_path() files (the digits example) read back an empty table
+    without a word."""
+    result = _run(tmp_path, processor=FilesOnly, n=10, batch_size=4)
+    table = read_outputs(result.storage_path)
+    assert table.num_rows == 0 and table.column_names == ["index"]
+    assert list(iter_outputs(result.storage_path)) == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings
+    for message in warnings:
+        assert "the job wrote no records (context.write())" in message, message
+        assert os.path.join(result.storage_path, "outputs") in message, message
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_small_row_groups_and_rolled_shards_read_back_in_order(tmp_path, monkeypatch, fmt):
     from torch_batch_process.outputs import records

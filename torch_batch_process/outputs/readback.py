@@ -16,6 +16,15 @@ rows held at once are those of the runs whose index ranges overlap, which depend
 
 Before returning anything, both compare the rows found with the rows the job's records committed
 (:mod:`torch_batch_process.outputs.completeness`): shards missing or added are an error, not a short table.
+
+Threads: shards are read from Python file objects, so pyarrow wraps what they return in buffers that hold Python
+objects. Decoded on pyarrow's own thread pool (``use_threads=True``, ``pre_buffer=True``), a pool thread could
+drop the last of those buffers after the call returned, taking the GIL while the interpreter was exiting: the
+process then died with ``terminate called without an active exception`` (SIGABRT) after printing its result
+(issue 26 item 6: about 1 run in 15 on a loaded machine; the core dump showed an Arrow worker in
+``PyBuffer::~PyBuffer`` -> ``PyGILState_Ensure`` -> ``pthread_exit`` during ``Py_FinalizeEx``). So every read
+here decodes in the calling thread (``use_threads=False``, no pre-buffering), and :func:`read_outputs` parallelizes
+over shards with a thread pool of its own that is joined before it returns: nothing the call started outlives it.
 """
 
 from __future__ import annotations
@@ -102,8 +111,24 @@ def _open(
     shards = list_shards(storage)
     if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
         raise FileNotFoundError(f"{storage.url} holds no job (no {JOB_FILE}, no {OUTPUTS_DIR}/); check storage_path")
+    if not shards:
+        _say_no_records(storage)
     typed = _committed_schema(storage) if shards and shards[0].endswith(".jsonl") else None
     return storage, shards, typed, expected
+
+
+def _say_no_records(storage: Storage) -> None:
+    """Warns that a job has no record rows to read (an empty table, silently, misled users of ``upload_path()``
+    jobs), saying where its files are when it wrote some."""
+    folders = [name for name in storage.list(OUTPUTS_DIR) if name.startswith("commit_")]
+    if folders:
+        logger.warning(
+            "%s: the job wrote no records (context.write()), so read_outputs()/iter_outputs() have no rows to give; "
+            "its committed files (upload_path()) are in %s/commit_*/rank_*/ (e.g. glob('%s/**/*', recursive=True))",
+            storage.url, storage.url_of(OUTPUTS_DIR), storage.url_of(OUTPUTS_DIR),
+        )
+    else:
+        logger.warning("%s: the job has committed no outputs yet: no rows to read", storage.url)
 
 
 def _committed_schema(storage: Storage) -> Any:
@@ -175,7 +200,7 @@ def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None, typed: 
     import pyarrow.json as pj
 
     with _reading(storage, shard), storage.open_input(shard) as f:
-        table = pj.read_json(f)
+        table = pj.read_json(f, read_options=pj.ReadOptions(use_threads=False))
     if columns is not None:
         _check_columns(columns, table.column_names, storage.url)
         table = table.select(columns)
@@ -195,7 +220,7 @@ def _read_jsonl_index(storage: Storage, shard: str) -> Any:
     only_index = pa.schema([(INDEX_COLUMN, pa.int64())])
     options = pj.ParseOptions(explicit_schema=only_index, unexpected_field_behavior="ignore")
     with _reading(storage, shard), storage.open_input(shard) as f:
-        return pj.read_json(f, parse_options=options)
+        return pj.read_json(f, read_options=pj.ReadOptions(use_threads=False), parse_options=options)
 
 
 def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], Any]:
@@ -216,7 +241,7 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
                 runs.append(_Run(shard, -1, int(_np(index).min()), int(_np(index).max()), len(index)))
             continue
         with _reading(storage, shard), storage.open_input(shard) as f:
-            parquet = pq.ParquetFile(f)
+            parquet = pq.ParquetFile(f, pre_buffer=False)
             meta = parquet.metadata
             schemas.append(parquet.schema_arrow)
         position = meta.schema.to_arrow_schema().get_field_index(INDEX_COLUMN)
@@ -243,7 +268,7 @@ def _load(storage: Storage, run: _Run, columns: list[str] | None, typed: Any) ->
     if run.group < 0:
         return _read_jsonl(storage, run.shard, columns, typed)
     with _reading(storage, run.shard), storage.open_input(run.shard) as f:
-        return pq.ParquetFile(f).read_row_group(run.group, columns=columns)
+        return pq.ParquetFile(f, pre_buffer=False).read_row_group(run.group, columns=columns, use_threads=False)
 
 
 def _sorted(table: Any) -> Any:
@@ -334,9 +359,9 @@ def read_outputs(
         if shard.endswith(".jsonl"):
             return _read_jsonl(storage, shard, wanted, typed)
         with _reading(storage, shard), storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table
-            parquet = pq.ParquetFile(f)
+            parquet = pq.ParquetFile(f, pre_buffer=False)
             _check_columns(wanted, parquet.schema_arrow.names, storage.url)  # pyarrow ignores unknown names
-            return parquet.read(columns=wanted)
+            return parquet.read(columns=wanted, use_threads=False)  # see the module docstring: threads
 
     try:  # shards are decoded in parallel (pyarrow releases the GIL)
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tbp-read") as pool:
