@@ -271,6 +271,25 @@ def _preempted_run(
 
 
 @pytest.mark.slow
+def test_ctrl_c_after_the_job_finished_is_not_reported_as_a_preemption(tmp_path):
+    """Issue 26 item 8: SIGINT reached the launcher while the workers ran their own code after a finished job;
+    it said "stopped by SIGINT ... run the same command again to resume" and exited 130."""
+    spec = job_spec(tmp_path, n=20, batch_size=2, sleep_after=60, attempt=1)
+    proc = _start_generic(spec)
+    try:
+        wait_for(lambda: (tmp_path / "reports" / "returned_rank0").exists() or proc.poll() is not None, 120,
+                 "the end of the job")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "[launcher] SIGINT came after the job had finished: its outputs and result are stored" in err, err[-3000:]
+    assert "run the same command again to resume" not in err
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_commits_stops_and_the_same_command_resumes_exactly_once(tmp_path):
     spec, proc, err, seconds = _preempted_run(tmp_path)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
