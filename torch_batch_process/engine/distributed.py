@@ -3,7 +3,9 @@
 A job runs as one plain process (``python script.py``), under ``torchrun``, or as processes started
 with the env contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
 The library initializes the default process group itself when the environment asks for more than
-one process (nccl when CUDA is there, else gloo) and reuses a group the user already initialized. A
+one process (nccl when CUDA is there, else gloo), once every rank has joined with a deadline and
+heartbeats (:mod:`~torch_batch_process.engine.join`: a rank lost while the job opens fails the others
+within seconds, not after the collective timeout), and reuses a group the user already initialized. A
 default group the library created stays for the later calls of the same process (a script may call
 :func:`torch_batch_process` several times) and is destroyed when the interpreter exits: re-creating
 it would re-run the rendezvous on a store that still holds the keys of the first one (under torchrun
