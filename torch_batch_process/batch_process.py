@@ -10,6 +10,7 @@ from typing import Any
 from torch_batch_process.engine.bucket_options import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import JobRun
+from torch_batch_process.environment import write_launch_state
 from torch_batch_process.failure_options import validate_failure_options
 from torch_batch_process.log import setup_logging
 from torch_batch_process.observe.options import resolve_observe_options
@@ -163,9 +164,21 @@ def torch_batch_process(
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     with DistributedEnv(expected=distributed_context) as env:
         setup_logging(env.info.rank)
-        if failures.retry_failed:
-            from torch_batch_process.engine.retry import prepare_retry
+        tell_launcher = write_launch_state if env.info.local_rank == 0 else (lambda state: None)
+        tell_launcher("running")
+        try:
+            if failures.retry_failed:
+                from torch_batch_process.engine.retry import prepare_retry
 
-            retry_args, plan, schema = prepare_retry(args, env.collectives)
-            return JobRun(retry_args, env, observe, plan=plan, record_schema=schema).run()
-        return JobRun(args, env, observe).run()
+                retry = prepare_retry(args, env.collectives)
+                result = JobRun(
+                    retry.args, env, observe, plan=retry.plan, record_schema=retry.schema, storage=retry.storage,
+                    first_stage=retry.first_stage,
+                ).run()
+            else:
+                result = JobRun(args, env, observe).run()
+        except BaseException:
+            tell_launcher("failed")
+            raise
+        tell_launcher("finished" if result.finished else "preempted")  # the launcher words a late Ctrl-C by it
+        return result

@@ -16,11 +16,14 @@ carry the same flags in their votes, where the decision is immediate.
 from __future__ import annotations
 
 import enum
+import logging
 import traceback
 from dataclasses import dataclass
 
 from torch_batch_process.engine.distributed import Collectives, PendingMax
 from torch_batch_process.errors import LoaderWorkerDiedError, WorkerFailedError
+
+logger = logging.getLogger(__name__)
 
 
 class Decision(enum.Enum):
@@ -68,6 +71,11 @@ class FailureTracker:
         if died is not None:
             exc, where = died, "the DataLoader's workers"
         if self.exception is None:
+            first = str(exc).strip().splitlines()
+            logger.error(  # names the batch, which the exception re-raised at the end (the user's own) may not say
+                "rank %d: %s raised %s: %s; the job stops (the last commit stays: fix it and run the job again to "
+                "resume)", self.rank, where, type(exc).__name__, first[0][:300] if first else "",
+            )
             self.exception = exc
             self.info = FailureInfo(
                 rank=self.rank,

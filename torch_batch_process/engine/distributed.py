@@ -3,7 +3,9 @@
 A job runs as one plain process (``python script.py``), under ``torchrun``, or as processes started
 with the env contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
 The library initializes the default process group itself when the environment asks for more than
-one process (nccl when CUDA is there, else gloo) and reuses a group the user already initialized. A
+one process (nccl when CUDA is there, else gloo), once every rank has joined with a deadline and
+heartbeats (:mod:`~torch_batch_process.engine.join`: a rank lost while the job opens fails the others
+within seconds, not after the collective timeout), and reuses a group the user already initialized. A
 default group the library created stays for the later calls of the same process (a script may call
 :func:`torch_batch_process` several times) and is destroyed when the interpreter exits: re-creating
 it would re-run the rendezvous on a store that still holds the keys of the first one (under torchrun
@@ -20,12 +22,13 @@ timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
 import pickle
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from torch_batch_process.device import get_default_device
+from torch_batch_process.engine.join import connect_timeout, join_job
 from torch_batch_process.engine.rendezvous import RendezvousStore
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
@@ -277,16 +281,24 @@ class DistributedEnv:
                     "python -m torch_batch_process.launch.torch_distributed, or set MASTER_ADDR and MASTER_PORT"
                 )
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            logger.debug("initializing the %s process group (rank %d of %d)", backend, rank, world_size)
+            logger.debug("joining the job and initializing the %s process group (rank %d of %d)", backend, rank, world_size)
+            store = join_job(rank, world_size)  # every rank there, or a WorkerLostError naming who is not
             kwargs: dict[str, Any] = {}
             if backend == "nccl":
                 kwargs["device_id"] = self.device
-            dist.init_process_group(
-                backend=backend, init_method="env://", rank=rank, world_size=world_size, timeout=self._timeout, **kwargs
-            )
+            timeout = connect_timeout() if backend == "gloo" else self._timeout
+            with _lost_while("connecting the default process group", rank):
+                dist.init_process_group(
+                    backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
+                    timeout=timeout, **kwargs,
+                )
+            dist.set_timeout(self._timeout)  # connected: the job's collectives get the collective timeout
+            store.set_timeout(self._timeout)
             _destroy_at_exit()
         if world_size > 1:
-            self.control_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            with _lost_while("connecting the library's process group", rank):
+                self.control_group = dist.new_group(backend="gloo", timeout=connect_timeout())
+            dist.set_timeout(self._timeout, self.control_group)
             self._created_control = True
         self.collectives = Collectives(self.control_group, rank, world_size)
         local_size = _env_int("LOCAL_WORLD_SIZE", None)
@@ -329,6 +341,19 @@ class DistributedEnv:
                 logger.debug("destroying the control group failed: %s", exc)
             self._created_control = False
             self.control_group = None
+
+
+@contextlib.contextmanager
+def _lost_while(what: str, rank: int) -> Iterator[None]:
+    """A failure to connect a process group once every rank joined (a peer died in that window, or the connect
+    timeout passed) as a :class:`WorkerLostError` saying so."""
+    try:
+        yield
+    except (RuntimeError, ConnectionError, TimeoutError) as exc:
+        raise WorkerLostError(
+            f"rank {rank}: {what} failed after every rank joined the job: a rank stopped meanwhile (see the other "
+            f"ranks' logs) ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})"
+        ) from exc
 
 
 _exit_hook_registered = False

@@ -25,7 +25,8 @@ files are named by ``batch_idx``. Use a recursive glob (``outputs/**/pred_*.pt``
 **Failure records** go into the stage of the rank's next commit, so they are committed (and published to
 ``<storage>/failures/<stage>-rank_<r>.jsonl``) exactly once together with the batch they belong to, across
 ``kill -9`` and resumes with another world size. One JSON object a line, with the keys ``index`` (dataset
-index), ``batch_idx``, ``attempt`` (the job's attempt), ``rank``, ``phase`` (``"load"`` or ``"process"``),
+index), ``batch_idx`` (in a retry: the batch the example failed in, in the job; ``retry_batch_idx`` is then the
+retry's), ``attempt`` (the job's attempt), ``rank``, ``phase`` (``"load"`` or ``"process"``),
 ``error_type``, ``message``, ``traceback`` and ``time`` (UNIX seconds). ``tbp failures STORAGE`` lists them.
 
 **max_failures**: when the committed failures plus this rank's new ones exceed the limit, the rank fails with
@@ -74,11 +75,27 @@ decoded, e.g. a JSONL line that is not JSON, is that row's failure; a dead ``Dat
 loader as a ``RuntimeError``, which :meth:`FailureHandler.recoverable` tells apart)."""
 
 
-def too_many_message(failed: int, limit: int, failures_url: str) -> str:
+_NAMED = 5
+"""A :class:`TooManyFailuresError` raised before a commit names at most this many of the examples."""
+
+
+def too_many_message(failed: int, limit: int, failures_url: str, uncommitted: Sequence[str] = (), rank: int = 0) -> str:
+    """The message of :class:`TooManyFailuresError`: after a commit the failures are in ``failures_url``; raised
+    by a rank before its failures are committed (``uncommitted``: descriptions of this rank's examples that failed
+    since its last commit), it names them, since nothing lists them yet."""
+    advice = "Fix the data or the code, or raise max_failures, and run the job again: it resumes from its last commit."
+    if not uncommitted:
+        return (
+            f"{failed} examples failed, more than max_failures allows ({limit}); the job stops. The failures are "
+            f"listed in {failures_url}/ (`tbp failures` shows them). {advice}"
+        )
+    named = ", ".join(uncommitted[-_NAMED:])
+    more = f" and {len(uncommitted) - _NAMED} earlier" if len(uncommitted) > _NAMED else ""
+    committed = failed - len(uncommitted)
+    earlier = f"; {committed} more were committed before (in {failures_url}/: `tbp failures` lists them)" if committed > 0 else ""
     return (
-        f"{failed} examples failed, more than max_failures allows ({limit}); the job stops. The failures are listed "
-        f"in {failures_url}/ (`tbp failures` shows them). Fix the data or the code, or raise max_failures, and run "
-        "the job again: it resumes from its last commit."
+        f"{failed} examples failed, more than max_failures allows ({limit}); the job stops before committing them. "
+        f"Rank {rank}'s since its last commit: {named}{more}{earlier}. {advice}"
     )
 
 
@@ -106,6 +123,8 @@ class FailureHandler:
         failed_before: failures committed by earlier attempts.
         limit: ``max_failures`` as a count (``None``: no limit).
         failures_url: where the failures are published (for messages).
+        original_batch: a retry's ``(batch_idx, index) -> the batch the example failed in, in the job``: its
+            failure records keep the original batch (``batch_idx``), and the retry's (``retry_batch_idx``).
     """
 
     def __init__(
@@ -124,8 +143,10 @@ class FailureHandler:
         failed_before: int,
         limit: int | None,
         failures_url: str,
+        original_batch: Callable[[int, int], int] | None = None,
     ) -> None:
         self._dataset = dataset
+        self._original_batch = original_batch
         self._collate = collate_fn
         self._place = place
         self._process = process
@@ -139,6 +160,7 @@ class FailureHandler:
         self._limit = limit
         self._failures_url = failures_url
         self.failed = 0  # failures this rank recorded in this call
+        self._uncommitted: list[str] = []  # descriptions of those since the rank's last commit (for the message)
         self._saved: list[Any] = []
         self._lines = 0
 
@@ -230,10 +252,13 @@ class FailureHandler:
     def _record(self, batch_idx: int, index: int, phase: str, error: BaseException, part: Part) -> None:
         self.failed += 1
         part.failed += 1
+        where = {"batch_idx": batch_idx}
+        if self._original_batch is not None:
+            where = {"batch_idx": self._original_batch(batch_idx, int(index)), "retry_batch_idx": batch_idx}
         self._stager.add_failure(
             {
                 "index": int(index),
-                "batch_idx": batch_idx,
+                **where,
                 "attempt": self._job_attempt,
                 "rank": self._rank,
                 "phase": phase,
@@ -247,9 +272,15 @@ class FailureHandler:
             "rank %d: example %d of batch %d failed in %s (%s: %s); skipped, recorded in %s/",
             self._rank, index, batch_idx, phase, type(error).__name__, _first_line(error), self._failures_url,
         )
+        self._uncommitted.append(f"example {index} (batch {batch_idx}, {type(error).__name__}: {_first_line(error)[:80]})")
         total = self._failed_before + self.failed
         if self._limit is not None and total > self._limit:
-            raise TooManyFailuresError(too_many_message(total, self._limit, self._failures_url)) from error
+            message = too_many_message(total, self._limit, self._failures_url, self._uncommitted, self._rank)
+            raise TooManyFailuresError(message) from None  # each example's own error is in the message and the log
+
+    def committed(self) -> None:
+        """The rank's stage was committed: its failures so far are listed in ``failures/`` now."""
+        self._uncommitted.clear()
 
 
 _NULL = contextlib.nullcontext()

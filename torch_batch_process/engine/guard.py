@@ -56,6 +56,7 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> None:
             failed_before=int(latest.stats.get("failed_examples", 0)) if latest is not None else 0,
             limit=options.limit(job.plan.num_examples),
             failures_url=job.storage.url_of(FAILURES_DIR),
+            original_batch=getattr(job.plan, "original_batch", None),  # a retry's plan keeps the original batches
         )
 
 

@@ -12,6 +12,7 @@ file at the first start and counts the attempt. Its answer, or its exception, is
 from __future__ import annotations
 
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.integrity import check_integrity, warn_of_strays
-from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, check_fingerprint
+from torch_batch_process.engine.records import CommitRecord, JobInfo, JobSpec, Script, check_fingerprint, check_script
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError, StorageError
 from torch_batch_process.outputs.tables.commits import TableCommits
@@ -65,6 +66,9 @@ class JobOpener:
         resume: ``False`` erases a stored job first.
         collectives: the library's collectives.
         table: rank 0's table transactions (``table=``), reconciled with the latest record at the start.
+        script: the script that runs this call (recorded at the first start; another one is refused on a resume).
+        first_stage: the first commit and stage number of a fresh job (a retry's come after those of the job it
+            retries, whose ``outputs/`` it shares: see :mod:`torch_batch_process.engine.retry`).
     """
 
     def __init__(
@@ -75,14 +79,17 @@ class JobOpener:
         resume: bool,
         collectives: Collectives,
         table: TableCommits | None = None,
+        script: Script | None = None,
+        first_stage: int = 1,
     ) -> None:
         self.table = table
         self.storage = storage
-        self.store = JobStore(storage)
+        self.store = JobStore(storage, first_stage)
         self.spec = spec
         self.job_name = job_name
         self.resume = resume
         self.coll = collectives
+        self.script = script
         self.lock: JobLock | None = None
         self._damaged: CheckpointCorruptError | None = None  # resume=False: the damaged job erased
 
@@ -127,14 +134,14 @@ class JobOpener:
             job, latest = None, None
         self.store.repair(latest)
         if job is None:
-            job = JobInfo(self.spec.to_json(), planned, self.job_name, time.time(), planned_examples)
+            job = JobInfo(self.spec.to_json(), planned, self.job_name, time.time(), planned_examples, self.script)
             self.store.write_job(job)
         self._reconcile_table(job, latest)
         if latest is not None and latest.finished:  # finished, but resume=False was handled above
             latest = None
         return Start(
             attempt=self.store.next_attempt(latest, self.coll.world_size),
-            next_number=max(latest.commit, latest.last_stage) + 1 if latest else 1,
+            next_number=max(latest.commit, latest.last_stage) + 1 if latest else self.store.first_stage,
             planned_batches=job.planned_batches,
             latest=latest,
             job_id=job.uid,
@@ -154,6 +161,7 @@ class JobOpener:
         latest = self.store.load_latest()
         if self.resume and job is not None:
             check_fingerprint(job, self.spec, self.storage.url)
+            check_script(job, self.script, self.storage.url)  # a job of another script of the same name
             check_integrity(self.store, latest)  # damaged progress is an error, never a restart from zero
         if self.resume and job is None and (latest is not None or self.store.has_outputs()):
             raise JobMismatchError(
@@ -178,9 +186,21 @@ class JobOpener:
             visible = self.storage.exists(JOB_FILE)
         except Exception:  # noqa: BLE001
             visible = False
-        everyone = self.coll.all_gather(visible)
-        if not all(everyone):
-            blind = [rank for rank, ok in enumerate(everyone) if not ok]
+        everyone = self.coll.all_gather((visible, socket.gethostname()))
+        if not all(ok for ok, _ in everyone):
+            blind = [rank for rank, (ok, _) in enumerate(everyone) if not ok]
+            if self.storage.protocol == "memory":
+                raise StorageError(
+                    f"storage_path {self.storage.url!r} is not shared by all ranks: memory:// lives in the memory of "
+                    f"each process, so rank(s) {blind} cannot see what rank 0 wrote. With several ranks use a local "
+                    "folder (one machine), a filesystem mounted on every node, or an object store URL (s3://...)"
+                )
+            if len({host for _, host in everyone}) == 1:  # one machine: the ranks were given different paths
+                raise StorageError(
+                    f"storage_path {self.storage.url!r} is not the same on every rank: rank(s) {blind} cannot see what "
+                    "rank 0 wrote there, on the same machine. Give every rank the same storage_path (a path computed "
+                    "in each process, e.g. from a temporary folder, a pid or a time, differs between ranks)"
+                )
             raise StorageError(
                 f"storage_path {self.storage.url!r} is not shared by all ranks: rank(s) {blind} cannot see what rank "
                 "0 wrote there. Use a filesystem mounted on every node (NFS, Lustre...) or an object store URL "

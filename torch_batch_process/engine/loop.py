@@ -56,7 +56,7 @@ from torch_batch_process.outputs.tables.commits import TableCommits
 from torch_batch_process.outputs.tables.sink import TableSink
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
-from torch_batch_process.storage.base import open_storage
+from torch_batch_process.storage.base import Storage, open_storage
 from torch_batch_process.storage.layout import OUTPUTS_DIR, tensorboard_dir
 from torch_batch_process.validation import JobArguments
 
@@ -75,6 +75,8 @@ class JobRun:
         options: ObserveOptions | None = None,
         plan: Plan | None = None,
         record_schema: RecordSchema | None = None,
+        storage: Storage | None = None,
+        first_stage: int = 1,
     ) -> None:
         self.args = args
         self.parent_schema = record_schema  # a retry's rows unify with those of the job it retries
@@ -84,7 +86,7 @@ class JobRun:
         self.started = time.monotonic()
         self.autocast = resolve_autocast(args.autocast, env.device)  # checked on the rank's device, before any I/O
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
-        self.storage = open_storage(args.storage_path, args.storage_options)
+        self.storage = storage or open_storage(args.storage_path, args.storage_options)  # given: a retry's
         t0 = time.perf_counter()
         streamed = is_source(args.dataset)  # a streaming source: its plan needs the shards' row counts
         self.stream = StreamJob(args.dataset, args.batch_size, self.storage, self.coll) if streamed else None
@@ -99,7 +101,10 @@ class JobRun:
         spec = JobSpec.of_call(args, length, self.plan.fingerprint())
         self.table = args.table.open() if args.table is not None else None  # table= (outputs/tables)
         self.table_commits = TableCommits(self.table) if self.table is not None and self.rank == 0 else None
-        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.coll, self.table_commits)
+        self.opener = JobOpener(
+            self.storage, spec, args.job_name, args.resume, self.coll, self.table_commits, args.script,
+            first_stage=first_stage,
+        )
         self.failures = FailureTracker(self.rank)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(self.rank), f"tensorboard-rank{self.rank}")
         self.observer = JobObserver(
@@ -134,7 +139,7 @@ class JobRun:
                     job_result, plan=self.plan, start=start, preempted=False, storage_url=self.storage.url,
                     outputs_url=self.storage.url_of(OUTPUTS_DIR), world_size=self.world_size,
                 )
-                remaining = (start.latest.committed if start.latest else RangeSet()).complement(self.plan.num_batches)
+                remaining = self.plan.remaining(start.latest.committed if start.latest else RangeSet())
                 processor, stop_now = self._build(start, signals)
                 schedule = make_scheduler if self.stream is None else self.stream.make_scheduler
                 interval = self.args.checkpoint_interval
@@ -240,6 +245,8 @@ class JobRun:
                 if decision is Decision.COMMIT:
                     self._checkpoint_hook(processor)
                     committer.commit(processor, preempt=signals.preempt_requested)
+                    if runner.skip is not None:
+                        runner.skip.committed()  # its failures are in that commit: tbp failures lists them
                 elif decision is not Decision.CONTINUE:
                     return decision
             return Decision.DONE

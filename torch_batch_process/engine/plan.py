@@ -38,6 +38,9 @@ class Plan(abc.ABC):
 
     num_batches: int
     """Global batches of the job (after ``max_batches``)."""
+    first_batch: int = 0
+    """The number of the first batch: the plan's batches are ``[first_batch, first_batch + num_batches)`` (a retry's
+    batches are numbered after those of the job it retries, see :mod:`torch_batch_process.engine.retry`)."""
 
     @abc.abstractmethod
     def batch_indices(self, batch: int) -> Sequence[int]:
@@ -54,7 +57,11 @@ class Plan(abc.ABC):
     @property
     def num_examples(self) -> int:
         """Examples in the job's batches."""
-        return self.count_examples(RangeSet([(0, self.num_batches)]) if self.num_batches else RangeSet())
+        return self.count_examples(self.remaining(RangeSet()))
+
+    def remaining(self, committed: RangeSet) -> RangeSet:
+        """The plan's batches that ``committed`` does not hold."""
+        return committed.complement(self.first_batch + self.num_batches, self.first_batch)
 
     def fingerprint(self) -> dict[str, Any] | None:
         """What a resume must match beyond the dataset length and batch size (``None``: nothing more)."""

@@ -9,6 +9,8 @@ committer (:mod:`torch_batch_process.engine.committer`) writes one atomically at
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,7 +22,19 @@ from torch_batch_process.outputs.schema import RecordSchema
 if TYPE_CHECKING:
     from torch_batch_process.validation import JobArguments
 
-__all__ = ["CommitRecord", "JobInfo", "JobSpec", "check_fingerprint", "parse_json", "qualified_name"]
+__all__ = [
+    "ALLOW_SCRIPT_CHANGE_ENV",
+    "CommitRecord",
+    "JobInfo",
+    "JobSpec",
+    "Script",
+    "check_fingerprint",
+    "check_script",
+    "parse_json",
+    "qualified_name",
+]
+
+logger = logging.getLogger(__name__)
 
 RECORD_FORMAT = "torch_batch_process/commit/1"
 JOB_FORMAT = "torch_batch_process/job/1"
@@ -78,6 +92,26 @@ class JobSpec:
         return [f"{key}: stored {stored.get(key)!r}, now {mine.get(key)!r}" for key in changed]
 
 
+@dataclass(frozen=True)
+class Script:
+    """The script that runs a job: the resolved absolute path of the ``__main__`` file, and the working directory
+    it was started from (both resolved, symbolic links followed)."""
+
+    path: str
+    workdir: str
+
+    @property
+    def from_workdir(self) -> str:
+        """The script's path relative to its working directory (``job.py``, ``../a/job.py``)."""
+        return os.path.relpath(self.path, self.workdir)
+
+    def same_as(self, other: Script) -> bool:
+        """Whether ``other`` names the same script: the same file, or the same path from the working directory
+        (the checkout was moved, or the cluster copied the code to a new folder, and the script is started from
+        the same place in it)."""
+        return self.path == other.path or self.from_workdir == other.from_workdir
+
+
 @dataclass
 class JobInfo:
     """Contents of ``_tbp/job.json``: the fingerprint and the plan fixed at the job's first start."""
@@ -88,6 +122,8 @@ class JobInfo:
     created: float
     planned_examples: int | None = None
     """Examples in the planned batches (``None`` in job files of older versions: contiguous batches)."""
+    script: Script | None = None
+    """The script that started the job (``None``: an interactive session, or a job file of an older version)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +133,7 @@ class JobInfo:
             "planned_examples": self.planned_examples,
             "job_name": self.job_name,
             "created": self.created,
+            **({"script": self.script.path, "workdir": self.script.workdir} if self.script is not None else {}),
         }
 
     @property
@@ -123,6 +160,7 @@ class JobInfo:
                 job_name=str(value["job_name"]),
                 created=float(value["created"]),
                 planned_examples=int(value["planned_examples"]) if value.get("planned_examples") is not None else None,
+                script=Script(str(value["script"]), str(value["workdir"])) if value.get("script") else None,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"job file {where} is not a valid job record ({exc}). {CORRUPT_HINT}."
@@ -255,3 +293,38 @@ def check_fingerprint(job: JobInfo, spec: JobSpec, url: str) -> None:
             "To resume it, run it with its original settings; to start this job afresh there, pass "
             "resume=False (this erases the stored progress and outputs), or use a new storage_path."
         )
+
+
+ALLOW_SCRIPT_CHANGE_ENV = "TBP_ALLOW_SCRIPT_CHANGE"
+"""``1``: resume a stored job although another script started it (a renamed script; see :func:`check_script`)."""
+
+
+def check_script(job: JobInfo, script: Script | None, url: str) -> None:
+    """Raises :class:`JobMismatchError` when another script started the stored job (before anything is written).
+
+    The fingerprint cannot tell two scripts apart when their processors have the same name (``__main__.P``)
+    and their datasets the same length, and the default storage path (``./tbp_runs/<script stem>``) is the same
+    for ``a/job.py`` and ``b/job.py`` started from one folder: the second would resume, or return the result of,
+    the first. So the job file records the script that started the job, and a call from another script is
+    refused. The same script is the same file, or the same path from the working directory (a moved checkout, a
+    cluster that copies the code to a new folder for each run); ``python job.py``, ``python -m``, torchrun, the
+    library's launcher and ``tbp run`` all run the same ``__main__`` file. Nothing is checked when either side has
+    no script (an interactive session, where a storage path or job name is required, or a job file written
+    before scripts were recorded). ``TBP_ALLOW_SCRIPT_CHANGE=1`` resumes anyway (a renamed script), with a
+    warning.
+    """
+    if job.script is None or script is None or job.script.same_as(script):
+        return
+    if os.environ.get(ALLOW_SCRIPT_CHANGE_ENV) == "1":
+        logger.warning(
+            "storage_path %s holds a job started by %s; resuming it from %s (%s=1)",
+            url, job.script.path, script.path, ALLOW_SCRIPT_CHANGE_ENV,
+        )
+        return
+    raise JobMismatchError(
+        f"storage_path {url!r} holds a job started by another script: {job.script.path} (this is {script.path}). "
+        "Nothing was changed. Two scripts of the same name share the default ./tbp_runs/<script name>: give this "
+        "one its own storage_path=... or job_name=..., or pass resume=False to erase the stored job and start this "
+        f"one there. If it is the same script, renamed or moved, run it as before, or set {ALLOW_SCRIPT_CHANGE_ENV}=1 "
+        "to resume the stored job from this one."
+    )
