@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torch_batch_process.engine.memory_limits import MemoryLimits
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, JobMismatchError
 from torch_batch_process.outputs.schema import RecordSchema
@@ -148,6 +149,9 @@ class CommitRecord:
     older versions, and the jobs resumed from them): unknown."""
     record_schema: RecordSchema | None = None
     """The schema of the committed record outputs (``context.write()``); ``None``: no rows committed yet."""
+    memory_limits: dict[str, Any] | None = None
+    """What the job learned about the device's memory (the JSON form of
+    :class:`~torch_batch_process.engine.memory_limits.MemoryLimits`); ``None``: nothing yet."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -168,6 +172,7 @@ class CommitRecord:
             "last_stage": self.last_stage,
             "output_stages": self.output_stages.to_json() if self.output_stages is not None else None,
             "record_schema": self.record_schema.to_json() if self.record_schema is not None else None,
+            "memory_limits": self.memory_limits,
         }
 
     @classmethod
@@ -194,6 +199,7 @@ class CommitRecord:
                     RangeSet.from_json(value["output_stages"]) if value.get("output_stages") is not None else None
                 ),
                 record_schema=_record_schema(value.get("record_schema"), where),
+                memory_limits=_memory_limits(value.get("memory_limits")),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."
@@ -214,6 +220,12 @@ class CommitRecord:
 
 def _record_schema(value: Any, where: str) -> RecordSchema | None:
     return None if value is None else RecordSchema.from_json(value, where)  # pyarrow: only for jobs with records
+
+
+def _memory_limits(value: Any) -> dict[str, Any] | None:
+    if value is not None:
+        MemoryLimits.from_json(value)  # a ValueError names what is wrong
+    return value
 
 
 def qualified_name(cls: type) -> str:
