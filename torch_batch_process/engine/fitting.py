@@ -52,6 +52,7 @@ class BatchFitter:
         self._lengths = lengths
         self._news: set[int] = set()
         self._targets: dict[int, float] = {}
+        self._bounds: dict[int, tuple[int, int | None]] = {}
         self.ooms = 0
         """Out-of-memory errors this rank met since its previous vote."""
         self.split_batches = 0
@@ -82,12 +83,19 @@ class BatchFitter:
         longest = int(self._lengths[np.asarray(indices, dtype=np.int64)].max())
         return length_range(longest), len(indices) * longest
 
+    def bounds(self, key: int) -> tuple[int, int | None]:
+        """:meth:`MemoryLimits.bounds` of range ``key`` (kept until something changes)."""
+        cached = self._bounds.get(key)
+        if cached is None:
+            cached = self._bounds[key] = self.limits.bounds(key)
+        return cached
+
     def target(self, key: int) -> float:
         """The largest size a part in length range ``key`` may have (``inf``: no limit known)."""
         cached = self._targets.get(key)
         if cached is not None:
             return cached
-        lo, hi = self.limits.bounds(key)
+        lo, hi = self.bounds(key)
         if hi is None:
             target: float = float("inf")
         elif lo == 0:
@@ -141,9 +149,10 @@ class BatchFitter:
     # ------------------------------------------------------------------ learning
 
     def fitted(self, indices: Sequence[int]) -> None:
-        """The examples ``indices`` ran as one part without running out of memory."""
+        """The examples ``indices`` ran as one part without running out of memory (news only when larger than
+        what is known to fit in their range: no vote carries the many batches that fit as expected)."""
         key, size = self.measure(indices)
-        if self.limits.fitted(key, size):
+        if size > self.bounds(key)[0] and self.limits.fitted(key, size):
             self._changed(key)
 
     def ran_out(self, indices: Sequence[int]) -> tuple[int, int]:
@@ -156,7 +165,11 @@ class BatchFitter:
 
     def _changed(self, key: int) -> None:
         self._news.add(key)
+        self._forget()
+
+    def _forget(self) -> None:
         self._targets.clear()
+        self._bounds.clear()
 
     # ------------------------------------------------------------------ sharing
 
@@ -178,4 +191,4 @@ class BatchFitter:
         if news.get("unit") != self.limits.unit:
             return
         if self.limits.merge(news):
-            self._targets.clear()
+            self._forget()
