@@ -103,7 +103,15 @@ def test_limits_learn_merge_and_read_with_their_neighbours() -> None:
     assert limits.ran_out(7, 4500)  # a contradicted fit is forgotten: the limits only get more careful
     assert limits.ranges[7] == RangeLimit(0, 4500)
     assert MemoryLimits.from_json(json.loads(json.dumps(limits.to_json()))) == limits
-    assert limits.to_json({7}) == {"unit": "tokens", "ranges": [[7, 0, 4500]]}
+    assert limits.to_json({7}) == {"unit": "tokens", "device": "", "ranges": [[7, 0, 4500]]}
+    elsewhere = MemoryLimits("tokens", {7: RangeLimit(100, 200)}, device="cuda A100 42")
+    assert not limits.same_kind(elsewhere) and not limits.same_kind(elsewhere.to_json())
+    with pytest.raises(ValueError, match="cannot merge"):
+        limits.merge(elsewhere)
+    fitter = BatchFitter.for_job(elsewhere.to_json(), np.ones(10, dtype=np.int64), "cuda H100 80")
+    assert not fitter.active  # learned on another kind of device: learned anew
+    fitter.merge(elsewhere.to_json())
+    assert not fitter.active
     assert "lengths 65-128: 4,500 ran out of memory" in limits.describe()
     with pytest.raises(ValueError):
         MemoryLimits.from_json({"unit": "bytes", "ranges": []})

@@ -59,11 +59,11 @@ class BatchFitter:
         """Batches this rank ran in parts since its previous vote."""
 
     @classmethod
-    def for_job(cls, stored: dict[str, Any] | None, lengths: np.ndarray | None) -> BatchFitter:
-        """The fitter of a job whose latest record stored ``stored`` (``None``: nothing learned yet)."""
-        unit = "tokens" if lengths is not None else "examples"
-        limits = MemoryLimits(unit)
-        if stored is not None and stored.get("unit") == unit:
+    def for_job(cls, stored: dict[str, Any] | None, lengths: np.ndarray | None, device: str) -> BatchFitter:
+        """The fitter of a job whose latest record stored ``stored`` (``None``: nothing learned yet), on a
+        ``device`` of that kind (limits learned on another kind of device are not used)."""
+        limits = MemoryLimits("tokens" if lengths is not None else "examples", device=device)
+        if stored is not None and limits.same_kind(stored):
             limits.merge(stored)
         return cls(limits, lengths)
 
@@ -187,8 +187,8 @@ class BatchFitter:
         return counts
 
     def merge(self, news: dict[str, Any]) -> None:
-        """Adds another rank's (or rank 0's merged) news."""
-        if news.get("unit") != self.limits.unit:
+        """Adds another rank's (or rank 0's merged) news (not if learned on another kind of device)."""
+        if not self.limits.same_kind(news):
             return
         if self.limits.merge(news):
             self._forget()

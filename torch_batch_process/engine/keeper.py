@@ -139,6 +139,7 @@ class RecordKeeper:
         # what the job learned about the device's memory, over all attempts (DESIGN §15)
         self.limits = MemoryLimits.from_json(latest.memory_limits) if latest and latest.memory_limits else None
         self._limits_changed = False
+        self._limits_voted = False  # merged from this attempt's votes (a rank on another kind of device: ignored)
         self.ooms_before = int(latest.stats.get("ooms", 0)) if latest else 0
         self.split_before = int(latest.stats.get("split_batches", 0)) if latest else 0
         if self.limits is not None:
@@ -178,9 +179,11 @@ class RecordKeeper:
                 summary.ooms += int(vote.extra.get("ooms", 0))
                 summary.split_batches += int(vote.extra.get("split", 0))
                 if vote.limits is not None:
-                    if self.limits is None:
-                        self.limits = MemoryLimits(vote.limits["unit"])
-                    if self.limits.merge(vote.limits):
+                    if self.limits is None or not (self._limits_voted or self.limits.same_kind(vote.limits)):
+                        # earlier attempts' limits were learned on another kind of device: this attempt's replace them
+                        self.limits = MemoryLimits(vote.limits["unit"], device=vote.limits.get("device", ""))
+                    self._limits_voted = True
+                    if self.limits.same_kind(vote.limits) and self.limits.merge(vote.limits):
                         self._limits_changed = True
                         summary.memory_limits = self.limits.summary()
                 if self.record_rows is not None:

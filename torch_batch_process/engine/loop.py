@@ -39,6 +39,7 @@ from torch_batch_process.engine.fitting import BatchFitter
 from torch_batch_process.engine.guard import check_failures, guard_runner
 from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.liveness import Heartbeats, watch_peers
+from torch_batch_process.engine.oom import device_kind
 from torch_batch_process.engine.plan import BucketedPlan, Plan, dataset_plan, planned_batches
 from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
@@ -269,7 +270,8 @@ class JobRun:
         if not self.args.failures.split_on_oom:
             return None
         stored = start.latest.memory_limits if start.latest is not None else None
-        return BatchFitter.for_job(stored, self.plan.lengths if isinstance(self.plan, BucketedPlan) else None)
+        lengths = self.plan.lengths if isinstance(self.plan, BucketedPlan) else None
+        return BatchFitter.for_job(stored, lengths, device_kind(self.env.device))
 
     def _committer(self) -> Committer:
         assert self.committer is not None

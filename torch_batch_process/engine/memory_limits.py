@@ -17,7 +17,10 @@ size that ran out of memory with shorter examples runs out with longer ones. A r
 own or of a shorter range borrows the nearest longer range's as a guess. An out-of-memory always wins over a fit
 it contradicts (the fit is forgotten): limits only get more careful, never less.
 
-The JSON form (``{"unit": ..., "ranges": [[k, fits, oom], ...]}``) is stored in every commit record
+The limits hold for one kind of device (``device``: e.g. ``"cuda NVIDIA H100 80GB HBM3 85045870592"``, its name and
+memory): limits of another kind are not merged, and a job resumed on another kind of device learns anew.
+
+The JSON form (``{"unit": ..., "device": ..., "ranges": [[k, fits, oom], ...]}``) is stored in every commit record
 (``memory_limits``), so a resumed job (with any world size) starts from what earlier attempts learned; the ranks
 send what changed in their commit votes, and :meth:`MemoryLimits.merge` joins them (largest fit, smallest
 out-of-memory).
@@ -59,12 +62,14 @@ class MemoryLimits:
     Args:
         unit: ``"tokens"`` (with ``bucket_by``) or ``"examples"``.
         ranges: what is known, by length range.
+        device: the kind of device they hold for.
     """
 
-    def __init__(self, unit: str, ranges: dict[int, RangeLimit] | None = None) -> None:
+    def __init__(self, unit: str, ranges: dict[int, RangeLimit] | None = None, device: str = "") -> None:
         if unit not in UNITS:
             raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
         self.unit = unit
+        self.device = device
         self.ranges: dict[int, RangeLimit] = dict(ranges or {})
 
     def __bool__(self) -> bool:
@@ -73,10 +78,13 @@ class MemoryLimits:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MemoryLimits):
             return NotImplemented
-        return self.unit == other.unit and self.ranges == other.ranges
+        return self.unit == other.unit and self.device == other.device and self.ranges == other.ranges
 
-    def copy(self) -> MemoryLimits:
-        return MemoryLimits(self.unit, {k: RangeLimit(v.fits, v.oom) for k, v in self.ranges.items()})
+    def same_kind(self, other: MemoryLimits | dict[str, Any]) -> bool:
+        """Whether ``other`` (or its JSON form) holds for the same unit and kind of device."""
+        if isinstance(other, dict):
+            return other.get("unit") == self.unit and other.get("device", "") == self.device
+        return other.unit == self.unit and other.device == self.device
 
     # ------------------------------------------------------------------ learning
 
@@ -106,8 +114,10 @@ class MemoryLimits:
         """Adds what ``other`` (another rank's news, or a stored record's) knows; returns the ranges that changed."""
         if isinstance(other, dict):
             other = MemoryLimits.from_json(other)
-        if other.unit != self.unit:
-            raise ValueError(f"cannot merge limits in {other.unit} into limits in {self.unit}")
+        if not self.same_kind(other):
+            raise ValueError(
+                f"cannot merge limits in {other.unit} for {other.device!r} into limits in {self.unit} for {self.device!r}"
+            )
         changed = set()
         for key, theirs in other.ranges.items():
             mine = self.ranges.get(key)
@@ -171,14 +181,20 @@ class MemoryLimits:
             if self.unit == "tokens":
                 entry["lengths"] = list(range_lengths(key))
             ranges.append(entry)
-        return {"unit": self.unit, "budget": self.budget(), "ranges": ranges, "text": self.describe()}
+        return {
+            "unit": self.unit, "device": self.device, "budget": self.budget(), "ranges": ranges, "text": self.describe(),
+        }
 
     # ------------------------------------------------------------------ stored form
 
     def to_json(self, keys: set[int] | None = None) -> dict[str, Any]:
         """The JSON form; only ranges ``keys`` when given (a rank's news)."""
         chosen = sorted(self.ranges if keys is None else keys & set(self.ranges))
-        return {"unit": self.unit, "ranges": [[k, self.ranges[k].fits, self.ranges[k].oom] for k in chosen]}
+        return {
+            "unit": self.unit,
+            "device": self.device,
+            "ranges": [[k, self.ranges[k].fits, self.ranges[k].oom] for k in chosen],
+        }
 
     @classmethod
     def from_json(cls, value: Any) -> MemoryLimits:
@@ -189,7 +205,7 @@ class MemoryLimits:
         for entry in value["ranges"]:
             key, fits, oom = entry
             ranges[int(key)] = RangeLimit(int(fits), None if oom is None else int(oom))
-        return cls(value["unit"], ranges)
+        return cls(value["unit"], ranges, str(value.get("device", "")))
 
 
 def _facts(limit: RangeLimit) -> str:

@@ -7,7 +7,8 @@ the device (:mod:`~torch_batch_process.engine.prefetch`).
 
 **What happens** (:class:`OomSplitter`): the failed attempt leaves nothing (it ran as a transaction, see
 :mod:`~torch_batch_process.engine.failures`), its frames are cleared and the device's cache is released
-(``gc.collect()``, then ``empty_cache()`` of the device's module), and the rank's
+(a garbage collection of the young generations, then ``empty_cache()`` of the device's module; see
+:func:`release_device_memory`), and the rank's
 :class:`~torch_batch_process.engine.fitting.BatchFitter` learns the size that did not fit. The batch's examples
 then run in parts, in their order, each loaded again in the main process and run as a transaction: each part's
 ``process_batch`` gets the batch's own ``batch_idx``, ``context.batch_indices`` gives the part's examples, and its
@@ -16,7 +17,7 @@ of the batch run whole, each written once. A part that runs out of memory is cut
 part that failed); what fits is learned too, so later batches are cut *before* they run
 (:mod:`~torch_batch_process.engine.batches`) and do not fail again.
 
-**One example that does not fit**: tried once more after the cache is released; if it runs out of memory again,
+**One example that does not fit**: tried once more after a full garbage collection and the cache's release; if it runs out of memory again,
 it is a failing example with ``on_error="skip"`` (recorded, skipped) and otherwise the job fails with
 :class:`~torch_batch_process.errors.ExampleTooLargeError` naming it and its length. Any other error of a part is
 handled as the error of a batch: bisected with ``"skip"``, else it fails the job.
@@ -40,7 +41,7 @@ from torch_batch_process.errors import ExampleTooLargeError
 if TYPE_CHECKING:
     from torch_batch_process.engine.failures import FailureHandler
 
-__all__ = ["OomSplitter", "is_out_of_memory", "release_device_memory"]
+__all__ = ["OomSplitter", "device_kind", "is_out_of_memory", "release_device_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +68,24 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return any(marker in text for marker in _OOM_MESSAGES)
 
 
-def release_device_memory(device: torch.device) -> None:
+def device_kind(device: torch.device) -> str:
+    """What the learned limits hold for: the device's type, and for CUDA its name and memory (a job resumed on
+    another kind of GPU learns its limits anew)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"cuda {props.name} {props.total_memory}"
+    return device.type
+
+
+def release_device_memory(device: torch.device, *, thorough: bool = False) -> None:
     """Frees what the failed attempt left: unreachable objects first (they may hold device tensors), then the
-    device's cached blocks, so the next attempt starts from as much free memory as there is."""
-    gc.collect()
+    device's cached blocks, so the next attempt starts from as much free memory as there is.
+
+    The failed attempt's objects are young, so a collection of the young generations finds them (microseconds);
+    a full collection (``thorough``, before one example is declared too large) also finds older cycles, and
+    costs a few hundred milliseconds in a process that imported a model library (a heap of 10^5-10^6 objects),
+    which a job that learns its limits pays only then."""
+    gc.collect() if thorough else gc.collect(1)
     if device.type == "cuda" and not torch.cuda.is_initialized():
         return
     empty_cache = getattr(getattr(torch, device.type, None), "empty_cache", None)
@@ -144,8 +159,8 @@ class OomSplitter:
                 succeeded += self._handler.recover(batch_idx, piece, exc, phase, part)
                 remaining, below, retried = remaining[take:], None, False
                 continue
-            if take > 1 or not retried:  # a smaller part next; one example: once more, the cache released
-                self._ran_out(batch_idx, piece, exc)
+            if take > 1 or not retried:  # a smaller part next; one example: once more, everything released
+                self._ran_out(batch_idx, piece, exc, thorough=take == 1)
                 below, retried = take, take == 1
                 continue
             self.fitter.ran_out(piece)
@@ -155,7 +170,7 @@ class OomSplitter:
             remaining, below, retried = remaining[1:], None, False
         return succeeded
 
-    def _ran_out(self, batch_idx: int, piece: list[int], exc: BaseException) -> None:
+    def _ran_out(self, batch_idx: int, piece: list[int], exc: BaseException, *, thorough: bool = False) -> None:
         """Learns that ``piece`` does not fit, says so, and frees what the attempt left."""
         key, size = self.fitter.ran_out(piece)
         unit = self.fitter.limits.unit
@@ -166,7 +181,7 @@ class OomSplitter:
             self.fitter.limits.describe(),
         )
         forget_frames(exc)
-        release_device_memory(self._device)
+        release_device_memory(self._device, thorough=thorough)
 
     def _too_large(self, batch_idx: int, index: int, phase: str, exc: BaseException, part: Part) -> None:
         """One example ran out of memory alone, twice: a failing example, or the job's error."""
