@@ -5,6 +5,7 @@ job that splits every batch that runs out of memory from scratch, on a simulated
     python -m benchmarks.oom --rounds 5 --examples 6000
     python -m benchmarks.oom --fail-at end      # a batch that does not fit fails after its forward
     python -m benchmarks.oom --model minilm     # the real all-MiniLM-L6-v2 (about 30x slower on a CPU)
+    python -m benchmarks.oom --device cuda --model minilm --gpu-memory-mib 1024   # real out-of-memory errors
 
 **Workload** (MiniLM-shaped): passages of 1 to 6 consecutive docstring sentences of Python's standard library
 (the MiniLM benchmark's text, no download), tokenized by all-MiniLM-L6-v2's tokenizer in the ``collate_fn``
@@ -23,6 +24,11 @@ failed attempt costs a whole forward, as for a model whose largest allocation co
 out-of-memory error costs on a real GPU besides (the allocator synchronizes and frees its cache, the next batches
 allocate again) is not simulated. The device holds a batch of 32 x 128 tokens (4,096 padded tokens at
 length 128; more tokens at shorter lengths).
+
+**On a GPU** (``--device cuda``): no simulation; the model runs on the GPU with this process's share of the GPU's
+memory capped at ``--gpu-memory-mib`` (``torch.cuda.set_per_process_memory_fraction``), so the out-of-memory
+errors are the CUDA allocator's own, and cost what they cost there; the best ``max_tokens`` by hand is found by a
+binary search over short jobs (the plan's largest batches, ``on_oom="raise"``).
 
 **Contenders** (same process, interleaved, order rotated every round; fresh storage each run):
 
@@ -98,7 +104,6 @@ class SimulatedDevice:
     def __init__(self, config: Any, budget_bytes: int | None = None) -> None:
         self.hidden, self.heads, self.inner = config.hidden_size, config.num_attention_heads, config.intermediate_size
         self.budget = self.peak(32, 128) if budget_bytes is None else budget_bytes
-        self.ooms = 0
         self.shape: tuple[int, int] = (0, 0)
 
     def attach(self, model: torch.nn.Module, fail_at: str) -> None:
@@ -125,7 +130,6 @@ class SimulatedDevice:
 
     def check(self, needed: int) -> None:
         if needed > self.budget:
-            self.ooms += 1
             raise torch.OutOfMemoryError(
                 f"simulated device: tried to allocate {needed / 2**20:.1f} MiB of {self.budget / 2**20:.1f} MiB "
                 f"(batch of {self.shape[0]} x {self.shape[1]} tokens)"
@@ -160,15 +164,21 @@ class Embedder(TorchBatchProcessor):
     def __init__(self, context: Any) -> None:
         self.context = context
         self.model = _STATE["model"]
-        self.device: SimulatedDevice = _STATE["device"]
+        self.device: SimulatedDevice | None = _STATE["device"]
         self.calls = 0
 
     def process_batch(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.device.shape = tuple(batch["input_ids"].shape)  # type: ignore[assignment]
-        hidden = self.model(**batch).last_hidden_state
+        batch = self.context.to_device(batch)
+        if self.device is not None:
+            self.device.shape = tuple(batch["input_ids"].shape)  # type: ignore[assignment]
+        try:
+            hidden = self.model(**batch).last_hidden_state
+        except torch.OutOfMemoryError:
+            _STATE["ooms"] += 1
+            raise
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9), p=2, dim=1)
-        self.context.write({"embedding": pooled})
+        self.context.write({"embedding": pooled.cpu()})
         self.calls += 1
         if type(self).stop_after is not None and self.calls == type(self).stop_after:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -179,8 +189,7 @@ class Embedder(TorchBatchProcessor):
 
 def run(texts: list[str], lengths: np.ndarray, storage: Path, batch_size: int, **options: Any) -> dict[str, Any]:
     """One job; its throughput and out-of-memory errors."""
-    device: SimulatedDevice = _STATE["device"]
-    before = device.ooms
+    before = _STATE["ooms"]
     t0, c0 = time.perf_counter(), time.process_time()
     result = torch_batch_process(
         Embedder, texts, batch_size=batch_size, bucket_by=lengths, dataloader_kwargs={"collate_fn": Tokenize()},
@@ -189,7 +198,7 @@ def run(texts: list[str], lengths: np.ndarray, storage: Path, batch_size: int, *
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "result": result, "examples": result.examples_processed, "wall": wall, "cpu": cpu,
-        "ooms": device.ooms - before,
+        "ooms": _STATE["ooms"] - before,
     }
 
 
@@ -222,6 +231,23 @@ def resume_after_learning(texts: list[str], lengths: np.ndarray, storage: Path, 
     return second
 
 
+def best_by_search(texts: list[str], lengths: np.ndarray, scratch: Path, batch_size: int) -> int:
+    """The largest ``max_tokens`` whose batches fit, by binary search over short jobs: the plan's largest batches
+    (its first ones) with ``on_oom="raise"``."""
+    low, high = 128, batch_size * int(lengths.max()) + 1  # fits / does not fit
+    while high - low > max(16, low // 64):
+        middle = (low + high) // 2
+        try:
+            run(texts, lengths, scratch / f"search-{middle}", batch_size, max_tokens=middle, on_oom="raise",
+                max_batches=4)
+            low = middle
+        except torch.OutOfMemoryError:
+            high = middle
+        finally:
+            torch.cuda.empty_cache()
+    return low
+
+
 def check_outputs(storages: dict[str, Path], n: int) -> None:
     """Every contender wrote one embedding per passage, the same ones (up to float rounding of other batch
     shapes)."""
@@ -242,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--model", choices=("shaped", "minilm"), default="shaped")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--gpu-memory-mib", type=int, default=1024, help="with --device cuda: this process's cap")
     parser.add_argument(
         "--fail-at", choices=("allocation", "end"), default="allocation",
         help="where a batch that does not fit fails: at the block whose allocation exceeds the device (default), "
@@ -258,16 +286,27 @@ def main(argv: list[str] | None = None) -> int:
     texts = passages(args.examples)
     lengths = tokenized_lengths(texts, tokenizer, max_length=MINILM_MAX_LENGTH)
     _STATE["model"] = model = build_model(args.model)
-    _STATE["device"] = device = SimulatedDevice(model.config)
-    device.attach(model, args.fail_at)
-    budget = device.budget
-    best = device.best_max_tokens(lengths)
+    _STATE["ooms"] = 0
+    scratch_root = tempfile.TemporaryDirectory(prefix="tbp-oom-")
+    if args.device == "cuda":
+        model.to("cuda")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_mib * 2**20 / total), 0)
+        _STATE["device"] = None
+        best = best_by_search(texts, lengths, Path(scratch_root.name), args.batch_size)
+        where = f"{torch.cuda.get_device_name(0)}, capped at {args.gpu_memory_mib} MiB: real out-of-memory errors"
+    else:
+        _STATE["device"] = device = SimulatedDevice(model.config)
+        device.attach(model, args.fail_at)
+        best = device.best_max_tokens(lengths)
+        where = (
+            f"simulated device of {device.budget / 2**20:.1f} MiB (32 x 128 tokens); a batch that does not fit fails "
+            f"at {'the allocation' if args.fail_at == 'allocation' else 'the end of its forward'}"
+        )
     print(
         f"{args.examples} passages, {int(lengths.sum()):,} tokens (lengths {lengths.min()}-{lengths.max()}, median "
         f"{int(np.median(lengths))}), batch_size {args.batch_size}, model {args.model}, {args.threads} thread(s); "
-        f"device {budget / 2**20:.1f} MiB: 32 x 128 tokens; a batch that does not fit fails at "
-        f"{'the allocation' if args.fail_at == 'allocation' else 'the end of its forward'}; "
-        f"best max_tokens by hand: {best:,}"
+        f"{where}; best max_tokens by hand: {best:,}"
     )
     runners = contenders(best)
     names = list(runners) + ["resume"]
@@ -275,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'round':>5} " + " ".join(f"{name + ' ex/cpu-s':>22}" for name in runners)
     header += f" {'auto/hand':>10} {'auto/no-learn':>14} {'OOMs auto':>10} {'OOMs no-learn':>14} {'OOMs resume':>12}"
     print(header)
-    with tempfile.TemporaryDirectory(prefix="tbp-oom-") as scratch:
+    with scratch_root as scratch:
         run(texts[:300], lengths[:300], Path(scratch, "warmup"), args.batch_size, max_tokens=best)
         for index in range(args.rounds):
             order = names[index % len(names) :] + names[: index % len(names)]
@@ -295,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     assert all(f["ooms"] == 0 for f in figures["by hand"]), "the best max_tokens by hand ran out of memory"
 
     def ratios(a: str, b: str, key: str) -> list[float]:
-        return [(x["examples"] / x[key]) / (y["examples"] / y[key]) for x, y in zip(figures[a], figures[b], strict=True)]
+        pairs = zip(figures[a], figures[b], strict=True)
+        return [(x["examples"] / x[key]) / (y["examples"] / y[key]) for x, y in pairs]
 
     print()
     print("| figure | median of the rounds | goal |")
@@ -309,12 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     for label, value, goal in rows:
         print(f"| {label} | {value:.3f} | {goal} |")
     auto = figures["auto"][-1]["result"]
-    print(f"| out-of-memory errors, auto (per job) | {statistics.median(f['ooms'] for f in figures['auto']):.0f} | a handful |")
-    print(f"| out-of-memory errors, no learning (per job) | {statistics.median(f['ooms'] for f in figures['no learning']):.0f} | |")
-    print(f"| out-of-memory errors, resume after learning | {max(f['ooms'] for f in figures['resume'])} | 0 |")
+    learned = auto.memory_limits or {}
+    ooms = {name: [f["ooms"] for f in figures[name]] for name in names}
+    print(f"| out-of-memory errors per job, auto | {ooms['auto']} | a handful |")
+    print(f"| out-of-memory errors per job, no learning | {ooms['no learning']} | |")
+    print(f"| out-of-memory errors, resumed call after learning | {ooms['resume']} | 0 |")
     print(f"| batches run in parts, auto (per job) | {auto.split_batches} of {auto.num_batches} | |")
-    print(f"| learned by auto | {auto.memory_limits['text'] if auto.memory_limits else 'nothing'} | |")
-    print(f"| learned max_tokens (auto) / best by hand | {auto.memory_limits['budget'] if auto.memory_limits else math.nan} / {best} | |")
+    print(f"| learned by auto | {learned.get('text', 'nothing')} | |")
+    print(f"| learned max_tokens (auto) / best by hand | {learned.get('budget', math.nan)} / {best} | |")
     return 0
 
 

@@ -93,7 +93,11 @@ class JobRun:
             self.stream.plan
             if self.stream is not None
             else dataset_plan(
-                args.dataset_length, args.batch_size, args.lengths, args.bucket_window, planned_max_tokens(args.max_tokens)
+                args.dataset_length,
+                args.batch_size,
+                args.lengths,
+                args.bucket_window,
+                planned_max_tokens(args.max_tokens),
             )
         )
         self.plan_s = args.lengths_s + time.perf_counter() - t0
@@ -224,7 +228,8 @@ class JobRun:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
                 if has_batch and not self.failures.failed and not runner.step(batches, committer.part):
-                    return scheduler.after_last(failed=self.failures.failed)  # none left (dynamic), or a stop at a claim
+                    # no batch left for this rank (dynamic), or a stop seen at a claim
+                    return scheduler.after_last(failed=self.failures.failed)
                 if step >= observer.next_step:  # progress display, profiler: an int compare per step
                     observer.on_step(step, claimed=scheduler.claimed)
                 committer.check()

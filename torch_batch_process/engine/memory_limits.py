@@ -116,7 +116,8 @@ class MemoryLimits:
             other = MemoryLimits.from_json(other)
         if not self.same_kind(other):
             raise ValueError(
-                f"cannot merge limits in {other.unit} for {other.device!r} into limits in {self.unit} for {self.device!r}"
+                f"cannot merge limits in {other.unit} for {other.device!r} into limits in {self.unit} for "
+                f"{self.device!r}"
             )
         changed = set()
         for key, theirs in other.ranges.items():
@@ -182,7 +183,11 @@ class MemoryLimits:
                 entry["lengths"] = list(range_lengths(key))
             ranges.append(entry)
         return {
-            "unit": self.unit, "device": self.device, "budget": self.budget(), "ranges": ranges, "text": self.describe(),
+            "unit": self.unit,
+            "device": self.device,
+            "budget": self.budget(),
+            "ranges": ranges,
+            "text": self.describe(),
         }
 
     # ------------------------------------------------------------------ stored form

@@ -1,15 +1,15 @@
 """Out-of-memory errors with ``on_oom="split"`` (DESIGN §15): a batch that does not fit runs in parts that do.
 
 **What counts.** ``torch.OutOfMemoryError`` (CUDA's, and every accelerator whose allocator raises it), and the
-``RuntimeError`` s that the other allocators raise for the same thing (MPS: ``"MPS backend out of memory"``;
-cuBLAS/cuDNN workspaces; a CPU allocation that fails), raised by ``process_batch`` or by the copy of its batch to
-the device (:mod:`~torch_batch_process.engine.prefetch`).
+``RuntimeError`` s raised for the same thing elsewhere (MPS: ``"MPS backend out of memory"``; a CUDA call that
+fails with ``cudaErrorMemoryAllocation``; cuBLAS/cuDNN workspaces; a CPU allocation that fails), raised by
+``process_batch`` or by the copy of its batch to the device (:mod:`~torch_batch_process.engine.prefetch`).
 
 **What happens** (:class:`OomSplitter`): the failed attempt leaves nothing (it ran as a transaction, see
 :mod:`~torch_batch_process.engine.failures`), its frames are cleared and the device's cache is released
 (a garbage collection of the young generations, then ``empty_cache()`` of the device's module; see
-:func:`release_device_memory`), and the rank's
-:class:`~torch_batch_process.engine.fitting.BatchFitter` learns the size that did not fit. The batch's examples
+:func:`release_device_memory`), and the rank's :class:`~torch_batch_process.engine.fitting.BatchFitter` learns
+the size that did not fit. The batch's examples
 then run in parts, in their order, each loaded again in the main process and run as a transaction: each part's
 ``process_batch`` gets the batch's own ``batch_idx``, ``context.batch_indices`` gives the part's examples, and its
 ``upload_path()`` files go under ``part_<first dataset index>/`` (the naming of §11), so the outputs equal those
@@ -17,10 +17,10 @@ of the batch run whole, each written once. A part that runs out of memory is cut
 part that failed); what fits is learned too, so later batches are cut *before* they run
 (:mod:`~torch_batch_process.engine.batches`) and do not fail again.
 
-**One example that does not fit**: tried once more after a full garbage collection and the cache's release; if it runs out of memory again,
-it is a failing example with ``on_error="skip"`` (recorded, skipped) and otherwise the job fails with
-:class:`~torch_batch_process.errors.ExampleTooLargeError` naming it and its length. Any other error of a part is
-handled as the error of a batch: bisected with ``"skip"``, else it fails the job.
+**One example that does not fit**: tried once more after a full garbage collection and the cache's release; if it
+runs out of memory again, it is a failing example with ``on_error="skip"`` (recorded, skipped) and otherwise the
+job fails with :class:`~torch_batch_process.errors.ExampleTooLargeError` naming it and its length. Any other error
+of a part is handled as the error of a batch: bisected with ``"skip"``, else it fails the job.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ _OOM_TYPES: tuple[type[BaseException], ...] = tuple(
     {t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t}
 )
 _OOM_MESSAGES = (
+    "CUDA error: out of memory",
     "MPS backend out of memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
@@ -62,7 +63,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says that the device's memory ran out (see the module docstring)."""
     if isinstance(exc, _OOM_TYPES):
         return True
-    if type(exc) is not RuntimeError:
+    if not isinstance(exc, RuntimeError):
         return False
     text = str(exc)
     return any(marker in text for marker in _OOM_MESSAGES)
