@@ -27,6 +27,7 @@ from jobs.simulated_memory import Embedder, SimulatedMemory, Texts, expected_val
 from torch_batch_process import (
     ExampleTooLargeError,
     InvalidArgumentError,
+    TorchBatchProcessor,
     read_failures,
     read_outputs,
     torch_batch_process,
@@ -268,6 +269,46 @@ def test_without_bucket_by_the_limit_is_in_examples(tmp_path: Path) -> None:
 def test_dynamic_schedule_in_one_process(tmp_path: Path) -> None:
     result, device = run(tmp_path / "job", max_tokens="auto", schedule="dynamic")
     assert outputs(tmp_path / "job") == EXPECTED and 1 <= device.ooms <= 5
+
+
+class StreamRows(TorchBatchProcessor):
+    """A stream job's processor on a device of 5 rows."""
+
+    ooms = 0
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        ids = [int(v) for v in batch["id"]]
+        assert ids == list(self.context.batch_indices)
+        with self.context.upload_path() as path:
+            (path / f"vals_{batch_idx}.json").write_text(json.dumps(ids))
+        if len(ids) > 5:
+            type(self).ooms += 1
+            raise torch.OutOfMemoryError(f"simulated device: {len(ids)} rows, 5 fit")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_streaming_source_reads_the_parts_again_by_row_number(tmp_path: Path, num_workers: int) -> None:
+    from test_stream_jobs import write_parquet_files
+
+    from torch_batch_process import sources
+
+    counts = [40, 0, 37]
+    write_parquet_files(str(tmp_path / "data"), counts, row_group=8)
+    StreamRows.ooms = 0
+    result = torch_batch_process(
+        StreamRows, sources.parquet(str(tmp_path / "data" / "*.parquet")), batch_size=16, checkpoint_interval=2,
+        dataloader_kwargs={"num_workers": num_workers}, storage_path=str(tmp_path / "job"), progress=False,
+    )
+    assert result.finished and 1 <= StreamRows.ooms <= 3 and result.memory_limits["unit"] == "examples"
+    fs, root = storage_fs(tmp_path / "job")
+    ids: Counter[int] = Counter()
+    for path in fs.find(f"{root}/outputs"):
+        if "vals_" in path:
+            ids.update(json.loads(fs.cat_file(path)))
+    assert ids == Counter(range(sum(counts)))
 
 
 @pytest.mark.parametrize(
