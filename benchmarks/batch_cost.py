@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("hand loop, one file per batch", lambda f: _hand(dataset, f, True)),
         ("library, one file per batch, no commit until the end", lambda f: _library(dataset, f, OneFile, never)),
+        (
+            "library, one file per batch, no commit until the end, on_oom='raise'",
+            lambda f: _library(dataset, f, OneFile, never, "raise"),
+        ),
         ("library, one file per batch, a commit every 5 batches", lambda f: _library(dataset, f, OneFile, 5)),
     ]
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None

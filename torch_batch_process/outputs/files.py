@@ -169,8 +169,9 @@ class OutputStager:
         self._held.append((folder, files, names, has_dirs))
 
     def _check_names(self, names: list[str], held: bool = False) -> None:
-        taken = self._names | {name for block in self._held or [] for name in block[2]} if held else self._names
-        clashes = sorted(set(names) & taken)
+        # the stage's names grow with its files: look each new name up, never copy them (a batch's blocks are few)
+        pending = {name for block in self._held or [] for name in block[2]} if held else ()
+        clashes = sorted(name for name in set(names) if name in self._names or name in pending)
         if clashes:
             raise FileExistsError(
                 f"upload_path(): {clashes[0]!r} was already written by rank {self._rank} since its last commit; "
