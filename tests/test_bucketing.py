@@ -313,9 +313,11 @@ def test_resolve_lengths_tells_which_index_the_callable_failed_on():
         ({"bucket_window": 0}, "bucket_window must be an int >= 1"),
         ({"bucket_window": 2.0}, "bucket_window must be an int >= 1"),
         ({"bucket_window": True}, "bucket_window must be an int >= 1"),
-        ({"max_tokens": 0}, "max_tokens must be None or an int >= 1"),
-        ({"max_tokens": "4096"}, "max_tokens must be None or an int >= 1"),
+        ({"max_tokens": 0}, "max_tokens must be None, an int >= 1"),
+        ({"max_tokens": "4096"}, "max_tokens must be None, an int >= 1"),
+        ({"max_tokens": "AUTO"}, "or 'auto'"),
         ({"bucket_by": None, "max_tokens": 100}, "max_tokens needs bucket_by"),
+        ({"bucket_by": None, "max_tokens": "auto"}, "max_tokens needs bucket_by (got max_tokens='auto')"),
         ({"bucket_by": None, "bucket_window": 5}, "bucket_window=5 needs bucket_by"),
         ({"batch_size": 0}, "batch_size must be an int >= 1"),
         ({"bucket_by": 5}, "bucket_by must be a sequence of ints"),
@@ -332,6 +334,7 @@ def test_validate_bucket_options(kwargs, message):
 def test_validate_bucket_options_accepts_good_options():
     validate_bucket_options(None, 100, None, 8)
     validate_bucket_options([1, 2], 1, 4096, 8)
+    validate_bucket_options([1, 2], 1, "auto", 8)
     validate_bucket_options(lambda i: 1, np.int64(3), np.int64(10), 8)
     validate_bucket_options(np.arange(3), 100, None, 1)
 

@@ -43,7 +43,7 @@ def torch_batch_process(
     schedule: str = "static",
     bucket_by: Sequence[int] | Callable[[int], int] | None = None,
     bucket_window: int = DEFAULT_BUCKET_WINDOW,
-    max_tokens: int | None = None,
+    max_tokens: int | str | None = None,
     device_prefetch: bool | None = None,
     autocast: str | None = None,
     output_format: str = "parquet",
@@ -52,6 +52,7 @@ def torch_batch_process(
     max_failures: int | float | None = None,
     batch_timeout: float | None = None,
     retry_failed: bool = False,
+    on_oom: str = "split",
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -99,7 +100,10 @@ def torch_batch_process(
             which examples a batch holds. The plan is part of the job's fingerprint.
         bucket_window: batches' worth of consecutive examples sorted together (default 100).
         max_tokens: with ``bucket_by``, a batch holds as many examples (at most ``batch_size``) as keep
-            ``len(batch) * max(length in batch) <= max_tokens``; batch sizes vary.
+            ``len(batch) * max(length in batch) <= max_tokens``; batch sizes vary. ``"auto"``: the job finds the
+            budget itself (with ``on_oom="split"``): batches of ``batch_size`` (give one larger than what fits)
+            sorted by length, largest first, cut into parts that fit as it learns from out-of-memory errors
+            (see :mod:`torch_batch_process.engine.fitting`); the plan and fingerprint are those of ``None``.
         device_prefetch: on CUDA (default there), the next batch is copied to the device on a side stream while
             the current one runs, and ``process_batch`` receives it already on the device (``to_device`` is then
             a no-op). ``False`` turns it off; ``True`` elsewhere does nothing.
@@ -123,6 +127,12 @@ def torch_batch_process(
         retry_failed: on a finished job: process only its recorded failures, as a retry job stored in
             ``<storage_path>/retries/<k>/``; those that succeed are cleared from the failures, the result is the
             retry's (see :mod:`torch_batch_process.engine.retry`).
+        on_oom: ``"split"`` (default): a batch whose ``process_batch`` (or copy to the device) runs out of the
+            device's memory (``torch.OutOfMemoryError``...) runs in parts that fit, with the outputs of the
+            batch run whole, and the job learns what fits, per length range with ``bucket_by``: later batches
+            are cut before they run, on every rank and after a resume; one example that does not fit alone is a
+            failing example with ``on_error="skip"``, else :class:`ExampleTooLargeError`. ``"raise"``: an
+            out-of-memory error is an error like any other (see :mod:`torch_batch_process.engine.oom`).
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -137,8 +147,10 @@ def torch_batch_process(
         WorkerLostError: another rank died or stopped answering.
         BatchTimeoutError: a batch ran longer than ``batch_timeout``.
         TooManyFailuresError: more examples failed than ``max_failures``.
+        ExampleTooLargeError: one example does not fit in the device's memory (``on_oom="split"``, without
+            ``on_error="skip"``).
     """
-    failures = validate_failure_options(on_error, max_failures, batch_timeout, retry_failed)
+    failures = validate_failure_options(on_error, max_failures, batch_timeout, retry_failed, on_oom)
     args = validate_arguments(
         batch_processor_cls,
         dataset,

@@ -100,3 +100,9 @@ class BatchTimeoutError(BatchProcessError, TimeoutError):
 
 class TooManyFailuresError(BatchProcessError, RuntimeError):
     """More examples failed than ``max_failures`` allows (``on_error="skip"``)."""
+
+
+class ExampleTooLargeError(BatchProcessError, RuntimeError):
+    """One example does not fit in the device's memory even alone (DESIGN §15): its ``process_batch`` ran out of
+    memory in a part of its own. Raised with ``on_error="raise"`` (with ``"skip"`` it is a failing example); the
+    message names the example, its batch and its length (with ``bucket_by``)."""

@@ -14,7 +14,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from torch_batch_process.engine.bucket_options import DEFAULT_BUCKET_WINDOW, resolve_lengths, validate_bucket_options
+from torch_batch_process.engine.bucket_options import (
+    AUTO,
+    DEFAULT_BUCKET_WINDOW,
+    resolve_lengths,
+    validate_bucket_options,
+)
 from torch_batch_process.engine.liveness import heartbeat_silence_s
 from torch_batch_process.engine.records import Script
 from torch_batch_process.environment import (
@@ -60,7 +65,9 @@ class JobArguments:
     lengths: Any = None
     """``bucket_by`` resolved: one length per example (numpy int64), or ``None`` (contiguous batches)."""
     bucket_window: int = DEFAULT_BUCKET_WINDOW
-    max_tokens: int | None = None
+    max_tokens: int | str | None = None
+    """As given: an int, ``"auto"`` (learned, DESIGN §15) or ``None``; plans use
+    :func:`~torch_batch_process.engine.bucket_options.planned_max_tokens`."""
     lengths_s: float = 0.0
     """Seconds spent getting the lengths (part of the plan's cost)."""
     device_prefetch: bool | None = None
@@ -378,6 +385,11 @@ def validate_arguments(
     dataset_length = validate_dataset(dataset, bucket_by)
     kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
     validate_bucket_options(bucket_by, bucket_window, max_tokens, resolved_batch_size)
+    if max_tokens == AUTO and not failures.split_on_oom:
+        raise InvalidArgumentError(
+            "max_tokens='auto' learns the token budget from out-of-memory errors, which on_oom='raise' makes fail "
+            "the job; pass on_oom='split' (the default) or an int max_tokens"
+        )
     job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None
     if job_name is None:
         job_name = default_job_name(storage_path)

@@ -1,5 +1,5 @@
 """What a call tells the user besides the observer's progress: a ``max_batches`` that cannot apply, the start (or
-resume) line, and how to go on after a preemption."""
+resume) line, what the job learned about the device's memory, and how to go on after a preemption."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch_batch_process.result import BatchProcessResult
 if TYPE_CHECKING:
     from torch_batch_process.engine.loop import JobRun
 
-__all__ = ["announce_start", "log_preempted", "log_start", "start_observing", "warn_max_batches"]
+__all__ = ["announce_start", "log_memory", "log_preempted", "log_start", "start_observing", "warn_max_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,11 @@ def announce_start(job: JobRun, start: Start, remaining: RangeSet) -> None:
             job_name=job.args.job_name, start=start, plan=job.plan, remaining=remaining, world_size=job.world_size,
             schedule=job.args.schedule, storage_url=job.storage.url, plan_s=job.plan_s,
         )
+        if job.fitter is not None and job.fitter.active and remaining:
+            logger.info(
+                "memory limits learned by earlier attempts, used to cut batches before they run: %s",
+                job.fitter.limits.describe(),
+            )
 
 
 def start_observing(observer: JobObserver, plan: Plan, start: Start, remaining: RangeSet) -> None:
@@ -81,6 +86,20 @@ def log_start(
         )
     else:
         logger.info("job %s attempt %d%s: %s %s", job_name, start.attempt, note, plan.describe(), where)
+
+
+def log_memory(result: BatchProcessResult, auto: bool) -> None:
+    """Rank 0, at the end of a call that did work: what the job learned about the device's memory, in one line
+    (also in ``result.memory_limits`` and ``tbp status``)."""
+    limits = result.memory_limits
+    if limits is not None:
+        budget = f"; max_tokens learned: {limits['budget']:,}" if auto and limits.get("budget") else ""
+        logger.info(
+            "memory: %s%s (this call: %d out-of-memory error(s), %d batch(es) run in parts)",
+            limits["text"], budget, result.ooms, result.split_batches,
+        )
+    elif auto:
+        logger.info("memory: max_tokens='auto' met no out-of-memory error: every batch ran whole")
 
 
 def log_preempted(result: BatchProcessResult) -> None:

@@ -16,10 +16,27 @@ import numpy as np
 
 from torch_batch_process.errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_BUCKET_WINDOW", "LengthsSource", "check_lengths", "resolve_lengths", "validate_bucket_options"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_BUCKET_WINDOW",
+    "LengthsSource",
+    "check_lengths",
+    "planned_max_tokens",
+    "resolve_lengths",
+    "validate_bucket_options",
+]
 
 DEFAULT_BUCKET_WINDOW = 100
 """Default ``bucket_window``: the examples of 100 batches are sorted together."""
+
+AUTO = "auto"
+"""``max_tokens="auto"``: the budget is learned from out-of-memory errors (DESIGN §15); planned as ``None``."""
+
+
+def planned_max_tokens(max_tokens: int | str | None) -> int | None:
+    """The ``max_tokens`` a plan is cut with: ``"auto"`` plans as ``None`` (batches of ``batch_size``), so the
+    plan and the job's fingerprint do not depend on what is learned."""
+    return None if max_tokens == AUTO else max_tokens  # type: ignore[return-value]
 
 LengthsSource = Sequence[int] | np.ndarray | Callable[[int], int]
 """What ``bucket_by`` accepts: one length per example, or a callable ``index -> length``."""
@@ -45,17 +62,18 @@ def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any,
             f"bucket_window must be an int >= 1 (how many batches' worth of consecutive examples are sorted "
             f"by length together; default {DEFAULT_BUCKET_WINDOW}), got {bucket_window!r}"
         )
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+    if max_tokens is not None and max_tokens != AUTO and (not _is_int(max_tokens) or max_tokens < 1):
         raise InvalidArgumentError(
-            f"max_tokens must be None or an int >= 1 (the most len(batch) * max(length in batch) a batch may "
-            f"hold), got {max_tokens!r}"
+            f"max_tokens must be None, an int >= 1 (the most len(batch) * max(length in batch) a batch may "
+            f"hold) or 'auto' (the job finds it from out-of-memory errors), got {max_tokens!r}"
         )
     if bucket_by is None:
         if max_tokens is not None:
             raise InvalidArgumentError(
-                "max_tokens needs bucket_by: batches are cut by token count only when the library knows each "
-                "example's length; pass bucket_by=<one length per example> (see torch_batch_process.lengths) "
-                "or drop max_tokens"
+                f"max_tokens needs bucket_by (got max_tokens={max_tokens!r}): batches are cut by token count only "
+                "when the library knows each example's length; pass bucket_by=<one length per example> (see "
+                "torch_batch_process.lengths) or drop max_tokens (on_oom='split', the default, still runs a batch "
+                "that does not fit in parts)"
             )
         if bucket_window != DEFAULT_BUCKET_WINDOW:
             raise InvalidArgumentError(

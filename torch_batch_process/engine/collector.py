@@ -3,7 +3,8 @@
 Each rank of a dynamic job pushes its commit votes into a queue in the rendezvous store and goes on with its
 batches (see :mod:`torch_batch_process.engine.committer`). The collector takes every vote waiting in the queue,
 merges them into one record, writes it (the commit point), then acknowledges the votes to their ranks, which
-publish their stages once acknowledged. An error stops it: it is kept for rank 0's main thread
+publish their stages once acknowledged; when the votes changed what the job knows of the device's memory, it
+shares the merged limits with every rank through the store. An error stops it: it is kept for rank 0's main thread
 (:meth:`VoteCollector.check`, :meth:`VoteCollector.stop`) and the other ranks are told to stop at their next
 batch (``on_error``).
 """
@@ -59,6 +60,9 @@ class VoteCollector:
                 if not votes:
                     continue
                 self._keeper.persist(self._keeper.prepare(self._keeper.merge(votes)))
+                limits = self._keeper.take_changed_limits()
+                if limits is not None:  # the ranks read it at their next commit
+                    QueuedVotes.share_limits(reader, limits)
                 self.taken += len(votes)
                 counts: dict[int, int] = {}
                 for v in votes:

@@ -70,4 +70,5 @@ def make_committer(
         stage_counter=(lambda: start.next_number + store.add("stage", 1) - 1) if store is not None else None,
         on_background_error=on_background_error,
         records=job.records,
+        fitter=job.fitter,
     )

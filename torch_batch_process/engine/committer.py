@@ -52,6 +52,7 @@ from typing import Any
 from torch_batch_process.engine.agreement import FailureInfo, FailureTracker
 from torch_batch_process.engine.collector import VoteCollector
 from torch_batch_process.engine.distributed import Collectives, PendingGather
+from torch_batch_process.engine.fitting import BatchFitter
 from torch_batch_process.engine.group_commit import RecordWrites
 from torch_batch_process.engine.keeper import RecordKeeper, Summary
 from torch_batch_process.engine.part import Part
@@ -104,6 +105,8 @@ class Committer:
         on_background_error: called (from any thread) when rank 0's collector fails, so that the other ranks
             stop at their next batch.
         records: this rank's record writer (``context.write()``): its votes carry its schema.
+        fitter: this rank's memory limits (``on_oom="split"``): its votes carry what it learned, and it learns
+            what the other ranks did (from their votes, or from rank 0 through the store with queued votes).
     """
 
     def __init__(
@@ -123,8 +126,10 @@ class Committer:
         stage_counter: Callable[[], int] | None = None,
         on_background_error: Callable[[], None] | None = None,
         records: RecordWriter | None = None,
+        fitter: BatchFitter | None = None,
     ) -> None:
         self.rank = rank
+        self._fitter = fitter
         self._records = records
         self._sent_schema: Any = None  # the record schema this rank's votes carried last
         self._coll = collectives
@@ -162,6 +167,10 @@ class Committer:
             return  # saving it failed
         if self._queue is not None:
             self._queue.push(vote)
+            if self._fitter is not None:
+                shared = self._queue.shared_limits()  # rank 0's merge of every rank's votes so far
+                if shared is not None:
+                    self._fitter.merge(shared)
             self._published.voted(vote.stage, vote.has_files)
             self._published.publish(self._queue.acknowledged())
             self._observe([vote], None)
@@ -180,6 +189,7 @@ class Committer:
         pending, self._pending = self._pending, None
         votes: list[Vote] = pending.votes.wait()
         self._raise_failures([v.failure for v in votes])
+        self._learn(votes)
         self._published.voted(pending.stage, pending.has_files)
         self._published.publish(self._published.covered(votes[0].durable))
         metrics = None
@@ -195,6 +205,13 @@ class Committer:
         self._observe(votes, metrics)
         self.part.timings["commit"] += time.perf_counter() - t0
         return any(v.preempt for v in votes)
+
+    def _learn(self, votes: list[Vote]) -> None:
+        """What the other ranks learned about the device's memory, from their votes."""
+        if self._fitter is not None:
+            for vote in votes:
+                if vote.limits is not None and vote.rank != self.rank:
+                    self._fitter.merge(vote.limits)
 
     def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None) -> None:
         """Tells the observer about a completed commit (all ranks' votes, or this rank's own)."""
@@ -252,6 +269,13 @@ class Committer:
             outputs=outputs,
             schema=self._new_schema(),
         )
+        if self._fitter is not None:
+            vote.limits = self._fitter.take_news()
+            ooms, split = self._fitter.take_counts()
+            if ooms:
+                vote.extra["ooms"] = ooms
+            if split:
+                vote.extra["split"] = split
         rows = self._records.take_rows() if self._records is not None else 0
         if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
             vote.extra["rows"] = rows
@@ -288,6 +312,7 @@ class Committer:
         vote.preempt = preempt or stop
         votes: list[Vote] = self._gathered.gather(vote)
         self._raise_failures([v.failure for v in votes])
+        self._learn(votes)
         preempted = any(v.preempt for v in votes)
         own_error: BaseException | None = None
         answer: Any = None

@@ -1,5 +1,6 @@
-"""Wires the failure options into a rank's runner: ``on_error="skip"`` (a
-:class:`~torch_batch_process.engine.failures.FailureHandler`) and ``batch_timeout`` (a
+"""Wires the failure options into a rank's runner: ``on_error="skip"`` and ``on_oom="split"`` (a
+:class:`~torch_batch_process.engine.failures.FailureHandler` for transactions and bisection, and an
+:class:`~torch_batch_process.engine.oom.OomSplitter`), and ``batch_timeout`` (a
 :class:`~torch_batch_process.engine.watchdog.BatchWatchdog`), and checks ``max_failures`` at the end.
 
 Kept apart from the loop so that the loop only calls :func:`guard_runner` and :func:`check_failures`.
@@ -13,6 +14,8 @@ from torch_batch_process.device import to_device
 from torch_batch_process.engine.batches import BatchFeed
 from torch_batch_process.engine.committer import Outcome
 from torch_batch_process.engine.failures import FailureHandler, check_total
+from torch_batch_process.engine.oom import OomSplitter
+from torch_batch_process.engine.plan import BucketedPlan
 from torch_batch_process.engine.runner import BatchRunner
 from torch_batch_process.engine.watchdog import BatchWatchdog
 from torch_batch_process.storage.layout import FAILURES_DIR
@@ -38,11 +41,12 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> None:
         feed.watch = watchdog.span  # a batch whose loading hangs is a stuck batch too
         watchdog.start()
         job.watchdog = watchdog
-    if options.skip:
+    if options.skip or job.fitter is not None:
         device = job.env.device
         place: Any = (lambda batch: to_device(batch, device)) if job.device_prefetch else (lambda batch: batch)
         latest = job.start.latest
-        runner.skip = FailureHandler(
+        runner.guard = FailureHandler(
+            skip=options.skip,
             dataset=feed.loader.dataset,  # a source's rows by global row number (engine/streams.py)
             collate_fn=feed.loader.collate_fn,
             place=place,
@@ -58,6 +62,16 @@ def guard_runner(job: JobRun, runner: BatchRunner, feed: BatchFeed) -> None:
             failures_url=job.storage.url_of(FAILURES_DIR),
             original_batch=getattr(job.plan, "original_batch", None),  # a retry's plan keeps the original batches
         )
+    if job.fitter is not None:
+        assert runner.guard is not None
+        runner.splitter = OomSplitter(
+            fitter=job.fitter,
+            handler=runner.guard,
+            device=job.env.device,
+            rank=job.rank,
+            lengths=job.plan.lengths if isinstance(job.plan, BucketedPlan) else None,
+        )
+        runner.guard.on_oom = runner.splitter.run_parts
 
 
 def check_failures(job: JobRun, outcome: Outcome | None) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_batch_process.engine.memory_limits import MemoryLimits
 from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.engine.records import CommitRecord
@@ -46,6 +47,13 @@ class Summary:
     commits: int = 0
     failed_examples: int = 0
     """Examples recorded as failed (``on_error="skip"``), committed, over all attempts."""
+    ooms: int = 0
+    """Out-of-memory errors the call's ranks met (``on_oom="split"``)."""
+    split_batches: int = 0
+    """Batches the call's ranks ran in parts to fit in the device's memory."""
+    memory_limits: dict[str, Any] | None = None
+    """What the job learned about the device's memory, over all attempts
+    (:meth:`~torch_batch_process.engine.memory_limits.MemoryLimits.summary`); ``None``: nothing."""
     timings: dict[str, float] = field(default_factory=dict)
     timings_per_rank: list[dict[str, float]] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -133,6 +141,14 @@ class RecordKeeper:
         self.record_rows: int | None = rows if isinstance(rows, int) else None
         # the committed rows' columns: every vote's must unify with them
         self.record_schema: RecordSchema | None = latest.record_schema if latest else None
+        # what the job learned about the device's memory, over all attempts (DESIGN §15)
+        self.limits = MemoryLimits.from_json(latest.memory_limits) if latest and latest.memory_limits else None
+        self._limits_changed = False
+        self._limits_voted = False  # merged from this attempt's votes (a rank on another kind of device: ignored)
+        self.ooms_before = int(latest.stats.get("ooms", 0)) if latest else 0
+        self.split_before = int(latest.stats.get("split_batches", 0)) if latest else 0
+        if self.limits is not None:
+            self.summary.memory_limits = self.limits.summary()
         self.started = started
         self._mutex = threading.Lock()  # dynamic schedules merge votes on a thread of their own
 
@@ -167,6 +183,16 @@ class RecordKeeper:
                 summary.batches_processed += len(batches)
                 summary.examples_processed += vote.examples
                 summary.failed_examples += int(vote.extra.get("failed", 0))
+                summary.ooms += int(vote.extra.get("ooms", 0))
+                summary.split_batches += int(vote.extra.get("split", 0))
+                if vote.limits is not None:
+                    if self.limits is None or not (self._limits_voted or self.limits.same_kind(vote.limits)):
+                        # earlier attempts' limits were learned on another kind of device: this attempt's replace them
+                        self.limits = MemoryLimits(vote.limits["unit"], device=vote.limits.get("device", ""))
+                    self._limits_voted = True
+                    if self.limits.same_kind(vote.limits) and self.limits.merge(vote.limits):
+                        self._limits_changed = True
+                        summary.memory_limits = self.limits.summary()
                 if self.record_rows is not None:
                     self.record_rows += int(vote.extra.get("rows", 0))
                 for key, value in vote.timings.items():
@@ -177,6 +203,15 @@ class RecordKeeper:
             entries = [line["metrics"] for line in lines if line.get("group") == "provenance"]
             self.provenance = merge_entries(self.provenance, entries)
         return lines
+
+    def take_changed_limits(self) -> dict[str, Any] | None:
+        """The job's memory limits (JSON form) when merged votes changed them since the previous call, else
+        ``None`` (rank 0 shares them with the ranks of a dynamic schedule)."""
+        with self._mutex:
+            if not self._limits_changed or self.limits is None:
+                return None
+            self._limits_changed = False
+            return self.limits.to_json()
 
     def committed_counts(self) -> tuple[int, int]:
         """Batches and examples committed (or about to be, by the record being prepared)."""
@@ -214,6 +249,11 @@ class RecordKeeper:
             failed = self.summary.failed_examples
             rows = {"record_rows": self.record_rows} if self.record_rows is not None else {}
             table = self._table.prepare(number) if self._table is not None else None
+            limits = self.limits.to_json() if self.limits is not None else None
+            oom_stats = {
+                "ooms": self.ooms_before + self.summary.ooms,
+                "split_batches": self.split_before + self.summary.split_batches,
+            }
         examples_committed = self._plan.count_examples(committed)
         metrics: dict[str, Any] | None = None
         if self._reducers.wrapped and (final or preempting):
@@ -250,6 +290,7 @@ class RecordKeeper:
                 "planned_batches": self._plan.num_batches,
                 "failed_examples": failed,
                 **rows,
+                **oom_stats,
                 **stats,
             },
             provenance=provenance,
@@ -258,6 +299,7 @@ class RecordKeeper:
             last_stage=last_stage,
             record_schema=record_schema,
             table=table,
+            memory_limits=limits,
         )
         all_lines = list(lines)
         if metrics is not None:

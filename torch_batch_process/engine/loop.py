@@ -27,17 +27,20 @@ from typing import Any
 
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.agreement import Decision, FailureTracker
-from torch_batch_process.engine.announce import announce_start, log_preempted, warn_max_batches
+from torch_batch_process.engine.announce import announce_start, log_memory, log_preempted, warn_max_batches
 from torch_batch_process.engine.autocast import resolve_autocast
-from torch_batch_process.engine.batches import BatchFeed, LoadFailed
+from torch_batch_process.engine.batches import BatchFeed
+from torch_batch_process.engine.bucket_options import AUTO, planned_max_tokens
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.commit_wiring import make_committer
 from torch_batch_process.engine.committer import Committer, Outcome
 from torch_batch_process.engine.distributed import DistributedEnv
+from torch_batch_process.engine.fitting import BatchFitter
 from torch_batch_process.engine.guard import check_failures, guard_runner
 from torch_batch_process.engine.job import JobOpener, Start
 from torch_batch_process.engine.liveness import Heartbeats, watch_peers
-from torch_batch_process.engine.plan import Plan, dataset_plan, planned_batches
+from torch_batch_process.engine.oom import device_kind
+from torch_batch_process.engine.plan import BucketedPlan, Plan, dataset_plan, planned_batches
 from torch_batch_process.engine.preemption import SignalWatcher
 from torch_batch_process.engine.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.ranges import RangeSet
@@ -93,7 +96,13 @@ class JobRun:
         self.full_plan: Plan = plan or (  # a given plan: retry_failed (engine/retry.py)
             self.stream.plan
             if self.stream is not None
-            else dataset_plan(args.dataset_length, args.batch_size, args.lengths, args.bucket_window, args.max_tokens)
+            else dataset_plan(
+                args.dataset_length,
+                args.batch_size,
+                args.lengths,
+                args.bucket_window,
+                planned_max_tokens(args.max_tokens),
+            )
         )
         self.plan_s = args.lengths_s + time.perf_counter() - t0
         self.plan = self.full_plan
@@ -112,6 +121,7 @@ class JobRun:
             batch_size=args.batch_size, tensorboard=self.tensorboard, device=env.device,
         )
         self.committer: Committer | None = None
+        self.fitter: BatchFitter | None = None  # on_oom="split": what fits in the device's memory (DESIGN §15)
         self.stager: OutputStager | None = None
         self.records: RecordWriter | None = None  # context.write()
         self.call_id = ""
@@ -135,6 +145,7 @@ class JobRun:
                 if self.stream is not None:
                     self.stream.opened()  # row counts counted now are kept for resumes
                 self.plan = self.full_plan.cut(start.planned_batches)
+                self.fitter = self._fitter(start)
                 self._result = partial(  # this call's result from the closing commit's metrics and summary
                     job_result, plan=self.plan, start=start, preempted=False, storage_url=self.storage.url,
                     outputs_url=self.storage.url_of(OUTPUTS_DIR), world_size=self.world_size,
@@ -150,6 +161,8 @@ class JobRun:
                     check_failures(self, outcome)  # max_failures over all ranks (engine/guard.py)
                     outcome = self._finish(processor)
                 result = self._result(outcome.summary, outcome.metrics or {}, preempted=outcome.preempted)
+                if self.rank == 0 and self.fitter is not None:
+                    log_memory(result, auto=self.args.max_tokens == AUTO)
                 if result.preempted:
                     log_preempted(result)
             self.observer.finish(result)
@@ -217,24 +230,16 @@ class JobRun:
         dataset, order, kwargs = self.args.dataset, scheduler, self.args.dataloader_kwargs
         if self.stream is not None:  # a source: its dataset view, worker-affine order, columnar collation
             dataset, order, kwargs = self.stream.feed_parts(scheduler, kwargs, self.plan)
-        feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
-        guard_runner(self, runner, feed)  # on_error="skip", batch_timeout (engine/guard.py)
-        batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
+        feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device, self.fitter)
+        guard_runner(self, runner, feed)  # on_error="skip", on_oom="split", batch_timeout (engine/guard.py)
+        batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch, error_of=feed.load_error)
         observer = self.observer
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
-                if has_batch and not self.failures.failed:
-                    t0 = time.perf_counter()
-                    try:
-                        with runner.loading():
-                            batch_idx, batch = next(batches)
-                    except StopIteration:  # no batch left for this rank (dynamic), or a stop seen at a claim
-                        return scheduler.after_last(failed=self.failures.failed)
-                    except LoadFailed as failed:
-                        runner.load_failed(failed, committer.part, time.perf_counter() - t0)
-                    else:
-                        runner.run(batch_idx, batch, committer.part, time.perf_counter() - t0)
+                if has_batch and not self.failures.failed and not runner.step(batches, committer.part):
+                    # no batch left for this rank (dynamic), or a stop seen at a claim
+                    return scheduler.after_last(failed=self.failures.failed)
                 if step >= observer.next_step:  # progress display, profiler: an int compare per step
                     observer.on_step(step, claimed=scheduler.claimed)
                 committer.check()
@@ -276,6 +281,14 @@ class JobRun:
         self._committer().part.timings["hooks"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------ helpers
+
+    def _fitter(self, start: Start) -> BatchFitter | None:
+        """``on_oom="split"``: this rank's fitter, from the limits the job learned so far (stored with it)."""
+        if not self.args.failures.split_on_oom:
+            return None
+        stored = start.latest.memory_limits if start.latest is not None else None
+        lengths = self.plan.lengths if isinstance(self.plan, BucketedPlan) else None
+        return BatchFitter.for_job(stored, lengths, device_kind(self.env.device))
 
     def _committer(self) -> Committer:
         assert self.committer is not None

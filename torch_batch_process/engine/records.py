@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torch_batch_process.engine.memory_limits import MemoryLimits
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, JobMismatchError
 from torch_batch_process.outputs.schema import RecordSchema
@@ -199,6 +200,9 @@ class CommitRecord:
     table: dict[str, Any] | None = None
     """A table target's data files committed by this or earlier records and not yet seen in the table
     (``{"pending": [...]}``, see :mod:`torch_batch_process.outputs.tables.commits`); ``None``: none."""
+    memory_limits: dict[str, Any] | None = None
+    """What the job learned about the device's memory (the JSON form of
+    :class:`~torch_batch_process.engine.memory_limits.MemoryLimits`); ``None``: nothing yet."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -220,6 +224,7 @@ class CommitRecord:
             "output_stages": self.output_stages.to_json() if self.output_stages is not None else None,
             "record_schema": self.record_schema.to_json() if self.record_schema is not None else None,
             **({"table": self.table} if self.table is not None else {}),
+            "memory_limits": self.memory_limits,
         }
 
     @classmethod
@@ -247,6 +252,7 @@ class CommitRecord:
                 ),
                 record_schema=_record_schema(value.get("record_schema"), where),
                 table=dict(value["table"]) if value.get("table") is not None else None,
+                memory_limits=_memory_limits(value.get("memory_limits")),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."
@@ -267,6 +273,12 @@ class CommitRecord:
 
 def _record_schema(value: Any, where: str) -> RecordSchema | None:
     return None if value is None else RecordSchema.from_json(value, where)  # pyarrow: only for jobs with records
+
+
+def _memory_limits(value: Any) -> dict[str, Any] | None:
+    if value is not None:
+        MemoryLimits.from_json(value)  # a ValueError names what is wrong
+    return value
 
 
 def qualified_name(cls: type) -> str:

@@ -27,6 +27,19 @@ class RendezvousStore:
         except Exception as exc:  # noqa: BLE001 - connection refused, reset, timeout...
             raise self._lost(exc) from exc
 
+    def set(self, key: str, value: bytes) -> None:
+        try:
+            self._store.set(key, value)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
+    def get(self, key: str) -> bytes:
+        """The value of a key that was set (a key that was not makes the store wait, then time out)."""
+        try:
+            return bytes(self._store.get(key))
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
     def queue_push(self, key: str, value: bytes) -> None:
         try:
             self._store.queue_push(key, value)

@@ -7,10 +7,15 @@
   the job's rendezvous store and rank 0 takes it from there on a thread of its own. When a record covering a
   rank's votes is durable, rank 0 raises that rank's acknowledgement counter in the store; the rank reads it
   (one request) at its next commit and publishes its stages.
+
+What a rank learned about the device's memory (``on_oom="split"``, DESIGN §15) travels in its votes too: with
+gathered votes every rank reads every other rank's; with queued votes rank 0 merges them and shares the result
+in the store (a version counter, read with one request at each commit, and the limits, read when it moved).
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +54,9 @@ class Vote:
     extra: dict[str, Any] = field(default_factory=dict)
     outputs: bool = False
     """Its stage holds output files (``outputs/commit_<stage>/`` once published; see ``CommitRecord.output_stages``)."""
+    limits: dict[str, Any] | None = None
+    """What the rank learned about the device's memory since its previous vote (the JSON form of
+    :class:`~torch_batch_process.engine.memory_limits.MemoryLimits`, ``on_oom="split"``), or ``None``."""
     schema: Any = None
     """The rank's record schema (:class:`~torch_batch_process.outputs.schema.RecordSchema`) when it changed since
     the rank's previous vote (``None``: unchanged, or no rows yet): rank 0 commits no stage whose rows do not
@@ -80,10 +88,13 @@ class QueuedVotes:
     QUEUE = "votes"
     STOP = b"stop"
 
+    LIMITS = "limits"
+
     def __init__(self, store: RendezvousStore, rank: int) -> None:
         self.store = store
         self._rank = rank
         self.queued = 0
+        self._limits_seen = 0
 
     def push(self, vote: Vote) -> None:
         self.store.queue_push(self.QUEUE, pickle.dumps(vote, protocol=pickle.HIGHEST_PROTOCOL))
@@ -97,6 +108,20 @@ class QueuedVotes:
     def acknowledge(reader: RendezvousStore, rank: int, count: int) -> None:
         """Rank 0's collector thread: ``count`` more votes of ``rank`` are durable."""
         reader.add(f"ack/{rank}", count)
+
+    def shared_limits(self) -> dict[str, Any] | None:
+        """The job's memory limits as rank 0 merged them, when they changed since this rank last read them."""
+        version = self.store.add(f"{self.LIMITS}/version", 0)
+        if version <= self._limits_seen:
+            return None
+        self._limits_seen = version
+        return json.loads(self.store.get(self.LIMITS))
+
+    @staticmethod
+    def share_limits(writer: RendezvousStore, limits: dict[str, Any]) -> None:
+        """Rank 0's collector thread: the job's merged memory limits changed (see :meth:`shared_limits`)."""
+        writer.set(QueuedVotes.LIMITS, json.dumps(limits).encode())
+        writer.add(f"{QueuedVotes.LIMITS}/version", 1)
 
     def wake(self) -> None:
         """Rank 0: unblocks its collector, waiting for a vote (:meth:`take` then returns ``None``)."""

@@ -20,7 +20,10 @@ batch size, processor, max_batches), ``created`` (epoch seconds), ``state`` (``r
 the last commit: ``{"attempt", "world_size", "examples_per_s", "elapsed_s", "examples_processed",
 "batches_processed", "started"}``), ``eta_s`` (while running), ``metrics`` (reduced metrics: final
 when finished, else the latest computed "so far"), ``metrics_final``, ``metrics_batches_committed``,
-``metrics_time``, ``outputs_path``, ``metrics_path``, ``tensorboard_path``, ``result_path`` (when
+``metrics_time``, ``memory_limits`` (what the job learned about the device's memory with ``on_oom="split"``:
+``{"unit", "budget", "ranges", "text"}``, see ``BatchProcessResult.memory_limits``; ``null``: it never ran out),
+``ooms`` and ``split_batches`` (out-of-memory errors met and batches run in parts, over all attempts),
+``outputs_path``, ``metrics_path``, ``tensorboard_path``, ``result_path`` (when
 finished and ``result.json`` is written: a job killed between its final commit record, which makes it finished,
 and ``result.json`` has none until it is run again).
 """
@@ -34,6 +37,7 @@ import sys
 import time
 from typing import Any
 
+from torch_batch_process.engine.memory_limits import MemoryLimits
 from torch_batch_process.engine.records import CommitRecord
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.environment import command_storage_options
@@ -146,11 +150,20 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "metrics_final": metrics_final,
         "metrics_batches_committed": batches_committed if metrics_final else stats.get("metrics_batches_committed"),
         "metrics_time": latest.time if metrics_final and latest else stats.get("metrics_time"),
+        "memory_limits": _memory_limits(latest),
+        "ooms": int(stats.get("ooms", 0)),
+        "split_batches": int(stats.get("split_batches", 0)),
         "outputs_path": storage.url_of(OUTPUTS_DIR),
         "metrics_path": storage.url_of(METRICS_FILE),
         "tensorboard_path": storage.url_of(TENSORBOARD_DIR),
         "result_path": storage.url_of(RESULT_FILE) if finished and result is not None else None,
     }
+
+
+def _memory_limits(latest: CommitRecord | None) -> dict[str, Any] | None:
+    if latest is None or latest.memory_limits is None:
+        return None
+    return MemoryLimits.from_json(latest.memory_limits).summary()
 
 
 def fingerprint(spec: dict[str, Any]) -> str:
@@ -238,6 +251,13 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(("metrics", text))
     else:
         lines.append(("metrics", "none yet" if not status.get("metrics_final") else "none (no reducer)"))
+    limits = status.get("memory_limits")
+    if limits:
+        lines.append((
+            "memory",
+            f"{limits['text']} ({status.get('ooms', 0)} out-of-memory error(s) met, "
+            f"{status.get('split_batches', 0)} batch(es) run in parts, over all attempts)",
+        ))
     for entry in status.get("provenance") or []:
         lines.append(("uses", ", ".join(f"{key}={_short(value)}" for key, value in entry.items())))
     lines.append(("outputs", status["outputs_path"]))
