@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch_batch_process.engine.ranges import RangeSet
+from torch_batch_process.observe.histogram import BINS_PER_OCTAVE, FLOOR_BIN, FLOOR_S
 
 __all__ = ["Part"]
 
+_log2 = math.log2
+_floor = math.floor
+
 
 class Part:
-    """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase."""
+    """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase, and the
+    histogram of its batches' ``process_batch`` seconds (see :mod:`torch_batch_process.observe.histogram`)."""
 
     def __init__(self) -> None:
         self.batches = RangeSet()
@@ -18,10 +24,16 @@ class Part:
         self.failed = 0  # examples skipped as failed (on_error="skip"), recorded in the stage
         self.lines: list[dict[str, Any]] = []
         self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
+        self.batch_times: dict[int, int] = {}
 
-    def add_batch(self, batch: int, examples: int) -> None:
+    def add_batch(self, batch: int, examples: int, seconds: float | None = None) -> None:
+        """A batch done; ``seconds``: its ``process_batch`` time, when it ran whole (counted in ``batch_times``)."""
         self.batches.add(batch)
         self.examples += examples
+        if seconds is not None:  # histogram.add_seconds, inlined: this runs once per batch
+            key = _floor(_log2(seconds) * BINS_PER_OCTAVE) if seconds >= FLOOR_S else FLOOR_BIN
+            times = self.batch_times
+            times[key] = times.get(key, 0) + 1
 
     @property
     def num_batches(self) -> int:

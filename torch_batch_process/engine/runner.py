@@ -109,11 +109,12 @@ class BatchRunner:
                 self._failures.record(exc, f"process_batch(batch_idx={batch_idx})")
             return
         finally:
-            part.timings["process"] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            part.timings["process"] += seconds
             self._current.leave()
         if skip is not None:
             skip.keep()
-        part.add_batch(batch_idx, len(indices))
+        part.add_batch(batch_idx, len(indices), seconds)
 
     def _recover(self, batch_idx: int, indices: Any, error: BaseException, phase: str, part: Part) -> None:
         """``on_error="skip"``: bisects a failed batch; an error that is no example's fault fails the job."""
