@@ -84,6 +84,8 @@ class Page(HTMLParser):
         self._td: list[str] | None = None
         self._svg_text: bool = False
         self._th = False
+        self._errors = False
+        self.errors = ""
         self._row_has_td = False
         self.feed(dom)
 
@@ -91,6 +93,8 @@ class Page(HTMLParser):
         a = {key: value or "" for key, value in attrs}
         if tag == "body":
             self.body = a
+        if a.get("id") == "tbp-errors":
+            self._errors = True
         if a.get("id", "").startswith("plot-"):
             self._plot = a["id"][5:]
             self.texts.setdefault(self._plot, [])
@@ -134,6 +138,9 @@ class Page(HTMLParser):
             self._svg_text = False
 
     def handle_data(self, data: str) -> None:
+        if self._errors:
+            self.errors += data
+            self._errors = False
         if self._cell:
             self.cells[self._cell] += data
         if self._td is not None:
@@ -145,7 +152,7 @@ class Page(HTMLParser):
 def check_clean(page: Page, console: list[str]) -> None:
     """The page's script drew every plot, with no error and no console message at all."""
     assert not console, console
-    assert page.body.get("data-errors") == "0", page.body
+    assert page.body.get("data-errors") == "0", page.errors
     assert page.body.get("data-plots") == "drawn", page.body
 
 
@@ -176,6 +183,12 @@ def test_a_part_counts_whole_batches_in_its_histogram():
     part.add_batch(2, 3)  # a batch split by on_error="skip": no single time
     assert part.examples == 11 and part.num_batches == 3
     assert part.batch_times == {histogram.bin_of(0.01): 2}
+    for k, seconds in enumerate((0.0, 1e-7, 2.0**-20, 3e-6, 0.5, 1.0, 7.3, 5000.0)):  # the inlined binning
+        one = Part()
+        one.add_batch(k, 1, seconds)
+        expected: dict[int, int] = {}
+        histogram.add_seconds(expected, seconds)
+        assert one.batch_times == expected == {histogram.bin_of(seconds): 1}
 
 
 def test_timeline_points_double_their_interval_and_carry_the_ranks_work():

@@ -76,7 +76,8 @@ def read_job_data(storage_path: str, storage_options: dict[str, Any] | None = No
         _read_metrics(storage, data)
         if status.get("failed_examples"):
             try:
-                data.failures = current_failure_records(storage)[1]
+                records = current_failure_records(storage)[1]
+                data.failures = [{k: v for k, v in r.items() if k != "traceback"} for r in records]  # not shown
             except BatchProcessError as exc:
                 data.failures_error = str(exc)
         return data

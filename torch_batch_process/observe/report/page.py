@@ -79,7 +79,7 @@ def build_model(data: JobData, *, live: bool = False, refresh_s: float = 5.0) ->
         "ranks": (_ranks_html(totals, found), figures.ranks_figure(totals, found, ratio)),
         "commits": (_commits_html(items, records), figures.commits_figure(shown, runs, records)),
         "padding": (_padding_html(job), figures.padding_figure(job.get("tokens"))),
-        "failures": (_failures_html(data, failed), figures.failures_figure(data.failures, failed, runs)),
+        "failures": (_failures_html(data, failed), figures.failures_figure(data.failures, failed)),
         "arguments": (_arguments_html(data), None),
     }
     return {
@@ -116,6 +116,7 @@ def render_page(model: dict[str, Any]) -> str:
     figures_only = {
         "live": model["live"],
         "refresh_s": model["refresh_s"],
+        "template": figures.template(),
         "figures": {section["key"]: section["figure"] for section in model["sections"]},
     }
     body = "\n".join(_section_html(section) for section in model["sections"])
@@ -441,6 +442,8 @@ _SCRIPT = r"""
     document.head.appendChild(script);
   }
 
+  var template = null;
+
   async function draw(figures) {
     for (var key in figures) {
       var div = document.getElementById("plot-" + key);
@@ -450,6 +453,12 @@ _SCRIPT = r"""
         if (!div.hidden) { Plotly.purge(div); div.hidden = true; }
         continue;
       }
+      var checked = Object.assign({}, figure.layout);
+      delete checked.legend;  // Plotly.validate throws on any legend (plotly.js 3); legends are checked by eye
+      (Plotly.validate(figure.data, checked) || []).forEach(function (problem) {
+        note("plot " + key + ": " + problem.msg);
+      });
+      figure.layout.template = template;  // after validate, which does not take templates
       div.hidden = false;
       await Plotly.react(div, figure.data, figure.layout, config);
     }
@@ -473,6 +482,7 @@ _SCRIPT = r"""
 
   async function main() {
     var model = JSON.parse(document.getElementById("tbp-model").textContent);
+    template = model.template;
     await loadPlotly();
     await draw(model.figures);
     document.body.setAttribute("data-plots", "drawn");
