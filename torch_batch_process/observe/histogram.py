@@ -5,7 +5,9 @@ A duration of ``s`` seconds falls in bin ``floor(log2(s) * BINS_PER_OCTAVE)``: b
 hour), and any quantile read back from a histogram is within 19% of the exact one. Durations under
 :data:`FLOOR_S` (a microsecond) share the lowest bin. A histogram is a dict ``{bin: count}`` holding only the
 bins that were hit: the batches of a rank between two commits rarely spread over more than a few octaves, so
-a histogram stays at about ten entries however many batches it counts. In JSON its keys are strings.
+a histogram stays at about ten entries however many batches it counts. In JSON it is a list: its lowest bin,
+then the counts of every bin from there to its highest (``[-22, 40, 0, 3]`` is ``{-22: 40, -20: 3}``), about
+four bytes a bin.
 
 Adding one duration is a ``log2``, a ``floor`` and a dict update (a fraction of a microsecond): cheap enough to
 run once per batch (see :class:`~torch_batch_process.engine.part.Part`).
@@ -90,21 +92,30 @@ def quantile(histogram: Mapping[int, int], q: float) -> float | None:
     return math.sqrt(low * high)
 
 
-def to_json(histogram: Mapping[int, int]) -> dict[str, int]:
-    """The histogram with string keys (JSON objects)."""
-    return {str(key): count for key, count in histogram.items()}
+def to_json(histogram: Mapping[int, int]) -> list[int]:
+    """The histogram as a JSON list: its lowest bin, then the counts from there to its highest bin (``[]``: empty)."""
+    hit = [key for key, count in histogram.items() if count]
+    if not hit:
+        return []
+    low, high = min(hit), max(hit)
+    return [low, *(histogram.get(key, 0) for key in range(low, high + 1))]
 
 
 def from_json(value: Any) -> dict[int, int]:
-    """A histogram read back from JSON (string keys); an unreadable value gives an empty one."""
-    if not isinstance(value, Mapping):
-        return {}
+    """A histogram read back from JSON (the list of :func:`to_json`, or an object of bin -> count); an unreadable
+    value gives an empty one."""
     result: dict[int, int] = {}
-    for key, count in value.items():
-        try:
-            result[int(key)] = result.get(int(key), 0) + int(count)
-        except (TypeError, ValueError):
-            continue
+    try:
+        if isinstance(value, list) and value:
+            low = int(value[0])
+            for offset, count in enumerate(value[1:]):
+                if count:
+                    result[low + offset] = int(count)
+        elif isinstance(value, Mapping):
+            for key, count in value.items():
+                result[int(key)] = result.get(int(key), 0) + int(count)
+    except (TypeError, ValueError):
+        return {}
     return result
 
 

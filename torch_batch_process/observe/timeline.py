@@ -15,9 +15,12 @@ counts committed so far::
                  "last": false, "preempted": false, "finished": false,
                  "ranks": {"batches": [60, 60], "examples": [1920, 1920], "data_s": [0.4, 0.5],
                            "process_s": [5.1, 9.8], "commit_s": [0.2, 0.1], "votes": [12, 12],
-                           "batch_times": [{"-15": 40, "-14": 20}, {"-12": 60}]},
+                           "batch_times": [[-15, 40, 20], [-12, 60]]},
                  "record_writes": 12, "record_write_s": 0.05, "record_write_max_s": 0.007,
-                 "commit_latency": {"-24": 10, "-23": 2}}}
+                 "commit_latency": [-24, 10, 2]}}
+
+(Histograms as :func:`~torch_batch_process.observe.histogram.to_json` writes them: the lowest bin, then the
+counts; seconds to four significant digits.)
 
 **When.** A point is written at a commit when :meth:`Timeline.interval_s` has passed since the previous one, and
 at the last commit of every call (the end, a preemption). The interval starts at :data:`FIRST_INTERVAL_S` and
@@ -26,9 +29,9 @@ goes on across resumes): ``120 * (2**k - 1)`` seconds of running take ``120 * k`
 
 **Size bound.** A job that runs ``T`` seconds writes at most ``120 * ceil(log2(T / 120 + 1))`` points plus one
 per call (its last): about 1,100 for a day, 1,500 for a week, 1,800 for a month, whatever its number of batches
-(10^6 or 10^9). A point takes about ``350 + 110 * W`` bytes for ``W`` ranks (a batch-time histogram spans a few
-octaves of four bins each): for a week on 8 ranks, at most about 1.9 MB; on 64 ranks, about 11 MB. Nothing is
-stored per batch.
+(10^6 or 10^9). A point takes about ``600 + 100 * W`` bytes for ``W`` ranks (with batch times spread over three
+octaves, 12 bins; fewer bins, fewer bytes): for a week on 8 ranks, at most about 2.2 MB; on 64 ranks, about
+11 MB. Nothing is stored per batch.
 
 **Cost.** Per batch: one histogram update in :class:`~torch_batch_process.engine.part.Part` (a ``log2`` and a
 dict update, well under a microsecond). Per commit: rank 0 adds each vote to :class:`RankActivity` (a few list
@@ -54,7 +57,10 @@ FIRST_INTERVAL_S = 1.0
 POINTS_PER_LEVEL = 120
 """The interval between points doubles after every this many points of the job."""
 
-_DIGITS = 5
+def _short(seconds: float) -> float:
+    """Seconds to 4 significant digits (a rate read from them is as exact as anyone reads it), a third of the
+    bytes of a full float."""
+    return float(f"{seconds:.4g}")
 
 
 class RankActivity:
@@ -107,15 +113,15 @@ class RankActivity:
             "ranks": {
                 "batches": self.batches,
                 "examples": self.examples,
-                "data_s": [round(value, _DIGITS) for value in self.data_s],
-                "process_s": [round(value, _DIGITS) for value in self.process_s],
-                "commit_s": [round(value, _DIGITS) for value in self.commit_s],
+                "data_s": [_short(value) for value in self.data_s],
+                "process_s": [_short(value) for value in self.process_s],
+                "commit_s": [_short(value) for value in self.commit_s],
                 "votes": self.votes,
                 "batch_times": [to_json(histogram) for histogram in self.batch_times],
             },
             "record_writes": self.record_writes,
-            "record_write_s": round(self.record_write_s, _DIGITS),
-            "record_write_max_s": round(self.record_write_max_s, _DIGITS),
+            "record_write_s": _short(self.record_write_s),
+            "record_write_max_s": _short(self.record_write_max_s),
             "commit_latency": to_json(self.commit_latency),
         }
 

@@ -144,6 +144,23 @@ def _marks(runs: list[Attempt]) -> tuple[list[dict[str, Any]], list[dict[str, An
     return shapes, notes
 
 
+def _series(items: list[Interval], value: Any) -> tuple[list[str | None], list[Any]]:
+    """``x`` (interval ends) and ``y`` (``value(item)``) of a line over the intervals of every attempt, broken
+    between attempts (a point with no value there, so that no line crosses the time between them); intervals
+    where ``value`` is ``None`` (e.g. a rank that ran no batch in it) are left out, the line goes on."""
+    x: list[str | None] = []
+    y: list[Any] = []
+    for index, item in enumerate(items):
+        if index and item.attempt != items[index - 1].attempt:
+            x.append(_stamp(item.start))
+            y.append(None)
+        found = value(item)
+        if found is not None:
+            x.append(_stamp(item.end))
+            y.append(found)
+    return x, y
+
+
 def _vline(epoch: float, color: str, dash: str) -> dict[str, Any]:
     stamp = _stamp(epoch)
     return {
@@ -214,25 +231,24 @@ def throughput_figure(items: list[Interval], runs: list[Attempt]) -> Figure | No
     overall = examples / seconds if seconds > 0 else 0.0
     data = []
     for index, attempt in enumerate(sorted({item.attempt for item in items})):
-        parts = [item for item in items if item.attempt == attempt]
+        # an attempt's last interval holds only its closing commit when its batches were all committed before
+        parts = [item for item in items if item.attempt == attempt and (item.examples_total or not item.last)]
         data.append(_in(1, {
             "type": "scatter", "mode": "lines+markers", "marker": {"size": 4}, "name": f"job, attempt {attempt}",
             "line": {"color": _COLORS[index % len(_COLORS)]},
             "x": [_stamp(part.end) for part in parts], "y": [part.rate() for part in parts],
         }))
     world = max(item.world_size for item in items)
-    x = [_stamp(item.end) for item in items]
     if world <= MAX_RANK_LINES:
         for rank in range(world):
+            x, y = _series(items, lambda item, rank=rank: item.busy_rate(rank))
             data.append(_in(2, {
                 "type": "scatter", "mode": "lines", "name": f"rank {rank}",
-                "line": {"width": 1.2, "color": _COLORS[rank % len(_COLORS)]},
-                "x": x, "y": [item.busy_rate(rank) for item in items],
+                "line": {"width": 1.2, "color": _COLORS[rank % len(_COLORS)]}, "x": x, "y": y,
             }))
     else:
-        spreads = [sorted(r for r in (item.busy_rate(k) for k in range(item.world_size)) if r is not None) for item in items]
         for name, pick in (("slowest rank", 0), ("median rank", None), ("fastest rank", -1)):
-            y = [(statistics.median(values) if pick is None else values[pick]) if values else None for values in spreads]
+            x, y = _series(items, lambda item, pick=pick: _spread(item, pick))
             data.append(_in(2, {"type": "scatter", "mode": "lines", "name": name, "x": x, "y": y}))
     shapes, notes = _marks(runs)
     title = f"Throughput: {overall:,.1f} examples/s over {format_duration(seconds)} of running"
@@ -246,6 +262,14 @@ def throughput_figure(items: list[Interval], runs: list[Attempt]) -> Figure | No
     for name in ("yaxis", "yaxis2"):
         full[name].update(title={"text": "examples/s"}, rangemode="tozero")
     return {"data": data, "layout": full}
+
+
+def _spread(item: Interval, pick: int | None) -> float | None:
+    """The slowest (``0``), fastest (``-1``) or median (``None``) busy rate of the ranks in ``item``."""
+    rates = sorted(r for r in (item.busy_rate(k) for k in range(item.world_size)) if r is not None)
+    if not rates:
+        return None
+    return statistics.median(rates) if pick is None else rates[pick]
 
 
 # ---------------------------------------------------------------------------------------- batch times
@@ -329,17 +353,18 @@ def commits_figure(items: list[Interval], runs: list[Attempt], records: int) -> 
     timed = [item for item in items if item.commit_latency or sum(item.votes)]
     if not timed:
         return None
-    x = [_stamp(item.end) for item in timed]
-    data = [
-        {"type": "scatter", "mode": "lines+markers", "marker": {"size": 4}, "name": "commit latency, median",
-         "x": x, "y": [quantile(item.commit_latency, 0.5) for item in timed]},
-        {"type": "scatter", "mode": "lines", "name": "commit latency, longest (bin)", "line": {"dash": "dot"},
-         "x": x, "y": [quantile(item.commit_latency, 1.0) for item in timed]},
-        {"type": "scatter", "mode": "lines", "name": "record write (rank 0, mean)", "x": x,
-         "y": [item.record_write_s / item.record_writes if item.record_writes else None for item in timed]},
-        {"type": "scatter", "mode": "lines", "name": "time a rank spends in a commit (mean)", "x": x,
-         "y": [item.commit_s_per_vote() for item in timed]},
-    ]
+    lines = (
+        ("commit latency, median", lambda item: quantile(item.commit_latency, 0.5), {"mode": "lines+markers",
+                                                                                    "marker": {"size": 4}}),
+        ("commit latency, longest (bin)", lambda item: quantile(item.commit_latency, 1.0), {"line": {"dash": "dot"}}),
+        ("record write (rank 0, mean)",
+         lambda item: item.record_write_s / item.record_writes if item.record_writes else None, {}),
+        ("time a rank spends in a commit (mean)", lambda item: item.commit_s_per_vote(), {}),
+    )
+    data = []
+    for name, value, style in lines:
+        x, y = _series(timed, value)
+        data.append({"type": "scatter", "mode": "lines", "name": name, "x": x, "y": y, **style})
     latency: dict[int, int] = {}
     for item in items:
         for key, count in item.commit_latency.items():
