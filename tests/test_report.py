@@ -209,7 +209,8 @@ def test_timeline_points_double_their_interval_and_carry_the_ranks_work():
     activity = RankActivity(2)
     activity.add_vote(1, 3, 12, {"data": 0.5, "process": 1.5, "commit": 0.1}, {-20: 3})
     activity.add_vote(1, 1, 4, {"data": 0.1, "process": 0.4, "commit": 0.1}, {-20: 1, -18: 0})
-    activity.add_record_write(0.004, [0.01, 0.02])
+    activity.add_record_write(0.004, 0.02)
+    activity.add_record_write(0.006, 0.01)
     timeline.count_record()
     line = timeline.point(
         activity, attempt_started=10.0, elapsed_s=5.0, batches_committed=8, examples_committed=32, failed_examples=1,
@@ -220,7 +221,8 @@ def test_timeline_points_double_their_interval_and_carry_the_ranks_work():
     assert point["ranks"]["batches"] == [0, 4] and point["ranks"]["examples"] == [0, 16]
     assert point["ranks"]["process_s"] == [0.0, 1.9] and point["ranks"]["votes"] == [0, 2]
     assert point["ranks"]["batch_times"] == [[], [-20, 4]]
-    assert point["commits"] == 1 and point["record_writes"] == 1 and sum(point["commit_latency"][1:]) == 2
+    assert point["commits"] == 1 and point["record_writes"] == 2 and sum(point["commit_latency"][1:]) == 2
+    assert point["record_write_s"] == 0.01 and point["record_write_max_s"] == 0.006
     assert point["preempted"] and point["last"] and point["failed_examples"] == 1
     assert len(json.dumps(line)) < 700
 
@@ -521,6 +523,8 @@ def test_dashboard_follows_a_running_job_from_before_its_start_to_its_end(tmp_pa
 
         held = committed()
         assert 0 < held < 240, held
+        running = _summary(json.loads(_get(url + "data.json")[1]))
+        assert 'data-key="state">running' in running and re.search(r'data-key="eta">\d+:\d\d:\d\d<', running), running
         gate.unlink()
         wait_all([job], timeout=120)
         wait_for(lambda: committed() == 240, 30, "the dashboard showing the finished job")

@@ -153,6 +153,7 @@ class RecordKeeper:
             self.record_schema = schema
             for vote in votes:
                 batches = RangeSet.from_json(vote.batches)
+                count = len(batches)
                 self.committed.update(batches)
                 self.stages.add(vote.stage)
                 if vote.outputs and self.output_stages is not None:
@@ -161,7 +162,7 @@ class RecordKeeper:
                 if vote.state_file is not None:
                     self.state_files[vote.rank] = vote.state_file
                 summary = self.summary
-                summary.batches_processed += len(batches)
+                summary.batches_processed += count
                 summary.examples_processed += vote.examples
                 summary.failed_examples += int(vote.extra.get("failed", 0))
                 if self.record_rows is not None:
@@ -170,7 +171,7 @@ class RecordKeeper:
                     summary.timings[key] = summary.timings.get(key, 0.0) + value
                     per_rank = summary.timings_per_rank[vote.rank]
                     per_rank[key] = per_rank.get(key, 0.0) + value
-                self.activity.add_vote(vote.rank, len(batches), vote.examples, vote.timings, vote.extra.get("batch_times"))
+                self.activity.add_vote(vote.rank, count, vote.examples, vote.timings, vote.extra.get("batch_times"))
                 lines.extend(vote.lines)
             entries = [line["metrics"] for line in lines if line.get("group") == "provenance"]
             self.provenance = merge_entries(self.provenance, entries)
@@ -286,7 +287,7 @@ class RecordKeeper:
         self._store.write_record(record)
         durable = time.monotonic()
         with self._mutex:
-            self.activity.add_record_write(durable - t0, [durable - each.prepared_at for each in prepared])
+            self.activity.add_record_write(durable - t0, durable - prepared[0].prepared_at)  # the oldest waited most
         try:
             for each in prepared:
                 self._metrics_log.append(each.lines, commit=each.record.commit, attempt=self._attempt)

@@ -253,8 +253,9 @@ class JobObserver:
         self._job = description
 
     def timeline_due(self, last: bool) -> bool:
-        """Rank 0, preparing a commit record: whether a timeline point goes with it (``last``: the call's last)."""
-        return self._timeline.due(last)
+        """Rank 0, preparing a commit record: whether a timeline point goes with it (``last``: the call's last).
+        (:meth:`Timeline.due`, inlined: it runs at every commit.)"""
+        return last or time.monotonic() >= self._timeline.next_at
 
     def interim_metrics(self, reduce: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         """Rank 0, at a commit that is neither final nor preempting: reduced metrics so far, when due."""
@@ -319,7 +320,7 @@ class JobObserver:
             records.append({"group": "hparams", "steps_completed": base, "rank": 0, "metrics": self._hparams})
             self._hparams = None
         timeline = self._timeline
-        timeline.count_record()
+        timeline.records += 1  # Timeline.count_record, inlined: it runs at every commit
         if activity is not None:
             records.append(
                 timeline.point(

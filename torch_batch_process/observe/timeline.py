@@ -6,7 +6,8 @@ writes with commit records. A point holds what happened since the previous point
 merged it from the ranks' votes (:class:`RankActivity`): per rank, its batches, examples, seconds loading data,
 in ``process_batch`` and in commits, its commits, and the histogram of its batches' ``process_batch`` seconds
 (:mod:`~torch_batch_process.observe.histogram`); and for the job, the commit records written, their write
-seconds and the histogram of commit latencies (from the votes' merge to the record being durable), with the
+seconds and the histogram of commit latencies (per record write, the longest wait of the commits it wrote: from
+their votes' merge to the record being durable), with the
 counts committed so far::
 
     {"group": "timeline", "rank": 0, "steps_completed": 1200, "time": 1732200000.0, "commit": 240, "attempt": 1,
@@ -44,7 +45,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from torch_batch_process.observe.histogram import add_seconds, merge_into, to_json
+from torch_batch_process.observe.histogram import add_seconds, to_json
 
 __all__ = ["FIRST_INTERVAL_S", "POINTS_PER_LEVEL", "RankActivity", "Timeline", "TIMELINE_GROUP"]
 
@@ -88,24 +89,26 @@ class RankActivity:
     def add_vote(
         self, rank: int, batches: int, examples: int, timings: Mapping[str, float], batch_times: Mapping[int, int] | None
     ) -> None:
-        """One vote of ``rank``: its batches, examples, seconds per phase and batch-time histogram."""
+        """One vote of ``rank``: its batches, examples, seconds per phase (``data``, ``process``, ``commit``: a
+        vote's timings always hold them) and batch-time histogram. Runs at every commit: no call it can avoid."""
         self.batches[rank] += batches
         self.examples[rank] += examples
-        self.data_s[rank] += timings.get("data", 0.0)
-        self.process_s[rank] += timings.get("process", 0.0)
-        self.commit_s[rank] += timings.get("commit", 0.0)
+        self.data_s[rank] += timings["data"]
+        self.process_s[rank] += timings["process"]
+        self.commit_s[rank] += timings["commit"]
         self.votes[rank] += 1
         if batch_times:
-            merge_into(self.batch_times[rank], batch_times)
+            mine = self.batch_times[rank]
+            for key, count in batch_times.items():
+                mine[key] = mine.get(key, 0) + count
 
-    def add_record_write(self, seconds: float, latencies: list[float]) -> None:
-        """One record write (a group commit) that took ``seconds`` and made commits durable ``latencies`` seconds
-        after their votes were merged."""
+    def add_record_write(self, seconds: float, latency: float) -> None:
+        """One record write (a group commit) that took ``seconds`` and made its oldest commit durable ``latency``
+        seconds after that commit's votes were merged (the longest wait of the commits it wrote)."""
         self.record_writes += 1
         self.record_write_s += seconds
         self.record_write_max_s = max(self.record_write_max_s, seconds)
-        for latency in latencies:
-            add_seconds(self.commit_latency, latency)
+        add_seconds(self.commit_latency, latency)
 
     def to_json(self) -> dict[str, Any]:
         """The point's per-rank and record-write fields."""
@@ -141,8 +144,10 @@ class Timeline:
         self.points = points_before
         self._first = first_interval_s
         self._per_level = per_level
-        self._records = 0
-        self._next = time.monotonic() + self.interval_s()
+        self.records = 0
+        """Commit records prepared since the latest point (the observer counts them)."""
+        self.next_at = time.monotonic() + self.interval_s()
+        """``time.monotonic()`` from which the next point is due."""
 
     def interval_s(self) -> float:
         """Seconds from the latest point to the next one."""
@@ -150,7 +155,7 @@ class Timeline:
 
     def due(self, last: bool) -> bool:
         """Whether the record being prepared carries a point (``last``: the call's last record always does)."""
-        return last or time.monotonic() >= self._next
+        return last or time.monotonic() >= self.next_at
 
     def point(
         self,
@@ -174,15 +179,15 @@ class Timeline:
             "batches_committed": batches_committed,
             "examples_committed": examples_committed,
             "failed_examples": failed_examples,
-            "commits": self._records,
+            "commits": self.records,
             "last": last,
             "preempted": preempted,
             "finished": finished,
             **activity.to_json(),
         }
         self.points += 1
-        self._records = 0
-        self._next = time.monotonic() + self.interval_s()
+        self.records = 0
+        self.next_at = time.monotonic() + self.interval_s()
         return {
             "group": TIMELINE_GROUP,
             "steps_completed": batches_committed,
@@ -193,4 +198,4 @@ class Timeline:
 
     def count_record(self) -> None:
         """A commit record was prepared (counted in the next point's ``commits``)."""
-        self._records += 1
+        self.records += 1

@@ -50,16 +50,6 @@ class JobData:
     """Why ``metrics.jsonl`` cannot be read (or which lines were skipped), else ``None``."""
     read_at: float = field(default_factory=time.time)
 
-    @property
-    def world_sizes(self) -> list[int]:
-        """The world sizes of the attempts with timeline points, in order."""
-        sizes: list[int] = []
-        for point in self.points:
-            size = int(point["metrics"].get("world_size", 0))
-            if not sizes or sizes[-1] != size:
-                sizes.append(size)
-        return sizes
-
 
 def read_job_data(storage_path: str, storage_options: dict[str, Any] | None = None) -> JobData:
     """Reads everything the report shows from the job stored at ``storage_path``.

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch_batch_process.observe.histogram import quantile
+from torch_batch_process.observe.options import DEFAULT_STRAGGLER_RATIO
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.observe.report import figures
 from torch_batch_process.observe.report.data import JobData
@@ -54,8 +55,6 @@ SECTIONS = (
 
 FAILURES_SHOWN = 20
 """Failing examples listed in the page's table (``tbp failures`` lists them all)."""
-
-DEFAULT_STRAGGLER_RATIO = 0.5
 
 
 def build_model(data: JobData, *, live: bool = False, refresh_s: float = 5.0) -> dict[str, Any]:
@@ -309,8 +308,8 @@ def _commits_html(items: list[Any], records: int) -> str:
         ("commit latency, p99", figures.format_seconds(quantile(latency, 0.99))),
     ]
     return _table(rows, "tbp-commits") + _note(
-        "commit latency: from rank 0 merging a commit's votes to its record being durable (records written "
-        "together share one write)"
+        "commit latency: from rank 0 merging a commit's votes to its record being durable; counted once per "
+        "record write (records that wait are written together), as the longest wait among the commits it wrote"
     )
 
 

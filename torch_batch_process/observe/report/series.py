@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_batch_process.observe.histogram import from_json, merge_into, merged, quantile, total
+from torch_batch_process.observe.histogram import from_json, merge_into, merged, quantile
 
 __all__ = [
     "MAX_INTERVALS",
@@ -22,7 +22,6 @@ __all__ = [
     "RankTotals",
     "all_batch_times",
     "attempts",
-    "batch_count",
     "decimate",
     "intervals",
     "rank_totals",
@@ -293,7 +292,3 @@ def slowest_ratio(totals: list[RankTotals]) -> tuple[int, float] | None:
 def all_batch_times(totals: list[RankTotals]) -> dict[int, int]:
     """The batch-time histogram of every rank together."""
     return merged(each.batch_times for each in totals)
-
-
-def batch_count(histogram: dict[int, int]) -> int:
-    return total(histogram)
