@@ -102,7 +102,7 @@ def synthetic_timeline(metrics: Path, days: float, ranks: int) -> int:
                 add_seconds(histogram, 0.02 * 2 ** (k / 4))
             activity.add_vote(rank, batches, 32 * batches, {"data": step * 0.1, "process": step * 0.8,
                                                            "commit": step * 0.02}, {key: batches // 12 for key in histogram})
-        activity.add_record_write(0.004, [0.03] * 8)
+        activity.add_record_write(0.004, 0.03)
         examples += sum(activity.examples)
         now += step
         line = timeline.point(

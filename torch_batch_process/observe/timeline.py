@@ -34,9 +34,10 @@ per call (its last): about 1,100 for a day, 1,500 for a week, 1,800 for a month,
 octaves, 12 bins; fewer bins, fewer bytes): for a week on 8 ranks, at most about 2.2 MB; on 64 ranks, about
 11 MB. Nothing is stored per batch.
 
-**Cost.** Per batch: one histogram update in :class:`~torch_batch_process.engine.part.Part` (a ``log2`` and a
-dict update, well under a microsecond). Per commit: rank 0 adds each vote to :class:`RankActivity` (a few list
-updates and the vote's histogram, about ten entries) and compares the clock with the next point's time.
+**Cost.** Per batch: one histogram update in :class:`~torch_batch_process.engine.part.Part` (a binary search and
+a dict increment). Per commit: rank 0 adds each vote to :class:`RankActivity` (a few list updates and the vote's
+histogram, about ten entries) and compares the clock with the next point's time; per record write, one latency.
+Measured (BENCHMARKS.md, ``benchmarks.batch_cost``): about half a microsecond per batch and one or two per commit.
 """
 
 from __future__ import annotations

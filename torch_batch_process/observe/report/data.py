@@ -11,6 +11,7 @@ are parsed (a substring test skips the others, e.g. millions of ``report_metrics
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from torch_batch_process.storage.layout import METRICS_FILE
 __all__ = ["JobData", "read_job_data"]
 
 _GROUPS = (TIMELINE_GROUP, "job", "progress", "hparams")
-_MARKERS = tuple(f'"group": "{group}"'.encode() for group in _GROUPS)
+_WANTED = re.compile(b'"group": "(?:' + b"|".join(group.encode() for group in _GROUPS) + b')"')
 
 
 @dataclass
@@ -85,7 +86,7 @@ def _read_metrics(storage: Storage, data: JobData) -> None:
         return
     bad = 0
     for line in raw.splitlines():
-        if not any(marker in line for marker in _MARKERS):
+        if _WANTED.search(line) is None:
             continue
         try:
             record = json.loads(line)
