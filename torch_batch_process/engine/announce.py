@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
+import socket
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.job import Start
 from torch_batch_process.engine.plan import Plan
 from torch_batch_process.engine.ranges import RangeSet
 from torch_batch_process.observe.observer import JobObserver
-from torch_batch_process.result import BatchProcessResult
+from torch_batch_process.result import BatchProcessResult, to_jsonable
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.loop import JobRun
 
-__all__ = ["announce_start", "log_memory", "log_preempted", "log_start", "start_observing", "warn_max_batches"]
+__all__ = [
+    "announce_start", "describe_call", "log_memory", "log_preempted", "log_start", "start_observing", "warn_max_batches"
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ def announce_start(job: JobRun, start: Start, remaining: RangeSet) -> None:
     """What this call starts with: told to ``job``'s observer on every rank, and logged by rank 0."""
     start_observing(job.observer, job.plan, start, remaining)
     if job.rank == 0:
+        job.observer.describe_job(describe_call(job, start))
         log_start(
             job_name=job.args.job_name, start=start, plan=job.plan, remaining=remaining, world_size=job.world_size,
             schedule=job.args.schedule, storage_url=job.storage.url, plan_s=job.plan_s,
@@ -100,6 +105,63 @@ def log_memory(result: BatchProcessResult, auto: bool) -> None:
         )
     elif auto:
         logger.info("memory: max_tokens='auto' met no out-of-memory error: every batch ran whole")
+
+
+def describe_call(job: JobRun, start: Start) -> dict[str, Any]:
+    """The call's arguments, world and plan as JSON-able values: stored once per attempt (group ``job`` of
+    ``metrics.jsonl``) for ``tbp report``. Callables (a ``collate_fn``) are named by module and qualified name."""
+    import torch
+
+    from torch_batch_process import __version__
+
+    args = job.args
+    failures = args.failures
+    arguments = {
+        "batch_size": args.batch_size,
+        "max_batches": args.max_batches,
+        "checkpoint_interval": args.checkpoint_interval,
+        "schedule": args.schedule,
+        "dataloader_kwargs": {key: _argument(value) for key, value in sorted(args.dataloader_kwargs.items())},
+        "bucket_by": args.lengths is not None,
+        "bucket_window": args.bucket_window if args.lengths is not None else None,
+        "max_tokens": args.max_tokens,
+        "on_error": failures.on_error,
+        "max_failures": failures.max_failures,
+        "batch_timeout": failures.batch_timeout,
+        "on_oom": "split" if failures.split_on_oom else "raise",
+        "retry_failed": failures.retry_failed,
+        "inference_mode": args.inference_mode,
+        "autocast": args.autocast,
+        "device_prefetch": job.device_prefetch,
+        "output_format": args.output_format,
+        "table": args.table.describe() if args.table is not None else None,
+        "resume": args.resume,
+        "job_name": args.job_name,
+        "storage_path": job.storage.url,
+    }
+    return {
+        "attempt": start.attempt,
+        "world_size": job.world_size,
+        "device": str(job.env.device),
+        "processor": _argument(args.processor_cls),
+        "dataset": _argument(type(args.dataset)),
+        "arguments": arguments,
+        "plan": job.plan.describe(),
+        "tokens": job.plan.token_stats(),
+        "straggler_ratio": job.observer.options.straggler_ratio,
+        "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+        "host": socket.gethostname(),
+        "versions": {"torch_batch_process": __version__, "torch": torch.__version__, "python": platform.python_version()},
+    }
+
+
+def _argument(value: Any) -> Any:
+    """An argument as a JSON-able value (a class or function by its qualified name)."""
+    if isinstance(value, type) or callable(value):
+        module = getattr(value, "__module__", None) or ""
+        name = getattr(value, "__qualname__", None) or type(value).__qualname__
+        return f"{module}.{name}" if module else name
+    return to_jsonable(value)
 
 
 def log_preempted(result: BatchProcessResult) -> None:

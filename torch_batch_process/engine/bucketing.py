@@ -50,6 +50,7 @@ __all__ = [
     "bucket_layout",
     "contiguous_padded_tokens",
     "layout_fingerprint",
+    "token_stats",
 ]
 
 LAYOUT_VERSION = 1
@@ -125,6 +126,55 @@ def contiguous_padded_tokens(lengths: Sequence[int] | np.ndarray, batch_size: in
     starts = np.arange(0, len(values), batch_size)
     sizes = np.diff(np.append(starts, len(values)))
     return int(np.dot(sizes, np.maximum.reduceat(values, starts)))
+
+
+FILL_BINS = 20
+"""Bins of the per-batch fill histograms of :func:`token_stats` (real / padded tokens, 0 to 1)."""
+
+
+def token_stats(layout: BucketLayout, lengths: np.ndarray, batch_size: int, num_batches: int) -> dict[str, Any]:
+    """Real and padded tokens of the first ``num_batches`` batches of ``layout`` and of the same examples batched
+    in dataset order (``batch_size`` at a time): what bucketing saves, for ``tbp report``.
+
+    Returns:
+        ``{"batches", "examples", "real", "padded", "padded_in_order", "fill_bins", "fill", "fill_in_order"}``:
+        the token counts, and histograms of the batches' fill (real / padded tokens) over ``fill_bins`` equal bins
+        of ``[0, 1]``, for the plan and for dataset order.
+    """
+    values = np.asarray(lengths, dtype=np.int64)
+    num_batches = min(num_batches, layout.num_batches())
+    count = int(layout.offsets[num_batches])
+    stats: dict[str, Any] = {
+        "batches": num_batches, "examples": count, "real": 0, "padded": 0, "padded_in_order": 0,
+        "fill_bins": FILL_BINS, "fill": [0] * FILL_BINS, "fill_in_order": [0] * FILL_BINS,
+    }
+    if count == 0:
+        return stats
+    planned = values[layout.order[:count]]
+    starts = layout.offsets[:num_batches]
+    sizes = np.diff(layout.offsets[: num_batches + 1])
+    real = np.add.reduceat(planned, starts)
+    padded = sizes * np.maximum.reduceat(planned, starts)
+    in_order = values[np.sort(layout.order[:count])]
+    order_starts = np.arange(0, count, batch_size)
+    order_sizes = np.diff(np.append(order_starts, count))
+    order_real = np.add.reduceat(in_order, order_starts)
+    order_padded = order_sizes * np.maximum.reduceat(in_order, order_starts)
+    stats.update(
+        real=int(real.sum()),
+        padded=int(padded.sum()),
+        padded_in_order=int(order_padded.sum()),
+        fill=_fill_histogram(real, padded),
+        fill_in_order=_fill_histogram(order_real, order_padded),
+    )
+    return stats
+
+
+def _fill_histogram(real: np.ndarray, padded: np.ndarray) -> list[int]:
+    """Counts of batches per fill bin (a batch of empty examples is full)."""
+    fill = np.divide(real, padded, out=np.ones(len(real), dtype=np.float64), where=padded > 0)
+    bins = np.minimum((fill * FILL_BINS).astype(np.int64), FILL_BINS - 1)
+    return np.bincount(bins, minlength=FILL_BINS).astype(int).tolist()
 
 
 # ------------------------------------------------------------------------------------------- planning

@@ -276,6 +276,8 @@ class Committer:
                 vote.extra["ooms"] = ooms
             if split:
                 vote.extra["split"] = split
+        if part.batch_times:  # the histogram of its batches' seconds: rank 0 keeps it for the job's timeline
+            vote.extra["batch_times"] = dict(part.batch_times)
         rows = self._records.take_rows() if self._records is not None else 0
         if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
             vote.extra["rows"] = rows

@@ -24,6 +24,7 @@ from torch_batch_process.engine.records import CommitRecord
 from torch_batch_process.engine.store import JobStore
 from torch_batch_process.engine.votes import Vote
 from torch_batch_process.observe.metrics import MetricsLog
+from torch_batch_process.observe.timeline import RankActivity
 from torch_batch_process.outputs.schema import RecordSchema, unify
 from torch_batch_process.outputs.tables.commits import TableCommits
 from torch_batch_process.provenance import merge_entries
@@ -67,6 +68,8 @@ class PreparedRecord:
     lines: list[dict[str, Any]]
     result: dict[str, Any] | None
     metrics: dict[str, Any] | None
+    prepared_at: float = field(default_factory=time.monotonic)
+    """When its votes were merged into it: commit latency counts from there to its record being durable."""
 
 
 @dataclass
@@ -135,6 +138,7 @@ class RecordKeeper:
         self.last_stage = start.next_number - 1
         self.last_record = latest
         self.summary = Summary(timings_per_rank=[{} for _ in range(world_size)])
+        self.activity = RankActivity(world_size)  # the votes since the last timeline point (observe/timeline.py)
         self.summary.failed_examples = int(latest.stats.get("failed_examples", 0)) if latest else 0
         # record rows committed over all attempts; None: an earlier attempt's records did not count them
         rows = latest.stats.get("record_rows") if latest else 0
@@ -172,6 +176,7 @@ class RecordKeeper:
                 self._table.merge(votes)
             for vote in votes:
                 batches = RangeSet.from_json(vote.batches)
+                count = len(batches)
                 self.committed.update(batches)
                 self.stages.add(vote.stage)
                 if vote.outputs and self.output_stages is not None:
@@ -180,7 +185,7 @@ class RecordKeeper:
                 if vote.state_file is not None:
                     self.state_files[vote.rank] = vote.state_file
                 summary = self.summary
-                summary.batches_processed += len(batches)
+                summary.batches_processed += count
                 summary.examples_processed += vote.examples
                 summary.failed_examples += int(vote.extra.get("failed", 0))
                 summary.ooms += int(vote.extra.get("ooms", 0))
@@ -199,6 +204,7 @@ class RecordKeeper:
                     summary.timings[key] = summary.timings.get(key, 0.0) + value
                     per_rank = summary.timings_per_rank[vote.rank]
                     per_rank[key] = per_rank.get(key, 0.0) + value
+                self.activity.add_vote(vote.rank, count, vote.examples, vote.timings, vote.extra.get("batch_times"))
                 lines.extend(vote.lines)
             entries = [line["metrics"] for line in lines if line.get("group") == "provenance"]
             self.provenance = merge_entries(self.provenance, entries)
@@ -254,6 +260,9 @@ class RecordKeeper:
                 "ooms": self.ooms_before + self.summary.ooms,
                 "split_batches": self.split_before + self.summary.split_batches,
             }
+            activity = None
+            if self._observer.timeline_due(final or preempting):  # a timeline point goes with this record
+                activity, self.activity = self.activity, RankActivity(len(state_files))
         examples_committed = self._plan.count_examples(committed)
         metrics: dict[str, Any] | None = None
         if self._reducers.wrapped and (final or preempting):
@@ -270,6 +279,9 @@ class RecordKeeper:
             preempted=preempting,
             last=final or preempting,
             metrics=metrics,
+            failed_examples=failed,
+            activity=activity,
+            finished=final,
         )
         self.summary.batches_committed, self.summary.examples_committed = len(committed), examples_committed
         self.summary.elapsed_s = time.monotonic() - self.started
@@ -323,9 +335,13 @@ class RecordKeeper:
         record = prepared[-1].record
         if self._lock is not None:
             self._lock.check()
+        t0 = time.monotonic()
         self._store.write_record(record)
         if self._table is not None:  # the commit point is passed: the table follows (a failure fails the job)
             self._table.after_record(record, closing=closing)
+        durable = time.monotonic()
+        with self._mutex:
+            self.activity.add_record_write(durable - t0, durable - prepared[0].prepared_at)  # the oldest waited most
         try:
             for each in prepared:
                 self._metrics_log.append(each.lines, commit=each.record.commit, attempt=self._attempt)

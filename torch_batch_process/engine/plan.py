@@ -27,6 +27,7 @@ from torch_batch_process.engine.bucketing import (
     bucket_layout,
     contiguous_padded_tokens,
     layout_fingerprint,
+    token_stats,
 )
 from torch_batch_process.engine.ranges import RangeSet
 
@@ -70,6 +71,10 @@ class Plan(abc.ABC):
     def describe(self) -> str:
         """A few words for the start-up log line."""
         return f"{self.num_examples} examples in {self.num_batches} batches"
+
+    def token_stats(self) -> dict[str, Any] | None:
+        """Real and padded tokens of the plan and of dataset order (``bucket_by`` plans; ``None`` otherwise)."""
+        return None
 
 
 class ContiguousPlan(Plan):
@@ -115,11 +120,13 @@ class BucketedPlan(Plan):
         self.layout: BucketLayout = bucket_layout(lengths, batch_size, window, max_tokens)
         self.num_batches = self.layout.num_batches()
         self._fingerprint = layout_fingerprint(lengths, batch_size, window, max_tokens)
+        self._tokens: dict[str, Any] | None = None
 
     def cut(self, num_batches: int) -> BucketedPlan:
         plan = object.__new__(BucketedPlan)
         plan.__dict__.update(self.__dict__)
         plan.num_batches = min(num_batches, self.layout.num_batches())
+        plan._tokens = None
         return plan
 
     def batch_indices(self, batch: int) -> list[int]:
@@ -139,13 +146,20 @@ class BucketedPlan(Plan):
     def fingerprint(self) -> dict[str, Any]:
         return self._fingerprint
 
+    def token_stats(self) -> dict[str, Any]:
+        """See :func:`~torch_batch_process.engine.bucketing.token_stats` (over the planned batches; computed once)."""
+        if self._tokens is None:
+            self._tokens = token_stats(self.layout, self.lengths, self.batch_size, self.num_batches)
+        return self._tokens
+
     def padded_tokens(self) -> tuple[int, int]:
         """Padded tokens (``len(batch) * max length`` summed over batches) of this plan and of the same
         examples in dataset order, to show what bucketing saves."""
         return self.layout.padded_tokens(self.lengths), contiguous_padded_tokens(self.lengths, self.batch_size)
 
     def describe(self) -> str:
-        bucketed, ordered = self.padded_tokens()
+        tokens = self.token_stats()
+        bucketed, ordered = tokens["padded"], tokens["padded_in_order"]
         oversized = self.layout.num_oversized
         oversized = f"; {oversized} example(s) longer than max_tokens, alone" if oversized else ""
         return (

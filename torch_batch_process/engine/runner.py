@@ -140,9 +140,10 @@ class BatchRunner:
             self._failures.record(exc, f"process_batch(batch_idx={batch_idx})")
             return
         finally:
-            part.timings["process"] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            part.timings["process"] += seconds
             self._current.leave()
-        part.add_batch(batch_idx, len(indices))
+        part.add_batch(batch_idx, len(indices), seconds)
 
     def _run_pieces(
         self, batch_idx: int, pieces: list[Sequence[int]], loaded: list[Any], part: Part, *, whole: bool
@@ -180,10 +181,11 @@ class BatchRunner:
                     return
                 succeeded += done
         finally:
-            part.timings["process"] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            part.timings["process"] += seconds
         if split and fitter is not None:
             fitter.split_batches += 1
-        part.add_batch(batch_idx, succeeded)
+        part.add_batch(batch_idx, succeeded, seconds if whole and not split else None)  # whole: in the timeline
 
     def _attempt(self, batch_idx: int, indices: Sequence[int], batch: Any, part: Part, prefix: str) -> Exception | None:
         """Runs one loaded batch or piece as a transaction; returns its error."""
