@@ -71,7 +71,8 @@ def column_lengths(dataset: Any, column: str) -> np.ndarray:
             (bytes) or a list column such as ``input_ids`` (number of items). A null counts as 0.
 
     Returns:
-        int64 array with one length per row, in dataset order, ready for ``bucket_by``.
+        An integer numpy array with one length per row, in dataset order, ready for ``bucket_by``: Arrow's own
+        length type (``int32``, 4 bytes per row, or ``int64`` for the ``large_*`` types), without a copy to int64.
 
     Raises:
         InvalidArgumentError: ``dataset`` is not a map-style HF dataset, or ``column`` is missing or of
@@ -106,7 +107,7 @@ def column_lengths(dataset: Any, column: str) -> np.ndarray:
             f"column_lengths: column {column!r} has Arrow type {kind}; it needs a string, binary or list column "
             f"(for example the text, or the input_ids of a tokenized dataset)"
         )
-    result = np.asarray(pc.fill_null(lengths, 0).to_numpy(), dtype=np.int64)
+    result = np.asarray(pc.fill_null(lengths, 0).to_numpy())
     # A dataset after select/shuffle/filter keeps its table and maps its rows through an indices table
     # (`_indices`, a documented part of datasets' internals for years); measure the whole table once and
     # gather the small int lengths instead of gathering the strings themselves.

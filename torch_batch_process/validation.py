@@ -57,7 +57,7 @@ class JobArguments:
     inference_mode: bool
     schedule: str = "static"
     lengths: Any = None
-    """``bucket_by`` resolved: one length per example (numpy int64), or ``None`` (contiguous batches)."""
+    """``bucket_by`` resolved: one length per example (an integer numpy array), or ``None`` (contiguous batches)."""
     bucket_window: int = DEFAULT_BUCKET_WINDOW
     max_tokens: int | None = None
     lengths_s: float = 0.0

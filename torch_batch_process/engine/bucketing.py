@@ -31,6 +31,15 @@ one CPU core, lengths of up to a million (audio samples) in 0.5-2.5 s. The greed
 ``max_tokens`` loops in Python once per run of equal batch sizes inside a window (a few per window),
 never once per example; its worst case, ``bucket_window=1`` with widely spread lengths, takes a few
 seconds for 10 million examples.
+
+**Memory** (DESIGN §14): the windows are planned a few million examples at a time (:data:`CHUNK_EXAMPLES`,
+rounded to whole windows), so the sorts' temporary arrays stay a few tens of MiB whatever the dataset's size,
+and the plan keeps one index per example in the narrowest type that holds it (``uint32`` below 2**32
+examples) plus one offset per batch: about 4 bytes per example kept, and some 50 MiB of temporaries. The lengths
+are used as given when they are a valid numpy array (no copy; see
+:func:`~torch_batch_process.engine.bucket_options.as_lengths`). A window larger than a chunk (a huge
+``bucket_window``, e.g. one window for the whole job) is sorted at once, with temporaries of ~40 bytes per
+example of the window. Chunking changes nothing in the result: a batch never crosses a window.
 """
 
 from __future__ import annotations
@@ -42,10 +51,11 @@ from typing import Any
 
 import numpy as np
 
-from torch_batch_process.engine.bucket_options import check_lengths, validate_bucket_options
+from torch_batch_process.engine.bucket_options import as_lengths, validate_bucket_options
 
 __all__ = [
     "BucketLayout",
+    "CHUNK_EXAMPLES",
     "LAYOUT_VERSION",
     "bucket_layout",
     "contiguous_padded_tokens",
@@ -54,6 +64,12 @@ __all__ = [
 
 LAYOUT_VERSION = 1
 """Version of the planning rules above; part of the fingerprint, so a change of rules refuses a resume."""
+
+CHUNK_EXAMPLES = 1 << 20
+"""Examples planned at a time (rounded to whole windows): bounds the temporary arrays of the sorts."""
+
+_HASH_CHUNK = 1 << 21
+"""Lengths converted to int64 at a time for the fingerprint's hash."""
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -66,7 +82,8 @@ class BucketLayout:
     """The batches of a length-bucketed plan.
 
     Attributes:
-        order: int64 permutation of the dataset indices ``[0, N)``: the examples in plan order.
+        order: permutation of the dataset indices ``[0, N)``, the examples in plan order (``uint32`` below
+            2**32 examples, else ``int64``).
         offsets: int64, ``num_batches + 1`` entries: batch ``g`` holds ``order[offsets[g]:offsets[g+1]]``.
         num_oversized: number of examples longer than ``max_tokens``, each alone in its batch (0
             without ``max_tokens``).
@@ -107,24 +124,41 @@ class BucketLayout:
         return np.diff(self.offsets)
 
     def padded_tokens(self, lengths: Sequence[int] | np.ndarray) -> int:
-        """Tokens the batches take once padded: the sum over batches of ``len(batch) * max length in batch``."""
-        values = np.asarray(lengths, dtype=np.int64)
+        """Tokens the batches take once padded: the sum over batches of ``len(batch) * max length in batch``.
+
+        Computed a chunk of batches at a time (no array of the dataset's size is made)."""
+        values = np.asarray(lengths)
         if len(values) != len(self.order):
             raise ValueError(f"padded_tokens needs one length per example ({len(self.order)}), got {len(values)}")
         if len(self.order) == 0:
             return 0
-        longest = np.maximum.reduceat(values[self.order], self.offsets[:-1])
-        return int(np.dot(self.batch_sizes(), longest))
+        if values.dtype.kind not in "iu":
+            values = values.astype(np.int64)
+        sizes = self.batch_sizes()
+        step = max(1, CHUNK_EXAMPLES // max(1, int(sizes.max())))
+        total = 0
+        for g0 in range(0, len(sizes), step):
+            g1 = min(len(sizes), g0 + step)
+            first, stop = int(self.offsets[g0]), int(self.offsets[g1])
+            longest = np.maximum.reduceat(values[self.order[first:stop]], self.offsets[g0:g1] - first)
+            total += int(np.dot(sizes[g0:g1], longest.astype(np.int64)))
+        return total
 
 
 def contiguous_padded_tokens(lengths: Sequence[int] | np.ndarray, batch_size: int) -> int:
     """Padded tokens of the plain plan (§3: batch ``g`` holds ``[g*B, (g+1)*B)``), to compare with a layout."""
-    values = np.asarray(lengths, dtype=np.int64)
-    if len(values) == 0:
-        return 0
-    starts = np.arange(0, len(values), batch_size)
-    sizes = np.diff(np.append(starts, len(values)))
-    return int(np.dot(sizes, np.maximum.reduceat(values, starts)))
+    values = np.asarray(lengths)
+    if values.dtype.kind not in "iu":
+        values = values.astype(np.int64)
+    n = len(values)
+    step = max(1, CHUNK_EXAMPLES // batch_size) * batch_size  # whole batches per chunk
+    total = 0
+    for c0 in range(0, n, step):
+        part = values[c0 : min(n, c0 + step)]
+        starts = np.arange(0, len(part), batch_size)
+        sizes = np.diff(np.append(starts, len(part)))
+        total += int(np.dot(sizes, np.maximum.reduceat(part, starts).astype(np.int64)))
+    return total
 
 
 # ------------------------------------------------------------------------------------------- planning
@@ -212,65 +246,108 @@ def _greedy_starts(sorted_lengths: np.ndarray, batch_size: int, window_examples:
     )
 
 
-def _largest_first(tokens: np.ndarray, window_of_batch: np.ndarray) -> np.ndarray:
-    """Batch permutation: windows in order, largest batch first inside each (stable), overall largest at 0."""
+def _largest_first_in_windows(tokens: np.ndarray, window_of_batch: np.ndarray) -> np.ndarray:
+    """Batch permutation: windows in order, largest batch first inside each (stable: ties keep their order)."""
     most = int(tokens.max())
     if (int(window_of_batch[-1]) + 1) * (most + 1) < np.iinfo(np.int64).max:
-        permutation = np.argsort(window_of_batch * (most + 1) + (most - tokens), kind="stable")
-    else:  # keys would overflow int64: sort on two keys instead (slower, same result)
-        permutation = np.lexsort((most - tokens, window_of_batch))
-    top = int(np.argmax(tokens[permutation]))  # first of the largest, in plan order
-    if top:
-        permutation = np.concatenate(([permutation[top]], permutation[:top], permutation[top + 1 :]))
-    return permutation
+        return np.argsort(window_of_batch * (most + 1) + (most - tokens), kind="stable")
+    return np.lexsort((most - tokens, window_of_batch))  # keys would overflow int64: two keys (slower, same result)
 
 
-def bucket_layout(lengths: np.ndarray, batch_size: int, window: int, max_tokens: int | None) -> BucketLayout:
+def _plan_chunk(
+    lengths: np.ndarray, batch_size: int, window_examples: int, max_tokens: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Plans whole windows (``lengths`` starts at a window's start): their batches in plan order, before the
+    plan's largest batch moves to the front. Returns the batch sizes, their tokens and the examples in
+    plan order (int64, positions in ``lengths``)."""
+    n = len(lengths)
+    sorted_indices = _sort_windows(lengths, window_examples)
+    sorted_lengths = lengths[sorted_indices]
+    if max_tokens is None:
+        # Windows start at multiples of batch_size, so cutting every batch_size examples never crosses one.
+        starts = np.arange(0, n, batch_size, dtype=np.int64)
+    else:
+        starts = _greedy_starts(sorted_lengths.astype(np.int64), batch_size, window_examples, max_tokens)
+    sizes = np.diff(np.append(starts, n))
+    tokens = sizes * sorted_lengths[starts].astype(np.int64)  # the first example of a batch is its longest
+    permutation = _largest_first_in_windows(tokens, starts // window_examples)
+    new_sizes = sizes[permutation]
+    new_starts = np.cumsum(new_sizes) - new_sizes
+    source = np.repeat(starts[permutation] - new_starts, new_sizes)
+    source += np.arange(n, dtype=np.int64)
+    return new_sizes, tokens[permutation], sorted_indices[source]
+
+
+def _rotate_right(array: np.ndarray, stop: int, shift: int) -> None:
+    """Moves ``array[stop - shift:stop]`` to the front of ``array[:stop]``, in place, in blocks (no copy of the
+    array: the temporary arrays are at most :data:`CHUNK_EXAMPLES` long)."""
+    moved = array[stop - shift : stop].copy()
+    position = stop - shift  # elements [0, position) move right by shift, the last ones first
+    while position > 0:
+        first = max(0, position - CHUNK_EXAMPLES)
+        array[first + shift : position + shift] = array[first:position]
+        position = first
+    array[:shift] = moved
+
+
+def bucket_layout(lengths: Any, batch_size: int, window: int, max_tokens: int | None) -> BucketLayout:
     """Plans the batches of §9 (see the module docstring for the rules).
 
     Args:
-        lengths: int64 length of each example, as returned by
-            :func:`~torch_batch_process.engine.bucket_options.resolve_lengths`.
+        lengths: the length of each example: an integer numpy array (as returned by
+            :func:`~torch_batch_process.engine.bucket_options.resolve_lengths`), or anything
+            :func:`~torch_batch_process.engine.bucket_options.as_lengths` takes.
         batch_size: most examples per batch (exactly this many without ``max_tokens``, except the last).
         window: ``bucket_window``: the examples of ``window * batch_size`` consecutive indices are sorted together.
         max_tokens: if set, a batch holds at most ``max_tokens`` padded tokens (``len * max length``),
             except an example longer than that, which is alone in its batch.
 
     Returns:
-        The layout; the same inputs give identical arrays in every process.
+        The layout; the same inputs give identical arrays in every process, whatever their integer type.
     """
     validate_bucket_options(lengths, window, max_tokens, batch_size)
-    lengths = check_lengths(np.asarray(lengths), len(lengths))
+    lengths = as_lengths(lengths, len(lengths))
     n = len(lengths)
+    index_type = np.uint32 if n <= np.iinfo(np.uint32).max else np.int64
     if n == 0:
-        return BucketLayout(order=np.zeros(0, dtype=np.int64), offsets=np.zeros(1, dtype=np.int64))
+        return BucketLayout(order=np.zeros(0, dtype=index_type), offsets=np.zeros(1, dtype=np.int64))
     window_examples = window * batch_size
-    sorted_indices = _sort_windows(lengths, window_examples)
-    sorted_lengths = lengths[sorted_indices]
-    if max_tokens is None:
-        # Windows start at multiples of batch_size, so cutting every batch_size examples never crosses one.
-        starts = np.arange(0, n, batch_size, dtype=np.int64)
-        oversized = 0
-    else:
-        starts = _greedy_starts(sorted_lengths, batch_size, window_examples, max_tokens)
-        oversized = int(np.count_nonzero(lengths > max_tokens))
-    sizes = np.diff(np.append(starts, n))
-    tokens = sizes * sorted_lengths[starts]  # the first example of a batch is its longest
-    permutation = _largest_first(tokens, starts // window_examples)
-    new_sizes = sizes[permutation]
-    offsets = np.zeros(len(new_sizes) + 1, dtype=np.int64)
-    np.cumsum(new_sizes, out=offsets[1:])
-    source = np.repeat(starts[permutation] - offsets[:-1], new_sizes) + np.arange(n, dtype=np.int64)
-    return BucketLayout(order=sorted_indices[source], offsets=offsets, num_oversized=oversized)
+    chunk = max(1, CHUNK_EXAMPLES // window_examples) * window_examples
+    order = np.empty(n, dtype=index_type)
+    sizes_parts, tokens_parts = [], []
+    oversized = 0
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        sizes, tokens, local = _plan_chunk(lengths[c0:c1], batch_size, window_examples, max_tokens)
+        local += c0
+        order[c0:c1] = local
+        sizes_parts.append(sizes)
+        tokens_parts.append(tokens)
+        del local
+        if max_tokens is not None:
+            oversized += int(np.count_nonzero(lengths[c0:c1].astype(np.int64) > max_tokens))
+    sizes = np.concatenate(sizes_parts)
+    top = int(np.argmax(np.concatenate(tokens_parts)))  # the first of the largest batches, in plan order
+    if top:  # the plan's largest batch goes first
+        stop = int(sizes[: top + 1].sum())
+        _rotate_right(order, stop, int(sizes[top]))
+        sizes = np.concatenate(([sizes[top]], sizes[:top], sizes[top + 1 :]))
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return BucketLayout(order=order, offsets=offsets, num_oversized=oversized)
 
 
-def layout_fingerprint(lengths: np.ndarray, batch_size: int, window: int, max_tokens: int | None) -> dict[str, Any]:
+def layout_fingerprint(lengths: Any, batch_size: int, window: int, max_tokens: int | None) -> dict[str, Any]:
     """What determines the plan, as JSON-able values, for the job's fingerprint (§3 resume safety).
 
-    The lengths enter as the sha256 of their little-endian int64 bytes, so a list and a numpy array of
-    the same values match, and a resume with any other length is refused.
+    The lengths enter as the sha256 of their little-endian int64 bytes, so a list, a numpy array of any integer
+    type and an Arrow array of the same values match, and a resume with any other length is refused. The bytes
+    are made a chunk at a time (no int64 copy of the lengths).
     """
-    values = np.ascontiguousarray(np.asarray(lengths, dtype=np.int64), dtype="<i8")
+    values = as_lengths(lengths, len(lengths))
+    digest = hashlib.sha256()
+    for c0 in range(0, len(values), _HASH_CHUNK):
+        digest.update(np.ascontiguousarray(values[c0 : c0 + _HASH_CHUNK], dtype="<i8").tobytes())
     return {
         "plan": "bucketed",
         "version": LAYOUT_VERSION,
@@ -278,5 +355,5 @@ def layout_fingerprint(lengths: np.ndarray, batch_size: int, window: int, max_to
         "batch_size": int(batch_size),
         "bucket_window": int(window),
         "max_tokens": None if max_tokens is None else int(max_tokens),
-        "lengths_sha256": hashlib.sha256(values.tobytes()).hexdigest(),
+        "lengths_sha256": digest.hexdigest(),
     }

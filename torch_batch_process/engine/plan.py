@@ -94,7 +94,7 @@ class BucketedPlan(Plan):
     """Batches of examples of similar length (see :mod:`torch_batch_process.engine.bucketing`).
 
     Args:
-        lengths: the length of every example (``bucket_by``, resolved).
+        lengths: the length of every example (``bucket_by``, resolved: an integer numpy array).
         batch_size: the most examples of a batch.
         window: ``bucket_window``.
         max_tokens: cap of ``len(batch) * max length``, or ``None``.
