@@ -21,9 +21,12 @@ and the dealing of batches cover all ``n`` examples. Each rank writes ``DIR/<cel
 - ``commit_wall_ms`` / ``commit_cpu_ms``: for each commit in that window, the wall time from
   ``on_checkpoint_start()`` to the next ``process_batch()`` (the commit on the loop's path, plus loading the next,
   tiny, batch) and the main thread's CPU time over the same span;
-- ``peak_rss_mib``: the process's peak resident memory during the call (``VmHWM``, reset before it);
+- ``peak_rss_mib``: the process's peak resident memory during the call (``VmHWM``, reset before it), and
+  ``start_rss_mib`` its resident memory when the call started (what earlier cells of the same process left);
 - ``first_batch_s``: seconds from the call to this rank's first batch (start-up: the job's records, the plan, the
-  dealing of the remaining batches).
+  dealing of the remaining batches);
+- ``after_first_s`` / ``after_first_cpu_s``: wall and CPU time from the first batch to the end of the call (cells
+  in which one rank sleeps in a batch: the others' CPU while they wait for it).
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
-def _vm_peak_mib() -> float:
+def _status_mib(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -97,7 +100,9 @@ class ScaleProcessor(TorchBatchProcessor):
     def __init__(self, context: Any) -> None:
         self.context = context
         self.count = 0
-        self.marks: dict[str, Any] = {"cpu0": None, "wall0": None, "cpu1": None, "wall1": None, "first": None}
+        self.marks: dict[str, Any] = {
+            "cpu0": None, "wall0": None, "cpu1": None, "wall1": None, "first": None, "first_cpu": None,
+        }
         self.commit_wall: list[float] = []
         self.commit_cpu: list[float] = []
         self._commit_started: tuple[float, float] | None = None
@@ -107,7 +112,7 @@ class ScaleProcessor(TorchBatchProcessor):
     def process_batch(self, batch: torch.Tensor, batch_idx: int) -> None:
         now, cpu = time.perf_counter(), time.process_time()
         if self.marks["first"] is None:
-            self.marks["first"] = now
+            self.marks["first"], self.marks["first_cpu"] = now, cpu
         if self._commit_started is not None:
             if self.marks["cpu0"] is not None:
                 wall, thread = self._commit_started
@@ -117,6 +122,8 @@ class ScaleProcessor(TorchBatchProcessor):
         if CELL["write"]:
             self.context.write({"value": batch})
         self.count += 1
+        if self.count == CELL.get("sleep_at") and self.context.get_distributed_rank() == CELL.get("sleep_rank"):
+            time.sleep(CELL["sleep_s"])  # a slow rank: the others wait for it (their CPU meanwhile is measured)
         if self.count == max(1, CELL["warmup"]):
             self.marks["cpu0"], self.marks["wall0"] = cpu, now
         self.marks["cpu1"], self.marks["wall1"] = cpu, now
@@ -134,6 +141,7 @@ def run_cell(cell: dict[str, Any], rank: int, world: int, out: Path) -> None:
     CELL.update(cell)
     BUILT.clear()
     _reset_vm_peak()
+    start_rss = _status_mib("VmRSS")
     started, cpu_started = time.perf_counter(), time.process_time()
     result = torch_batch_process(
         ScaleProcessor,
@@ -162,9 +170,12 @@ def run_cell(cell: dict[str, Any], rank: int, world: int, out: Path) -> None:
         "call_s": ended - started,
         "call_cpu_s": cpu_ended - cpu_started,
         "first_batch_s": (marks["first"] - started) if marks.get("first") else None,
+        "after_first_s": (ended - marks["first"]) if marks.get("first") else None,
+        "after_first_cpu_s": (cpu_ended - marks["first_cpu"]) if marks.get("first") else None,
         "commit_wall_ms": processor.commit_wall if processor is not None else [],
         "commit_cpu_ms": processor.commit_cpu if processor is not None else [],
-        "peak_rss_mib": _vm_peak_mib(),
+        "peak_rss_mib": _status_mib("VmHWM"),
+        "start_rss_mib": start_rss,
         "preempted": result.preempted,
         "commits": result.commits,
         "batches_committed": result.batches_committed,
@@ -187,11 +198,10 @@ def _rank_main(rank: int, world: int, port: int, cells: list[dict[str, Any]], ou
             dist.barrier()
         try:
             run_cell(cell, rank, world, out)
-        except BaseException:  # noqa: BLE001 - reported to the driver, which marks the cell failed
+        except Exception:  # noqa: BLE001 - the driver marks the cell failed; every rank raised: go on together
             folder = out / cell["name"]
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"rank_{rank}.error").write_text(traceback.format_exc())
-            return 1
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -214,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     args = parser.parse_args(argv)
     cells = json.loads(args.cells.read_text())
+    import pyarrow.parquet  # noqa: F401 - imported once here, shared by the forked ranks (not in a cell's figures)
+
+    if any(str(cell["storage"]).startswith("s3://") for cell in cells):
+        import s3fs  # noqa: F401
     port = _free_port()
     children = []
     for rank in range(args.world):
