@@ -36,6 +36,24 @@ Example::
 The lengths only order and cut the batches, so a proxy is safe (it just pads more than exact counts),
 but they are part of the job's fingerprint: a resume must pass the same lengths again (all helpers
 here are deterministic).
+
+**At 10^8 examples** (DESIGN §14) the lengths' container decides the cost before the plan starts: a Python
+list of 10^8 ints takes over 3 GB, a callable is called 10^8 times (minutes), and a tokenizer pass at
+10,000-20,000 texts a second takes hours. The cheapest ways, cheapest first:
+
+- an **Arrow array straight from the data**: ``pyarrow.compute.utf8_length(table["text"])`` (characters of
+  a string column), ``pyarrow.compute.list_value_length(table["input_ids"])`` (exact token counts of a
+  tokenized column), or :func:`column_lengths` on a Hugging Face dataset: one pass at memory speed, an
+  ``int32`` result (400 MB for 10^8 rows) that ``bucket_by`` takes as it is, without a copy (a
+  ``ChunkedArray`` too: its chunks are joined once);
+- a **numpy array** you stored (``numpy.save`` / ``numpy.load(..., mmap_mode="r")``), in the narrowest
+  integer type that holds the lengths (``uint16`` for token counts): used as it is, no copy;
+- exact token counts for texts that are not tokenized yet: tokenize the dataset once and store the
+  ``input_ids`` column (e.g. ``datasets.Dataset.map(..., batched=True, num_proc=...)``), then take
+  :func:`column_lengths` of it; :func:`tokenized_lengths` suits up to a few million texts.
+
+The plan itself then costs about 4 bytes per example kept (a ``uint32`` index) and some 50 MB of temporary
+arrays: 10^8 lengths plan in well under a minute on one core (``python -m benchmarks.scale`` measures it).
 """
 
 from __future__ import annotations
