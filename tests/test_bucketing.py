@@ -296,6 +296,38 @@ def test_plans_of_earlier_versions_are_unchanged(
         assert layout_fingerprint(source, batch_size, window, max_tokens)["lengths_sha256"][:24] == hashed
 
 
+def test_the_layout_keeps_no_array_of_the_datasets_size(monkeypatch):
+    """A rank keeps one offset per batch and at most two chunks of the plan (DESIGN §14); each batch is the same
+    as in the whole plan, walking the batches in order or not, and after pickling."""
+    import pickle
+
+    from torch_batch_process.engine import bucketing
+
+    monkeypatch.setattr(bucketing, "CHUNK_EXAMPLES", 500)
+    lengths = skewed_lengths(20_000, seed=9)
+    layout = bucket_layout(lengths, 16, 4, 600)
+    order, offsets = layout.order, layout.offsets
+    expected = [order[offsets[g] : offsets[g + 1]] for g in range(layout.num_batches())]
+    rng = np.random.default_rng(0)
+    for g in [*range(layout.num_batches()), *rng.integers(0, layout.num_batches(), 200)]:
+        assert np.array_equal(layout.batch_indices(int(g)), expected[g])
+        assert len(layout._cache) <= 2
+    kept = [a.nbytes for a in vars(layout).values() if isinstance(a, np.ndarray) and a is not layout._lengths]
+    assert sum(kept) <= 8 * (layout.num_batches() + 1) + 8 * 100  # offsets, and the chunks' first batches
+    copy = pickle.loads(pickle.dumps(layout))
+    assert np.array_equal(copy.batch_indices(7), expected[7]) and copy == layout
+    assert layout.planned_padded_tokens == layout.padded_tokens(lengths)
+
+
+def test_lengths_changed_under_a_running_plan_raise():
+    lengths = skewed_lengths(5_000, seed=4)
+    layout = bucket_layout(lengths, 32, 10, None)
+    lengths[:] = lengths[::-1].copy()  # the user's array, modified while the job runs
+    layout._cache.clear()
+    with pytest.raises(RuntimeError, match="bucket_by's lengths changed while the job ran"):
+        layout.batch_indices(3)
+
+
 def test_arrow_and_numpy_lengths_are_read_without_copies():
     lengths = skewed_lengths(10_000).astype(np.int32)
     assert resolve_lengths(lengths, len(lengths)) is lengths  # a valid numpy array: as it is

@@ -135,7 +135,7 @@ class BucketedPlan(Plan):
     def padded_tokens(self) -> tuple[int, int]:
         """Padded tokens (``len(batch) * max length`` summed over batches) of this plan and of the same
         examples in dataset order, to show what bucketing saves."""
-        return self.layout.padded_tokens(self.lengths), contiguous_padded_tokens(self.lengths, self.batch_size)
+        return self.layout.planned_padded_tokens, contiguous_padded_tokens(self.lengths, self.batch_size)
 
     def describe(self) -> str:
         bucketed, ordered = self.padded_tokens()
