@@ -335,7 +335,8 @@ def test_arrow_and_numpy_lengths_are_read_without_copies():
     resolved = resolve_lengths(arrow, len(lengths))
     assert np.shares_memory(resolved, np.frombuffer(arrow.buffers()[1], dtype=np.int32))  # a view of Arrow's buffer
     chunked = pa.chunked_array([lengths[:3000], lengths[3000:7000], lengths[7000:]])
-    assert np.array_equal(resolve_lengths(chunked, len(lengths)), lengths)
+    joined = resolve_lengths(chunked, len(lengths))
+    assert np.array_equal(joined, lengths) and joined.dtype == np.uint16  # joined once, in the narrowest type
     plan = bucket_layout(lengths, 32, 10, None)
     assert bucket_layout(chunked, 32, 10, None) == plan == bucket_layout(resolve_lengths(lengths.tolist(), 10_000), 32, 10, None)
     assert resolve_lengths(lengths.tolist(), len(lengths)).dtype == np.uint16  # a list: the narrowest copy
@@ -352,6 +353,7 @@ def test_arrow_and_numpy_lengths_are_read_without_copies():
         (pa.array(["a", "b", "c", "d"]), "Arrow array of type string"),
         (pa.array([1, 2, 3]), "3 lengths but the dataset has 4"),
         (pa.array([1, -2, 3, 4]), "ints >= 0, got -2 at index 1"),
+        (pa.chunked_array([[1, 2], [-3, 4]]), "ints >= 0, got -3 at index 2"),
         (np.array([1, 2, 3, 2**63], dtype=np.uint64), "too large for int64 at index 3"),
     ],
 )

@@ -7,9 +7,9 @@ Every error names the argument and the fix.
 
 At 10^8 examples the lengths' memory matters (DESIGN §14): a list of 10^8 Python ints takes over 3 GB before
 the plan starts, while a numpy array or an Arrow array of int32 takes 400 MB. So a valid numpy array is used as
-it is (no copy), an Arrow array (``pyarrow.Array`` or ``ChunkedArray``, e.g. ``pyarrow.compute.utf8_length`` of
-a text column) is read without copying its values (its chunks are joined once), and whatever must be converted
-is stored in the narrowest unsigned type that holds it (``uint8``, ``uint16``, ``uint32``, else ``int64``).
+it is (no copy), an Arrow array (``pyarrow.Array``, e.g. ``pyarrow.compute.utf8_length`` of a text column) is
+read without copying its values, a ``ChunkedArray``'s chunks are joined once, and whatever must be copied is
+stored in the narrowest unsigned type that holds it (``uint8``, ``uint16``, ``uint32``, else ``int64``).
 """
 
 from __future__ import annotations
@@ -90,13 +90,17 @@ def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any,
         )
 
 
-def _narrowest(values: np.ndarray) -> np.ndarray:
-    """Non-negative ints (checked) in the narrowest of uint8, uint16, uint32 and int64 that holds them (a copy)."""
-    largest = int(values.max()) if len(values) else 0
+def _narrowest_type(largest: int) -> type[np.integer]:
+    """The narrowest of uint8, uint16, uint32 and int64 that holds non-negative ints up to ``largest``."""
     for dtype in (np.uint8, np.uint16, np.uint32):
         if largest <= np.iinfo(dtype).max:
-            return values.astype(dtype)
-    return values.astype(np.int64)
+            return dtype
+    return np.int64
+
+
+def _narrowest(values: np.ndarray) -> np.ndarray:
+    """Non-negative ints (checked) in the narrowest of uint8, uint16, uint32 and int64 that holds them (a copy)."""
+    return values.astype(_narrowest_type(int(values.max()) if len(values) else 0))
 
 
 def check_lengths(values: np.ndarray, dataset_length: int) -> np.ndarray:
@@ -166,10 +170,18 @@ def _arrow_lengths(values: Any, dataset_length: int) -> np.ndarray:
         )
     chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
     if len(chunks) == 1:
-        array = chunks[0].to_numpy(zero_copy_only=False)  # no nulls: a view of the Arrow buffer
-    else:
-        array = values.to_numpy()  # the chunks joined, once
-    return check_lengths(array, dataset_length)
+        return check_lengths(chunks[0].to_numpy(zero_copy_only=False), dataset_length)  # a view of Arrow's buffer
+    # Several chunks (a Hugging Face column has one per write batch): joined once, chunk by chunk, into the
+    # narrowest type that holds them (uint16 for token counts: half of Arrow's int32, and no int32 copy first).
+    smallest, largest = (pc.min_max(values)[key].as_py() for key in ("min", "max"))
+    if smallest is not None and smallest < 0:
+        return check_lengths(values.to_numpy(), dataset_length)  # names the first negative length
+    joined = np.empty(len(values), dtype=_narrowest_type(largest or 0))
+    position = 0
+    for chunk in chunks:
+        joined[position : position + len(chunk)] = chunk.to_numpy(zero_copy_only=False)
+        position += len(chunk)
+    return check_lengths(joined, dataset_length)
 
 
 def as_lengths(values: Any, dataset_length: int) -> np.ndarray:
