@@ -1,14 +1,15 @@
 """The scale simulation (DESIGN §14): the library's own costs at W = 1..32 ranks and N = 10^6..10^8 examples.
 
-    python -m benchmarks.scale                 # the full grid: ~20-30 min on 2 cores
-    python -m benchmarks.scale --quick         # W = 1, 2, 8; N = 10^6, 10^8; fewer batches: ~4 min
+    python -m benchmarks.scale                 # the full grid: ~25 min on 2 cores
+    python -m benchmarks.scale --quick         # W = 1, 2, 8; N = 10^6, 10^8; fewer batches: ~8 min
     python -m benchmarks.scale --render bench_results/scale-<time>/results.json
 
 Many ranks with trivial work on one machine, so that only the library's own costs show: W ranks are processes
 forked from one parent after the imports (:mod:`benchmarks.scale_ranks`), joined in one gloo process group. The
 dataset is range-like (example ``i`` is the integer ``i``, nothing held per example), batches of ``--batch-size``
 examples, and every batch writes its values as record outputs (``context.write``), on local storage (a temporary
-folder) and on S3 (a moto server on 127.0.0.1, started here), with both schedules.
+folder) and on S3 (a moto server on 127.0.0.1, started here, serving one request at a time:
+:mod:`benchmarks.moto_serial`), with both schedules.
 
 A full run at N = 10^8 with trivial batches would take hours, so each cell is bounded: per cell,
 
@@ -17,20 +18,27 @@ A full run at N = 10^8 with trivial batches would take hours, so each cell is bo
   figures are taken between each rank's ``(T / W) / 5``-th batch and its last;
 - **a resume at 90%**: the same job stored after 90% of its batches were committed (made once per N and storage
   by one rank that writes no outputs, so it is quick; the record then covers 90% of N), copied, resumed with W
-  ranks, each stopping after 3 batches. *Resume at 90%, s*: from the call to the first batch of the last rank to get one (with
-  ``dynamic`` a rank may see the others' stop before its first batch).
+  ranks, each stopping after 3 batches. *Resume at 90%, s*: from the call to the first batch of the last rank to
+  get one (with ``dynamic`` a rank may see the others' stop before its first batch).
 
 Columns: *CPU us/batch*: user + system CPU of every rank's process (all threads: the loop, the library's
 background threads, gloo's, the rendezvous store's server in rank 0's process) over the measured batches, summed
 over ranks, per batch: not wall time, since 32 ranks share 2 cores. *Commit, ms*: the wall time from
 ``on_checkpoint_start()`` to the next ``process_batch()`` on each rank (the commit on the loop's path, plus
 loading the next tiny batch), p50 / p99 over every commit of every rank; on an oversubscribed machine it holds
-the time a rank waits for a core. *Commit CPU*: the main thread's CPU over the same span, p50. *Rank 0*: rank 0's
-share of the CPU. *RSS*: peak resident memory during the call (``VmHWM``), rank 0 / the largest of any rank; it
-counts the torch pages the forked ranks share. *Record*: bytes of the latest commit record after the resume at
-90%. *Files*: files under ``outputs/`` after the measured run. *read_outputs*: seconds for ``read_outputs`` of the
-measured run's rows (a reader process, imports excluded). *Load*: the machine's 1-minute load average when the
-cells of that W started (other engineers' jobs share it).
+the time a rank waits for a core. *Commit CPU*: the main thread's CPU over the same span, p50 over every rank (and
+rank 0's own). *Rank 0*: rank 0's share of the CPU. *RSS*: peak resident memory during the call (``VmHWM``), rank
+0 (its growth during the call: the first call of a process grows by ~75 MiB, later ones by what they hold) / the
+largest of any rank; it counts the torch pages the forked ranks share. *Record*: bytes of the latest commit record
+after the resume at 90%. *Files*: files under ``outputs/`` after the measured run. *read_outputs*: seconds for
+``read_outputs`` of the measured run's rows (a reader process, imports excluded); on S3 only at the largest W and
+the smallest N (moto answers ~0.1 s per file, the same files whatever N and W). *Load*: the machine's 1-minute
+load average when the cells of that W started (other engineers' jobs share it).
+
+Two more tables: the control, W processes each running a one-rank job of the same work side by side (what W
+processes cost this 2-core machine when the library coordinates nothing: caches and context switches shared by
+more processes), and the waiting ranks: the last rank sleeps 6 s in a batch and the others' CPU while they
+wait for it is given in ms per second (no busy polling means a few ms per second: heartbeats, timers).
 """
 
 from __future__ import annotations
@@ -51,11 +59,11 @@ from typing import Any
 from benchmarks.launch import run_logged
 from benchmarks.report import machine, machine_line, new_results_dir, save_json
 
-FULL = {"worlds": [1, 2, 4, 8, 16, 32], "sizes": [10**6, 10**7, 10**8], "batches": 3200}
+FULL = {"worlds": [1, 2, 4, 8, 16, 32], "sizes": [10**6, 10**7, 10**8], "batches": 1600}
 QUICK = {"worlds": [1, 2, 8], "sizes": [10**6, 10**8], "batches": 800}
 RESUME_BATCHES = 3
 """Batches each rank runs in a resume at 90% (the figure is the start-up, not the batches)."""
-WAIT_S = 3.0
+WAIT_S = 6.0
 """Seconds the last rank sleeps in a batch of the waiting cells."""
 PREFIX_INTERVAL = 20000
 """``checkpoint_interval`` of the one-rank run that commits the first 90% (few commits: it is only a setup)."""
@@ -117,12 +125,14 @@ def _cell(name: str, storage: str, n: int, batch_size: int, schedule: str, per_r
     }
 
 
-def _run_ranks(world: int, cells: list[dict[str, Any]], out: Path, logs: Path, tag: str) -> bool:
+def _run_ranks(
+    world: int, cells: list[dict[str, Any]], out: Path, logs: Path, tag: str, *, independent: bool = False
+) -> bool:
     cells_file = logs / f"cells-{tag}.json"
     cells_file.parent.mkdir(parents=True, exist_ok=True)
     cells_file.write_text(json.dumps(cells))
     command = [sys.executable, "-m", "benchmarks.scale_ranks", "--world", str(world), "--cells", str(cells_file),
-               "--out", str(out)]
+               "--out", str(out), *(["--independent"] if independent else [])]
     code = run_logged(command, logs / f"ranks-{tag}.log", timeout_s=1800)
     return code == 0
 
@@ -188,6 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = out_dir / "logs"
     results: dict[str, Any] = {
         "machine": machine(), "args": vars(args) | {"render": None}, "cells": [], "loads": {}, "waits": [],
+        "alone": {},
     }
     base = os.environ.get("TBP_SCALE_SCRATCH") or None
     with tempfile.TemporaryDirectory(prefix="tbp-scale-", dir=base) as scratch_name:
@@ -230,13 +241,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             cells.append(_cell(f"{name}-resume", storages.url(kind, f"{name}-resume"), n,
                                                args.batch_size, schedule, RESUME_BATCHES))
                             keys.append((name, kind, n, schedule))
-                if world > 1:  # the last rank sleeps 3 s in its 2nd batch: the others' CPU while they wait for it
+                if world > 1:  # the last rank sleeps WAIT_S in its 2nd batch: the others' CPU while they wait for it
                     for schedule in schedules:
                         name = f"w{world}-wait-{schedule}"
                         cells.append(_cell(name, storages.url("local", name), sizes[0], args.batch_size, schedule,
                                            4) | {"sleep_rank": world - 1, "sleep_at": 2, "sleep_s": WAIT_S})
                 load = _load()
                 results["loads"][str(world)] = load
+                alone = f"w{world}-alone"  # the control: W one-rank jobs side by side (the machine's own cost of W)
+                _run_ranks(world, [_cell(alone, storages.url("local", alone), sizes[0], args.batch_size, "static",
+                                         per_rank, warmup=per_rank // 5)], reports, logs, alone, independent=True)
+                solo = _reports(reports, alone)
+                solo_batches = sum(r["batches"] for r in solo)
+                results["alone"][str(world)] = (
+                    sum(r["cpu_s"] for r in solo) / solo_batches * 1e6 if len(solo) == world and solo_batches else None
+                )
                 print(f"W={world}: {len(keys)} cells, {per_rank} batches per rank, load {load:.1f}...", flush=True)
                 started = time.perf_counter()
                 ok = _run_ranks(world, cells, reports, logs, f"w{world}")
@@ -337,6 +356,13 @@ def render(results: dict[str, Any]) -> str:
             f"| {_f(c['record_bytes'])} | {_f(c['files'])} | {_f(c['resume_s'], 2)} "
             f"| {_f(c['read_s'], 2)}{rows} | {c['load']:.1f} |"
         )
+    alone = results.get("alone") or {}
+    if alone:
+        base = alone.get("2")
+        lines += ["", "| W | Control: W one-rank jobs side by side, CPU us/batch | × W=2 | Load |", "|---:|---:|---:|---:|"]
+        for world, cost in sorted(alone.items(), key=lambda item: int(item[0])):
+            ratio = cost / base if cost is not None and base else None
+            lines.append(f"| {world} | {_f(cost)} | {_f(ratio, 2)} | {results['loads'].get(world, 0):.1f} |")
     waits = results.get("waits") or []
     if waits:
         lines += ["", f"| Schedule | W | Waiting ranks' CPU, ms per s (mean of W-1 ranks) | Their wait, s | Load |",

@@ -3,7 +3,9 @@
 ``python -m benchmarks.scale_ranks --world W --cells cells.json --out DIR`` imports torch and the library once,
 then forks W processes that join one gloo process group (the env contract: ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``; rank 0's process hosts the rendezvous store, as without torchrun) and run
-the cells of ``cells.json`` one after the other, each a real ``torch_batch_process`` call on every rank. Forking
+the cells of ``cells.json`` one after the other, each a real ``torch_batch_process`` call on every rank (with
+``--independent``, each process runs one-rank jobs of its own instead: what W processes cost this machine when the
+library coordinates nothing). Forking
 after the imports shares the imported code between the ranks (copy-on-write), so 32 ranks start in about a
 second and fit in memory; each rank is still a process of its own, with its own interpreter, threads and
 sockets, as under torchrun.
@@ -86,6 +88,21 @@ def _status_mib(field: str) -> float:
     return float("nan")
 
 
+def _threads_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each of the process's threads, by thread name (``name:tid``)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
 def _reset_vm_peak() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
@@ -126,7 +143,10 @@ class ScaleProcessor(TorchBatchProcessor):
             time.sleep(CELL["sleep_s"])  # a slow rank: the others wait for it (their CPU meanwhile is measured)
         if self.count == max(1, CELL["warmup"]):
             self.marks["cpu0"], self.marks["wall0"] = cpu, now
+            self.marks["threads0"] = _threads_cpu()
         self.marks["cpu1"], self.marks["wall1"] = cpu, now
+        if self.count == CELL["batches_per_rank"]:
+            self.marks["threads1"] = _threads_cpu()
         if self.count >= CELL["batches_per_rank"] and not self._stop_sent:
             self._stop_sent = True
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption: the ranks commit and stop together
@@ -174,6 +194,7 @@ def run_cell(cell: dict[str, Any], rank: int, world: int, out: Path) -> None:
         "after_first_cpu_s": (cpu_ended - marks["first_cpu"]) if marks.get("first") else None,
         "commit_wall_ms": processor.commit_wall if processor is not None else [],
         "commit_cpu_ms": processor.commit_cpu if processor is not None else [],
+        "threads_cpu_s": _thread_window(marks.get("threads0"), marks.get("threads1")),
         "peak_rss_mib": _status_mib("VmHWM"),
         "start_rss_mib": start_rss,
         "preempted": result.preempted,
@@ -185,7 +206,24 @@ def run_cell(cell: dict[str, Any], rank: int, world: int, out: Path) -> None:
     (folder / f"rank_{rank}.json").write_text(json.dumps(report))
 
 
-def _rank_main(rank: int, world: int, port: int, cells: list[dict[str, Any]], out: Path) -> int:
+def _thread_window(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """CPU seconds per thread kind (the name without its id) between two :func:`_threads_cpu` samples."""
+    if not before or not after:
+        return {}
+    kinds: dict[str, float] = {}
+    for key, value in after.items():
+        kind = key.rsplit(":", 1)[0]
+        kinds[kind] = kinds.get(kind, 0.0) + value - before.get(key, 0.0)
+    return kinds
+
+
+def _rank_main(rank: int, world: int, port: int, cells: list[dict[str, Any]], out: Path, independent: bool) -> int:
+    if independent:  # W one-rank jobs side by side: the machine's cost of W processes, without the library's
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        torch.set_num_threads(1)
+        for cell in cells:
+            run_cell(cell | {"storage": f"{cell['storage']}/rank_{rank}"}, rank, world, out)
+        return 0
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -222,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", type=Path, required=True, help="JSON list of cells")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
+    parser.add_argument("--independent", action="store_true", help="each process runs one-rank jobs of its own")
     args = parser.parse_args(argv)
     cells = json.loads(args.cells.read_text())
     import pyarrow.parquet  # noqa: F401 - imported once here, shared by the forked ranks (not in a cell's figures)
@@ -235,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if pid == 0:
             code = 1
             try:
-                code = _rank_main(rank, args.world, port, cells, args.out)
+                code = _rank_main(rank, args.world, port, cells, args.out, args.independent)
             except BaseException:  # noqa: BLE001
                 traceback.print_exc()
             finally:
