@@ -305,18 +305,19 @@ def plan_rows(sizes: list[int], logs: Path) -> list[dict[str, Any]]:
     """Time and peak memory of the plan of ``bucket_by`` over N lengths, per input kind, each in a fresh process."""
     rows = []
     for n in sizes:
-        for source in ("numpy-int32", "arrow", "arrow-chunked"):
-            report = logs / f"plan-{source}-{n}.json"
+        for source, max_tokens in (("numpy-int32", None), ("numpy-int32", 4096), ("arrow", None), ("arrow-chunked", None)):
+            tag = f"{source}-{n}" + (f"-{max_tokens}" if max_tokens else "")
+            report = logs / f"plan-{tag}.json"
             command = [sys.executable, "-m", "benchmarks.scale_plan", "--n", str(n), "--source", source,
-                       "--report", str(report)]
-            code = run_logged(command, logs / f"plan-{source}-{n}.log", timeout_s=900)
-            row: dict[str, Any] = {"n": n, "source": source}
+                       "--report", str(report), *(["--max-tokens", str(max_tokens)] if max_tokens else [])]
+            code = run_logged(command, logs / f"plan-{tag}.log", timeout_s=900)
+            row: dict[str, Any] = {"n": n, "source": source + (f", max_tokens={max_tokens}" if max_tokens else "")}
             if code == 0 and report.exists():
                 row.update(json.loads(report.read_text()))
             else:
                 row["failed"] = True
             rows.append(row)
-            print(f"plan {source} {_size_name(n)}: {row}", flush=True)
+            print(f"plan {row['source']} {_size_name(n)}: {row}", flush=True)
     return rows
 
 
@@ -372,8 +373,8 @@ def render(results: dict[str, Any]) -> str:
                          f"| {_f(w['wait_s'], 1)} | {w['load']:.1f} |")
     plans = results.get("plans") or []
     if plans:
-        lines += ["", "| bucket_by | N | Plan, s | Peak memory over the lengths, MiB | Bytes per example | Batches |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "| bucket_by (batches of 32, default window) | N | Plan, s | Peak memory over the lengths, MiB "
+                  "| Bytes per example | Batches |", "|---|---:|---:|---:|---:|---:|"]
         for p in plans:
             if p.get("failed"):
                 lines.append(f"| {p['source']} | {_size_name(p['n'])} | failed | | | |")
