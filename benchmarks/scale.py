@@ -13,9 +13,9 @@ folder) and on S3 (a moto server on 127.0.0.1, started here, serving one request
 
 A full run at N = 10^8 with trivial batches would take hours, so each cell is bounded: per cell,
 
-- **a measured run**: a fresh job over all N examples (its plan and dealing cover N) in which every rank stops
-  itself (a preemption) after ``T / W`` batches (``--batches``, T in all, at least 50 per rank); the per-batch
-  figures are taken between each rank's ``(T / W) / 5``-th batch and its last;
+- **a measured run**: a fresh job over all N examples (its plan and dealing cover N) that stops (a preemption)
+  once its first T batches are taken (``--batches``; at least 50 per rank); the per-batch figures are taken on
+  each rank from its first batch of id T/5 or more to its last;
 - **a resume at 90%**: the same job stored after 90% of its batches were committed (made once per N and storage
   by one rank that writes no outputs, so it is quick; the record then covers 90% of N), copied, resumed with W
   ranks, each stopping after 3 batches. *Resume at 90%, s*: from the call to the first batch of the last rank to
@@ -118,10 +118,12 @@ class Storages:
 
 
 def _cell(name: str, storage: str, n: int, batch_size: int, schedule: str, per_rank: int, *, write: bool = True,
-          interval: int = 5, warmup: int = 0) -> dict[str, Any]:
+          interval: int = 5, warmup: int = 0, batches: int | None = None) -> dict[str, Any]:
+    """A cell: each rank stops after ``per_rank`` batches of its own, or (``batches``) once the job's first
+    ``batches`` batch ids are taken; its figures start at its ``warmup``-th batch (or at batch id ``warmup``)."""
     return {
         "name": name, "storage": storage, "n": n, "batch_size": batch_size, "schedule": schedule,
-        "batches_per_rank": per_rank, "write": write, "interval": interval, "warmup": warmup,
+        "batches_per_rank": per_rank, "write": write, "interval": interval, "warmup": warmup, "batches": batches,
     }
 
 
@@ -228,6 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # 2. Per world size, one pool of ranks runs every cell of that size (a measured run, a resume at 90%).
             for world in worlds:
                 per_rank = max(50, args.batches // world)
+                total = per_rank * world
                 cells, keys = [], []
                 for kind in kinds:
                     for n in sizes:
@@ -236,16 +239,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 continue  # one process: both schedules are the same loop
                             name = f"w{world}-{kind}-{_size_name(n)}-{schedule}"
                             cells.append(_cell(f"{name}-run", storages.url(kind, f"{name}-run"), n, args.batch_size,
-                                               schedule, per_rank, warmup=per_rank // 5))
+                                               schedule, per_rank, warmup=total // 5, batches=total))
                             storages.copy(prefixes[kind, n], storages.url(kind, f"{name}-resume"))
                             cells.append(_cell(f"{name}-resume", storages.url(kind, f"{name}-resume"), n,
                                                args.batch_size, schedule, RESUME_BATCHES))
                             keys.append((name, kind, n, schedule))
-                if world > 1:  # the last rank sleeps WAIT_S in its 2nd batch: the others' CPU while they wait for it
+                if world > 1:  # the last rank sleeps WAIT_S in its 1st batch: the others' CPU while they wait for it
                     for schedule in schedules:
                         name = f"w{world}-wait-{schedule}"
                         cells.append(_cell(name, storages.url("local", name), sizes[0], args.batch_size, schedule,
-                                           4) | {"sleep_rank": world - 1, "sleep_at": 2, "sleep_s": WAIT_S})
+                                           4) | {"sleep_rank": world - 1, "sleep_at": 1, "sleep_s": WAIT_S})
                 load = _load()
                 results["loads"][str(world)] = load
                 alone = f"w{world}-alone"  # the control: W one-rank jobs side by side (the machine's own cost of W)
@@ -332,7 +335,7 @@ def _f(value: Any, digits: int = 0, suffix: str = "") -> str:
 
 def render(results: dict[str, Any]) -> str:
     lines = [
-        "| Storage | Schedule | N | W | Batches (per rank) | CPU us/batch | × W=2 | Commit p50 / p99, ms "
+        "| Storage | Schedule | N | W | Batches measured (most by a rank) | CPU us/batch | × W=2 | Commit p50 / p99, ms "
         "| Commit CPU p50, ms (rank 0) "
         "| Rank 0 CPU | RSS rank 0 (+call) / max, MiB | Record, B | Files | Resume at 90%, s | read_outputs, s (rows) "
         "| Load |",

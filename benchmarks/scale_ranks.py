@@ -12,14 +12,16 @@ sockets, as under torchrun.
 
 A cell's job: a range-like dataset of ``n`` examples (example ``i`` is the integer ``i``; the dataset holds nothing
 per example), batches of ``batch_size``, trivial work, and record outputs (``context.write``) of one int column per
-batch. Each rank stops itself after ``batches_per_rank`` batches (SIGTERM, as a cluster preempts: the ranks agree,
-commit and return ``preempted=True``), so a cell is bounded whatever ``n`` is, while the plan, the commit records
-and the dealing of batches cover all ``n`` examples. Each rank writes ``DIR/<cell>/rank_<r>.json``:
+batch. A rank stops itself (SIGTERM, as a cluster preempts: the ranks agree, commit and return ``preempted=True``)
+when it takes batch ``batches - 1`` (measured runs: the job's first ``batches`` batch ids, whichever rank takes
+them: with ``schedule="dynamic"`` ranks take different numbers) or after ``batches_per_rank`` of its own batches
+(other cells), so a cell is bounded whatever ``n`` is, while the plan, the commit records and the dealing of
+batches cover all ``n`` examples. Each rank writes ``DIR/<cell>/rank_<r>.json``:
 
 - ``cpu_s`` / ``batches``: the process's CPU time (user + system, every thread: the loop, the library's background
-  threads, gloo's, and on rank 0 the rendezvous store's server) from its ``warmup``-th batch to its last one, and
-  the batches in between; the library's cost per batch is the sum over ranks of ``cpu_s`` over the sum of
-  ``batches`` (the work itself is nil);
+  threads, gloo's, and on rank 0 the rendezvous store's server) from its first batch with an id of at least
+  ``warmup`` (or its ``warmup``-th batch) to its last one, and the batches in between; the library's cost per
+  batch is the sum over ranks of ``cpu_s`` over the sum of ``batches`` (the work itself is nil);
 - ``commit_wall_ms`` / ``commit_cpu_ms``: for each commit in that window, the wall time from
   ``on_checkpoint_start()`` to the next ``process_batch()`` (the commit on the loop's path, plus loading the next,
   tiny, batch) and the main thread's CPU time over the same span;
@@ -111,8 +113,8 @@ def _reset_vm_peak() -> None:
 
 
 class ScaleProcessor(TorchBatchProcessor):
-    """Trivial work: writes the batch's values as one record column, times itself, stops itself after
-    ``batches_per_rank`` batches (see the module docstring)."""
+    """Trivial work: writes the batch's values as one record column, times itself, stops itself (see the module
+    docstring)."""
 
     def __init__(self, context: Any) -> None:
         self.context = context
@@ -141,14 +143,16 @@ class ScaleProcessor(TorchBatchProcessor):
         self.count += 1
         if self.count == CELL.get("sleep_at") and self.context.get_distributed_rank() == CELL.get("sleep_rank"):
             time.sleep(CELL["sleep_s"])  # a slow rank: the others wait for it (their CPU meanwhile is measured)
-        if self.count == max(1, CELL["warmup"]):
-            self.marks["cpu0"], self.marks["wall0"] = cpu, now
+        total = CELL.get("batches")  # measured runs: the job's first ``batches`` batch ids, whoever takes them
+        warm = batch_idx >= CELL["warmup"] if total else self.count >= max(1, CELL["warmup"])
+        if warm and self.marks["cpu0"] is None:
+            self.marks["cpu0"], self.marks["wall0"], self.marks["count0"] = cpu, now, self.count
             self.marks["threads0"] = _threads_cpu()
-        self.marks["cpu1"], self.marks["wall1"] = cpu, now
-        if self.count == CELL["batches_per_rank"]:
-            self.marks["threads1"] = _threads_cpu()
-        if self.count >= CELL["batches_per_rank"] and not self._stop_sent:
+        self.marks["cpu1"], self.marks["wall1"], self.marks["count1"] = cpu, now, self.count
+        last = batch_idx >= total - 1 if total else self.count >= CELL["batches_per_rank"]
+        if last and not self._stop_sent:
             self._stop_sent = True
+            self.marks["threads1"] = _threads_cpu()
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption: the ranks commit and stop together
 
     def on_checkpoint_start(self) -> None:
@@ -177,8 +181,7 @@ def run_cell(cell: dict[str, Any], rank: int, world: int, out: Path) -> None:
     ended, cpu_ended = time.perf_counter(), time.process_time()
     processor = BUILT[-1] if BUILT else None
     marks = processor.marks if processor is not None else {}
-    skipped = max(1, cell["warmup"])
-    counted = processor.count - skipped if processor is not None and processor.count > skipped else 0
+    counted = marks["count1"] - marks["count0"] if marks.get("cpu0") is not None else 0
     report = {
         "cell": cell["name"],
         "rank": rank,
