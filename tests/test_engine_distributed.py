@@ -218,3 +218,21 @@ def test_rank_0_dying_while_the_job_opens_fails_the_others_at_once(tmp_path):
         assert "RAISED WorkerLostError" in out, out[-3000:]
         assert "rank 0" in out.split("RAISED", 1)[1], out[-3000:]
         assert _raised_at(out) - died < 30
+
+
+def test_votes_larger_than_the_gather_buffer_arrive_whole(tmp_path):
+    """A static commit's votes go to rank 0 in fixed-size buffers (engine/votes.py); a vote that does not fit (here
+    190 report_metrics records of a rank) is gathered again, all ranks together: every record arrives once."""
+    import pickle
+
+    lines = [{"group": "inference", "steps_completed": g, "rank": 1, "metrics": {"batch_sum": g, "rank": 1}} for g in range(190)]
+    assert len(pickle.dumps(lines)) > 4096  # the commit at step 190 overflows the buffer
+    spec = job_spec(tmp_path, n=400, batch_size=1, checkpoint_interval=190, report_metrics=True, outputs="per_batch")
+    proc, reports = run_generic(spec, nproc=2)
+    assert proc.returncode == 0, _ok(proc)
+    records = [json.loads(row) for row in (tmp_path / "storage" / "metrics.jsonl").read_text().splitlines()]
+    reported = sorted((r["rank"], r["steps_completed"]) for r in records if r["group"] == "inference")
+    assert reported == sorted((g % 2, g + 1) for g in range(400))
+    assert_exactly_once(per_batch_values(tmp_path / "storage"), 400)
+    result = reports[0]["result"]
+    assert result == reports[1]["result"] | {"elapsed_s": result["elapsed_s"]}, "the same result on every rank"

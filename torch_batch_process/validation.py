@@ -63,7 +63,7 @@ class JobArguments:
     inference_mode: bool
     schedule: str = "static"
     lengths: Any = None
-    """``bucket_by`` resolved: one length per example (numpy int64), or ``None`` (contiguous batches)."""
+    """``bucket_by`` resolved: one length per example (an integer numpy array), or ``None`` (contiguous batches)."""
     bucket_window: int = DEFAULT_BUCKET_WINDOW
     max_tokens: int | str | None = None
     """As given: an int, ``"auto"`` (learned, DESIGN §15) or ``None``; plans use

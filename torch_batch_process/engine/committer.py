@@ -19,8 +19,9 @@ moves to ``outputs/commit_<s>/rank_<r>``; one rename locally, see :mod:`torch_ba
 and rank 0 deletes what the record supersedes.
 
 **How votes travel** (:mod:`torch_batch_process.engine.votes`): with ``schedule="static"`` all ranks commit
-at the same step; their votes are gathered asynchronously and the commit completes at the next step
-boundary, where rank 0 queues the record write on its background thread and tells (in its next vote) which
+at the same step; their votes are gathered on rank 0 asynchronously, with the flags every rank needs back
+(failure, preemption, durable records), and the commit completes at the next step boundary, where rank 0
+queues the record write on its background thread and tells (in its next commit's flags) which
 records are durable; records that queue up are written as one group commit
 (:mod:`torch_batch_process.engine.group_commit`). With ``schedule="dynamic"`` every rank commits on its own, after each
 ``checkpoint_interval`` of *its* batches: votes go into a queue in the rendezvous store, rank 0's collector
@@ -51,14 +52,14 @@ from typing import Any
 
 from torch_batch_process.engine.agreement import FailureInfo, FailureTracker
 from torch_batch_process.engine.collector import VoteCollector
-from torch_batch_process.engine.distributed import Collectives, PendingGather
+from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.fitting import BatchFitter
 from torch_batch_process.engine.group_commit import RecordWrites
 from torch_batch_process.engine.keeper import RecordKeeper, Summary
 from torch_batch_process.engine.part import Part
 from torch_batch_process.engine.publisher import Publisher
 from torch_batch_process.engine.store import JobStore
-from torch_batch_process.engine.votes import GatheredVotes, QueuedVotes, Vote
+from torch_batch_process.engine.votes import GatheredVotes, PendingVotes, QueuedVotes, Vote
 from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
 from torch_batch_process.observe.stragglers import RankInterval
 from torch_batch_process.outputs.files import OutputStager
@@ -83,7 +84,7 @@ class Outcome:
 class _Pending:
     stage: int
     has_files: bool
-    votes: PendingGather
+    votes: PendingVotes
 
 
 class Committer:
@@ -130,6 +131,7 @@ class Committer:
     ) -> None:
         self.rank = rank
         self._fitter = fitter
+        self._unshared = False  # rank 0, static schedule: it holds memory limits the other ranks have not seen
         self._records = records
         self._sent_schema: Any = None  # the record schema this rank's votes carried last
         self._coll = collectives
@@ -175,7 +177,9 @@ class Committer:
             self._published.publish(self._queue.acknowledged())
             self._observe([vote], None)
         else:
-            self._pending = _Pending(vote.stage, vote.has_files, self._gathered.start(vote))
+            counts = self._keeper.committed_counts() if self._keeper is not None else (0, 0)
+            unshared = self._unshared and self.rank == 0 and self._coll.world_size > 1
+            self._pending = _Pending(vote.stage, vote.has_files, self._gathered.start(vote, counts, unshared))
             if self._coll.world_size == 1:
                 self.poll()  # nothing to wait for: the record goes to the background writer now
         self.part.timings["commit"] += time.perf_counter() - t0
@@ -187,11 +191,12 @@ class Committer:
             return False
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
-        votes: list[Vote] = pending.votes.wait()
-        self._raise_failures([v.failure for v in votes])
-        self._learn(votes)
+        votes, flags = pending.votes.wait()  # rank 0: every rank's vote; the others: their own
+        if flags.failed:  # every rank knows: the failures themselves, then every rank raises
+            self._raise_failures(self._coll.all_gather(self._failures.info))
+        self._learn(votes, flags.limits)
         self._published.voted(pending.stage, pending.has_files)
-        self._published.publish(self._published.covered(votes[0].durable))
+        self._published.publish(self._published.covered(flags.durable))
         metrics = None
         if self._keeper is not None and self._writes is not None:
             try:
@@ -202,24 +207,38 @@ class Committer:
                 prepared = self._keeper.prepare(lines)
                 metrics = prepared.metrics
                 self._writes.put(prepared)
-        self._observe(votes, metrics)
+        self._observe(votes, metrics, (flags.batches_committed, flags.examples_committed))
         self.part.timings["commit"] += time.perf_counter() - t0
-        return any(v.preempt for v in votes)
+        return flags.preempt
 
-    def _learn(self, votes: list[Vote]) -> None:
-        """What the other ranks learned about the device's memory, from their votes."""
-        if self._fitter is not None:
-            for vote in votes:
-                if vote.limits is not None and vote.rank != self.rank:
-                    self._fitter.merge(vote.limits)
-
-    def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None) -> None:
-        """Tells the observer about a completed commit (all ranks' votes, or this rank's own)."""
+    def _learn(self, votes: list[Vote], broadcast: int = 0) -> None:
+        """What the other ranks learned about the device's memory: from their votes (every rank's at a closing
+        commit; rank 0's alone at a static commit), and at a static commit where rank 0 flagged news (``broadcast``),
+        the limits rank 0 merged, sent to every rank."""
+        if self._fitter is None:
+            return
         for vote in votes:
-            self._committed_batches += sum(b - a for a, b in vote.batches)
-            self._committed_examples += vote.examples
+            if vote.limits is not None and vote.rank != self.rank:
+                self._fitter.merge(vote.limits)
+                self._unshared = True  # the other ranks have not seen it yet
+        if broadcast:
+            shared = self._coll.broadcast(self._fitter.limits.to_json() if self.rank == 0 else None)
+            if self.rank != 0:
+                self._fitter.merge(shared)
+            self._unshared = False
+
+    def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None, counts: tuple[int, int] | None = None) -> None:
+        """Tells the observer about a completed commit (all ranks' votes, or this rank's own; ``counts``: the
+        committed batches and examples rank 0 told, when the votes are only this rank's own)."""
         if self._keeper is not None:
             self._committed_batches, self._committed_examples = self._keeper.committed_counts()
+        elif counts is not None:
+            self._committed_batches = max(self._committed_batches, counts[0])
+            self._committed_examples = max(self._committed_examples, counts[1])
+        else:
+            for vote in votes:
+                self._committed_batches += sum(b - a for a, b in vote.batches)
+                self._committed_examples += vote.examples
         intervals = [RankInterval(0, 0, {}) for _ in range(self._coll.world_size)]
         for vote in votes:
             intervals[vote.rank] = RankInterval(sum(b - a for a, b in vote.batches), vote.examples, vote.timings)
@@ -271,6 +290,7 @@ class Committer:
         )
         if self._fitter is not None:
             vote.limits = self._fitter.take_news()
+            self._unshared = self._unshared or vote.limits is not None
             ooms, split = self._fitter.take_counts()
             if ooms:
                 vote.extra["ooms"] = ooms
@@ -333,7 +353,7 @@ class Committer:
             raise WorkerFailedError(f"{answer[0].describe()}; the commit did not happen. Run the job again to resume.")
         self._published.voted(vote.stage, vote.has_files)
         self._published.publish(len(self._published), wait=True)  # every vote of this rank is durable now
-        self._observe(votes, answer[0])
+        self._observe(votes, answer[0], (answer[1].batches_committed, answer[1].examples_committed))
         self.part.timings["commit"] += time.perf_counter() - t0
         return Outcome(preempted=preempted, metrics=answer[0], summary=answer[1])
 

@@ -102,8 +102,7 @@ class DistributedInfo:
 
     def gather(self, stuff: Any) -> list[Any] | None:
         """Gathers a picklable object from every rank on rank 0 (others get ``None``)."""
-        gathered = self._coll().all_gather(stuff)
-        return gathered if self.rank == 0 else None
+        return self._coll().gather(stuff)
 
     def broadcast(self, stuff: Any) -> Any:
         """Returns rank 0's ``stuff`` on every rank."""
@@ -158,8 +157,19 @@ class Collectives:
             raise answer
         return answer  # type: ignore[no-any-return]
 
-    def start_all_gather(self, obj: Any, capacity: int = 4096) -> PendingGather:
-        """Starts gathering a picklable object from every rank without waiting (see :class:`PendingGather`)."""
+    def gather(self, obj: Any) -> list[Any] | None:
+        """``gather_object`` to rank 0: rank 0 gets every rank's object, the others ``None``."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        try:
+            dist.gather_object(obj, out, dst=0, group=self.group)
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
+        return out
+
+    def start_gather(self, obj: Any, capacity: int = 4096) -> PendingGather:
+        """Starts gathering a picklable object from every rank on rank 0, without waiting (see :class:`PendingGather`)."""
         return PendingGather(self, obj, capacity)
 
     def start_max(self, values: list[int]) -> PendingMax:
@@ -175,46 +185,55 @@ class Collectives:
 
 
 class PendingGather:
-    """An ``all_gather_object`` that overlaps with work: started now, completed by :meth:`wait`.
+    """A gather of one picklable object per rank on rank 0 that overlaps with work: started now, completed by
+    :meth:`wait`.
 
-    Each rank's object is pickled into a fixed-size buffer (``capacity`` bytes) gathered with one
-    asynchronous ``all_gather``. When an object does not fit, its rank sends an overflow marker and,
-    since every rank sees it, all of them gather the objects again synchronously in :meth:`wait`.
+    Each rank's object is pickled into a fixed-size buffer (``capacity`` bytes) sent with one asynchronous
+    ``gather``: a rank other than 0 sends one buffer and receives nothing, rank 0 receives ``W`` buffers (an
+    ``all_gather`` would make every rank receive and unpickle every rank's object: O(W) work per rank and
+    O(W^2) for the job, which at 32 ranks cost more than the batches). An object that does not fit is sent as
+    an overflow marker (:attr:`overflowed`); rank 0 then finds ``None`` in its place, and the caller gathers
+    the objects again, all ranks together, once every rank knows (see
+    :class:`~torch_batch_process.engine.votes.GatheredVotes`).
     """
 
     def __init__(self, coll: Collectives, obj: Any, capacity: int) -> None:
         self._coll = coll
         self._obj = obj
         self._work: Any = None
-        self._out: list[torch.Tensor] = []
+        self._out: list[torch.Tensor] | None = None
+        self.overflowed = False
+        """This rank's object did not fit (it was not sent)."""
         if coll.world_size == 1:
             return
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         buffer = torch.zeros(capacity + 8, dtype=torch.uint8)
         length = len(data) if len(data) <= capacity else -1
+        self.overflowed = length < 0
         buffer[:8] = torch.tensor([length], dtype=torch.int64).view(torch.uint8)
         if length >= 0:
             buffer[8 : 8 + length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._out = [torch.empty_like(buffer) for _ in range(coll.world_size)]
+        if coll.rank == 0:
+            self._out = [torch.empty_like(buffer) for _ in range(coll.world_size)]
         try:
-            self._work = dist.all_gather(self._out, buffer, group=coll.group, async_op=True)
+            self._work = dist.gather(buffer, self._out, dst=0, group=coll.group, async_op=True)
         except (RuntimeError, ConnectionError) as exc:
             raise WorkerLostError(f"rank {coll.rank}: {LOST_HINT} ({exc})") from exc
 
-    def wait(self) -> list[Any]:
-        """Every rank's object, in rank order."""
+    def wait(self) -> list[Any] | None:
+        """Rank 0: every rank's object in rank order (``None`` for one that did not fit); the others: ``None``."""
         if self._coll.world_size == 1:
             return [self._obj]
         try:
             self._work.wait()
         except (RuntimeError, ConnectionError) as exc:
             raise WorkerLostError(f"rank {self._coll.rank}: {LOST_HINT} ({exc})") from exc
-        objects = []
+        if self._out is None:
+            return None
+        objects: list[Any] = []
         for tensor in self._out:
             length = int(tensor[:8].view(torch.int64).item())
-            if length < 0:  # some rank's object was too large: gather them all the usual way
-                return self._coll.all_gather(self._obj)
-            objects.append(pickle.loads(tensor[8 : 8 + length].numpy().tobytes()))
+            objects.append(pickle.loads(tensor[8 : 8 + length].numpy().tobytes()) if length >= 0 else None)
         return objects
 
 

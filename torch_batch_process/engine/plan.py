@@ -106,7 +106,7 @@ class BucketedPlan(Plan):
     """Batches of examples of similar length (see :mod:`torch_batch_process.engine.bucketing`).
 
     Args:
-        lengths: the length of every example (``bucket_by``, resolved).
+        lengths: the length of every example (``bucket_by``, resolved: an integer numpy array).
         batch_size: the most examples of a batch.
         window: ``bucket_window``.
         max_tokens: cap of ``len(batch) * max length``, or ``None``.
@@ -155,7 +155,7 @@ class BucketedPlan(Plan):
     def padded_tokens(self) -> tuple[int, int]:
         """Padded tokens (``len(batch) * max length`` summed over batches) of this plan and of the same
         examples in dataset order, to show what bucketing saves."""
-        return self.layout.padded_tokens(self.lengths), contiguous_padded_tokens(self.lengths, self.batch_size)
+        return self.layout.planned_padded_tokens, contiguous_padded_tokens(self.lengths, self.batch_size)
 
     def describe(self) -> str:
         tokens = self.token_stats()

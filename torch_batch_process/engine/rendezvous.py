@@ -40,6 +40,13 @@ class RendezvousStore:
         except Exception as exc:  # noqa: BLE001
             raise self._lost(exc) from exc
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys`` in one request (each must exist: the store waits for a missing key)."""
+        try:
+            return list(self._store.multi_get(keys))
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
     def queue_push(self, key: str, value: bytes) -> None:
         try:
             self._store.queue_push(key, value)

@@ -1,8 +1,13 @@
 """Votes: one rank's part of a commit, and how votes travel to rank 0.
 
 - :class:`GatheredVotes` (``schedule="static"``, and every closing commit): the ranks commit at the same
-  step and exchange their votes with one ``all_gather`` on the library's gloo group, started at the commit's
-  step boundary and completed at the next one, so that its latency overlaps with a step of work.
+  step. Their votes go to rank 0 with one ``gather`` on the library's gloo group, and what every rank needs
+  back (did a rank fail or ask to stop, which records are durable, how far the job is) travels in one small
+  MAX ``all_reduce`` of :class:`CommitFlags` started with it; both start at the commit's step boundary and
+  complete at the next one, so that their latency overlaps with a step of work. Only rank 0 receives and
+  unpickles the W votes (O(W) for rank 0, O(1) for every other rank; an ``all_gather`` of the votes made it
+  O(W) on every rank: at 32 ranks, 4.6 ms of CPU per rank and commit). Closing commits exchange the votes
+  with a synchronous ``all_gather``.
 - :class:`QueuedVotes` (``schedule="dynamic"``): each rank commits on its own; its vote goes into a queue in
   the job's rendezvous store and rank 0 takes it from there on a thread of its own. When a record covering a
   rank's votes is durable, rank 0 raises that rank's acknowledgement counter in the store; the rank reads it
@@ -16,15 +21,18 @@ in the store (a version counter, read with one request at each commit, and the l
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.engine.agreement import FailureInfo
-from torch_batch_process.engine.distributed import Collectives, PendingGather
+from torch_batch_process.engine.distributed import Collectives, PendingGather, PendingMax
 from torch_batch_process.engine.rendezvous import RendezvousStore
 
-__all__ = ["GatheredVotes", "QueuedVotes", "Vote"]
+__all__ = ["CommitFlags", "GatheredVotes", "PendingVotes", "QueuedVotes", "Vote"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,17 +71,66 @@ class Vote:
     unify with the job's."""
 
 
+@dataclass
+class CommitFlags:
+    """What every rank learns of a static commit (the MAX over the ranks' contributions)."""
+
+    preempt: bool
+    """Some rank asked to stop."""
+    failed: bool
+    """Some rank's vote carries a failure (the failures themselves are then gathered by every rank)."""
+    overflow: bool
+    """Some rank's vote did not fit the gather's buffer (the votes are then gathered again)."""
+    durable: int
+    """Rank 0's newest durable record (stages up to it may be published)."""
+    batches_committed: int
+    """Batches committed as rank 0 knew when it voted (the commit before this one), for progress."""
+    examples_committed: int
+    limits: int = 0
+    """Rank 0 holds memory limits (``on_oom="split"``) that the other ranks have not been sent: every rank then
+    takes them in one ``broadcast`` at this step boundary (changes are rare: a handful per job)."""
+
+
+class PendingVotes:
+    """A static commit's exchange in flight: the votes' gather to rank 0 and the flags' ``all_reduce``."""
+
+    def __init__(self, collectives: Collectives, vote: Vote, counts: tuple[int, int], limits: bool = False) -> None:
+        self._collectives = collectives
+        self._vote = vote
+        self._gather: PendingGather = collectives.start_gather(vote)
+        flags = [
+            int(vote.preempt), int(vote.failure is not None), int(self._gather.overflowed), vote.durable, *counts,
+            int(limits),
+        ]
+        self._flags: PendingMax = collectives.start_max(flags)
+
+    def wait(self) -> tuple[list[Vote], CommitFlags]:
+        """Rank 0: every rank's vote; the others: their own. And the commit's flags, the same on every rank."""
+        votes = self._gather.wait()
+        values = self._flags.wait()
+        flags = CommitFlags(*(bool(v) for v in values[:3]), *values[3:])
+        if flags.overflow:  # every rank knows: all gather again, without the buffer's limit
+            logger.debug("a vote did not fit the gather buffer: the votes are gathered again")
+            votes = self._collectives.gather(self._vote)
+        if self._collectives.rank != 0:
+            return [self._vote], flags
+        assert votes is not None and all(vote is not None for vote in votes)
+        return votes, flags
+
+
 class GatheredVotes:
-    """Votes exchanged with an asynchronous ``all_gather`` (every rank votes at the same step)."""
+    """Votes exchanged by collectives (every rank votes at the same step; see the module docstring)."""
 
     def __init__(self, collectives: Collectives) -> None:
         self._collectives = collectives
 
-    def start(self, vote: Vote) -> PendingGather:
-        return self._collectives.start_all_gather(vote)
+    def start(self, vote: Vote, counts: tuple[int, int] = (0, 0), limits: bool = False) -> PendingVotes:
+        """Starts a commit's exchange (``counts``: rank 0's committed batches and examples, for progress;
+        ``limits``: rank 0 has memory limits to send, see :attr:`CommitFlags.limits`)."""
+        return PendingVotes(self._collectives, vote, counts, limits)
 
     def gather(self, vote: Any) -> list[Any]:
-        """A synchronous exchange (closing commits)."""
+        """A synchronous exchange in which every rank gets every vote (closing commits)."""
         return self._collectives.all_gather(vote)
 
 
