@@ -5,10 +5,11 @@
 
 Every batch is the same prebuilt tensor (``__getitems__`` and an identity ``collate_fn``: the DataLoader does
 almost nothing), ``process_batch`` does nothing or writes one empty file through ``upload_path()``; the hand loop
-iterates the same DataLoader under ``torch.inference_mode()`` and writes the same files. Each variant runs in
-this process, in turn, ``--rounds`` times; the figure is process CPU time (all threads) per batch, the minimum
-over the rounds (CPU time drifts less than the wall clock on a shared machine; the minimum is the run least
-disturbed). Storage is a temporary folder on ``/dev/shm`` when there is one (no disk noise).
+iterates the same DataLoader under ``torch.inference_mode()`` and writes the same files. The library runs with its
+defaults (``on_oom="split"``: each batch a transaction), and once with ``on_oom="raise"`` (no transaction).
+Each variant runs in this process, in turn, ``--rounds`` times; the figure is process CPU time (all threads) per
+batch, the minimum over the rounds (CPU time drifts less than the wall clock on a shared machine; the minimum is the
+run least disturbed). Storage is a temporary folder on ``/dev/shm`` when there is one (no disk noise).
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ def _hand(dataset: SameBatch, folder: Path, files: bool) -> None:
                 open(out / f"b{i}", "w").close()  # noqa: SIM115
 
 
-def _library(dataset: SameBatch, folder: Path, processor: type, interval: int) -> None:
+def _library(dataset: SameBatch, folder: Path, processor: type, interval: int, on_oom: str = "split") -> None:
     torch_batch_process(
         processor, dataset, batch_size=len(BATCH), storage_path=str(folder), checkpoint_interval=interval,
-        progress=False, dataloader_kwargs={"collate_fn": _identity},
+        progress=False, dataloader_kwargs={"collate_fn": _identity}, on_oom=on_oom,
     )
 
 
@@ -93,8 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         ("hand loop, no files", lambda f: _hand(dataset, f, False)),
         ("library, no files, no commit until the end", lambda f: _library(dataset, f, Nothing, never)),
         ("library, no files, a commit every 5 batches", lambda f: _library(dataset, f, Nothing, 5)),
+        (
+            "library, no files, no commit until the end, on_oom='raise'",
+            lambda f: _library(dataset, f, Nothing, never, "raise"),
+        ),
         ("hand loop, one file per batch", lambda f: _hand(dataset, f, True)),
         ("library, one file per batch, no commit until the end", lambda f: _library(dataset, f, OneFile, never)),
+        (
+            "library, one file per batch, no commit until the end, on_oom='raise'",
+            lambda f: _library(dataset, f, OneFile, never, "raise"),
+        ),
         ("library, one file per batch, a commit every 5 batches", lambda f: _library(dataset, f, OneFile, 5)),
     ]
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -58,7 +59,7 @@ CASES = [
 def test_every_example_in_exactly_one_batch(n, batch_size, window, max_tokens):
     lengths = skewed_lengths(n)
     layout = bucket_layout(lengths, batch_size, window, max_tokens)
-    assert layout.order.dtype == np.int64 and layout.offsets.dtype == np.int64
+    assert layout.order.dtype == np.uint32 and layout.offsets.dtype == np.int64  # 4 bytes per example (§14)
     assert np.array_equal(np.sort(layout.order), np.arange(n))
     assert layout.offsets[0] == 0 and layout.offsets[-1] == n
     sizes = layout.batch_sizes()
@@ -250,6 +251,127 @@ def test_deterministic_in_process_and_across_processes(window, max_tokens):
     assert child.stdout.strip() == _digest(first)
 
 
+# Plans of the version before the plan was computed in chunks (DESIGN §14): sha256 of the order and offsets as
+# little-endian int64 (first 24 hex digits), examples longer than max_tokens, and the fingerprint's lengths hash. A
+# stored job's plan must never change: (seed, n, largest, batch_size, window, max_tokens, plan, oversized, lengths).
+EARLIER_PLANS = [
+    (1, 100003, 512, 32, 100, None, "079785d444893e1ba56cfa32", 0, "12d619f6b9801b9e30b88a7e"),
+    (2, 100003, 512, 32, 7, 2048, "111bd3bd76aa995d6b385377", 0, "962e9dbf11df17491e718798"),
+    (3, 54321, 70000, 16, 3, 300000, "8ce3431a5ad7344a814e1a84", 0, "4bb789671f7c7b842bcf1b92"),
+    (4, 30000, 1099511627776, 8, 1, None, "0db34d1f0a0fda18a54f9c06", 0, "c4c8623a61f5da6dba9737c2"),
+    (5, 77777, 200, 10, 1000, None, "b7062a130208704f02dcd9a0", 0, "ed3b8c1ec33117d0ad9ddf7f"),
+    (6, 77777, 200, 10, 3, 64, "917122d010166c090b434cff", 52461, "b2fa0bc8460bd34abe04bcd1"),
+    (8, 40000, 70000, 9, 5, 500000, "a1d1d568babd13ae919f6a18", 0, "f82b1f4753761666fc4af951"),
+]
+
+
+def _earlier_lengths(seed: int, n: int, largest: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if seed % 2:
+        return np.minimum(rng.lognormal(3.0, 1.1, n).astype(np.int64) + 1, largest)
+    return rng.integers(0, largest, n)
+
+
+@pytest.mark.parametrize("chunk", [None, 1000, 64])
+@pytest.mark.parametrize(("seed", "n", "largest", "batch_size", "window", "max_tokens", "plan", "oversized", "hashed"),
+                         EARLIER_PLANS)
+def test_plans_of_earlier_versions_are_unchanged(
+    monkeypatch, chunk, seed, n, largest, batch_size, window, max_tokens, plan, oversized, hashed
+):
+    """The same lengths give the same plan and fingerprint as before, whatever their container and integer type
+    and however the windows are cut into chunks (chunks smaller than a window hold one window)."""
+    from torch_batch_process.engine.plan import bucketing
+
+    if chunk is not None:
+        monkeypatch.setattr(bucketing, "CHUNK_EXAMPLES", chunk)
+    lengths = _earlier_lengths(seed, n, largest)
+    sources = [lengths, lengths.tolist()]
+    if largest < 2**31:
+        sources += [lengths.astype(np.int32), pa.array(lengths.astype(np.int32))]
+    for source in sources:
+        layout = bucket_layout(source, batch_size, window, max_tokens)
+        digest = hashlib.sha256(layout.order.astype("<i8").tobytes() + layout.offsets.astype("<i8").tobytes())
+        assert digest.hexdigest()[:24] == plan, type(source)
+        assert layout.num_oversized == oversized
+        assert layout_fingerprint(source, batch_size, window, max_tokens)["lengths_sha256"][:24] == hashed
+
+
+def test_the_layout_keeps_no_array_of_the_datasets_size(monkeypatch):
+    """A rank keeps one offset per batch and at most two chunks of the plan (DESIGN §14); each batch is the same
+    as in the whole plan, walking the batches in order or not, and after pickling."""
+    import pickle
+
+    from torch_batch_process.engine.plan import bucketing
+
+    monkeypatch.setattr(bucketing, "CHUNK_EXAMPLES", 500)
+    lengths = skewed_lengths(20_000, seed=9)
+    layout = bucket_layout(lengths, 16, 4, 600)
+    order, offsets = layout.order, layout.offsets
+    expected = [order[offsets[g] : offsets[g + 1]] for g in range(layout.num_batches())]
+    rng = np.random.default_rng(0)
+    for g in [*range(layout.num_batches()), *rng.integers(0, layout.num_batches(), 200)]:
+        assert np.array_equal(layout.batch_indices(int(g)), expected[g])
+        assert len(layout._cache) <= 2
+    kept = [a.nbytes for a in vars(layout).values() if isinstance(a, np.ndarray) and a is not layout._lengths]
+    assert sum(kept) <= 8 * (layout.num_batches() + 1) + 8 * 100  # offsets, and the chunks' first batches
+    copy = pickle.loads(pickle.dumps(layout))
+    assert np.array_equal(copy.batch_indices(7), expected[7]) and copy == layout
+    assert layout.planned_padded_tokens == layout.padded_tokens(lengths)
+
+
+def test_lengths_changed_under_a_running_plan_raise():
+    lengths = skewed_lengths(5_000, seed=4)
+    layout = bucket_layout(lengths, 32, 10, None)
+    lengths[:] = lengths[::-1].copy()  # the user's array, modified while the job runs
+    layout._cache.clear()
+    with pytest.raises(RuntimeError, match="bucket_by's lengths changed while the job ran"):
+        layout.batch_indices(3)
+
+
+def test_arrow_and_numpy_lengths_are_read_without_copies():
+    lengths = skewed_lengths(10_000).astype(np.int32)
+    assert resolve_lengths(lengths, len(lengths)) is lengths  # a valid numpy array: as it is
+    arrow = pa.array(lengths)
+    resolved = resolve_lengths(arrow, len(lengths))
+    assert np.shares_memory(resolved, np.frombuffer(arrow.buffers()[1], dtype=np.int32))  # a view of Arrow's buffer
+    chunked = pa.chunked_array([lengths[:3000], lengths[3000:7000], lengths[7000:]])
+    joined = resolve_lengths(chunked, len(lengths))
+    assert np.array_equal(joined, lengths) and joined.dtype == np.uint16  # joined once, in the narrowest type
+    plan = bucket_layout(lengths, 32, 10, None)
+    assert bucket_layout(chunked, 32, 10, None) == plan == bucket_layout(resolve_lengths(lengths.tolist(), 10_000), 32, 10, None)
+    assert resolve_lengths(lengths.tolist(), len(lengths)).dtype == np.uint16  # a list: the narrowest copy
+    assert resolve_lengths(list(range(300)), 300).dtype == np.uint16
+    assert resolve_lengths([2**40, 1], 2).dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (pa.array([1, None, 3, 4]), "null at index 1"),
+        (pa.chunked_array([[1, 2], [3, None]]), "null at index 3"),
+        (pa.array([1.0, 2.0, 3.0, 4.0]), "Arrow array of type double"),
+        (pa.array(["a", "b", "c", "d"]), "Arrow array of type string"),
+        (pa.array([1, 2, 3]), "3 lengths but the dataset has 4"),
+        (pa.array([1, -2, 3, 4]), "ints >= 0, got -2 at index 1"),
+        (pa.chunked_array([[1, 2], [-3, 4]]), "ints >= 0, got -3 at index 2"),
+        (np.array([1, 2, 3, 2**63], dtype=np.uint64), "too large for int64 at index 3"),
+    ],
+)
+def test_resolve_lengths_rejects_bad_arrow_lengths(source, message):
+    with pytest.raises(InvalidArgumentError, match="bucket_by") as raised:
+        resolve_lengths(source, 4)
+    assert message in str(raised.value)
+
+
+def test_callable_lengths_are_checked_chunk_by_chunk(monkeypatch):
+    from torch_batch_process.engine.plan import bucket_options
+
+    monkeypatch.setattr(bucket_options, "_CALL_CHUNK", 7)
+    assert resolve_lengths(lambda i: i % 5, 30).tolist() == [i % 5 for i in range(30)]
+    with pytest.raises(InvalidArgumentError, match=r"bucket_by\(23\) must return an int, got 1.5"):
+        resolve_lengths(lambda i: 1.5 if i == 23 else 1, 30)
+
+
 # ------------------------------------------------------------------------------------- lengths and options
 
 
@@ -265,7 +387,7 @@ def test_resolve_lengths_accepts_sequences_and_callables():
         lambda i: torch.tensor([3, 0, 7, 2][i]),
     ):
         result = resolve_lengths(source, 4)
-        assert result.dtype == np.int64 and np.array_equal(result, expected), source
+        assert result.dtype.kind in "iu" and np.array_equal(result, expected), source
 
 
 @pytest.mark.parametrize(
@@ -313,9 +435,11 @@ def test_resolve_lengths_tells_which_index_the_callable_failed_on():
         ({"bucket_window": 0}, "bucket_window must be an int >= 1"),
         ({"bucket_window": 2.0}, "bucket_window must be an int >= 1"),
         ({"bucket_window": True}, "bucket_window must be an int >= 1"),
-        ({"max_tokens": 0}, "max_tokens must be None or an int >= 1"),
-        ({"max_tokens": "4096"}, "max_tokens must be None or an int >= 1"),
+        ({"max_tokens": 0}, "max_tokens must be None, an int >= 1"),
+        ({"max_tokens": "4096"}, "max_tokens must be None, an int >= 1"),
+        ({"max_tokens": "AUTO"}, "or 'auto'"),
         ({"bucket_by": None, "max_tokens": 100}, "max_tokens needs bucket_by"),
+        ({"bucket_by": None, "max_tokens": "auto"}, "max_tokens needs bucket_by (got max_tokens='auto')"),
         ({"bucket_by": None, "bucket_window": 5}, "bucket_window=5 needs bucket_by"),
         ({"batch_size": 0}, "batch_size must be an int >= 1"),
         ({"bucket_by": 5}, "bucket_by must be a sequence of ints"),
@@ -332,6 +456,7 @@ def test_validate_bucket_options(kwargs, message):
 def test_validate_bucket_options_accepts_good_options():
     validate_bucket_options(None, 100, None, 8)
     validate_bucket_options([1, 2], 1, 4096, 8)
+    validate_bucket_options([1, 2], 1, "auto", 8)
     validate_bucket_options(lambda i: 1, np.int64(3), np.int64(10), 8)
     validate_bucket_options(np.arange(3), 100, None, 1)
 
@@ -368,7 +493,7 @@ def _hf_dataset():
 def test_column_lengths_of_string_and_list_columns():
     dataset, texts, ids = _hf_dataset()
     chars = column_lengths(dataset, "text")
-    assert chars.dtype == np.int64
+    assert chars.dtype == np.int32  # Arrow's own length type: 4 bytes per row, no int64 copy
     assert chars.tolist() == [len(t) if t is not None else 0 for t in texts]
     assert column_lengths(dataset, "input_ids").tolist() == [len(i) if i is not None else 0 for i in ids]
 

@@ -79,16 +79,27 @@ class FakeCollectives:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self._world.exchange(self.rank, obj)[src]
 
-    def start_all_gather(self, obj: Any) -> _Gathered:
-        return _Gathered(self.all_gather(obj))  # every rank starts it at the same step: done at once
+    def gather(self, obj: Any) -> list[Any] | None:
+        gathered = self.all_gather(obj)
+        return gathered if self.rank == 0 else None
+
+    def start_gather(self, obj: Any, capacity: int = 4096) -> _Done:
+        return _Done(self.gather(obj))  # every rank starts it at the same step: done at once
+
+    def start_max(self, values: list[int]) -> _Done:
+        return _Done([max(column) for column in zip(*self.all_gather(values), strict=True)])
 
 
-class _Gathered:
-    def __init__(self, objects: list[Any]) -> None:
-        self._objects = objects
+class _Done:
+    """A collective that every rank started at the same step, done at once."""
 
-    def wait(self) -> list[Any]:
-        return self._objects
+    overflowed = False
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
 
 
 class Processor(TorchBatchProcessor):

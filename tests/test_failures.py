@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import JOBS, spawn_ranks, storage_fs, wait_all
+from harness import JOBS, base_env, spawn_ranks, storage_fs, wait_all
 
 import torch_batch_process as tbp
 from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
@@ -159,6 +161,51 @@ def test_max_failures_exceeded_fails_the_job_and_resumes(tmp_path: Path) -> None
     results = run_job(fraction, 1)
     assert results[0][0] == 0, results[0][2][-3000:]
     check_complete(fraction, report(fraction, 0, attempt=2)["result"])
+
+
+class _FailsOnSevens(TorchBatchProcessor):
+    """Raises for a batch that holds an example ``i`` with ``i % 7 == 3``."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        if any(int(v) % 7 == 3 for v in batch):
+            raise ValueError(f"bad value in {[int(v) for v in batch]}")
+
+
+def test_max_failures_exceeded_before_the_first_commit_names_the_examples(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 4: the limit is passed before any commit, so nothing lists the failures yet (`tbp failures`
+    says 0); the error used to send the user there. It names the examples, in a short message of its own."""
+    from torch_batch_process import TooManyFailuresError
+
+    storage = str(tmp_path / "s")
+    with pytest.raises(TooManyFailuresError) as raised:
+        torch_batch_process(
+            _FailsOnSevens, list(range(40)), batch_size=4, storage_path=storage, on_error="skip", max_failures=2,
+            checkpoint_interval=5, progress=False,
+        )
+    message = str(raised.value)
+    assert "example 3 (batch 0, ValueError: bad value in [3])" in message, message
+    assert "example 10 (batch 2," in message and "example 17 (batch 4," in message, message
+    assert "before committing them" in message and len(message) < 600, message
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__, "no chain of the examples' tracebacks"
+    assert cli_main(["failures", storage]) == 0
+    assert capsys.readouterr().out.startswith("0 failed example(s)"), "indeed nothing is committed yet"
+
+
+def test_an_exception_in_process_batch_of_a_one_process_job_is_logged_with_its_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 26 item 10: with one process the user's own exception is re-raised, which does not say which batch
+    failed; a log line does (with several ranks the others' WorkerFailedError did already)."""
+    with pytest.raises(ValueError, match="bad value"):
+        torch_batch_process(_FailsOnSevens, list(range(40)), batch_size=4, storage_path=str(tmp_path / "s"),
+                            progress=False)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("rank 0: process_batch(batch_idx=0) raised ValueError: bad value in [0, 1, 2, 3]" in m for m in errors), errors
 
 
 @pytest.mark.slow
@@ -314,12 +361,27 @@ def test_stuck_batch_blocking_the_signal_exits_the_process(tmp_path: Path) -> No
     assert output_counts(spec["storage"]) == Counter(range(N))
 
 
+def batch_files(storage: str) -> Counter[str]:
+    """How often each ``[part_<i>/]vals_<batch_idx>.json`` appears in the committed outputs, whatever commit and
+    rank folder holds it (a name used twice in a job's life: a batch_idx used twice)."""
+    fs, root = storage_fs(storage)
+    names = [p.split("/rank_", 1)[1].split("/", 1)[1] for p in fs.find(f"{root}/outputs")]
+    return Counter(name for name in names if name.rsplit("/", 1)[-1].startswith("vals_"))
+
+
+def batch_numbers(storage: str) -> set[int]:
+    return {int(name.rsplit("/", 1)[-1][len("vals_") : -len(".json")]) for name in batch_files(storage)}
+
+
 @pytest.mark.slow
 def test_retry_failed_processes_only_the_failures(tmp_path: Path) -> None:
+    """Issue 26 item 2: a retry's outputs go to the job's outputs/ (the documented glob sees them, once), its
+    batches are numbered after every batch used before, and the failures keep their original batch."""
     spec = spec_for(tmp_path)
     assert run_job(spec, 1)[0][0] == 0
     main_outputs = output_counts(spec["storage"])
     assert main_outputs == Counter(GOOD)
+    planned = N // BATCH
 
     # the data of most bad examples got fixed: the retry processes the 7 failures only and clears those that pass
     retry = dict(spec, bad_load=[41], bad_process=[99], retry_failed=True, attempt=2)
@@ -328,20 +390,62 @@ def test_retry_failed_processes_only_the_failures(tmp_path: Path) -> None:
     result = report(retry, 0, attempt=2)["result"]
     assert result["failed_examples"] == 2 and result["num_examples"] == len(BAD)
     assert result["metrics"]["seen"] == [5, 13, 14, 62, 77] and result["metrics"]["count"] == 5
-    assert sorted(f["index"] for f in read_failures(spec["storage"])) == [41, 99]
-    assert output_counts(f"{spec['storage']}/retries/1") == Counter([5, 13, 14, 62, 77])
+    assert result["outputs_path"] == str(Path(spec["storage"], "outputs"))
+    failures = read_failures(spec["storage"])
+    assert sorted(f["index"] for f in failures) == [41, 99]
+    for f in failures:  # the batch it failed in, in the job; the retry's batch comes after the job's
+        assert f["batch_idx"] == f["index"] // BATCH and f["retry_batch_idx"] >= planned, f
+    assert output_counts(spec["storage"]) == Counter(GOOD + [5, 13, 14, 62, 77]), "recovered outputs in outputs/"
+    assert not Path(spec["storage"], "retries", "1", "outputs").exists()
+    first_retry = batch_numbers(spec["storage"]) - set(range(planned))
+    assert first_retry and min(first_retry) == planned, "the retry's batches are numbered after the job's"
+    assert max(batch_files(spec["storage"]).values()) == 1, "no batch_idx used twice"
 
     fixed = dict(spec, bad_load=[], bad_process=[], retry_failed=True, attempt=3)
     assert run_job(fixed, 1)[0][0] == 0
     assert report(fixed, 0, attempt=3)["result"]["failed_examples"] == 0
     assert read_failures(spec["storage"]) == []
-    everything = output_counts(spec["storage"]) + output_counts(f"{spec['storage']}/retries/1")
-    everything += output_counts(f"{spec['storage']}/retries/2")
-    assert everything == Counter(range(N)), "every example's output once, over the job and its retries"
+    assert output_counts(spec["storage"]) == Counter(range(N)), "every example's output once, over the job and its retries"
+    second_retry = batch_numbers(spec["storage"]) - set(range(planned)) - first_retry
+    assert second_retry and min(second_retry) > max(first_retry), "the second retry's after the first one's"
+    assert max(batch_files(spec["storage"]).values()) == 1, "no batch_idx used twice"
+    cli = subprocess.run(
+        [sys.executable, "-m", "torch_batch_process.launch.cli", "failures", spec["storage"]],
+        capture_output=True, text=True, timeout=60, env=base_env(),
+    )
+    assert cli.returncode == 0 and cli.stdout.startswith("0 failed example(s)"), cli.stderr
 
     nothing = dict(fixed, attempt=4)  # no failure left: an empty retry
     assert run_job(nothing, 1)[0][0] == 0
     assert report(nothing, 0, attempt=4)["result"]["num_examples"] == 0
+
+
+@pytest.mark.slow
+def test_a_retry_killed_after_a_commit_and_resumed_with_another_world_size_publishes_every_output_once(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of a retry between a commit record and the publication of its stage, then a resume of the retry on
+    another world size: every example's output exactly once in the job's outputs/, no batch_idx twice, and a
+    plain re-run of the job still returns its original result."""
+    spec = spec_for(tmp_path, checkpoint_interval=1)
+    assert run_job(spec, 1)[0][0] == 0
+    retry = dict(spec, bad_load=[], bad_process=[], retry_failed=True, kill_at_publish=2, attempt=2)
+    results = run_job(retry, 1)
+    assert results[0][0] == -signal.SIGKILL, results[0][2][-3000:]
+    staged = list(Path(spec["storage"], "retries", "1", "_tbp", "staging").glob("*/rank_*"))
+    assert staged, "the killed retry left a committed stage unpublished"
+    resumed = dict(retry, kill_at_publish=None, attempt=3)
+    results = run_job(resumed, 2)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    assert report(resumed, 0, attempt=3)["result"]["failed_examples"] == 0
+    assert output_counts(spec["storage"]) == Counter(range(N))
+    assert max(batch_files(spec["storage"]).values()) == 1, "no batch_idx used twice"
+    assert min(batch_numbers(spec["storage"]) - set(range(N // BATCH))) == N // BATCH
+    assert read_failures(spec["storage"]) == []
+    rerun = dict(spec, attempt=4)
+    assert run_job(rerun, 1)[0][0] == 0
+    assert report(rerun, 0, attempt=4)["result"]["already_finished"]
+    assert output_counts(spec["storage"]) == Counter(range(N))
 
 
 def final_record(storage: Path) -> dict[str, Any]:
@@ -380,8 +484,7 @@ def test_kill_between_the_final_record_and_result_json(tmp_path: Path, then: str
     assert result["num_examples"] == len(BAD) and result["failed_examples"] == 0
     assert json.loads((storage / "result.json").read_text()) == record["result"]
     assert read_failures(str(storage)) == []
-    everything = output_counts(str(storage)) + output_counts(str(storage / "retries" / "1"))
-    assert everything == Counter(range(N)), "every example's output once, over the job and its retry"
+    assert output_counts(str(storage)) == Counter(range(N)), "every example's output once, over the job and its retry"
 
 
 @pytest.mark.slow
@@ -405,10 +508,7 @@ def test_kill_between_a_retrys_final_record_and_its_result_json(tmp_path: Path) 
     assert json.loads((storage / "retries" / "1" / "result.json").read_text()) == first["result"]
     assert (storage / "retries" / "2" / "result.json").exists()
     assert read_failures(str(storage)) == []
-    everything = output_counts(str(storage))
-    for k in (1, 2):
-        everything += output_counts(str(storage / "retries" / str(k)))
-    assert everything == Counter(range(N)), "every example's output once, over the job and its retries"
+    assert output_counts(str(storage)) == Counter(range(N)), "every example's output once, over the job and its retries"
 
     last = dict(again, attempt=4)  # retry 2 is finished: a new, empty retry (neither 1 nor 2 is reopened)
     assert run_job(last, 1)[0][0] == 0
@@ -437,6 +537,7 @@ class _Noop(TorchBatchProcessor):
         ({"batch_timeout": float("inf")}, "batch_timeout"),
         ({"batch_timeout": "10"}, "batch_timeout"),
         ({"retry_failed": 1}, "retry_failed"),
+        ({"retry_failed": True, "resume": False}, "resume=False would erase it"),
     ],
 )
 def test_bad_failure_options_are_refused_before_any_work(tmp_path: Path, options: dict[str, Any], needle: str) -> None:

@@ -113,3 +113,107 @@ def test_settle_without_check_waits_for_a_failing_write_and_tells_the_newest_dur
     assert isinstance(writes.error, OSError)
     assert writes.durable == 2 and keeper.groups == [[1], [2]]
     writes.close()
+
+
+# ------------------------------------------------------------------ the dynamic schedule's vote collector
+
+
+class MergingKeeper:
+    """Stands in for the record keeper of engine/commit/queued.py's collector: counts the votes of each record it
+    writes."""
+
+    def __init__(self) -> None:
+        self.records: list[int] = []
+        self._votes = 0
+        self.written = threading.Event()
+
+    def merge(self, votes):
+        self._votes = len(votes)
+        return []
+
+    def prepare(self, lines):
+        return SimpleNamespace(record=SimpleNamespace(commit=len(self.records) + 1))
+
+    def persist(self, *prepared):
+        time.sleep(0.01)  # a record write takes a while: votes keep arriving meanwhile
+        self.records.append(self._votes)
+        self.written.set()
+
+    def take_changed_limits(self):
+        return None  # no memory limits learned (on_oom="split" shares them through the store)
+
+
+def _queue():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from torch_batch_process.engine.commit.queued import QueuedVotes
+    from torch_batch_process.engine.commit.votes import Vote
+    from torch_batch_process.engine.distributed import RendezvousStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    vote = Vote(rank=1, stage=1, has_files=False, batches=[[0, 1]], examples=1, state_file=None, lines=[], timings={})
+    return server, QueuedVotes(RendezvousStore(server, 0), 0, stage_counter=lambda: 0), vote
+
+
+def test_the_collector_writes_records_while_votes_keep_arriving():
+    """A record covers the votes waiting when the collector looks, not those that arrive while it takes them: with
+    many ranks votes never stop arriving, and waiting for an empty queue wrote no record until the job's end."""
+    from torch_batch_process.engine.commit.queued import QueuedVotes, VoteCollector
+    from torch_batch_process.engine.distributed import RendezvousStore
+
+    server, queue, vote = _queue()
+    keeper = MergingKeeper()
+    collector = VoteCollector(queue, keeper, spacing_s=0.0)
+    try:
+        pusher = QueuedVotes(RendezvousStore(server.clone(), 1), 1, stage_counter=lambda: 0)
+        pushed = 0
+        started = time.monotonic()
+        deadline = started + 20  # a loaded machine: the collector thread may get little of the GIL
+        while time.monotonic() < deadline and len(keeper.records) < 2:  # faster than the collector takes them:
+            for _ in range(100):  # the queue is never empty
+                pusher.send(vote)
+            pushed += 100
+        written = len(keeper.records)
+        assert written >= 2, f"{written} record(s) for {pushed} votes pushed in {time.monotonic() - started:.1f} s"
+        collector.stop(expected=pushed)  # waits (without polling) until every vote is in a record
+        assert collector.taken == pushed == sum(keeper.records)
+        collector.check()
+    finally:
+        collector.stop(expected=None, check=False)
+
+
+def test_stopping_the_collector_waits_for_the_votes_each_rank_queued():
+    from torch_batch_process.engine.commit.queued import VoteCollector
+
+    server, queue, vote = _queue()
+    keeper = MergingKeeper()
+    collector = VoteCollector(queue, keeper)
+    threading.Timer(0.3, lambda: [queue.send(vote) for _ in range(3)]).start()  # late votes
+    started = time.monotonic()
+    try:
+        collector.stop(expected=3)
+        assert collector.taken == 3 and sum(keeper.records) == 3
+        assert time.monotonic() - started < 10
+    finally:
+        collector.stop(expected=None, check=False)
+
+
+def test_the_collector_spaces_its_records_and_votes_made_meanwhile_share_one():
+    from torch_batch_process.engine.commit.queued import VoteCollector
+
+    server, queue, vote = _queue()
+    keeper = MergingKeeper()
+    collector = VoteCollector(queue, keeper, spacing_s=0.1)
+    try:
+        started = time.monotonic()
+        for _ in range(300):  # a vote every ~2 ms for ~0.6 s
+            queue.send(vote)
+            time.sleep(0.002)
+        elapsed = time.monotonic() - started
+        collector.stop(expected=300)
+        assert sum(keeper.records) == 300
+        assert len(keeper.records) <= elapsed / 0.1 + 2, keeper.records
+    finally:
+        collector.stop(expected=None, check=False)

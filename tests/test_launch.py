@@ -170,6 +170,58 @@ def test_split_lines_over_random_chunks_loses_and_splits_nothing():
         assert not any(a.endswith(b"\r") and b.startswith(b"\n") for a, b in pairwise(lines))  # \r\n kept
 
 
+def test_torchs_own_rank_prefix_is_not_doubled():
+    """Issue 26 item 9: torch's exception hook prefixes traceback lines with ``[rank1]: ``, and the launcher's
+    prefix came on top (``[rank 1] [rank1]: Traceback``)."""
+    from torch_batch_process.launch.rank_prefix import _copy
+
+    read_end, write_end = os.pipe()
+    out_read, out_write = os.pipe()
+    os.write(write_end, b"[rank1]: Traceback (most recent call last):\n[rank1]:   File x\n[rank0]: other\nplain [rank1]: \n")
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as source:
+        _copy(source, out_write, b"[rank 1] ", b"[rank1]: ")
+    os.close(out_write)
+    with os.fdopen(out_read, "rb") as result:
+        assert result.read().decode().splitlines() == [
+            "[rank 1] Traceback (most recent call last):",
+            "[rank 1]   File x",
+            "[rank 1] [rank0]: other",  # another rank's prefix is not this worker's: kept
+            "[rank 1] plain [rank1]: ",
+        ]
+
+
+_FAILING_WORKER = textwrap.dedent(
+    """
+    import sys
+    from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+    class P(TorchBatchProcessor):
+        def __init__(self, context):
+            self.rank = context.get_distributed_rank()
+
+        def process_batch(self, batch, batch_idx):
+            if self.rank == 1:
+                raise ValueError("bad batch")
+
+    torch_batch_process(P, list(range(8)), batch_size=2, storage_path=sys.argv[1], progress=False)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_traceback_under_the_launcher_carries_one_rank_prefix(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(_FAILING_WORKER)
+    proc = subprocess.run(
+        launcher_cmd("--nproc-per-node", "2", "python3", str(script), str(tmp_path / "storage")),
+        env=base_env(), capture_output=True, text=True, timeout=180, cwd=str(REPO),
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[rank 1] Traceback (most recent call last):" in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert "[rank1]:" not in proc.stderr and "[rank0]:" not in proc.stderr, proc.stderr[-3000:]
+
+
 # ------------------------------------------------------------------ real launches
 
 _WORKER = textwrap.dedent(
@@ -268,6 +320,25 @@ def _preempted_run(
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.slow
+def test_ctrl_c_after_the_job_finished_is_not_reported_as_a_preemption(tmp_path):
+    """Issue 26 item 8: SIGINT reached the launcher while the workers ran their own code after a finished job;
+    it said "stopped by SIGINT ... run the same command again to resume" and exited 130."""
+    spec = job_spec(tmp_path, n=20, batch_size=2, sleep_after=60, attempt=1)
+    proc = _start_generic(spec)
+    try:
+        wait_for(lambda: (tmp_path / "reports" / "returned_rank0").exists() or proc.poll() is not None, 120,
+                 "the end of the job")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "[launcher] SIGINT came after the job had finished: its outputs and result are stored" in err, err[-3000:]
+    assert "run the same command again to resume" not in err
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -15,7 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from harness import JOBS, assert_exactly_once, read_reports, run_torchrun, spawn_ranks, wait_all
+from harness import (
+    JOBS,
+    assert_exactly_once,
+    base_env,
+    free_port,
+    read_reports,
+    run_torchrun,
+    spawn_ranks,
+    start_process,
+    wait_all,
+)
 
 from torch_batch_process import (
     InvalidArgumentError,
@@ -139,7 +150,7 @@ def test_a_missing_or_extra_shard_is_an_error_not_a_table_with_rows_missing_or_r
     spare = tmp_path / "spare"
     os.rename(shards[1], spare)  # lost (deleted by hand, or a copy that missed it)
     for read in (read_outputs, lambda path: list(iter_outputs(path))):
-        missing = r"committed 37 record rows, but the shards hold 27: shards are missing"
+        missing = r"committed 37 record rows, but its shards hold 27: shards are missing"
         with pytest.raises(OutputCorruptError, match=missing):
             read(result.storage_path)
     os.rename(spare, shards[1])
@@ -411,6 +422,124 @@ def test_predict_under_torchrun_every_rank_gets_the_full_ordered_list(tmp_path):
     expected = [[float(i), 2.0 * i] for i in range(50)]
     assert sorted(reports) == [0, 1]
     assert all(reports[r]["predicted"] == expected for r in reports)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["launcher", "tbp run"])
+def test_predict_without_storage_path_on_two_processes_of_one_machine(tmp_path, how):
+    """Issue 26 item 3: under the library's launcher and ``tbp run`` each worker has a parent of its own, so a
+    temporary folder named after the parent's pid differed between the ranks (StorageError, "not shared by all
+    ranks"). Rank 0 now makes it and tells the others; it is removed afterwards."""
+    import subprocess
+
+    import yaml
+    from harness import launcher_cmd, tbp_cmd
+
+    spec = {"mode": "predict", "n": 30, "batch_size": 4, "report_dir": str(tmp_path / "reports")}
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tbp-predict-*")))
+    if how == "launcher":
+        command = launcher_cmd("--nproc-per-node", "2", "python3", str(RECORDS_JOB), json.dumps(spec))
+    else:
+        config = {"name": "predict", "entrypoint": ["python3", str(RECORDS_JOB), json.dumps(spec)],
+                  "resources": {"slots_per_trial": 2}}
+        (tmp_path / "predict.yaml").write_text(yaml.safe_dump(config))
+        command = tbp_cmd("run", str(tmp_path / "predict.yaml"))
+    proc = subprocess.run(command, env=base_env(), capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = read_reports(spec)
+    assert sorted(reports) == [0, 1]
+    assert all(reports[r]["predicted"] == [[float(i), 2.0 * i] for i in range(30)] for r in reports)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tbp-predict-*"))) <= before, "the folder is removed"
+
+
+@pytest.mark.slow
+def test_predict_without_storage_path_on_several_machines_says_to_give_a_shared_one(tmp_path):
+    spec = {"mode": "predict", "n": 10, "batch_size": 4, "report_dir": str(tmp_path / "reports")}
+    env = base_env()
+    procs = []
+    port = str(free_port())
+    for rank in range(2):  # two "machines" of one process each, as torchrun describes them to the workers
+        rank_env = dict(env, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(start_process([sys.executable, str(RECORDS_JOB), json.dumps(spec)], rank_env))
+    outcomes = wait_all(procs, timeout=120)
+    for rc, _, err in outcomes:
+        assert rc != 0 and "InvalidArgumentError" in err, err[-3000:]
+        assert "runs on 2 machines: give storage_path=" in err and "object store URL" in err, err[-3000:]
+
+
+_THREADS_SCRIPT = """
+import json, os, sys, threading, time
+import torch
+from torch_batch_process import TorchBatchProcessor, iter_outputs, read_outputs, torch_batch_process
+
+def threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except OSError:
+            pass
+    return sorted(names)
+
+class P(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"x": batch.float() * 2, "v": torch.stack([batch.float(), -batch.float()], 1)})
+
+before = threads()
+for fmt in ("parquet", "jsonl"):
+    result = torch_batch_process(P, list(range(10)), batch_size=3, storage_path=sys.argv[1] + fmt, progress=False,
+                                 output_format=fmt)
+    assert read_outputs(result.storage_path).num_rows == 10
+    assert sum(b.num_rows for b in iter_outputs(result.storage_path, batch_rows=4)) == 10
+deadline = time.monotonic() + 5
+while threads() != before and time.monotonic() < deadline:  # a thread that is ending
+    time.sleep(0.1)
+print(json.dumps({"before": before, "after": threads(), "python": [t.name for t in threading.enumerate()]}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads with /proc")
+def test_a_call_and_the_read_back_leave_no_thread_running(tmp_path):
+    """Issue 26 item 6: a 1-process job with context.write() and read_outputs() died at interpreter exit now and
+    then (SIGABRT, "terminate called without an active exception"): a thread of pyarrow's pool, still releasing a
+    buffer that held a Python object, took the GIL while the interpreter was exiting. Every thread the call and the
+    read-back start is ended before they return (pyarrow's pools are not even started)."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADS_SCRIPT, str(tmp_path / "s")], env=base_env(), capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert threads["after"] == threads["before"], threads
+    assert threads["python"] == ["MainThread"], threads
+
+
+class FilesOnly(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        with self.context.upload_path() as path:
+            (path / f"pred_{batch_idx}.json").write_text(json.dumps([int(v) for v in batch]))
+
+
+def test_read_outputs_of_a_job_without_records_says_so_and_where_its_files_are(tmp_path, caplog):
+    """Issue 26 item 7: a job that wrote only upload_path() files (the digits example) read back an empty table
+    without a word."""
+    result = _run(tmp_path, processor=FilesOnly, n=10, batch_size=4)
+    table = read_outputs(result.storage_path)
+    assert table.num_rows == 0 and table.column_names == ["index"]
+    assert list(iter_outputs(result.storage_path)) == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings
+    for message in warnings:
+        assert "the job wrote no records (context.write())" in message, message
+        assert os.path.join(result.storage_path, "outputs") in message, message
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -718,7 +847,7 @@ class FlakyExamples(TorchBatchProcessor):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_read_outputs_includes_the_rows_that_retry_failed_runs_recovered(tmp_path, fmt, monkeypatch):
+def test_read_outputs_includes_the_rows_that_retry_failed_runs_recovered(tmp_path, fmt, monkeypatch, caplog):
     options = dict(n=40, batch_size=4, on_error="skip", output_format=fmt)
     monkeypatch.setattr(FlakyExamples, "bad", {3, 17, 18, 30})
     assert _run(tmp_path, processor=FlakyExamples, **options).failed_examples == 4
@@ -732,8 +861,26 @@ def test_read_outputs_includes_the_rows_that_retry_failed_runs_recovered(tmp_pat
     assert table.to_pylist() == [{"index": i, "label": f"ex{i}", "vector": [i, -i]} for i in range(40)]
     streamed = pa.Table.from_batches(list(iter_outputs(tmp_path / "storage", batch_rows=7)))
     assert streamed.to_pylist() == table.to_pylist()
-    globbed = [glob.glob(str(tmp_path / "storage" / f"{p}.{fmt}")) for p in (OUTPUTS_GLOB, RETRY_OUTPUTS_GLOB)]
-    assert globbed[0] and len(globbed[1]) == 2  # the documented globs: the job's shards, one shard per retry
+    # the documented glob sees every row exactly once, the retries' among them (issue 26 item 2); the glob of the
+    # retries of earlier versions finds nothing
+    import pyarrow.parquet as pq
+
+    shards = glob.glob(str(tmp_path / "storage" / f"{OUTPUTS_GLOB}.{fmt}"))
+    read = pa.concat_tables(
+        [pq.read_table(s) if fmt == "parquet" else pa.Table.from_pylist(_jsonl_rows(s)) for s in shards],
+        promote_options="default",
+    )
+    assert sorted(read.column("index").to_pylist()) == list(range(40))
+    assert glob.glob(str(tmp_path / "storage" / f"{RETRY_OUTPUTS_GLOB}.{fmt}")) == []
+    caplog.clear()  # the retries' outputs/commit_* folders are theirs: no warning of folders the job did not write
+    assert _run(tmp_path, processor=FlakyExamples, **options).already_finished
+    assert _run(tmp_path, processor=FlakyExamples, retry_failed=True, **options).num_examples == 0
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], [r.getMessage() for r in caplog.records]
+    assert read_outputs(tmp_path / "storage").to_pylist() == table.to_pylist()
+
+
+def _jsonl_rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def test_a_retry_whose_rows_do_not_unify_with_the_job_is_refused(tmp_path, monkeypatch):
@@ -742,7 +889,7 @@ def test_a_retry_whose_rows_do_not_unify_with_the_job_is_refused(tmp_path, monke
     assert _run(tmp_path, processor=FlakyExamples, **options).failed_examples == 2
     monkeypatch.setattr(FlakyExamples, "bad", set())
     monkeypatch.setattr(FlakyExamples, "int_labels", True)  # the "fixed" code writes labels as ints
-    with pytest.raises(SchemaConflictError, match=r"'label' is int64 in batch 0 \(rank 0\), string in .*committed by "
+    with pytest.raises(SchemaConflictError, match=r"'label' is int64 in batch 10 \(rank 0\), string in .*committed by "
                        "an earlier run"):
         _run(tmp_path, processor=FlakyExamples, retry_failed=True, **options)
     assert [row["index"] for row in read_outputs(tmp_path / "storage").to_pylist()] == [

@@ -185,6 +185,84 @@ def test_interactive_use_needs_a_storage_path_or_job_name(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+_SAME_STEM_JOB = """
+import json, sys
+from torch_batch_process import TorchBatchProcessor, torch_batch_process
+class P(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+        self.seen = context.wrap_reducer(lambda values: sorted(sum(values, [])), name="seen")
+    def process_batch(self, batch, batch_idx):
+        self.seen.update([int(v) for v in batch])
+result = torch_batch_process(P, [{scale} * i for i in range(10)], batch_size=5, progress=False, tensorboard=False)
+print(json.dumps({{"seen": result.metrics["seen"], "already_finished": result.already_finished}}))
+"""
+
+
+def _run_script(cwd: Path, *command: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *command], cwd=cwd, env=base_env(**env), capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_job_started_by_another_script_of_the_same_name_is_refused_before_any_write(tmp_path):
+    """Issue 26 item 1: a/job.py and b/job.py, started from one folder, share ./tbp_runs/job by default; the
+    processor (__main__.P) and the dataset's length are the same, so the fingerprint cannot tell them apart. The
+    second used to return the first one's result (already_finished=True, the first one's rows)."""
+    for name, scale in (("a", 1), ("b", 100)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "job.py").write_text(_SAME_STEM_JOB.format(scale=scale))
+    first = _run_script(tmp_path, "a/job.py")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(first.stdout.splitlines()[-1]) == {"seen": list(range(10)), "already_finished": False}
+    stored = tree_digest(tmp_path / "tbp_runs" / "job")
+    second = _run_script(tmp_path, "b/job.py")
+    assert second.returncode != 0 and second.stdout == "", second.stdout
+    assert "JobMismatchError" in second.stderr
+    message = second.stderr.strip().splitlines()[-1]
+    for needle in (str(tmp_path / "a" / "job.py"), str(tmp_path / "b" / "job.py"), "storage_path", "job_name",
+                   "resume=False"):
+        assert needle in message, message
+    assert tree_digest(tmp_path / "tbp_runs" / "job") == stored, "nothing stored was changed"
+    job_file = json.loads((tmp_path / "tbp_runs" / "job" / "_tbp" / "job.json").read_text())
+    assert job_file["script"] == str((tmp_path / "a" / "job.py").resolve())
+
+    again = _run_script(tmp_path, "a/job.py")  # the first script still gets its own job back
+    assert json.loads(again.stdout.splitlines()[-1]) == {"seen": list(range(10)), "already_finished": True}
+    fresh = _run_script(tmp_path, "b/job.py", TBP_JOB_NAME="b_job")  # the fix the message names
+    assert json.loads(fresh.stdout.splitlines()[-1]) == {"seen": [100 * i for i in range(10)], "already_finished": False}
+    adopted = _run_script(tmp_path, "b/job.py", TBP_ALLOW_SCRIPT_CHANGE="1")
+    assert adopted.returncode == 0 and "resuming it from" in adopted.stderr, adopted.stderr[-2000:]
+
+
+def test_the_same_script_moved_with_its_checkout_or_run_as_a_module_resumes_its_job(tmp_path):
+    """The script's path from the working directory identifies it too: a moved checkout (or a cluster that copies
+    the code to a new folder for each run) resumes; ``python -m`` runs the same file as ``python``. A job file
+    written before scripts were recorded resumes from any script."""
+    checkout = tmp_path / "checkout"
+    (checkout / "pkg").mkdir(parents=True)
+    (checkout / "pkg" / "__init__.py").write_text("")
+    (checkout / "pkg" / "job.py").write_text(_SAME_STEM_JOB.format(scale=1))
+    storage = str(tmp_path / "explicit_storage")
+    first = _run_script(checkout, "pkg/job.py", TBP_STORAGE_PATH=storage)
+    assert json.loads(first.stdout.splitlines()[-1])["already_finished"] is False, first.stderr[-3000:]
+    as_module = _run_script(checkout, "-m", "pkg.job", TBP_STORAGE_PATH=storage)
+    assert json.loads(as_module.stdout.splitlines()[-1])["already_finished"] is True, as_module.stderr[-3000:]
+    moved = tmp_path / "moved"
+    shutil.move(str(checkout), str(moved))
+    again = _run_script(moved, "pkg/job.py", TBP_STORAGE_PATH=storage)
+    assert json.loads(again.stdout.splitlines()[-1])["already_finished"] is True, again.stderr[-3000:]
+
+    job_file = Path(storage, "_tbp", "job.json")
+    older = json.loads(job_file.read_text())
+    older.pop("script", None), older.pop("workdir", None)  # as written before this check existed
+    job_file.write_text(json.dumps(older))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "job.py").write_text(_SAME_STEM_JOB.format(scale=1))
+    other = _run_script(tmp_path / "other", "job.py", TBP_STORAGE_PATH=storage)
+    assert json.loads(other.stdout.splitlines()[-1])["already_finished"] is True, other.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_processor_states_are_merged_on_a_resume_with_another_world_size(tmp_path):
     spec = {"n": 120, "batch_size": 4, "storage": str(tmp_path / "store"), "report_dir": str(tmp_path / "reports")}

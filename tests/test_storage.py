@@ -125,7 +125,8 @@ class BigWriter(TorchBatchProcessor):
             for i in range(SMALL_FILES):
                 (path / "small" / f"{batch_idx}_{i}.json").parent.mkdir(exist_ok=True)
                 (path / "small" / f"{batch_idx}_{i}.json").write_text(json.dumps([batch_idx, i]))
-        assert not path.exists()  # the user's folder is gone once the block ends
+        if batch_idx == 1:  # the previous batch's folder is gone (a batch's blocks go once it returns: a transaction)
+            assert not SEEN["folders"][0].exists()
 
 
 @pytest.fixture
@@ -163,6 +164,7 @@ def test_upload_path_on_s3_streams_large_files_and_cleans_its_temp_folders(moto_
     assert len(smalls) == 2 * SMALL_FILES
     assert all(json.loads(data) == [int(x) for x in Path(rel).stem.split("_")] for rel, data in smalls.items())
     assert list(own_tmpdir.iterdir()) == []  # every local temp folder and spool file is gone
+    assert not any(folder.exists() for folder in SEEN["folders"])
 
 
 class ManyFiles(TorchBatchProcessor):

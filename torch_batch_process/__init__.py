@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from torch_batch_process.version import __version__
 
 _EXPORTS: dict[str, str] = {
     "BatchProcessError": "torch_batch_process.errors",
@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "BatchTimeoutError": "torch_batch_process.errors",
     "CheckpointCorruptError": "torch_batch_process.errors",
     "DistributedInfo": "torch_batch_process.distributed_info",
+    "ExampleTooLargeError": "torch_batch_process.errors",
     "InvalidArgumentError": "torch_batch_process.errors",
     "JobLockedError": "torch_batch_process.errors",
     "JobMismatchError": "torch_batch_process.errors",
@@ -67,6 +68,7 @@ __all__ = [
     "BatchTimeoutError",
     "CheckpointCorruptError",
     "DistributedInfo",
+    "ExampleTooLargeError",
     "InvalidArgumentError",
     "JobLockedError",
     "JobMismatchError",
@@ -99,6 +101,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
         BatchProcessError,
         BatchTimeoutError,
         CheckpointCorruptError,
+        ExampleTooLargeError,
         InvalidArgumentError,
         JobLockedError,
         JobMismatchError,

@@ -10,6 +10,7 @@ from typing import Any
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import JobRun
+from torch_batch_process.environment import write_launch_state
 from torch_batch_process.failure_options import validate_failure_options
 from torch_batch_process.log import setup_logging
 from torch_batch_process.observe.options import resolve_observe_options
@@ -42,7 +43,7 @@ def torch_batch_process(
     schedule: str = "static",
     bucket_by: Sequence[int] | Callable[[int], int] | None = None,
     bucket_window: int = DEFAULT_BUCKET_WINDOW,
-    max_tokens: int | None = None,
+    max_tokens: int | str | None = None,
     device_prefetch: bool | None = None,
     autocast: str | None = None,
     output_format: str = "parquet",
@@ -51,6 +52,7 @@ def torch_batch_process(
     max_failures: int | float | None = None,
     batch_timeout: float | None = None,
     retry_failed: bool = False,
+    on_oom: str = "split",
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -98,7 +100,10 @@ def torch_batch_process(
             which examples a batch holds. The plan is part of the job's fingerprint.
         bucket_window: batches' worth of consecutive examples sorted together (default 100).
         max_tokens: with ``bucket_by``, a batch holds as many examples (at most ``batch_size``) as keep
-            ``len(batch) * max(length in batch) <= max_tokens``; batch sizes vary.
+            ``len(batch) * max(length in batch) <= max_tokens``; batch sizes vary. ``"auto"``: the job finds the
+            budget itself (with ``on_oom="split"``): batches of ``batch_size`` (give one larger than what fits)
+            sorted by length, largest first, cut into parts that fit as it learns from out-of-memory errors
+            (see :mod:`torch_batch_process.engine.feed.fitting`); the plan and fingerprint are those of ``None``.
         device_prefetch: on CUDA (default there), the next batch is copied to the device on a side stream while
             the current one runs, and ``process_batch`` receives it already on the device (``to_device`` is then
             a no-op). ``False`` turns it off; ``True`` elsewhere does nothing.
@@ -122,6 +127,12 @@ def torch_batch_process(
         retry_failed: on a finished job: process only its recorded failures, as a retry job stored in
             ``<storage_path>/retries/<k>/``; those that succeed are cleared from the failures, the result is the
             retry's (see :mod:`torch_batch_process.engine.plan.retry`).
+        on_oom: ``"split"`` (default): a batch whose ``process_batch`` (or copy to the device) runs out of the
+            device's memory (``torch.OutOfMemoryError``...) runs in parts that fit, with the outputs of the
+            batch run whole, and the job learns what fits, per length range with ``bucket_by``: later batches
+            are cut before they run, on every rank and after a resume; one example that does not fit alone is a
+            failing example with ``on_error="skip"``, else :class:`ExampleTooLargeError`. ``"raise"``: an
+            out-of-memory error is an error like any other (see :mod:`torch_batch_process.engine.feed.oom`).
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -136,8 +147,10 @@ def torch_batch_process(
         WorkerLostError: another rank died or stopped answering.
         BatchTimeoutError: a batch ran longer than ``batch_timeout``.
         TooManyFailuresError: more examples failed than ``max_failures``.
+        ExampleTooLargeError: one example does not fit in the device's memory (``on_oom="split"``, without
+            ``on_error="skip"``).
     """
-    failures = validate_failure_options(on_error, max_failures, batch_timeout, retry_failed)
+    failures = validate_failure_options(on_error, max_failures, batch_timeout, retry_failed, on_oom)
     args = validate_arguments(
         batch_processor_cls,
         dataset,
@@ -163,9 +176,21 @@ def torch_batch_process(
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     with DistributedEnv(expected=distributed_context) as env:
         setup_logging(env.info.rank)
-        if failures.retry_failed:
-            from torch_batch_process.engine.plan.retry import prepare_retry
+        tell_launcher = write_launch_state if env.info.local_rank == 0 else (lambda state: None)
+        tell_launcher("running")
+        try:
+            if failures.retry_failed:
+                from torch_batch_process.engine.plan.retry import prepare_retry
 
-            retry_args, plan, schema = prepare_retry(args, env.collectives)
-            return JobRun(retry_args, env, observe, plan=plan, record_schema=schema).run()
-        return JobRun(args, env, observe).run()
+                retry = prepare_retry(args, env.collectives)
+                result = JobRun(
+                    retry.args, env, observe, plan=retry.plan, record_schema=retry.schema, storage=retry.storage,
+                    first_stage=retry.first_stage,
+                ).run()
+            else:
+                result = JobRun(args, env, observe).run()
+        except BaseException:
+            tell_launcher("failed")
+            raise
+        tell_launcher("finished" if result.finished else "preempted")  # the launcher words a late Ctrl-C by it
+        return result

@@ -15,6 +15,8 @@ class ObjectCollectives(Protocol):
 
     def all_gather(self, obj: Any) -> list[Any]: ...
 
+    def gather(self, obj: Any) -> list[Any] | None: ...
+
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
@@ -63,8 +65,7 @@ class DistributedInfo:
 
     def gather(self, stuff: Any) -> list[Any] | None:
         """Gathers a picklable object from every rank on rank 0 (others get ``None``)."""
-        gathered = self._coll().all_gather(stuff)
-        return gathered if self.rank == 0 else None
+        return self._coll().gather(stuff)
 
     def broadcast(self, stuff: Any) -> Any:
         """Returns rank 0's ``stuff`` on every rank."""

@@ -6,6 +6,9 @@ job names: a torch-free module, so that the ``tbp`` command starts in a fraction
 ``TBP_STORAGE_OPTIONS``  JSON: options of the fsspec filesystem (when ``storage_options`` is not given)
 ``TBP_JOB_NAME``         the job's name (when ``job_name`` is not given)
 ``TBP_HPARAMS``          JSON: the job config's ``hyperparameters`` (``context.get_hparams()``)
+``TBP_LAUNCH_STATE``     set by the library's launcher: a file where each node's local rank 0 writes the state
+                         of its latest call (``running``, ``finished``, ``preempted``, ``failed``), so that a
+                         signal that comes once the job has finished is not reported as a preemption
 =======================  ==================================================================================
 """
 
@@ -20,16 +23,20 @@ __all__ = [
     "DEFAULT_ROOT",
     "HPARAMS_ENV",
     "JOB_NAME_ENV",
+    "LAUNCH_STATE_ENV",
     "STORAGE_ENV",
     "STORAGE_OPTIONS_ENV",
     "command_storage_options",
     "is_valid_job_name",
+    "read_launch_state",
+    "write_launch_state",
 ]
 
 STORAGE_ENV = "TBP_STORAGE_PATH"
 STORAGE_OPTIONS_ENV = "TBP_STORAGE_OPTIONS"
 JOB_NAME_ENV = "TBP_JOB_NAME"
 HPARAMS_ENV = "TBP_HPARAMS"
+LAUNCH_STATE_ENV = "TBP_LAUNCH_STATE"
 DEFAULT_ROOT = "tbp_runs"
 """Default storage: ``./tbp_runs/<job name>``."""
 
@@ -55,3 +62,25 @@ def command_storage_options(given: str | None) -> dict[str, Any] | None:
     if not isinstance(options, dict):
         raise ValueError(f"not a JSON object: {raw!r}")
     return options
+
+
+def write_launch_state(state: str) -> None:
+    """Writes ``state`` to the launcher's state file (``$TBP_LAUNCH_STATE``; nothing when not under the launcher).
+    Best effort: the launcher only uses it to word its last line."""
+    path = os.environ.get(LAUNCH_STATE_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(state)
+    except OSError:
+        pass
+
+
+def read_launch_state(path: str) -> str | None:
+    """The state the workers last wrote to ``path`` (``None``: none)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

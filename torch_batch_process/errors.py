@@ -49,6 +49,10 @@ CORRUPT_HINT = (  # what a CheckpointCorruptError tells the user to do
 )
 
 
+class NoJobError(BatchProcessError):
+    """The storage path holds no job (``tbp status``, ``tbp failures``, ``tbp report``, :func:`read_failures`)."""
+
+
 class OutputCorruptError(BatchProcessError, ValueError):
     """A committed record shard (``context.write()`` rows) exists but cannot be read back."""
 
@@ -100,3 +104,9 @@ class BatchTimeoutError(BatchProcessError, TimeoutError):
 
 class TooManyFailuresError(BatchProcessError, RuntimeError):
     """More examples failed than ``max_failures`` allows (``on_error="skip"``)."""
+
+
+class ExampleTooLargeError(BatchProcessError, RuntimeError):
+    """One example does not fit in the device's memory even alone (DESIGN §15): its ``process_batch`` ran out of
+    memory in a part of its own. Raised with ``on_error="raise"`` (with ``"skip"`` it is a failing example); the
+    message names the example, its batch and its length (with ``bucket_by``)."""

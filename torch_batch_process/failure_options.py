@@ -9,6 +9,13 @@
 - ``batch_timeout``: seconds a batch may run (:mod:`torch_batch_process.engine.feed.watchdog`); ``None``: no limit.
 - ``retry_failed``: on a finished job, process only its recorded failures
   (:mod:`torch_batch_process.engine.plan.retry`).
+- ``on_oom`` (DESIGN §15): ``"split"`` (default) runs a batch that runs out of the device's memory in parts that
+  fit and learns what fits, so that later batches are cut before they run
+  (:mod:`torch_batch_process.engine.feed.oom`); ``"raise"`` treats an out-of-memory error as any other error
+  (``on_error`` decides). The default is ``"split"`` because an out-of-memory error is the most common way a long
+  job dies, and a job cannot be resumed with a smaller ``batch_size`` (part of its fingerprint); what it costs a
+  job that never runs out of memory is a transaction per batch (the ``on_error="skip"`` one: about a microsecond,
+  plus a copy of the state of custom reducers, see :mod:`torch_batch_process.engine.feed.failing_examples`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from torch_batch_process.errors import InvalidArgumentError
 __all__ = ["FailureOptions", "validate_failure_options"]
 
 ON_ERROR = ("raise", "skip")
+ON_OOM = ("split", "raise")
 
 
 @dataclass(frozen=True)
@@ -32,10 +40,15 @@ class FailureOptions:
     max_failures: int | float | None = None
     batch_timeout: float | None = None
     retry_failed: bool = False
+    on_oom: str = "split"
 
     @property
     def skip(self) -> bool:
         return self.on_error == "skip"
+
+    @property
+    def split_on_oom(self) -> bool:
+        return self.on_oom == "split"
 
     def limit(self, num_examples: int) -> int | None:
         """The most examples that may fail in a job of ``num_examples`` examples (``None``: no limit)."""
@@ -47,10 +60,16 @@ class FailureOptions:
 
 
 def validate_failure_options(
-    on_error: Any, max_failures: Any, batch_timeout: Any, retry_failed: Any = False
+    on_error: Any, max_failures: Any, batch_timeout: Any, retry_failed: Any = False, on_oom: Any = "split"
 ) -> FailureOptions:
-    """Checks ``on_error``, ``max_failures``, ``batch_timeout`` and ``retry_failed``; raises
+    """Checks ``on_error``, ``max_failures``, ``batch_timeout``, ``retry_failed`` and ``on_oom``; raises
     :class:`InvalidArgumentError`."""
+    if on_oom not in ON_OOM:
+        raise InvalidArgumentError(
+            f"on_oom must be 'split' (a batch that runs out of the device's memory runs in parts that fit, and the "
+            f"job learns what fits; the default) or 'raise' (an out-of-memory error is an error like any other), "
+            f"got {on_oom!r}"
+        )
     if not isinstance(retry_failed, bool):
         raise InvalidArgumentError(f"retry_failed must be True or False, got {retry_failed!r}")
     if on_error not in ON_ERROR:
@@ -81,4 +100,4 @@ def validate_failure_options(
         if not math.isfinite(batch_timeout):
             raise InvalidArgumentError(f"batch_timeout must be finite (or None for no limit), got {batch_timeout!r}")
         batch_timeout = float(batch_timeout)
-    return FailureOptions(on_error, max_failures, batch_timeout, retry_failed)
+    return FailureOptions(on_error, max_failures, batch_timeout, retry_failed, on_oom)

@@ -10,7 +10,6 @@ without it the outputs go to a temporary folder that is removed afterwards.
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import tempfile
@@ -27,9 +26,6 @@ __all__ = ["predict"]
 
 _OUTPUT = "output"
 """The column of a tensor returned by ``fn`` (a dict gives one column per key)."""
-
-_calls = itertools.count()  # the n-th predict() call of a process: the same n on every rank of a job
-
 
 def predict(
     fn: Callable[[Any], Any],
@@ -49,8 +45,9 @@ def predict(
         dataset: a map-style dataset (see :func:`~torch_batch_process.torch_batch_process`).
         batch_size: examples per batch.
         collate_fn: the DataLoader's ``collate_fn`` (default: torch's).
-        storage_path: where the job and its outputs are stored (resumable); default: a temporary folder, removed
-            when ``predict`` returns (one machine only: give a shared ``storage_path`` for several machines).
+        storage_path: where the job and its outputs are stored (resumable); default: a temporary folder that rank 0
+            makes and shares with the other ranks, removed when ``predict`` returns (one machine only: give a
+            shared ``storage_path`` for several machines).
         **options: other keyword options of :func:`~torch_batch_process.torch_batch_process`
             (``checkpoint_interval``, ``dataloader_kwargs``, ``schedule``, ``bucket_by``, ``output_format``...);
             not ``on_error="skip"`` nor ``retry_failed`` (a skipped example has no output to return in its place).
@@ -163,16 +160,18 @@ def _barrier() -> None:
 
 
 def _temporary_path() -> str:
-    """A folder name that every rank of one machine computes alike (the job has not started: no collective yet)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    if world > local_world:
-        raise InvalidArgumentError(
-            "predict(): on several machines give storage_path= (a folder or URL every machine can reach); the "
-            "default temporary folder is local to one machine"
-        )
-    if world == 1:
-        return tempfile.mkdtemp(prefix="tbp-predict-")
-    key = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
-    key = "".join(c if c.isalnum() or c in "-." else "_" for c in key)
-    return os.path.join(tempfile.gettempdir(), f"tbp-predict-{key}-{os.getppid()}-{next(_calls)}")
+    """The temporary folder of a job without ``storage_path``: rank 0 makes it and tells the other ranks over the
+    library's process group (joined here; the job's call reuses it), so every rank of one machine uses the same one,
+    however it was started (plain processes, torchrun, the launcher and ``tbp run``, whose workers have parents of
+    their own). Several machines need a folder they all reach."""
+    from torch_batch_process.engine.distributed import DistributedEnv
+
+    with DistributedEnv() as env:
+        if env.info.cross_size > 1:
+            raise InvalidArgumentError(
+                f"predict() without storage_path keeps its outputs in a temporary folder of one machine, but this job "
+                f"runs on {env.info.cross_size} machines: give storage_path= a folder that every machine mounts (NFS, "
+                "Lustre...) or an object store URL (s3://..., gs://...)"
+            )
+        path = tempfile.mkdtemp(prefix="tbp-predict-") if env.info.rank == 0 else None
+        return str(env.collectives.broadcast(path))

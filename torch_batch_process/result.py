@@ -39,6 +39,13 @@ class BatchProcessResult:
         timings_per_rank: the same seconds for each rank (index = rank), to spot a slow one.
         failed_examples: examples that failed and were skipped (``on_error="skip"``), committed, over all
             attempts; listed in ``<storage_path>/failures/`` (``tbp failures STORAGE``).
+        ooms: out-of-memory errors this call's ranks met and recovered from (``on_oom="split"``, DESIGN §15).
+        split_batches: batches this call ran in parts to fit in the device's memory.
+        memory_limits: what the job learned about the device's memory, over all attempts (``None``: it never ran
+            out): ``unit`` (``"tokens"``, i.e. ``len(batch) * max length``, with ``bucket_by``; else
+            ``"examples"``), ``budget`` (the largest size known to fit for the longest examples that met a
+            limit: with ``bucket_by``, the ``max_tokens`` it learned), ``ranges`` (per length range: ``lengths``,
+            ``fits``, ``oom``) and ``text`` (the same in one line, as logged).
     """
 
     metrics: dict[str, Any]
@@ -61,6 +68,9 @@ class BatchProcessResult:
     timings: dict[str, float] = field(default_factory=dict)
     timings_per_rank: list[dict[str, float]] = field(default_factory=list)
     failed_examples: int = 0
+    ooms: int = 0
+    split_batches: int = 0
+    memory_limits: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict (tensors and numpy values become plain numbers)."""

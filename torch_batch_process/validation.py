@@ -13,8 +13,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW, JobArguments
-from torch_batch_process.engine.plan.bucket_options import resolve_lengths, validate_bucket_options
+from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW, JobArguments, Script
+from torch_batch_process.engine.plan.bucket_options import AUTO, resolve_lengths, validate_bucket_options
 from torch_batch_process.engine.schedule.liveness import heartbeat_silence_s
 from torch_batch_process.environment import (
     DEFAULT_ROOT,
@@ -214,14 +214,37 @@ def script_stem() -> str | None:
     Interactive means no script names the job: ``python -c``, ``python -`` (stdin), the REPL, and Jupyter
     or IPython (whose ``sys.argv[0]`` is the kernel's launcher, shared by every notebook).
     """
+    script = _script_argument()
+    if script is None:
+        return None
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(script).stem).lstrip("._-")
+    return stem or None
+
+
+def _script_argument() -> str | None:
+    """``sys.argv[0]`` when a script runs (``None`` in an interactive session, see :func:`script_stem`)."""
     main = sys.modules.get("__main__")
     script = sys.argv[0] if sys.argv else ""
     if main is None or not getattr(main, "__file__", None) or script in ("", "-c", "-m", "-"):
         return None
     if "ipykernel" in Path(script).name or "IPython" in sys.modules and "ipykernel" in sys.modules:
         return None
-    stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(script).stem).lstrip("._-")
-    return stem or None
+    return script
+
+
+def launching_script() -> Script | None:
+    """The script that runs this call (the resolved ``__main__`` file and working directory), recorded in a new
+    job and checked on a resume (:func:`~torch_batch_process.jobstore.formats.check_script`); ``None`` in an
+    interactive session."""
+    if _script_argument() is None:
+        return None
+    main_file = getattr(sys.modules["__main__"], "__file__", None)
+    if not main_file:
+        return None
+    try:
+        return Script(os.path.realpath(main_file), os.path.realpath(os.getcwd()))
+    except OSError:  # the working directory was removed
+        return None
 
 
 def default_job_name(storage_path: Any = None) -> str:
@@ -313,6 +336,11 @@ def validate_arguments(
     dataset_length = validate_dataset(dataset, bucket_by)
     kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
     validate_bucket_options(bucket_by, bucket_window, max_tokens, resolved_batch_size)
+    if max_tokens == AUTO and not failures.split_on_oom:
+        raise InvalidArgumentError(
+            "max_tokens='auto' learns the token budget from out-of-memory errors, which on_oom='raise' makes fail "
+            "the job; pass on_oom='split' (the default) or an int max_tokens"
+        )
     job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None
     if job_name is None:
         job_name = default_job_name(storage_path)
@@ -324,6 +352,11 @@ def validate_arguments(
     for name, value in (("resume", resume), ("inference_mode", inference_mode)):
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+    if failures.retry_failed and not resume:
+        raise InvalidArgumentError(
+            "retry_failed=True retries the failures of the job stored at storage_path, and resume=False would erase "
+            "it: pass retry_failed=True alone to retry them, or resume=False alone to start the job afresh"
+        )
     if schedule not in SCHEDULES:
         raise InvalidArgumentError(
             f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}: 'static' deals batches round-robin in "
@@ -359,4 +392,5 @@ def validate_arguments(
         output_format=output_format,
         failures=failures,
         table=table,
+        script=launching_script(),
     )

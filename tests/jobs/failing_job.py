@@ -8,7 +8,8 @@ in a DataLoader worker SIGKILLs the worker), ``stuck_mode`` (``"blocked"``:
 the stuck batch blocks the watchdog's signal), ``sleep`` (seconds per batch), ``num_workers``, ``schedule``,
 ``checkpoint_interval``, ``progress_file`` (touched at the first batch), ``kill_before_result`` (the process
 SIGKILLs itself when the library is about to write ``result.json``, right after the final commit record),
-``attempt``.
+``kill_at_publish`` (the process SIGKILLs itself when it is about to publish its k-th stage, right after the commit
+record that commits it), ``attempt``.
 
 Each batch writes ``vals_<batch_idx>.json`` (the dataset indices it processed) through ``upload_path()``, updates
 a sum reducer and a function reducer, and ``report_metrics`` once. Each rank writes
@@ -106,9 +107,27 @@ def kill_before_result():
     JobStore.write_result = killed
 
 
+def kill_at_publish(k):
+    """Makes the ``k``-th ``JobStore.publish`` of this process (right after the commit record of its stage) SIGKILL
+    it, so that the stage is committed and still staged."""
+    from torch_batch_process.jobstore.store import JobStore
+
+    publish, calls = JobStore.publish, []
+
+    def killed(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return publish(self, *args, **kwargs)
+
+    JobStore.publish = killed
+
+
 def main():
     if SPEC.get("kill_before_result"):
         kill_before_result()
+    if SPEC.get("kill_at_publish"):
+        kill_at_publish(SPEC["kill_at_publish"])
     rank = int(os.environ.get("RANK", "0"))
     report = {"rank": rank}
     names = ("on_error", "max_failures", "batch_timeout", "schedule", "retry_failed")

@@ -3,7 +3,9 @@
 A job runs as one plain process (``python script.py``), under ``torchrun``, or as processes started
 with the env contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
 The library initializes the default process group itself when the environment asks for more than
-one process (nccl when CUDA is there, else gloo) and reuses a group the user already initialized. A
+one process (nccl when CUDA is there, else gloo), once every rank has joined with a deadline and
+heartbeats (:mod:`~torch_batch_process.engine.join`: a rank lost while the job opens fails the others
+within seconds, not after the collective timeout), and reuses a group the user already initialized. A
 default group the library created stays for the later calls of the same process (a script may call
 :func:`torch_batch_process` several times) and is destroyed when the interpreter exits: re-creating
 it would re-run the rendezvous on a store that still holds the keys of the first one (under torchrun
@@ -23,12 +25,13 @@ timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
 import pickle
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -36,6 +39,7 @@ import torch.distributed as dist
 
 from torch_batch_process.device import get_default_device
 from torch_batch_process.distributed_info import DistributedInfo
+from torch_batch_process.engine.join import connect_timeout, join_job
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
 __all__ = ["Collectives", "DistributedEnv", "PendingGather", "PendingMax", "RendezvousStore", "collective_timeout_s"]
@@ -108,8 +112,19 @@ class Collectives:
             raise answer
         return answer  # type: ignore[no-any-return]
 
-    def start_all_gather(self, obj: Any, capacity: int = 4096) -> PendingGather:
-        """Starts gathering a picklable object from every rank without waiting (see :class:`PendingGather`)."""
+    def gather(self, obj: Any) -> list[Any] | None:
+        """``gather_object`` to rank 0: rank 0 gets every rank's object, the others ``None``."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        try:
+            dist.gather_object(obj, out, dst=0, group=self.group)
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
+        return out
+
+    def start_gather(self, obj: Any, capacity: int = 4096) -> PendingGather:
+        """Starts gathering a picklable object from every rank on rank 0, without waiting (see :class:`PendingGather`)."""
         return PendingGather(self, obj, capacity)
 
     def start_max(self, values: list[int]) -> PendingMax:
@@ -125,46 +140,55 @@ class Collectives:
 
 
 class PendingGather:
-    """An ``all_gather_object`` that overlaps with work: started now, completed by :meth:`wait`.
+    """A gather of one picklable object per rank on rank 0 that overlaps with work: started now, completed by
+    :meth:`wait`.
 
-    Each rank's object is pickled into a fixed-size buffer (``capacity`` bytes) gathered with one
-    asynchronous ``all_gather``. When an object does not fit, its rank sends an overflow marker and,
-    since every rank sees it, all of them gather the objects again synchronously in :meth:`wait`.
+    Each rank's object is pickled into a fixed-size buffer (``capacity`` bytes) sent with one asynchronous
+    ``gather``: a rank other than 0 sends one buffer and receives nothing, rank 0 receives ``W`` buffers (an
+    ``all_gather`` would make every rank receive and unpickle every rank's object: O(W) work per rank and
+    O(W^2) for the job, which at 32 ranks cost more than the batches). An object that does not fit is sent as
+    an overflow marker (:attr:`overflowed`); rank 0 then finds ``None`` in its place, and the caller gathers
+    the objects again, all ranks together, once every rank knows (see
+    :class:`~torch_batch_process.engine.commit.gathered.GatheredVotes`).
     """
 
     def __init__(self, coll: Collectives, obj: Any, capacity: int) -> None:
         self._coll = coll
         self._obj = obj
         self._work: Any = None
-        self._out: list[torch.Tensor] = []
+        self._out: list[torch.Tensor] | None = None
+        self.overflowed = False
+        """This rank's object did not fit (it was not sent)."""
         if coll.world_size == 1:
             return
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         buffer = torch.zeros(capacity + 8, dtype=torch.uint8)
         length = len(data) if len(data) <= capacity else -1
+        self.overflowed = length < 0
         buffer[:8] = torch.tensor([length], dtype=torch.int64).view(torch.uint8)
         if length >= 0:
             buffer[8 : 8 + length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._out = [torch.empty_like(buffer) for _ in range(coll.world_size)]
+        if coll.rank == 0:
+            self._out = [torch.empty_like(buffer) for _ in range(coll.world_size)]
         try:
-            self._work = dist.all_gather(self._out, buffer, group=coll.group, async_op=True)
+            self._work = dist.gather(buffer, self._out, dst=0, group=coll.group, async_op=True)
         except (RuntimeError, ConnectionError) as exc:
             raise WorkerLostError(f"rank {coll.rank}: {LOST_HINT} ({exc})") from exc
 
-    def wait(self) -> list[Any]:
-        """Every rank's object, in rank order."""
+    def wait(self) -> list[Any] | None:
+        """Rank 0: every rank's object in rank order (``None`` for one that did not fit); the others: ``None``."""
         if self._coll.world_size == 1:
             return [self._obj]
         try:
             self._work.wait()
         except (RuntimeError, ConnectionError) as exc:
             raise WorkerLostError(f"rank {self._coll.rank}: {LOST_HINT} ({exc})") from exc
-        objects = []
+        if self._out is None:
+            return None
+        objects: list[Any] = []
         for tensor in self._out:
             length = int(tensor[:8].view(torch.int64).item())
-            if length < 0:  # some rank's object was too large: gather them all the usual way
-                return self._coll.all_gather(self._obj)
-            objects.append(pickle.loads(tensor[8 : 8 + length].numpy().tobytes()))
+            objects.append(pickle.loads(tensor[8 : 8 + length].numpy().tobytes()) if length >= 0 else None)
         return objects
 
 
@@ -200,6 +224,26 @@ class RendezvousStore:
         try:
             return int(self._store.add(key, amount))
         except Exception as exc:  # noqa: BLE001 - connection refused, reset, timeout...
+            raise self._lost(exc) from exc
+
+    def set(self, key: str, value: bytes) -> None:
+        try:
+            self._store.set(key, value)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
+    def get(self, key: str) -> bytes:
+        """The value of a key that was set (a key that was not makes the store wait, then time out)."""
+        try:
+            return bytes(self._store.get(key))
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(exc) from exc
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys`` in one request (each must exist: the store waits for a missing key)."""
+        try:
+            return list(self._store.multi_get(keys))
+        except Exception as exc:  # noqa: BLE001
             raise self._lost(exc) from exc
 
     def queue_push(self, key: str, value: bytes) -> None:
@@ -278,16 +322,24 @@ class DistributedEnv:
                     "python -m torch_batch_process.launch.torch_distributed, or set MASTER_ADDR and MASTER_PORT"
                 )
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            logger.debug("initializing the %s process group (rank %d of %d)", backend, rank, world_size)
+            logger.debug("joining the job and initializing the %s process group (rank %d of %d)", backend, rank, world_size)
+            store = join_job(rank, world_size)  # every rank there, or a WorkerLostError naming who is not
             kwargs: dict[str, Any] = {}
             if backend == "nccl":
                 kwargs["device_id"] = self.device
-            dist.init_process_group(
-                backend=backend, init_method="env://", rank=rank, world_size=world_size, timeout=self._timeout, **kwargs
-            )
+            timeout = connect_timeout() if backend == "gloo" else self._timeout
+            with _lost_while("connecting the default process group", rank):
+                dist.init_process_group(
+                    backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
+                    timeout=timeout, **kwargs,
+                )
+            dist.set_timeout(self._timeout)  # connected: the job's collectives get the collective timeout
+            store.set_timeout(self._timeout)
             _destroy_at_exit()
         if world_size > 1:
-            self.control_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            with _lost_while("connecting the library's process group", rank):
+                self.control_group = dist.new_group(backend="gloo", timeout=connect_timeout())
+            dist.set_timeout(self._timeout, self.control_group)
             self._created_control = True
         self.collectives = Collectives(self.control_group, rank, world_size)
         local_size = _env_int("LOCAL_WORLD_SIZE", None)
@@ -330,6 +382,19 @@ class DistributedEnv:
                 logger.debug("destroying the control group failed: %s", exc)
             self._created_control = False
             self.control_group = None
+
+
+@contextlib.contextmanager
+def _lost_while(what: str, rank: int) -> Iterator[None]:
+    """A failure to connect a process group once every rank joined (a peer died in that window, or the connect
+    timeout passed) as a :class:`WorkerLostError` saying so."""
+    try:
+        yield
+    except (RuntimeError, ConnectionError, TimeoutError) as exc:
+        raise WorkerLostError(
+            f"rank {rank}: {what} failed after every rank joined the job: a rank stopped meanwhile (see the other "
+            f"ranks' logs) ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})"
+        ) from exc
 
 
 _exit_hook_registered = False

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch_batch_process.arguments import JobArguments
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
-from torch_batch_process.engine.announce import announce_start, log_preempted, warn_max_batches
+from torch_batch_process.engine.announce import announce_start, describe_call, log_memory, log_preempted, warn_max_batches
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.commit.committer import Committer, Outcome
 from torch_batch_process.engine.commit.opening import open_job
@@ -37,12 +37,15 @@ from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.commit.wiring import make_committer
 from torch_batch_process.engine.distributed import DistributedEnv, RendezvousStore
 from torch_batch_process.engine.feed.autocast import resolve_autocast
-from torch_batch_process.engine.feed.batches import BatchFeed, LoadFailed
+from torch_batch_process.engine.feed.batches import BatchFeed
+from torch_batch_process.engine.feed.device_memory import device_kind
 from torch_batch_process.engine.feed.error_handling import check_max_failures, guard_batches
+from torch_batch_process.engine.feed.fitting import BatchFitter
 from torch_batch_process.engine.feed.inputs import JobInput, open_input
 from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.feed.runner import BatchRunner
-from torch_batch_process.engine.plan.plans import Plan, planned_batches
+from torch_batch_process.engine.plan.bucket_options import AUTO
+from torch_batch_process.engine.plan.plans import BucketedPlan, Plan, planned_batches
 from torch_batch_process.engine.results import job_result, stored_result
 from torch_batch_process.engine.schedule.agreement import Decision
 from torch_batch_process.engine.schedule.liveness import watch_peers
@@ -84,6 +87,9 @@ class JobRun:
         options: the observer's options.
         plan: a retry's plan (:mod:`~torch_batch_process.engine.plan.retry`); ``None``: the input's.
         record_schema: the schema a retry's rows unify with (the retried job's).
+        storage: a retry's storage (sharing the job's ``outputs/``), closed when the call ends; ``None``: the one
+            of ``args.storage_path``, opened by :meth:`run`.
+        first_stage: a retry's first commit and stage number (after every one the job used).
     """
 
     # the components run() makes, in this order
@@ -103,6 +109,8 @@ class JobRun:
     current: CurrentBatch
     context: TorchBatchProcessorContext
     committer: Committer
+    fitter: BatchFitter | None
+    """``on_oom="split"``: what fits in the device's memory (DESIGN §15); ``None``: ``"raise"``."""
     _result_of: Callable[..., BatchProcessResult]
 
     def __init__(
@@ -112,12 +120,16 @@ class JobRun:
         options: ObserveOptions | None = None,
         plan: Plan | None = None,
         record_schema: RecordSchema | None = None,
+        storage: Storage | None = None,
+        first_stage: int = 1,
     ) -> None:
         self.args = args
         self.env = env
         self.options = options or ObserveOptions()
         self.given_plan = plan
         self.parent_schema = record_schema
+        self.given_storage = storage
+        self.first_stage = first_stage
         self.rank, self.world_size = env.info.rank, env.info.size
         self.coll = env.collectives
         self.started = time.monotonic()
@@ -139,7 +151,8 @@ class JobRun:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
                 self.input.opened()  # what a resume reuses (a stream's row counts) is kept now
                 self.plan = self.plan.cut(start.planned_batches)
-                remaining = (start.latest.committed if start.latest else RangeSet()).complement(self.plan.num_batches)
+                self.fitter = self._fitter(start)
+                remaining = self.plan.remaining(start.latest.committed if start.latest else RangeSet())
                 store = self.env.call_store(start.call_id) if self._dynamic else None
                 processor, stop_now = self._build(start, signals, store)
                 interval = self.args.checkpoint_interval
@@ -147,7 +160,7 @@ class JobRun:
                 announce_start(
                     self.observer, self.plan, start, remaining, rank=self.rank, job_name=self.args.job_name,
                     world_size=self.world_size, schedule=self.args.schedule, storage_url=self.storage.url,
-                    plan_s=self.plan_s,
+                    plan_s=self.plan_s, fitter=self.fitter, call=lambda: self._describe(start),
                 )
                 outcome = None
                 if len(remaining) or stop_now:
@@ -157,6 +170,8 @@ class JobRun:
                     check_max_failures(self.args.failures, failed, start, self.plan.num_examples, self._failures_url)
                     outcome = self._finish(processor)
                 result = self._result_of(outcome.summary, outcome.metrics or {}, preempted=outcome.preempted)
+                if self.rank == 0 and self.fitter is not None:
+                    log_memory(result, auto=self.args.max_tokens == AUTO)
                 if result.preempted:
                     log_preempted(result)
             self.observer.finish(result)
@@ -166,7 +181,7 @@ class JobRun:
         """The storage, the input and its plan, the observer; returns the batches and examples a fresh job plans
         (the plan's, after ``max_batches``)."""
         args, rank = self.args, self.rank
-        storage = open_storage(args.storage_path, args.storage_options)
+        storage = self.given_storage or open_storage(args.storage_path, args.storage_options)
         self.storage = self._closing.enter_context(contextlib.closing(storage))
         t0 = time.perf_counter()
         self.input = self._closing.enter_context(contextlib.closing(open_input(args, self.storage, self.coll)))
@@ -175,7 +190,10 @@ class JobRun:
         spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
         self.table = args.table.open() if args.table is not None else None  # table= (outputs/tables)
         self.table_commits = TableCommits(self.table) if self.table is not None and rank == 0 else None
-        self.opener = JobOpener(self.storage, spec, args.job_name, args.resume, self.world_size, self.table_commits)
+        self.opener = JobOpener(
+            self.storage, spec, args.job_name, args.resume, self.world_size, self.table_commits, args.script,
+            first_stage=self.first_stage,
+        )
         self._closing.callback(self.opener.release)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(rank), f"tensorboard-rank{rank}")
         self.observer = JobObserver(
@@ -216,7 +234,7 @@ class JobRun:
             storage=self.storage, plan=self.plan, start=start, reducers=self.context.reducers, observer=self.observer,
             rank_failure=self.rank_failure, stager=self.stager, records=records, call_store=store,
             result_json=lambda metrics, summary: self._result_of(summary, metrics).to_json(), started=self.started,
-            on_background_error=self._post_failure, table=self.table_commits,
+            on_background_error=self._post_failure, table=self.table_commits, fitter=self.fitter,
         )
         self._closing.callback(self.committer.shutdown)
         t0 = time.perf_counter()
@@ -261,31 +279,25 @@ class JobRun:
             inference_mode=self.args.inference_mode, mode=self.autocast,
         )
         dataset, order, kwargs = self.input.feed_parts(scheduler, self.args.dataloader_kwargs, self.plan)
-        feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device)
-        watchdog = guard_batches(  # on_error="skip", batch_timeout (engine/feed/error_handling.py)
+        feed = BatchFeed(dataset, self.plan, order, kwargs, self.env.device, self.fitter)
+        watchdog = guard_batches(  # on_error="skip", on_oom="split", batch_timeout (engine/feed/error_handling.py)
             runner, feed, self.args.failures, rank=self.rank, store=self._watchdog_store(start),
             device=self.env.device if self.device_prefetch else None, current=self.current, stager=self.stager,
             reducers=self.context.reducers, start=start, num_examples=self.plan.num_examples,
-            failures_url=self._failures_url,
+            failures_url=self._failures_url, fitter=self.fitter,
+            original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
+            lengths=self.plan.lengths if isinstance(self.plan, BucketedPlan) else None, rank_device=self.env.device,
         )
         if watchdog is not None:  # it watches until the call ends: a rank whose batches are done still dumps
             self._closing.callback(watchdog.close)  # its stacks when another rank's batch times out
-        batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch)
+        batches = DevicePrefetcher(feed, self.env.device, enabled=self.device_prefetch, error_of=feed.load_error)
         observer = self.observer
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
-                if has_batch and not rank_failure.failed:
-                    t0 = time.perf_counter()
-                    try:
-                        with runner.loading():
-                            batch_idx, batch = next(batches)
-                    except StopIteration:  # no batch left for this rank (dynamic), or a stop seen at a claim
-                        return scheduler.after_last(failed=rank_failure.failed)
-                    except LoadFailed as failed:
-                        runner.load_failed(failed, committer.part, time.perf_counter() - t0)
-                    else:
-                        runner.run(batch_idx, batch, committer.part, time.perf_counter() - t0)
+                if has_batch and not rank_failure.failed and not runner.step(batches, committer.part):
+                    # no batch left for this rank (dynamic), or a stop seen at a claim
+                    return scheduler.after_last(failed=rank_failure.failed)
                 if step >= observer.next_step:  # progress display, profiler: an int compare per step
                     observer.on_step(step, claimed=scheduler.claimed)
                 committer.check()
@@ -296,6 +308,8 @@ class JobRun:
                 if decision is Decision.COMMIT:
                     self._checkpoint_hook(processor)
                     committer.commit(processor, preempt=signals.preempt_requested)
+                    if runner.guard is not None:
+                        runner.guard.committed()  # its failures are in that commit: tbp failures lists them
                 elif decision is not Decision.CONTINUE:
                     return decision
             return Decision.DONE
@@ -325,6 +339,22 @@ class JobRun:
         self.committer.part.timings["hooks"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------ helpers
+
+    def _fitter(self, start: Start) -> BatchFitter | None:
+        """``on_oom="split"``: this rank's fitter, from the limits the job learned so far (stored with it)."""
+        if not self.args.failures.split_on_oom:
+            return None
+        stored = start.latest.memory_limits if start.latest is not None else None
+        lengths = self.plan.lengths if isinstance(self.plan, BucketedPlan) else None
+        return BatchFitter.for_job(stored, lengths, device_kind(self.env.device))
+
+    def _describe(self, start: Start) -> dict[str, Any]:
+        """Rank 0: the call's arguments, world and plan for ``tbp report`` (:func:`describe_call`)."""
+        return describe_call(
+            self.args, start, self.plan, world_size=self.world_size, device=self.env.device,
+            device_prefetch=self.device_prefetch, storage_url=self.storage.url,
+            straggler_ratio=self.observer.options.straggler_ratio,
+        )
 
     @property
     def _dynamic(self) -> bool:

@@ -46,6 +46,9 @@ def job_result(
         commits=summary.commits,
         elapsed_s=summary.elapsed_s,
         failed_examples=summary.failed_examples,
+        ooms=summary.ooms,
+        split_batches=summary.split_batches,
+        memory_limits=summary.memory_limits,
         timings={key: round(value, 6) for key, value in summary.timings.items()},
         timings_per_rank=[{key: round(value, 6) for key, value in t.items()} for t in summary.timings_per_rank],
     )
@@ -62,6 +65,8 @@ def stored_result(start: Start, storage_url: str, world_size: int, started: floa
         already_finished=True,
         batches_processed=0,
         examples_processed=0,
+        ooms=0,
+        split_batches=0,
         batches_skipped=start.finished_result.get("batches_committed", 0),
         commits=0,
         world_size=world_size,

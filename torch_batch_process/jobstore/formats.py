@@ -9,18 +9,33 @@ committer (:mod:`torch_batch_process.engine.commit.committer`) writes one atomic
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torch_batch_process.arguments import Script
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, JobMismatchError
+from torch_batch_process.jobstore.memory_limits import MemoryLimits
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.schema import RecordSchema
 
 if TYPE_CHECKING:
     from torch_batch_process.arguments import JobArguments
 
-__all__ = ["CommitRecord", "JobInfo", "JobSpec", "check_fingerprint", "parse_json", "qualified_name"]
+__all__ = [
+    "ALLOW_SCRIPT_CHANGE_ENV",
+    "CommitRecord",
+    "JobInfo",
+    "JobSpec",
+    "check_fingerprint",
+    "check_script",
+    "parse_json",
+    "qualified_name",
+]
+
+logger = logging.getLogger(__name__)
 
 RECORD_FORMAT = "torch_batch_process/commit/1"
 JOB_FORMAT = "torch_batch_process/job/1"
@@ -88,6 +103,8 @@ class JobInfo:
     created: float
     planned_examples: int | None = None
     """Examples in the planned batches (``None`` in job files of older versions: contiguous batches)."""
+    script: Script | None = None
+    """The script that started the job (``None``: an interactive session, or a job file of an older version)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +114,7 @@ class JobInfo:
             "planned_examples": self.planned_examples,
             "job_name": self.job_name,
             "created": self.created,
+            **({"script": self.script.path, "workdir": self.script.workdir} if self.script is not None else {}),
         }
 
     @property
@@ -123,6 +141,7 @@ class JobInfo:
                 job_name=str(value["job_name"]),
                 created=float(value["created"]),
                 planned_examples=int(value["planned_examples"]) if value.get("planned_examples") is not None else None,
+                script=Script(str(value["script"]), str(value["workdir"])) if value.get("script") else None,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"job file {where} is not a valid job record ({exc}). {CORRUPT_HINT}."
@@ -161,6 +180,9 @@ class CommitRecord:
     table: dict[str, Any] | None = None
     """A table target's data files committed by this or earlier records and not yet seen in the table
     (``{"pending": [...]}``, see :mod:`torch_batch_process.outputs.tables.commits`); ``None``: none."""
+    memory_limits: dict[str, Any] | None = None
+    """What the job learned about the device's memory (the JSON form of
+    :class:`~torch_batch_process.jobstore.memory_limits.MemoryLimits`); ``None``: nothing yet."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -182,6 +204,7 @@ class CommitRecord:
             "output_stages": self.output_stages.to_json() if self.output_stages is not None else None,
             "record_schema": self.record_schema.to_json() if self.record_schema is not None else None,
             **({"table": self.table} if self.table is not None else {}),
+            "memory_limits": self.memory_limits,
         }
 
     @classmethod
@@ -209,6 +232,7 @@ class CommitRecord:
                 ),
                 record_schema=_record_schema(value.get("record_schema"), where),
                 table=dict(value["table"]) if value.get("table") is not None else None,
+                memory_limits=_memory_limits(value.get("memory_limits")),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."
@@ -229,6 +253,12 @@ class CommitRecord:
 
 def _record_schema(value: Any, where: str) -> RecordSchema | None:
     return None if value is None else RecordSchema.from_json(value, where)  # pyarrow: only for jobs with records
+
+
+def _memory_limits(value: Any) -> dict[str, Any] | None:
+    if value is not None:
+        MemoryLimits.from_json(value)  # a ValueError names what is wrong
+    return value
 
 
 def qualified_name(cls: type) -> str:
@@ -255,3 +285,38 @@ def check_fingerprint(job: JobInfo, spec: JobSpec, url: str) -> None:
             "To resume it, run it with its original settings; to start this job afresh there, pass "
             "resume=False (this erases the stored progress and outputs), or use a new storage_path."
         )
+
+
+ALLOW_SCRIPT_CHANGE_ENV = "TBP_ALLOW_SCRIPT_CHANGE"
+"""``1``: resume a stored job although another script started it (a renamed script; see :func:`check_script`)."""
+
+
+def check_script(job: JobInfo, script: Script | None, url: str) -> None:
+    """Raises :class:`JobMismatchError` when another script started the stored job (before anything is written).
+
+    The fingerprint cannot tell two scripts apart when their processors have the same name (``__main__.P``)
+    and their datasets the same length, and the default storage path (``./tbp_runs/<script stem>``) is the same
+    for ``a/job.py`` and ``b/job.py`` started from one folder: the second would resume, or return the result of,
+    the first. So the job file records the script that started the job, and a call from another script is
+    refused. The same script is the same file, or the same path from the working directory (a moved checkout, a
+    cluster that copies the code to a new folder for each run); ``python job.py``, ``python -m``, torchrun, the
+    library's launcher and ``tbp run`` all run the same ``__main__`` file. Nothing is checked when either side has
+    no script (an interactive session, where a storage path or job name is required, or a job file written
+    before scripts were recorded). ``TBP_ALLOW_SCRIPT_CHANGE=1`` resumes anyway (a renamed script), with a
+    warning.
+    """
+    if job.script is None or script is None or job.script.same_as(script):
+        return
+    if os.environ.get(ALLOW_SCRIPT_CHANGE_ENV) == "1":
+        logger.warning(
+            "storage_path %s holds a job started by %s; resuming it from %s (%s=1)",
+            url, job.script.path, script.path, ALLOW_SCRIPT_CHANGE_ENV,
+        )
+        return
+    raise JobMismatchError(
+        f"storage_path {url!r} holds a job started by another script: {job.script.path} (this is {script.path}). "
+        "Nothing was changed. Two scripts of the same name share the default ./tbp_runs/<script name>: give this "
+        "one its own storage_path=... or job_name=..., or pass resume=False to erase the stored job and start this "
+        f"one there. If it is the same script, renamed or moved, run it as before, or set {ALLOW_SCRIPT_CHANGE_ENV}=1 "
+        "to resume the stored job from this one."
+    )

@@ -21,7 +21,8 @@ from torch_batch_process.jobstore.layout import (
     outputs_dir,
     record_file,
 )
-from torch_batch_process.jobstore.store import JobStore
+from torch_batch_process.jobstore.retries import retry_first_stages
+from torch_batch_process.jobstore.store import JobStore, output_stage
 from torch_batch_process.storage.base import Storage
 
 __all__ = ["check_integrity", "warn_of_strays"]
@@ -38,7 +39,9 @@ def check_integrity(store: JobStore, latest: CommitRecord | None) -> None:
     latest record needs but that are gone.
     """
     if latest is None:
-        evidence = [rel for rel in (OUTPUTS_DIR, RESULT_FILE, METRICS_FILE) if _present(store.storage, rel)]
+        evidence = [rel for rel in (RESULT_FILE, METRICS_FILE) if _present(store.storage, rel)]
+        if store.has_outputs() if store.first_stage > 1 else _present(store.storage, OUTPUTS_DIR):
+            evidence.insert(0, OUTPUTS_DIR)  # a retry's: its own stages' folders, not those of the job it retries
         if evidence:
             raise CheckpointCorruptError(
                 f"storage_path {store.storage.url!r} holds a job that has committed before ({', '.join(evidence)} "
@@ -94,11 +97,14 @@ def _check_outputs(store: JobStore, latest: CommitRecord) -> None:
 def warn_of_strays(store: JobStore, latest: CommitRecord) -> None:
     """Warns of ``outputs/commit_<s>`` folders that no commit record covers. The job cannot have written them (it
     publishes a stage only once a record covers it), so they were copied in by hand; they are left alone, but a
-    reader that globs ``outputs/`` would see their files."""
+    reader that globs ``outputs/`` would see their files. The folders of the job's retries (``retry_failed``: their
+    stages come after the job's) are theirs, and those of the job a retry retries (below its first stage) its."""
     if latest.output_stages is None:
         return
     published = (name for name in store.storage.list(OUTPUTS_DIR) if name.startswith("commit_"))
-    strays = sorted(name for name in published if not _covered(name, latest))
+    strays = [name for name in published if not _covered(name, latest)]
+    if strays:
+        strays = _not_of_other_jobs(store, strays)
     if strays:
         logger.warning(
             "%d folder(s) under %s are not covered by the job's commit records, so the job did not write them "
@@ -108,6 +114,20 @@ def warn_of_strays(store: JobStore, latest: CommitRecord) -> None:
             store.storage.url_of(OUTPUTS_DIR),
             strays[0],
         )
+
+
+def _not_of_other_jobs(store: JobStore, names: list[str]) -> list[str]:
+    """``names`` less the output folders of the other jobs that share ``outputs/``: the job a retry retries (below
+    the retry's first stage), and the retries of a job (from the first stage of its first retry on)."""
+    firsts = retry_first_stages(store.storage).values()
+    limit = min(firsts) if firsts else None
+    kept = []
+    for name in names:
+        stage = output_stage(name)
+        if stage is not None and (stage < store.first_stage or (limit is not None and stage >= limit)):
+            continue
+        kept.append(name)
+    return sorted(kept)
 
 
 def _covered(folder: str, latest: CommitRecord) -> bool:

@@ -7,10 +7,11 @@
                                       commit record's result, written after it (the record makes a job finished)
     metrics.jsonl                     report_metrics() records, reduced metrics, progress, one JSON per line
     tensorboard/rank_<r>/             get_tensorboard_path() of each rank
-    retries/<k>/                      the k-th retry_failed=True run: a job of its own (see the retry module)
+    retries/<k>/                      the k-th retry_failed=True run: a job of its own (see the retry module), whose
+                                      outputs are published to outputs/ above (commit_<s> after the job's stages)
     failures/<s>-rank_<r>.jsonl       examples that failed with on_error="skip" in stage s of rank r (one JSON a line;
                                       see engine/feed/failing_examples.py), published with the stage's outputs
-    _tbp/job.json                     the job's fingerprint and plan, written at its first start
+    _tbp/job.json                     the job's fingerprint, plan and script, written at its first start
     _tbp/attempt.json                 the number of the latest attempt (also of attempts that never committed)
     _tbp/commits/<n>.json             the latest commit record: the durable truth (see the committer)
     _tbp/states/<s>/rank_<r>.pt       rank r's reducer summaries and processor state at its stage s

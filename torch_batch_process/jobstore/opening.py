@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
-from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, JobSpec, check_fingerprint
+from torch_batch_process.arguments import Script
+from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, JobSpec, check_fingerprint, check_script
 from torch_batch_process.jobstore.integrity import check_integrity, warn_of_strays
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.storage.base import JobLock, Storage
@@ -76,6 +77,9 @@ class JobOpener:
         resume: ``False`` erases a stored job first.
         world_size: ranks of this attempt (stored with the attempt count).
         table: rank 0's table transactions (``table=``), reconciled with the latest record at the start.
+        script: the script that runs this call (recorded at the first start; another one is refused on a resume).
+        first_stage: the first commit and stage number of a fresh job (a retry's come after those of the job it
+            retries, whose ``outputs/`` it shares: see :mod:`torch_batch_process.engine.plan.retry`).
     """
 
     def __init__(
@@ -86,14 +90,17 @@ class JobOpener:
         resume: bool,
         world_size: int,
         table: TableReconciler | None = None,
+        script: Script | None = None,
+        first_stage: int = 1,
     ) -> None:
         self.table = table
         self.storage = storage
-        self.store = JobStore(storage)
+        self.store = JobStore(storage, first_stage)
         self.spec = spec
         self.job_name = job_name
         self.resume = resume
         self.world_size = world_size
+        self.script = script
         self.lock: JobLock | None = None
         self._damaged: CheckpointCorruptError | None = None  # resume=False: the damaged job erased
 
@@ -131,14 +138,14 @@ class JobOpener:
             job, latest = None, None
         self.store.repair(latest)
         if job is None:
-            job = JobInfo(self.spec.to_json(), planned, self.job_name, time.time(), planned_examples)
+            job = JobInfo(self.spec.to_json(), planned, self.job_name, time.time(), planned_examples, self.script)
             self.store.write_job(job)
         self._reconcile_table(job, latest)
         if latest is not None and latest.finished:  # finished, but resume=False was handled above
             latest = None
         return Start(
             attempt=self.store.next_attempt(latest, self.world_size),
-            next_number=max(latest.commit, latest.last_stage) + 1 if latest else 1,
+            next_number=max(latest.commit, latest.last_stage) + 1 if latest else self.store.first_stage,
             planned_batches=job.planned_batches,
             latest=latest,
             job_id=job.uid,
@@ -158,6 +165,7 @@ class JobOpener:
         latest = self.store.load_latest()
         if self.resume and job is not None:
             check_fingerprint(job, self.spec, self.storage.url)
+            check_script(job, self.script, self.storage.url)  # a job of another script of the same name
             check_integrity(self.store, latest)  # damaged progress is an error, never a restart from zero
         if self.resume and job is None and (latest is not None or self.store.has_outputs()):
             raise JobMismatchError(

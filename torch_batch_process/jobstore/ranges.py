@@ -91,10 +91,10 @@ class RangeSet:
     def __repr__(self) -> str:
         return f"RangeSet({self.to_json()})"
 
-    def complement(self, universe_stop: int) -> RangeSet:
-        """Returns ``[0, universe_stop)`` minus this set."""
+    def complement(self, universe_stop: int, universe_start: int = 0) -> RangeSet:
+        """Returns ``[universe_start, universe_stop)`` minus this set."""
         result = RangeSet()
-        cursor = 0
+        cursor = universe_start
         for start, stop in self.ranges():
             if start >= universe_stop:
                 break

@@ -42,7 +42,7 @@ from torch_batch_process.jobstore.layout import (
 from torch_batch_process.storage.base import TMP_MARKER, Storage
 from torch_batch_process.storage.errors import NotAFileError
 
-__all__ = ["JobStore", "job_finished", "latest_record_at", "unpublished_stages_at"]
+__all__ = ["JobStore", "job_finished", "latest_record_at", "output_stage", "unpublished_stages_at"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,18 @@ _LIST_AGAIN = 5
 
 
 class JobStore:
-    """Reads and writes a job's records, states, stages and outputs."""
+    """Reads and writes a job's records, states, stages and outputs.
 
-    def __init__(self, storage: Storage) -> None:
+    Args:
+        storage: the job's storage.
+        first_stage: the job's first stage number. A retry (:mod:`torch_batch_process.engine.plan.retry`) shares the
+            ``outputs/`` of the job it retries, with stage numbers after those the job used: the
+            ``outputs/commit_<s>/`` folders below its first stage are the job's, not the retry's.
+    """
+
+    def __init__(self, storage: Storage, first_stage: int = 1) -> None:
         self.storage = storage
+        self.first_stage = first_stage
 
     # ------------------------------------------------------------------ reading
 
@@ -128,8 +136,12 @@ class JobStore:
         return bool(self.unpublished_stages(latest)) or not self.storage.exists(RESULT_FILE)
 
     def has_outputs(self) -> bool:
-        """Whether ``outputs/`` holds anything."""
-        return bool(self.storage.list(OUTPUTS_DIR))
+        """Whether ``outputs/`` holds anything of this job (of a retry: an ``outputs/commit_<s>/`` folder of its
+        stages)."""
+        names = self.storage.list(OUTPUTS_DIR)
+        if self.first_stage <= 1:
+            return bool(names)
+        return any((stage := output_stage(name)) is not None and stage >= self.first_stage for name in names)
 
     # ------------------------------------------------------------------ writing
 
@@ -351,3 +363,10 @@ def _record_numbers(storage: Storage, folder: str) -> list[int]:
     them), ascending. Other names (``7.json``, ``7.json.tmp``) are not records and are left alone."""
     stems = (name[: -len(".json")] for name in storage.list(folder) if name.endswith(".json"))
     return sorted(int(stem) for stem in stems if stem.isdigit() and stem == number_name(int(stem)))
+
+
+def output_stage(name: str) -> int | None:
+    """The stage ``s`` of an output folder named ``commit_<s>`` (zero-padded as :func:`outputs_dir` names it),
+    ``None`` for any other name."""
+    stem = name[len("commit_") :] if name.startswith("commit_") else ""
+    return int(stem) if stem.isdigit() and stem == number_name(int(stem)) else None

@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     from torch_batch_process.observe.failures import add_failures_parser  # tbp failures
 
     add_failures_parser(subparsers)
+    from torch_batch_process.observe.report.commands import (  # tbp report, tbp dashboard
+        add_dashboard_parser,
+        add_report_parser,
+    )
+
+    add_report_parser(subparsers)
+    add_dashboard_parser(subparsers)
     return parser
 
 

@@ -7,6 +7,10 @@ per line, so lines of different workers never mix on a pipe or a terminal). torc
 ``--tee`` prefixing cuts lines that the worker writes in pieces (block-buffered output, ``print``'s
 separate newline), which this avoids.
 
+torch's ``init_process_group`` installs an exception hook that prefixes each line of a traceback with
+``[rank<R>]: ``; under this prefix that doubled it (``[rank 1] [rank1]: Traceback ...``), so that prefix, when
+it names this worker's rank, is dropped from the start of a line.
+
 Signals: torchrun stops a worker with ``killpg`` on the worker's process group, which holds this
 process and ``CMD``; so this process does not forward signals (``CMD`` would get them twice) and
 ignores the catchable ones while ``CMD`` runs. Its exit status is ``CMD``'s: the same exit code, or
@@ -72,8 +76,9 @@ def split_lines(pending: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
     return lines, rest
 
 
-def _copy(source: BinaryIO, fd: int, prefix: bytes) -> None:
+def _copy(source: BinaryIO, fd: int, prefix: bytes, torch_prefix: bytes = b"") -> None:
     pending = b""
+    cut = len(torch_prefix)
     raw = source.fileno()
     while True:
         try:
@@ -85,7 +90,7 @@ def _copy(source: BinaryIO, fd: int, prefix: bytes) -> None:
         lines, pending = split_lines(pending, chunk)
         batch = bytearray()
         for line in lines:  # whole lines, at most PIPE_BUF bytes a write: atomic, so never mixed with other ranks'
-            piece = prefix + line
+            piece = prefix + (line[cut:] if cut and line.startswith(torch_prefix) else line)
             if batch and len(batch) + len(piece) > _ATOMIC_WRITE:
                 _write_all(fd, bytes(batch))
                 batch.clear()
@@ -112,7 +117,9 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: rank_prefix.py CMD [ARGS...]", file=sys.stderr)
         return 2
-    prefix = f"[rank {os.environ.get('RANK', '?')}] ".encode()
+    rank = os.environ.get("RANK", "?")
+    prefix = f"[rank {rank}] ".encode()
+    torch_prefix = f"[rank{rank}]: ".encode()  # torch's exception hook's, made redundant by ours
     for signum in _SIGNALS:
         signal.signal(signum, _ignore)
     try:
@@ -122,8 +129,8 @@ def main(argv: list[str]) -> int:
         return 127 if isinstance(exc, FileNotFoundError) else 126
     assert proc.stdout is not None and proc.stderr is not None
     threads = [
-        threading.Thread(target=_copy, args=(proc.stdout, 1, prefix), daemon=True),
-        threading.Thread(target=_copy, args=(proc.stderr, 2, prefix), daemon=True),
+        threading.Thread(target=_copy, args=(proc.stdout, 1, prefix, torch_prefix), daemon=True),
+        threading.Thread(target=_copy, args=(proc.stderr, 2, prefix, torch_prefix), daemon=True),
     ]
     threading.Thread(target=_watch_parent, args=(proc, os.getppid()), daemon=True).start()
     for thread in threads:

@@ -25,13 +25,17 @@ a module (``-m package.module ARGS``), as with torchrun.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from torch_batch_process.environment import LAUNCH_STATE_ENV, read_launch_state
 from torch_batch_process.launch.slurm import DEFAULT_RDZV_PORT, slurm_step
 
 PROG = "python -m torch_batch_process.launch.torch_distributed"
@@ -314,8 +318,6 @@ def _say(message: str) -> None:
 
 def run_plan(plan: LaunchPlan) -> int:
     """Runs torchrun in this process as the node's agent; returns the job's exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("PYTHONUNBUFFERED", "1")  # workers' lines appear as they are printed (torchrun uses -u)
@@ -326,6 +328,20 @@ def run_plan(plan: LaunchPlan) -> int:
     args = parse_args(plan.torchrun_argv)
     for note in plan.notes:
         _say(note)
+    state_file = os.path.join(tempfile.gettempdir(), f"tbp-launch-{os.getpid()}-{uuid.uuid4().hex[:8]}.state")
+    os.environ[LAUNCH_STATE_ENV] = state_file  # the workers' calls say there whether the job is done
+    try:
+        return _run_agent(run, args, plan, state_file)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(state_file)
+
+
+def _run_agent(run: Any, args: Any, plan: LaunchPlan, state_file: str) -> int:
+    """Runs torchrun's agent; returns the job's exit code, with one line saying why it stopped."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         run(args)
     except ChildFailedError as exc:
@@ -336,6 +352,13 @@ def run_plan(plan: LaunchPlan) -> int:
         _say(f"the job failed: {who} ended with {how}{restarts}")
         return exit_code_of(failure.exitcode)
     except SignalException as exc:
+        if read_launch_state(state_file) == "finished":  # the job was done: its workers were ending
+            _say(
+                f"{exc.sigval.name} came after the job had finished: its outputs and result are stored, nothing to "
+                "resume (the workers' code after the job was stopped; running the same command again returns the "
+                "stored result at once)"
+            )
+            return 0
         _say(
             f"stopped by {exc.sigval.name}: the workers were asked to commit and stop; run the same command again to "
             "resume"

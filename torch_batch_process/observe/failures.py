@@ -13,17 +13,28 @@ import sys
 from typing import Any
 
 from torch_batch_process.environment import command_storage_options
-from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError, OutputCorruptError
+from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError, NoJobError, OutputCorruptError
 from torch_batch_process.jobstore.layout import FAILURES_DIR, JOB_FILE
 from torch_batch_process.jobstore.retries import current_failures_root
 from torch_batch_process.jobstore.store import latest_record_at
-from torch_batch_process.observe.status import NoJobError
 from torch_batch_process.outputs.completeness import still_staged
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.registry import open_storage
 
-__all__ = ["add_failures_parser", "read_failure_records", "read_failures", "run_failures"]
+__all__ = [
+    "FIRST_FAILURES",
+    "add_failures_parser",
+    "current_failure_records",
+    "failure_summary",
+    "first_line",
+    "read_failure_records",
+    "read_failures",
+    "run_failures",
+]
+
+FIRST_FAILURES = 5
+"""How many failing examples ``tbp status`` shows (``tbp failures`` lists them all)."""
 
 
 def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -37,9 +48,46 @@ def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None =
     try:
         if not storage.exists(JOB_FILE):
             raise NoJobError(f"no job is stored at {storage.url!r} (no {JOB_FILE})")
-        return read_failure_records(storage, current_failures_root(storage))
+        return current_failure_records(storage)[1]
     finally:
         storage.close()
+
+
+def current_failure_records(storage: Storage) -> tuple[str, list[dict[str, Any]]]:
+    """The folder (relative to ``storage``) holding the current failure records of the job stored in ``storage``,
+    and those records (see :func:`read_failures`)."""
+    root = current_failures_root(storage)
+    return f"{root}/{FAILURES_DIR}" if root else FAILURES_DIR, read_failure_records(storage, root)
+
+
+def failure_summary(records: list[dict[str, Any]], first: int = FIRST_FAILURES) -> dict[str, Any]:
+    """What ``tbp status`` and ``tbp report`` say about failing examples: ``count``, counts ``by_phase`` and
+    ``by_error`` (exception type), and the ``first`` records by dataset index (without tracebacks, the message cut
+    to its first line)."""
+    by_phase: dict[str, int] = {}
+    by_error: dict[str, int] = {}
+    for record in records:
+        phase, error = str(record.get("phase", "?")), str(record.get("error_type", "?"))
+        by_phase[phase] = by_phase.get(phase, 0) + 1
+        by_error[error] = by_error.get(error, 0) + 1
+    shown = []
+    for record in records[:first]:
+        entry = {key: record.get(key) for key in ("index", "batch_idx", "attempt", "rank", "phase", "error_type", "time")}
+        entry["message"] = first_line(record.get("message"))
+        shown.append(entry)
+    return {
+        "count": len(records),
+        "by_phase": dict(sorted(by_phase.items())),
+        "by_error": dict(sorted(by_error.items(), key=lambda item: (-item[1], item[0]))),
+        "first": shown,
+    }
+
+
+def first_line(message: Any, limit: int = 300) -> str:
+    """The first line of an exception message, at most ``limit`` characters."""
+    text = str(message or "").strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def read_failure_records(storage: Storage, root: str = "") -> list[dict[str, Any]]:

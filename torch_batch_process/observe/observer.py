@@ -18,6 +18,9 @@ result and :meth:`~JobObserver.close` in any case. Behind it:
 - the job config's ``hyperparameters`` (``tbp run``: ``$TBP_HPARAMS``, what ``context.get_hparams()``
   returns), once per attempt on rank 0: one ``metrics.jsonl`` record (group ``hparams``, with the
   first commit record of the attempt) and TensorBoard's Text and HParams tabs.
+- the call's arguments and plan (group ``job``, once per attempt, with its first commit record; see
+  :meth:`JobObserver.describe_job`) and the job's timeline (group ``timeline``, see
+  :mod:`~torch_batch_process.observe.timeline`), read by ``tbp report`` and ``tbp dashboard``.
 
 Overhead: no collective and no I/O per step; a step costs one integer comparison in the loop, and
 rank 0 reads the clock only every few steps (sized from the step rate to hit the display's refresh
@@ -48,6 +51,7 @@ from torch_batch_process.observe.progress import BarDisplay, LogDisplay, Progres
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
 from torch_batch_process.observe.summary import summary_line
 from torch_batch_process.observe.tensorboard_feed import TensorBoardFeed
+from torch_batch_process.observe.timeline import RankActivity, Timeline
 from torch_batch_process.result import BatchProcessResult, to_jsonable
 from torch_batch_process.storage.base import MirroredFolder
 
@@ -124,6 +128,8 @@ class JobObserver:
         self._metrics_off = options.metrics_interval == 0
         self._next_progress_record = time.monotonic() + options.progress_interval
         self._hparams: dict[str, Any] | None = None  # rank 0: logged with the attempt's first record
+        self._job: dict[str, Any] | None = None  # rank 0: the call's arguments, logged with the attempt's first record
+        self._timeline = Timeline()  # rank 0: when timeline points are due (reset by start())
 
     # ------------------------------------------------------------------------ start
 
@@ -163,6 +169,7 @@ class JobObserver:
         self._clock_started = False
         if self.rank == 0:
             self._hparams = read_hparams()
+            self._timeline = Timeline(int(previous.get("timeline_points") or 0))
         if self.options.tensorboard:
             self._tb = TensorBoardFeed(self._tb_dir, self.rank, self._progress_scalars if self.rank == 0 else None)
             if self._hparams:
@@ -241,6 +248,17 @@ class JobObserver:
 
     # ------------------------------------------------------------------------ commits
 
+    def describe_job(self, description: dict[str, Any]) -> None:
+        """Rank 0, before the first step: the call's arguments and plan, stored once per attempt (group ``job``
+        of ``metrics.jsonl``, with the attempt's first commit record): what ``tbp report`` shows as the job's
+        arguments."""
+        self._job = description
+
+    def timeline_due(self, last: bool) -> bool:
+        """Rank 0, preparing a commit record: whether a timeline point goes with it (``last``: the call's last).
+        (:meth:`Timeline.due`, inlined: it runs at every commit.)"""
+        return last or time.monotonic() >= self._timeline.next_at
+
     def interim_metrics(self, reduce: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         """Rank 0, at a commit that is neither final nor preempting: reduced metrics so far, when due."""
         if self._metrics_off or time.monotonic() < self._metrics_next:
@@ -266,8 +284,15 @@ class JobObserver:
         preempted: bool,
         last: bool,
         metrics: dict[str, Any] | None,
+        failed_examples: int = 0,
+        activity: RankActivity | None = None,
+        finished: bool = False,
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Rank 0, writing a commit record: its extra ``stats`` and the extra ``metrics.jsonl`` records."""
+        """Rank 0, writing a commit record: its extra ``stats`` and the extra ``metrics.jsonl`` records.
+
+        ``activity``: the ranks' work since the previous timeline point, when :meth:`timeline_due` said a point
+        is due (then this record carries one); ``finished``: the job's final record.
+        """
         now = time.time()
         if metrics is not None:
             self._metrics = to_jsonable(metrics)
@@ -288,10 +313,31 @@ class JobObserver:
                 metrics=self._metrics, metrics_batches_committed=self._metrics_batches, metrics_time=self._metrics_time
             )
         records: list[dict[str, Any]] = []
+        base = self._base_batches
+        if self._job is not None:  # once per attempt: with its first record
+            job, self._job = self._job, None
+            job = {**job, "attempt_started": self._started_wall}
+            records.append({"group": "job", "steps_completed": base, "rank": 0, "metrics": job})
         if self._hparams:  # once per attempt: with its first record
-            base = self._base_batches
             records.append({"group": "hparams", "steps_completed": base, "rank": 0, "metrics": self._hparams})
             self._hparams = None
+        timeline = self._timeline
+        timeline.records += 1  # Timeline.count_record, inlined: it runs at every commit
+        if activity is not None:
+            records.append(
+                timeline.point(
+                    activity,
+                    attempt_started=self._started_wall,
+                    elapsed_s=elapsed,
+                    batches_committed=batches_committed,
+                    examples_committed=examples_committed,
+                    failed_examples=failed_examples,
+                    preempted=preempted,
+                    finished=finished,
+                    last=last,
+                )
+            )
+        stats["timeline_points"] = timeline.points
         mono = time.monotonic()
         if last or mono >= self._next_progress_record:
             self._next_progress_record = mono + self.options.progress_interval

@@ -20,9 +20,16 @@ batch size, processor, max_batches), ``created`` (epoch seconds), ``state`` (``r
 the last commit: ``{"attempt", "world_size", "examples_per_s", "elapsed_s", "examples_processed",
 "batches_processed", "started"}``), ``eta_s`` (while running), ``metrics`` (reduced metrics: final
 when finished, else the latest computed "so far"), ``metrics_final``, ``metrics_batches_committed``,
-``metrics_time``, ``outputs_path``, ``metrics_path``, ``tensorboard_path``, ``result_path`` (when
+``metrics_time``, ``memory_limits`` (what the job learned about the device's memory with ``on_oom="split"``:
+``{"unit", "budget", "ranges", "text"}``, see ``BatchProcessResult.memory_limits``; ``null``: it never ran out),
+``ooms`` and ``split_batches`` (out-of-memory errors met and batches run in parts, over all attempts),
+``outputs_path``, ``metrics_path``, ``tensorboard_path``, ``result_path`` (when
 finished and ``result.json`` is written: a job killed between its final commit record, which makes it finished,
-and ``result.json`` has none until it is run again).
+and ``result.json`` has none until it is run again), ``failed_examples`` (examples skipped with
+``on_error="skip"``, committed so far; after ``retry_failed=True``, those still failing), ``failures``
+(``{"count", "by_phase", "by_error", "first", "path", "error"}``: counts per phase (``load``/``process``) and per
+exception type, the first few by dataset index with their messages, the folder they are stored in, and
+``error``: why the records cannot be read, else ``null``; ``tbp failures`` lists them all).
 """
 
 from __future__ import annotations
@@ -35,18 +42,24 @@ import time
 from typing import Any
 
 from torch_batch_process.environment import command_storage_options
-from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
+from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError, NoJobError
 from torch_batch_process.jobstore.formats import CommitRecord
-from torch_batch_process.jobstore.layout import ATTEMPT_FILE, METRICS_FILE, OUTPUTS_DIR, RESULT_FILE, TENSORBOARD_DIR
+from torch_batch_process.jobstore.layout import (
+    ATTEMPT_FILE,
+    FAILURES_DIR,
+    METRICS_FILE,
+    OUTPUTS_DIR,
+    RESULT_FILE,
+    TENSORBOARD_DIR,
+)
+from torch_batch_process.jobstore.memory_limits import MemoryLimits
 from torch_batch_process.jobstore.store import JobStore
+from torch_batch_process.observe.failures import current_failure_records, failure_summary
 from torch_batch_process.observe.progress import format_duration
+from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
 
 _READ_RETRIES = 5
-
-
-class NoJobError(BatchProcessError):
-    """The storage path holds no job."""
 
 
 def read_status(storage_path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -108,6 +121,7 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
     metrics, metrics_final = stats.get("metrics"), False
     if finished and (result or latest.result):
         metrics, metrics_final = (result or latest.result or {}).get("metrics", {}), True
+    failures = _failures(storage, int(stats.get("failed_examples") or 0))
 
     return {
         "job_name": job.job_name,
@@ -146,11 +160,37 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "metrics_final": metrics_final,
         "metrics_batches_committed": batches_committed if metrics_final else stats.get("metrics_batches_committed"),
         "metrics_time": latest.time if metrics_final and latest else stats.get("metrics_time"),
+        "memory_limits": _memory_limits(latest),
+        "ooms": int(stats.get("ooms", 0)),
+        "split_batches": int(stats.get("split_batches", 0)),
         "outputs_path": storage.url_of(OUTPUTS_DIR),
         "metrics_path": storage.url_of(METRICS_FILE),
         "tensorboard_path": storage.url_of(TENSORBOARD_DIR),
         "result_path": storage.url_of(RESULT_FILE) if finished and result is not None else None,
+        "failed_examples": failures["count"],
+        "failures": failures,
     }
+
+
+def _memory_limits(latest: CommitRecord | None) -> dict[str, Any] | None:
+    if latest is None or latest.memory_limits is None:
+        return None
+    return MemoryLimits.from_json(latest.memory_limits).summary()
+
+
+def _failures(storage: Storage, committed: int) -> dict[str, Any]:
+    """The ``failures`` entry: read from the failure files when the latest record counts any."""
+    summary: dict[str, Any] = failure_summary([])
+    summary.update(path=storage.url_of(FAILURES_DIR), error=None)
+    if committed <= 0:
+        return summary
+    try:
+        folder, records = current_failure_records(storage)
+    except BatchProcessError as exc:  # damaged files: say so, and give the count the record keeps
+        summary.update(count=committed, error=str(exc))
+        return summary
+    summary.update(failure_summary(records), path=storage.url_of(folder))
+    return summary
 
 
 def fingerprint(spec: dict[str, Any]) -> str:
@@ -230,6 +270,14 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(("metrics", text))
     else:
         lines.append(("metrics", "none yet" if not status.get("metrics_final") else "none (no reducer)"))
+    limits = status.get("memory_limits")
+    if limits:
+        lines.append((
+            "memory",
+            f"{limits['text']} ({status.get('ooms', 0)} out-of-memory error(s) met, "
+            f"{status.get('split_batches', 0)} batch(es) run in parts, over all attempts)",
+        ))
+    lines.append(("failed", _failures_text(status)))
     for entry in status.get("provenance") or []:
         lines.append(("uses", ", ".join(f"{key}={_short(value)}" for key, value in entry.items())))
     lines.append(("outputs", status["outputs_path"]))
@@ -241,7 +289,31 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(("result", "in the final commit record; result.json is not written yet (killed before it): a "
                       "re-run writes it"))
     width = max(len(key) for key, _ in lines)
-    return "\n".join(f"{key:<{width}}  {value}" for key, value in lines)
+    indent = "\n" + " " * (width + 2)  # a value of several lines lines up under its first
+    return "\n".join(f"{key:<{width}}  {value.replace(chr(10), indent)}" for key, value in lines)
+
+
+def _failures_text(status: dict[str, Any]) -> str:
+    """The ``failed`` line: how many examples were skipped, by phase and error, and the first few."""
+    failures = status.get("failures") or {}
+    count = int(status.get("failed_examples") or 0)
+    if not count:
+        return "none"
+    text = f"{count} example(s) skipped (on_error='skip')"
+    if failures.get("by_phase"):
+        phases = ", ".join(f"{phase} {n}" for phase, n in failures["by_phase"].items())
+        errors = ", ".join(f"{error} {n}" for error, n in failures["by_error"].items())
+        text += f"; by phase: {phases}; by error: {errors}"
+    if failures.get("error"):
+        text += f"; the failure records cannot be read: {failures['error']}"
+    for entry in failures.get("first") or []:
+        text += (
+            f"\n  index {entry['index']} (batch {entry['batch_idx']}, attempt {entry['attempt']}, "
+            f"rank {entry['rank']}, {entry['phase']}): {entry['error_type']}: {entry['message']}"
+        )
+    if count > len(failures.get("first") or []):
+        text += f"\n  ... all of them: tbp failures {status['storage_path']}"
+    return text
 
 
 def _spec_text(spec: dict[str, Any]) -> str:

@@ -14,8 +14,8 @@ at its next start (local storage) or by the next job on the host (temporary fold
 
 Two files with the same path in the same stage of one rank would overwrite each other, so that is an error.
 
-With ``on_error="skip"`` the engine runs each batch between :meth:`OutputStager.hold` and
-:meth:`OutputStager.release`: the blocks of a batch that fails are discarded, those of one that succeeds join
+With ``on_error="skip"`` or ``on_oom="split"`` (the default) the engine runs each batch (or part of one) between
+:meth:`OutputStager.hold` and :meth:`OutputStager.release`: the blocks of a batch that fails are discarded, those of one that succeeds join
 the stage; the parts of a split batch write under a sub-folder of their own (``prefix``, see
 :mod:`torch_batch_process.engine.feed.failing_examples`). The failure records of the stage
 (:meth:`OutputStager.add_failure`) are written next to its files at :meth:`OutputStager.flush` and published to
@@ -170,8 +170,9 @@ class OutputStager:
         self._held.append((folder, files, names, has_dirs))
 
     def _check_names(self, names: list[str], held: bool = False) -> None:
-        taken = self._names | {name for block in self._held or [] for name in block[2]} if held else self._names
-        clashes = sorted(set(names) & taken)
+        # the stage's names grow with its files: look each new name up, never copy them (a batch's blocks are few)
+        pending = {name for block in self._held or [] for name in block[2]} if held else ()
+        clashes = sorted(name for name in set(names) if name in self._names or name in pending)
         if clashes:
             raise FileExistsError(
                 f"upload_path(): {clashes[0]!r} was already written by rank {self._rank} since its last commit; "

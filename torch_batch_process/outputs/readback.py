@@ -1,10 +1,11 @@
 """Reading record outputs back in dataset order: :func:`read_outputs` and :func:`iter_outputs`.
 
-The committed shards of a job are ``<storage_path>/outputs/commit_*/rank_*/records/part-*.parquet`` (or
-``.jsonl``), and those of its ``retry_failed=True`` runs (the rows of the examples they recovered)
-``<storage_path>/retries/*/outputs/commit_*/rank_*/records/part-*.parquet``: plain files that pandas, polars,
-DuckDB, Spark and Hugging Face ``datasets`` read with those globs (rows are in no particular order there; sort
-by ``index``). :func:`read_outputs` and :func:`iter_outputs` read both.
+The committed shards of a job, those of its ``retry_failed=True`` runs included (the rows of the examples they
+recovered), are ``<storage_path>/outputs/commit_*/rank_*/records/part-*.parquet`` (or ``.jsonl``): plain files
+that pandas, polars, DuckDB, Spark and Hugging Face ``datasets`` read with that glob (rows are in no particular
+order there; sort by ``index``). Retries run by earlier versions of the library kept theirs in
+``<storage_path>/retries/*/outputs/...`` (:data:`RETRY_OUTPUTS_GLOB`); :func:`read_outputs` and
+:func:`iter_outputs` read those too.
 
 Shards are not each sorted by ``index`` (ranks interleave, and ``bucket_by`` orders a batch by length), so
 :func:`iter_outputs` merges *runs*: a Parquet row group, or a whole JSONL shard, each with its smallest and
@@ -20,6 +21,15 @@ Given a table target (``tables.delta(...)``, ``tables.iceberg(...)``, ``tables.l
 path, both read that table, in ``index`` order, with its format's reader
 (:mod:`torch_batch_process.outputs.tables.readback`). The storage path of a job that wrote to a table holds no
 shards: reading it is an error that names the table.
+
+Threads: shards are read from Python file objects, so pyarrow wraps what they return in buffers that hold Python
+objects. Decoded on pyarrow's own thread pool (``use_threads=True``, ``pre_buffer=True``), a pool thread could
+drop the last of those buffers after the call returned, taking the GIL while the interpreter was exiting: the
+process then died with ``terminate called without an active exception`` (SIGABRT) after printing its result
+(issue 26 item 6: about 1 run in 15 on a loaded machine; the core dump showed an Arrow worker in
+``PyBuffer::~PyBuffer`` -> ``PyGILState_Ensure`` -> ``pthread_exit`` during ``Py_FinalizeEx``). So every read
+here decodes in the calling thread (``use_threads=False``, no pre-buffering), and :func:`read_outputs` parallelizes
+over shards with a thread pool of its own that is joined before it returns: nothing the call started outlives it.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from torch_batch_process.jobstore.layout import JOB_FILE, OUTPUTS_DIR, RETRIES_D
 from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
-from torch_batch_process.outputs.completeness import check_rows, committed_rows
+from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
 from torch_batch_process.outputs.records import RECORDS_DIR
 from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.outputs.tables.readback import iter_table, read_table
@@ -53,7 +63,8 @@ OUTPUTS_GLOB = f"{OUTPUTS_DIR}/commit_*/rank_*/{RECORDS_DIR}/part-*"
 """Glob of the record shards below a job's storage path (add ``.parquet`` or ``.jsonl``)."""
 
 RETRY_OUTPUTS_GLOB = f"{RETRIES_DIR}/*/{OUTPUTS_GLOB}"
-"""Glob of the record shards of its ``retry_failed=True`` runs (the rows of the examples they recovered)."""
+"""Glob of the record shards of ``retry_failed=True`` runs of earlier versions of the library (today's retries
+publish to the job's ``outputs/``, under :data:`OUTPUTS_GLOB`)."""
 
 _SUFFIXES = (".parquet", ".jsonl")
 
@@ -61,9 +72,9 @@ logger = logging.getLogger(__name__)
 
 
 def list_shards(storage: Storage) -> list[str]:
-    """The committed record shards of the job (paths relative to the storage), in commit and rank order, then
-    those of its ``retry_failed=True`` runs (``retries/<k>/``, in order: the rows of the examples they
-    recovered)."""
+    """The committed record shards of the job (paths relative to the storage), in commit and rank order (its
+    ``retry_failed=True`` runs' among them, after the job's), then those of retries of earlier versions
+    (``retries/<k>/outputs/``, in order)."""
     shards = _committed_shards(storage, "")
     for k in retry_numbers(storage):
         shards += _committed_shards(storage, f"{RETRIES_DIR}/{k}/")
@@ -91,7 +102,7 @@ def _committed_shards(storage: Storage, root: str) -> list[str]:
 
 def _open(
     storage_path: Any, storage_options: dict[str, Any] | None
-) -> tuple[Storage, list[str], Any, dict[str, int]]:
+) -> tuple[Storage, list[str], Any, CommittedRows]:
     """The storage, its committed shards, the JSONL shards' committed schema and the rows to find (read before
     the shards are listed: see :mod:`torch_batch_process.outputs.completeness`)."""
     require_pyarrow()
@@ -109,6 +120,8 @@ def _open(
     shards = list_shards(storage)
     if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
         raise FileNotFoundError(f"{storage.url} holds no job (no {JOB_FILE}, no {OUTPUTS_DIR}/); check storage_path")
+    if not shards:
+        _say_no_records(storage)
     typed = _committed_schema(storage) if shards and shards[0].endswith(".jsonl") else None
     return storage, shards, typed, expected
 
@@ -128,6 +141,20 @@ def _refuse_table_job(storage: Storage) -> None:
             f"{storage.url}: this job wrote its rows to the {table.get('format')} table {name!r}, not to shards; read "
             f"it with read_outputs(tables.{table.get('format')}(...)) (the same target the job was given)"
         )
+
+
+def _say_no_records(storage: Storage) -> None:
+    """Warns that a job has no record rows to read (an empty table, silently, misled users of ``upload_path()``
+    jobs), saying where its files are when it wrote some."""
+    folders = [name for name in storage.list(OUTPUTS_DIR) if name.startswith("commit_")]
+    if folders:
+        logger.warning(
+            "%s: the job wrote no records (context.write()), so read_outputs()/iter_outputs() have no rows to give; "
+            "its committed files (upload_path()) are in %s/commit_*/rank_*/ (e.g. glob('%s/**/*', recursive=True))",
+            storage.url, storage.url_of(OUTPUTS_DIR), storage.url_of(OUTPUTS_DIR),
+        )
+    else:
+        logger.warning("%s: the job has committed no outputs yet: no rows to read", storage.url)
 
 
 def _committed_schema(storage: Storage) -> Any:
@@ -196,7 +223,7 @@ def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None, typed: 
     import pyarrow.json as pj
 
     with _reading(storage, shard), storage.open_input(shard) as f:
-        table = pj.read_json(f)
+        table = pj.read_json(f, read_options=pj.ReadOptions(use_threads=False))
     if columns is not None:
         _check_columns(columns, table.column_names, storage.url)
         table = table.select(columns)
@@ -216,7 +243,7 @@ def _read_jsonl_index(storage: Storage, shard: str) -> Any:
     only_index = pa.schema([(INDEX_COLUMN, pa.int64())])
     options = pj.ParseOptions(explicit_schema=only_index, unexpected_field_behavior="ignore")
     with _reading(storage, shard), storage.open_input(shard) as f:
-        return pj.read_json(f, parse_options=options)
+        return pj.read_json(f, read_options=pj.ReadOptions(use_threads=False), parse_options=options)
 
 
 def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], Any]:
@@ -237,7 +264,7 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
                 runs.append(_Run(shard, -1, int(_np(index).min()), int(_np(index).max()), len(index)))
             continue
         with _reading(storage, shard), storage.open_input(shard) as f:
-            parquet = pq.ParquetFile(f)
+            parquet = pq.ParquetFile(f, pre_buffer=False)
             meta = parquet.metadata
             schemas.append(parquet.schema_arrow)
         position = meta.schema.to_arrow_schema().get_field_index(INDEX_COLUMN)
@@ -264,7 +291,7 @@ def _load(storage: Storage, run: _Run, columns: list[str] | None, typed: Any) ->
     if run.group < 0:
         return _read_jsonl(storage, run.shard, columns, typed)
     with _reading(storage, run.shard), storage.open_input(run.shard) as f:
-        return pq.ParquetFile(f).read_row_group(run.group, columns=columns)
+        return pq.ParquetFile(f, pre_buffer=False).read_row_group(run.group, columns=columns, use_threads=False)
 
 
 def _sorted(table: Any) -> Any:
@@ -362,9 +389,9 @@ def read_outputs(
         if shard.endswith(".jsonl"):
             return _read_jsonl(storage, shard, wanted, typed)
         with _reading(storage, shard), storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table
-            parquet = pq.ParquetFile(f)
+            parquet = pq.ParquetFile(f, pre_buffer=False)
             _check_columns(wanted, parquet.schema_arrow.names, storage.url)  # pyarrow ignores unknown names
-            return parquet.read(columns=wanted)
+            return parquet.read(columns=wanted, use_threads=False)  # see the module docstring: threads
 
     try:  # shards are decoded in parallel (pyarrow releases the GIL)
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tbp-read") as pool:

@@ -21,14 +21,20 @@ that it covers (``staging/<s>/rank_<r>`` moves to ``outputs/commit_<s>/rank_<r>`
 **How votes travel**: by one of two transports behind one interface
 (:class:`~torch_batch_process.engine.commit.votes.VoteTransport`), which the committer uses without asking which.
 Gathered (``schedule="static"``, :mod:`~torch_batch_process.engine.commit.gathered`): all ranks commit at the same
-step; their votes are gathered asynchronously and the commit completes at the next step boundary, where rank 0
-queues the record write on its background thread and tells (in its next vote) which records are durable;
-records that queue up are written as one group commit (:mod:`~torch_batch_process.engine.commit.group_commit`).
-Queued (``schedule="dynamic"``, :mod:`~torch_batch_process.engine.commit.queued`): every rank commits on its own,
-after each ``checkpoint_interval`` of *its* batches: votes go into a queue in the rendezvous store, rank 0's
-collector thread merges and writes records as votes arrive and acknowledges them per rank through the store; no
-rank ever waits for another at a commit. A single process takes the gathered path, whose exchanges are then
-local.
+step; their votes are gathered on rank 0 asynchronously, with the flags every rank needs back (failure, preemption,
+durable records, :class:`~torch_batch_process.engine.commit.votes.CommitFlags`), and the commit completes at the
+next step boundary, where rank 0 queues the record write on its background thread and tells (in its next commit's
+flags) which records are durable; records that queue up are written as one group commit
+(:mod:`~torch_batch_process.engine.commit.group_commit`). Queued (``schedule="dynamic"``,
+:mod:`~torch_batch_process.engine.commit.queued`): every rank commits on its own, after each ``checkpoint_interval``
+of *its* batches: votes go into a queue in the rendezvous store, rank 0's collector thread merges and writes
+records as votes arrive and acknowledges them per rank through the store; no rank ever waits for another at a
+commit. A single process takes the gathered path, whose exchanges are then local.
+
+**Memory limits** (``on_oom="split"``, DESIGN §15): each vote carries what its rank's
+:class:`~torch_batch_process.engine.feed.fitting.BatchFitter` learned; every rank learns the others' from rank 0
+(gathered: rank 0 reads the votes and, when it holds news, flags it in a commit's flags and every rank takes its
+limits by one broadcast at that step boundary; queued: through the store, :meth:`VoteTransport.shared_limits`).
 
 **Closing commit**: when a rank has no batch left, or the ranks stop (preemption) or fail, every rank makes
 one synchronous commit together (:meth:`Committer.close`): the votes (with failures, preemption requests and
@@ -56,6 +62,7 @@ from torch_batch_process.engine.commit.publisher import Publisher
 from torch_batch_process.engine.commit.rank_failure import FailureInfo, RankFailure
 from torch_batch_process.engine.commit.votes import Part, Vote, VoteTransport
 from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.feed.fitting import BatchFitter
 from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.stragglers import RankInterval
@@ -67,6 +74,7 @@ from torch_batch_process.reducers import ReducerRegistry
 __all__ = ["Committer", "Outcome"]
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class Outcome:
@@ -93,6 +101,8 @@ class Committer:
         first_stage: the stage this rank's first commit fills.
         transport: how this rank's regular votes travel (gathered: static schedule; queued: dynamic).
         records: this rank's record writer (``context.write()``): its votes carry its schema.
+        fitter: this rank's memory limits (``on_oom="split"``): its votes carry what it learned, and it learns
+            what the other ranks did (from their votes, or from rank 0 through the store with queued votes).
     """
 
     def __init__(
@@ -110,8 +120,11 @@ class Committer:
         first_stage: int,
         transport: VoteTransport,
         records: RecordWriter | None = None,
+        fitter: BatchFitter | None = None,
     ) -> None:
         self.rank = rank
+        self._fitter = fitter
+        self._unshared = False  # rank 0, static schedule: it holds memory limits the other ranks have not seen
         self._records = records
         self._sent_schema: Any = None  # the record schema this rank's votes carried last
         self._coll = collectives
@@ -138,8 +151,12 @@ class Committer:
             return  # a failed rank's part is never committed: the closing exchange makes every rank raise
         vote = self._vote(processor, final=False)
         vote.preempt = preempt
-        if self._transport.send(vote):  # complete now (queued, or one process): no step to wait for the votes
-            self._complete()
+        if self._transport.send(vote, limits_news=self._unshared and self.rank == 0 and self._coll.world_size > 1):
+            self._complete()  # complete now (queued, or one process): no step to wait for the votes
+        if self._fitter is not None:
+            shared = self._transport.shared_limits()  # queued votes: rank 0's merge of every rank's votes so far
+            if shared is not None:
+                self._fitter.merge(shared)
         self.part.timings["commit"] += time.perf_counter() - t0
 
     def poll(self) -> bool:
@@ -155,28 +172,52 @@ class Committer:
     def _complete(self) -> bool:
         """Completes the regular commit sent last, once its votes arrived: publishes what durable records cover,
         has rank 0 record the votes, tells the observer; returns whether some rank asked to stop."""
-        votes = self._transport.arrived()
-        if votes is None:
+        arrival = self._transport.arrived()  # gathered, rank 0: every rank's vote; otherwise this rank's own
+        if arrival is None:
             return False
-        self._raise_failures([v.failure for v in votes])
+        votes, flags = arrival.votes, arrival.flags
+        if flags.failed:  # every rank knows: the failures themselves, then every rank raises
+            self._raise_failures(self._coll.all_gather(self._rank_failure.info))
+        self._learn(votes, flags.limits)
         own = next(v for v in votes if v.rank == self.rank)
         self._published.voted(own.stage, own.has_files)
-        self._published.publish(self._transport.durable_votes(votes[0].durable, self._published))
+        self._published.publish(self._transport.durable_votes(flags.durable, self._published))
         metrics = None
         try:
             metrics = self._transport.record(votes)
         except SchemaConflictError as exc:  # never committed: travels in rank 0's next vote, all ranks raise
             self._rank_failure.record(exc, f"commit of stage {own.stage} (checking the ranks' record outputs)")
-        self._observe(votes, metrics)
-        return any(v.preempt for v in votes)
+        self._observe(votes, metrics, arrival.counts)
+        return flags.preempt
 
-    def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None) -> None:
-        """Tells the observer about a completed commit (all ranks' votes, or this rank's own)."""
+    def _learn(self, votes: list[Vote], broadcast: int = 0) -> None:
+        """What the other ranks learned about the device's memory: from their votes (every rank's at a closing
+        commit; rank 0's alone at a static commit), and at a static commit where rank 0 flagged news (``broadcast``),
+        the limits rank 0 merged, sent to every rank."""
+        if self._fitter is None:
+            return
         for vote in votes:
-            self._committed_batches += sum(b - a for a, b in vote.batches)
-            self._committed_examples += vote.examples
+            if vote.limits is not None and vote.rank != self.rank:
+                self._fitter.merge(vote.limits)
+                self._unshared = True  # the other ranks have not seen it yet
+        if broadcast:
+            shared = self._coll.broadcast(self._fitter.limits.to_json() if self.rank == 0 else None)
+            if self.rank != 0:
+                self._fitter.merge(shared)
+            self._unshared = False
+
+    def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None, counts: tuple[int, int] | None = None) -> None:
+        """Tells the observer about a completed commit (all ranks' votes, or this rank's own; ``counts``: the
+        committed batches and examples rank 0 told, when the votes are only this rank's own)."""
         if self._keeper is not None:
             self._committed_batches, self._committed_examples = self._keeper.committed_counts()
+        elif counts is not None:
+            self._committed_batches = max(self._committed_batches, counts[0])
+            self._committed_examples = max(self._committed_examples, counts[1])
+        else:
+            for vote in votes:
+                self._committed_batches += sum(b - a for a, b in vote.batches)
+                self._committed_examples += vote.examples
         intervals = [RankInterval(0, 0, {}) for _ in range(self._coll.world_size)]
         for vote in votes:
             intervals[vote.rank] = RankInterval(sum(b - a for a, b in vote.batches), vote.examples, vote.timings)
@@ -225,6 +266,16 @@ class Committer:
             schema=self._new_schema(),
         )
         self._transport.stamp(vote)
+        if self._fitter is not None:
+            vote.limits = self._fitter.take_news()
+            self._unshared = self._unshared or vote.limits is not None
+            ooms, split = self._fitter.take_counts()
+            if ooms:
+                vote.extra["ooms"] = ooms
+            if split:
+                vote.extra["split"] = split
+        if part.batch_times:  # the histogram of its batches' seconds: rank 0 keeps it for the job's timeline
+            vote.extra["batch_times"] = dict(part.batch_times)
         rows = self._records.take_rows() if self._records is not None else 0
         if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
             vote.extra["rows"] = rows
@@ -256,6 +307,7 @@ class Committer:
         vote.preempt = preempt or stop
         votes: list[Vote] = self._coll.all_gather(vote)
         self._raise_failures([v.failure for v in votes])
+        self._learn(votes)
         preempted = any(v.preempt for v in votes)
         own_error: BaseException | None = None
         answer: Any = None
@@ -274,7 +326,7 @@ class Committer:
             raise WorkerFailedError(f"{answer[0].describe()}; the commit did not happen. Run the job again to resume.")
         self._published.voted(vote.stage, vote.has_files)
         self._published.publish(len(self._published), wait=True)  # every vote of this rank is durable now
-        self._observe(votes, answer[0])
+        self._observe(votes, answer[0], (answer[1].batches_committed, answer[1].examples_committed))
         self.part.timings["commit"] += time.perf_counter() - t0
         return Outcome(preempted=preempted, metrics=answer[0], summary=answer[1])
 

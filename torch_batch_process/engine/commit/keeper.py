@@ -20,10 +20,12 @@ from typing import Any
 from torch_batch_process.engine.commit.votes import Vote
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.formats import CommitRecord
+from torch_batch_process.jobstore.memory_limits import MemoryLimits
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.schema import RecordSchema, unify
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.metrics import MetricsLog
+from torch_batch_process.observe.timeline import RankActivity
 from torch_batch_process.outputs.tables.commits import TableCommits
 from torch_batch_process.provenance import merge_entries
 from torch_batch_process.reducers import ReducerRegistry
@@ -46,6 +48,13 @@ class Summary:
     commits: int = 0
     failed_examples: int = 0
     """Examples recorded as failed (``on_error="skip"``), committed, over all attempts."""
+    ooms: int = 0
+    """Out-of-memory errors the call's ranks met (``on_oom="split"``)."""
+    split_batches: int = 0
+    """Batches the call's ranks ran in parts to fit in the device's memory."""
+    memory_limits: dict[str, Any] | None = None
+    """What the job learned about the device's memory, over all attempts
+    (:meth:`~torch_batch_process.jobstore.memory_limits.MemoryLimits.summary`); ``None``: nothing."""
     timings: dict[str, float] = field(default_factory=dict)
     timings_per_rank: list[dict[str, float]] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -59,6 +68,8 @@ class PreparedRecord:
     lines: list[dict[str, Any]]
     result: dict[str, Any] | None
     metrics: dict[str, Any] | None
+    prepared_at: float = field(default_factory=time.monotonic)
+    """When its votes were merged into it: commit latency counts from there to its record being durable."""
 
 
 @dataclass
@@ -127,12 +138,21 @@ class RecordKeeper:
         self.last_stage = start.next_number - 1
         self.last_record = latest
         self.summary = Summary(timings_per_rank=[{} for _ in range(world_size)])
+        self.activity = RankActivity(world_size)  # the votes since the last timeline point (observe/timeline.py)
         self.summary.failed_examples = int(latest.stats.get("failed_examples", 0)) if latest else 0
         # record rows committed over all attempts; None: an earlier attempt's records did not count them
         rows = latest.stats.get("record_rows") if latest else 0
         self.record_rows: int | None = rows if isinstance(rows, int) else None
         # the committed rows' columns: every vote's must unify with them
         self.record_schema: RecordSchema | None = latest.record_schema if latest else None
+        # what the job learned about the device's memory, over all attempts (DESIGN §15)
+        self.limits = MemoryLimits.from_json(latest.memory_limits) if latest and latest.memory_limits else None
+        self._limits_changed = False
+        self._limits_voted = False  # merged from this attempt's votes (a rank on another kind of device: ignored)
+        self.ooms_before = int(latest.stats.get("ooms", 0)) if latest else 0
+        self.split_before = int(latest.stats.get("split_batches", 0)) if latest else 0
+        if self.limits is not None:
+            self.summary.memory_limits = self.limits.summary()
         self.started = started
         self._mutex = threading.Lock()  # dynamic schedules merge votes on a thread of their own
 
@@ -156,6 +176,7 @@ class RecordKeeper:
                 self._table.merge(votes)
             for vote in votes:
                 batches = RangeSet.from_json(vote.batches)
+                count = len(batches)
                 self.committed.update(batches)
                 self.stages.add(vote.stage)
                 if vote.outputs and self.output_stages is not None:
@@ -164,19 +185,39 @@ class RecordKeeper:
                 if vote.state_file is not None:
                     self.state_files[vote.rank] = vote.state_file
                 summary = self.summary
-                summary.batches_processed += len(batches)
+                summary.batches_processed += count
                 summary.examples_processed += vote.examples
                 summary.failed_examples += int(vote.extra.get("failed", 0))
+                summary.ooms += int(vote.extra.get("ooms", 0))
+                summary.split_batches += int(vote.extra.get("split", 0))
+                if vote.limits is not None:
+                    if self.limits is None or not (self._limits_voted or self.limits.same_kind(vote.limits)):
+                        # earlier attempts' limits were learned on another kind of device: this attempt's replace them
+                        self.limits = MemoryLimits(vote.limits["unit"], device=vote.limits.get("device", ""))
+                    self._limits_voted = True
+                    if self.limits.same_kind(vote.limits) and self.limits.merge(vote.limits):
+                        self._limits_changed = True
+                        summary.memory_limits = self.limits.summary()
                 if self.record_rows is not None:
                     self.record_rows += int(vote.extra.get("rows", 0))
                 for key, value in vote.timings.items():
                     summary.timings[key] = summary.timings.get(key, 0.0) + value
                     per_rank = summary.timings_per_rank[vote.rank]
                     per_rank[key] = per_rank.get(key, 0.0) + value
+                self.activity.add_vote(vote.rank, count, vote.examples, vote.timings, vote.extra.get("batch_times"))
                 lines.extend(vote.lines)
             entries = [line["metrics"] for line in lines if line.get("group") == "provenance"]
             self.provenance = merge_entries(self.provenance, entries)
         return lines
+
+    def take_changed_limits(self) -> dict[str, Any] | None:
+        """The job's memory limits (JSON form) when merged votes changed them since the previous call, else
+        ``None`` (rank 0 shares them with the ranks of a dynamic schedule)."""
+        with self._mutex:
+            if not self._limits_changed or self.limits is None:
+                return None
+            self._limits_changed = False
+            return self.limits.to_json()
 
     def committed_counts(self) -> tuple[int, int]:
         """Batches and examples committed (or about to be, by the record being prepared)."""
@@ -214,6 +255,14 @@ class RecordKeeper:
             failed = self.summary.failed_examples
             rows = {"record_rows": self.record_rows} if self.record_rows is not None else {}
             table = self._table.prepare(number) if self._table is not None else None
+            limits = self.limits.to_json() if self.limits is not None else None
+            oom_stats = {
+                "ooms": self.ooms_before + self.summary.ooms,
+                "split_batches": self.split_before + self.summary.split_batches,
+            }
+            activity = None
+            if self._observer.timeline_due(final or preempting):  # a timeline point goes with this record
+                activity, self.activity = self.activity, RankActivity(len(state_files))
         examples_committed = self._plan.count_examples(committed)
         metrics: dict[str, Any] | None = None
         if self._reducers.wrapped and (final or preempting):
@@ -230,6 +279,9 @@ class RecordKeeper:
             preempted=preempting,
             last=final or preempting,
             metrics=metrics,
+            failed_examples=failed,
+            activity=activity,
+            finished=final,
         )
         self.summary.batches_committed, self.summary.examples_committed = len(committed), examples_committed
         self.summary.elapsed_s = time.monotonic() - self.started
@@ -250,6 +302,7 @@ class RecordKeeper:
                 "planned_batches": self._plan.num_batches,
                 "failed_examples": failed,
                 **rows,
+                **oom_stats,
                 **stats,
             },
             provenance=provenance,
@@ -258,6 +311,7 @@ class RecordKeeper:
             last_stage=last_stage,
             record_schema=record_schema,
             table=table,
+            memory_limits=limits,
         )
         all_lines = list(lines)
         if metrics is not None:
@@ -281,9 +335,13 @@ class RecordKeeper:
         record = prepared[-1].record
         if self._lock is not None:
             self._lock.check()
+        t0 = time.monotonic()
         self._store.write_record(record)
         if self._table is not None:  # the commit point is passed: the table follows (a failure fails the job)
             self._table.after_record(record, closing=closing)
+        durable = time.monotonic()
+        with self._mutex:
+            self.activity.add_record_write(durable - t0, durable - prepared[0].prepared_at)  # the oldest waited most
         try:
             for each in prepared:
                 self._metrics_log.append(each.lines, commit=each.record.commit, attempt=self._attempt)

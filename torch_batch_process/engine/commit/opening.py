@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.errors import StorageError
 from torch_batch_process.jobstore.layout import JOB_FILE
@@ -35,9 +37,21 @@ def _check_shared_storage(storage: Storage, collectives: Collectives) -> None:
         visible = storage.exists(JOB_FILE)
     except Exception:  # noqa: BLE001
         visible = False
-    everyone = collectives.all_gather(visible)
-    if not all(everyone):
-        blind = [rank for rank, ok in enumerate(everyone) if not ok]
+    everyone = collectives.all_gather((visible, socket.gethostname()))
+    if not all(ok for ok, _ in everyone):
+        blind = [rank for rank, (ok, _) in enumerate(everyone) if not ok]
+        if storage.protocol == "memory":
+            raise StorageError(
+                f"storage_path {storage.url!r} is not shared by all ranks: memory:// lives in the memory of "
+                f"each process, so rank(s) {blind} cannot see what rank 0 wrote. With several ranks use a local "
+                "folder (one machine), a filesystem mounted on every node, or an object store URL (s3://...)"
+            )
+        if len({host for _, host in everyone}) == 1:  # one machine: the ranks were given different paths
+            raise StorageError(
+                f"storage_path {storage.url!r} is not the same on every rank: rank(s) {blind} cannot see what "
+                "rank 0 wrote there, on the same machine. Give every rank the same storage_path (a path computed "
+                "in each process, e.g. from a temporary folder, a pid or a time, differs between ranks)"
+            )
         raise StorageError(
             f"storage_path {storage.url!r} is not shared by all ranks: rank(s) {blind} cannot see what rank "
             "0 wrote there. Use a filesystem mounted on every node (NFS, Lustre...) or an object store URL "

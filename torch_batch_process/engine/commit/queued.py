@@ -7,19 +7,30 @@ acknowledgement counter in the store by the number of its votes the record cover
 request) at its next commit and publishes the stages acknowledged. Stage numbers come from a counter in the store
 shared by all ranks. An error stops the collector: it is kept for rank 0's main thread (:meth:`QueuedVotes.check`)
 and the other ranks are told to stop at their next batch (``on_error``).
+
+Like the static schedule's group commits (:mod:`~torch_batch_process.engine.commit.group_commit`), two record writes
+of the collector start at least :data:`~torch_batch_process.engine.commit.group_commit.RECORD_SPACING_S` apart, and
+the votes that arrive meanwhile share the next record: with sub-millisecond batches every rank votes hundreds of
+times a second, and a record (JSON, a write and an ``fsync``, or a PUT) for each would be most of rank 0's work.
+
+What the ranks learned about the device's memory (``on_oom="split"``) travels in their votes; when the votes
+changed the job's limits, the collector shares rank 0's merge in the store (a version counter, read with one request
+at each commit, and the limits, read when it moved: :meth:`QueuedVotes.shared_limits`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from torch_batch_process.engine.commit.group_commit import RECORD_SPACING_S
 from torch_batch_process.engine.commit.keeper import RecordKeeper
-from torch_batch_process.engine.commit.votes import Vote, VoteTransport
+from torch_batch_process.engine.commit.votes import Arrival, CommitFlags, Vote, VoteTransport
 from torch_batch_process.engine.distributed import RendezvousStore
 
 if TYPE_CHECKING:
@@ -32,6 +43,8 @@ logger = logging.getLogger(__name__)
 QUEUE = "votes"
 """The queue of votes in the call's rendezvous store."""
 _STOP = b"stop"
+LIMITS = "limits"
+"""The job's memory limits as rank 0 merged them (JSON), and their version counter (``limits/version``)."""
 
 STOP_TIMEOUT_S = 600.0
 """The most a closing commit waits for the collector to take the votes every rank queued."""
@@ -64,6 +77,7 @@ class QueuedVotes(VoteTransport):
         self.queued = 0
         """Votes this rank pushed so far."""
         self._sent: Vote | None = None
+        self._limits_seen = 0
         self._collector = VoteCollector(self, keeper, on_error) if keeper is not None else None  # rank 0
 
     def next_stage(self, stage: int) -> int:
@@ -72,7 +86,7 @@ class QueuedVotes(VoteTransport):
     def stamp(self, vote: Vote) -> None:
         vote.queued = self.queued
 
-    def send(self, vote: Vote) -> bool:
+    def send(self, vote: Vote, *, limits_news: bool = False) -> bool:
         if vote.failure is not None:
             return False  # saving it failed: the closing exchange makes every rank raise
         self.store.queue_push(QUEUE, pickle.dumps(vote, protocol=pickle.HIGHEST_PROTOCOL))
@@ -84,9 +98,21 @@ class QueuedVotes(VoteTransport):
     def pending(self) -> bool:
         return False  # send() completes each commit
 
-    def arrived(self) -> list[Vote] | None:
+    def arrived(self) -> Arrival | None:
         sent, self._sent = self._sent, None
-        return [sent] if sent is not None else None
+        if sent is None:
+            return None
+        flags = CommitFlags(preempt=sent.preempt, failed=False, overflow=False, durable=-1, batches_committed=0,
+                            examples_committed=0)  # a failed vote is never sent (see send)
+        return Arrival([sent], flags)
+
+    def shared_limits(self) -> dict[str, Any] | None:
+        version = self.store.add(f"{LIMITS}/version", 0)
+        if version <= self._limits_seen:
+            return None
+        self._limits_seen = version
+        limits: dict[str, Any] = json.loads(self.store.get(LIMITS))
+        return limits
 
     def durable_votes(self, newest_durable: int, published: Publisher) -> int:
         return self.acknowledged()
@@ -124,6 +150,12 @@ class QueuedVotes(VoteTransport):
         """Rank 0's collector thread: ``count`` more votes of ``rank`` are durable."""
         reader.add(f"ack/{rank}", count)
 
+    @staticmethod
+    def share_limits(writer: RendezvousStore, limits: dict[str, Any]) -> None:
+        """Rank 0's collector thread: the job's merged memory limits changed (see :meth:`shared_limits`)."""
+        writer.set(LIMITS, json.dumps(limits).encode())
+        writer.add(f"{LIMITS}/version", 1)
+
     def wake(self) -> None:
         """Rank 0: unblocks its collector, waiting for a vote (:meth:`take` then returns ``None``)."""
         self.store.queue_push(QUEUE, _STOP)
@@ -145,36 +177,64 @@ class VoteCollector:
         queue: rank 0's view of the vote queue.
         keeper: rank 0's record keeper (merges votes, writes records).
         on_error: called from the thread when it fails (the dynamic schedule then stops every rank).
+        spacing_s: the least time between the starts of two record writes.
     """
 
-    def __init__(self, queue: QueuedVotes, keeper: RecordKeeper, on_error: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        queue: QueuedVotes,
+        keeper: RecordKeeper,
+        on_error: Callable[[], None] | None = None,
+        spacing_s: float = RECORD_SPACING_S,
+    ) -> None:
         self._queue = queue
         self._keeper = keeper
         self._on_error = on_error
+        self._spacing_s = spacing_s
+        self._hurry = threading.Event()  # stopping: no more spacing
         self._error: BaseException | None = None
         self.taken = 0
         """Queued votes made durable so far."""
+        self._progress = threading.Condition()  # notified when ``taken`` grows or the thread ends
+        self._ended = False
         self._thread = threading.Thread(target=self._collect, name="tbp-collector", daemon=True)
         self._thread.start()
 
     def _collect(self) -> None:
-        """Takes the queued votes (all that are there: one record for them), writes their record, acknowledges
-        them to their ranks; until woken by :meth:`QueuedVotes.wake`."""
+        """Takes the queued votes (those waiting when it looks: one record for them), writes their record,
+        acknowledges them to their ranks; until woken by :meth:`QueuedVotes.wake`.
+
+        A record covers the votes that were waiting, not those that arrive while it takes them: with many ranks
+        votes arrive as fast as it takes them, and draining the queue "until empty" wrote no record for as long
+        as they kept coming (at 32 ranks, none before the closing commit)."""
         reader = self._queue.store.clone()  # a connection of its own: the main thread claims batches meanwhile
         try:
             stop = False
+            last_start = float("-inf")
             while not stop:
+                pause = last_start + self._spacing_s - time.monotonic()
+                if pause > 0:
+                    self._hurry.wait(pause)  # the votes that arrive meanwhile share the next record
                 vote = QueuedVotes.take(reader)
                 votes = [] if vote is None else [vote]
                 stop = vote is None
-                while not stop and reader.queue_len(QUEUE) > 0:
+                waiting = 0 if stop else reader.queue_len(QUEUE)
+                for _ in range(waiting):
                     vote = QueuedVotes.take(reader)
-                    stop = vote is None
-                    votes += [] if vote is None else [vote]
+                    if vote is None:
+                        stop = True
+                        break
+                    votes.append(vote)
                 if not votes:
                     continue
+                last_start = time.monotonic()
                 self._keeper.persist(self._keeper.prepare(self._keeper.merge(votes)))
-                self.taken += len(votes)
+                limits = self._keeper.take_changed_limits()
+                if limits is not None:  # the ranks read it at their next commit
+                    QueuedVotes.share_limits(reader, limits)
+                with self._progress:
+                    self.taken += len(votes)
+                    self._progress.notify_all()
                 counts: dict[int, int] = {}
                 for v in votes:
                     counts[v.rank] = counts.get(v.rank, 0) + 1
@@ -184,6 +244,10 @@ class VoteCollector:
             self._error = exc
             if self._on_error is not None:
                 self._on_error()
+        finally:
+            with self._progress:
+                self._ended = True
+                self._progress.notify_all()
 
     def check(self) -> None:
         """Raises the error that stopped the thread, if any. Never waits."""
@@ -194,11 +258,13 @@ class VoteCollector:
         """Lets the thread take the ``expected`` queued votes (all of them: every rank queued them before the
         closing exchange; ``None``: do not wait for votes), stops it, and raises its error if it failed (unless
         not ``check``: the error is already being reported). Raises ``TimeoutError`` if it does not end."""
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while expected is not None and self.taken < expected and self._thread.is_alive():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 took {self.taken} of the {expected} queued votes in {STOP_TIMEOUT_S:.0f} s")
-            time.sleep(0.005)
+        self._hurry.set()  # the votes left are written without spacing
+        if expected is not None:
+            with self._progress:  # waits without polling: the thread notifies each record and its end
+                if not self._progress.wait_for(lambda: self.taken >= expected or self._ended, STOP_TIMEOUT_S):
+                    raise TimeoutError(
+                        f"rank 0 took {self.taken} of the {expected} queued votes in {STOP_TIMEOUT_S:.0f} s"
+                    )
         self._queue.wake()
         self._thread.join(timeout=STOP_TIMEOUT_S)
         if self._thread.is_alive():

@@ -10,12 +10,15 @@ together the failing rank raises its own exception and every other rank a
 
 from __future__ import annotations
 
+import logging
 import traceback
 from dataclasses import dataclass
 
 from torch_batch_process.errors import LoaderWorkerDiedError, WorkerFailedError
 
 __all__ = ["FailureInfo", "RankFailure"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +53,11 @@ class RankFailure:
         if died is not None:
             exc, where = died, "the DataLoader's workers"
         if self.exception is None:
+            first = str(exc).strip().splitlines()
+            logger.error(  # names the batch, which the exception re-raised at the end (the user's own) may not say
+                "rank %d: %s raised %s: %s; the job stops (the last commit stays: fix it and run the job again to "
+                "resume)", self.rank, where, type(exc).__name__, first[0][:300] if first else "",
+            )
             self.exception = exc
             self.info = FailureInfo(
                 rank=self.rank,

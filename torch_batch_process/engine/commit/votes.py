@@ -2,9 +2,13 @@
 rank 0, and the interface of the two ways votes travel (:class:`VoteTransport`).
 
 - gathered (``schedule="static"``, :mod:`~torch_batch_process.engine.commit.gathered`): every rank votes at the
-  same step, the votes are exchanged with one collective, and rank 0 writes the records on a thread of its own;
+  same step, the votes go to rank 0 with one collective, what every rank needs back travels in the commit's
+  :class:`CommitFlags`, and rank 0 writes the records on a thread of its own;
 - queued (``schedule="dynamic"``, :mod:`~torch_batch_process.engine.commit.queued`): each rank votes on its own
   into a queue in the rendezvous store, and rank 0's collector thread turns the votes into records.
+
+What a rank learned about the device's memory (``on_oom="split"``, DESIGN §15) travels in its votes too
+(:attr:`Vote.limits`); each transport shares rank 0's merge of them with every rank in its own way.
 
 The closing commit is the same for both: every rank's vote is gathered at once
 (:meth:`~torch_batch_process.engine.commit.committer.Committer.close`).
@@ -13,20 +17,26 @@ The closing commit is the same for both: every rank's vote is gathered at once
 from __future__ import annotations
 
 import abc
+import bisect
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.commit.rank_failure import FailureInfo
 from torch_batch_process.jobstore.ranges import RangeSet
+from torch_batch_process.observe.histogram import EDGES, FLOOR_BIN
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.commit.publisher import Publisher
 
-__all__ = ["Part", "Vote", "VoteTransport"]
+__all__ = ["Arrival", "CommitFlags", "Part", "Vote", "VoteTransport"]
+
+_bisect = bisect.bisect_right
 
 
 class Part:
-    """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase."""
+    """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase, and the
+    histogram of its batches' ``process_batch`` seconds (see :mod:`torch_batch_process.observe.histogram`)."""
 
     def __init__(self) -> None:
         self.batches = RangeSet()
@@ -34,10 +44,14 @@ class Part:
         self.failed = 0  # examples skipped as failed (on_error="skip"), recorded in the stage
         self.lines: list[dict[str, Any]] = []
         self.timings = {"data": 0.0, "process": 0.0, "commit": 0.0, "hooks": 0.0}
+        self.batch_times: defaultdict[int, int] = defaultdict(int)
 
-    def add_batch(self, batch: int, examples: int) -> None:
+    def add_batch(self, batch: int, examples: int, seconds: float | None = None) -> None:
+        """A batch done; ``seconds``: its ``process_batch`` time, when it ran whole (counted in ``batch_times``)."""
         self.batches.add(batch)
         self.examples += examples
+        if seconds is not None:  # histogram.add_seconds inlined (this runs once per batch): one C call
+            self.batch_times[_bisect(EDGES, seconds) + FLOOR_BIN] += 1
 
     @property
     def num_batches(self) -> int:
@@ -71,10 +85,44 @@ class Vote:
     extra: dict[str, Any] = field(default_factory=dict)
     outputs: bool = False
     """Its stage holds output files (``outputs/commit_<stage>/`` once published; see ``CommitRecord.output_stages``)."""
+    limits: dict[str, Any] | None = None
+    """What the rank learned about the device's memory since its previous vote (the JSON form of
+    :class:`~torch_batch_process.jobstore.memory_limits.MemoryLimits`, ``on_oom="split"``), or ``None``."""
     schema: Any = None
     """The rank's record schema (:class:`~torch_batch_process.jobstore.schema.RecordSchema`) when it changed since
     the rank's previous vote (``None``: unchanged, or no rows yet): rank 0 commits no stage whose rows do not
     unify with the job's."""
+
+
+@dataclass
+class CommitFlags:
+    """What every rank learns of a regular commit (gathered votes: the MAX over the ranks' contributions)."""
+
+    preempt: bool
+    """Some rank asked to stop."""
+    failed: bool
+    """Some rank's vote carries a failure (the failures themselves are then gathered by every rank)."""
+    overflow: bool
+    """Some rank's vote did not fit the gather's buffer (the votes are then gathered again)."""
+    durable: int
+    """Rank 0's newest durable record (stages up to it may be published)."""
+    batches_committed: int
+    """Batches committed as rank 0 knew when it voted (the commit before this one), for progress."""
+    examples_committed: int
+    limits: int = 0
+    """Rank 0 holds memory limits (``on_oom="split"``) that the other ranks have not been sent: every rank then
+    takes them in one ``broadcast`` at this step boundary (changes are rare: a handful per job)."""
+
+
+@dataclass
+class Arrival:
+    """A regular commit as this rank receives it, once its votes arrived."""
+
+    votes: list[Vote]
+    """Gathered: rank 0 gets every rank's vote, the others their own; queued: this rank's own."""
+    flags: CommitFlags
+    counts: tuple[int, int] | None = None
+    """The committed batches and examples rank 0 told (``None``: this rank counts its own votes)."""
 
 
 class VoteTransport(abc.ABC):
@@ -98,8 +146,10 @@ class VoteTransport(abc.ABC):
         """Adds what the transport tells in a vote (rank 0's newest durable record, the votes queued before)."""
 
     @abc.abstractmethod
-    def send(self, vote: Vote) -> bool:
-        """Sends a regular vote; returns whether its commit is complete now (its votes are :meth:`arrived`)."""
+    def send(self, vote: Vote, *, limits_news: bool = False) -> bool:
+        """Sends a regular vote; returns whether its commit is complete now (its votes are :meth:`arrived`).
+        ``limits_news``: rank 0 holds memory limits the other ranks have not seen (gathered votes flag them, see
+        :attr:`CommitFlags.limits`)."""
 
     @property
     @abc.abstractmethod
@@ -107,9 +157,14 @@ class VoteTransport(abc.ABC):
         """Whether a regular commit this rank sent waits for its votes (:meth:`arrived` then waits for them)."""
 
     @abc.abstractmethod
-    def arrived(self) -> list[Vote] | None:
-        """The votes of the regular commit sent last (gathered: every rank's, waited for; queued: this rank's own),
-        or ``None`` when none is pending."""
+    def arrived(self) -> Arrival | None:
+        """The regular commit sent last, once its votes arrived (gathered: waited for), or ``None`` when none is
+        pending."""
+
+    def shared_limits(self) -> dict[str, Any] | None:
+        """The job's memory limits as rank 0 merged them, when the transport shares them apart from the votes and
+        they changed since this rank last read them (queued votes; gathered: ``None``, see :attr:`CommitFlags.limits`)."""
+        return None
 
     @abc.abstractmethod
     def durable_votes(self, newest_durable: int, published: Publisher) -> int:

@@ -14,6 +14,7 @@ from torch_batch_process.engine.commit.keeper import KeeperStart, RecordKeeper, 
 from torch_batch_process.engine.commit.queued import QueuedVotes
 from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.commit.votes import VoteTransport
+from torch_batch_process.engine.feed.fitting import BatchFitter
 from torch_batch_process.engine.distributed import Collectives, RendezvousStore
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.opening import Start
@@ -48,6 +49,7 @@ def make_committer(
     started: float,
     on_background_error: Callable[[], None],
     table: TableCommits | None = None,
+    fitter: BatchFitter | None = None,
 ) -> Committer:
     """The committer of this rank for this call.
 
@@ -70,6 +72,7 @@ def make_committer(
         started: when the call started (``time.monotonic()``).
         on_background_error: called when rank 0's vote collector fails (dynamic schedule).
         table: rank 0's transactions of a table target (``table=``), made after each record.
+        fitter: the rank's memory limits (``on_oom="split"``; ``None``: ``"raise"``), shared through the votes.
     """
     keeper = None
     if rank == 0:
@@ -110,4 +113,5 @@ def make_committer(
         first_stage=first_stage,
         transport=transport,
         records=records,
+        fitter=fitter,
     )

@@ -7,6 +7,13 @@ prefetching and ``collate_fn``. The loader yields batches in the sampler's order
 with its id from a FIFO. A batch that fails to load (its ``__getitem__`` or ``collate_fn`` raised) raises
 :class:`LoadFailed` with its id; the feed can go on with the next one after it.
 
+**Batches cut to fit** (``on_oom="split"``, DESIGN §15): when the rank's
+:class:`~torch_batch_process.engine.feed.fitting.BatchFitter` knows that a batch would run out of the device's memory,
+the sampler hands the loader its parts instead (each one a loader batch, loaded by the user's workers and
+``collate_fn`` as any other), and the feed gives them together as one item: a :class:`Cut` (the batch's id and
+its parts' dataset indices) and the list of the loaded parts (a part that failed to load is its
+:class:`LoadFailed` in the list). The plan is unchanged: a cut batch keeps its ``batch_idx``.
+
 The DataLoader's iterator marks each batch as a profiler range, which costs about 9 us per batch on the main
 thread even when no profiler runs (a hand loop pays it too). The feed asks the iterator for its next batch
 directly while no profiler is on, and through ``next()`` (with the range) while one is.
@@ -17,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,12 +32,13 @@ from torch.autograd import _profiler_enabled
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from torch_batch_process.engine.feed.fitting import BatchFitter
 from torch_batch_process.engine.feed.loader_workers import LoaderWorkers
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.engine.schedule.scheduler import Scheduler
 from torch_batch_process.errors import WorkerLostError
 
-__all__ = ["BatchFeed", "LoadFailed"]
+__all__ = ["BatchFeed", "Cut", "LoadFailed"]
 
 
 class LoadFailed(Exception):
@@ -41,23 +50,47 @@ class LoadFailed(Exception):
         self.error = error
 
 
-class _PlanSampler(Sampler[Sequence[int]]):
-    """Yields the dataset indices of the scheduler's batches and remembers their ids, in order."""
+@dataclass(frozen=True)
+class Cut:
+    """A batch that runs in parts to fit in the device's memory: its id and its parts' dataset indices, in order."""
 
-    def __init__(self, scheduler: Scheduler, plan: Plan, ids: collections.deque[int]) -> None:
+    batch_idx: int
+    pieces: list[list[int]]
+
+
+def batch_id(key: int | Cut) -> int:
+    """The batch id of a feed item's key."""
+    return key.batch_idx if type(key) is Cut else key  # type: ignore[union-attr,return-value]
+
+
+class _PlanSampler(Sampler[Sequence[int]]):
+    """Yields the dataset indices of the scheduler's batches (or of their parts) and remembers their ids
+    (or :class:`Cut` s), in order."""
+
+    def __init__(
+        self, scheduler: Scheduler, plan: Plan, ids: collections.deque[int | Cut], fitter: BatchFitter | None
+    ) -> None:
         self._scheduler = scheduler
         self._plan = plan
         self._ids = ids
+        self._fitter = fitter
 
     def __iter__(self) -> Iterator[Sequence[int]]:
+        fitter = self._fitter
         for batch in self._scheduler.batch_ids():
-            self._ids.append(batch)
-            yield list(self._plan.batch_indices(batch))
+            indices = self._plan.batch_indices(batch)
+            pieces = fitter.cut(indices) if fitter is not None and fitter.active else None
+            if pieces is None:
+                self._ids.append(batch)
+                yield list(indices)
+            else:
+                self._ids.append(Cut(batch, pieces))
+                yield from pieces
 
 
 class BatchFeed:
-    """An iterator of ``(batch_idx, batch)``; :class:`LoadFailed` for a batch that failed to load (iterate on:
-    the next batches follow).
+    """An iterator of ``(batch_idx, batch)``, or ``(Cut, [part, ...])`` for a batch cut to fit (see the module
+    docstring); :class:`LoadFailed` for a batch that failed to load (iterate on: the next batches follow).
 
     Args:
         dataset: the user's map-style dataset.
@@ -65,18 +98,25 @@ class BatchFeed:
         scheduler: this rank's scheduler.
         loader_kwargs: the user's ``dataloader_kwargs`` (checked before).
         device: this rank's device (on CUDA ``pin_memory`` defaults to True).
+        fitter: the rank's fitter (``on_oom="split"``), which cuts batches that would not fit; ``None``: none.
     """
 
     def __init__(
-        self, dataset: Any, plan: Plan, scheduler: Scheduler, loader_kwargs: dict[str, Any], device: torch.device
+        self,
+        dataset: Any,
+        plan: Plan,
+        scheduler: Scheduler,
+        loader_kwargs: dict[str, Any],
+        device: torch.device,
+        fitter: BatchFitter | None = None,
     ) -> None:
-        self._ids: collections.deque[int] = collections.deque()
+        self._ids: collections.deque[int | Cut] = collections.deque()
         kwargs = dict(loader_kwargs)
         self._workers = LoaderWorkers(kwargs.get("worker_init_fn"))
         kwargs["worker_init_fn"] = self._workers.init
         if device.type == "cuda":
             kwargs.setdefault("pin_memory", True)
-        self.loader = DataLoader(dataset, batch_sampler=_PlanSampler(scheduler, plan, self._ids), **kwargs)
+        self.loader = DataLoader(dataset, batch_sampler=_PlanSampler(scheduler, plan, self._ids, fitter), **kwargs)
         self._iter: Iterator[Any] | None = None
         self._direct: Callable[[], Any] | None = None  # the iterator's next batch without its profiler range
         self.watch: Callable[[Callable[[], int | None]], contextlib.AbstractContextManager[Any]] | None = None
@@ -92,17 +132,32 @@ class BatchFeed:
     def __iter__(self) -> BatchFeed:
         return self
 
-    def __next__(self) -> tuple[int, Any]:
+    def __next__(self) -> tuple[Any, Any]:
         self.start()
         assert self._iter is not None
         if self._workers.died is not None:  # reported meanwhile (engine/feed/loader_workers.py): raised here, safely
-            raise LoadFailed(self._ids[0] if self._ids else -1, self._workers.died)
+            raise LoadFailed(batch_id(self._ids[0]) if self._ids else -1, self._workers.died)
+        batch = self._pull()
+        key = self._ids[0]  # the sampler gave its indices, so its id is queued (a cut batch's: until all parts are in)
+        if type(key) is not Cut:
+            self._ids.popleft()
+            if isinstance(batch, LoadFailed):
+                raise batch from batch.error
+            return key, batch
+        parts = [batch]  # the loader yields the parts one after the other: take them all
+        for _ in key.pieces[1:]:
+            parts.append(self._pull())
+        self._ids.popleft()
+        return key, parts
+
+    def _pull(self) -> Any:
+        """The loader's next batch, or a :class:`LoadFailed` (for the id at the head) when loading it raised."""
+        assert self._iter is not None
         try:
             if self.watch is None:  # the common case, inline: this runs once per batch
-                batch = self._direct() if self._direct is not None and not _profiler_enabled() else next(self._iter)
-            else:
-                with self.watch(self._waiting_for):
-                    batch = self._fetch()
+                return self._direct() if self._direct is not None and not _profiler_enabled() else next(self._iter)
+            with self.watch(self._waiting_for):
+                return self._fetch()
         except StopIteration:
             raise
         except WorkerLostError:  # the scheduler lost the rendezvous store: not this batch's fault
@@ -110,8 +165,12 @@ class BatchFeed:
         except Exception as exc:  # noqa: BLE001 - a failing dataset or collate_fn: attributed to its batch
             if not self._ids:
                 raise
-            raise LoadFailed(self._ids.popleft(), exc) from exc
-        return self._ids.popleft(), batch
+            return LoadFailed(batch_id(self._ids[0]), exc)
+
+    @staticmethod
+    def load_error(key: int | Cut, error: Exception) -> LoadFailed:
+        """``error`` (raised while the batch of ``key`` was copied to the device) as that batch's load failure."""
+        return LoadFailed(batch_id(key), error)
 
     def _fetch(self) -> Any:
         assert self._iter is not None
@@ -120,7 +179,7 @@ class BatchFeed:
     def _waiting_for(self) -> int | None:
         """The batch the feed waits for (the loader yields in the sampler's order), ``None`` before its claim."""
         ids = self._ids
-        return ids[0] if ids else None
+        return batch_id(ids[0]) if ids else None
 
     def close(self) -> None:
         """Stops the loader's worker processes (explicitly: a loading error kept alive, e.g. in a failure record's

@@ -1,5 +1,6 @@
-"""The call's error handling around a rank's batches (DESIGN §11): ``on_error="skip"`` (a
-:class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` on the runner), ``batch_timeout`` (a
+"""The call's error handling around a rank's batches (DESIGN §11, §15): ``on_error="skip"`` and ``on_oom="split"``
+(a :class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` on the runner for transactions and
+bisection, and an :class:`~torch_batch_process.engine.feed.oom.OomSplitter`), ``batch_timeout`` (a
 :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog` timing the runner's batches and the feed's
 loads), and ``max_failures`` over all ranks at the end.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from torch_batch_process.context import CurrentBatch
@@ -16,6 +18,8 @@ from torch_batch_process.device import to_device
 from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.engine.feed.batches import BatchFeed
 from torch_batch_process.engine.feed.failing_examples import FailingExamples, check_total
+from torch_batch_process.engine.feed.fitting import BatchFitter
+from torch_batch_process.engine.feed.oom import OomSplitter
 from torch_batch_process.engine.feed.runner import BatchRunner
 from torch_batch_process.engine.feed.watchdog import BatchWatchdog
 from torch_batch_process.failure_options import FailureOptions
@@ -40,8 +44,13 @@ def guard_batches(
     start: Start,
     num_examples: int,
     failures_url: str,
+    fitter: BatchFitter | None = None,
+    original_batch: Callable[[int, int], int] | None = None,
+    lengths: np.ndarray | None = None,
+    rank_device: torch.device | None = None,
 ) -> BatchWatchdog | None:
-    """Sets up ``on_error="skip"`` and ``batch_timeout`` on ``runner`` and ``feed``; returns the started watchdog
+    """Sets up ``on_error="skip"``, ``on_oom="split"`` and ``batch_timeout`` on ``runner`` and ``feed``; returns the
+    started watchdog
     (``batch_timeout``), which the caller closes when its call ends (so that a rank whose batches are done still
     dumps its stacks when another rank's batch times out), else ``None``.
 
@@ -60,6 +69,10 @@ def guard_batches(
         start: what opening the job found (the attempt, the failures committed before).
         num_examples: examples of the job's plan (``max_failures`` as a fraction).
         failures_url: where failure records are published (for messages).
+        fitter: the rank's memory limits with ``on_oom="split"`` (``None``: ``"raise"``).
+        original_batch: a retry's plan: the batch an example failed in, in the job (its failure records keep it).
+        lengths: the examples' lengths of a ``bucket_by`` plan (the splitter cuts by them), else ``None``.
+        rank_device: the rank's device (the splitter releases its memory after an out-of-memory error).
     """
     watchdog = None
     if options.batch_timeout is not None:
@@ -67,9 +80,10 @@ def guard_batches(
         runner.span = watchdog.span
         feed.watch = watchdog.span  # a batch whose loading hangs is a stuck batch too
         watchdog.start()
-    if options.skip:
+    if options.skip or fitter is not None:
         place: Any = (lambda batch: to_device(batch, device)) if device is not None else (lambda batch: batch)
-        runner.skip = FailingExamples(
+        runner.guard = FailingExamples(
+            skip=options.skip,
             dataset=feed.loader.dataset,  # a source's rows by global row number (engine/feed/streams.py)
             collate_fn=feed.loader.collate_fn,
             place=place,
@@ -83,7 +97,18 @@ def guard_batches(
             failed_before=_failed_before(start),
             limit=options.limit(num_examples),
             failures_url=failures_url,
+            original_batch=original_batch,
         )
+    if fitter is not None:
+        assert runner.guard is not None
+        runner.splitter = OomSplitter(
+            fitter=fitter,
+            handler=runner.guard,
+            device=rank_device if rank_device is not None else torch.device("cpu"),
+            rank=rank,
+            lengths=lengths,
+        )
+        runner.guard.on_oom = runner.splitter.run_parts
     return watchdog
 
 

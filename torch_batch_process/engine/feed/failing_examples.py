@@ -25,8 +25,15 @@ files are named by ``batch_idx``. Use a recursive glob (``outputs/**/pred_*.pt``
 **Failure records** go into the stage of the rank's next commit, so they are committed (and published to
 ``<storage>/failures/<stage>-rank_<r>.jsonl``) exactly once together with the batch they belong to, across
 ``kill -9`` and resumes with another world size. One JSON object a line, with the keys ``index`` (dataset
-index), ``batch_idx``, ``attempt`` (the job's attempt), ``rank``, ``phase`` (``"load"`` or ``"process"``),
+index), ``batch_idx`` (in a retry: the batch the example failed in, in the job; ``retry_batch_idx`` is then the
+retry's), ``attempt`` (the job's attempt), ``rank``, ``phase`` (``"load"`` or ``"process"``),
 ``error_type``, ``message``, ``traceback`` and ``time`` (UNIX seconds). ``tbp failures STORAGE`` lists them.
+
+**Out-of-memory errors** (``on_oom="split"``, the default, independent of ``on_error``): the same transactions
+and parts serve :mod:`~torch_batch_process.engine.feed.oom`, which cuts a batch that ran out of memory into parts that
+fit; a half that runs out of memory during a bisection goes there too (:attr:`FailingExamples.on_oom`). Without
+``"skip"`` the handler only runs transactions (nothing is recorded: an error that is not an out-of-memory one
+fails the job as before).
 
 **max_failures**: when the committed failures plus this rank's new ones exceed the limit, the rank fails with
 :class:`~torch_batch_process.errors.TooManyFailuresError` (every rank stops; the last commit stays, so a
@@ -45,6 +52,7 @@ from typing import Any
 
 from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.commit.votes import Part
+from torch_batch_process.engine.feed.device_memory import is_out_of_memory
 from torch_batch_process.errors import (
     BatchTimeoutError,
     LoaderWorkerDiedError,
@@ -57,6 +65,9 @@ from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 from torch_batch_process.sources.base import SourceChangedError
 
 __all__ = ["FailingExamples", "check_total", "no_span", "too_many_message"]
+
+SLOW_SNAPSHOT_S = 0.005
+"""A copy of the reducers' state before an attempt that takes longer than this is worth a warning (once)."""
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +85,27 @@ decoded, e.g. a JSONL line that is not JSON, is that row's failure; a dead ``Dat
 loader as a ``RuntimeError``, which :meth:`FailingExamples.recoverable` tells apart)."""
 
 
-def too_many_message(failed: int, limit: int, failures_url: str) -> str:
+_NAMED = 5
+"""A :class:`TooManyFailuresError` raised before a commit names at most this many of the examples."""
+
+
+def too_many_message(failed: int, limit: int, failures_url: str, uncommitted: Sequence[str] = (), rank: int = 0) -> str:
+    """The message of :class:`TooManyFailuresError`: after a commit the failures are in ``failures_url``; raised
+    by a rank before its failures are committed (``uncommitted``: descriptions of this rank's examples that failed
+    since its last commit), it names them, since nothing lists them yet."""
+    advice = "Fix the data or the code, or raise max_failures, and run the job again: it resumes from its last commit."
+    if not uncommitted:
+        return (
+            f"{failed} examples failed, more than max_failures allows ({limit}); the job stops. The failures are "
+            f"listed in {failures_url}/ (`tbp failures` shows them). {advice}"
+        )
+    named = ", ".join(uncommitted[-_NAMED:])
+    more = f" and {len(uncommitted) - _NAMED} earlier" if len(uncommitted) > _NAMED else ""
+    committed = failed - len(uncommitted)
+    earlier = f"; {committed} more were committed before (in {failures_url}/: `tbp failures` lists them)" if committed > 0 else ""
     return (
-        f"{failed} examples failed, more than max_failures allows ({limit}); the job stops. The failures are listed "
-        f"in {failures_url}/ (`tbp failures` shows them). Fix the data or the code, or raise max_failures, and run "
-        "the job again: it resumes from its last commit."
+        f"{failed} examples failed, more than max_failures allows ({limit}); the job stops before committing them. "
+        f"Rank {rank}'s since its last commit: {named}{more}{earlier}. {advice}"
     )
 
 
@@ -93,6 +120,8 @@ class FailingExamples:
     """Runs a rank's batches as transactions and bisects those that fail (see the module docstring).
 
     Args:
+        skip: ``on_error="skip"``: failing examples are found and recorded (``False``: transactions only, for
+            ``on_oom="split"``).
         dataset: the user's dataset.
         collate_fn: the loader's ``collate_fn``.
         place: puts a loaded part where the loader's batches go (the device, with device prefetch).
@@ -106,11 +135,14 @@ class FailingExamples:
         failed_before: failures committed by earlier attempts.
         limit: ``max_failures`` as a count (``None``: no limit).
         failures_url: where the failures are published (for messages).
+        original_batch: a retry's ``(batch_idx, index) -> the batch the example failed in, in the job``: its
+            failure records keep the original batch (``batch_idx``), and the retry's (``retry_batch_idx``).
     """
 
     def __init__(
         self,
         *,
+        skip: bool = True,
         dataset: Any,
         collate_fn: Callable[[list[Any]], Any],
         place: Callable[[Any], Any],
@@ -124,8 +156,11 @@ class FailingExamples:
         failed_before: int,
         limit: int | None,
         failures_url: str,
+        original_batch: Callable[[int, int], int] | None = None,
     ) -> None:
+        self.skip = skip
         self._dataset = dataset
+        self._original_batch = original_batch
         self._collate = collate_fn
         self._place = place
         self._process = process
@@ -139,8 +174,13 @@ class FailingExamples:
         self._limit = limit
         self._failures_url = failures_url
         self.failed = 0  # failures this rank recorded in this call
+        self._uncommitted: list[str] = []  # descriptions of those since the rank's last commit (for the message)
         self._saved: list[Any] = []
         self._lines = 0
+        self._warned_slow = False
+        self.on_oom: Callable[[int, list[int], Part, BaseException], int] | None = None
+        """``on_oom="split"``: runs a part that ran out of memory in smaller parts (returns how many succeeded);
+        set by :mod:`~torch_batch_process.engine.feed.error_handling`."""
 
     @staticmethod
     def recoverable(exc: BaseException) -> bool:
@@ -151,9 +191,26 @@ class FailingExamples:
 
     def begin(self, part: Part, prefix: str = "") -> None:
         """Before an attempt: hold its files, remember the reducers' state and the metrics lines."""
-        self._saved = _snapshot(self._reducers) if self._reducers.wrapped else []
+        if self._reducers.wrapped:
+            t0 = time.perf_counter()
+            self._saved = _snapshot(self._reducers)
+            if time.perf_counter() - t0 > SLOW_SNAPSHOT_S and not self._warned_slow:
+                self._warn_slow(time.perf_counter() - t0)
+        else:
+            self._saved = []
         self._lines = len(part.lines)
         self._stager.hold(prefix)
+
+    def _warn_slow(self, seconds: float) -> None:
+        self._warned_slow = True
+        custom = [w.label for w in self._reducers.wrapped if not isinstance(w.reducer, SimpleReducer)]
+        logger.warning(
+            "rank %d: copying the state of reducer(s) %s before each batch took %.1f ms: a batch runs as a "
+            "transaction (on_oom='split', the default, and on_error='skip' restore the reducers after a failed "
+            "attempt), so keep a reducer's state small (sums and counts, not every value seen), or pass "
+            "on_oom='raise' without on_error='skip'",
+            self._rank, ", ".join(custom) or "?", seconds * 1000,
+        )
 
     def keep(self) -> None:
         """The attempt succeeded: its files join the stage."""
@@ -168,36 +225,37 @@ class FailingExamples:
 
     # ------------------------------------------------------------------ bisection
 
-    def recover(self, batch_idx: int, indices: Sequence[int], error: BaseException, phase: str, part: Part) -> None:
-        """Batch ``batch_idx`` failed as a whole with ``error`` (in ``phase``): bisects it, records the examples
-        that fail, and adds the batch to ``part`` with the examples that succeeded."""
+    def recover(self, batch_idx: int, indices: Sequence[int], error: BaseException, phase: str, part: Part) -> int:
+        """The examples ``indices`` of batch ``batch_idx`` (the batch, or a part of it) failed together with
+        ``error`` (in ``phase``): bisects them and records the examples that fail; returns how many succeeded."""
         indices = list(indices)
         logger.warning(
             "rank %d: batch %d (%d examples) failed in %s (%s: %s); splitting it to find the failing examples",
             self._rank, batch_idx, len(indices), phase, type(error).__name__, _first_line(error),
         )
         if len(indices) == 1:
-            self._record(batch_idx, indices[0], phase, error, part)
-            succeeded = 0
-        else:
-            succeeded = self._bisect(batch_idx, indices, part)
-        part.add_batch(batch_idx, succeeded)
+            self.record(batch_idx, indices[0], phase, error, part)
+            return 0
+        return self._bisect(batch_idx, indices, part)
 
     def _bisect(self, batch_idx: int, indices: list[int], part: Part) -> int:
         succeeded = 0
         half = (len(indices) + 1) // 2
         for piece in (indices[:half], indices[half:]):
-            failure = self._attempt(batch_idx, piece, part)
+            failure = self.attempt(batch_idx, piece, part)
             if failure is None:
                 succeeded += len(piece)
+            elif self.on_oom is not None and is_out_of_memory(failure[1]):
+                succeeded += self.on_oom(batch_idx, piece, part, failure[1])
             elif len(piece) == 1:
-                self._record(batch_idx, piece[0], failure[0], failure[1], part)
+                self.record(batch_idx, piece[0], failure[0], failure[1], part)
             else:
                 succeeded += self._bisect(batch_idx, piece, part)
         return succeeded
 
-    def _attempt(self, batch_idx: int, piece: list[int], part: Part) -> tuple[str, BaseException] | None:
-        """Loads and processes one part; returns ``(phase, error)`` when it failed."""
+    def attempt(self, batch_idx: int, piece: list[int], part: Part) -> tuple[str, BaseException] | None:
+        """Loads and processes one part (the examples ``piece``, in the main process) as a transaction; returns
+        ``(phase, error)`` when it failed (an error that fails the job even with ``on_error="skip"`` is raised)."""
         with self._span(batch_idx):
             try:
                 batch = self._place(self._collate(self._fetch(piece)))
@@ -227,13 +285,17 @@ class FailingExamples:
             return getitems(piece)
         return [self._dataset[i] for i in piece]
 
-    def _record(self, batch_idx: int, index: int, phase: str, error: BaseException, part: Part) -> None:
+    def record(self, batch_idx: int, index: int, phase: str, error: BaseException, part: Part) -> None:
+        """Records example ``index`` of batch ``batch_idx`` as failing (in the stage of this rank's next commit)."""
         self.failed += 1
         part.failed += 1
+        where = {"batch_idx": batch_idx}
+        if self._original_batch is not None:
+            where = {"batch_idx": self._original_batch(batch_idx, int(index)), "retry_batch_idx": batch_idx}
         self._stager.add_failure(
             {
                 "index": int(index),
-                "batch_idx": batch_idx,
+                **where,
                 "attempt": self._job_attempt,
                 "rank": self._rank,
                 "phase": phase,
@@ -247,9 +309,15 @@ class FailingExamples:
             "rank %d: example %d of batch %d failed in %s (%s: %s); skipped, recorded in %s/",
             self._rank, index, batch_idx, phase, type(error).__name__, _first_line(error), self._failures_url,
         )
+        self._uncommitted.append(f"example {index} (batch {batch_idx}, {type(error).__name__}: {_first_line(error)[:80]})")
         total = self._failed_before + self.failed
         if self._limit is not None and total > self._limit:
-            raise TooManyFailuresError(too_many_message(total, self._limit, self._failures_url)) from error
+            message = too_many_message(total, self._limit, self._failures_url, self._uncommitted, self._rank)
+            raise TooManyFailuresError(message) from None  # each example's own error is in the message and the log
+
+    def committed(self) -> None:
+        """The rank's stage was committed: its failures so far are listed in ``failures/`` now."""
+        self._uncommitted.clear()
 
 
 _NULL = contextlib.nullcontext()

@@ -21,6 +21,7 @@ from torch_batch_process.arguments import JobArguments
 from torch_batch_process.engine.distributed import Collectives, RendezvousStore
 from torch_batch_process.engine.feed.stream_order import WorkerAffineOrder
 from torch_batch_process.engine.feed.streams import StreamDataset, is_source
+from torch_batch_process.engine.plan.bucket_options import planned_max_tokens
 from torch_batch_process.engine.plan.plans import Plan, dataset_plan
 from torch_batch_process.engine.plan.stream_counts import CountedRows, shard_row_counts
 from torch_batch_process.engine.plan.streamed import StreamPlan
@@ -142,5 +143,7 @@ def open_input(args: JobArguments, storage: Storage, collectives: Collectives) -
     collective), when neither its metadata nor an earlier start of the job tells their rows."""
     if is_source(args.dataset):
         return StreamInput(args.dataset, args.batch_size, storage, collectives)
-    plan = dataset_plan(args.dataset_length, args.batch_size, args.lengths, args.bucket_window, args.max_tokens)
+    plan = dataset_plan(
+        args.dataset_length, args.batch_size, args.lengths, args.bucket_window, planned_max_tokens(args.max_tokens)
+    )
     return MapInput(args.dataset, plan, args.dataset_length)

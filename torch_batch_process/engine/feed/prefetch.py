@@ -39,6 +39,10 @@ The batch's structure follows :func:`torch_batch_process.device.to_device` (dict
 namedtuples; numpy arrays become tensors; strings, numbers, PIL images pass through), and each tensor
 or array is moved by ``to_device`` itself, so a prefetched batch equals ``to_device(batch, device)``.
 
+An exception raised by a copy (the device's memory ran out: DESIGN §15) is delivered at its batch's
+position, as ``error_of(key, exc)`` when given (the loop attributes it to the batch, whose parts are then
+loaded again and copied one by one).
+
 Order and errors: the caller sees exactly the sequence of items and exceptions that the source
 produces, in order; only the timing differs. An exception raised by the source while the prefetcher
 pulls batch ``i`` ahead is kept and raised, unchanged, when the caller asks for batch ``i``; the
@@ -245,12 +249,23 @@ class DevicePrefetcher(Generic[T]):
         device: the device batches go to.
         enabled: prefetch when ``device`` is CUDA (see :func:`validate_device_prefetch`).
         depth: batches kept in flight ahead of the one handed out (>= 1; default 1).
+        error_of: turns an exception raised while a batch is copied to the device (an out-of-memory error...)
+            and its key into the exception the caller gets at that batch's position (the loop: the batch's
+            :class:`~torch_batch_process.engine.feed.batches.LoadFailed`, so that it is attributed to the batch);
+            ``None``: raised as it is.
     """
 
     def __init__(
-        self, source: Iterable[tuple[T, Any]], device: torch.device | str, *, enabled: bool, depth: int = 1
+        self,
+        source: Iterable[tuple[T, Any]],
+        device: torch.device | str,
+        *,
+        enabled: bool,
+        depth: int = 1,
+        error_of: Callable[[T, Exception], Exception] | None = None,
     ) -> None:
         _check_depth(depth)
+        self._error_of = error_of
         device = torch.device(device)
         self._stream: torch.cuda.Stream | None = None
         if enabled and device.type == "cuda":
@@ -299,10 +314,15 @@ class DevicePrefetcher(Generic[T]):
         deferred = [False]
         stream = self._stream
         assert stream is not None
-        with torch.cuda.stream(stream):
-            moved = _copy_ahead(batch, self.device, self._warned, tensors, deferred)
-            ready = torch.cuda.Event()
-            ready.record(stream)
+        try:
+            with torch.cuda.stream(stream):
+                moved = _copy_ahead(batch, self.device, self._warned, tensors, deferred)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+        except Exception as exc:
+            if self._error_of is None:
+                raise
+            raise self._error_of(key, exc) from exc
         return _InFlight(key, moved, ready, tensors, deferred[0])
 
     def _hand_out(self, flight: _InFlight) -> tuple[T, Any]:
@@ -313,5 +333,10 @@ class DevicePrefetcher(Generic[T]):
                 tensor.record_stream(consumer)
         batch = flight.batch
         if flight.deferred:
-            batch = to_device(batch, self.device, self._warned)
+            try:
+                batch = to_device(batch, self.device, self._warned)
+            except Exception as exc:
+                if self._error_of is None:
+                    raise
+                raise self._error_of(flight.key, exc) from exc
         return flight.key, batch

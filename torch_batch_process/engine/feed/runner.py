@@ -1,10 +1,21 @@
 """Running one batch: ``process_batch(batch, batch_idx)`` under the job's modes, timed, with its failures kept.
 
 The context tells the processor which batch it is in (``context.batch_indices``); the batch counts as done
-(part of this rank's next commit) only when ``process_batch`` returned. An exception in loading or in
-``process_batch`` is recorded for this rank (see :class:`~torch_batch_process.engine.commit.rank_failure.RankFailure`),
-and the loop makes every rank stop with it; with ``on_error="skip"`` the batch goes to the
-:class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` instead, which bisects it. With
+(part of this rank's next commit) only when ``process_batch`` returned, for each of its parts if it ran in
+parts. An exception in loading or in ``process_batch`` is recorded for this rank (see
+:class:`~torch_batch_process.engine.commit.rank_failure.RankFailure`), and the loop makes every rank stop with it,
+except that:
+
+- with ``on_oom="split"`` (the default) an out-of-memory error goes to the
+  :class:`~torch_batch_process.engine.feed.oom.OomSplitter`, which runs the batch in parts that fit, and a batch that
+  the rank's :class:`~torch_batch_process.engine.feed.fitting.BatchFitter` knows would not fit arrives from the feed
+  already cut in parts (:class:`~torch_batch_process.engine.feed.batches.Cut`), or is cut here when what the rank
+  learned changed since the feed loaded it;
+- with ``on_error="skip"`` the batch goes to the :class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples`,
+  which bisects it.
+
+With either, every attempt runs as a transaction (:meth:`FailingExamples.begin`), and the runner holds no
+reference to a batch that failed while its parts run, so its device memory can be released. With
 ``batch_timeout`` each call is timed by the :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`.
 """
 
@@ -12,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,8 +31,10 @@ import torch
 from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.commit.votes import Part
-from torch_batch_process.engine.feed.batches import LoadFailed
+from torch_batch_process.engine.feed.batches import Cut, LoadFailed
 from torch_batch_process.engine.feed.failing_examples import FailingExamples, no_span
+from torch_batch_process.engine.feed.device_memory import forget_frames, is_out_of_memory
+from torch_batch_process.engine.feed.oom import OomSplitter
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.processor import TorchBatchProcessor
 
@@ -59,13 +72,10 @@ class BatchRunner:
         self._inference = torch.inference_mode if inference_mode else contextlib.nullcontext
         self._mode = mode or contextlib.nullcontext
         self.span = span or no_span
-        self.skip: FailingExamples | None = None  # on_error="skip" (set by the loop)
-
-    def loading(self) -> contextlib.AbstractContextManager[Any]:
-        """The mode batches are loaded in: ``torch.inference_mode()`` with ``inference_mode`` (as in a hand loop
-        under it: tensors that the main process makes, e.g. ``collate_fn``'s without workers, cost less), else
-        none."""
-        return self._inference()
+        self.guard: FailingExamples | None = None
+        """Transactions and bisection: ``on_error="skip"`` or ``on_oom="split"`` (set by the loop)."""
+        self.splitter: OomSplitter | None = None
+        """``on_oom="split"`` (set by the loop)."""
 
     def process(self, batch: Any, batch_idx: int) -> None:
         """``process_batch`` under the job's modes; tells the current batch whether it returned (its
@@ -78,47 +88,144 @@ class BatchRunner:
             raise
         self._current.finish(True)
 
-    def load_failed(self, failed: LoadFailed, part: Part, loaded_s: float) -> None:
-        """A batch whose loading raised."""
-        part.timings["data"] += loaded_s
-        if self.skip is not None and self.skip.recoverable(failed.error):
-            indices = self._plan.batch_indices(failed.batch_idx)
-            self._recover(failed.batch_idx, indices, failed.error, "load", part)
-            return
-        self._rank_failure.record(failed.error, f"loading batch {failed.batch_idx}")
+    def step(self, batches: Iterator[tuple[Any, Any]], part: Part) -> bool:
+        """Loads this rank's next batch from ``batches`` (the feed) and runs it; on success the batch joins
+        ``part``. Returns ``False`` when there is no batch left for this rank (dynamic schedule), or a stop was
+        seen at a claim.
 
-    def run(self, batch_idx: int, batch: Any, part: Part, loaded_s: float) -> None:
-        """Runs ``process_batch`` on a loaded batch; on success the batch joins ``part``."""
+        Loading runs under ``torch.inference_mode()`` with ``inference_mode`` (as in a hand loop under it:
+        tensors that the main process makes, e.g. ``collate_fn``'s without workers, cost less)."""
+        t0 = time.perf_counter()
+        try:
+            with self._inference():
+                key, batch = next(batches)
+        except StopIteration:
+            return False
+        except LoadFailed as failed:
+            self.load_failed(failed, part, time.perf_counter() - t0)
+            return True
+        part.timings["data"] += time.perf_counter() - t0
+        if self.guard is None:  # on_oom="raise", on_error="raise": nothing to undo, nothing to split
+            self._run_plain(key, batch, part)
+            return True
+        if type(key) is Cut:
+            pieces, loaded = key.pieces, batch
+            batch_idx = key.batch_idx
+        else:
+            batch_idx = key
+            pieces, loaded = [self._plan.batch_indices(batch_idx)], [batch]
+        del batch  # the loaded pieces are dropped one by one as they run: none is kept while a split runs
+        self._run_pieces(batch_idx, pieces, loaded, part, whole=type(key) is not Cut)
+        return True
+
+    def load_failed(self, failed: LoadFailed, part: Part, loaded_s: float) -> None:
+        """A batch whose loading (or copy to the device) raised."""
         part.timings["data"] += loaded_s
+        if self.guard is None:
+            self._rank_failure.record(failed.error, f"loading batch {failed.batch_idx}")
+            return
+        indices = self._plan.batch_indices(failed.batch_idx)
+        self._run_pieces(failed.batch_idx, [indices], [failed], part, whole=True)
+
+    # ------------------------------------------------------------------ running
+
+    def _run_plain(self, batch_idx: int, batch: Any, part: Part) -> None:
+        """A batch with nothing to undo if it fails: the job fails with it."""
         indices = self._plan.batch_indices(batch_idx)
         self._current.enter(batch_idx, indices)
         t0 = time.perf_counter()
-        skip = self.skip
-        if skip is not None:
-            skip.begin(part)
         try:
             with self.span(batch_idx):
                 self.process(batch, batch_idx)
         except Exception as exc:  # noqa: BLE001 - every rank stops with it (the loop's agreement)
-            if skip is not None:
-                skip.rollback(part)
-            if skip is not None and skip.recoverable(exc):
-                self._current.leave()
-                self._recover(batch_idx, indices, exc, "process", part)
-            else:
-                self._rank_failure.record(exc, f"process_batch(batch_idx={batch_idx})")
+            self._rank_failure.record(exc, f"process_batch(batch_idx={batch_idx})")
             return
         finally:
-            part.timings["process"] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            part.timings["process"] += seconds
             self._current.leave()
-        if skip is not None:
-            skip.keep()
-        part.add_batch(batch_idx, len(indices))
+        part.add_batch(batch_idx, len(indices), seconds)
 
-    def _recover(self, batch_idx: int, indices: Any, error: BaseException, phase: str, part: Part) -> None:
-        """``on_error="skip"``: bisects a failed batch; an error that is no example's fault fails the job."""
-        assert self.skip is not None
+    def _run_pieces(
+        self, batch_idx: int, pieces: list[Sequence[int]], loaded: list[Any], part: Part, *, whole: bool
+    ) -> None:
+        """Runs batch ``batch_idx`` as ``pieces`` (its examples, in order; one piece: the whole batch), each from
+        ``loaded`` (a batch loaded by the feed, or its :class:`LoadFailed`), each as a transaction; a piece that
+        fails goes to the splitter or the bisection. The batch joins ``part`` when no failure failed the job."""
+        guard = self.guard
+        assert guard is not None
+        splitter = self.splitter
+        fitter = splitter.fitter if splitter is not None else None
+        t0 = time.perf_counter()
+        succeeded = 0
+        split = len(pieces) > 1  # in parts (counted once per batch)
+        failed = False  # a piece failed (a failing example, or out of memory): the batch did not run whole
         try:
-            self.skip.recover(batch_idx, indices, error, phase, part)
-        except Exception as exc:  # noqa: BLE001 - TooManyFailuresError, BatchTimeoutError...
-            self._rank_failure.record(exc, f"splitting failed batch {batch_idx}")
+            for i, indices in enumerate(pieces):
+                batch, loaded[i] = loaded[i], None
+                error: BaseException | None = None
+                if isinstance(batch, LoadFailed):
+                    error, phase = batch.error, "load"
+                elif fitter is not None and fitter.active and not fitter.fits(indices):
+                    phase = "cut"  # what the rank learned since the feed loaded it: cut it now
+                else:
+                    error = self._attempt(batch_idx, indices, batch, part, "" if whole else f"part_{indices[0]}/")
+                    phase = "process"
+                    if error is None:
+                        succeeded += len(indices)
+                        if fitter is not None and fitter.active:
+                            fitter.fitted(indices)
+                        continue
+                del batch
+                failed = True
+                split = split or (splitter is not None and (error is None or is_out_of_memory(error)))
+                done = self._recover(batch_idx, indices, error, phase, part)
+                if done is None:
+                    return
+                succeeded += done
+        finally:
+            seconds = time.perf_counter() - t0
+            part.timings["process"] += seconds
+        if split and fitter is not None:
+            fitter.split_batches += 1
+        ran_whole = whole and not split and not failed
+        part.add_batch(batch_idx, succeeded, seconds if ran_whole else None)  # run whole: in the timeline
+
+    def _attempt(self, batch_idx: int, indices: Sequence[int], batch: Any, part: Part, prefix: str) -> Exception | None:
+        """Runs one loaded batch or piece as a transaction; returns its error."""
+        guard = self.guard
+        assert guard is not None
+        guard.begin(part, prefix)
+        self._current.enter(batch_idx, indices)
+        try:
+            with self.span(batch_idx):
+                self.process(batch, batch_idx)
+        except Exception as exc:  # noqa: BLE001 - handled by the caller
+            guard.rollback(part)
+            return exc
+        finally:
+            self._current.leave()
+        guard.keep()
+        return None
+
+    def _recover(
+        self, batch_idx: int, indices: Sequence[int], error: BaseException | None, phase: str, part: Part
+    ) -> int | None:
+        """The examples ``indices`` failed together with ``error`` (``None``: they would not fit): splits or
+        bisects them; returns how many succeeded, ``None`` when the failure fails the job (recorded)."""
+        guard = self.guard
+        assert guard is not None
+        try:
+            if self.splitter is not None and (error is None or is_out_of_memory(error)):
+                return self.splitter.run_parts(batch_idx, indices, part, error)
+            if error is not None and guard.skip and guard.recoverable(error):
+                if phase == "process":
+                    forget_frames(error)  # the failed attempt's batch: not kept while the halves run
+                return guard.recover(batch_idx, indices, error, phase, part)
+        except Exception as exc:  # noqa: BLE001 - ExampleTooLargeError, TooManyFailuresError, BatchTimeoutError...
+            self._rank_failure.record(exc, f"running batch {batch_idx} in parts")
+            return None
+        assert error is not None
+        where = f"loading batch {batch_idx}" if phase == "load" else f"process_batch(batch_idx={batch_idx})"
+        self._rank_failure.record(error, where)
+        return None

@@ -31,29 +31,47 @@ one CPU core, lengths of up to a million (audio samples) in 0.5-2.5 s. The greed
 ``max_tokens`` loops in Python once per run of equal batch sizes inside a window (a few per window),
 never once per example; its worst case, ``bucket_window=1`` with widely spread lengths, takes a few
 seconds for 10 million examples.
+
+**Memory** (DESIGN §14): the windows are planned about a million examples at a time (:data:`CHUNK_EXAMPLES`,
+rounded to whole windows), so the sorts' temporary arrays stay some 50 MiB whatever the dataset's size. The
+layout keeps no array of the dataset's size: one offset per batch (8 bytes per batch), and it plans a chunk again
+when a batch of it is first asked for (:class:`BucketLayout`). The lengths are used as given when they are a
+valid numpy array (no copy; see :func:`~torch_batch_process.engine.plan.bucket_options.as_lengths`), and kept by
+reference. A window larger than a chunk (a huge ``bucket_window``, e.g. one window for the whole job) is sorted
+at once, with temporaries of ~40 bytes per example of the window, kept for its batches. Chunking changes nothing
+in the result: a batch never crosses a window.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from torch_batch_process.engine.plan.bucket_options import check_lengths, validate_bucket_options
+from torch_batch_process.engine.plan.bucket_options import as_lengths, validate_bucket_options
 
 __all__ = [
     "BucketLayout",
+    "CHUNK_EXAMPLES",
     "LAYOUT_VERSION",
     "bucket_layout",
     "contiguous_padded_tokens",
     "layout_fingerprint",
+    "token_stats",
 ]
 
 LAYOUT_VERSION = 1
 """Version of the planning rules above; part of the fingerprint, so a change of rules refuses a resume."""
+
+CHUNK_EXAMPLES = 1 << 20
+"""Examples planned at a time (rounded to whole windows): bounds the temporary arrays of the sorts."""
+
+_HASH_CHUNK = 1 << 21
+"""Lengths converted to int64 at a time for the fingerprint's hash."""
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -61,42 +79,70 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
-@dataclass(frozen=True, eq=False)
 class BucketLayout:
-    """The batches of a length-bucketed plan.
+    """The batches of a length-bucketed plan, made from the lengths a chunk of windows at a time.
 
-    Attributes:
-        order: int64 permutation of the dataset indices ``[0, N)``: the examples in plan order.
-        offsets: int64, ``num_batches + 1`` entries: batch ``g`` holds ``order[offsets[g]:offsets[g+1]]``.
-        num_oversized: number of examples longer than ``max_tokens``, each alone in its batch (0
-            without ``max_tokens``).
+    Only what the job needs for every batch is kept: the batch offsets (8 bytes per batch) and, per chunk of
+    :data:`CHUNK_EXAMPLES` examples (whole windows), its first batch. The examples of a batch are found by
+    planning its chunk again when a batch of it is first asked for (the two chunks used last are kept), so a
+    rank holds no array of the dataset's size: it plans each chunk twice in all (the first pass counts the
+    batches, a rank's batches walk through the chunks in order). The lengths are read again then: they must not
+    change while the job runs (a chunk planned differently raises).
+
+    Built by :func:`bucket_layout`. Attributes:
+        offsets: int64, ``num_batches + 1`` entries: batch ``g`` holds ``offsets[g+1] - offsets[g]`` examples.
+        num_oversized: number of examples longer than ``max_tokens``, each alone in its batch (0 without
+            ``max_tokens``).
+        planned_padded_tokens: padded tokens of the plan (``len(batch) * max length``, summed over batches).
     """
 
-    order: np.ndarray
-    offsets: np.ndarray
-    num_oversized: int = 0
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        batch_size: int,
+        window_examples: int,
+        max_tokens: int | None,
+        chunk: int,
+        chunk_batches: np.ndarray,
+        chunk_tokens: list[int],
+        top: int,
+        offsets: np.ndarray,
+        num_oversized: int,
+    ) -> None:
+        self._lengths = lengths
+        self._batch_size = batch_size
+        self._window_examples = window_examples
+        self._max_tokens = max_tokens
+        self._chunk = chunk
+        self._chunk_batches = chunk_batches  # first batch (before the largest moves to the front) of each chunk
+        self._chunk_tokens = chunk_tokens  # padded tokens of each chunk: a chunk planned again must match
+        self._top = top  # the largest batch's index before it moved to the front
+        self.offsets = _readonly(offsets)
+        self.num_oversized = num_oversized
+        self.planned_padded_tokens = int(sum(chunk_tokens))
+        self._index_type = np.uint32 if len(lengths) <= np.iinfo(np.uint32).max else np.int64
+        self._cache: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
-    def __post_init__(self) -> None:
-        # The arrays are shared by every reader of the plan: make accidental writes fail loudly.
-        _readonly(self.order)
-        _readonly(self.offsets)
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_cache"], state["_lock"] = collections.OrderedDict(), None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, BucketLayout):
             return NotImplemented
         return (
             self.num_oversized == other.num_oversized
-            and np.array_equal(self.order, other.order)
             and np.array_equal(self.offsets, other.offsets)
+            and np.array_equal(self.order, other.order)
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable-looking arrays inside: compare, do not hash
-
-    def batch_indices(self, g: int) -> np.ndarray:
-        """Dataset indices of batch ``g``, in batch order (longest example first)."""
-        if not 0 <= g < self.num_batches():
-            raise IndexError(f"batch {g} is out of range: the plan has {self.num_batches()} batches")
-        return self.order[self.offsets[g] : self.offsets[g + 1]]
 
     def num_batches(self) -> int:
         """Number of batches in the plan."""
@@ -106,25 +152,139 @@ class BucketLayout:
         """Number of examples of each batch, in plan order."""
         return np.diff(self.offsets)
 
+    def batch_indices(self, g: int) -> np.ndarray:
+        """Dataset indices of batch ``g``, in batch order (longest example first); a read-only array."""
+        if not 0 <= g < self.num_batches():
+            raise IndexError(f"batch {g} is out of range: the plan has {self.num_batches()} batches")
+        before = self._top if g == 0 else g - 1 if g <= self._top else g  # its index before the largest moved
+        k = int(np.searchsorted(self._chunk_batches, before, side="right")) - 1
+        order, offsets = self._chunk_plan(k)
+        q = before - int(self._chunk_batches[k])
+        return order[offsets[q] : offsets[q + 1]]
+
+    @property
+    def order(self) -> np.ndarray:
+        """Every dataset index in plan order (a read-only array of the dataset's size, made on each access: for
+        tests and tools; the job itself uses :meth:`batch_indices`)."""
+        n = len(self._lengths)
+        order = np.empty(n, dtype=self._index_type)
+        for k in range(len(self._chunk_batches) - 1):
+            c0 = k * self._chunk
+            order[c0 : min(n, c0 + self._chunk)] = self._chunk_plan(k, keep=False)[0]
+        if self._top:
+            sizes = self.batch_sizes()
+            shift = int(sizes[0])
+            stop = int(self.offsets[self._top + 1])  # the batches before the largest, then the largest itself
+            _rotate_right(order, stop, shift)
+        return _readonly(order)
+
     def padded_tokens(self, lengths: Sequence[int] | np.ndarray) -> int:
-        """Tokens the batches take once padded: the sum over batches of ``len(batch) * max length in batch``."""
-        values = np.asarray(lengths, dtype=np.int64)
-        if len(values) != len(self.order):
-            raise ValueError(f"padded_tokens needs one length per example ({len(self.order)}), got {len(values)}")
-        if len(self.order) == 0:
-            return 0
-        longest = np.maximum.reduceat(values[self.order], self.offsets[:-1])
-        return int(np.dot(self.batch_sizes(), longest))
+        """Tokens the batches take once padded with ``lengths``: the sum over batches of ``len(batch) * max length
+        in batch`` (a chunk at a time; with the planned lengths, :attr:`planned_padded_tokens` costs nothing)."""
+        values = np.asarray(lengths)
+        if len(values) != len(self._lengths):
+            raise ValueError(f"padded_tokens needs one length per example ({len(self._lengths)}), got {len(values)}")
+        if values.dtype.kind not in "iu":
+            values = values.astype(np.int64)
+        total = 0
+        for k in range(len(self._chunk_batches) - 1):
+            order, offsets = self._chunk_plan(k, keep=False)
+            longest = np.maximum.reduceat(values[order], offsets[:-1]).astype(np.int64)
+            total += int(np.dot(np.diff(offsets), longest))
+        return total
+
+    def _chunk_plan(self, k: int, *, keep: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``k``'s examples in plan order (before the largest batch moves) and its batch offsets."""
+        with self._lock:
+            cached = self._cache.get(k)
+            if cached is not None:
+                self._cache.move_to_end(k)
+                return cached
+        c0 = k * self._chunk
+        part = self._lengths[c0 : min(len(self._lengths), c0 + self._chunk)]
+        sizes, tokens, local = _plan_chunk(part, self._batch_size, self._window_examples, self._max_tokens)
+        expected = int(self._chunk_batches[k + 1] - self._chunk_batches[k])
+        if len(sizes) != expected or int(tokens.sum()) != self._chunk_tokens[k]:
+            raise RuntimeError(
+                f"bucket_by's lengths changed while the job ran (examples {c0}..{c0 + len(part) - 1} now plan "
+                f"differently): the plan reads them again chunk by chunk, so pass an array that nothing modifies"
+            )
+        local += c0
+        order = _readonly(local.astype(self._index_type))
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        planned = (order, _readonly(offsets))
+        if keep:
+            with self._lock:
+                self._cache[k] = planned
+                while len(self._cache) > 2:  # the chunk of the job's first (largest) batch, and the current one
+                    self._cache.popitem(last=False)
+        return planned
 
 
 def contiguous_padded_tokens(lengths: Sequence[int] | np.ndarray, batch_size: int) -> int:
     """Padded tokens of the plain plan (§3: batch ``g`` holds ``[g*B, (g+1)*B)``), to compare with a layout."""
+    values = np.asarray(lengths)
+    if values.dtype.kind not in "iu":
+        values = values.astype(np.int64)
+    n = len(values)
+    step = max(1, CHUNK_EXAMPLES // batch_size) * batch_size  # whole batches per chunk
+    total = 0
+    for c0 in range(0, n, step):
+        part = values[c0 : min(n, c0 + step)]
+        starts = np.arange(0, len(part), batch_size)
+        sizes = np.diff(np.append(starts, len(part)))
+        total += int(np.dot(sizes, np.maximum.reduceat(part, starts).astype(np.int64)))
+    return total
+
+
+FILL_BINS = 20
+"""Bins of the per-batch fill histograms of :func:`token_stats` (real / padded tokens, 0 to 1)."""
+
+
+def token_stats(layout: BucketLayout, lengths: np.ndarray, batch_size: int, num_batches: int) -> dict[str, Any]:
+    """Real and padded tokens of the first ``num_batches`` batches of ``layout`` and of the same examples batched
+    in dataset order (``batch_size`` at a time): what bucketing saves, for ``tbp report``.
+
+    Returns:
+        ``{"batches", "examples", "real", "padded", "padded_in_order", "fill_bins", "fill", "fill_in_order"}``:
+        the token counts, and histograms of the batches' fill (real / padded tokens) over ``fill_bins`` equal bins
+        of ``[0, 1]``, for the plan and for dataset order.
+    """
     values = np.asarray(lengths, dtype=np.int64)
-    if len(values) == 0:
-        return 0
-    starts = np.arange(0, len(values), batch_size)
-    sizes = np.diff(np.append(starts, len(values)))
-    return int(np.dot(sizes, np.maximum.reduceat(values, starts)))
+    num_batches = min(num_batches, layout.num_batches())
+    count = int(layout.offsets[num_batches])
+    stats: dict[str, Any] = {
+        "batches": num_batches, "examples": count, "real": 0, "padded": 0, "padded_in_order": 0,
+        "fill_bins": FILL_BINS, "fill": [0] * FILL_BINS, "fill_in_order": [0] * FILL_BINS,
+    }
+    if count == 0:
+        return stats
+    planned = values[layout.order[:count]]
+    starts = layout.offsets[:num_batches]
+    sizes = np.diff(layout.offsets[: num_batches + 1])
+    real = np.add.reduceat(planned, starts)
+    padded = sizes * np.maximum.reduceat(planned, starts)
+    in_order = values[np.sort(layout.order[:count])]
+    order_starts = np.arange(0, count, batch_size)
+    order_sizes = np.diff(np.append(order_starts, count))
+    order_real = np.add.reduceat(in_order, order_starts)
+    order_padded = order_sizes * np.maximum.reduceat(in_order, order_starts)
+    stats.update(
+        real=int(real.sum()),
+        padded=int(padded.sum()),
+        padded_in_order=int(order_padded.sum()),
+        fill=_fill_histogram(real, padded),
+        fill_in_order=_fill_histogram(order_real, order_padded),
+    )
+    return stats
+
+
+def _fill_histogram(real: np.ndarray, padded: np.ndarray) -> list[int]:
+    """Counts of batches per fill bin (a batch of empty examples is full)."""
+    fill = np.divide(real, padded, out=np.ones(len(real), dtype=np.float64), where=padded > 0)
+    bins = np.minimum((fill * FILL_BINS).astype(np.int64), FILL_BINS - 1)
+    return np.bincount(bins, minlength=FILL_BINS).astype(int).tolist()
 
 
 # ------------------------------------------------------------------------------------------- planning
@@ -212,65 +372,106 @@ def _greedy_starts(sorted_lengths: np.ndarray, batch_size: int, window_examples:
     )
 
 
-def _largest_first(tokens: np.ndarray, window_of_batch: np.ndarray) -> np.ndarray:
-    """Batch permutation: windows in order, largest batch first inside each (stable), overall largest at 0."""
+def _largest_first_in_windows(tokens: np.ndarray, window_of_batch: np.ndarray) -> np.ndarray:
+    """Batch permutation: windows in order, largest batch first inside each (stable: ties keep their order)."""
     most = int(tokens.max())
     if (int(window_of_batch[-1]) + 1) * (most + 1) < np.iinfo(np.int64).max:
-        permutation = np.argsort(window_of_batch * (most + 1) + (most - tokens), kind="stable")
-    else:  # keys would overflow int64: sort on two keys instead (slower, same result)
-        permutation = np.lexsort((most - tokens, window_of_batch))
-    top = int(np.argmax(tokens[permutation]))  # first of the largest, in plan order
-    if top:
-        permutation = np.concatenate(([permutation[top]], permutation[:top], permutation[top + 1 :]))
-    return permutation
+        return np.argsort(window_of_batch * (most + 1) + (most - tokens), kind="stable")
+    return np.lexsort((most - tokens, window_of_batch))  # keys would overflow int64: two keys (slower, same result)
 
 
-def bucket_layout(lengths: np.ndarray, batch_size: int, window: int, max_tokens: int | None) -> BucketLayout:
+def _plan_chunk(
+    lengths: np.ndarray, batch_size: int, window_examples: int, max_tokens: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Plans whole windows (``lengths`` starts at a window's start): their batches in plan order, before the
+    plan's largest batch moves to the front. Returns the batch sizes, their tokens and the examples in
+    plan order (int64, positions in ``lengths``)."""
+    n = len(lengths)
+    sorted_indices = _sort_windows(lengths, window_examples)
+    sorted_lengths = lengths[sorted_indices]
+    if max_tokens is None:
+        # Windows start at multiples of batch_size, so cutting every batch_size examples never crosses one.
+        starts = np.arange(0, n, batch_size, dtype=np.int64)
+    else:
+        starts = _greedy_starts(sorted_lengths.astype(np.int64), batch_size, window_examples, max_tokens)
+    sizes = np.diff(np.append(starts, n))
+    tokens = sizes * sorted_lengths[starts].astype(np.int64)  # the first example of a batch is its longest
+    permutation = _largest_first_in_windows(tokens, starts // window_examples)
+    new_sizes = sizes[permutation]
+    new_starts = np.cumsum(new_sizes) - new_sizes
+    source = np.repeat(starts[permutation] - new_starts, new_sizes)
+    source += np.arange(n, dtype=np.int64)
+    return new_sizes, tokens[permutation], sorted_indices[source]
+
+
+def _rotate_right(array: np.ndarray, stop: int, shift: int) -> None:
+    """Moves ``array[stop - shift:stop]`` to the front of ``array[:stop]``, in place, in blocks (no copy of the
+    array: the temporary arrays are at most :data:`CHUNK_EXAMPLES` long)."""
+    moved = array[stop - shift : stop].copy()
+    position = stop - shift  # elements [0, position) move right by shift, the last ones first
+    while position > 0:
+        first = max(0, position - CHUNK_EXAMPLES)
+        array[first + shift : position + shift] = array[first:position]
+        position = first
+    array[:shift] = moved
+
+
+def bucket_layout(lengths: Any, batch_size: int, window: int, max_tokens: int | None) -> BucketLayout:
     """Plans the batches of §9 (see the module docstring for the rules).
 
     Args:
-        lengths: int64 length of each example, as returned by
-            :func:`~torch_batch_process.engine.plan.bucket_options.resolve_lengths`.
+        lengths: the length of each example: an integer numpy array (as returned by
+            :func:`~torch_batch_process.engine.plan.bucket_options.resolve_lengths`), or anything
+            :func:`~torch_batch_process.engine.plan.bucket_options.as_lengths` takes. The layout keeps a reference
+            to the validated array (see :class:`BucketLayout`).
         batch_size: most examples per batch (exactly this many without ``max_tokens``, except the last).
         window: ``bucket_window``: the examples of ``window * batch_size`` consecutive indices are sorted together.
         max_tokens: if set, a batch holds at most ``max_tokens`` padded tokens (``len * max length``),
             except an example longer than that, which is alone in its batch.
 
     Returns:
-        The layout; the same inputs give identical arrays in every process.
+        The layout; the same inputs give identical batches in every process, whatever their integer type.
     """
     validate_bucket_options(lengths, window, max_tokens, batch_size)
-    lengths = check_lengths(np.asarray(lengths), len(lengths))
+    lengths = as_lengths(lengths, len(lengths))
     n = len(lengths)
-    if n == 0:
-        return BucketLayout(order=np.zeros(0, dtype=np.int64), offsets=np.zeros(1, dtype=np.int64))
     window_examples = window * batch_size
-    sorted_indices = _sort_windows(lengths, window_examples)
-    sorted_lengths = lengths[sorted_indices]
-    if max_tokens is None:
-        # Windows start at multiples of batch_size, so cutting every batch_size examples never crosses one.
-        starts = np.arange(0, n, batch_size, dtype=np.int64)
-        oversized = 0
-    else:
-        starts = _greedy_starts(sorted_lengths, batch_size, window_examples, max_tokens)
-        oversized = int(np.count_nonzero(lengths > max_tokens))
-    sizes = np.diff(np.append(starts, n))
-    tokens = sizes * sorted_lengths[starts]  # the first example of a batch is its longest
-    permutation = _largest_first(tokens, starts // window_examples)
-    new_sizes = sizes[permutation]
-    offsets = np.zeros(len(new_sizes) + 1, dtype=np.int64)
-    np.cumsum(new_sizes, out=offsets[1:])
-    source = np.repeat(starts[permutation] - offsets[:-1], new_sizes) + np.arange(n, dtype=np.int64)
-    return BucketLayout(order=sorted_indices[source], offsets=offsets, num_oversized=oversized)
+    chunk = max(1, CHUNK_EXAMPLES // window_examples) * window_examples
+    sizes_parts, tokens_parts, chunk_tokens = [], [], []
+    oversized = 0
+    for c0 in range(0, n, chunk):
+        part = lengths[c0 : min(n, c0 + chunk)]
+        sizes, tokens, _ = _plan_chunk(part, batch_size, window_examples, max_tokens)
+        sizes_parts.append(sizes)
+        tokens_parts.append(tokens)
+        chunk_tokens.append(int(tokens.sum()))
+        if max_tokens is not None:
+            oversized += int(np.count_nonzero(part.astype(np.int64) > max_tokens))
+    counts = np.array([len(sizes) for sizes in sizes_parts], dtype=np.int64)
+    chunk_batches = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=chunk_batches[1:])
+    sizes = np.concatenate(sizes_parts) if sizes_parts else np.zeros(0, dtype=np.int64)
+    top = int(np.argmax(np.concatenate(tokens_parts))) if tokens_parts else 0  # the first largest, in plan order
+    if top:  # the plan's largest batch goes first
+        sizes = np.concatenate(([sizes[top]], sizes[:top], sizes[top + 1 :]))
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return BucketLayout(
+        lengths, batch_size, window_examples, max_tokens, chunk, chunk_batches, chunk_tokens, top, offsets, oversized
+    )
 
 
-def layout_fingerprint(lengths: np.ndarray, batch_size: int, window: int, max_tokens: int | None) -> dict[str, Any]:
+def layout_fingerprint(lengths: Any, batch_size: int, window: int, max_tokens: int | None) -> dict[str, Any]:
     """What determines the plan, as JSON-able values, for the job's fingerprint (§3 resume safety).
 
-    The lengths enter as the sha256 of their little-endian int64 bytes, so a list and a numpy array of
-    the same values match, and a resume with any other length is refused.
+    The lengths enter as the sha256 of their little-endian int64 bytes, so a list, a numpy array of any integer
+    type and an Arrow array of the same values match, and a resume with any other length is refused. The bytes
+    are made a chunk at a time (no int64 copy of the lengths).
     """
-    values = np.ascontiguousarray(np.asarray(lengths, dtype=np.int64), dtype="<i8")
+    values = as_lengths(lengths, len(lengths))
+    digest = hashlib.sha256()
+    for c0 in range(0, len(values), _HASH_CHUNK):
+        digest.update(np.ascontiguousarray(values[c0 : c0 + _HASH_CHUNK], dtype="<i8").tobytes())
     return {
         "plan": "bucketed",
         "version": LAYOUT_VERSION,
@@ -278,5 +479,5 @@ def layout_fingerprint(lengths: np.ndarray, batch_size: int, window: int, max_to
         "batch_size": int(batch_size),
         "bucket_window": int(window),
         "max_tokens": None if max_tokens is None else int(max_tokens),
-        "lengths_sha256": hashlib.sha256(values.tobytes()).hexdigest(),
+        "lengths_sha256": digest.hexdigest(),
     }

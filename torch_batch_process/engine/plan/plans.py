@@ -27,6 +27,7 @@ from torch_batch_process.engine.plan.bucketing import (
     bucket_layout,
     contiguous_padded_tokens,
     layout_fingerprint,
+    token_stats,
 )
 from torch_batch_process.jobstore.ranges import RangeSet
 
@@ -38,6 +39,9 @@ class Plan(abc.ABC):
 
     num_batches: int
     """Global batches of the job (after ``max_batches``)."""
+    first_batch: int = 0
+    """The number of the first batch: the plan's batches are ``[first_batch, first_batch + num_batches)`` (a retry's
+    batches are numbered after those of the job it retries, see :mod:`torch_batch_process.engine.retry`)."""
 
     @abc.abstractmethod
     def batch_indices(self, batch: int) -> Sequence[int]:
@@ -54,7 +58,11 @@ class Plan(abc.ABC):
     @property
     def num_examples(self) -> int:
         """Examples in the job's batches."""
-        return self.count_examples(RangeSet([(0, self.num_batches)]) if self.num_batches else RangeSet())
+        return self.count_examples(self.remaining(RangeSet()))
+
+    def remaining(self, committed: RangeSet) -> RangeSet:
+        """The plan's batches that ``committed`` does not hold."""
+        return committed.complement(self.first_batch + self.num_batches, self.first_batch)
 
     def fingerprint(self) -> dict[str, Any] | None:
         """What a resume must match beyond the dataset length and batch size (``None``: nothing more)."""
@@ -63,6 +71,10 @@ class Plan(abc.ABC):
     def describe(self) -> str:
         """A few words for the start-up log line."""
         return f"{self.num_examples} examples in {self.num_batches} batches"
+
+    def token_stats(self) -> dict[str, Any] | None:
+        """Real and padded tokens of the plan and of dataset order (``bucket_by`` plans; ``None`` otherwise)."""
+        return None
 
 
 class ContiguousPlan(Plan):
@@ -94,7 +106,7 @@ class BucketedPlan(Plan):
     """Batches of examples of similar length (see :mod:`torch_batch_process.engine.plan.bucketing`).
 
     Args:
-        lengths: the length of every example (``bucket_by``, resolved).
+        lengths: the length of every example (``bucket_by``, resolved: an integer numpy array).
         batch_size: the most examples of a batch.
         window: ``bucket_window``.
         max_tokens: cap of ``len(batch) * max length``, or ``None``.
@@ -108,11 +120,13 @@ class BucketedPlan(Plan):
         self.layout: BucketLayout = bucket_layout(lengths, batch_size, window, max_tokens)
         self.num_batches = self.layout.num_batches()
         self._fingerprint = layout_fingerprint(lengths, batch_size, window, max_tokens)
+        self._tokens: dict[str, Any] | None = None
 
     def cut(self, num_batches: int) -> BucketedPlan:
         plan = object.__new__(BucketedPlan)
         plan.__dict__.update(self.__dict__)
         plan.num_batches = min(num_batches, self.layout.num_batches())
+        plan._tokens = None
         return plan
 
     def batch_indices(self, batch: int) -> list[int]:
@@ -132,13 +146,20 @@ class BucketedPlan(Plan):
     def fingerprint(self) -> dict[str, Any]:
         return self._fingerprint
 
+    def token_stats(self) -> dict[str, Any]:
+        """See :func:`~torch_batch_process.engine.plan.bucketing.token_stats` (over the planned batches; computed once)."""
+        if self._tokens is None:
+            self._tokens = token_stats(self.layout, self.lengths, self.batch_size, self.num_batches)
+        return self._tokens
+
     def padded_tokens(self) -> tuple[int, int]:
         """Padded tokens (``len(batch) * max length`` summed over batches) of this plan and of the same
         examples in dataset order, to show what bucketing saves."""
-        return self.layout.padded_tokens(self.lengths), contiguous_padded_tokens(self.lengths, self.batch_size)
+        return self.layout.planned_padded_tokens, contiguous_padded_tokens(self.lengths, self.batch_size)
 
     def describe(self) -> str:
-        bucketed, ordered = self.padded_tokens()
+        tokens = self.token_stats()
+        bucketed, ordered = tokens["padded"], tokens["padded_in_order"]
         oversized = self.layout.num_oversized
         oversized = f"; {oversized} example(s) longer than max_tokens, alone" if oversized else ""
         return (

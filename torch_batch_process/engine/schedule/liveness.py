@@ -22,17 +22,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
 
-__all__ = ["BEAT_S", "SILENCE_ENV", "SILENCE_S", "Heartbeats", "heartbeat_silence_s", "watch_peers"]
+__all__ = ["BEAT_S", "SILENCE_ENV", "SILENCE_S", "Heartbeats", "StoreConnection", "heartbeat_silence_s", "watch_peers"]
 
 logger = logging.getLogger(__name__)
 
 BEAT_S = 1.0
-"""Seconds between two heartbeats of a rank (one store request each; rank 0 also reads one counter per rank)."""
+"""Seconds between two heartbeats of a rank (one store request each; rank 0 also reads every rank's counter, in
+one request)."""
 
 SILENCE_S = 15.0
 """A rank whose heartbeats stopped for this long is lost (default of ``TBP_HEARTBEAT_SILENCE_S``)."""
@@ -119,6 +119,14 @@ class Heartbeats:
         counts: dict[int, int] = {}
         heard: dict[int, float] = {}
         last_tick = time.monotonic()
+        others = [rank for rank in range(self._world_size) if rank != self._rank]
+        if self._watching:
+            try:
+                for rank in others:  # every counter exists from now on: one request reads them all at each beat
+                    store.add(f"alive/{rank}", 0)
+            except Exception as exc:  # noqa: BLE001 - rank 0's store is its own: this only fails as it stops
+                logger.debug("rank %d: no heartbeats (%s)", self._rank, exc)
+                return
         while not self._stop.is_set():
             now = time.monotonic()
             if now - last_tick > 3 * self._beat_s:  # this thread did not run: nobody's silence counts meanwhile
@@ -126,8 +134,8 @@ class Heartbeats:
             last_tick = now
             try:
                 store.add(own, 1)
-                if self._watching:
-                    lost = self._silent_rank(store, counts, heard, now)
+                if self._watching and others:
+                    lost = self._silent_rank(store, others, counts, heard, now)
                     if lost is not None:
                         self._report(lost, now - heard[lost])
                         return
@@ -136,12 +144,14 @@ class Heartbeats:
                 return
             self._stop.wait(self._beat_s)
 
-    def _silent_rank(self, store: Any, counts: dict[int, int], heard: dict[int, float], now: float) -> int | None:
-        """Reads every other rank's counter; returns a rank silent for longer than allowed, or ``None``."""
-        for rank in range(self._world_size):
-            if rank == self._rank:
-                continue
-            count = store.add(f"alive/{rank}", 0)
+    def _silent_rank(
+        self, store: Any, others: list[int], counts: dict[int, int], heard: dict[int, float], now: float
+    ) -> int | None:
+        """Reads every other rank's counter (one request for all: rank 0's work per beat stays one request at any
+        world size); returns a rank silent for longer than allowed, or ``None``."""
+        values = store.multi_get([f"alive/{rank}" for rank in others])
+        for rank, raw in zip(others, values, strict=True):
+            count = int(raw)
             if counts.get(rank) != count:
                 counts[rank], heard[rank] = count, now
             elif now - heard[rank] > self._silence_s:
@@ -157,8 +167,17 @@ class Heartbeats:
         self._on_lost(WorkerLostError(message))
 
 
+class StoreConnection(Protocol):
+    """What the heartbeats need of the call's rendezvous store
+    (:class:`~torch_batch_process.engine.distributed.RendezvousStore`): a connection of their own. Named by this
+    interface, not the class, because the join of the process group (:mod:`torch_batch_process.engine.join`, which
+    :mod:`~torch_batch_process.engine.distributed` runs) uses this module's heartbeat settings."""
+
+    def clone(self) -> Any: ...
+
+
 def watch_peers(
-    store: RendezvousStore | None, rank: int, world_size: int, on_lost: Callable[[WorkerLostError], None]
+    store: StoreConnection | None, rank: int, world_size: int, on_lost: Callable[[WorkerLostError], None]
 ) -> Heartbeats | None:
     """The started heartbeats of this rank with the dynamic schedule on several ranks (the call's rendezvous
     ``store``; ``None`` otherwise: no heartbeats). Rank 0 calls ``on_lost`` (from its heartbeat thread) with the

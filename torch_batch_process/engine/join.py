@@ -1,0 +1,289 @@
+"""Joining the job's processes: the rendezvous before the process groups, with a deadline and heartbeats.
+
+``init_process_group`` waits for every rank inside C++ (the TCP store's server waits for its clients, gloo
+waits in the store for each peer's address) with the group's timeout, 30 minutes by default, and nothing a
+Python thread does can cut that wait short. A rank that is never started, or that dies while the job opens
+(an OOM kill, a node lost, a bad argument on one node), then left the others hanging for half an hour when
+the job was started as plain processes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: Slurm's
+``srun``, Kubernetes without an agent; under torchrun or the library's launcher the agent stops the others).
+
+So when the library creates the default group, every rank first connects to the job's TCP store (hosted by rank
+0, or by torchrun's agent) and waits in a Python loop that watches the others (:func:`join_job`):
+
+- each rank adds a heartbeat to the store every second while it waits; rank 0 watches every rank's, the others
+  watch rank 0's (and lose the store at once when rank 0's process, which hosts it, dies). A rank that joined
+  and then went silent for ``TBP_HEARTBEAT_SILENCE_S`` seconds (default 15) fails every rank with
+  :class:`~torch_batch_process.errors.WorkerLostError` naming it;
+- a rank that never joins fails the others at the join deadline, ``TBP_JOIN_TIMEOUT_S`` seconds after they
+  joined (default 600: the nodes of a real cluster may start minutes apart, after an image pull or a slow
+  scheduler; it is the default ``join_timeout`` of torchrun's own rendezvous), with a message naming the ranks
+  that did not come.
+
+Once every rank has joined, the process groups are connected with a short timeout (:func:`connect_timeout`,
+at most 60 s: connecting takes well under a second per peer once everyone is there), which bounds the wait of a
+rank whose peer dies in that window, and the groups then get the collective timeout
+(``TBP_COLLECTIVE_TIMEOUT_S``, default 1800) for the job's own work. A group the user created is used as it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from torch_batch_process.engine.schedule.liveness import BEAT_S, heartbeat_silence_s
+from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
+
+__all__ = ["JOIN_TIMEOUT_ENV", "JOIN_TIMEOUT_S", "connect_timeout", "join_job", "join_timeout_s"]
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_ENV = "TBP_JOIN_TIMEOUT_S"
+JOIN_TIMEOUT_S = 600.0
+"""Default seconds a rank waits for the others to join (see the module docstring)."""
+
+CONNECT_TIMEOUT_S = 60.0
+"""At most this long to connect the process groups once every rank has joined."""
+
+_POLL_S = 0.1
+_TELL_S = 3.0
+"""Rank 0 waits at most this long for the others to read why the job cannot open."""
+
+
+def join_timeout_s() -> float:
+    """``$TBP_JOIN_TIMEOUT_S``, default :data:`JOIN_TIMEOUT_S`; an :class:`InvalidArgumentError` for a value that
+    is not a number of seconds > 0."""
+    raw = os.environ.get(JOIN_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return JOIN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise InvalidArgumentError(
+            f"{JOIN_TIMEOUT_ENV} must be a number of seconds > 0 (how long ranks wait for each other to join), got "
+            f"{raw!r}; unset it for the default ({JOIN_TIMEOUT_S:g} s)"
+        )
+    return value
+
+
+def connect_timeout() -> datetime.timedelta:
+    """The timeout of connecting the process groups once every rank has joined."""
+    return datetime.timedelta(seconds=min(CONNECT_TIMEOUT_S, join_timeout_s()))
+
+
+def join_job(rank: int, world_size: int) -> Any:
+    """Connects to the job's store and waits until every rank has joined (see the module docstring); returns the
+    store (its timeout set to :func:`connect_timeout`), ready for ``init_process_group(store=...)``.
+
+    Raises:
+        WorkerLostError: a rank did not join by the deadline, or joined and went silent, or rank 0's store
+            cannot be reached (every rank raises, naming them).
+    """
+    deadline_s = join_timeout_s()
+    store = _connect(rank, world_size, deadline_s)
+    _Rendezvous(store, rank, world_size, deadline_s, heartbeat_silence_s()).wait()
+    store.set_timeout(connect_timeout())
+    return store
+
+
+def _connect(rank: int, world_size: int, deadline_s: float) -> Any:
+    """The job's TCP store: hosted by rank 0 (it does not wait for the others here: the rendezvous does, watching
+    them), or by torchrun's agent when it shares its own (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        return dist.TCPStore(
+            addr,
+            port,
+            world_size,
+            is_master=rank == 0 and not agent,
+            timeout=datetime.timedelta(seconds=deadline_s),
+            wait_for_workers=False,
+            multi_tenant=True,
+            use_libuv=os.environ.get("USE_LIBUV", "1") == "1",
+        )
+    except Exception as exc:  # noqa: BLE001 - DistNetworkError, DistStoreError, TimeoutError, RuntimeError...
+        host = "torchrun's agent" if agent else "rank 0"
+        raise WorkerLostError(
+            f"rank {rank}: cannot reach the job's store at {addr}:{port} (hosted by {host}) within "
+            f"{JOIN_TIMEOUT_ENV}={deadline_s:g} s: {host} did not start, or MASTER_ADDR/MASTER_PORT are wrong "
+            f"({type(exc).__name__}: {_first_line(exc)})"
+        ) from exc
+
+
+class _Rendezvous:
+    """The wait of :func:`join_job` (one instance per call)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, deadline_s: float, silence_s: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.deadline_s = deadline_s
+        self.silence_s = silence_s
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"tbp_join/{restart}/"  # torchrun's agent store may serve several rounds
+        self._stop = threading.Event()
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    def wait(self) -> None:
+        started = time.monotonic()
+        self._request(lambda: self.store.add(self._key(f"beat/{self.rank}"), 1))  # joined: beating before counted
+        self._request(lambda: self.store.add(self._key("joined"), 1))
+        beater = threading.Thread(target=self._beat, name="tbp-join-heartbeat", daemon=True)
+        beater.start()
+        try:
+            if self.rank == 0:
+                self._lead(started)
+            else:
+                self._follow(started)
+        finally:
+            self._stop.set()
+            beater.join()  # no thread of the join outlives it
+        logger.debug("rank %d: every rank joined in %.2f s", self.rank, time.monotonic() - started)
+
+    def _beat(self) -> None:
+        try:
+            store = self.store.clone()  # a connection of its own: the main thread polls on the other
+        except Exception:  # noqa: BLE001 - the store is gone: the main thread finds out
+            return
+        while not self._stop.wait(BEAT_S):
+            try:
+                store.add(self._key(f"beat/{self.rank}"), 1)
+            except Exception:  # noqa: BLE001
+                return
+
+    def _lead(self, started: float) -> None:
+        """Rank 0: waits for every rank to join, then for every other rank to acknowledge that it saw them all
+        (a rank that died just before the last one joined is then caught here, not in the groups' connection),
+        watching the heartbeats of those that joined."""
+        watch = _Silence(self.silence_s)
+        next_scan = 0.0
+        ready = False
+        while True:
+            if not ready:
+                joined = self._request(lambda: self.store.add(self._key("joined"), 0))
+                if joined >= self.world_size:
+                    self._request(lambda: self.store.set(self._key("ready"), "1"))
+                    ready = True
+            if ready and self._request(lambda: self.store.add(self._key("acknowledged"), 0)) >= self.world_size - 1:
+                self._request(lambda: self.store.set(self._key("go"), "1"))
+                return
+            now = time.monotonic()
+            if now >= next_scan:
+                next_scan = now + BEAT_S
+                beats = {r: self._request(lambda r=r: self.store.add(self._key(f"beat/{r}"), 0)) for r in self._others()}
+                silent = watch.update(beats, now)
+                if silent:
+                    self._fail(
+                        f"rank(s) {silent} joined the job and then stopped while it was opening (no heartbeat for "
+                        f"{self.silence_s:g} s, {_SILENCE_HINT}): the process died or hangs; see its log",
+                        waiting=sum(1 for r, count in beats.items() if count > 0 and r not in silent),
+                    )
+                if now - started >= self.deadline_s:
+                    missing = [r for r, count in beats.items() if count == 0]
+                    self._fail(
+                        f"rank(s) {missing} did not join the job within {JOIN_TIMEOUT_ENV}={self.deadline_s:g} s "
+                        f"({self.world_size - len(missing)} of {self.world_size} ranks joined): start every rank (with "
+                        f"the same MASTER_ADDR and MASTER_PORT), or raise {JOIN_TIMEOUT_ENV} when nodes start further "
+                        "apart",
+                        waiting=self.world_size - 1 - len(missing),
+                    )
+            time.sleep(_POLL_S)
+
+    def _follow(self, started: float) -> None:
+        """Any other rank: acknowledges rank 0's word that every rank joined, waits for its go (or its verdict),
+        watching rank 0's heartbeat."""
+        watch = _Silence(self.silence_s)
+        next_scan = 0.0
+        acknowledged = False
+        while True:
+            if not acknowledged and self._request(lambda: self.store.check([self._key("ready")])):
+                self._request(lambda: self.store.add(self._key("acknowledged"), 1))
+                acknowledged = True
+            if acknowledged and self._request(lambda: self.store.check([self._key("go")])):
+                return
+            if self._request(lambda: self.store.check([self._key("failed")])):
+                message = self._request(lambda: self.store.get(self._key("failed"))).decode("utf-8", "replace")
+                self._request(lambda: self.store.add(self._key("told"), 1))
+                raise WorkerLostError(f"rank {self.rank}: {message}")
+            now = time.monotonic()
+            if now >= next_scan:
+                next_scan = now + BEAT_S
+                beat = self._request(lambda: self.store.add(self._key("beat/0"), 0))
+                if watch.update({0: beat}, now):
+                    raise WorkerLostError(
+                        f"rank {self.rank}: rank 0 stopped while the job was opening (no heartbeat for "
+                        f"{self.silence_s:g} s, {_SILENCE_HINT}): the process died or hangs; see its log"
+                    )
+                if now - started >= self.deadline_s + 2 * self.silence_s:  # rank 0 would have given its verdict
+                    raise WorkerLostError(
+                        f"rank {self.rank}: the job did not open within {JOIN_TIMEOUT_ENV}={self.deadline_s:g} s "
+                        "(rank 0 never said that every rank joined)"
+                    )
+            time.sleep(_POLL_S)
+
+    def _others(self) -> range:
+        return range(1, self.world_size)
+
+    def _fail(self, message: str, waiting: int) -> None:
+        """Rank 0: tells every rank why the job cannot open, and raises it. The store lives in this process (unless
+        torchrun's agent hosts it): it waits a moment for the ``waiting`` ranks to read the verdict, so that they
+        raise it rather than a lost store."""
+        try:
+            self.store.set(self._key("failed"), message)
+            until = time.monotonic() + _TELL_S
+            while self.store.add(self._key("told"), 0) < waiting and time.monotonic() < until:
+                time.sleep(_POLL_S)
+        except Exception:  # noqa: BLE001 - the others find out when the store goes with this process
+            pass
+        raise WorkerLostError(f"rank 0: {message}")
+
+    def _request(self, call: Any) -> Any:
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - the store's host is gone (rank 0's process, or the agent)
+            raise WorkerLostError(
+                f"rank {self.rank}: the job's store (hosted by rank 0 or torchrun's agent) stopped answering while "
+                f"the job was opening: rank 0 died or its machine is unreachable ({type(exc).__name__}: "
+                f"{_first_line(exc)})"
+            ) from exc
+
+
+class _Silence:
+    """Which watched ranks' heartbeat counters have not moved for ``silence_s`` seconds (a rank that has not
+    joined yet, counter 0, is not silent: the deadline is for it)."""
+
+    def __init__(self, silence_s: float) -> None:
+        self.silence_s = silence_s
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._last_scan: float | None = None
+
+    def update(self, beats: dict[int, int], now: float) -> list[int]:
+        if self._last_scan is not None and now - self._last_scan > self.silence_s / 2:
+            self._seen.clear()  # this process did not run for a while (suspended, starved): a fresh grace for all
+        self._last_scan = now
+        silent = []
+        for rank, count in beats.items():
+            last = self._seen.get(rank)
+            if last is None or count != last[0]:
+                self._seen[rank] = (count, now)
+            elif count > 0 and now - last[1] >= self.silence_s:
+                silent.append(rank)
+        return silent
+
+
+_SILENCE_HINT = "TBP_HEARTBEAT_SILENCE_S"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else ""

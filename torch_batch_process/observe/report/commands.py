@@ -1,0 +1,140 @@
+"""The ``tbp report`` and ``tbp dashboard`` subcommands (see :mod:`torch_batch_process.observe.report`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from torch_batch_process.environment import command_storage_options
+from torch_batch_process.errors import BatchProcessError
+
+__all__ = ["DEFAULT_PORT", "add_dashboard_parser", "add_report_parser", "run_dashboard", "run_report"]
+
+DEFAULT_PORT = 8765
+DEFAULT_REFRESH_S = 5.0
+_NO_PLOTLY = "plotly is not installed; install it with: pip install 'torch-batch-process[report]'"
+
+
+def _storage_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)")
+    parser.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        default=None,
+        help="fsspec storage options as a JSON object (default: $TBP_STORAGE_OPTIONS, else the filesystem's own "
+        "environment)",
+    )
+
+
+def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds ``report`` to the ``tbp`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "report",
+        help="write one self-contained HTML page about a job (throughput, batch times, stragglers, commits, "
+        "padding, failures)",
+        description=(
+            "Writes one self-contained HTML page (it opens offline: plotly.js is inside) made from what the job "
+            "stores: throughput over time per rank and in total across attempts, batch-time distribution and "
+            "stragglers, commit latency, padded vs real tokens with bucket_by, failing examples, ETA and the job's "
+            "arguments. Read-only: safe while the job runs."
+        ),
+    )
+    _storage_arguments(parser)
+    parser.add_argument(
+        "-o", "--output", metavar="FILE", default="report.html", help="the page to write (default: report.html)"
+    )
+    parser.set_defaults(func=run_report)
+    return parser
+
+
+def add_dashboard_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds ``dashboard`` to the ``tbp`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "dashboard",
+        help="serve the report page live on localhost, refreshing while the job runs",
+        description=(
+            "Serves the page of 'tbp report' on http://127.0.0.1:PORT/ (this machine only; from another one use "
+            "ssh -L PORT:127.0.0.1:PORT), updated every --refresh seconds from what the job stores. Read-only. "
+            "Ctrl-C stops it."
+        ),
+    )
+    _storage_arguments(parser)
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port on 127.0.0.1 (default {DEFAULT_PORT}; 0: a free one)"
+    )
+    parser.add_argument(
+        "--refresh",
+        type=float,
+        default=DEFAULT_REFRESH_S,
+        metavar="SECONDS",
+        help=f"seconds between updates of the page (default {DEFAULT_REFRESH_S:g}; at least 0.5)",
+    )
+    parser.set_defaults(func=run_dashboard)
+    return parser
+
+
+def _options(args: argparse.Namespace, command: str) -> tuple[dict[str, Any] | None, int | None]:
+    try:
+        return command_storage_options(args.storage_options), None
+    except ValueError as exc:
+        print(f"tbp {command}: --storage-options must be a JSON object: {exc}", file=sys.stderr)
+        return None, 2
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Runs ``tbp report``; returns the exit code (0; 1 when the job cannot be read; 2 for a bad argument or no
+    plotly)."""
+    options, code = _options(args, "report")
+    if code is not None:
+        return code
+    if importlib.util.find_spec("plotly") is None:
+        print(f"tbp report: {_NO_PLOTLY}", file=sys.stderr)
+        return 2
+    if os.path.isdir(args.output):
+        print(f"tbp report: --output {args.output!r} is a folder; give a file name, e.g. report.html", file=sys.stderr)
+        return 2
+    from torch_batch_process.observe.report import write_report
+
+    try:
+        size = write_report(args.storage_path, args.output, options)
+    except BatchProcessError as exc:
+        print(f"tbp report: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output} ({size / 1e6:.1f} MB): open it in a browser (it needs no network)")
+    return 0
+
+
+def run_dashboard(args: argparse.Namespace) -> int:
+    """Runs ``tbp dashboard`` until Ctrl-C; returns the exit code (0; 2 for a bad argument, no plotly or a port in
+    use)."""
+    options, code = _options(args, "dashboard")
+    if code is not None:
+        return code
+    if not 0 <= args.port <= 65535:
+        print(f"tbp dashboard: --port must be in 0..65535 (0: a free port), got {args.port}", file=sys.stderr)
+        return 2
+    if not args.refresh >= 0.5:
+        print(f"tbp dashboard: --refresh must be at least 0.5 seconds, got {args.refresh:g}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("plotly") is None:
+        print(f"tbp dashboard: {_NO_PLOTLY}", file=sys.stderr)
+        return 2
+    from torch_batch_process.observe.report.dashboard import serve_dashboard
+
+    def ready(url: str) -> None:
+        print(f"tbp dashboard: serving {url} for the job at {args.storage_path} (updated every {args.refresh:g} s); "
+              "Ctrl-C stops it", flush=True)
+
+    try:
+        code = serve_dashboard(
+            args.storage_path, port=args.port, refresh_s=args.refresh, storage_options=options, ready=ready
+        )
+    except OSError as exc:
+        print(f"tbp dashboard: cannot listen on 127.0.0.1:{args.port} ({exc}); pass another --port (0 picks a free "
+              "one)", file=sys.stderr)
+        return 2
+    print("tbp dashboard: stopped", flush=True)
+    return code
