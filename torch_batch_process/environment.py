@@ -14,12 +14,14 @@ job names: a torch-free module, so that the ``tbp`` command starts in a fraction
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 from typing import Any
 
 __all__ = [
+    "add_storage_arguments",
     "DEFAULT_ROOT",
     "HPARAMS_ENV",
     "JOB_NAME_ENV",
@@ -46,6 +48,19 @@ JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 def is_valid_job_name(name: Any) -> bool:
     """Whether ``name`` can name a job: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit."""
     return isinstance(name, str) and bool(JOB_NAME_PATTERN.match(name))
+
+
+def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every ``tbp`` command that reads a stored job takes: ``STORAGE_PATH`` and ``--storage-options``
+    (read by :func:`command_storage_options`)."""
+    parser.add_argument("storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)")
+    parser.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        default=None,
+        help="fsspec storage options as a JSON object (default: $TBP_STORAGE_OPTIONS, else the filesystem's own "
+        "environment)",
+    )
 
 
 def command_storage_options(given: str | None) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from torch_batch_process.environment import command_storage_options
+from torch_batch_process.environment import add_storage_arguments, command_storage_options
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError, NoJobError, OutputCorruptError
 from torch_batch_process.jobstore.layout import FAILURES_DIR, JOB_FILE
 from torch_batch_process.jobstore.retries import current_failures_root
@@ -150,11 +150,8 @@ def add_failures_parser(subparsers: Any) -> argparse.ArgumentParser:
             "attempt, rank, phase, exception), read from <storage_path>/failures/. Read-only."
         ),
     )
-    parser.add_argument(
-        "storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)"
-    )
+    add_storage_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the records as JSON lines (with tracebacks)")
-    parser.add_argument("--storage-options", metavar="JSON", default=None, help="fsspec storage options (JSON object)")
     parser.set_defaults(func=run_failures)
     return parser
 

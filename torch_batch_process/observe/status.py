@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Any
 
-from torch_batch_process.environment import command_storage_options
+from torch_batch_process.environment import add_storage_arguments, command_storage_options
 from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError, NoJobError
 from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.layout import (
@@ -345,15 +345,8 @@ def add_status_parser(subparsers: Any) -> argparse.ArgumentParser:
             "path. Read-only: safe while the job runs."
         ),
     )
-    parser.add_argument("storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)")
+    add_storage_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object (stable keys) instead of text")
-    parser.add_argument(
-        "--storage-options",
-        metavar="JSON",
-        default=None,
-        help="fsspec storage options as a JSON object (default: $TBP_STORAGE_OPTIONS, else the filesystem's own "
-        "environment)",
-    )
     parser.set_defaults(func=run_status)
     return parser
 

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from torch_batch_process.environment import command_storage_options
+from torch_batch_process.environment import add_storage_arguments, command_storage_options
 from torch_batch_process.errors import BatchProcessError
 
 __all__ = ["DEFAULT_PORT", "add_dashboard_parser", "add_report_parser", "run_dashboard", "run_report"]
@@ -16,17 +16,6 @@ __all__ = ["DEFAULT_PORT", "add_dashboard_parser", "add_report_parser", "run_das
 DEFAULT_PORT = 8765
 DEFAULT_REFRESH_S = 5.0
 _NO_PLOTLY = "plotly is not installed; install it with: pip install 'torch-batch-process[report]'"
-
-
-def _storage_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)")
-    parser.add_argument(
-        "--storage-options",
-        metavar="JSON",
-        default=None,
-        help="fsspec storage options as a JSON object (default: $TBP_STORAGE_OPTIONS, else the filesystem's own "
-        "environment)",
-    )
 
 
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -42,7 +31,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
             "arguments. Read-only: safe while the job runs."
         ),
     )
-    _storage_arguments(parser)
+    add_storage_arguments(parser)
     parser.add_argument(
         "-o", "--output", metavar="FILE", default="report.html", help="the page to write (default: report.html)"
     )
@@ -61,7 +50,7 @@ def add_dashboard_parser(subparsers: Any) -> argparse.ArgumentParser:
             "Ctrl-C stops it."
         ),
     )
-    _storage_arguments(parser)
+    add_storage_arguments(parser)
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port on 127.0.0.1 (default {DEFAULT_PORT}; 0: a free one)"
     )
