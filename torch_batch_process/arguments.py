@@ -71,7 +71,8 @@ class JobArguments:
     failures: FailureOptions = FailureOptions()
     """``on_error``, ``max_failures``, ``batch_timeout`` (:mod:`torch_batch_process.failure_options`)."""
     table: Any = None
-    """The table target of ``context.write()`` rows (a :class:`~torch_batch_process.tables.TableTarget`), or ``None``."""
+    """The table target of ``context.write()`` rows (a :class:`~torch_batch_process.tables.TableTarget`), or
+    ``None``."""
     script: Script | None = None
     """The script that runs the call (:func:`~torch_batch_process.validation.launching_script`): a job started by
     another one is refused."""

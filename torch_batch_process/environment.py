@@ -53,7 +53,9 @@ def is_valid_job_name(name: Any) -> bool:
 def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments every ``tbp`` command that reads a stored job takes: ``STORAGE_PATH`` and ``--storage-options``
     (read by :func:`command_storage_options`)."""
-    parser.add_argument("storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)")
+    parser.add_argument(
+        "storage_path", metavar="STORAGE_PATH", help="the job's storage path (local path or fsspec URL)"
+    )
     parser.add_argument(
         "--storage-options",
         metavar="JSON",

@@ -177,7 +177,9 @@ def describe_call(
         "straggler_ratio": straggler_ratio,
         "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
         "host": socket.gethostname(),
-        "versions": {"torch_batch_process": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        "versions": {
+            "torch_batch_process": __version__, "torch": torch.__version__, "python": platform.python_version()
+        },
     }
 
 

@@ -29,7 +29,13 @@ from typing import Any
 
 from torch_batch_process.arguments import JobArguments
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
-from torch_batch_process.engine.announce import announce_start, describe_call, log_memory, log_preempted, warn_max_batches
+from torch_batch_process.engine.announce import (
+    announce_start,
+    describe_call,
+    log_memory,
+    log_preempted,
+    warn_max_batches,
+)
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.commit.committer import Committer, Outcome
 from torch_batch_process.engine.commit.opening import open_job

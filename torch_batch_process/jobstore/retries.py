@@ -6,7 +6,8 @@ A retry ``k`` is a job of its own stored in ``retries/<k>/`` below the job's sto
 finished retry, else its own: a failure that succeeds in a retry is cleared, one that fails again is listed once,
 by the retry. A retry's outputs are published to the job's own ``outputs/`` with stage numbers after every one
 used before (:func:`retry_numbering`; :func:`retry_first_stages` tells them apart), except a retry stored by an
-earlier version, whose outputs stay in its folder (:func:`open_job_folder`). Read-only: the read side (``read_outputs``, ``read_failures``) uses it too.
+earlier version, whose outputs stay in its folder (:func:`open_job_folder`). Read-only: the read side
+(``read_outputs``, ``read_failures``) uses it too.
 """
 
 from __future__ import annotations

@@ -206,7 +206,9 @@ class Committer:
                 self._fitter.merge(shared)
             self._unshared = False
 
-    def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None, counts: tuple[int, int] | None = None) -> None:
+    def _observe(
+        self, votes: list[Vote], metrics: dict[str, Any] | None, counts: tuple[int, int] | None = None
+    ) -> None:
         """Tells the observer about a completed commit (all ranks' votes, or this rank's own; ``counts``: the
         committed batches and examples rank 0 told, when the votes are only this rank's own)."""
         if self._keeper is not None:

@@ -163,7 +163,8 @@ class VoteTransport(abc.ABC):
 
     def shared_limits(self) -> dict[str, Any] | None:
         """The job's memory limits as rank 0 merged them, when the transport shares them apart from the votes and
-        they changed since this rank last read them (queued votes; gathered: ``None``, see :attr:`CommitFlags.limits`)."""
+        they changed since this rank last read them (queued votes; gathered: ``None``, see
+        :attr:`CommitFlags.limits`)."""
         return None
 
     @abc.abstractmethod

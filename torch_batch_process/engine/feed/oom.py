@@ -9,8 +9,8 @@ fails with ``cudaErrorMemoryAllocation``; cuBLAS/cuDNN workspaces; a CPU allocat
 **What happens** (:class:`OomSplitter`): the failed attempt leaves nothing (it ran as a transaction, see
 :mod:`~torch_batch_process.engine.feed.failing_examples`), its frames are cleared and the device's cache is released
 (a garbage collection of the young generations, then ``empty_cache()`` of the device's module; see
-:func:`~torch_batch_process.engine.feed.device_memory.release_device_memory`), and the rank's :class:`~torch_batch_process.engine.feed.fitting.BatchFitter` learns
-the size that did not fit. The batch's examples
+:func:`~torch_batch_process.engine.feed.device_memory.release_device_memory`), and the rank's
+:class:`~torch_batch_process.engine.feed.fitting.BatchFitter` learns the size that did not fit. The batch's examples
 then run in parts, in their order, each loaded again in the main process and run as a transaction: each part's
 ``process_batch`` gets the batch's own ``batch_idx``, ``context.batch_indices`` gives the part's examples, and its
 ``upload_path()`` files go under ``part_<first dataset index>/`` (the naming of §11), so the outputs equal those

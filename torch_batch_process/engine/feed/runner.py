@@ -11,8 +11,8 @@ except that:
   the rank's :class:`~torch_batch_process.engine.feed.fitting.BatchFitter` knows would not fit arrives from the feed
   already cut in parts (:class:`~torch_batch_process.engine.feed.batches.Cut`), or is cut here when what the rank
   learned changed since the feed loaded it;
-- with ``on_error="skip"`` the batch goes to the :class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples`,
-  which bisects it.
+- with ``on_error="skip"`` the batch goes to the
+  :class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples`, which bisects it.
 
 With either, every attempt runs as a transaction (:meth:`FailingExamples.begin`), and the runner holds no
 reference to a batch that failed while its parts run, so its device memory can be released. With

@@ -15,8 +15,8 @@ folders) after every stage they used; both starts are fixed when the retry first
 fingerprint, ``first_batch`` and ``first_stage``), so a resume of the retry numbers the same way.
 
 The failures a retry records replace the ones it retried: the job's current failures are those of its latest
-finished retry (``retries/<k>/failures/``), else its own (:func:`~torch_batch_process.jobstore.retries.current_failures_root`); so a failure that
-succeeds in a retry is cleared, and one that fails again is listed once, by the retry, with the ``batch_idx`` of
+finished retry (``retries/<k>/failures/``), else its own
+(:func:`~torch_batch_process.jobstore.retries.current_failures_root`); so a failure that succeeds in a retry is cleared, and one that fails again is listed once, by the retry, with the ``batch_idx`` of
 its batch in the job (the original batch; ``retry_batch_idx`` is the retry's). The result of a retry call is the
 retry job's (``failed_examples``: the failures left).
 
@@ -203,10 +203,14 @@ class IndexPlan(Plan):
 
     def fingerprint(self) -> dict[str, Any]:
         digest = hashlib.sha256(",".join(map(str, self.indices)).encode()).hexdigest()[:16]
-        numbering = {} if self.first_stage is None else {"first_batch": self.first_batch, "first_stage": self.first_stage}
+        numbering = (
+            {} if self.first_stage is None else {"first_batch": self.first_batch, "first_stage": self.first_stage}
+        )
         return {"retry_indices": len(self.indices), "sha256": digest, **numbering}
 
     def describe(self) -> str:
         first, last = self.first_batch, self.first_batch + self.num_batches - 1
         numbers = f" (batch_idx {first}..{last})" if self.num_batches else ""
-        return f"retry of {self.num_examples} failed examples in {self.num_batches} batches of {self.batch_size}{numbers}"
+        return (
+            f"retry of {self.num_examples} failed examples in {self.num_batches} batches of {self.batch_size}{numbers}"
+        )
