@@ -220,7 +220,7 @@ def test_rank_0_dying_while_the_job_opens_fails_the_others_at_once(tmp_path):
 
 
 def test_votes_larger_than_the_gather_buffer_arrive_whole(tmp_path):
-    """A static commit's votes go to rank 0 in fixed-size buffers (engine/votes.py); a vote that does not fit (here
+    """A static commit's votes go to rank 0 in fixed-size buffers (engine/commit/gathered.py); a vote that does not fit (here
     190 report_metrics records of a rank) is gathered again, all ranks together: every record arrives once."""
     import pickle
 

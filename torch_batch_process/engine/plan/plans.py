@@ -41,7 +41,7 @@ class Plan(abc.ABC):
     """Global batches of the job (after ``max_batches``)."""
     first_batch: int = 0
     """The number of the first batch: the plan's batches are ``[first_batch, first_batch + num_batches)`` (a retry's
-    batches are numbered after those of the job it retries, see :mod:`torch_batch_process.engine.retry`)."""
+    batches are numbered after those of the job it retries, see :mod:`torch_batch_process.engine.plan.retry`)."""
 
     @abc.abstractmethod
     def batch_indices(self, batch: int) -> Sequence[int]:
