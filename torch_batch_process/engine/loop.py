@@ -250,8 +250,8 @@ class JobRun:
                 if decision is Decision.COMMIT:
                     self._checkpoint_hook(processor)
                     committer.commit(processor, preempt=signals.preempt_requested)
-                    if runner.skip is not None:
-                        runner.skip.committed()  # its failures are in that commit: tbp failures lists them
+                    if runner.guard is not None:
+                        runner.guard.committed()  # its failures are in that commit: tbp failures lists them
                 elif decision is not Decision.CONTINUE:
                     return decision
             return Decision.DONE
