@@ -310,6 +310,35 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
     return runs, pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
 
 
+class _Coalesced:
+    """Rows in their final order, given out as record batches of ``batch_rows`` (the last one shorter)."""
+
+    def __init__(self, batch_rows: int) -> None:
+        self._batch_rows = batch_rows
+        self._tables: list[Any] = []
+        self._rows = 0
+
+    def add(self, table: Any) -> Iterator[Any]:
+        if table.num_rows:
+            self._tables.append(table)
+            self._rows += table.num_rows
+        if self._rows >= self._batch_rows:
+            yield from self._take(final=False)
+
+    def flush(self) -> Iterator[Any]:
+        yield from self._take(final=True)
+
+    def _take(self, *, final: bool) -> Iterator[Any]:
+        if not self._tables:
+            return
+        table = _concat(self._tables).combine_chunks()  # one chunk: batches of batch_rows, not of a run's rows
+        whole = table.num_rows if final else table.num_rows - table.num_rows % self._batch_rows
+        for start in range(0, whole, self._batch_rows):
+            yield from table.slice(start, min(self._batch_rows, whole - start)).to_batches()
+        rest = table.slice(whole)
+        self._tables, self._rows = ([rest] if rest.num_rows else []), rest.num_rows
+
+
 _SEGMENT_SUFFIX = ".arrow"
 
 
@@ -414,14 +443,14 @@ def iter_outputs(
             names = wanted if wanted is not None else schema.names
             schema = require_pyarrow().schema([schema.field(name) for name in names])
         held: list[Any] = []
+        ready = _Coalesced(batch_rows)  # final rows, yielded in batches of batch_rows (tiny runs are joined)
         for i in range(len(runs) + 1):
             bound = runs[i].low if i < len(runs) else None
-            if held:  # one chunk: tiny runs (a commit's rows) come out as batches of batch_rows
-                table = _sorted(_concat(held).combine_chunks())
+            if held:
+                table = _sorted(_concat(held))
                 index = _np(table.column(INDEX_COLUMN))
                 cut = len(index) if bound is None else int(np.searchsorted(index, bound, side="left"))
-                for start in range(0, cut, batch_rows):
-                    yield from table.slice(start, min(batch_rows, cut - start)).to_batches()
+                yield from ready.add(table.slice(0, cut))
                 held = [table.slice(cut)] if cut < len(index) else []
             if i < len(runs):
                 try:
@@ -432,6 +461,7 @@ def iter_outputs(
                         "iter_outputs() read them; call it again (or read a stopped job)"
                     ) from exc
                 held.append(loaded.select(schema.names).cast(schema))
+        yield from ready.flush()
     finally:
         storage.close()
 
