@@ -16,9 +16,11 @@ Each measurement runs in a fresh process and times only the work (imports and th
 The table gives seconds per round and the ratio tbp / hand within each round (the machine's speed drifts, so only
 same-round ratios are compared), plus the record shards the job left (``outputs/**/records/part-*``).
 
-``--s3-read``: a 1e6-row job in batches of 10 (``checkpoint_interval=5``: 20,000 commits) written to S3 (a moto
-server on 127.0.0.1), then ``read_outputs`` timed; the same with ``TBP_SHARD_BYTES=1`` (a shard per commit, the
-layout before segments) for the comparison.
+``--s3-read``: ``read_outputs`` timed on S3 (a moto server on 127.0.0.1) for jobs in batches of 10
+(``checkpoint_interval=5``: a commit per 50 rows): 1e6 rows (20,000 commits) in this layout, and 1e5 rows (2,000
+commits) in this layout and with ``TBP_SHARD_BYTES=1`` (a shard per commit: the file layout before segments). Each
+job is written on local disk and its files copied to the bucket as they are (20,000 commits against moto, a Python
+server, would take most of an hour; the stored layout does not depend on the backend).
 """
 
 from __future__ import annotations
@@ -91,8 +93,12 @@ def child_hand(rows: int, batch_size: int, path: str, buffered: bool) -> dict:
 
 
 def child_s3(rows: int, batch_size: int, url: str, per_commit: bool) -> dict:
+    """Writes the job on local disk (20,000 commits against moto would take most of an hour), copies its files to
+    ``url`` as they are (the layout does not depend on the backend), then times ``read_outputs(url)``."""
     if per_commit:
         os.environ["TBP_SHARD_BYTES"] = "1"
+    import fsspec
+
     from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
 
     class Write(TorchBatchProcessor):
@@ -102,18 +108,20 @@ def child_s3(rows: int, batch_size: int, url: str, per_commit: bool) -> dict:
         def process_batch(self, batch, batch_idx):
             self.context.write({"x": batch * 2, "y": batch * 0.5})
 
-    t0 = time.perf_counter()
-    torch_batch_process(Write, _dataset(rows), batch_size=batch_size, storage_path=url, progress=False)
-    job = time.perf_counter() - t0
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, use_listings_cache=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        torch_batch_process(Write, _dataset(rows), batch_size=batch_size, storage_path=f"{tmp}/job", progress=False)
+        job = time.perf_counter() - t0
+        fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, use_listings_cache=False)
+        t0 = time.perf_counter()
+        fs.put(f"{tmp}/job/", root, recursive=True)
+        upload = time.perf_counter() - t0
     shards = len(fs.glob(f"{root}/outputs/commit_*/rank_*/records/part-*"))
     t0 = time.perf_counter()
     table = read_outputs(url)
     read = time.perf_counter() - t0
-    assert table.num_rows == rows
-    return {"job": job, "read": read, "shards": shards}
+    assert table.num_rows == rows and table.column("index").to_pylist() == list(range(rows))
+    return {"job": job, "upload": upload, "read": read, "shards": shards}
 
 
 def _child(*args: str) -> dict:
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--s3-read", action="store_true")
     parser.add_argument("--s3-rows", type=int, default=1_000_000)
+    parser.add_argument("--s3-before-rows", type=int, default=100_000, help="rows of the shard-per-commit job")
     parser.add_argument("--child", nargs="+")
     args = parser.parse_args(argv)
     if args.child:
@@ -164,13 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         server = MotoServer()
         os.environ.update(server.env())
         try:
-            print(f"\nS3 (moto): {args.s3_rows} rows in batches of 10, checkpoint_interval=5")
-            print("| layout | shards | job (s) | read_outputs (s) |")
-            print("|---|---:|---:|---:|")
-            for label, per_commit in (("segments + shards by size (this version)", "0"), ("a shard per commit (before)", "1")):
+            print("\nread_outputs on S3 (moto), jobs in batches of 10 with checkpoint_interval=5 (a commit per 50 rows)")
+            print("| rows | layout | commits | shards | read_outputs (s) |")
+            print("|---:|---|---:|---:|---:|")
+            cases = [(args.s3_before_rows, "a shard per commit (before)", "1"),
+                     (args.s3_before_rows, "segments + shards by size", "0"),
+                     (args.s3_rows, "segments + shards by size", "0")]
+            for rows, label, per_commit in cases:
                 url = f"s3://{server.new_bucket()}/job"
-                res = _child("s3", str(args.s3_rows), "10", url, per_commit)
-                print(f"| {label} | {res['shards']} | {res['job']:.1f} | {res['read']:.2f} |", flush=True)
+                res = _child("s3", str(rows), "10", url, per_commit)
+                print(f"| {rows} | {label} | {rows // 50} | {res['shards']} | {res['read']:.2f} |", flush=True)
         finally:
             server.stop()
     return 0
