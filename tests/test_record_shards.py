@@ -277,3 +277,64 @@ def test_a_job_stored_by_the_previous_layout_resumes_and_reads_back(tmp_path):
     _check_finished(storage, spec["n"], "parquet")
     after = glob.glob(os.path.join(storage, OUTPUTS_GLOB + ".parquet"))
     assert set(before) < set(after)  # the old shards stay where they were; the rest came in a few new ones
+
+
+class LateTypes(TorchBatchProcessor):
+    """A column that is all None in the first batches, typed later (the open shard is rewritten with the wider type)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        ids = [int(v) for v in batch]
+        self.context.write({"maybe": [f"m{i}" if batch_idx >= 5 else None for i in ids], "n": ids})
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_types_that_widen_after_rows_are_in_the_open_shard_and_in_segments(tmp_path, monkeypatch, fmt):
+    from torch_batch_process.outputs import records
+
+    monkeypatch.setattr(records, "ROW_GROUP_BYTES", 1)  # a row group per batch: the shard is open from the start
+    storage = str(tmp_path / "storage")
+    result = torch_batch_process(
+        LateTypes, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=storage, progress=False,
+        output_format=fmt,
+    )
+    assert result.finished
+    table = read_outputs(storage)
+    assert table.column("maybe").to_pylist() == [None] * 20 + [f"m{i}" for i in range(20, 40)]
+    assert pa.types.is_string(table.schema.field("maybe").type)
+    assert len(glob.glob(os.path.join(storage, OUTPUTS_GLOB + "." + fmt))) == 1
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        (shard,) = glob.glob(os.path.join(storage, OUTPUTS_GLOB + ".parquet"))
+        assert pa.types.is_string(pq.read_schema(shard).field("maybe").type)  # rewritten with the wider type
+
+
+class FailsOnce(LateTypes):
+    fail_at: int | None = 8
+
+    def process_batch(self, batch, batch_idx):
+        super().process_batch(batch, batch_idx)
+        if batch_idx == FailsOnce.fail_at:
+            raise RuntimeError("boom")
+
+
+def test_rows_left_in_segments_by_a_failure_are_rolled_over_at_the_next_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("TBP_SHARD_BYTES", "1000000")
+    storage = str(tmp_path / "storage")
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=storage, progress=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        torch_batch_process(FailsOnce, list(range(40)), **run)
+    assert not glob.glob(os.path.join(storage, OUTPUTS_GLOB + ".parquet"))  # the failed job's closing commit is not recorded
+    segments = glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrow"))
+    assert len(segments) == 5  # stages 1-4 (batches 0-7); stage 3 in two parts: its types widened at batch 5
+    index = read_outputs(storage).column("index").to_pylist()
+    assert index == list(range(32))  # every committed row, from segments
+    monkeypatch.setattr(FailsOnce, "fail_at", None)
+    assert torch_batch_process(FailsOnce, list(range(40)), **run).finished
+    table = read_outputs(storage)
+    assert table.column("maybe").to_pylist() == [None] * 20 + [f"m{i}" for i in range(20, 40)]
+    assert len(glob.glob(os.path.join(storage, OUTPUTS_GLOB + ".parquet"))) == 2  # the leftovers' shard, the new one
+    assert not glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrow"))
