@@ -158,6 +158,7 @@ class BatchRunner:
         t0 = time.perf_counter()
         succeeded = 0
         split = len(pieces) > 1  # in parts (counted once per batch)
+        clean = whole and not split
         try:
             for i, indices in enumerate(pieces):
                 batch, loaded[i] = loaded[i], None
@@ -175,6 +176,7 @@ class BatchRunner:
                             fitter.fitted(indices)
                         continue
                 del batch
+                clean = False  # run in parts or bisected: its seconds are not one batch's (not in the timeline)
                 split = split or (splitter is not None and (error is None or is_out_of_memory(error)))
                 done = self._recover(batch_idx, indices, error, phase, part)
                 if done is None:
@@ -185,7 +187,7 @@ class BatchRunner:
             part.timings["process"] += seconds
         if split and fitter is not None:
             fitter.split_batches += 1
-        part.add_batch(batch_idx, succeeded, seconds if whole and not split else None)  # whole: in the timeline
+        part.add_batch(batch_idx, succeeded, seconds if clean else None)  # run whole, at once: in the timeline
 
     def _attempt(self, batch_idx: int, indices: Sequence[int], batch: Any, part: Part, prefix: str) -> Exception | None:
         """Runs one loaded batch or piece as a transaction; returns its error."""
