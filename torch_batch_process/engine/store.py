@@ -223,8 +223,8 @@ class JobStore:
 
         Publishes the stages the record commits, deletes stages and state files it does not (they were never
         committed), rolls the committed record segments a kill left into published shards
-        (:mod:`torch_batch_process.outputs.segments`), removes scratch folders and temporary files of interrupted writes, and writes the
-        ``result.json`` of a finished job that was killed before writing it.
+        (:mod:`torch_batch_process.outputs.segments`), removes scratch folders and temporary files of interrupted
+        writes, and writes the ``result.json`` of a finished job that was killed before writing it.
         """
         for stage, ranks in self.staged().items():
             if ranks and latest is not None and latest.has_stage(stage):
