@@ -157,7 +157,8 @@ def _committed_examples(storage: str, batch_size: int, n: int) -> set[int]:
     fs, root = storage_fs(storage)
     names = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
     record = json.loads(fs.cat_file(names[-1]))
-    return {i for a, b in record["committed"] for g in range(a, b) for i in range(g * batch_size, min((g + 1) * batch_size, n))}
+    batches = [g for a, b in record["committed"] for g in range(a, b)]
+    return {i for g in batches for i in range(g * batch_size, min((g + 1) * batch_size, n))}
 
 
 def _check_exactly_once_now(storage: str, spec: dict, fmt: str) -> None:
@@ -239,7 +240,8 @@ def test_two_ranks_killed_then_resumed_with_another_world_size(tmp_path, world, 
     outcomes = wait_all(procs, timeout=60)
     assert outcomes[1][0] == -signal.SIGKILL and outcomes[0][0] not in (0, None), outcomes
     _check_exactly_once_now(storage, spec, "parquet")
-    outcomes = wait_all(spawn_ranks(world, RECORDS_JOB, json.dumps(dict(spec, attempt=2, sleep=0)), env=_env(1500)), 120)
+    resumed = spawn_ranks(world, RECORDS_JOB, json.dumps(dict(spec, attempt=2, sleep=0)), env=_env(1500))
+    outcomes = wait_all(resumed, timeout=120)
     assert [rc for rc, _, _ in outcomes] == [0] * world, outcomes
     _check_finished(storage, spec["n"], "parquet")
 
@@ -327,7 +329,8 @@ def test_rows_left_in_segments_by_a_failure_are_rolled_over_at_the_next_start(tm
     run = dict(batch_size=4, checkpoint_interval=2, storage_path=storage, progress=False)
     with pytest.raises(RuntimeError, match="boom"):
         torch_batch_process(FailsOnce, list(range(40)), **run)
-    assert not glob.glob(os.path.join(storage, OUTPUTS_GLOB + ".parquet"))  # the failed job's closing commit is not recorded
+    # the failed job's closing commit is not recorded: no shard was published
+    assert not glob.glob(os.path.join(storage, OUTPUTS_GLOB + ".parquet"))
     segments = glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrow"))
     assert len(segments) == 5  # stages 1-4 (batches 0-7); stage 3 in two parts: its types widened at batch 5
     index = read_outputs(storage).column("index").to_pylist()

@@ -263,7 +263,8 @@ class RecordWriter:
                 target = self._table_file
             else:
                 if self._shard is None:
-                    self._shard = ShardFile(self._local("." + OUTPUT_FORMATS[self._format]), self._schema.schema, self._format)
+                    local = self._local("." + OUTPUT_FORMATS[self._format])
+                    self._shard = ShardFile(local, self._schema.schema, self._format)
                 target = self._shard
         segment = None
         if saving:
@@ -277,7 +278,9 @@ class RecordWriter:
         self._encoding = self._encoder.submit(self._encode, target, group, segment, tables, landing)
 
     @staticmethod
-    def _encode(target: Any, group: Any, segment: _SegmentFile | None, saving: list[Any], landing: list[CopiesDone]) -> None:
+    def _encode(
+        target: Any, group: Any, segment: _SegmentFile | None, saving: list[Any], landing: list[CopiesDone]
+    ) -> None:
         """On the encoder thread: waits for the rows' copies back from the device, then writes them."""
         for copies in landing:
             copies.wait()
