@@ -17,6 +17,7 @@ from typing import Any
 
 from torch_batch_process.engine.records import CommitRecord, JobInfo, parse_json
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
+from torch_batch_process.outputs.segments import roll_leftovers
 from torch_batch_process.storage.base import TMP_MARKER, Storage
 from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.layout import (
@@ -221,8 +222,9 @@ class JobStore:
         any other rank writes).
 
         Publishes the stages the record commits, deletes stages and state files it does not (they were never
-        committed), removes scratch folders and temporary files of interrupted writes, and writes the
-        ``result.json`` of a finished job that was killed before writing it.
+        committed), rolls the committed record segments a kill left into published shards
+        (:mod:`torch_batch_process.outputs.segments`), removes scratch folders and temporary files of interrupted
+        writes, and writes the ``result.json`` of a finished job that was killed before writing it.
         """
         for stage, ranks in self.staged().items():
             if ranks and latest is not None and latest.has_stage(stage):
@@ -236,6 +238,7 @@ class JobStore:
             if not name.isdigit():
                 self.storage.delete(f"{STAGING_DIR}/{name}", recursive=True)
         self.storage.delete(SCRATCH_DIR, recursive=True)
+        roll_leftovers(self.storage, latest)  # record rows left in segments by a kill: into published shards
         keep_dirs = {rel.rsplit("/", 1)[0] for rel in (latest.referenced_files() if latest else set())}
         for name in self.storage.list(STATES_DIR):
             if f"{STATES_DIR}/{name}" not in keep_dirs:
