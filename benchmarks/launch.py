@@ -23,7 +23,9 @@ from benchmarks.common import count_output_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
-CONTENDERS = ("hand_loop", "tbp", "tbp_dynamic", "tbp_bucket", "pl_trainer", "hf_accelerate", "ray_data")
+CONTENDERS = (
+    "hand_loop", "tbp", "tbp_dynamic", "tbp_bucket", "pl_trainer", "hf_accelerate", "ray_data", "sentence_transformers",
+)
 LABELS = {
     "hand_loop": "hand-written loop",
     "tbp": "torch_batch_process",
@@ -32,9 +34,14 @@ LABELS = {
     "pl_trainer": "Lightning Trainer.predict",
     "hf_accelerate": "accelerate",
     "ray_data": "Ray Data",
+    "sentence_transformers": "sentence-transformers encode (multi-process pool with 2 processes)",
 }
 # Contenders whose processes are started by torchrun (the others start their own processes).
 TORCHRUN = {"hand_loop", "tbp", "tbp_dynamic", "tbp_bucket", "hf_accelerate"}
+# Contenders that run some workloads only (the runner skips the others); the rest run every workload.
+WORKLOADS_OF = {"sentence_transformers": ("minilm",)}
+# Contenders that write one timing report whatever the number of processes (their workers are not ranks).
+ONE_REPORT = {"ray_data", "sentence_transformers"}
 
 RUN_TIMEOUT_S = 900
 
@@ -110,8 +117,11 @@ def run_contender(
     cache_dir: Path | None = None,
     extra_args: list[str] | None = None,
     timeout_s: float = RUN_TIMEOUT_S,
+    wrap: list[str] | None = None,
 ) -> RunResult:
-    """Runs one contender once, checks its outputs, deletes them, returns its timings."""
+    """Runs one contender once, checks its outputs, deletes them, returns its timings.
+
+    ``wrap``: a command that runs the contender's command (a profiler: ``py-spy record ... --``)."""
     out, report = work_dir / "out", work_dir / "report"
     shutil.rmtree(work_dir, ignore_errors=True)
     report.mkdir(parents=True)
@@ -122,7 +132,7 @@ def run_contender(
     if cache_dir is not None:
         args += ["--cache", str(cache_dir)]
     args += extra_args or []
-    command = contender_command(contender, nproc, args)
+    command = [*(wrap or []), *contender_command(contender, nproc, args)]
     result = RunResult(contender, workload, nproc, round_index, ok=False, examples=num_examples)
     started = time.time()
     code = run_logged(command, log_path, timeout_s)
@@ -131,7 +141,7 @@ def run_contender(
         result.error = f"exit code {code}" if code is not None else f"timed out after {timeout_s:.0f} s"
         return result
     reports = [json.loads(p.read_text()) for p in sorted(report.glob("rank_*.json"))]
-    expected = nproc if contender != "ray_data" else 1
+    expected = 1 if contender in ONE_REPORT else nproc
     if len(reports) != expected:
         result.error = f"{len(reports)} timing reports, expected {expected}"
         return result
@@ -140,7 +150,8 @@ def run_contender(
     firsts = [r["first_batch"] for r in reports if r.get("first_batch")]
     result.first_batch_s = (min(firsts) - start) if firsts else None
     result.steady_throughput = steady_throughput(reports)
-    result.extra = {k: v for r in reports[:1] for k, v in r.items() if k in ("commits", "timings")} or None
+    result.extra = {k: v for r in reports[:1] for k, v in r.items() if k in ("commits", "timings")}
+    result.extra["pids"] = [r.get("pid") for r in sorted(reports, key=lambda r: r["rank"])]
     result.files, result.rows = count_output_rows(out) if out.exists() else (0, 0)
     if result.rows != num_examples:
         result.error = f"outputs hold {result.rows} rows, expected {num_examples}"

@@ -34,12 +34,19 @@ class BenchProcessor(TorchBatchProcessor):
         self.reporter.batch_done(self.workload.batch_examples(batch))
 
 
-def run(opts: Options, prepare: Callable[[Any], dict[str, Any]] | None = None, **options: Any) -> dict[str, Any]:
+def run(
+    opts: Options,
+    prepare: Callable[[Any], dict[str, Any]] | None = None,
+    processor: type[BenchProcessor] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
     """One job; ``options`` go to ``torch_batch_process`` (default: its defaults).
 
     ``prepare(dataset)``, if given, returns more options; it runs inside the job's clock (a plan's cost,
-    e.g. computing lengths, is part of the job) and its time is reported as ``plan_seconds``.
+    e.g. computing lengths, is part of the job) and its time is reported as ``plan_seconds``. ``processor``:
+    a subclass of :class:`BenchProcessor` (the embeddings' agreement check also writes each batch's indices).
     """
+    processor = processor or BenchProcessor
     workload = opts.workload
     dataset = workload.dataset()
     reporter = Reporter(opts.report)
@@ -53,7 +60,7 @@ def run(opts: Options, prepare: Callable[[Any], dict[str, Any]] | None = None, *
     if interval:
         options.setdefault("checkpoint_interval", interval)
     result = torch_batch_process(
-        BenchProcessor,
+        processor,
         dataset,
         batch_size=workload.batch_size,
         dataloader_kwargs={"num_workers": opts.workers, "collate_fn": workload.collate_fn()},
