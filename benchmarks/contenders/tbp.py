@@ -21,6 +21,7 @@ class BenchProcessor(TorchBatchProcessor):
 
     opts: Options
     reporter: Reporter
+    checkpoint_starts = 0  # on_checkpoint_start() calls on this rank (per-rank call counts differ by schedule)
 
     def __init__(self, context: Any) -> None:
         self.context = context
@@ -32,6 +33,9 @@ class BenchProcessor(TorchBatchProcessor):
         with self.context.upload_path() as path:
             save_tensor(output, Path(path) / output_name(batch_idx))
         self.reporter.batch_done(self.workload.batch_examples(batch))
+
+    def on_checkpoint_start(self) -> None:
+        BenchProcessor.checkpoint_starts += 1
 
 
 def run(
@@ -68,7 +72,10 @@ def run(
         **options,
     )
     rank, world_size = env_rank()
-    return reporter.finish(rank, world_size, commits=result.commits, timings=result.timings, plan_seconds=plan_seconds)
+    return reporter.finish(
+        rank, world_size, commits=result.commits, timings=result.timings, plan_seconds=plan_seconds,
+        checkpoint_starts=BenchProcessor.checkpoint_starts,
+    )
 
 
 if __name__ == "__main__":
