@@ -47,11 +47,11 @@ def phase(frames: list[str]) -> str:
     job = _after(names, files, "run", "hand_loop.py") or _after(names, files, "run", "tbp.py")
     if job is None:
         return "not in the job clock (interpreter, imports)"
+    if "save_tensor" in names:
+        return "process_batch: torch.save"
     if "process_batch" in names or "predict" in names:
         below = files[names.index("process_batch" if "process_batch" in names else "predict") :]
         return "process_batch: upload_path (library)" if "files.py" in below else "process_batch: model"
-    if "save_tensor" in names:
-        return "process_batch: torch.save"
     steps = _after(names, files, "_steps", "loop.py")
     if steps is not None:
         if steps == len(frames):
