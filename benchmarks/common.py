@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,7 @@ class Reporter:
 
     def __init__(self, report: Path) -> None:
         self.report = report
+        self._cpu0 = cpu_times()
         self.start = time.time()
         self.first_batch: float | None = None
         self.last_batch: float | None = None
@@ -94,6 +96,7 @@ class Reporter:
             "batches": self.batches,
             "examples": self.examples,
             "pid": os.getpid(),
+            "cpu": {k: v - self._cpu0[k] for k, v in cpu_times().items()},
             **extra,
         }
         path = self.report / f"rank_{rank}.json"
@@ -101,6 +104,15 @@ class Reporter:
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
         return data
+
+
+def cpu_times() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process's main thread, of its other threads (alive or ended:
+    a framework's background threads, gloo's, the DataLoader's feeder) and of its children that ended (the
+    DataLoader's workers, once the loader stopped them). Read on the main thread."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    main = time.thread_time()
+    return {"main": main, "threads": time.process_time() - main, "children": children.ru_utime + children.ru_stime}
 
 
 def env_rank() -> tuple[int, int]:

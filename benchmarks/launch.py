@@ -23,7 +23,9 @@ from benchmarks.common import count_output_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
-CONTENDERS = ("hand_loop", "tbp", "tbp_dynamic", "tbp_bucket", "pl_trainer", "hf_accelerate", "ray_data")
+CONTENDERS = (
+    "hand_loop", "tbp", "tbp_dynamic", "tbp_bucket", "pl_trainer", "hf_accelerate", "ray_data", "sentence_transformers",
+)
 LABELS = {
     "hand_loop": "hand-written loop",
     "tbp": "torch_batch_process",
@@ -32,9 +34,14 @@ LABELS = {
     "pl_trainer": "Lightning Trainer.predict",
     "hf_accelerate": "accelerate",
     "ray_data": "Ray Data",
+    "sentence_transformers": "sentence-transformers encode (multi-process pool with 2 processes)",
 }
 # Contenders whose processes are started by torchrun (the others start their own processes).
 TORCHRUN = {"hand_loop", "tbp", "tbp_dynamic", "tbp_bucket", "hf_accelerate"}
+# Contenders that run some workloads only (the runner skips the others); the rest run every workload.
+WORKLOADS_OF = {"sentence_transformers": ("minilm",)}
+# Contenders that write one timing report whatever the number of processes (their workers are not ranks).
+ONE_REPORT = {"ray_data", "sentence_transformers"}
 
 RUN_TIMEOUT_S = 900
 
@@ -54,13 +61,19 @@ def worker_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
-def contender_command(contender: str, nproc: int, args: list[str]) -> list[str]:
-    """The command line of one run: torchrun for multi-process torch contenders, else plain python."""
+def contender_command(contender: str, nproc: int, args: list[str], rank_wrap: list[str] | None = None) -> list[str]:
+    """The command line of one run: torchrun for multi-process torch contenders, else plain python.
+
+    ``rank_wrap``: a command that runs each rank's own command (a profiler: ``py-spy record ... --``); under
+    torchrun it is what torchrun starts (``--no-python``)."""
     module = f"benchmarks.contenders.{contender}"
+    wrap = rank_wrap or []
     if nproc > 1 and contender in TORCHRUN:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "-m", module, *args]
-    return [sys.executable, "-m", module, *args, "--nproc", str(nproc)]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        if wrap:
+            return [*launcher, "--no-python", *wrap, sys.executable, "-m", module, *args]
+        return [*launcher, "-m", module, *args]
+    return [*wrap, sys.executable, "-m", module, *args, "--nproc", str(nproc)]
 
 
 @dataclass
@@ -110,8 +123,10 @@ def run_contender(
     cache_dir: Path | None = None,
     extra_args: list[str] | None = None,
     timeout_s: float = RUN_TIMEOUT_S,
+    rank_wrap: list[str] | None = None,
 ) -> RunResult:
-    """Runs one contender once, checks its outputs, deletes them, returns its timings."""
+    """Runs one contender once, checks its outputs, deletes them, returns its timings (``rank_wrap``: see
+    :func:`contender_command`)."""
     out, report = work_dir / "out", work_dir / "report"
     shutil.rmtree(work_dir, ignore_errors=True)
     report.mkdir(parents=True)
@@ -122,7 +137,7 @@ def run_contender(
     if cache_dir is not None:
         args += ["--cache", str(cache_dir)]
     args += extra_args or []
-    command = contender_command(contender, nproc, args)
+    command = contender_command(contender, nproc, args, rank_wrap)
     result = RunResult(contender, workload, nproc, round_index, ok=False, examples=num_examples)
     started = time.time()
     code = run_logged(command, log_path, timeout_s)
@@ -131,7 +146,7 @@ def run_contender(
         result.error = f"exit code {code}" if code is not None else f"timed out after {timeout_s:.0f} s"
         return result
     reports = [json.loads(p.read_text()) for p in sorted(report.glob("rank_*.json"))]
-    expected = nproc if contender != "ray_data" else 1
+    expected = 1 if contender in ONE_REPORT else nproc
     if len(reports) != expected:
         result.error = f"{len(reports)} timing reports, expected {expected}"
         return result
@@ -140,7 +155,13 @@ def run_contender(
     firsts = [r["first_batch"] for r in reports if r.get("first_batch")]
     result.first_batch_s = (min(firsts) - start) if firsts else None
     result.steady_throughput = steady_throughput(reports)
-    result.extra = {k: v for r in reports[:1] for k, v in r.items() if k in ("commits", "timings")} or None
+    result.extra = {k: v for r in reports[:1] for k, v in r.items() if k in ("commits", "timings")}
+    result.extra["pids"] = [r.get("pid") for r in sorted(reports, key=lambda r: r["rank"])]
+    by_rank = sorted(reports, key=lambda r: r["rank"])
+    result.extra["cpu"] = [r.get("cpu") for r in by_rank]  # per rank, within the job clock
+    result.extra["batches"] = [r.get("batches") for r in by_rank]  # process_batch calls per rank
+    if any("checkpoint_starts" in r for r in by_rank):
+        result.extra["checkpoint_starts"] = [r.get("checkpoint_starts") for r in by_rank]
     result.files, result.rows = count_output_rows(out) if out.exists() else (0, 0)
     if result.rows != num_examples:
         result.error = f"outputs hold {result.rows} rows, expected {num_examples}"

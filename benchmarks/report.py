@@ -21,7 +21,7 @@ from typing import Any
 from benchmarks.launch import REPO
 
 RESULTS_ROOT = REPO / "bench_results"
-PACKAGES = ("torch", "lightning", "accelerate", "ray", "transformers", "torch-batch-process")
+PACKAGES = ("torch", "lightning", "accelerate", "ray", "transformers", "sentence-transformers", "torch-batch-process")
 
 
 def median_spread(values: Iterable[float | None]) -> tuple[float | None, float | None, float | None]:

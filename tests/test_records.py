@@ -103,7 +103,8 @@ def test_write_and_read_back_every_kind_of_column(tmp_path, fmt):
     only = read_outputs(result.storage_path, columns=["name"])
     assert only.column_names == ["index", "name"] and only.column("name").to_pylist() == [f"n{i}" for i in range(37)]
     shards = glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt))
-    assert len(shards) == 4  # one shard per commit (8 batches, checkpoint_interval=2)
+    assert len(shards) == 1  # one shard per rank and TBP_SHARD_BYTES, rolled over at the closing commit
+    assert not list(Path(result.storage_path, "_tbp", "segments").glob("*"))  # the segments it holds are deleted
     # types and per-example shapes come back exactly, from JSONL too (cast to the schema the commit records keep)
     matrix = column_to_numpy(table.column("matrix"))
     assert matrix.shape == (37, 3, 2) and matrix.dtype == np.float32
@@ -126,7 +127,8 @@ def test_jsonl_and_parquet_outputs_read_back_as_the_same_table(tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("damage", ["cut", "folder"])
-def test_a_damaged_shard_is_named_when_reading_back(tmp_path, fmt, damage):
+def test_a_damaged_shard_is_named_when_reading_back(tmp_path, monkeypatch, fmt, damage):
+    monkeypatch.setenv("TBP_SHARD_BYTES", "1")  # a shard per commit
     result = _run(tmp_path, output_format=fmt)
     shard = sorted(glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt)))[1]
     if damage == "folder":  # a bad restore
@@ -142,7 +144,8 @@ def test_a_damaged_shard_is_named_when_reading_back(tmp_path, fmt, damage):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_missing_or_extra_shard_is_an_error_not_a_table_with_rows_missing_or_repeated(tmp_path, fmt):
+def test_a_missing_or_extra_shard_is_an_error_not_a_table_with_rows_missing_or_repeated(tmp_path, monkeypatch, fmt):
+    monkeypatch.setenv("TBP_SHARD_BYTES", "1")  # a shard per commit
     result = _run(tmp_path, output_format=fmt)
     record = json.loads(next(Path(result.storage_path, "_tbp", "commits").glob("*.json")).read_text())
     assert record["stats"]["record_rows"] == 37  # the final record counts the committed rows
@@ -162,7 +165,8 @@ def test_a_missing_or_extra_shard_is_an_error_not_a_table_with_rows_missing_or_r
             read(result.storage_path)
 
 
-def test_outputs_of_a_job_killed_while_publishing_read_back_without_a_false_alarm(tmp_path, caplog):
+def test_outputs_of_a_job_killed_while_publishing_read_back_without_a_false_alarm(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TBP_SHARD_BYTES", "1")  # a shard per commit
     result = _run(tmp_path)
     # as if killed between the final record and the publication of stage 3: it is still staged
     staged = Path(result.storage_path, "_tbp", "staging", "00000003")
@@ -395,9 +399,9 @@ def test_kill9_then_resume_with_another_world_size_every_index_once(tmp_path, fm
     kwargs = {"output_format": fmt, "schedule": schedule}
     spec = _spec(tmp_path, n=600, kwargs=kwargs, sleep=0.02, progress_file=str(progress))
     procs = spawn_ranks(2, RECORDS_JOB, json.dumps(spec))
-    published = os.path.join(spec["storage"], OUTPUTS_GLOB + "." + fmt)
+    published = os.path.join(spec["storage"], "_tbp", "segments", "*.arrow")  # committed rows, not rolled yet
     deadline = time.monotonic() + 90
-    while not glob.glob(published):  # some commits are published, the others under way
+    while not glob.glob(published):  # some commits are durable, the others under way
         assert time.monotonic() < deadline, "the job never published a commit"
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
         time.sleep(0.02)
@@ -547,10 +551,10 @@ def test_small_row_groups_and_rolled_shards_read_back_in_order(tmp_path, monkeyp
     from torch_batch_process.outputs import records
 
     monkeypatch.setattr(records, "ROW_GROUP_BYTES", 300)  # a row group every few batches
-    monkeypatch.setattr(records, "SHARD_BYTES", 1000)  # several shards per commit
-    result = _run(tmp_path, n=90, batch_size=4, checkpoint_interval=7, output_format=fmt)
+    monkeypatch.setenv("TBP_SHARD_BYTES", "1500")  # a shard every few commits
+    result = _run(tmp_path, n=90, batch_size=4, checkpoint_interval=2, output_format=fmt)
     shards = glob.glob(os.path.join(result.storage_path, OUTPUTS_GLOB + "." + fmt))
-    assert len(shards) > 4  # rolled over inside commits (4 commits)
+    assert 1 < len(shards) < 12  # rolled over by size at commits (12 commits)
     if fmt == "parquet":
         import pyarrow.parquet as pq
 

@@ -320,7 +320,10 @@ def chaos(tmp_path: Path, spec_table: dict, seed: int, storage: str, n: int = 12
         Path(spec["progress_file"]).unlink(missing_ok=True)
         procs = spawn_ranks(world, TABLE_JOB, json.dumps(dict(spec, attempt=attempt)), env=env)
         if how == "random":
-            wait_for_progress(Path(spec["progress_file"]), procs)
+            try:
+                wait_for_progress(Path(spec["progress_file"]), procs)
+            except AssertionError as exc:  # a rank ended before its first batch: its error is in its report
+                raise AssertionError(f"{exc}; reports: {read_reports(spec, attempt)}") from None
             time.sleep(rng.uniform(0.0, 0.8))
             os.kill(procs[rng.randrange(world)].pid, signal.SIGKILL)
         outcomes = wait_all(procs, timeout=120)
@@ -405,3 +408,28 @@ def test_table_transactions_are_paced_but_the_final_one_never_waits(tmp_path):
     fast = lance.dataset(str(tmp_path / "fast.lance"))
     fast_keys = [(fast.read_transaction(v["version"]).transaction_properties or {}).get("tbp.commit") for v in fast.versions()]
     assert len([k for k in fast_keys if k]) > 1  # at most one per commit, several here
+
+
+def test_ranks_opening_a_new_sql_catalog_at_once_all_reach_it(tmp_path):
+    """Every rank opens the catalog at its start; on a new SQL catalog each creates the catalog's tables, and
+    sqlite refuses the losers of that race ("table ... already exists", "database is locked"): seen as a rank of
+    the 2-rank chaos test failing before its first batch. The race is tried again, so every rank gets the catalog."""
+    need("iceberg")
+    import threading
+
+    spec = table_spec("iceberg", tmp_path)
+    start, errors, reached = threading.Barrier(8), [], []
+
+    def open_catalog() -> None:
+        start.wait()
+        try:
+            reached.append(target_of(spec).open().catalog())
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_catalog) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and len(reached) == 8, errors

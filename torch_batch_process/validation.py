@@ -27,6 +27,7 @@ from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.failure_options import FailureOptions
 from torch_batch_process.integers import is_int
 from torch_batch_process.outputs.records import check_output_format
+from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.processor import TorchBatchProcessor
 
 SCHEDULES = ("static", "dynamic")
@@ -365,6 +366,7 @@ def validate_arguments(
     if schedule == "dynamic":
         heartbeat_silence_s()  # $TBP_HEARTBEAT_SILENCE_S, which rank 0 reads when it watches the others
     check_output_format(output_format)
+    shard_bytes()  # TBP_SHARD_BYTES, when set, is a size
     validate_table(table, output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:

@@ -5,4 +5,5 @@
 - ``pl_trainer``: PyTorch Lightning ``Trainer.predict`` with a ``BasePredictionWriter``.
 - ``hf_accelerate``: Hugging Face accelerate ``prepare`` + loop + ``gather_for_metrics``.
 - ``ray_data``: Ray Data ``map_batches`` over an actor pool, then ``write_numpy``.
+- ``sentence_transformers``: ``SentenceTransformer.encode`` (its multi-process pool with 2 processes); MiniLM only.
 """

@@ -21,6 +21,7 @@ class BenchProcessor(TorchBatchProcessor):
 
     opts: Options
     reporter: Reporter
+    checkpoint_starts = 0  # on_checkpoint_start() calls on this rank (per-rank call counts differ by schedule)
 
     def __init__(self, context: Any) -> None:
         self.context = context
@@ -33,13 +34,23 @@ class BenchProcessor(TorchBatchProcessor):
             save_tensor(output, Path(path) / output_name(batch_idx))
         self.reporter.batch_done(self.workload.batch_examples(batch))
 
+    def on_checkpoint_start(self) -> None:
+        BenchProcessor.checkpoint_starts += 1
 
-def run(opts: Options, prepare: Callable[[Any], dict[str, Any]] | None = None, **options: Any) -> dict[str, Any]:
+
+def run(
+    opts: Options,
+    prepare: Callable[[Any], dict[str, Any]] | None = None,
+    processor: type[BenchProcessor] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
     """One job; ``options`` go to ``torch_batch_process`` (default: its defaults).
 
     ``prepare(dataset)``, if given, returns more options; it runs inside the job's clock (a plan's cost,
-    e.g. computing lengths, is part of the job) and its time is reported as ``plan_seconds``.
+    e.g. computing lengths, is part of the job) and its time is reported as ``plan_seconds``. ``processor``:
+    a subclass of :class:`BenchProcessor` (the embeddings' agreement check also writes each batch's indices).
     """
+    processor = processor or BenchProcessor
     workload = opts.workload
     dataset = workload.dataset()
     reporter = Reporter(opts.report)
@@ -53,7 +64,7 @@ def run(opts: Options, prepare: Callable[[Any], dict[str, Any]] | None = None, *
     if interval:
         options.setdefault("checkpoint_interval", interval)
     result = torch_batch_process(
-        BenchProcessor,
+        processor,
         dataset,
         batch_size=workload.batch_size,
         dataloader_kwargs={"num_workers": opts.workers, "collate_fn": workload.collate_fn()},
@@ -61,7 +72,10 @@ def run(opts: Options, prepare: Callable[[Any], dict[str, Any]] | None = None, *
         **options,
     )
     rank, world_size = env_rank()
-    return reporter.finish(rank, world_size, commits=result.commits, timings=result.timings, plan_seconds=plan_seconds)
+    return reporter.finish(
+        rank, world_size, commits=result.commits, timings=result.timings, plan_seconds=plan_seconds,
+        checkpoint_starts=BenchProcessor.checkpoint_starts,
+    )
 
 
 if __name__ == "__main__":

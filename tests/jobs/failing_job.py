@@ -16,6 +16,7 @@ a sum reducer and a function reducer, and ``report_metrics`` once. Each rank wri
 ``<report_dir>/attempt<k>_rank<r>.json`` with the result or the exception.
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -27,6 +28,8 @@ from pathlib import Path
 import torch
 
 from torch_batch_process import MetricReducer, TorchBatchProcessor, torch_batch_process
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for the stacks
 
 SPEC = json.loads(sys.argv[1])
 BAD_LOAD = set(SPEC.get("bad_load", []))

@@ -2,7 +2,8 @@
 
 The spec comes as JSON in argv[1]: ``n``, ``batch_size``, ``checkpoint_interval``, ``storage``, ``kwargs``
 (more options of torch_batch_process), ``sleep`` (seconds per batch), ``progress_file`` (touched after each
-batch, for tests that kill workers), ``report_dir``; ``mode="predict"`` calls ``predict`` instead and stores
+batch, for tests that kill workers), ``report_dir``, ``die_at`` (the process SIGKILLs itself at that moment of a
+shard roll-over, see :func:`die_at`; ``die_after`` commits first); ``mode="predict"`` calls ``predict`` instead and stores
 what it returned on each rank. Example ``i`` gets the row ``emb=[i, i+0.5, -i]``, ``label="ex<i>"``,
 ``parts=[i] * (i % 3)``; with ``conflict=True`` rank 1 writes ``label`` as ints (each rank sees one type). An
 error is stored in the report (``error``: type and message) and the process exits with status 1.
@@ -10,6 +11,7 @@ error is stored in the report (``error``: type and message) and the process exit
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -42,7 +44,76 @@ class Processor(TorchBatchProcessor):
             Path(SPEC["progress_file"]).touch()
 
 
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_at(moment: str, after: int) -> None:
+    """Makes this process SIGKILL itself at ``moment`` of the first shard roll-over after commit ``after``
+    (fault injection around the library's own calls; nothing of it is replaced):
+
+    - ``before_record``: the shard is sealed into its stage, its commit record is not written;
+    - ``before_publish``: the record is durable, the stage (with the shard) is not published;
+    - ``mid_delete``: the shard is published, one of the segments it holds is deleted, the others not;
+    - ``roll_at_start``: at the next start, the leftover segments' shard is published, none of them deleted.
+    """
+    from torch_batch_process.jobstore.store import JobStore
+    from torch_batch_process.outputs import segments
+    from torch_batch_process.outputs.records import RecordWriter
+
+    def staged_shard(store, stage):
+        return any(store.storage.list(f"_tbp/staging/{stage:08d}/rank_{r}/records") for r in range(4))
+
+    if moment == "before_record":
+        write_record = JobStore.write_record
+
+        def record(self, rec):
+            if rec.commit > after and staged_shard(self, rec.commit):
+                _die()
+            write_record(self, rec)
+
+        JobStore.write_record = record
+    elif moment == "before_publish":
+        publish = JobStore.publish
+
+        def publish_stage(self, stage, rank=None, **kw):
+            if stage > after and staged_shard(self, stage):
+                _die()
+            publish(self, stage, rank, **kw)
+
+        JobStore.publish = publish_stage
+    elif moment == "mid_delete":
+        published = RecordWriter.published
+
+        def delete(self, stage):
+            doomed = self._doomed.get(stage) or []
+            if stage > after and len(doomed) > 1:
+                self._stager.storage.delete_files(doomed[:1])
+                _die()
+            published(self, stage)
+
+        RecordWriter.published = delete
+    elif moment == "roll_at_start":
+        roll = segments._roll
+
+        class KillOnDelete:
+            def __init__(self, storage):
+                self._storage = storage
+
+            def __getattr__(self, name):
+                return getattr(self._storage, name)
+
+            def delete_files(self, rels):
+                _die()
+
+        segments._roll = lambda storage, *args: roll(KillOnDelete(storage), *args)
+    else:
+        raise ValueError(moment)
+
+
 def main():
+    if SPEC.get("die_at"):
+        die_at(SPEC["die_at"], SPEC.get("die_after", 0))
     rank = int(os.environ.get("RANK", "0"))
     dataset = list(range(SPEC["n"]))
     report = {"rank": rank}

@@ -66,6 +66,7 @@ from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
 from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
+from torch_batch_process.outputs.segments import roll_leftovers
 from torch_batch_process.outputs.tables.base import Table
 from torch_batch_process.outputs.tables.commits import TableCommits
 from torch_batch_process.outputs.tables.sink import TableSink
@@ -198,7 +199,7 @@ class JobRun:
         self.table_commits = TableCommits(self.table) if self.table is not None and rank == 0 else None
         self.opener = JobOpener(
             self.storage, spec, args.job_name, args.resume, self.world_size, self.table_commits, args.script,
-            first_stage=self.first_stage,
+            first_stage=self.first_stage, leftovers=roll_leftovers,
         )
         self._closing.callback(self.opener.release)
         self.tensorboard = self.storage.mirrored_folder(tensorboard_dir(rank), f"tensorboard-rank{rank}")

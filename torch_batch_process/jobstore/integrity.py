@@ -133,7 +133,10 @@ def _not_of_other_jobs(store: JobStore, names: list[str]) -> list[str]:
 def _covered(folder: str, latest: CommitRecord) -> bool:
     """Whether output folder ``commit_<s>`` is stage ``s`` of a record, by its canonical name."""
     stem = folder[len("commit_") :]
-    return stem.isdigit() and stem == number_name(int(stem)) and int(stem) in latest.output_stages
+    if not (stem.isdigit() and stem == number_name(int(stem))):
+        return False
+    # a committed stage without output files gets one when the next start rolls record segments over (segments.py)
+    return int(stem) in latest.output_stages or latest.has_stage(int(stem))
 
 
 def _present(storage: Storage, rel: str) -> bool:

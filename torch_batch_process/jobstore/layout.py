@@ -17,6 +17,9 @@
     _tbp/states/<s>/rank_<r>.pt       rank r's reducer summaries and processor state at its stage s
     _tbp/staging/<s>/rank_<r>/...     files of stage s of rank r before publication (and its failures, as
                                       _tbp_failures.jsonl: publication moves them to failures/)
+    _tbp/segments/<s>-rank_<r>-<k>.arrow
+                                      record rows (context.write) of stage s of rank r, committed with the stage and
+                                      not yet in a published shard (Arrow IPC; see torch_batch_process.outputs.segments)
     _tbp/scratch/                     local storage: folders being written (upload_path() blocks, record shards)
     _tbp/lock, _tbp/lock.json         the job lock of local storage (an OS file lock) and its holder
     _tbp/lease.json                   the job lease of object stores
@@ -51,6 +54,7 @@ __all__ = [
     "RESULT_FILE",
     "RETRIES_DIR",
     "SCRATCH_DIR",
+    "SEGMENTS_DIR",
     "STAGED_FAILURES_NAME",
     "STAGING_DIR",
     "SOURCE_ROWS_DIR",
@@ -60,6 +64,7 @@ __all__ = [
     "failures_file",
     "outputs_dir",
     "record_file",
+    "segment_file",
     "source_rows_file",
     "staging_dir",
     "state_file",
@@ -72,6 +77,8 @@ ATTEMPT_FILE = f"{INTERNAL_DIR}/attempt.json"
 COMMITS_DIR = f"{INTERNAL_DIR}/commits"
 STATES_DIR = f"{INTERNAL_DIR}/states"
 STAGING_DIR = f"{INTERNAL_DIR}/staging"
+SEGMENTS_DIR = f"{INTERNAL_DIR}/segments"
+"""Committed record rows not yet rolled into a published shard (see :mod:`torch_batch_process.outputs.segments`)."""
 OUTPUTS_DIR = "outputs"
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
@@ -94,6 +101,11 @@ def number_name(number: int) -> str:
 def record_file(commit: int) -> str:
     """The commit record of commit ``commit``."""
     return f"{COMMITS_DIR}/{number_name(commit)}.json"
+
+
+def segment_file(stage: int, rank: int, part: int = 0) -> str:
+    """Part ``part`` of rank ``rank``'s record segment of stage ``stage`` (a new part when the rows' types widen)."""
+    return f"{SEGMENTS_DIR}/{number_name(stage)}-rank_{rank}-{part}.arrow"
 
 
 def staging_dir(stage: int, rank: int | None = None) -> str:

@@ -22,7 +22,7 @@ from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
 from torch_batch_process.arguments import Script
 from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, JobSpec, check_fingerprint, check_script
 from torch_batch_process.jobstore.integrity import check_integrity, warn_of_strays
-from torch_batch_process.jobstore.store import JobStore
+from torch_batch_process.jobstore.store import JobStore, LeftoverRows
 from torch_batch_process.storage.base import JobLock, Storage
 
 __all__ = ["JobOpener", "Start", "TableReconciler"]
@@ -80,6 +80,8 @@ class JobOpener:
         script: the script that runs this call (recorded at the first start; another one is refused on a resume).
         first_stage: the first commit and stage number of a fresh job (a retry's come after those of the job it
             retries, whose ``outputs/`` it shares: see :mod:`torch_batch_process.engine.plan.retry`).
+        leftovers: rolls record rows a kill left in segments into shards at the repair (see
+            :class:`~torch_batch_process.jobstore.store.JobStore`).
     """
 
     def __init__(
@@ -92,10 +94,11 @@ class JobOpener:
         table: TableReconciler | None = None,
         script: Script | None = None,
         first_stage: int = 1,
+        leftovers: LeftoverRows | None = None,
     ) -> None:
         self.table = table
         self.storage = storage
-        self.store = JobStore(storage, first_stage)
+        self.store = JobStore(storage, first_stage, leftovers)
         self.spec = spec
         self.job_name = job_name
         self.resume = resume

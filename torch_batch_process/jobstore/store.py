@@ -12,7 +12,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
@@ -42,9 +42,12 @@ from torch_batch_process.jobstore.layout import (
 from torch_batch_process.storage.base import TMP_MARKER, Storage
 from torch_batch_process.storage.errors import NotAFileError
 
-__all__ = ["JobStore", "job_finished", "latest_record_at", "output_stage", "unpublished_stages_at"]
+__all__ = ["JobStore", "LeftoverRows", "job_finished", "latest_record_at", "output_stage", "unpublished_stages_at"]
 
 logger = logging.getLogger(__name__)
+
+LeftoverRows = Callable[[Storage, "CommitRecord | None"], None]
+"""What the repair calls to roll record rows left in segments into published shards (see :class:`JobStore`)."""
 
 _LIST_AGAIN = 5
 """How often :func:`latest_record_at` lists a running job's records again when the latest one vanished while read."""
@@ -58,11 +61,15 @@ class JobStore:
         first_stage: the job's first stage number. A retry (:mod:`torch_batch_process.engine.plan.retry`) shares the
             ``outputs/`` of the job it retries, with stage numbers after those the job used: the
             ``outputs/commit_<s>/`` folders below its first stage are the job's, not the retry's.
+        leftovers: called by :meth:`repair` with the latest record once the committed stages are published: rolls
+            the record rows a kill left in segments into published shards (the engine passes
+            :func:`torch_batch_process.outputs.segments.roll_leftovers`; the stored job does not write shards).
     """
 
-    def __init__(self, storage: Storage, first_stage: int = 1) -> None:
+    def __init__(self, storage: Storage, first_stage: int = 1, leftovers: LeftoverRows | None = None) -> None:
         self.storage = storage
         self.first_stage = first_stage
+        self._leftovers = leftovers
 
     # ------------------------------------------------------------------ reading
 
@@ -221,8 +228,9 @@ class JobStore:
         any other rank writes).
 
         Publishes the stages the record commits, deletes stages and state files it does not (they were never
-        committed), removes scratch folders and temporary files of interrupted writes, and writes the
-        ``result.json`` of a finished job that was killed before writing it.
+        committed), rolls the committed record segments a kill left into published shards
+        (:mod:`torch_batch_process.outputs.segments`), removes scratch folders and temporary files of interrupted
+        writes, and writes the ``result.json`` of a finished job that was killed before writing it.
         """
         for stage, ranks in self.staged().items():
             if ranks and latest is not None and latest.has_stage(stage):
@@ -236,6 +244,8 @@ class JobStore:
             if not name.isdigit():
                 self.storage.delete(f"{STAGING_DIR}/{name}", recursive=True)
         self.storage.delete(SCRATCH_DIR, recursive=True)
+        if self._leftovers is not None:  # record rows left in segments by a kill: into published shards
+            self._leftovers(self.storage, latest)
         keep_dirs = {rel.rsplit("/", 1)[0] for rel in (latest.referenced_files() if latest else set())}
         for name in self.storage.list(STATES_DIR):
             if f"{STATES_DIR}/{name}" not in keep_dirs:

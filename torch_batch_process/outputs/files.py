@@ -70,10 +70,21 @@ class OutputStager:
         join the stage being committed) and ``writer.close()`` when the stager closes."""
         self._writers.append(writer)
 
-    def seal(self) -> None:
-        """Before a commit: the attached writers hand their open files to the current stage."""
+    def seal(self, closing: bool = False) -> None:
+        """Before a commit: the attached writers hand their open files to the current stage (``closing``: the
+        commit is a closing one, after which the job may stop: record shards roll over)."""
         for writer in self._writers:
-            writer.seal()
+            writer.seal(closing)
+
+    def published(self, stage: int) -> None:
+        """This rank's ``stage`` is published (any thread): the attached writers delete what it supersedes."""
+        for writer in self._writers:
+            writer.published(stage)
+
+    def store_file(self, local_file: str | os.PathLike[str], rel: str) -> None:
+        """Stores a finished local file at ``rel`` (relative to the storage, outside the stage: e.g. a record
+        segment) through the stage's sink, so that :meth:`flush` waits for it too; it is moved away."""
+        self._sink.add(local_file, rel)
 
     def advance(self, stage: int) -> None:
         """Starts collecting for ``stage`` (the previous one is committed or being committed)."""

@@ -50,14 +50,15 @@ from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
-from torch_batch_process.outputs.records import RECORDS_DIR
+from torch_batch_process.outputs.shard_names import RECORDS_DIR, committed_shards, published_shards
+from torch_batch_process.outputs.segments import list_segments, live_segments, newest_shards, read_segment
 from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.outputs.tables.readback import iter_table, read_table
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.registry import open_storage
 
-__all__ = ["OUTPUTS_GLOB", "RETRY_OUTPUTS_GLOB", "iter_outputs", "list_shards", "read_outputs"]
+__all__ = ["OUTPUTS_GLOB", "RETRY_OUTPUTS_GLOB", "iter_outputs", "list_shards", "published_shards", "read_outputs"]
 
 OUTPUTS_GLOB = f"{OUTPUTS_DIR}/commit_*/rank_*/{RECORDS_DIR}/part-*"
 """Glob of the record shards below a job's storage path (add ``.parquet`` or ``.jsonl``)."""
@@ -66,8 +67,6 @@ RETRY_OUTPUTS_GLOB = f"{RETRIES_DIR}/*/{OUTPUTS_GLOB}"
 """Glob of the record shards of ``retry_failed=True`` runs of earlier versions of the library (today's retries
 publish to the job's ``outputs/``, under :data:`OUTPUTS_GLOB`)."""
 
-_SUFFIXES = (".parquet", ".jsonl")
-
 logger = logging.getLogger(__name__)
 
 
@@ -75,28 +74,14 @@ def list_shards(storage: Storage) -> list[str]:
     """The committed record shards of the job (paths relative to the storage), in commit and rank order (its
     ``retry_failed=True`` runs' among them, after the job's), then those of retries of earlier versions
     (``retries/<k>/outputs/``, in order)."""
-    shards = _committed_shards(storage, "")
+    shards = committed_shards(storage, "")
     for k in retry_numbers(storage):
-        shards += _committed_shards(storage, f"{RETRIES_DIR}/{k}/")
+        shards += committed_shards(storage, f"{RETRIES_DIR}/{k}/")
     kinds = {os.path.splitext(s)[1] for s in shards}
     if len(kinds) > 1:
         raise ValueError(
             f"{storage.url}: record shards of several formats ({sorted(kinds)}); read them one format at a time"
         )
-    return shards
-
-
-def _committed_shards(storage: Storage, root: str) -> list[str]:
-    """The shards published below ``root`` (the job's folder, or a retry's)."""
-    shards: list[str] = []
-    for commit in storage.list(f"{root}{OUTPUTS_DIR}"):
-        if not commit.startswith("commit_"):
-            continue
-        for rank in storage.list(f"{root}{OUTPUTS_DIR}/{commit}"):
-            if not rank.startswith("rank_"):
-                continue
-            folder = f"{root}{OUTPUTS_DIR}/{commit}/{rank}/{RECORDS_DIR}"
-            shards += [f"{folder}/{n}" for n in storage.list(folder) if n.startswith("part-") and n.endswith(_SUFFIXES)]
     return shards
 
 
@@ -117,13 +102,26 @@ def _open(
     storage = open_storage(storage_path, dict(storage_options) if storage_options is not None else None)
     _refuse_table_job(storage)
     expected = committed_rows(storage)
+    record = _latest_record(storage)  # then the segments, then the shards (see outputs/segments.py)
+    segments = list_segments(storage) if record is not None else []
     shards = list_shards(storage)
-    if not shards and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
+    if not shards and not segments and not storage.exists(JOB_FILE) and not storage.exists(OUTPUTS_DIR):
         raise FileNotFoundError(f"{storage.url} holds no job (no {JOB_FILE}, no {OUTPUTS_DIR}/); check storage_path")
-    if not shards:
+    live = [s.rel for s in live_segments(segments, record, newest_shards(shards))]
+    if not shards and not live:
         _say_no_records(storage)
     typed = _committed_schema(storage) if shards and shards[0].endswith(".jsonl") else None
-    return storage, shards, typed, expected
+    return storage, shards + live, typed, expected
+
+
+def _latest_record(storage: Storage) -> Any:
+    """The job's latest commit record (``None``: none, or damaged: only published shards are read then)."""
+    from torch_batch_process.jobstore.store import latest_record_at
+
+    try:
+        return latest_record_at(storage, "")
+    except CheckpointCorruptError:
+        return None
 
 
 def _refuse_table_job(storage: Storage) -> None:
@@ -256,6 +254,13 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
     runs: list[_Run] = []
     schemas = []
     for shard in shards:
+        if shard.endswith(_SEGMENT_SUFFIX):  # committed rows not in a shard yet: a whole file is one run
+            table = _read_segment(storage, shard, [INDEX_COLUMN])
+            schemas.append(_segment_schema(storage, shard))
+            index = table.column(INDEX_COLUMN)
+            if len(index):
+                runs.append(_Run(shard, -2, int(_np(index).min()), int(_np(index).max()), len(index)))
+            continue
         if shard.endswith(".jsonl"):
             table = _read_jsonl(storage, shard, None, None) if typed is None else _read_jsonl_index(storage, shard)
             schemas.append(table.schema if typed is None else typed)
@@ -281,6 +286,68 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
     return runs, pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
 
 
+class _Coalesced:
+    """Rows in their final order, given out as record batches of ``batch_rows`` (the last one shorter)."""
+
+    def __init__(self, batch_rows: int) -> None:
+        self._batch_rows = batch_rows
+        self._tables: list[Any] = []
+        self._rows = 0
+
+    def add(self, table: Any) -> Iterator[Any]:
+        if table.num_rows:
+            self._tables.append(table)
+            self._rows += table.num_rows
+        if self._rows >= self._batch_rows:
+            yield from self._take(final=False)
+
+    def flush(self) -> Iterator[Any]:
+        yield from self._take(final=True)
+
+    def _take(self, *, final: bool) -> Iterator[Any]:
+        if not self._tables:
+            return
+        table = _concat(self._tables).combine_chunks()  # one chunk: batches of batch_rows, not of a run's rows
+        whole = table.num_rows if final else table.num_rows - table.num_rows % self._batch_rows
+        for start in range(0, whole, self._batch_rows):
+            yield from table.slice(start, min(self._batch_rows, whole - start)).to_batches()
+        rest = table.slice(whole)
+        self._tables, self._rows = ([rest] if rest.num_rows else []), rest.num_rows
+
+
+_SEGMENT_SUFFIX = ".arrow"
+
+
+def _read_segment(storage: Storage, rel: str, columns: list[str] | None) -> Any:
+    """A live segment's rows (``columns`` of them). One that vanished was rolled into a shard published after the
+    listing (a running job): the read is to be done again."""
+    try:
+        with _reading(storage, rel):
+            table = read_segment(storage, rel)
+    except FileNotFoundError as exc:
+        raise _SegmentGone(rel) from exc
+    if columns is not None:
+        _check_columns(columns, table.column_names, storage.url)
+        table = table.select(columns)
+    return table
+
+
+def _segment_schema(storage: Storage, rel: str) -> Any:
+    try:
+        with _reading(storage, rel), storage.open_input(rel) as f:
+            return require_pyarrow().ipc.open_file(f).schema
+    except FileNotFoundError as exc:
+        raise _SegmentGone(rel) from exc
+
+
+class _SegmentGone(Exception):
+    """A committed segment was deleted while it was being read: its rows are now in a published shard."""
+
+
+_READ_AGAIN = 5
+"""Attempts of a read that meets a segment rolled over meanwhile (each attempt lists again)."""
+
+
 def _np(column: Any) -> np.ndarray:
     return column.to_numpy() if hasattr(column, "to_numpy") else np.asarray(column)
 
@@ -288,6 +355,8 @@ def _np(column: Any) -> np.ndarray:
 def _load(storage: Storage, run: _Run, columns: list[str] | None, typed: Any) -> Any:
     import pyarrow.parquet as pq
 
+    if run.group == -2:
+        return _read_segment(storage, run.shard, columns)
     if run.group < 0:
         return _read_jsonl(storage, run.shard, columns, typed)
     with _reading(storage, run.shard), storage.open_input(run.shard) as f:
@@ -334,26 +403,41 @@ def iter_outputs(
     if isinstance(storage_path, TableTarget):
         yield from iter_table(storage_path, wanted, batch_rows)
         return
-    storage, shards, typed, expected = _open(storage_path, storage_options)
+    for attempt in range(_READ_AGAIN):
+        storage, shards, typed, expected = _open(storage_path, storage_options)
+        try:
+            runs, schema = _runs(storage, shards, typed)
+            break
+        except _SegmentGone:
+            storage.close()
+            if attempt == _READ_AGAIN - 1:
+                raise
     try:
-        runs, schema = _runs(storage, shards, typed)
         check_rows(storage, expected, ((run.shard, run.rows) for run in runs))  # before the first row is yielded
         if schema is not None:  # every yielded batch has one schema
             _check_columns(wanted, schema.names, storage.url)
             names = wanted if wanted is not None else schema.names
             schema = require_pyarrow().schema([schema.field(name) for name in names])
         held: list[Any] = []
+        ready = _Coalesced(batch_rows)  # final rows, yielded in batches of batch_rows (tiny runs are joined)
         for i in range(len(runs) + 1):
             bound = runs[i].low if i < len(runs) else None
             if held:
                 table = _sorted(_concat(held))
                 index = _np(table.column(INDEX_COLUMN))
                 cut = len(index) if bound is None else int(np.searchsorted(index, bound, side="left"))
-                for start in range(0, cut, batch_rows):
-                    yield from table.slice(start, min(batch_rows, cut - start)).to_batches()
+                yield from ready.add(table.slice(0, cut))
                 held = [table.slice(cut)] if cut < len(index) else []
             if i < len(runs):
-                held.append(_load(storage, runs[i], wanted, typed).select(schema.names).cast(schema))
+                try:
+                    loaded = _load(storage, runs[i], wanted, typed)
+                except _SegmentGone as exc:
+                    raise RuntimeError(
+                        f"{storage.url}: the running job moved committed rows ({exc.args[0]}) into a shard while "
+                        "iter_outputs() read them; call it again (or read a stopped job)"
+                    ) from exc
+                held.append(loaded.select(schema.names).cast(schema))
+        yield from ready.flush()
     finally:
         storage.close()
 
@@ -378,14 +462,27 @@ def read_outputs(
             stored raises :class:`~torch_batch_process.errors.InvalidArgumentError`.
         storage_options: options of the fsspec filesystem.
     """
-    import pyarrow.parquet as pq
-
     wanted = _columns(columns)
     if isinstance(storage_path, TableTarget):
         return read_table(storage_path, wanted)
+    for attempt in range(_READ_AGAIN):  # a running job may roll segments over while they are read
+        try:
+            return _read_all(storage_path, storage_options, wanted)
+        except _SegmentGone:
+            if attempt == _READ_AGAIN - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted: list[str] | None) -> Any:
+    """:func:`read_outputs` of a storage path, once."""
+    import pyarrow.parquet as pq
+
     storage, shards, typed, expected = _open(storage_path, storage_options)
 
     def read(shard: str) -> Any:
+        if shard.endswith(_SEGMENT_SUFFIX):
+            return _read_segment(storage, shard, wanted)
         if shard.endswith(".jsonl"):
             return _read_jsonl(storage, shard, wanted, typed)
         with _reading(storage, shard), storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table

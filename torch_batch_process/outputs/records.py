@@ -1,41 +1,48 @@
 """Record outputs: ``context.write(rows)`` streams one rank's rows into shard files committed exactly once.
 
 Rows of a batch wait in memory until ``process_batch`` returns (a batch that raises contributes no rows), then
-join the rank's open shard: a local file in a scratch folder (``storage.scratch_folder``: inside the storage
-for local storage, so that it is later renamed, never copied). Parquet shards get a row group every
-:data:`ROW_GROUP_BYTES` of rows (pyarrow's ``ParquetWriter``); JSONL shards a line per row as it comes. So
-the library holds at most two row groups' rows per rank (one being filled, one being encoded on a
-background thread, off the batch's path), whatever the job's size. CUDA tensors are copied back
-asynchronously into pinned memory (:mod:`torch_batch_process.outputs.copyback`); the encoder thread waits for
-those copies just before it encodes their row group, so the batch's thread does not wait for the GPU.
+join the rank's buffer. Every :data:`ROW_GROUP_BYTES` of rows, the buffer goes to the rank's encoder thread (off
+the batch's path), which appends it to the rank's open *segment* (an Arrow IPC file: no encoding) and to its open
+*shard* (a Parquet row group, pyarrow's ``ParquetWriter``, or JSON lines). So the library holds at most two row
+groups' rows per rank, whatever the job's size. CUDA tensors are copied back asynchronously into pinned memory
+(:mod:`torch_batch_process.outputs.copyback`); the encoder thread waits for those copies just before it writes
+their rows, so the batch's thread does not wait for the GPU.
 
-At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer before its vote) the open
-shard is closed and handed to the :class:`~torch_batch_process.outputs.files.OutputStager` like an
-``upload_path()`` file: it joins the rank's stage and is published exactly once with the batches it came from,
-at ``outputs/commit_<s>/rank_<r>/records/part-<s>-rank<r>-<k>.<ext>`` (see
-:mod:`torch_batch_process.jobstore.layout`). A shard also rolls over to a new file every
-:data:`SHARD_BYTES`. Rows of a stage that is never committed (a killed attempt) are never published.
+At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer before its vote) the rows since
+the previous commit are made durable as the stage's segment, ``_tbp/segments/<s>-rank_<r>-<k>.arrow``, stored
+through the stager's file sink (a rename locally, an upload to object stores) before the vote; the shard stays
+open across commits (row groups by bytes, not by commit). The shard is *rolled over* (closed and handed to the
+:class:`~torch_batch_process.outputs.files.OutputStager` like an ``upload_path()`` file, so it is published once
+with the stage it is sealed in) at a commit once it holds ``TBP_SHARD_BYTES`` of rows (default 128 MiB), and at
+every closing commit; its name is ``outputs/commit_<t>/rank_<r>/records/part-<t>-rank<r>-00000.<ext>`` (see
+:mod:`torch_batch_process.jobstore.layout`). Once it is published, the segments it holds are deleted. The
+protocol, and why readers see each committed row exactly once, is in :mod:`torch_batch_process.outputs.segments`.
 
 With a table target (``table=``), shards are the table's data files instead, opened and closed through the rank's
-:class:`~torch_batch_process.outputs.tables.sink.TableSink`, which also fixes the rows' types to the table's; their
-descriptors travel in the rank's vote (:meth:`RecordWriter.take_table_files`), and rank 0 adds them to the table
-after the record (:mod:`torch_batch_process.outputs.tables.commits`).
+:class:`~torch_batch_process.outputs.tables.sink.TableSink` at every commit (no segments: the table's own
+transactions commit them), which also fixes the rows' types to the table's; their descriptors travel in the rank's
+vote (:meth:`RecordWriter.take_table_files`), and rank 0 adds them to the table after the record
+(:mod:`torch_batch_process.outputs.tables.commits`).
 """
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.errors import InvalidArgumentError, SchemaConflictError
-from torch_batch_process.jobstore.layout import number_name
+from torch_batch_process.jobstore.layout import segment_file
 from torch_batch_process.jobstore.schema import FIX_HINT, RecordSchema, unify
 from torch_batch_process.outputs.columns import rows_to_table
 from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
 from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.outputs.segments import shard_bytes
+from torch_batch_process.outputs.shard_names import OUTPUT_FORMATS, RECORDS_DIR, shard_name
+from torch_batch_process.outputs.shard_file import ShardFile
 
 if TYPE_CHECKING:
     from torch_batch_process.context import CurrentBatch
@@ -43,22 +50,12 @@ if TYPE_CHECKING:
 
 __all__ = ["OUTPUT_FORMATS", "RECORDS_DIR", "RecordWriter", "check_output_format", "shard_name"]
 
-OUTPUT_FORMATS = {"parquet": "parquet", "jsonl": "jsonl"}
-"""``output_format`` -> the shards' file extension."""
-
-RECORDS_DIR = "records"
-"""The folder of record shards inside each ``outputs/commit_<s>/rank_<r>/``."""
-
 ROW_GROUP_BYTES = 32 << 20
 """Parquet: a row group is written when this many bytes of rows are buffered."""
 
 SHARD_BYTES = 512 << 20
-"""A shard is closed (and a new one opened) after this many bytes of rows."""
-
-
-def shard_name(stage: int, rank: int, part: int, output_format: str) -> str:
-    """Name of a shard inside its ``outputs/commit_<s>/rank_<r>/`` folder (unique across ranks and stages)."""
-    return f"{RECORDS_DIR}/part-{number_name(stage)}-rank{rank}-{part:05d}.{OUTPUT_FORMATS[output_format]}"
+"""A table target's data file is closed (and a new one opened) after this many bytes of rows (record shards roll
+over at commits, by ``TBP_SHARD_BYTES``: :func:`~torch_batch_process.outputs.segments.shard_bytes`)."""
 
 
 def _not_json(arrow_type: Any) -> bool:
@@ -91,7 +88,7 @@ class RecordWriter:
     """One rank's record outputs (see the module docstring).
 
     Args:
-        stager: the rank's output stager (shards join its current stage).
+        stager: the rank's output stager (shards join its current stage; segments go through its file sink).
         current: the context's current batch (its indices give the ``index`` column).
         rank: this rank.
         output_format: ``"parquet"`` or ``"jsonl"``.
@@ -114,18 +111,24 @@ class RecordWriter:
         self._rank = rank
         self._format = output_format
         self._pending: tuple[Any, CopiesDone, RecordSchema] | None = None  # the batch's rows, until it returns
-        self._buffer: list[Any] = []  # parquet: tables waiting for the next row group
-        self._landing: list[CopiesDone] = []  # the copies back from the device that the buffered tables wait for
+        self._buffer: list[tuple[Any, CopiesDone]] = []  # rows not in the shard yet (with their copies back)
         self._buffered = 0
+        self._unsaved: list[tuple[Any, CopiesDone]] = []  # rows not in a segment yet
         self._schema = schema  # the rank's rows so far (seeded with the job's: every shard unifies with it)
         self._folder: Path | None = None
-        self._file: Path | None = None
-        self._writer: Any = None  # pyarrow.parquet.ParquetWriter or a text file
+        self._files = 0  # local files made in the scratch folder
+        self._shard: ShardFile | None = None  # the open shard, kept across commits
+        self._table_file: Any = None  # a table target's open data file
         self._shard_bytes = 0
+        self._limit = SHARD_BYTES if sink is not None else shard_bytes()
+        self._segment: _SegmentFile | None = None  # the stage's open segment part
+        self._parts: list[_SegmentFile] = []  # the stage's closed segment parts
+        self._live: list[str] = []  # segments stored since the last roll-over (their rows are in the open shard)
+        self._doomed: dict[int, list[str]] = {}  # stage of a rolled shard -> its segments, deleted once it is published
+        self._doomed_lock = threading.Lock()
         self._part = 0
         self._part_stage = -1
-        self._name = ""
-        self._encoder: ThreadPoolExecutor | None = None  # parquet: row groups are encoded off the batch's path
+        self._encoder: ThreadPoolExecutor | None = None  # rows are written off the batch's path
         self._encoding: Future[None] | None = None
         self.rows = 0
         self._taken_rows = 0
@@ -147,31 +150,28 @@ class RecordWriter:
         self._pending = (table, copies.done(), schema)
 
     def _batch_finished(self, ok: bool) -> None:
-        """The current batch returned (``ok``: its rows join the shard) or raised (they are dropped)."""
+        """The current batch returned (``ok``: its rows join the buffer) or raised (they are dropped)."""
         pending, self._pending = self._pending, None
         if not ok or pending is None:
             return
         table, landing, schema = pending
         table = self._conform(table, landing, schema)
-        if self._format == "jsonl":
-            self._open()
-            landing.wait()  # the lines are made now
-            self._writer.write("".join(json.dumps(row) + "\n" for row in table.to_pylist()))
-        else:
-            self._buffer.append(table)
-            self._landing.append(landing)
-            self._buffered += table.get_total_buffer_size()
-            if self._buffered >= ROW_GROUP_BYTES:
-                self._write_group()
-        self._shard_bytes += table.get_total_buffer_size()
+        size = table.get_total_buffer_size()
+        self._buffer.append((table, landing))
+        if self._sink is None:
+            self._unsaved.append((table, landing))
+        self._buffered += size
+        self._shard_bytes += size
         self.rows += table.num_rows
-        if self._shard_bytes >= SHARD_BYTES:
-            self._close_shard()
+        if self._buffered >= ROW_GROUP_BYTES:
+            self._flush(shard=True)
+        if self._sink is not None and self._shard_bytes >= self._limit:
+            self._close_table_file()
 
     def _conform(self, table: Any, landing: CopiesDone, schema: RecordSchema) -> Any:
         """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
-        :mod:`torch_batch_process.jobstore.schema`; a wider type starts a new shard). A cast reads values: it waits
-        for the copies back first."""
+        :mod:`torch_batch_process.jobstore.schema`; a wider type rewrites the open shard). A cast reads values: it
+        waits for the copies back first."""
         if self._sink is not None:  # a table's types rule (outputs/tables/sink.py)
             table, self._schema = self._sink.conform(table, schema, landing)
             return table
@@ -195,83 +195,123 @@ class RecordWriter:
                     f"{unified.schema.types[1:]} ({exc}); {FIX_HINT}"
                 ) from exc
         if not unified.schema.equals(known.schema):  # e.g. a column that was all None so far
-            self._close_shard()
+            self._widen(unified.schema)
         self._schema = unified
         return table
 
-    def _open(self) -> None:
-        if self._writer is not None:
-            return
-        stage = self._stager.stage
-        if stage != self._part_stage:
-            self._part, self._part_stage = 0, stage
+    def _widen(self, schema: Any) -> None:
+        """The rows' types widened: the buffered rows are written with the old types, the stage's segment part is
+        closed (the next part has the new types), and an open Parquet shard is rewritten with the new types (rare:
+        e.g. a column that was all ``None`` so far; this keeps one shard per roll-over)."""
         if self._sink is not None:
-            self._writer = self._sink.open(stage, self._part, self._schema.schema)
-            self._part += 1
+            self._close_table_file()
             return
+        self._flush(shard=True)
+        self._wait()
+        if self._segment is not None:
+            self._segment.close()
+            self._parts.append(self._segment)
+            self._segment = None
+        shard = self._shard
+        if shard is None or self._format == "jsonl":  # JSON lines have no schema to change
+            return
+        import pyarrow.parquet as pq
+
+        shard.close()
+        old = pq.read_table(shard.path)
+        self._shard = ShardFile(self._local(".parquet"), schema, self._format)
+        self._shard.write(old.select(schema.names).cast(schema))
+        os.unlink(shard.path)
+
+    def _local(self, suffix: str) -> Path:
+        """A new file name in the rank's scratch folder."""
         if self._folder is None:
             self._folder = self._stager.storage.scratch_folder(f"records-rank_{self._rank}")
-        name = shard_name(stage, self._rank, self._part, self._format)
-        self._part += 1
-        self._file = self._folder / Path(name).name
-        if self._format == "jsonl":
-            self._writer = open(self._file, "w", encoding="utf-8")  # noqa: SIM115 - closed at the shard's end
-        else:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
+        self._files += 1
+        return self._folder / f"{self._files:06d}{suffix}"
 
-            schema = self._schema.schema
-            dictionary = [f.name for f in schema if _is_text(f.type)]
-            flat = [f.name for f in schema if not pa.types.is_nested(f.type)]
-            self._writer = pq.ParquetWriter(  # statistics of flat columns only: min/max of tensors cost ~15%
-                self._file, schema, use_dictionary=dictionary, write_statistics=flat, compression="snappy"
-            )
-        self._name = name
-
-    def _write_group(self) -> None:
-        """Encodes the buffered rows as a row group on the background thread (after the previous group: at most
-        two groups' rows in memory)."""
-        if not self._buffer:
-            return
+    def _flush(self, *, shard: bool) -> None:
+        """Hands rows to the encoder thread (after the previous hand-over: at most two groups' rows in memory): those
+        not in a segment yet to the stage's segment, and with ``shard`` the buffered ones to the shard (as one row
+        group), else they stay buffered for it."""
         import pyarrow as pa
 
-        self._open()
-        group = pa.concat_tables(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
-        landing = self._landing
-        self._buffer, self._buffered, self._landing = [], 0, []
+        saving, self._unsaved = self._unsaved, []
+        group: Any = None
+        landing = [copies for _, copies in saving]
+        if shard and self._buffer:
+            tables = [table for table, _ in self._buffer]
+            group = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+            landing += [copies for _, copies in self._buffer]
+            self._buffer, self._buffered = [], 0
+        if group is None and not saving:
+            return
+        target: Any = None
+        if group is not None:
+            if self._sink is not None:
+                self._open_table_file()
+                target = self._table_file
+            else:
+                if self._shard is None:
+                    local = self._local("." + OUTPUT_FORMATS[self._format])
+                    self._shard = ShardFile(local, self._schema.schema, self._format)
+                target = self._shard
+        segment = None
+        if saving:
+            if self._segment is None:
+                self._segment = _SegmentFile(self._local(".arrow"))
+            segment = self._segment
         self._wait()
         if self._encoder is None:
             self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tbp-records")
-        self._encoding = self._encoder.submit(self._encode, self._writer, group, landing)
+        tables = [table for table, _ in saving]
+        self._encoding = self._encoder.submit(self._encode, target, group, segment, tables, landing)
 
     @staticmethod
-    def _encode(writer: Any, group: Any, landing: list[CopiesDone]) -> None:
-        """On the encoder thread: waits for the group's copies back from the device, then writes the row group."""
+    def _encode(
+        target: Any, group: Any, segment: _SegmentFile | None, saving: list[Any], landing: list[CopiesDone]
+    ) -> None:
+        """On the encoder thread: waits for the rows' copies back from the device, then writes them."""
         for copies in landing:
             copies.wait()
-        writer.write_table(group, row_group_size=group.num_rows)
+        if segment is not None:
+            for table in saving:
+                segment.write(table)
+        if target is not None:
+            if isinstance(target, ShardFile):
+                target.write(group)
+            else:
+                target.write_table(group, row_group_size=group.num_rows)
 
     def _wait(self) -> None:
-        """Waits for the row group being encoded; raises its error."""
+        """Waits for the rows being written; raises its error."""
         encoding, self._encoding = self._encoding, None
         if encoding is not None:
             encoding.result()
 
-    def _close_shard(self) -> None:
-        """Closes the open shard and hands it to the stager (it joins the current stage)."""
-        self._write_group()
+    # ------------------------------------------------------------ table targets
+
+    def _open_table_file(self) -> None:
+        if self._table_file is not None:
+            return
+        stage = self._stager.stage
+        if stage != self._part_stage:
+            self._part, self._part_stage = 0, stage
+        assert self._sink is not None and self._schema is not None
+        self._table_file = self._sink.open(stage, self._part, self._schema.schema)
+        self._part += 1
+
+    def _close_table_file(self) -> None:
+        """A table target: closes its open data file (its descriptor travels in the next vote)."""
+        self._flush(shard=True)
         self._wait()
-        if self._writer is None:
-            return
-        writer, self._writer = self._writer, None
-        if self._sink is not None:
+        if self._table_file is not None:
+            writer, self._table_file = self._table_file, None
+            assert self._sink is not None
             self._sink.closed(writer.close())
-            self._shard_bytes = 0
-            return
-        writer.close()
-        assert self._file is not None
-        self._stager.add_file(self._file, self._name)
         self._shard_bytes = 0
+
+    # ------------------------------------------------------------ commits
 
     @property
     def schema(self) -> RecordSchema | None:
@@ -288,9 +328,57 @@ class RecordWriter:
         """A table target's data files closed since the last call (after :meth:`seal`: the stage's), for its vote."""
         return self._sink.take() if self._sink is not None else []
 
-    def seal(self) -> None:
-        """Before a commit: the open shard joins the stage being committed."""
-        self._close_shard()
+    def seal(self, closing: bool = False) -> None:
+        """Before a commit (its vote): the stage's rows are stored as its segment, and the shard is rolled over into
+        the stage when it is full or the commit is a ``closing`` one. A table target's data file is closed."""
+        if self._sink is not None:
+            self._close_table_file()
+            return
+        self._wait()
+        saving, self._unsaved = self._unsaved, []
+        if saving:  # written here, not handed to the encoder thread: the vote waits for it anyway (a hand-over
+            # and its wake-up cost more than the write of a few small tables: ~1 ms a commit on a busy machine)
+            import pyarrow as pa
+
+            if self._segment is None:
+                self._segment = _SegmentFile(self._local(".arrow"))
+            for _, copies in saving:
+                copies.wait()
+            tables = [table for table, _ in saving]
+            self._segment.write(pa.concat_tables(tables) if len(tables) > 1 else tables[0])
+        stage = self._stager.stage
+        if self._segment is not None:
+            self._segment.close()
+            self._parts.append(self._segment)
+            self._segment = None
+        parts, self._parts = self._parts, []
+        for k, part in enumerate(parts):
+            rel = segment_file(stage, self._rank, k)
+            self._stager.store_file(part.path, rel)
+            self._live.append(rel)
+        if self._shard_bytes >= self._limit or (closing and (self._shard is not None or self._buffer)):
+            self._roll(stage)
+
+    def _roll(self, stage: int) -> None:
+        """Closes the shard and hands it to ``stage`` (published with it); its segments are deleted after that."""
+        self._flush(shard=True)
+        self._wait()
+        shard, self._shard = self._shard, None
+        self._shard_bytes = 0
+        if shard is None:
+            return
+        shard.close()
+        self._stager.add_file(shard.path, shard_name(stage, self._rank, 0, self._format))
+        live, self._live = self._live, []
+        with self._doomed_lock:
+            self._doomed[stage] = live
+
+    def published(self, stage: int) -> None:
+        """``stage`` of this rank is published (any thread): deletes the segments its shard holds, if it has one."""
+        with self._doomed_lock:
+            doomed = self._doomed.pop(stage, None)
+        if doomed:
+            self._stager.storage.delete_files(doomed)
 
     def close(self) -> None:
         """When the call ends: drops what was not committed and the scratch folder."""
@@ -301,23 +389,40 @@ class RecordWriter:
         if self._encoder is not None:
             self._encoder.shutdown()
             self._encoder = None
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except Exception:  # noqa: BLE001 - the rows are dropped anyway
-                pass
-            self._writer = None
-        self._buffer, self._landing, self._pending = [], [], None
+        for writer in (self._shard, self._segment, self._table_file):
+            if writer is not None:
+                try:
+                    writer.close()
+                except Exception:  # noqa: BLE001 - the rows are dropped anyway
+                    pass
+        self._shard, self._segment, self._table_file = None, None, None
+        self._buffer, self._unsaved, self._pending, self._parts = [], [], None, []
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
 
 
-def _is_text(arrow_type: Any) -> bool:
-    import pyarrow as pa
+class _SegmentFile:
+    """A segment part being written on the encoder thread: an Arrow IPC file, opened at its first rows."""
 
-    types = pa.types
-    return bool(types.is_string(arrow_type) or types.is_large_string(arrow_type) or types.is_dictionary(arrow_type))
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: Any = None
+        self._sink: Any = None
+
+    def write(self, table: Any) -> None:
+        import pyarrow as pa
+
+        if self._writer is None:
+            self._sink = pa.OSFile(os.fspath(self.path), "wb")
+            self._writer = pa.ipc.new_file(self._sink, table.schema)
+        self._writer.write_table(table)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.close()
+            self._sink.close()
 
 
 def check_output_format(output_format: Any) -> None:

@@ -139,7 +139,7 @@ class Committer:
         self.part = Part()
         self.stage = first_stage
         self._stager.advance(first_stage)
-        self._published = Publisher(store, rank, sole=collectives.world_size == 1)
+        self._published = Publisher(store, rank, sole=collectives.world_size == 1, on_published=stager.published)
 
     # ------------------------------------------------------------ regular commits
 
@@ -240,7 +240,7 @@ class Committer:
         if not self._rank_failure.failed:
             try:
                 self._check_background()
-                self._stager.seal()  # open record shards join this stage
+                self._stager.seal(closing)  # record rows: the stage's segment; shards roll over (records.py)
                 self._stager.flush()
                 processor_state = processor.state_dict()
                 if self._reducers.wrapped or processor_state is not None:

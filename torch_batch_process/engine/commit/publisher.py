@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from torch_batch_process.engine.commit.background import BackgroundWork
 from torch_batch_process.jobstore.store import JobStore
@@ -32,9 +33,13 @@ class Publisher:
         store: the job's stored state (its ``publish`` moves one stage).
         rank: this rank.
         sole: this rank is the job's only one (a stage's folder then moves whole, with one rename).
+        on_published: told each stage once it is published (record segments its shard holds are then deleted).
     """
 
-    def __init__(self, store: JobStore, rank: int, *, sole: bool) -> None:
+    def __init__(
+        self, store: JobStore, rank: int, *, sole: bool, on_published: Callable[[int], None] | None = None
+    ) -> None:
+        self._on_published = on_published
         self._store = store
         self._rank = rank
         self._sole = sole
@@ -93,6 +98,8 @@ class Publisher:
     def _publish_stages(self, stages: list[int], failures: list[bool]) -> None:
         for stage, with_failures in zip(stages, failures, strict=True):
             self._store.publish(stage, self._rank, sole=self._sole, failures=with_failures)
+            if self._on_published is not None:
+                self._on_published(stage)
 
 
 class VotedStages:

@@ -120,6 +120,7 @@ def choose_retry(args: JobArguments) -> RetryChoice:
     the failures read are all those committed.
     """
     from torch_batch_process.observe.failures import read_failure_records
+    from torch_batch_process.outputs.segments import roll_leftovers
 
     storage = open_storage(args.storage_path, args.storage_options)
     try:
@@ -127,7 +128,7 @@ def choose_retry(args: JobArguments) -> RetryChoice:
         for folder in dict.fromkeys(["", source]):
             job = open_job_folder(storage, folder, args.storage_options) if folder else storage
             try:
-                JobStore(job).repair_finished()
+                JobStore(job, leftovers=roll_leftovers).repair_finished()
             finally:
                 if job is not storage:
                     job.close()

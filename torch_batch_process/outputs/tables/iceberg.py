@@ -16,6 +16,7 @@ unchanged, readers of any version see them once.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -128,8 +129,7 @@ class IcebergTable(Table):
             target = self._target
             name = target.catalog or "default"
             try:
-                self._catalog = load_catalog(name, **(target.catalog_properties or {}))
-                self._catalog.list_namespaces()  # reaches it: a bad URI or credentials fail here, before any work
+                self._catalog = _load_catalog(load_catalog, name, target.catalog_properties or {})
             except Exception as exc:  # noqa: BLE001 - pyiceberg raises many kinds
                 raise InvalidArgumentError(
                     f"tables.iceberg({target.identifier!r}, catalog=...): the catalog cannot be used "
@@ -290,3 +290,23 @@ def _plain(schema: Any) -> Any:
     import pyarrow as pa
 
     return pa.schema([pa.field(f.name, f.type) for f in schema])
+
+
+_RACES = ("already exists", "database is locked")
+"""Errors of a SQL catalog that several ranks open at once for the first time (each creates its tables, sqlite
+locks the file): transient, so the load is tried again."""
+
+
+def _load_catalog(load_catalog: Any, name: str, properties: dict[str, Any], attempts: int = 6) -> Any:
+    """The catalog, reached (``list_namespaces``: a bad URI or credentials fail here, before any work). A race of
+    ranks creating a new SQL catalog's tables together is tried again, a few times over about 6 s."""
+    for attempt in range(attempts):
+        try:
+            catalog = load_catalog(name, **properties)
+            catalog.list_namespaces()
+            return catalog
+        except Exception as exc:  # noqa: BLE001 - pyiceberg and sqlalchemy raise many kinds
+            if attempt == attempts - 1 or not any(race in str(exc) for race in _RACES):
+                raise
+            time.sleep(0.1 * 2**attempt)
+    raise AssertionError("unreachable")

@@ -1,0 +1,205 @@
+"""Record segments: each commit's rows made durable cheaply, until a roll-over puts them in a published shard.
+
+The protocol (docs/records.md, "Where the rows go"):
+
+- **Segments.** At each commit a rank writes the rows of its stage ``s`` (the batches the commit covers) as one Arrow
+  IPC file, ``_tbp/segments/<s>-rank_<r>-<k>.arrow`` (``k`` > 0 only when the rows' types widened inside the stage),
+  before its vote: no Parquet encoding on the commit path, and nothing under ``outputs/``. A segment is *committed*
+  when the commit record commits its stage (``record.has_stage(s)``); the record names no segment (it is small: the
+  committed stages it already keeps say which segments count).
+- **Shards.** The rank keeps one shard open across its commits (a Parquet ``ParquetWriter`` fed row group by row
+  group on its encoder thread, or a JSONL file) and *rolls it over* at a commit once it holds
+  ``TBP_SHARD_BYTES`` (default 128 MiB) of rows, and at every closing commit (the job finishes, is preempted, or
+  stops for a failure elsewhere: its closing commit). The rolled shard holds every row of the rank since its
+  previous roll-over, up to and including stage ``t``; it joins stage ``t`` like an ``upload_path()`` file, so it is
+  committed by the record of stage ``t`` and then published to
+  ``outputs/commit_<t>/rank_<r>/records/part-<t>-rank<r>-00000.<ext>`` (one object: a rename locally, one copy
+  on object stores). A rank rolls at most one shard per stage.
+- **Shadowing.** A published shard of rank ``r`` at stage ``t`` *shadows* every segment of rank ``r`` with stage
+  ``s <= t``: its rows are in the shard. Readers (:func:`live_segments`) count a segment iff it is committed and no
+  published shard shadows it. The rank deletes the segments a shard shadows once that shard is published.
+- **Leftovers.** A kill (or a failure, whose closing commit is never recorded) leaves committed rows in segments
+  only. The next start (rank 0, under the job lock, after the stages the record commits are published:
+  :meth:`~torch_batch_process.jobstore.store.JobStore.repair`) deletes segments that are not committed or are
+  shadowed, and rolls the remaining ones of each rank ``r`` into one shard written straight to
+  ``outputs/commit_<t>/rank_<r>/records/`` (``t``: the rank's newest live stage; an atomic rename or one PUT, the
+  roll-over's commit point), then deletes them. Every step is idempotent, whatever the new world size.
+
+Why it is exactly-once: stage numbers of one rank increase (with ``schedule="dynamic"`` too, and across attempts),
+and a rank's stages are committed in order (records are cumulative and a rank's votes are merged in order), so the
+shard committed with stage ``t`` holds exactly the committed rows of the rank's stages since its previous shard.
+So at every moment :func:`read_outputs` (published shards + live segments) sees every committed row exactly once;
+a glob over ``outputs/`` sees each row at most once, and exactly once whenever the job is stopped (finished or
+preempted; after a kill -9 or a failure, once the next start has run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.jobstore.layout import JOB_FILE, SEGMENTS_DIR, outputs_dir
+from torch_batch_process.outputs.shard_names import published_shards, shard_name
+
+if TYPE_CHECKING:
+    from torch_batch_process.jobstore.formats import CommitRecord
+
+__all__ = [
+    "SHARD_BYTES_ENV",
+    "Segment",
+    "list_segments",
+    "live_segments",
+    "newest_shards",
+    "read_segment",
+    "roll_leftovers",
+    "shard_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+SHARD_BYTES_ENV = "TBP_SHARD_BYTES"
+"""Environment variable: bytes of rows (Arrow's in-memory size) after which a rank rolls its shard over at a commit."""
+
+DEFAULT_SHARD_BYTES = 128 << 20
+
+_SEGMENT = re.compile(r"^(\d{8,})-rank_(\d+)-(\d+)\.arrow$")
+_SHARD_FOLDER = re.compile(r"(?:^|/)outputs/commit_(\d{8,})/rank_(\d+)/records/part-[^/]*$")
+
+
+def shard_bytes() -> int:
+    """The roll-over size: ``TBP_SHARD_BYTES`` (an int > 0, suffixes ``k``, ``M``, ``G`` allowed), else 128 MiB.
+
+    Raises:
+        InvalidArgumentError: the variable is set to something else (checked before any work).
+    """
+    from torch_batch_process.errors import InvalidArgumentError
+
+    raw = os.environ.get(SHARD_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SHARD_BYTES
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1].lower(), 1)
+    digits = raw[:-1] if scale > 1 else raw
+    if not digits.isdigit() or int(digits) * scale <= 0:
+        raise InvalidArgumentError(
+            f"{SHARD_BYTES_ENV}={raw!r}: expected a positive number of bytes (e.g. 134217728 or 128M), the size of "
+            "rows after which a rank starts a new record shard; unset it for the default (128M)"
+        )
+    return int(digits) * scale
+
+
+@dataclass(frozen=True, order=True)
+class Segment:
+    """A stored segment file: stage, rank and part, and its path relative to the storage."""
+
+    stage: int
+    rank: int
+    part: int
+    rel: str
+
+
+def list_segments(storage: Storage) -> list[Segment]:
+    """Every segment file stored (committed or not), in (stage, rank, part) order: one listing."""
+    found = []
+    for name in storage.list(SEGMENTS_DIR):
+        match = _SEGMENT.match(name)
+        if match:
+            stage, rank, part = (int(g) for g in match.groups())
+            found.append(Segment(stage, rank, part, f"{SEGMENTS_DIR}/{name}"))
+    return sorted(found)
+
+
+def newest_shards(shards: Iterable[str]) -> dict[int, int]:
+    """Rank -> the newest stage at which a shard of that rank is published, from shard paths (relative to the
+    storage; retries' shards of earlier versions, in ``retries/<k>/outputs/``, are not the job's and are ignored)."""
+    newest: dict[int, int] = {}
+    for shard in shards:
+        match = _SHARD_FOLDER.search(shard)
+        if match is None or not shard.startswith("outputs/"):
+            continue
+        stage, rank = int(match.group(1)), int(match.group(2))
+        newest[rank] = max(newest.get(rank, -1), stage)
+    return newest
+
+
+def live_segments(segments: list[Segment], record: CommitRecord | None, newest: dict[int, int]) -> list[Segment]:
+    """The segments whose rows count: committed by ``record`` and shadowed by no published shard (``newest``)."""
+    if record is None:
+        return []
+    return [s for s in segments if record.has_stage(s.stage) and s.stage > newest.get(s.rank, -1)]
+
+
+def read_segment(storage: Storage, rel: str) -> Any:
+    """A segment's rows as a ``pyarrow.Table``."""
+    import pyarrow as pa
+
+    with storage.open_input(rel) as f:
+        return pa.ipc.open_file(f).read_all()
+
+
+def roll_leftovers(storage: Storage, record: CommitRecord | None) -> None:
+    """At a job's start (rank 0, under the job lock, after the committed stages are published): deletes segments
+    that are not committed or are shadowed, and rolls each rank's live ones into one published shard (see the
+    module docstring). Needs pyarrow only when live segments are left."""
+
+    segments = list_segments(storage)
+    if not segments:
+        return
+    newest = newest_shards(published_shards(storage))
+    live = live_segments(segments, record, newest)
+    dead = sorted(set(segments) - set(live))
+    if dead:
+        storage.delete_files([s.rel for s in dead])
+    by_rank: dict[int, list[Segment]] = {}
+    for segment in live:
+        by_rank.setdefault(segment.rank, []).append(segment)
+    schema = record.record_schema.schema if record is not None and record.record_schema is not None else None
+    output_format = _output_format(storage) if by_rank else "parquet"
+    for rank, mine in sorted(by_rank.items()):
+        _roll(storage, rank, mine, schema, output_format)
+
+
+def _roll(storage: Storage, rank: int, segments: list[Segment], schema: Any, output_format: str) -> None:
+    """Writes one rank's live segments as one shard at its newest stage, publishes it in one step, deletes them."""
+    from torch_batch_process.outputs.shard_file import ShardFile
+
+    stage = segments[-1].stage
+    name = shard_name(stage, rank, 0, output_format)
+    folder = storage.scratch_folder(f"roll-rank_{rank}")
+    try:
+        local = folder / os.path.basename(name)
+        tables = [read_segment(storage, s.rel) for s in segments] if schema is None else None
+        if schema is None:  # records of older versions keep no schema: the segments' own, unified
+            import pyarrow as pa
+
+            schema = pa.unify_schemas([t.schema for t in tables], promote_options="permissive")
+        shard = ShardFile(local, schema, output_format)
+        try:
+            for i, segment in enumerate(segments):
+                table = tables[i] if tables is not None else read_segment(storage, segment.rel)
+                shard.write(table.select(schema.names).cast(schema))
+        finally:
+            shard.close()
+        rows = shard.rows
+        logger.info(
+            "rolling %d committed record segment(s) of rank %d (%d rows) into %s, left by an earlier attempt",
+            len(segments), rank, rows, storage.url_of(f"{outputs_dir(stage, rank)}/{name}"),
+        )
+        storage.put_file(local, f"{outputs_dir(stage, rank)}/{name}")  # the roll-over's commit point
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    storage.delete_files([s.rel for s in segments])
+
+
+def _output_format(storage: Storage) -> str:
+    """The job's ``output_format`` (its job file's fingerprint keeps it when it is not the default)."""
+    try:
+        spec = storage.read_json(JOB_FILE).get("spec", {})
+    except FileNotFoundError:
+        return "parquet"
+    return str(spec.get("output_format") or "parquet")
