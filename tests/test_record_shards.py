@@ -203,7 +203,9 @@ def _check_finished(storage: str, n: int, fmt: str) -> None:
 def test_kill9_during_a_roll_over_then_resume_every_row_exactly_once(tmp_path, moment, fmt):
     spec = _spec(tmp_path, kwargs={"output_format": fmt}, die_after=6)
     storage = spec["storage"]
-    first = "before_publish" if moment == "roll_at_start" else moment  # leave segments, then die at the next start
+    # roll_at_start: the first attempt dies before the roll-over's record (its shard is never committed), so the
+    # committed segments stay live; the next start rolls them into a shard and dies deleting them
+    first = "before_record" if moment == "roll_at_start" else moment
     outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(dict(spec, die_at=first)), env=_env()), timeout=120)
     assert outcomes[0][0] == -signal.SIGKILL, outcomes
     assert glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrow"))  # committed rows left in segments
