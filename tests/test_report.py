@@ -461,7 +461,14 @@ def _get(url: str) -> tuple[int, bytes]:
 
 def _stop(proc: subprocess.Popen[str]) -> str:
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:  # where it hangs: every thread's stack (kill -USR1), then the test fails
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"tbp dashboard did not stop within 20 s of SIGINT; its stderr:\n{err[-8000:]}") from None
     assert proc.returncode == 0, err[-3000:]
     return out
 

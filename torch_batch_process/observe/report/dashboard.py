@@ -11,11 +11,13 @@ reach it from elsewhere through ``ssh -L``) serves:
 Bounded: the stored job is read at most once per ``refresh_s / 2`` seconds whatever the number of browsers (one
 read at a time; the others get the latest model), at most :data:`MAX_REQUESTS` requests are served at once (more
 get HTTP 503 at once) and a client that stalls is dropped after :data:`SOCKET_TIMEOUT_S`. Ctrl-C (SIGINT) or
-SIGTERM stops it cleanly: the listening socket is closed and the command returns 0.
+SIGTERM stops it cleanly: the listening socket is closed and the command returns 0. ``kill -USR1`` prints every
+thread's stack to stderr (a diagnostic; the server goes on).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import signal
@@ -172,6 +174,7 @@ def serve_dashboard(
     server = _Server(port, dashboard)
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # kill -USR1: where every thread is
     try:
         host, bound = server.server_address[:2]
         if ready is not None:
@@ -183,6 +186,7 @@ def serve_dashboard(
     finally:
         server.server_close()
         signal.signal(signal.SIGTERM, previous)
+        faulthandler.unregister(signal.SIGUSR1)
     return 0
 
 
