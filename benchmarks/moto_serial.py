@@ -13,17 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import threading
-import time
-import urllib.request
-import uuid
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
-
-ACCESS_KEY = SECRET_KEY = "testing"
-REGION = "us-east-1"
 
 
 def _serve(host: str, port: int) -> None:
@@ -41,60 +35,15 @@ def _serve(host: str, port: int) -> None:
     run_simple(host, port, serialized, threaded=True, request_handler=MotoRequestHandler)
 
 
-class SerialMotoServer:
-    """The server above in a process of its own, on a free loopback port, for as long as the object lives."""
+def serial_moto_server() -> Any:
+    """The server above in a process of its own on a free loopback port: the tests' ``MotoServer`` (``tests/s3.py``:
+    start-up wait, ``env()``, ``new_bucket()``, ``stop()``) running this module instead of moto's own server."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from s3 import MotoServer
 
-    def __init__(self, *, startup_timeout: float = 60.0) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.moto_serial", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
-        )
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.endpoint}/moto-api/data.json", timeout=1).read()
-                return
-            except OSError:
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the moto server did not start on {self.endpoint}") from None
-                time.sleep(0.1)
-
-    def env(self) -> dict[str, str]:
-        """Environment that points boto and s3fs at this server with dummy credentials."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": REGION,
-        }
-
-    def new_bucket(self) -> str:
-        import boto3
-
-        name = f"tbp-{uuid.uuid4().hex[:16]}"
-        client = boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
-            region_name=REGION,
-        )
-        client.create_bucket(Bucket=name)
-        return name
-
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
+    return MotoServer(
+        startup_timeout=60.0, command=lambda port: [sys.executable, "-m", "benchmarks.moto_serial", "--port", str(port)]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

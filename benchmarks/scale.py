@@ -86,9 +86,9 @@ class Storages:
         self.server: Any = None
         self.bucket = ""
         if "s3" in kinds:
-            from benchmarks.moto_serial import SerialMotoServer
+            from benchmarks.moto_serial import serial_moto_server
 
-            self.server = SerialMotoServer()  # moto, one request at a time (its own races answer HTTP 500)
+            self.server = serial_moto_server()  # moto, one request at a time (its own races answer HTTP 500)
             os.environ.update(self.server.env())  # the ranks and the reader inherit it
             self.bucket = self.server.new_bucket()
 

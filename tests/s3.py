@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 ACCESS_KEY = "testing"
@@ -42,15 +43,23 @@ def moto_available() -> bool:
 
 
 class MotoServer:
-    """``python -m moto.server`` on a free loopback port, for as long as the object lives."""
+    """``python -m moto.server`` on a free loopback port, for as long as the object lives.
 
-    def __init__(self, *, startup_timeout: float = 30.0) -> None:
+    Args:
+        startup_timeout: seconds to wait for it to answer.
+        command: the server's command line for a port (default: moto's own server; the scale benchmark runs
+            ``benchmarks.moto_serial``, which handles one request at a time).
+    """
+
+    def __init__(self, *, startup_timeout: float = 30.0, command: Callable[[int], list[str]] | None = None) -> None:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
         env.pop("AWS_ENDPOINT_URL", None)
+        default = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        argv = command(self.port) if command is not None else default
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,
