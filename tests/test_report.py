@@ -26,7 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from harness import GENERIC_JOB, REPO, base_env, job_spec, run_generic, spawn_ranks, tbp_cmd, wait_all, wait_for
+from harness import (
+    GENERIC_JOB, REPO, base_env, job_spec, run_generic, spawn_ranks, stop_with_stacks, tbp_cmd, wait_all, wait_for,
+)
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
 from torch_batch_process.engine.plan.bucketing import bucket_layout, contiguous_padded_tokens, token_stats
 from torch_batch_process.engine.commit.votes import Part
@@ -444,6 +446,7 @@ def _start_dashboard(storage: Path | str, *extra: str) -> tuple[subprocess.Popen
     proc = subprocess.Popen(
         tbp_cmd("dashboard", str(storage), "--port", "0", "--refresh", "0.5", *extra),
         env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+        start_new_session=True,  # stop_with_stacks kills its session
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -464,10 +467,7 @@ def _stop(proc: subprocess.Popen[str]) -> str:
     try:
         out, err = proc.communicate(timeout=20)
     except subprocess.TimeoutExpired:  # where it hangs: every thread's stack (kill -USR1), then the test fails
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(2)
-        proc.kill()
-        out, err = proc.communicate()
+        out, err = stop_with_stacks(proc)
         raise AssertionError(f"tbp dashboard did not stop within 20 s of SIGINT; its stderr:\n{err[-8000:]}") from None
     assert proc.returncode == 0, err[-3000:]
     return out
