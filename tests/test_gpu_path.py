@@ -506,6 +506,15 @@ def test_cuda_batches_land_before_use_across_many_batches() -> None:
         assert torch.isclose(total.cpu(), sources[key].double().sum())
 
 
+def _load_kernels(batch: torch.Tensor) -> None:
+    """Runs the kernels used after the sleep once before it: CUDA loads a kernel at its first launch (lazy loading,
+    the default since CUDA 12.2), and loading synchronizes the context, which would wait out the sleep on the host
+    and leave nothing queued to test against."""
+    torch.cuda._sleep(1)
+    batch.clone().add_(0)
+    torch.cuda.synchronize()
+
+
 @cuda
 def test_cuda_memory_of_a_handed_out_batch_is_not_reused_while_the_consumer_uses_it() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
@@ -529,11 +538,13 @@ def test_cuda_memory_of_a_handed_out_batch_is_not_reused_while_the_consumer_uses
     _, batch = next(prefetcher)  # allocated on the side stream, used on the consumer stream
     pointer = batch.data_ptr()
     consumer = torch.cuda.current_stream(device)
+    _load_kernels(batch)
     torch.cuda._sleep(SLEEP_CYCLES)  # the consumer is busy for half a second...
     batch.add_(1)  # ...then uses the batch
     del batch  # the last reference goes while that work is still queued
     with torch.cuda.stream(side):
         probe = torch.empty(numel, device=device)
+    assert not consumer.query(), "premise: the consumer's queued work has not finished yet"
     assert probe.data_ptr() != pointer  # the block waits for the consumer's queued work
     del probe
     consumer.synchronize()
@@ -634,3 +645,20 @@ def test_benchmark_utilization_sampler_reads_nvidia_smi(tmp_path: Any) -> None:
     assert done.returncode == 0, done.stderr
     count, mean, outside = done.stdout.split()
     assert int(count) >= 2 and float(mean) == 40.0 and outside == "None"
+
+
+@cuda
+@pytest.mark.slow
+def test_ranks_sharing_a_gpu_get_a_gloo_default_group_and_finish(tmp_path: Any) -> None:
+    """More ranks than GPUs on a machine: NCCL refuses two ranks on one GPU, so the library's default group is gloo
+    on every rank (with a warning), and the job runs on the shared GPUs."""
+    from harness import assert_exactly_once, job_spec, per_batch_values, run_generic
+
+    world = torch.cuda.device_count() + 1  # at least two ranks share a GPU
+    spec = job_spec(tmp_path, n=40, batch_size=4)
+    outcomes, reports = run_generic(spec, nproc=world, launcher="plain", timeout=180)
+    assert [rc for rc, _, _ in outcomes] == [0] * world, [err[-2000:] for _, _, err in outcomes]
+    assert {reports[r]["backend"] for r in range(world)} == {"gloo"}
+    assert all(reports[r]["result"]["finished"] for r in range(world))
+    assert "NCCL cannot run two ranks on one GPU" in outcomes[0][2]
+    assert_exactly_once(per_batch_values(spec["storage"]), 40)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,16 @@ def get_default_device() -> torch.device:
     if mps is not None and mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """A name of the CUDA ``device`` unique across machines: its UUID (the same in every process that sees the
+    GPU, whatever ``CUDA_VISIBLE_DEVICES`` numbers it), else the host, visible devices and index."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return f"{socket.gethostname()}/{visible}/{device.index}"
 
 
 def to_device(data: Any, device: torch.device | str, warned_types: set[type] | None = None) -> Any:

@@ -188,6 +188,7 @@ def main():
             **kwargs,
         )
         report["result"] = result.to_json()
+        report["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         exit_code = 0
         if SPEC.get("sleep_after"):  # the script's own work after the job (a test signals the launcher meanwhile)
             Path(SPEC["report_dir"]).mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 A job runs as one plain process (``python script.py``), under ``torchrun``, or as processes started
 with the env contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
 The library initializes the default process group itself when the environment asks for more than
-one process (nccl when CUDA is there, else gloo), once every rank has joined with a deadline and
+one process (nccl when every rank has a GPU of its own, else gloo), once every rank has joined with a deadline and
 heartbeats (:mod:`~torch_batch_process.engine.join`: a rank lost while the job opens fails the others
 within seconds, not after the collective timeout), and reuses a group the user already initialized. A
 default group the library created stays for the later calls of the same process (a script may call
@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from torch_batch_process.device import get_default_device
+from torch_batch_process.device import get_default_device, gpu_uuid
 from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.engine.join import connect_timeout, join_job
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
@@ -56,6 +56,24 @@ def collective_timeout_s() -> float:
     """Seconds a collective of the job may wait: ``$TBP_COLLECTIVE_TIMEOUT_S`` (read when a call joins the process
     group), default 1800."""
     return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, str(DEFAULT_COLLECTIVE_TIMEOUT_S)))
+
+
+_SETS_TIMEOUT = hasattr(dist, "set_timeout")
+"""Whether this torch can change a connected group's timeout (``torch.distributed.set_timeout``, public in releases
+after 2.11): then the groups connect under :func:`connect_timeout` and get the collective timeout once connected.
+With an older torch they are created with the collective timeout (its private ``_set_pg_timeout`` did not reach
+gloo's collectives in some releases, pytorch#165422), so a peer that dies while they connect is noticed later."""
+
+
+def _connect_timeout(collective: datetime.timedelta) -> datetime.timedelta:
+    """The timeout a gloo group is created with (see :data:`_SETS_TIMEOUT`)."""
+    return connect_timeout() if _SETS_TIMEOUT else collective
+
+
+def _extend_timeout(collective: datetime.timedelta, group: Any = None) -> None:
+    """Gives a connected group the collective timeout (it already has it where torch cannot change it)."""
+    if _SETS_TIMEOUT:
+        dist.set_timeout(collective, group)
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -321,25 +339,33 @@ class DistributedEnv:
                     f"WORLD_SIZE={world_size} but {', '.join(missing)} is not set: start the job with torchrun or "
                     "python -m torch_batch_process.launch.torch_distributed, or set MASTER_ADDR and MASTER_PORT"
                 )
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            logger.debug("joining the job and initializing the %s process group (rank %d of %d)", backend, rank, world_size)
-            store = join_job(rank, world_size)  # every rank there, or a WorkerLostError naming who is not
+            logger.debug("joining the job (rank %d of %d)", rank, world_size)
+            gpu = gpu_uuid(self.device) if self.device.type == "cuda" else None
+            store, any_gloo = join_job(rank, world_size, gpu=gpu)  # or a WorkerLostError naming who did not join
+            backend = "gloo" if any_gloo else "nccl"
+            if any_gloo and self.device.type == "cuda" and rank == 0:
+                logger.warning(
+                    "some ranks share a GPU (more processes than GPUs on a machine) or have none: NCCL cannot run "
+                    "two ranks on one GPU, so the default process group uses gloo. For NCCL, start one process per "
+                    "GPU (torchrun --nproc-per-node <number of GPUs>)"
+                )
+            logger.debug("initializing the %s process group (rank %d of %d)", backend, rank, world_size)
             kwargs: dict[str, Any] = {}
             if backend == "nccl":
                 kwargs["device_id"] = self.device
-            timeout = connect_timeout() if backend == "gloo" else self._timeout
+            timeout = _connect_timeout(self._timeout) if backend == "gloo" else self._timeout
             with _lost_while("connecting the default process group", rank):
                 dist.init_process_group(
                     backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                     timeout=timeout, **kwargs,
                 )
-            dist.set_timeout(self._timeout)  # connected: the job's collectives get the collective timeout
+            _extend_timeout(self._timeout)  # connected: the job's collectives get the collective timeout
             store.set_timeout(self._timeout)
             _destroy_at_exit()
         if world_size > 1:
             with _lost_while("connecting the library's process group", rank):
-                self.control_group = dist.new_group(backend="gloo", timeout=connect_timeout())
-            dist.set_timeout(self._timeout, self.control_group)
+                self.control_group = dist.new_group(backend="gloo", timeout=_connect_timeout(self._timeout))
+            _extend_timeout(self._timeout, self.control_group)
             self._created_control = True
         self.collectives = Collectives(self.control_group, rank, world_size)
         local_size = _env_int("LOCAL_WORLD_SIZE", None)

@@ -78,9 +78,20 @@ def connect_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=min(CONNECT_TIMEOUT_S, join_timeout_s()))
 
 
-def join_job(rank: int, world_size: int) -> Any:
-    """Connects to the job's store and waits until every rank has joined (see the module docstring); returns the
-    store (its timeout set to :func:`connect_timeout`), ready for ``init_process_group(store=...)``.
+def join_job(rank: int, world_size: int, *, gpu: str | None = None) -> tuple[Any, bool]:
+    """Connects to the job's store and waits until every rank has joined (see the module docstring).
+
+    Args:
+        rank: this process's rank.
+        world_size: the number of ranks.
+        gpu: a name of this rank's GPU unique across machines (its UUID), or ``None`` without a CUDA device. NCCL
+            refuses two ranks on one GPU, so a rank without a GPU, or whose GPU another rank took first, votes for
+            gloo; each rank's vote is in the store before it counts as joined, so the verdict is the same on every
+            rank.
+
+    Returns:
+        The store (its timeout set to :func:`connect_timeout`), ready for ``init_process_group(store=...)``, and
+        whether some rank voted for gloo (then the default group must be gloo on every rank).
 
     Raises:
         WorkerLostError: a rank did not join by the deadline, or joined and went silent, or rank 0's store
@@ -88,9 +99,10 @@ def join_job(rank: int, world_size: int) -> Any:
     """
     deadline_s = join_timeout_s()
     store = _connect(rank, world_size, deadline_s)
-    _Rendezvous(store, rank, world_size, deadline_s, heartbeat_silence_s()).wait()
+    rendezvous = _Rendezvous(store, rank, world_size, deadline_s, heartbeat_silence_s())
+    rendezvous.wait(gpu)
     store.set_timeout(connect_timeout())
-    return store
+    return store, rendezvous.gloo_votes() > 0
 
 
 def _connect(rank: int, world_size: int, deadline_s: float) -> Any:
@@ -134,8 +146,14 @@ class _Rendezvous:
     def _key(self, name: str) -> str:
         return self.prefix + name
 
-    def wait(self) -> None:
+    def gloo_votes(self) -> int:
+        """Ranks that voted for gloo (final once :meth:`wait` returned: every rank votes before it joins)."""
+        return int(self._request(lambda: self.store.add(self._key("gloo_votes"), 0)))
+
+    def wait(self, gpu: str | None = None) -> None:
         started = time.monotonic()
+        shared = gpu is not None and self._request(lambda: self.store.add(self._key(f"gpu/{gpu}"), 1)) > 1
+        self._request(lambda: self.store.add(self._key("gloo_votes"), int(gpu is None or shared)))  # before joined
         self._request(lambda: self.store.add(self._key(f"beat/{self.rank}"), 1))  # joined: beating before counted
         self._request(lambda: self.store.add(self._key("joined"), 1))
         beater = threading.Thread(target=self._beat, name="tbp-join-heartbeat", daemon=True)
