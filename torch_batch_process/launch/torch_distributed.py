@@ -181,7 +181,8 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     worker_cmd = resolve_command(command, module=args.module, no_python=args.no_python)
 
     # Options the user set, on the command line or through torchrun's PET_* variables: never overridden.
-    defaulted = ["nproc_per_node", "rdzv_backend", "nnodes", "rdzv_id"]
+    # (master_port: torch 2.11 defaults it to 29500, torch 2.14 to None, so only its presence tells)
+    defaulted = ["nproc_per_node", "rdzv_backend", "nnodes", "rdzv_id", "master_port"]
     given = given_options(argv, defaulted) | {dest for dest in defaulted if f"PET_{dest.upper()}" in environ}
     notes: list[str] = []
     torchrun_argv = [token for token in options if token not in _COMMAND_FLAGS and token not in _OWN_FLAGS]
@@ -254,7 +255,7 @@ def _rendezvous_options(args: argparse.Namespace, given: set[str], max_nodes: in
         options += ["--rdzv-conf", f"{args.rdzv_conf},is_host=1" if args.rdzv_conf else "is_host=1"]
         notes.append(f"this node hosts the c10d rendezvous at {args.rdzv_endpoint} (its address is local)")
     rendezvous_given = args.standalone or args.rdzv_endpoint or not static
-    if max_nodes == 1 and not rendezvous_given and args.master_port is None:
+    if max_nodes == 1 and not rendezvous_given and "master_port" not in given:
         options.append("--standalone")
     if max_nodes > 1 and not rendezvous_given and args.master_addr == "127.0.0.1":
         raise LaunchError(
