@@ -67,24 +67,35 @@ SLEEP_CYCLES = 1_000_000_000  # torch.cuda._sleep: about half a second on curren
 def test_cuda_write_does_not_wait_for_the_gpu_and_values_land() -> None:
     device = torch.device("cuda")
     source = torch.arange(64 * 5, dtype=torch.float32, device=device).reshape(64, 5)
+
+    def make_rows() -> dict[str, Any]:
+        return {
+            "f32": source * 2,
+            "bf16": (source / 8).to(torch.bfloat16),
+            "f16": (source / 4).half(),
+            "i64": source.long(),
+            "u8": (source % 200).to(torch.uint8),
+            "t": source.t().contiguous().t(),  # non-contiguous
+            "per_example": [row + 1 for row in source],
+            "flags": source > 10,  # booleans: copied with .cpu(), synchronously
+        }
+
+    # Every kernel used below runs once first: CUDA loads a kernel at its first launch (lazy loading), and loading
+    # synchronizes the context, which would wait out the sleep before the write and leave no copy pending.
+    warm = DeviceCopies()
+    rows_to_table({k: v for k, v in make_rows().items() if k != "flags"}, list(range(64)), warm)
+    warm.done().wait()
+    torch.cuda._sleep(1)
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)  # the values below are made after half a second of GPU work
-    rows = {
-        "f32": source * 2,
-        "bf16": (source / 8).to(torch.bfloat16),
-        "f16": (source / 4).half(),
-        "i64": source.long(),
-        "u8": (source % 200).to(torch.uint8),
-        "t": source.t().contiguous().t(),  # non-contiguous
-        "per_example": [row + 1 for row in source],
-        "flags": source > 10,  # booleans: copied with .cpu(), synchronously
-    }
+    rows = make_rows()
     copies = DeviceCopies()
     started = time.perf_counter()
     table = rows_to_table({k: v for k, v in rows.items() if k != "flags"}, list(range(64)), copies)
     done = copies.done()
     elapsed = time.perf_counter() - started
     assert elapsed < 0.2, f"write waited {elapsed:.3f} s for the GPU"
+    assert not torch.cuda.current_stream(device).query(), "premise: the half-second sleep has not finished yet"
     assert done.pending
     done.wait()
     assert not done.pending
