@@ -48,6 +48,7 @@ time; the figures are the medians of same-round ratios. Goals: ``auto`` at most 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -243,6 +244,7 @@ def best_by_search(texts: list[str], lengths: np.ndarray, scratch: Path, batch_s
         except torch.OutOfMemoryError:
             return False
         finally:
+            gc.collect()  # the run's model and batches (an exception's frames hold them) leave the capped memory
             torch.cuda.empty_cache()
 
     low, high = 128, batch_size * int(lengths.max()) + 1  # fits / does not fit
@@ -251,6 +253,11 @@ def best_by_search(texts: list[str], lengths: np.ndarray, scratch: Path, batch_s
         low, high = (middle, high) if fits(middle, max_batches=4) else (low, middle)
     while not fits(low):
         low = int(low * 0.98)
+        if low < 16:
+            raise SystemExit(
+                "no max_tokens >= 16 fits the device memory given: raise --gpu-memory-mib (the model, its "
+                "workspace and the CUDA libraries' own buffers count against it)"
+            )
     return low
 
 
