@@ -106,6 +106,17 @@ def test_env_contract_without_torchrun(tmp_path):
     assert_exactly_once(committed_values(tmp_path / "storage"), 25)
 
 
+@pytest.mark.parametrize("torch_without_set_timeout", [False, True])
+def test_a_two_rank_job_runs_with_and_without_torch_distributed_set_timeout(tmp_path, torch_without_set_timeout):
+    """torch 2.11 has no public ``torch.distributed.set_timeout`` (later releases do): the job must run on both (on
+    torch 2.11 every job of two or more processes failed at once)."""
+    spec = job_spec(tmp_path, n=12, batch_size=2, torch_without_set_timeout=torch_without_set_timeout)
+    results, reports = run_generic(spec, nproc=2, launcher="plain")
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    assert all(reports[r]["result"]["finished"] and reports[r]["backend"] == "gloo" for r in (0, 1))
+    assert_exactly_once(committed_values(tmp_path / "storage"), 12)
+
+
 def test_user_initialized_group_is_reused_and_kept(tmp_path):
     script = tmp_path / "user_pg.py"
     script.write_text(

@@ -58,21 +58,22 @@ def collective_timeout_s() -> float:
     return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, str(DEFAULT_COLLECTIVE_TIMEOUT_S)))
 
 
-_SETS_TIMEOUT = hasattr(dist, "set_timeout")
-"""Whether this torch can change a connected group's timeout (``torch.distributed.set_timeout``, public in releases
-after 2.11): then the groups connect under :func:`connect_timeout` and get the collective timeout once connected.
-With an older torch they are created with the collective timeout (its private ``_set_pg_timeout`` did not reach
-gloo's collectives in some releases, pytorch#165422), so a peer that dies while they connect is noticed later."""
+def _sets_timeout() -> bool:
+    """Whether this torch can change a connected group's timeout (``torch.distributed.set_timeout``, public in releases
+    after 2.11): then the groups connect under :func:`connect_timeout` and get the collective timeout once connected.
+    With an older torch they are created with the collective timeout (its private ``_set_pg_timeout`` did not reach
+    gloo's collectives in some releases, pytorch#165422), so a peer that dies while they connect is noticed later."""
+    return hasattr(dist, "set_timeout")
 
 
 def _connect_timeout(collective: datetime.timedelta) -> datetime.timedelta:
-    """The timeout a gloo group is created with (see :data:`_SETS_TIMEOUT`)."""
-    return connect_timeout() if _SETS_TIMEOUT else collective
+    """The timeout a gloo group is created with (see :func:`_sets_timeout`)."""
+    return connect_timeout() if _sets_timeout() else collective
 
 
 def _extend_timeout(collective: datetime.timedelta, group: Any = None) -> None:
     """Gives a connected group the collective timeout (it already has it where torch cannot change it)."""
-    if _SETS_TIMEOUT:
+    if _sets_timeout():
         dist.set_timeout(collective, group)
 
 
