@@ -148,3 +148,16 @@ def test_shuffle_false_and_valid_loader_options_are_accepted(tmp_path):
     )
     assert CALLS == [-1, 0, 1, 2]
     assert result.finished and result.num_batches == 3
+
+
+@pytest.mark.parametrize("option", [dict(schedule="dynamic"), dict(batch_timeout=30)])
+def test_options_that_need_the_stores_queues_are_refused_on_a_torch_without_them(option, tmp_path, monkeypatch):
+    """torch before 2.8 has no Store.queue_push / Store.clone (the dynamic schedule's votes, the watchdog's own
+    connection): such a torch gets an error naming the option and the version before any work, not a lost worker
+    once the ranks run."""
+    monkeypatch.setattr(torch.distributed, "Store", type("Store", (), {}))  # a store class as torch 2.4's
+    CALLS.clear()
+    with pytest.raises(InvalidArgumentError, match=r"needs torch >= 2\.8") as info:
+        torch_batch_process(Ok, list(range(10)), storage_path=str(tmp_path / "store"), **option)
+    assert next(iter(option)) in str(info.value) and torch.__version__ in str(info.value)
+    assert CALLS == [] and not (tmp_path / "store").exists()

@@ -65,6 +65,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "processor",
             "reducers",
             "result",
+            "torch_features",
             "version",
         ),
     ),

@@ -29,6 +29,7 @@ from torch_batch_process.integers import is_int
 from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.processor import TorchBatchProcessor
+from torch_batch_process.torch_features import require_store_queues
 
 SCHEDULES = ("static", "dynamic")
 
@@ -364,7 +365,10 @@ def validate_arguments(
             "lockstep (Determined's behaviour), 'dynamic' lets each rank take the next batch when it is free"
         )
     if schedule == "dynamic":
+        require_store_queues("schedule='dynamic'")
         heartbeat_silence_s()  # $TBP_HEARTBEAT_SILENCE_S, which rank 0 reads when it watches the others
+    if failures.batch_timeout is not None:
+        require_store_queues("batch_timeout")
     check_output_format(output_format)
     shard_bytes()  # TBP_SHARD_BYTES, when set, is a size
     validate_table(table, output_format)
