@@ -1,0 +1,20 @@
+# The GPU checks in one call of a lent machine (15 minutes of device time in all, starts included), with .gpu/
+# carried (python -m benchmarks.device.prepare makes it). Logs and results land in $OUT.
+#   BENCH_S: seconds for benchmarks.gpu (default 320)   SCALE, ROUNDS: its size (0.15, 2)   OOM_S: benchmarks.oom
+export PYTHONPATH=$PWD/.gpu:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+python3 benchmarks/device/restore_model.py
+T0=$(date +%s)
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_path.py tests/test_copyback.py tests/test_oom.py \
+    2>&1 | tee "$OUT/tests.log" | tail -30
+echo "tests took $(( $(date +%s) - T0 )) s"; T0=$(date +%s)
+timeout "${BENCH_S:-320}" python3 -m benchmarks.gpu --rounds "${ROUNDS:-2}" --scale "${SCALE:-0.15}" \
+    --contenders hand_pinned,tbp,tbp_records,pl_trainer,hf_accelerate,hand_pinned_bf16,tbp_bf16 > "$OUT/gpu.log" 2>&1
+echo "benchmarks.gpu: exit $?, $(( $(date +%s) - T0 )) s"; T0=$(date +%s)
+cp "$(ls -td bench_results/gpu-2* | head -1)/results.json" "$OUT/gpu.json"
+python3 -m benchmarks.gpu --render "$OUT/gpu.json" | tail -25
+timeout "${OOM_S:-90}" python3 -m benchmarks.oom --device cuda --model minilm --gpu-memory-mib 1024 --rounds 1 \
+    > "$OUT/oom.log" 2>&1
+echo "benchmarks.oom: exit $?, $(( $(date +%s) - T0 )) s"; tail -20 "$OUT/oom.log"
