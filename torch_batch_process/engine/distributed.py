@@ -239,43 +239,39 @@ class RendezvousStore:
     def _lost(self, exc: BaseException) -> WorkerLostError:
         return WorkerLostError(f"rank {self._rank}: the job's rendezvous store stopped answering ({exc}); {LOST_HINT}")
 
-    def add(self, key: str, amount: int) -> int:
+    @contextlib.contextmanager
+    def _answering(self) -> Iterator[None]:
+        """Turns any error of the store (connection refused, reset, timeout...) into :meth:`_lost`'s."""
         try:
-            return int(self._store.add(key, amount))
-        except Exception as exc:  # noqa: BLE001 - connection refused, reset, timeout...
-            raise self._lost(exc) from exc
-
-    def set(self, key: str, value: bytes) -> None:
-        try:
-            self._store.set(key, value)
+            yield
         except Exception as exc:  # noqa: BLE001
             raise self._lost(exc) from exc
+
+    def add(self, key: str, amount: int) -> int:
+        with self._answering():
+            return int(self._store.add(key, amount))
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._answering():
+            self._store.set(key, value)
 
     def get(self, key: str) -> bytes:
         """The value of a key that was set (a key that was not makes the store wait, then time out)."""
-        try:
+        with self._answering():
             return bytes(self._store.get(key))
-        except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """The values of ``keys`` in one request (each must exist: the store waits for a missing key)."""
-        try:
+        with self._answering():
             return list(self._store.multi_get(keys))
-        except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
 
     def queue_push(self, key: str, value: bytes) -> None:
-        try:
+        with self._answering():
             self._store.queue_push(key, value)
-        except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
 
     def queue_len(self, key: str) -> int:
-        try:
+        with self._answering():
             return int(self._store.queue_len(key))
-        except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
 
     def queue_pop(self, key: str) -> bytes | None:
         """The next item, waiting for one; ``None`` when the store's wait timed out (call again)."""
@@ -288,10 +284,8 @@ class RendezvousStore:
 
     def clone(self) -> RendezvousStore:
         """A connection of its own (for another thread)."""
-        try:
+        with self._answering():
             return RendezvousStore(self._store.clone(), self._rank)
-        except Exception as exc:  # noqa: BLE001
-            raise self._lost(exc) from exc
 
 
 class DistributedEnv:
