@@ -49,6 +49,19 @@ class Small(TorchBatchProcessor):
             _check_mid_job(self.context, batch_idx)
 
 
+def _log_stages(storage, rank: int) -> list[int]:
+    """The stages of the record batches in rank ``rank``'s segment logs (a torn last batch ends a log)."""
+    stages = []
+    for path in sorted(glob.glob(os.path.join(storage, "_tbp", "segments", f"*-rank_{rank}-*.arrows"))):
+        try:
+            reader = pa.ipc.open_stream(Path(path).read_bytes())
+            while True:
+                stages.append(int(reader.read_next_batch_with_custom_metadata()[1][b"tbp_stage"]))
+        except (StopIteration, pa.ArrowException, OSError):
+            continue
+    return stages
+
+
 def _check_mid_job(context, batch_idx):
     """read_outputs mid-job: every committed row once (a prefix of the dataset: one process, static order); the
     documented glob: each row at most once, all of them among those."""
@@ -208,7 +221,7 @@ def test_kill9_during_a_roll_over_then_resume_every_row_exactly_once(tmp_path, m
     first = "before_record" if moment == "roll_at_start" else moment
     outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(dict(spec, die_at=first)), env=_env()), timeout=120)
     assert outcomes[0][0] == -signal.SIGKILL, outcomes
-    assert glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrow"))  # committed rows left in segments
+    assert _log_stages(storage, 0)  # committed rows left in segment logs
     _check_exactly_once_now(storage, spec, fmt)
     if moment == "roll_at_start":
         again = dict(spec, attempt=2, die_at="roll_at_start")
@@ -223,6 +236,27 @@ def test_kill9_during_a_roll_over_then_resume_every_row_exactly_once(tmp_path, m
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_kill9_mid_append_to_a_segment_log_then_resume_every_row_exactly_once(tmp_path, fmt):
+    # a shard of 1 MB: the job's rows stay in one segment log, appended at every commit
+    spec = _spec(tmp_path, kwargs={"output_format": fmt}, die_after=6, die_at="mid_append")
+    storage = spec["storage"]
+    outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(spec), env=_env(1 << 20)), timeout=120)
+    assert outcomes[0][0] == -signal.SIGKILL, outcomes
+    (log,) = glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrows"))
+    with pytest.raises((pa.ArrowException, OSError)):  # the log ends inside a record batch
+        reader = pa.ipc.open_stream(Path(log).read_bytes())
+        while True:
+            reader.read_next_batch()
+    stages = _log_stages(storage, 0)
+    assert stages and max(stages) == 6  # stages 1-6 are whole; stage 7's first batch is cut off, before its vote
+    _check_exactly_once_now(storage, spec, fmt)  # a torn tail counts nothing and fails no read
+    outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(dict(spec, attempt=2, die_at=None)), env=_env()), 120)
+    assert [rc for rc, _, _ in outcomes] == [0], outcomes
+    _check_finished(storage, spec["n"], fmt)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "schedule"), [(1, "static"), (3, "static"), (3, "dynamic")])
 def test_two_ranks_killed_then_resumed_with_another_world_size(tmp_path, world, schedule):
     progress = tmp_path / "progress"
@@ -230,7 +264,7 @@ def test_two_ranks_killed_then_resumed_with_another_world_size(tmp_path, world, 
     storage = spec["storage"]
     procs = spawn_ranks(2, RECORDS_JOB, json.dumps(spec), env=_env(1500))
     deadline = time.monotonic() + 90
-    while len(glob.glob(os.path.join(storage, "_tbp", "segments", "*-rank_1-*.arrow"))) < 2:
+    while len(set(_log_stages(storage, 1))) < 2:
         assert time.monotonic() < deadline, "the job never committed segments"
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
         time.sleep(0.02)
@@ -333,8 +367,10 @@ def test_rows_left_in_segments_by_a_failure_are_rolled_over_at_the_next_start(tm
         torch_batch_process(FailsOnce, list(range(40)), **run)
     # the failed job's closing commit is not recorded: no shard was published
     assert not glob.glob(os.path.join(storage, OUTPUTS_GLOB + ".parquet"))
-    segments = glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrow"))
-    assert len(segments) == 5  # stages 1-4 (batches 0-7); stage 3 in two parts: its types widened at batch 5
+    # stages 1-4 (batches 0-7) in the rank's segment logs: a second log from stage 3, when its types widened
+    logs = sorted(os.listdir(os.path.join(storage, "_tbp", "segments")))
+    assert logs == ["00000001-rank_0-0.arrows", "00000003-rank_0-0.arrows"]
+    assert _log_stages(storage, 0) == [1, 1, 2, 2, 3, 3, 4, 4]  # a record batch per batch (seal's two of each stage)
     index = read_outputs(storage).column("index").to_pylist()
     assert index == list(range(32))  # every committed row, from segments
     monkeypatch.setattr(FailsOnce, "fail_at", None)
@@ -342,4 +378,4 @@ def test_rows_left_in_segments_by_a_failure_are_rolled_over_at_the_next_start(tm
     table = read_outputs(storage)
     assert table.column("maybe").to_pylist() == [None] * 20 + [f"m{i}" for i in range(20, 40)]
     assert len(glob.glob(os.path.join(storage, OUTPUTS_GLOB + ".parquet"))) == 2  # the leftovers' shard, the new one
-    assert not glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrow"))
+    assert not os.listdir(os.path.join(storage, "_tbp", "segments"))

@@ -399,7 +399,7 @@ def test_kill9_then_resume_with_another_world_size_every_index_once(tmp_path, fm
     kwargs = {"output_format": fmt, "schedule": schedule}
     spec = _spec(tmp_path, n=600, kwargs=kwargs, sleep=0.02, progress_file=str(progress))
     procs = spawn_ranks(2, RECORDS_JOB, json.dumps(spec))
-    published = os.path.join(spec["storage"], "_tbp", "segments", "*.arrow")  # committed rows, not rolled yet
+    published = os.path.join(spec["storage"], "_tbp", "segments", "*.arrow*")  # committed rows, not rolled yet
     deadline = time.monotonic() + 90
     while not glob.glob(published):  # some commits are durable, the others under way
         assert time.monotonic() < deadline, "the job never published a commit"

@@ -54,8 +54,11 @@ def die_at(moment: str, after: int) -> None:
 
     - ``before_record``: the shard is sealed into its stage, its commit record is not written;
     - ``before_publish``: the record is durable, the stage (with the shard) is not published;
-    - ``mid_delete``: the shard is published, one of the segments it holds is deleted, the others not;
-    - ``roll_at_start``: at the next start, the leftover segments' shard is published, none of them deleted.
+    - ``mid_delete``: the shard is published, one of the segments it holds is deleted, the others not (a segment log,
+      one per shard: not deleted);
+    - ``roll_at_start``: at the next start, the leftover segments' shard is published, none of them deleted;
+    - ``mid_append`` (not at a roll-over): the first append to a segment log after commit ``after`` (of the stage being
+      sealed, before its vote) is cut off halfway: half of its first record batch's bytes reach the file.
     """
     from torch_batch_process.jobstore.store import JobStore
     from torch_batch_process.outputs import segments
@@ -87,8 +90,8 @@ def die_at(moment: str, after: int) -> None:
 
         def delete(self, stage):
             doomed = self._doomed.get(stage) or []
-            if stage > after and len(doomed) > 1:
-                self._stager.storage.delete_files(doomed[:1])
+            if stage > after and doomed:  # a segment log per shard: killed before deleting it; else after the first
+                self._stager.storage.delete_files(doomed[:1] if len(doomed) > 1 else [])
                 _die()
             published(self, stage)
 
@@ -107,6 +110,26 @@ def die_at(moment: str, after: int) -> None:
                 _die()
 
         segments._roll = lambda storage, *args: roll(KillOnDelete(storage), *args)
+    elif moment == "mid_append":
+        import pyarrow as pa
+
+        from torch_batch_process.outputs.segment_log import STAGE_KEY, SegmentLog
+
+        append = SegmentLog.append
+
+        def torn(self, table, stage):
+            if stage <= after or self._writer is None:
+                return append(self, table, stage)
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_batch(table.to_batches()[0], custom_metadata={STAGE_KEY: str(stage).encode()})
+            schema_bytes = self._schema.serialize().size
+            message = sink.getvalue().to_pybytes()[schema_bytes:-8]  # the batch's message: no schema, no end
+            with open(self.path, "ab") as f:
+                f.write(message[: len(message) // 2])
+            _die()
+
+        SegmentLog.append = torn
     else:
         raise ValueError(moment)
 

@@ -20,6 +20,9 @@
     _tbp/segments/<s>-rank_<r>-<k>.arrow
                                       record rows (context.write) of stage s of rank r, committed with the stage and
                                       not yet in a published shard (Arrow IPC; see torch_batch_process.outputs.segments)
+    _tbp/segments/<s>-rank_<r>-<k>.arrows
+                                      local storage: rank r's segment log from stage s on, an Arrow IPC stream
+                                      appended at each commit, a record batch per stage (the same module)
     _tbp/scratch/                     local storage: folders being written (upload_path() blocks, record shards)
     _tbp/lock, _tbp/lock.json         the job lock of local storage (an OS file lock) and its holder
     _tbp/lease.json                   the job lease of object stores
@@ -65,6 +68,7 @@ __all__ = [
     "outputs_dir",
     "record_file",
     "segment_file",
+    "segment_log_file",
     "source_rows_file",
     "staging_dir",
     "state_file",
@@ -106,6 +110,12 @@ def record_file(commit: int) -> str:
 def segment_file(stage: int, rank: int, part: int = 0) -> str:
     """Part ``part`` of rank ``rank``'s record segment of stage ``stage`` (a new part when the rows' types widen)."""
     return f"{SEGMENTS_DIR}/{number_name(stage)}-rank_{rank}-{part}.arrow"
+
+
+def segment_log_file(stage: int, rank: int, part: int = 0) -> str:
+    """Rank ``rank``'s segment log whose first rows are of stage ``stage`` (part ``part``: a new log when the rows'
+    types widen within the stage)."""
+    return f"{SEGMENTS_DIR}/{number_name(stage)}-rank_{rank}-{part}.arrows"
 
 
 def staging_dir(stage: int, rank: int | None = None) -> str:

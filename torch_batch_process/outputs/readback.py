@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +51,7 @@ from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
 from torch_batch_process.outputs.shard_names import RECORDS_DIR, committed_shards, published_shards
-from torch_batch_process.outputs.segments import list_segments, live_segments, newest_shards, read_segment
+from torch_batch_process.outputs.segments import is_segment, list_segments, live_segments, newest_shards, read_segment
 from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.outputs.tables.readback import iter_table, read_table
 from torch_batch_process.storage.base import Storage
@@ -87,9 +87,10 @@ def list_shards(storage: Storage) -> list[str]:
 
 def _open(
     storage_path: Any, storage_options: dict[str, Any] | None
-) -> tuple[Storage, list[str], Any, CommittedRows]:
-    """The storage, its committed shards, the JSONL shards' committed schema and the rows to find (read before
-    the shards are listed: see :mod:`torch_batch_process.outputs.completeness`)."""
+) -> tuple[Storage, list[str], Any, CommittedRows, Callable[[int], bool]]:
+    """The storage, its committed shards (and live segments), the JSONL shards' committed schema, the rows to find
+    (read before the shards are listed: see :mod:`torch_batch_process.outputs.completeness`) and the test of a
+    committed stage (the rows of a segment log that count)."""
     require_pyarrow()
     if not isinstance(storage_path, (str, os.PathLike)):
         raise InvalidArgumentError(
@@ -111,7 +112,8 @@ def _open(
     if not shards and not live:
         _say_no_records(storage)
     typed = _committed_schema(storage) if shards and shards[0].endswith(".jsonl") else None
-    return storage, shards + live, typed, expected
+    committed = record.has_stage if record is not None else (lambda stage: False)
+    return storage, shards + live, typed, expected, committed
 
 
 def _latest_record(storage: Storage) -> Any:
@@ -244,7 +246,9 @@ def _read_jsonl_index(storage: Storage, shard: str) -> Any:
         return pj.read_json(f, read_options=pj.ReadOptions(use_threads=False), parse_options=options)
 
 
-def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], Any]:
+def _runs(
+    storage: Storage, shards: list[str], typed: Any, committed: Callable[[int], bool]
+) -> tuple[list[_Run], Any]:
     """Every run of the shards with its index range (footers only for Parquet, the index column for JSONL), and
     the shards' schemas unified (a column that was all None in one shard is typed in another). JSONL shards have
     the committed schema ``typed`` when the commit record keeps one (it covers every shard), else JSON's types."""
@@ -254,9 +258,11 @@ def _runs(storage: Storage, shards: list[str], typed: Any) -> tuple[list[_Run], 
     runs: list[_Run] = []
     schemas = []
     for shard in shards:
-        if shard.endswith(_SEGMENT_SUFFIX):  # committed rows not in a shard yet: a whole file is one run
-            table = _read_segment(storage, shard, [INDEX_COLUMN])
-            schemas.append(_segment_schema(storage, shard))
+        if is_segment(shard):  # committed rows not in a shard yet: a whole file is one run
+            table = _read_segment(storage, shard, None, committed)
+            if table is None:
+                continue
+            schemas.append(table.schema)
             index = table.column(INDEX_COLUMN)
             if len(index):
                 runs.append(_Run(shard, -2, int(_np(index).min()), int(_np(index).max()), len(index)))
@@ -315,29 +321,21 @@ class _Coalesced:
         self._tables, self._rows = ([rest] if rest.num_rows else []), rest.num_rows
 
 
-_SEGMENT_SUFFIX = ".arrow"
-
-
-def _read_segment(storage: Storage, rel: str, columns: list[str] | None) -> Any:
-    """A live segment's rows (``columns`` of them). One that vanished was rolled into a shard published after the
-    listing (a running job): the read is to be done again."""
+def _read_segment(
+    storage: Storage, rel: str, columns: list[str] | None, committed: Callable[[int], bool]
+) -> Any:
+    """A live segment's rows (``columns`` of them; a log's of ``committed`` stages; ``None``: a log with no rows
+    yet). One that vanished was rolled into a shard published after the listing (a running job): the read is to be
+    done again."""
     try:
         with _reading(storage, rel):
-            table = read_segment(storage, rel)
+            table = read_segment(storage, rel, committed)
     except FileNotFoundError as exc:
         raise _SegmentGone(rel) from exc
-    if columns is not None:
+    if table is not None and columns is not None:
         _check_columns(columns, table.column_names, storage.url)
         table = table.select(columns)
     return table
-
-
-def _segment_schema(storage: Storage, rel: str) -> Any:
-    try:
-        with _reading(storage, rel), storage.open_input(rel) as f:
-            return require_pyarrow().ipc.open_file(f).schema
-    except FileNotFoundError as exc:
-        raise _SegmentGone(rel) from exc
 
 
 class _SegmentGone(Exception):
@@ -352,11 +350,13 @@ def _np(column: Any) -> np.ndarray:
     return column.to_numpy() if hasattr(column, "to_numpy") else np.asarray(column)
 
 
-def _load(storage: Storage, run: _Run, columns: list[str] | None, typed: Any) -> Any:
+def _load(
+    storage: Storage, run: _Run, columns: list[str] | None, typed: Any, committed: Callable[[int], bool]
+) -> Any:
     import pyarrow.parquet as pq
 
     if run.group == -2:
-        return _read_segment(storage, run.shard, columns)
+        return _read_segment(storage, run.shard, columns, committed)
     if run.group < 0:
         return _read_jsonl(storage, run.shard, columns, typed)
     with _reading(storage, run.shard), storage.open_input(run.shard) as f:
@@ -404,9 +404,9 @@ def iter_outputs(
         yield from iter_table(storage_path, wanted, batch_rows)
         return
     for attempt in range(_READ_AGAIN):
-        storage, shards, typed, expected = _open(storage_path, storage_options)
+        storage, shards, typed, expected, committed = _open(storage_path, storage_options)
         try:
-            runs, schema = _runs(storage, shards, typed)
+            runs, schema = _runs(storage, shards, typed, committed)
             break
         except _SegmentGone:
             storage.close()
@@ -430,7 +430,7 @@ def iter_outputs(
                 held = [table.slice(cut)] if cut < len(index) else []
             if i < len(runs):
                 try:
-                    loaded = _load(storage, runs[i], wanted, typed)
+                    loaded = _load(storage, runs[i], wanted, typed, committed)
                 except _SegmentGone as exc:
                     raise RuntimeError(
                         f"{storage.url}: the running job moved committed rows ({exc.args[0]}) into a shard while "
@@ -478,11 +478,12 @@ def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted:
     """:func:`read_outputs` of a storage path, once."""
     import pyarrow.parquet as pq
 
-    storage, shards, typed, expected = _open(storage_path, storage_options)
+    storage, shards, typed, expected, committed = _open(storage_path, storage_options)
 
     def read(shard: str) -> Any:
-        if shard.endswith(_SEGMENT_SUFFIX):
-            return _read_segment(storage, shard, wanted)
+        if is_segment(shard):
+            table = _read_segment(storage, shard, wanted, committed)
+            return table if table is not None else require_pyarrow().table({INDEX_COLUMN: []})
         if shard.endswith(".jsonl"):
             return _read_jsonl(storage, shard, wanted, typed)
         with _reading(storage, shard), storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table

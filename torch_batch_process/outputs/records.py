@@ -9,9 +9,11 @@ groups' rows per rank, whatever the job's size. CUDA tensors are copied back asy
 their rows, so the batch's thread does not wait for the GPU.
 
 At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer before its vote) the rows since
-the previous commit are made durable as the stage's segment, ``_tbp/segments/<s>-rank_<r>-<k>.arrow``, stored
-through the stager's file sink (a rename locally, an upload to object stores) before the vote; the shard stays
-open across commits (row groups by bytes, not by commit). The shard is *rolled over* (closed and handed to the
+the previous commit are made durable before the vote: on object stores as the stage's segment,
+``_tbp/segments/<s>-rank_<r>-<k>.arrow``, uploaded through the stager's file sink; on local storage appended to the
+rank's segment log, ``_tbp/segments/<s>-rank_<r>-<k>.arrows``, one file per shard instead of one per commit
+(:mod:`torch_batch_process.outputs.segment_log`). The shard stays open across commits (row groups by bytes, not by
+commit). The shard is *rolled over* (closed and handed to the
 :class:`~torch_batch_process.outputs.files.OutputStager` like an ``upload_path()`` file, so it is published once
 with the stage it is sealed in) at a commit once it holds ``TBP_SHARD_BYTES`` of rows (default 128 MiB), and at
 every closing commit; its name is ``outputs/commit_<t>/rank_<r>/records/part-<t>-rank<r>-00000.<ext>`` (see
@@ -35,11 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.errors import InvalidArgumentError, SchemaConflictError
-from torch_batch_process.jobstore.layout import segment_file
+from torch_batch_process.jobstore.layout import SEGMENTS_DIR, segment_file, segment_log_file
 from torch_batch_process.jobstore.schema import FIX_HINT, RecordSchema, unify
 from torch_batch_process.outputs.columns import rows_to_table
 from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
 from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.outputs.segment_log import SegmentLog
 from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.outputs.shard_names import OUTPUT_FORMATS, RECORDS_DIR, shard_name
 from torch_batch_process.outputs.shard_file import ShardFile
@@ -121,8 +124,11 @@ class RecordWriter:
         self._table_file: Any = None  # a table target's open data file
         self._shard_bytes = 0
         self._limit = SHARD_BYTES if sink is not None else shard_bytes()
-        self._segment: _SegmentFile | None = None  # the stage's open segment part
-        self._parts: list[_SegmentFile] = []  # the stage's closed segment parts
+        # local storage: segments are logs appended in place, one per shard (else a file per commit, uploaded)
+        self._logs = sink is None and stager.storage.local_path(SEGMENTS_DIR) is not None
+        self._log_name = (-1, -1)  # the (first stage, part) of the newest log opened
+        self._segment: _SegmentFile | SegmentLog | None = None  # the stage's open segment part, or the open log
+        self._parts: list[_SegmentFile] = []  # the stage's closed segment parts (segment files)
         self._live: list[str] = []  # segments stored since the last roll-over (their rows are in the open shard)
         self._doomed: dict[int, list[str]] = {}  # stage of a rolled shard -> its segments, deleted once it is published
         self._doomed_lock = threading.Lock()
@@ -208,10 +214,7 @@ class RecordWriter:
             return
         self._flush(shard=True)
         self._wait()
-        if self._segment is not None:
-            self._segment.close()
-            self._parts.append(self._segment)
-            self._segment = None
+        self._end_segment()
         shard = self._shard
         if shard is None or self._format == "jsonl":  # JSON lines have no schema to change
             return
@@ -256,32 +259,60 @@ class RecordWriter:
                     local = self._local("." + OUTPUT_FORMATS[self._format])
                     self._shard = ShardFile(local, self._schema.schema, self._format)
                 target = self._shard
-        segment = None
-        if saving:
-            if self._segment is None:
-                self._segment = _SegmentFile(self._local(".arrow"))
-            segment = self._segment
+        segment = self._open_segment() if saving else None
         self._wait()
         if self._encoder is None:
             self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tbp-records")
         tables = [table for table, _ in saving]
-        self._encoding = self._encoder.submit(self._encode, target, group, segment, tables, landing)
+        stage = self._stager.stage
+        self._encoding = self._encoder.submit(self._encode, target, group, segment, stage, tables, landing)
 
     @staticmethod
     def _encode(
-        target: Any, group: Any, segment: _SegmentFile | None, saving: list[Any], landing: list[CopiesDone]
+        target: Any,
+        group: Any,
+        segment: _SegmentFile | SegmentLog | None,
+        stage: int,
+        saving: list[Any],
+        landing: list[CopiesDone],
     ) -> None:
         """On the encoder thread: waits for the rows' copies back from the device, then writes them."""
         for copies in landing:
             copies.wait()
         if segment is not None:
             for table in saving:
-                segment.write(table)
+                segment.append(table, stage)
         if target is not None:
             if isinstance(target, ShardFile):
                 target.write(group)
             else:
                 target.write_table(group, row_group_size=group.num_rows)
+
+    def _open_segment(self) -> _SegmentFile | SegmentLog:
+        """The open segment part (a file in the scratch folder), or the open log (in ``_tbp/segments/``): opened now
+        if there is none."""
+        if self._segment is None:
+            if self._logs:
+                stage, part = self._log_name
+                stage, part = (stage, part + 1) if stage == self._stager.stage else (self._stager.stage, 0)
+                self._log_name = (stage, part)
+                rel = segment_log_file(stage, self._rank, part)
+                path = self._stager.storage.local_path(rel)
+                assert path is not None
+                self._segment = SegmentLog(path)
+                self._live.append(rel)  # deleted once the shard that holds its rows is published
+            else:
+                self._segment = _SegmentFile(self._local(".arrow"))
+        return self._segment
+
+    def _end_segment(self) -> None:
+        """Closes the open segment part (stored at the next :meth:`seal`) or log (nothing more goes into it)."""
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        segment.close()
+        if isinstance(segment, _SegmentFile):
+            self._parts.append(segment)
 
     def _wait(self) -> None:
         """Waits for the rows being written; raises its error."""
@@ -340,17 +371,14 @@ class RecordWriter:
             # and its wake-up cost more than the write of a few small tables: ~1 ms a commit on a busy machine)
             import pyarrow as pa
 
-            if self._segment is None:
-                self._segment = _SegmentFile(self._local(".arrow"))
+            segment = self._open_segment()
             for _, copies in saving:
                 copies.wait()
             tables = [table for table, _ in saving]
-            self._segment.write(pa.concat_tables(tables) if len(tables) > 1 else tables[0])
+            segment.append(pa.concat_tables(tables) if len(tables) > 1 else tables[0], self._stager.stage)
         stage = self._stager.stage
-        if self._segment is not None:
-            self._segment.close()
-            self._parts.append(self._segment)
-            self._segment = None
+        if not self._logs:  # a segment file per commit (a log stays open until the shard rolls over)
+            self._end_segment()
         parts, self._parts = self._parts, []
         for k, part in enumerate(parts):
             rel = segment_file(stage, self._rank, k)
@@ -363,6 +391,7 @@ class RecordWriter:
         """Closes the shard and hands it to ``stage`` (published with it); its segments are deleted after that."""
         self._flush(shard=True)
         self._wait()
+        self._end_segment()  # a log ends with its shard
         shard, self._shard = self._shard, None
         self._shard_bytes = 0
         if shard is None:
@@ -410,7 +439,8 @@ class _SegmentFile:
         self._writer: Any = None
         self._sink: Any = None
 
-    def write(self, table: Any) -> None:
+    def append(self, table: Any, stage: int) -> None:
+        """Adds rows (of the segment's one ``stage``)."""
         import pyarrow as pa
 
         if self._writer is None:

@@ -6,7 +6,11 @@ The protocol (docs/records.md, "Where the rows go"):
   IPC file, ``_tbp/segments/<s>-rank_<r>-<k>.arrow`` (``k`` > 0 only when the rows' types widened inside the stage),
   before its vote: no Parquet encoding on the commit path, and nothing under ``outputs/``. A segment is *committed*
   when the commit record commits its stage (``record.has_stage(s)``); the record names no segment (it is small: the
-  committed stages it already keeps say which segments count).
+  committed stages it already keeps say which segments count). On local storage the rank appends the stage's rows
+  to its open *segment log* instead, ``_tbp/segments/<s>-rank_<r>-<k>.arrows`` (``s``: the stage of its first rows;
+  one log per shard, see :mod:`torch_batch_process.outputs.segment_log`): each record batch carries its stage, and a
+  batch counts iff its stage is committed. A log is shadowed, deleted and rolled over as a whole, like a segment of
+  its first stage: every stage it holds belongs to the one shard that rolls over after it.
 - **Shards.** The rank keeps one shard open across its commits (a Parquet ``ParquetWriter`` fed row group by row
   group on its encoder thread, or a JSONL file) and *rolls it over* at a commit once it holds
   ``TBP_SHARD_BYTES`` (default 128 MiB) of rows, and at every closing commit (the job finishes, is preempted, or
@@ -40,19 +44,23 @@ import os
 import re
 import shutil
 from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.jobstore.layout import JOB_FILE, SEGMENTS_DIR, outputs_dir
+from torch_batch_process.outputs.segment_log import read_log
 from torch_batch_process.outputs.shard_names import published_shards, shard_name
 
 if TYPE_CHECKING:
     from torch_batch_process.jobstore.formats import CommitRecord
 
 __all__ = [
+    "LOG_SUFFIX",
     "SHARD_BYTES_ENV",
     "Segment",
+    "is_segment",
     "list_segments",
     "live_segments",
     "newest_shards",
@@ -68,7 +76,10 @@ SHARD_BYTES_ENV = "TBP_SHARD_BYTES"
 
 DEFAULT_SHARD_BYTES = 128 << 20
 
-_SEGMENT = re.compile(r"^(\d{8,})-rank_(\d+)-(\d+)\.arrow$")
+LOG_SUFFIX = ".arrows"
+"""The suffix of a segment log (a segment file's is ``.arrow``)."""
+
+_SEGMENT = re.compile(r"^(\d{8,})-rank_(\d+)-(\d+)\.arrows?$")
 _SHARD_FOLDER = re.compile(r"(?:^|/)outputs/commit_(\d{8,})/rank_(\d+)/records/part-[^/]*$")
 
 
@@ -102,6 +113,16 @@ class Segment:
     part: int
     rel: str
 
+    @property
+    def log(self) -> bool:
+        """Whether it is a segment log (its stage is that of its first rows), not a segment file."""
+        return self.rel.endswith(LOG_SUFFIX)
+
+
+def is_segment(rel: str) -> bool:
+    """Whether ``rel`` (a path listed for reading) is a segment file or log, not a shard."""
+    return rel.endswith((".arrow", LOG_SUFFIX))
+
 
 def list_segments(storage: Storage) -> list[Segment]:
     """Every segment file stored (committed or not), in (stage, rank, part) order: one listing."""
@@ -128,17 +149,21 @@ def newest_shards(shards: Iterable[str]) -> dict[int, int]:
 
 
 def live_segments(segments: list[Segment], record: CommitRecord | None, newest: dict[int, int]) -> list[Segment]:
-    """The segments whose rows count: committed by ``record`` and shadowed by no published shard (``newest``)."""
+    """The segments whose rows may count: shadowed by no published shard (``newest``), and committed by ``record``
+    (a log: its batches of committed stages count, see :func:`read_segment`)."""
     if record is None:
         return []
-    return [s for s in segments if record.has_stage(s.stage) and s.stage > newest.get(s.rank, -1)]
+    return [s for s in segments if (s.log or record.has_stage(s.stage)) and s.stage > newest.get(s.rank, -1)]
 
 
-def read_segment(storage: Storage, rel: str) -> Any:
-    """A segment's rows as a ``pyarrow.Table``."""
+def read_segment(storage: Storage, rel: str, committed: Callable[[int], bool]) -> Any:
+    """A live segment's rows as a ``pyarrow.Table``: a segment file's, or a log's of the stages ``committed``
+    accepts (``None``: a log that holds no whole schema yet)."""
     import pyarrow as pa
 
     with storage.open_input(rel) as f:
+        if rel.endswith(LOG_SUFFIX):
+            return read_log(f.read(), committed, storage.url_of(rel))
         return pa.ipc.open_file(f).read_all()
 
 
@@ -160,37 +185,57 @@ def roll_leftovers(storage: Storage, record: CommitRecord | None) -> None:
         by_rank.setdefault(segment.rank, []).append(segment)
     schema = record.record_schema.schema if record is not None and record.record_schema is not None else None
     output_format = _output_format(storage) if by_rank else "parquet"
+    assert record is not None or not by_rank
     for rank, mine in sorted(by_rank.items()):
-        _roll(storage, rank, mine, schema, output_format)
+        _roll(storage, rank, mine, record, schema, output_format)
 
 
-def _roll(storage: Storage, rank: int, segments: list[Segment], schema: Any, output_format: str) -> None:
-    """Writes one rank's live segments as one shard at its newest stage, publishes it in one step, deletes them."""
+def _roll(
+    storage: Storage, rank: int, segments: list[Segment], record: CommitRecord, schema: Any, output_format: str
+) -> None:
+    """Writes one rank's live segments as one shard at its newest committed stage, publishes it in one step, deletes
+    them (when they hold no committed rows, e.g. logs of stages never committed, they are only deleted). One segment
+    is in memory at a time, unless the record keeps no schema (an older version's)."""
     from torch_batch_process.outputs.shard_file import ShardFile
 
-    stage = segments[-1].stage
-    name = shard_name(stage, rank, 0, output_format)
+    stages = [s.stage for s in segments if not s.log]  # a segment file is committed as a whole
+
+    def committed(stage: int) -> bool:
+        if record.has_stage(stage):
+            stages.append(stage)
+            return True
+        return False
+
+    def rows() -> Any:
+        for segment in segments:
+            table = read_segment(storage, segment.rel, committed)
+            if table is not None and table.num_rows:
+                yield table
+
+    tables = list(rows()) if schema is None else None
+    if tables is not None and tables:  # records of older versions keep no schema: the segments' own, unified
+        import pyarrow as pa
+
+        schema = pa.unify_schemas([t.schema for t in tables], promote_options="permissive")
     folder = storage.scratch_folder(f"roll-rank_{rank}")
     try:
-        local = folder / os.path.basename(name)
-        tables = [read_segment(storage, s.rel) for s in segments] if schema is None else None
-        if schema is None:  # records of older versions keep no schema: the segments' own, unified
-            import pyarrow as pa
-
-            schema = pa.unify_schemas([t.schema for t in tables], promote_options="permissive")
-        shard = ShardFile(local, schema, output_format)
+        shard = None
         try:
-            for i, segment in enumerate(segments):
-                table = tables[i] if tables is not None else read_segment(storage, segment.rel)
+            for table in tables if tables is not None else rows():
+                if shard is None:
+                    shard = ShardFile(folder / f"rolled.{output_format}", schema, output_format)
                 shard.write(table.select(schema.names).cast(schema))
         finally:
-            shard.close()
-        rows = shard.rows
-        logger.info(
-            "rolling %d committed record segment(s) of rank %d (%d rows) into %s, left by an earlier attempt",
-            len(segments), rank, rows, storage.url_of(f"{outputs_dir(stage, rank)}/{name}"),
-        )
-        storage.put_file(local, f"{outputs_dir(stage, rank)}/{name}")  # the roll-over's commit point
+            if shard is not None:
+                shard.close()
+        if shard is not None:
+            stage = max(stages)
+            name = f"{outputs_dir(stage, rank)}/{shard_name(stage, rank, 0, output_format)}"
+            logger.info(
+                "rolling %d committed record segment(s) of rank %d (%d rows) into %s, left by an earlier attempt",
+                len(segments), rank, shard.rows, storage.url_of(name),
+            )
+            storage.put_file(shard.path, name)  # the roll-over's commit point
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     storage.delete_files([s.rel for s in segments])

@@ -154,6 +154,11 @@ class Storage(abc.ABC):
     def file_sink(self) -> FileSink:
         """A sink that stores local files at paths of this storage (see :class:`FileSink`)."""
 
+    def local_path(self, rel: str) -> str | None:
+        """The path of ``rel`` in this machine's file system when the storage is a folder of it (a file there can
+        be appended in place, e.g. a segment log), else ``None`` (object stores: a file is written whole)."""
+        return None
+
     @abc.abstractmethod
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
         """A local folder whose files appear at ``rel`` in this storage (see :class:`MirroredFolder`)."""

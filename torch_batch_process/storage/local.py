@@ -221,6 +221,9 @@ class LocalStorage(Storage):
     def file_sink(self) -> FileSink:
         return _RenameSink(self)
 
+    def local_path(self, rel: str) -> str | None:
+        return self.path(rel)
+
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
         return _SameFolder(Path(self.path(rel)))
 

@@ -105,6 +105,9 @@ class NestedStorage(Storage):
     def file_sink(self) -> FileSink:
         return _MappedSink(self.parent.file_sink(), self._map)
 
+    def local_path(self, rel: str) -> str | None:
+        return self.parent.local_path(self._map(rel))
+
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
         if self._map(rel) == rel:
             return self.parent.mirrored_folder(rel, name)

@@ -1,0 +1,135 @@
+"""The segment log's format (torch_batch_process/outputs/segment_log.py): a plain Arrow IPC stream whose record
+batches carry their stage; a cut-off last batch counts nothing and fails no read, damage before the end raises.
+
+Real files, real pyarrow readers; the job-level kill tests (a kill -9 halfway through an append, a roll-over, a
+resume with another world size) are in tests/test_record_shards.py."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process.errors import OutputCorruptError
+from torch_batch_process.outputs.segment_log import STAGE_KEY, SegmentLog, read_log
+
+pa = pytest.importorskip("pyarrow")
+
+
+def _rows(first: int, n: int = 3):
+    return pa.table({"index": pa.array(range(first, first + n), pa.int64()), "x": [float(i) for i in range(n)]})
+
+
+def _write_log(path, stages=(1, 2, 3, 4), close=True) -> bytes:
+    log = SegmentLog(str(path))
+    for stage in stages:
+        log.append(_rows(stage * 10), stage)
+    if close:
+        log.close()
+    return path.read_bytes()
+
+
+def _index(table) -> list[int]:
+    return [] if table is None else table.column("index").to_pylist()
+
+
+def test_a_log_keeps_the_rows_of_the_committed_stages_only(tmp_path):
+    data = _write_log(tmp_path / "segments" / "00000001-rank_0-0.arrows")
+    assert _index(read_log(data, lambda stage: stage != 3, "log")) == [10, 11, 12, 20, 21, 22, 40, 41, 42]
+    assert read_log(data, lambda stage: False, "log").num_rows == 0  # the schema, no rows
+
+
+def test_a_closed_log_is_a_plain_arrow_stream_with_each_batch_stage(tmp_path):
+    data = _write_log(tmp_path / "log.arrows")
+    reader = pa.ipc.open_stream(data)
+    stages = []
+    while True:
+        try:
+            batch, metadata = reader.read_next_batch_with_custom_metadata()
+        except StopIteration:
+            break
+        stages.append(int(metadata[STAGE_KEY]))
+    assert stages == [1, 2, 3, 4]
+    assert pa.ipc.open_stream(data).read_all().num_rows == 12
+
+
+def test_a_log_cut_anywhere_keeps_every_whole_batch_and_never_raises(tmp_path):
+    data = _write_log(tmp_path / "log.arrows", close=False)  # a log being appended: no end-of-stream marker
+    whole = pa.BufferReader(data)
+    reader = pa.ipc.open_stream(whole)
+    ends = []
+    for _ in range(4):
+        reader.read_next_batch()
+        ends.append(whole.tell())
+    assert ends[-1] == len(data)
+    for cut in range(len(data) + 1):
+        kept = _index(read_log(data[:cut], lambda stage: True, "log"))
+        batches = sum(1 for end in ends if end <= cut)
+        assert kept == [i for stage in range(1, batches + 1) for i in range(stage * 10, stage * 10 + 3)], cut
+
+
+def test_damage_before_the_end_of_a_log_raises_naming_it(tmp_path):
+    data = _write_log(tmp_path / "log.arrows")
+    whole = pa.BufferReader(data)
+    reader = pa.ipc.open_stream(whole)
+    reader.read_next_batch()
+    second = whole.tell()  # where the second batch's message starts
+    for damaged in (
+        data[:second] + b"\xfe\xff\xff\xff" + data[second + 4 :],  # its continuation marker
+        data[:second] + b"\xff\xff\xff\xff\x00\x00\x00\x00" + data[second + 8 :],  # an end of stream before the end
+        data[:second] + b"\xff\xff\xff\xff" + (7).to_bytes(4, "little") + data[second + 8 :],  # its metadata length
+    ):
+        with pytest.raises(OutputCorruptError, match="my-log.arrows.*damaged"):
+            read_log(damaged, lambda stage: True, "my-log.arrows")
+
+
+def test_a_log_is_never_opened_twice_nor_given_rows_of_another_schema(tmp_path):
+    path = tmp_path / "log.arrows"
+    _write_log(path, stages=(1,))
+    with pytest.raises(FileExistsError):
+        SegmentLog(str(path)).append(_rows(0), 5)  # never appends to (or truncates) a log it did not open
+    log = SegmentLog(str(tmp_path / "other.arrows"))
+    log.append(_rows(0), 1)
+    with pytest.raises(ValueError, match="another schema"):
+        log.append(pa.table({"index": [1], "y": ["a"]}), 1)
+    log.close()
+
+
+class _Writes(TorchBatchProcessor):
+    fail_at: int | None = 5
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"x": [float(v) for v in batch]})
+        if batch_idx == _Writes.fail_at:
+            raise RuntimeError("boom")
+
+
+def test_a_job_on_local_storage_appends_one_log_per_shard_and_a_damaged_log_fails_the_read(tmp_path, monkeypatch):
+    storage = str(tmp_path / "storage")
+    run = dict(batch_size=2, checkpoint_interval=1, storage_path=storage, progress=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        torch_batch_process(_Writes, list(range(20)), **run)
+    (log,) = glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrows"))  # 5 commits, one file
+    assert os.path.basename(log) == "00000001-rank_0-0.arrows"
+    assert read_outputs(storage).column("index").to_pylist() == list(range(10))
+    data = open(log, "rb").read()
+    whole = pa.BufferReader(data)
+    pa.ipc.open_stream(whole).read_next_batch()
+    second = whole.tell()
+    with open(log, "r+b") as f:  # the second commit's batch: its continuation marker damaged
+        f.seek(second)
+        f.write(b"\xfe\xff\xff\xff")
+    with pytest.raises(OutputCorruptError, match="00000001-rank_0-0.arrows"):
+        read_outputs(storage)
+    with open(log, "r+b") as f:
+        f.seek(second)
+        f.write(b"\xff\xff\xff\xff")
+    monkeypatch.setattr(_Writes, "fail_at", None)
+    assert torch_batch_process(_Writes, list(range(20)), **run).finished
+    assert read_outputs(storage).column("index").to_pylist() == list(range(20))
+    assert not os.listdir(os.path.join(storage, "_tbp", "segments"))

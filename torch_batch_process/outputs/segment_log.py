@@ -1,0 +1,161 @@
+"""A rank's segment log: its committed record rows appended to one file per shard period, on local storage.
+
+On object stores each commit's rows are a segment file of their own (:mod:`torch_batch_process.outputs.segments`).
+On a local folder (a disk, NFS, Lustre) a new file per commit is the dominant cost of a job that commits small
+batches often: creating a file is a metadata operation (about 1 ms of kernel CPU on a busy ext4 disk, a server round
+trip on a cluster file system), appending to an open one is not. So there a rank appends each commit's rows to its
+open *log*, ``_tbp/segments/<s>-rank_<r>-<k>.arrows`` (:func:`~torch_batch_process.jobstore.layout.segment_log_file`:
+``s`` is the stage of its first rows), and opens a new log only when its shard rolls over (or when the rows' types
+widen: a stream has one schema).
+
+The format is a plain Arrow IPC stream (any Arrow reader opens it): the schema, then one or more record batches per
+commit, each carrying the stage it belongs to in its custom metadata (``tbp_stage``), and the end-of-stream marker
+once the log is closed. The rows of stage ``s`` are appended (written to the file: a ``kill -9`` keeps them) before
+the rank's vote for ``s``, so:
+
+- a batch counts iff the commit record commits its stage (:func:`read_log` takes that test), exactly as a segment
+  file does;
+- only the last batch can be cut off (the writer was killed or failed while appending it, before its vote): its
+  stage is not committed, and :func:`read_log` ignores such a *torn tail*. A damaged message that is whole (bytes
+  follow it) raises :class:`~torch_batch_process.errors.OutputCorruptError` instead: committed rows may be behind it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch_batch_process.errors import OutputCorruptError
+
+__all__ = ["STAGE_KEY", "SegmentLog", "read_log"]
+
+STAGE_KEY = b"tbp_stage"
+"""The custom metadata key of a record batch's stage."""
+
+_CONTINUATION = 0xFFFFFFFF
+
+_RESTORE = "Restore the job's storage from a copy, or run the job again in a new storage_path"
+
+
+class SegmentLog:
+    """A segment log being appended (one thread at a time: the rank's batch thread or its encoder thread).
+
+    The file is created at the first rows (it must not exist: a log is never appended to by two writers)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sink: Any = None
+        self._writer: Any = None
+        self._schema: Any = None
+
+    def append(self, table: Any, stage: int) -> None:
+        """Appends ``table``'s rows as rows of ``stage`` (the schema of the log's first rows)."""
+        import pyarrow as pa
+
+        if self._writer is None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            self._sink = pa.OSFile(self.path, "ab")
+            self._schema = table.schema
+            self._writer = pa.ipc.new_stream(self._sink, table.schema)
+        elif not table.schema.equals(self._schema):
+            raise ValueError(f"{self.path}: rows of another schema ({table.schema}) than the log's ({self._schema})")
+        metadata = {STAGE_KEY: str(stage).encode()}
+        for batch in table.to_batches():
+            self._writer.write_batch(batch, custom_metadata=metadata)
+
+    def close(self) -> None:
+        """Ends the stream (its end-of-stream marker) and closes the file; nothing more is appended."""
+        writer, sink, self._writer, self._sink = self._writer, self._sink, None, None
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            if sink is not None:
+                sink.close()
+
+
+def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
+    """The rows of the committed stages of a segment log (``data``: its bytes) as a ``pyarrow.Table`` (``None``: not
+    even its schema is whole), ignoring a torn tail.
+
+    Raises:
+        OutputCorruptError: the log is damaged before its end (``name`` names it in the message).
+    """
+    import pyarrow as pa
+
+    buffer = pa.py_buffer(data)
+    source = pa.BufferReader(buffer)
+    kept: list[Any] = []
+    schema = None
+    end = 0  # where the messages read so far end
+    try:
+        reader = pa.ipc.open_stream(source)
+        schema = reader.schema
+        end = source.tell()
+        while True:
+            try:
+                batch, metadata = reader.read_next_batch_with_custom_metadata()
+            except StopIteration:  # the end-of-stream marker: written last, when the log was closed
+                if source.tell() < buffer.size:
+                    raise OutputCorruptError(
+                        f"{name}: the segment log is damaged: an end of stream at byte {end}, {buffer.size - end} bytes "
+                        f"before its end; committed record rows may be lost. {_RESTORE}"
+                    ) from None
+                break
+            end = source.tell()
+            stage = _stage(metadata, name)
+            if committed(stage):
+                kept.append(batch)
+    except (pa.ArrowException, OSError) as exc:
+        if not _torn(buffer, end):
+            raise OutputCorruptError(
+                f"{name}: the segment log is damaged at byte {end} ({exc}); committed record rows may be lost. "
+                f"{_RESTORE}"
+            ) from exc
+    if schema is None:
+        return None
+    return pa.Table.from_batches(kept, schema=schema)
+
+
+def _stage(metadata: Any, name: str) -> int:
+    raw = None if metadata is None else metadata.get(STAGE_KEY)
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise OutputCorruptError(f"{name}: a record batch of the segment log names no stage ({raw!r})") from None
+
+
+def _torn(buffer: Any, start: int) -> bool:
+    """Whether the message at byte ``start`` runs past the end of the data: cut off while it was appended (rather
+    than damaged). An Arrow IPC message is a continuation marker (``0xFFFFFFFF``), its metadata's length (int32),
+    the metadata (a flatbuffer ``Message`` table whose field 3 is the body's length) and the body."""
+    data = memoryview(buffer)
+    size = len(data)
+
+    def integer(at: int, width: int, signed: bool = False) -> int:
+        if at < 0 or at + width > size:
+            raise IndexError(at)
+        return int.from_bytes(data[at : at + width], "little", signed=signed)
+
+    if size - start < 8:
+        return True
+    if integer(start, 4) != _CONTINUATION:
+        return False
+    length = integer(start + 4, 4, signed=True)
+    meta = start + 8
+    if length <= 0:
+        return False
+    if meta + length > size:
+        return True
+    try:
+        root = meta + integer(meta, 4)
+        vtable = root - integer(root, 4, signed=True)
+        vtable_size = integer(vtable, 2)
+        slot = 4 + 2 * 3  # the vtable's sizes (2 x uint16), then one uint16 offset per field: field 3 is bodyLength
+        offset = integer(vtable + slot, 2) if vtable_size >= slot + 2 else 0
+        body = integer(root + offset, 8, signed=True) if offset else 0
+    except IndexError:
+        return False  # the metadata is whole but does not parse: damaged
+    return body >= 0 and meta + length + body > size
