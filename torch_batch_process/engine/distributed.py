@@ -148,9 +148,9 @@ class Collectives:
 
     def start_max(self, values: list[int]) -> PendingMax:
         """Starts an asynchronous element-wise MAX all_reduce of small integers."""
+        if self.world_size == 1:  # nothing to reduce: no tensor (a commit of one process makes one per commit)
+            return PendingMax(list(values), None, self.rank)
         tensor = torch.tensor(values, dtype=torch.int64)
-        if self.world_size == 1:
-            return PendingMax(tensor, None, self.rank)
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         except (RuntimeError, ConnectionError) as exc:
@@ -212,8 +212,10 @@ class PendingGather:
 
 
 class PendingMax:
-    def __init__(self, tensor: torch.Tensor, work: Any, rank: int) -> None:
-        self._tensor = tensor
+    """An element-wise MAX all_reduce in flight (``values``: the tensor reduced, or the values of one process)."""
+
+    def __init__(self, values: torch.Tensor | list[int], work: Any, rank: int) -> None:
+        self._values = values
         self._work = work
         self._rank = rank
 
@@ -224,7 +226,8 @@ class PendingMax:
             except (RuntimeError, ConnectionError) as exc:
                 raise WorkerLostError(f"rank {self._rank}: {LOST_HINT} ({exc})") from exc
             self._work = None
-        return [int(v) for v in self._tensor.tolist()]
+        values = self._values.tolist() if isinstance(self._values, torch.Tensor) else self._values
+        return [int(v) for v in values]
 
 
 class RendezvousStore:

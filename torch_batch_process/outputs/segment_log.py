@@ -45,7 +45,8 @@ class SegmentLog:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._sink: Any = None
+        self._file: Any = None
+        self._sink: Any = None  # a buffer over the file: an append is one write, at its end
         self._writer: Any = None
         self._schema: Any = None
 
@@ -56,7 +57,8 @@ class SegmentLog:
         if self._writer is None:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            self._sink = pa.OSFile(self.path, "ab")
+            self._file = pa.OSFile(self.path, "ab")
+            self._sink = pa.BufferedOutputStream(self._file, 1 << 16)
             self._schema = table.schema
             self._writer = pa.ipc.new_stream(self._sink, table.schema)
         elif not table.schema.equals(self._schema):
@@ -64,16 +66,21 @@ class SegmentLog:
         metadata = {STAGE_KEY: str(stage).encode()}
         for batch in table.to_batches():
             self._writer.write_batch(batch, custom_metadata=metadata)
+        self._sink.flush()  # in the file (a kill -9 keeps it) before the vote
 
     def close(self) -> None:
         """Ends the stream (its end-of-stream marker) and closes the file; nothing more is appended."""
-        writer, sink, self._writer, self._sink = self._writer, self._sink, None, None
+        writer, sink, file, self._writer, self._sink, self._file = self._writer, self._sink, self._file, None, None, None
         try:
             if writer is not None:
                 writer.close()
         finally:
-            if sink is not None:
-                sink.close()
+            try:
+                if sink is not None:
+                    sink.close()
+            finally:
+                if file is not None and not file.closed:
+                    file.close()
 
 
 def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
