@@ -133,3 +133,46 @@ def test_a_job_on_local_storage_appends_one_log_per_shard_and_a_damaged_log_fail
     assert torch_batch_process(_Writes, list(range(20)), **run).finished
     assert read_outputs(storage).column("index").to_pylist() == list(range(20))
     assert not os.listdir(os.path.join(storage, "_tbp", "segments"))
+
+
+_FAILED_APPEND = r"""
+import os, resource, signal, sys
+import pyarrow as pa
+from torch_batch_process.outputs.segment_log import SegmentLog, read_log
+
+path = sys.argv[1]
+rows = lambda first: pa.table({"index": pa.array(range(first, first + 500), pa.int64()), "x": [0.5] * 500})
+log = SegmentLog(path)
+for stage in (1, 2, 3):
+    log.append(rows(stage * 1000), stage)
+whole = os.path.getsize(path)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (whole + 3000, resource.RLIM_INFINITY))
+try:
+    log.append(rows(4000), 4)
+    log.append(rows(5000), 5)
+except OSError as exc:
+    print("append failed:", exc)
+else:
+    sys.exit("the appends fit the limit: the test proves nothing")
+assert os.path.getsize(path) == whole, (os.path.getsize(path), whole)  # cut back to the last whole append
+try:
+    log.append(rows(6000), 6)
+except RuntimeError as exc:
+    print("refused:", exc)
+log.close()
+assert os.path.getsize(path) == whole
+table = read_log(open(path, "rb").read(), lambda stage: True, path)
+print(sorted(set(v // 1000 for v in table.column("index").to_pylist())))
+"""
+
+
+def test_a_failed_append_cuts_the_log_back_to_its_last_whole_append(tmp_path):
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "00000001-rank_0-0.arrows")
+    out = subprocess.run([sys.executable, "-c", _FAILED_APPEND, path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "append failed:" in out.stdout and "refused:" in out.stdout, out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[1, 2, 3]"  # the failed stage left nothing; no error reading

@@ -49,11 +49,15 @@ class SegmentLog:
         self._sink: Any = None  # a buffer over the file: an append is one write, at its end
         self._writer: Any = None
         self._schema: Any = None
+        self._failed = False  # an append raised: the log is cut back to its last whole append, nothing more goes in
+        self._whole = 0  # the file's size after its last whole append
 
     def append(self, table: Any, stage: int) -> None:
         """Appends ``table``'s rows as rows of ``stage`` (the schema of the log's first rows)."""
         import pyarrow as pa
 
+        if self._failed:
+            raise RuntimeError(f"{self.path}: an earlier append to this segment log failed")
         if self._writer is None:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
@@ -64,23 +68,43 @@ class SegmentLog:
         elif not table.schema.equals(self._schema):
             raise ValueError(f"{self.path}: rows of another schema ({table.schema}) than the log's ({self._schema})")
         metadata = {STAGE_KEY: str(stage).encode()}
-        for batch in table.to_batches():
-            self._writer.write_batch(batch, custom_metadata=metadata)
-        self._sink.flush()  # in the file (a kill -9 keeps it) before the vote
+        try:
+            for batch in table.to_batches():
+                self._writer.write_batch(batch, custom_metadata=metadata)
+            self._sink.flush()  # in the file (a kill -9 keeps it) before the vote
+        except BaseException:
+            self._failed = True  # e.g. a full disk: the stage is never voted
+            self._cut_back()
+            raise
+        self._whole = self._file.tell()
+
+    def _cut_back(self) -> None:
+        """After a failed append: the file ends at its last whole append again (best effort: readers ignore a
+        cut-off last batch anyway)."""
+        try:
+            os.truncate(self.path, self._whole)
+        except OSError:
+            pass
 
     def close(self) -> None:
-        """Ends the stream (its end-of-stream marker) and closes the file; nothing more is appended."""
+        """Ends the stream (its end-of-stream marker; after a failed append the log ends at its last whole one
+        instead) and closes the file; nothing more is appended."""
         writer, sink, file, self._writer, self._sink, self._file = self._writer, self._sink, self._file, None, None, None
         try:
-            if writer is not None:
+            if writer is not None and not self._failed:
                 writer.close()
         finally:
             try:
                 if sink is not None:
                     sink.close()
+            except Exception:  # noqa: BLE001 - a failed log's buffered rest: cut off below
+                if not self._failed:
+                    raise
             finally:
                 if file is not None and not file.closed:
                     file.close()
+                if self._failed:
+                    self._cut_back()
 
 
 def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
