@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process import TorchBatchProcessor, iter_outputs, read_outputs, torch_batch_process
 from torch_batch_process.errors import OutputCorruptError
-from torch_batch_process.outputs.segment_log import STAGE_KEY, SegmentLog, read_log
+from torch_batch_process.outputs.segment_log import STAGE_KEY, SegmentLog, read_log, read_log_batch, scan_log
 
 pa = pytest.importorskip("pyarrow")
 
@@ -83,6 +83,20 @@ def test_damage_before_the_end_of_a_log_raises_naming_it(tmp_path):
     ):
         with pytest.raises(OutputCorruptError, match="my-log.arrows.*damaged"):
             read_log(damaged, lambda stage: True, "my-log.arrows")
+
+
+def test_each_batch_of_a_log_decodes_from_its_own_bytes_and_the_schema(tmp_path):
+    data = _write_log(tmp_path / "log.arrows", close=False)
+    scan = scan_log(data, lambda stage: stage % 2 == 0, "log")
+    assert scan.self_contained and [start < end for start, end, _ in scan.batches] == [True, True]
+    for start, end, batch in scan.batches:  # what iter_outputs loads per run: one batch, not the log
+        assert read_log_batch(data[: scan.schema_end], data[start:end]).equals(batch)
+    assert [b.column(0)[0].as_py() for _, _, b in scan.batches] == [20, 40]
+    dictionary = pa.table({"index": pa.array([1, 2], pa.int64()), "d": pa.array(["a", "b"]).dictionary_encode()})
+    log = SegmentLog(str(tmp_path / "dict.arrows"))
+    log.append(dictionary, 1)
+    log.close()
+    assert not scan_log((tmp_path / "dict.arrows").read_bytes(), lambda stage: True, "log").self_contained
 
 
 def test_a_log_is_never_opened_twice_nor_given_rows_of_another_schema(tmp_path):
@@ -176,3 +190,21 @@ def test_a_failed_append_cuts_the_log_back_to_its_last_whole_append(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "append failed:" in out.stdout and "refused:" in out.stdout, out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[1, 2, 3]"  # the failed stage left nothing; no error reading
+
+
+def test_iter_outputs_reads_a_live_log_batch_by_batch_in_index_order(tmp_path, monkeypatch):
+    storage = str(tmp_path / "storage")
+    run = dict(batch_size=2, checkpoint_interval=1, storage_path=storage, progress=False)
+    monkeypatch.setattr(_Writes, "fail_at", 15)
+    with pytest.raises(RuntimeError, match="boom"):
+        torch_batch_process(_Writes, list(range(40)), **run)
+    assert glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrows"))  # the rows are only in the log
+    loaded = []
+    import torch_batch_process.outputs.readback as readback
+
+    read_batch = readback.read_log_batch
+    monkeypatch.setattr(readback, "read_log_batch", lambda head, message: loaded.append(1) or read_batch(head, message))
+    streamed = [b.column("index").to_pylist() for b in iter_outputs(storage, batch_rows=7)]
+    assert [i for b in streamed for i in b] == list(range(30)) and all(len(b) <= 7 for b in streamed)
+    assert len(loaded) == 15  # one load per committed batch (15 commits of one batch), never the whole log
+    assert read_outputs(storage, columns=["x"]).column("x").to_pylist() == [float(i) for i in range(30)]

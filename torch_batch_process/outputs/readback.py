@@ -51,7 +51,15 @@ from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
 from torch_batch_process.outputs.shard_names import RECORDS_DIR, committed_shards, published_shards
-from torch_batch_process.outputs.segments import is_segment, list_segments, live_segments, newest_shards, read_segment
+from torch_batch_process.outputs.segment_log import read_log_batch, scan_log
+from torch_batch_process.outputs.segments import (
+    LOG_SUFFIX,
+    is_segment,
+    list_segments,
+    live_segments,
+    newest_shards,
+    read_segment,
+)
 from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.outputs.tables.readback import iter_table, read_table
 from torch_batch_process.storage.base import Storage
@@ -195,13 +203,16 @@ def _check_columns(wanted: list[str] | None, available: Sequence[str], where: st
 
 @dataclass
 class _Run:
-    """Rows that are loaded together: a Parquet row group, or a JSONL shard."""
+    """Rows that are loaded together: a Parquet row group, a JSONL shard, a segment file, or a record batch of a
+    segment log."""
 
     shard: str
     group: int
     low: int
     high: int
     rows: int
+    span: tuple[int, int, int] | None = None
+    """A segment log's batch: where the log's schema ends, where the batch's message starts and ends."""
 
 
 @contextmanager
@@ -258,14 +269,26 @@ def _runs(
     runs: list[_Run] = []
     schemas = []
     for shard in shards:
-        if is_segment(shard):  # committed rows not in a shard yet: a whole file is one run
+        if shard.endswith(LOG_SUFFIX):  # a segment log (it grows with the job): a run per committed batch
+            scan = _scan_log(storage, shard, committed)
+            if scan is None:
+                continue
+            schemas.append(scan.schema)
+            if not scan.self_contained:  # dictionaries in messages of their own: the whole log is one run
+                runs += _whole_run(shard, pa.Table.from_batches([b for _, _, b in scan.batches], schema=scan.schema))
+                continue
+            for start, end, batch in scan.batches:
+                index = batch.column(INDEX_COLUMN)
+                if len(index):
+                    span = (scan.schema_end, start, end)
+                    runs.append(_Run(shard, -2, int(_np(index).min()), int(_np(index).max()), len(index), span))
+            continue
+        if is_segment(shard):  # committed rows not in a shard yet: a whole segment file is one run
             table = _read_segment(storage, shard, None, committed)
             if table is None:
                 continue
             schemas.append(table.schema)
-            index = table.column(INDEX_COLUMN)
-            if len(index):
-                runs.append(_Run(shard, -2, int(_np(index).min()), int(_np(index).max()), len(index)))
+            runs += _whole_run(shard, table)
             continue
         if shard.endswith(".jsonl"):
             table = _read_jsonl(storage, shard, None, None) if typed is None else _read_jsonl_index(storage, shard)
@@ -290,6 +313,11 @@ def _runs(
                 runs.append(_Run(shard, group, int(stats.min), int(stats.max), rg.num_rows))
     runs.sort(key=lambda run: (run.low, run.shard, run.group))
     return runs, pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
+
+
+def _whole_run(shard: str, table: Any) -> list[_Run]:
+    index = table.column(INDEX_COLUMN)
+    return [_Run(shard, -2, int(_np(index).min()), int(_np(index).max()), len(index))] if len(index) else []
 
 
 class _Coalesced:
@@ -338,6 +366,32 @@ def _read_segment(
     return table
 
 
+def _scan_log(storage: Storage, rel: str, committed: Callable[[int], bool]) -> Any:
+    """The committed batches of a live segment log (see :func:`_read_segment` for one that vanished)."""
+    try:
+        with _reading(storage, rel), storage.open_input(rel) as f:
+            return scan_log(f.read(), committed, storage.url_of(rel))
+    except FileNotFoundError as exc:
+        raise _SegmentGone(rel) from exc
+
+
+def _read_log_batch(storage: Storage, rel: str, span: tuple[int, int, int], columns: list[str] | None) -> Any:
+    """One batch of a segment log, read from its bytes and the log's schema's."""
+    schema_end, start, end = span
+    try:
+        with _reading(storage, rel), storage.open_input(rel) as f:
+            head = f.read(schema_end)
+            f.seek(start)
+            message = f.read(end - start)
+    except FileNotFoundError as exc:
+        raise _SegmentGone(rel) from exc
+    table = require_pyarrow().Table.from_batches([read_log_batch(head, message)])
+    if columns is not None:
+        _check_columns(columns, table.column_names, storage.url)
+        table = table.select(columns)
+    return table
+
+
 class _SegmentGone(Exception):
     """A committed segment was deleted while it was being read: its rows are now in a published shard."""
 
@@ -355,6 +409,8 @@ def _load(
 ) -> Any:
     import pyarrow.parquet as pq
 
+    if run.span is not None:
+        return _read_log_batch(storage, run.shard, run.span, columns)
     if run.group == -2:
         return _read_segment(storage, run.shard, columns, committed)
     if run.group < 0:

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.errors import OutputCorruptError
 
-__all__ = ["STAGE_KEY", "SegmentLog", "read_log"]
+__all__ = ["STAGE_KEY", "LogScan", "SegmentLog", "read_log", "read_log_batch", "scan_log"]
 
 STAGE_KEY = b"tbp_stage"
 """The custom metadata key of a record batch's stage."""
@@ -107,9 +108,27 @@ class SegmentLog:
                     self._cut_back()
 
 
-def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
-    """The rows of the committed stages of a segment log (``data``: its bytes) as a ``pyarrow.Table`` (``None``: not
-    even its schema is whole), ignoring a torn tail.
+@dataclass
+class LogScan:
+    """What :func:`scan_log` found in a segment log."""
+
+    schema: Any
+    """The rows' ``pyarrow.Schema``."""
+    schema_end: int
+    """Where the schema's message ends (the log's first bytes, needed to decode any of its batches)."""
+    batches: list[tuple[int, int, Any]] = field(default_factory=list)
+    """The committed record batches: where each one's message starts and ends, and the batch."""
+
+    @property
+    def self_contained(self) -> bool:
+        """Whether each batch can be decoded from its own bytes and the schema's (no dictionary-encoded column,
+        whose dictionaries travel in messages of their own)."""
+        return not any(_has_dictionary(field.type) for field in self.schema)
+
+
+def scan_log(data: Any, committed: Callable[[int], bool], name: str) -> LogScan | None:
+    """The committed record batches of a segment log (``data``: its bytes), ignoring a torn tail (``None``: not even
+    its schema is whole).
 
     Raises:
         OutputCorruptError: the log is damaged before its end (``name`` names it in the message).
@@ -118,13 +137,12 @@ def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
 
     buffer = pa.py_buffer(data)
     source = pa.BufferReader(buffer)
-    kept: list[Any] = []
-    schema = None
+    scan = None
     end = 0  # where the messages read so far end
     try:
         reader = pa.ipc.open_stream(source)
-        schema = reader.schema
         end = source.tell()
+        scan = LogScan(reader.schema, end)
         while True:
             try:
                 batch, metadata = reader.read_next_batch_with_custom_metadata()
@@ -135,19 +153,45 @@ def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
                         f"before its end; committed record rows may be lost. {_RESTORE}"
                     ) from None
                 break
-            end = source.tell()
-            stage = _stage(metadata, name)
-            if committed(stage):
-                kept.append(batch)
+            start, end = end, source.tell()
+            if committed(_stage(metadata, name)):
+                scan.batches.append((start, end, batch))
     except (pa.ArrowException, OSError) as exc:
         if not _torn(buffer, end):
             raise OutputCorruptError(
                 f"{name}: the segment log is damaged at byte {end} ({exc}); committed record rows may be lost. "
                 f"{_RESTORE}"
             ) from exc
-    if schema is None:
+    return scan
+
+
+def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
+    """The rows of the committed stages of a segment log (``data``: its bytes) as a ``pyarrow.Table`` (``None``: not
+    even its schema is whole), ignoring a torn tail (see :func:`scan_log`)."""
+    import pyarrow as pa
+
+    scan = scan_log(data, committed, name)
+    if scan is None:
         return None
-    return pa.Table.from_batches(kept, schema=schema)
+    return pa.Table.from_batches([batch for _, _, batch in scan.batches], schema=scan.schema)
+
+
+def read_log_batch(head: bytes, message: bytes) -> Any:
+    """One record batch of a log whose :attr:`LogScan.self_contained` is true, from the log's first bytes (its
+    schema, up to :attr:`LogScan.schema_end`) and the batch's message (its bytes in the log): a reader holds one
+    batch, not the log."""
+    import pyarrow as pa
+
+    schema = pa.ipc.read_schema(pa.py_buffer(head))
+    return pa.ipc.read_record_batch(pa.ipc.read_message(pa.py_buffer(message)), schema)
+
+
+def _has_dictionary(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arrow_type):
+        return True
+    return any(_has_dictionary(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
 
 
 def _stage(metadata: Any, name: str) -> int:
