@@ -43,8 +43,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterable
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
