@@ -90,7 +90,7 @@ def test_each_batch_of_a_log_decodes_from_its_own_bytes_and_the_schema(tmp_path)
     scan = scan_log(data, lambda stage: stage % 2 == 0, "log")
     assert scan.self_contained and [start < end for start, end, _ in scan.batches] == [True, True]
     for start, end, batch in scan.batches:  # what iter_outputs loads per run: one batch, not the log
-        assert read_log_batch(data[: scan.schema_end], data[start:end]).equals(batch)
+        assert read_log_batch(scan.schema, data[start:end]).equals(batch)
     assert [b.column(0)[0].as_py() for _, _, b in scan.batches] == [20, 40]
     dictionary = pa.table({"index": pa.array([1, 2], pa.int64()), "d": pa.array(["a", "b"]).dictionary_encode()})
     log = SegmentLog(str(tmp_path / "dict.arrows"))
@@ -203,7 +203,7 @@ def test_iter_outputs_reads_a_live_log_batch_by_batch_in_index_order(tmp_path, m
     import torch_batch_process.outputs.readback as readback
 
     read_batch = readback.read_log_batch
-    monkeypatch.setattr(readback, "read_log_batch", lambda head, message: loaded.append(1) or read_batch(head, message))
+    monkeypatch.setattr(readback, "read_log_batch", lambda schema, message: loaded.append(1) or read_batch(schema, message))
     streamed = [b.column("index").to_pylist() for b in iter_outputs(storage, batch_rows=7)]
     assert [i for b in streamed for i in b] == list(range(30)) and all(len(b) <= 7 for b in streamed)
     assert len(loaded) == 15  # one load per committed batch (15 commits of one batch), never the whole log

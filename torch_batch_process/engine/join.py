@@ -57,6 +57,7 @@ _FIRST_POLL_S = 0.002
 """The first pause after a step of the rendezvous; pauses then grow by half up to :data:`_POLL_S`, so ranks that
 start together open the job in milliseconds (a fixed 0.1 s pause cost each of the 2-3 steps up to 0.1 s: a fifth of
 a second on every multi-process start) and ranks that wait long poll the store ten times a second."""
+
 _TELL_S = 3.0
 """Rank 0 waits at most this long for the others to read why the job cannot open."""
 

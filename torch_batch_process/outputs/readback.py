@@ -211,8 +211,8 @@ class _Run:
     low: int
     high: int
     rows: int
-    span: tuple[int, int, int] | None = None
-    """A segment log's batch: where the log's schema ends, where the batch's message starts and ends."""
+    span: tuple[Any, int, int] | None = None
+    """A segment log's batch: the log's schema, where the batch's message starts and ends."""
 
 
 @contextmanager
@@ -280,7 +280,7 @@ def _runs(
             for start, end, batch in scan.batches:
                 index = batch.column(INDEX_COLUMN)
                 if len(index):
-                    span = (scan.schema_end, start, end)
+                    span = (scan.schema, start, end)
                     runs.append(_Run(shard, -2, int(_np(index).min()), int(_np(index).max()), len(index), span))
             continue
         if is_segment(shard):  # committed rows not in a shard yet: a whole segment file is one run
@@ -375,17 +375,16 @@ def _scan_log(storage: Storage, rel: str, committed: Callable[[int], bool]) -> A
         raise _SegmentGone(rel) from exc
 
 
-def _read_log_batch(storage: Storage, rel: str, span: tuple[int, int, int], columns: list[str] | None) -> Any:
-    """One batch of a segment log, read from its bytes and the log's schema's."""
-    schema_end, start, end = span
+def _read_log_batch(storage: Storage, rel: str, span: tuple[Any, int, int], columns: list[str] | None) -> Any:
+    """One batch of a segment log, read from its bytes with the log's schema (found when its runs were listed)."""
+    schema, start, end = span
     try:
         with _reading(storage, rel), storage.open_input(rel) as f:
-            head = f.read(schema_end)
             f.seek(start)
             message = f.read(end - start)
     except FileNotFoundError as exc:
         raise _SegmentGone(rel) from exc
-    table = require_pyarrow().Table.from_batches([read_log_batch(head, message)])
+    table = require_pyarrow().Table.from_batches([read_log_batch(schema, message)])
     if columns is not None:
         _check_columns(columns, table.column_names, storage.url)
         table = table.select(columns)

@@ -113,9 +113,7 @@ class LogScan:
     """What :func:`scan_log` found in a segment log."""
 
     schema: Any
-    """The rows' ``pyarrow.Schema``."""
-    schema_end: int
-    """Where the schema's message ends (the log's first bytes, needed to decode any of its batches)."""
+    """The rows' ``pyarrow.Schema`` (what decodes any of its batches: :func:`read_log_batch`)."""
     batches: list[tuple[int, int, Any]] = field(default_factory=list)
     """The committed record batches: where each one's message starts and ends, and the batch."""
 
@@ -142,7 +140,7 @@ def scan_log(data: Any, committed: Callable[[int], bool], name: str) -> LogScan 
     try:
         reader = pa.ipc.open_stream(source)
         end = source.tell()
-        scan = LogScan(reader.schema, end)
+        scan = LogScan(reader.schema)
         while True:
             try:
                 batch, metadata = reader.read_next_batch_with_custom_metadata()
@@ -176,13 +174,11 @@ def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
     return pa.Table.from_batches([batch for _, _, batch in scan.batches], schema=scan.schema)
 
 
-def read_log_batch(head: bytes, message: bytes) -> Any:
-    """One record batch of a log whose :attr:`LogScan.self_contained` is true, from the log's first bytes (its
-    schema, up to :attr:`LogScan.schema_end`) and the batch's message (its bytes in the log): a reader holds one
-    batch, not the log."""
+def read_log_batch(schema: Any, message: bytes) -> Any:
+    """One record batch of a log whose :attr:`LogScan.self_contained` is true, from the log's ``schema`` and the
+    batch's message (its bytes in the log): a reader holds one batch, not the log."""
     import pyarrow as pa
 
-    schema = pa.ipc.read_schema(pa.py_buffer(head))
     return pa.ipc.read_record_batch(pa.ipc.read_message(pa.py_buffer(message)), schema)
 
 
