@@ -291,18 +291,24 @@ def run_hand(opts: WorkerOptions) -> None:
     amp = bf16_context(contender, device)
     backends = None
     opts.out.mkdir(parents=True, exist_ok=True)
+    waited = 0.0  # the main thread's time in the loader's next() (what torch_batch_process reports as 'data')
+    batches = iter(loader)
     with torch.inference_mode():
-        for batch_idx, batch in zip(mine, loader):
+        for batch_idx in mine:
+            asked = time.perf_counter()
+            batch = next(batches)
+            waited += time.perf_counter() - asked
             batch = move(batch, device, non_blocking=pinned)
             with amp():
                 output = workload.predict(model, batch)
             save_tensor(output, opts.out / output_name(batch_idx))
             reporter.batch_done(workload.batch_examples(batch))
             backends = backends or process_group_backends()
+    next(batches, None)  # the loader's end: its workers stop, so their CPU time is counted
     if world_size > 1:
         dist.barrier()
         dist.destroy_process_group()
-    reporter.finish(rank, world_size, backends=backends, device=str(device))
+    reporter.finish(rank, world_size, backends=backends, device=str(device), timings={"data": waited})
 
 
 class GpuProcessor(TorchBatchProcessor):
@@ -670,6 +676,8 @@ def run_one(
     result.steady_throughput = steady_throughput(reports)
     result.extra["backends"] = reports[0].get("backends")
     result.extra["device"] = reports[0].get("device")
+    result.extra["cpu"] = reports[0].get("cpu")  # rank 0's CPU seconds: main thread, other threads, workers
+    result.extra["data_wait_s"] = (reports[0].get("timings") or {}).get("data")
     if "prefetched" in reports[0]:
         result.extra["prefetched"] = reports[0]["prefetched"]
     if sampler is not None:
@@ -839,7 +847,36 @@ def render_table(results: list[RunResult], args: argparse.Namespace, info: dict[
     if args.size == "smoke":
         lines.append("CPU smoke run (--cpu-smoke): it checks the harness; these numbers are not a measurement.")
     lines.extend(goal_lines(results))
+    lines.extend(time_lines(results, keys))
     return "\n".join(lines) + "\n"
+
+
+def time_lines(results: list[RunResult], keys: list[tuple[str, int, str]]) -> list[str]:
+    """Where rank 0's time went, per contender: CPU seconds of its main thread, of its other threads and of its
+    loader workers, and the main thread's wait for its batches (none for a contender that does not report it)."""
+    rows = []
+    for workload, nproc, name in keys:
+        runs = [r for r in results if (r.workload, r.nproc, r.contender) == (workload, nproc, name) and r.ok]
+        cpus = [(r.extra or {}).get("cpu") or {} for r in runs]
+        if not any(cpus):
+            continue
+        waits = [(r.extra or {}).get("data_wait_s") for r in runs]
+        rows.append(
+            f"| {WORKLOAD_NAMES[workload]} | {nproc} | {CONTENDERS[name].label} "
+            + "".join(f"| {fmt_spread((c.get(k) for c in cpus), 2)} " for k in ("main", "threads", "children"))
+            + f"| {fmt_spread((w for w in waits if w is not None), 2) if any(w is not None for w in waits) else 'n/a'} |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "Rank 0's time, seconds (median [min–max]): CPU of its main thread, of its other threads (pinning, "
+        "commits, records), of its loader workers; and its main thread's wait for the next batch.",
+        "",
+        "| Workload | Procs | Contender | Main thread CPU | Other threads CPU | Loader workers CPU | Waiting for data |",
+        "|---|---:|---|---:|---:|---:|---:|",
+        *rows,
+    ]
 
 
 def goal_lines(results: list[RunResult]) -> list[str]:

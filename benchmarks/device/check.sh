@@ -1,13 +1,14 @@
 # The GPU checks in one call of a lent machine (15 minutes of device time in all, starts included), with .gpu/
 # carried (python -m benchmarks.device.prepare makes it). Logs and results land in $OUT.
-#   BENCH_S: seconds for benchmarks.gpu (default 320)   SCALE, ROUNDS: its size (0.15, 2)   OOM_S: benchmarks.oom
+#   TESTS_S: seconds for the tests (default 170)   BENCH_S: seconds for benchmarks.gpu (default 320)   SCALE, ROUNDS: its size (0.15, 2)   OOM_S: benchmarks.oom
 export PYTHONPATH=$PWD/.gpu:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
 python3 benchmarks/device/restore_model.py
 T0=$(date +%s)
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_path.py tests/test_copyback.py tests/test_oom.py \
+timeout "${TESTS_S:-170}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_path.py tests/test_copyback.py tests/test_oom.py \
+    "tests/test_engine_distributed.py::test_a_two_rank_job_runs_with_and_without_torch_distributed_set_timeout" \
     2>&1 | tee "$OUT/tests.log" | tail -30
 echo "tests took $(( $(date +%s) - T0 )) s"; T0=$(date +%s)
 timeout "${BENCH_S:-320}" python3 -m benchmarks.gpu --rounds "${ROUNDS:-2}" --scale "${SCALE:-0.15}" \
