@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from harness import (
@@ -199,6 +200,22 @@ def test_a_rank_that_never_joins_fails_the_others_at_the_join_deadline(tmp_path)
         rc, out = runs[rank]
         assert rc == 1, out[-3000:]
         assert "RAISED WorkerLostError" in out and "rank(s) [1] did not join the job within TBP_JOIN_TIMEOUT_S=30 s" in out, out[-3000:]
+    assert not (tmp_path / "storage").exists(), "nothing was written"
+
+
+def test_rank_0_never_starting_fails_the_others_at_the_join_deadline_not_twice_it(tmp_path):
+    """Rank 0 (the store's host) exits before the call. A client ``TCPStore`` tries its connection twice, each time
+    with the whole timeout, so the others used to fail after about twice ``TBP_JOIN_TIMEOUT_S``; they now fail at it."""
+    started = time.time()
+    runs = _join_run(tmp_path, TBP_JOIN_TIMEOUT_S="12", TBP_TEST_EXIT_BEFORE="0")
+    assert runs[0][0] == 3
+    for rank in (1, 2):
+        rc, out = runs[rank]
+        assert rc == 1, out[-3000:]
+        assert "RAISED WorkerLostError" in out and "cannot reach the job's store" in out, out[-3000:]
+        assert "within TBP_JOIN_TIMEOUT_S=12 s" in out, out[-3000:]
+        assert _raised_at(out) - started < 12 + 10, "the deadline, plus the processes' start (not 2 x 12 s)"
+        assert _raised_at(out) - started >= 12 - 1, "the ranks wait for rank 0 until the deadline"
     assert not (tmp_path / "storage").exists(), "nothing was written"
 
 

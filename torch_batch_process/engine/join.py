@@ -30,8 +30,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -57,6 +59,9 @@ _FIRST_POLL_S = 0.002
 """The first pause after a step of the rendezvous; pauses then grow by half up to :data:`_POLL_S`, so ranks that
 start together open the job in milliseconds (a fixed 0.1 s pause cost each of the 2-3 steps up to 0.1 s: a fifth of
 a second on every multi-process start) and ranks that wait long poll the store ten times a second."""
+
+_LAST_CONNECT_S = 5.0
+"""The store's own connect timeout when the deadline has (nearly) passed but its host was found listening."""
 
 _TELL_S = 3.0
 """Rank 0 waits at most this long for the others to read why the job cannot open."""
@@ -117,24 +122,53 @@ def _connect(rank: int, world_size: int, deadline_s: float) -> Any:
     them), or by torchrun's agent when it shares its own (``TORCHELASTIC_USE_AGENT_STORE``)."""
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host = "torchrun's agent" if agent else "rank 0"
+    hosting = rank == 0 and not agent
+    end = time.monotonic() + deadline_s
+
+    def unreachable(exc: BaseException) -> WorkerLostError:
+        return WorkerLostError(
+            f"rank {rank}: cannot reach the job's store at {addr}:{port} (hosted by {host}) within "
+            f"{JOIN_TIMEOUT_ENV}={deadline_s:g} s: {host} did not start, or MASTER_ADDR/MASTER_PORT are wrong "
+            f"({type(exc).__name__}: {_first_line(exc)})"
+        )
+
+    if not hosting:
+        _wait_for_listener(addr, port, end, unreachable)
     try:
         return dist.TCPStore(
             addr,
             port,
             world_size,
-            is_master=rank == 0 and not agent,
-            timeout=datetime.timedelta(seconds=deadline_s),
+            is_master=hosting,
+            timeout=datetime.timedelta(seconds=max(end - time.monotonic(), _LAST_CONNECT_S)),
             wait_for_workers=False,
             multi_tenant=True,
             use_libuv=os.environ.get("USE_LIBUV", "1") == "1",
         )
     except Exception as exc:  # noqa: BLE001 - DistNetworkError, DistStoreError, TimeoutError, RuntimeError...
-        host = "torchrun's agent" if agent else "rank 0"
-        raise WorkerLostError(
-            f"rank {rank}: cannot reach the job's store at {addr}:{port} (hosted by {host}) within "
-            f"{JOIN_TIMEOUT_ENV}={deadline_s:g} s: {host} did not start, or MASTER_ADDR/MASTER_PORT are wrong "
-            f"({type(exc).__name__}: {_first_line(exc)})"
-        ) from exc
+        raise unreachable(exc) from exc
+
+
+def _wait_for_listener(
+    addr: str, port: int, end: float, unreachable: Callable[[BaseException], WorkerLostError]
+) -> None:
+    """Waits until something listens at ``addr:port`` (the store's host started), until ``end`` (monotonic).
+
+    A client ``TCPStore`` retries a failed connection once more with the whole timeout, so it alone would wait up
+    to twice the join deadline for a host that never starts; this loop keeps the deadline, and the store is then
+    built once its host listens (one connection opened and closed: the store's server ignores it).
+    """
+    pause = _Pause()
+    while True:
+        left = end - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(min(left, 1.0), 0.05)):
+                return
+        except OSError as exc:  # refused (not listening yet), timed out, no route, unknown host...
+            if time.monotonic() >= end:
+                raise unreachable(exc) from exc
+        pause.sleep()
 
 
 class _Pause:
