@@ -610,6 +610,36 @@ def test_benchmark_help_and_dry_run_work_without_a_gpu() -> None:
     assert refused.returncode == 2 and "must include hand_pinned" in refused.stderr
 
 
+def test_benchmark_table_shows_where_rank_0_spent_its_time(tmp_path: Any) -> None:
+    """A saved results.json whose runs carry rank 0's CPU by thread and its wait for data renders a second table
+    with them (medians over the rounds), for every contender that reports them."""
+    import json
+
+    def run(contender: str, round_index: int, main: float, wait: float) -> dict[str, Any]:
+        return {
+            "contender": contender, "workload": "minilm", "nproc": 1, "round": round_index, "ok": True,
+            "examples": 1024, "job_s": 1.0, "wall_s": 5.0, "first_batch_s": 0.5, "steady_throughput": 2000.0,
+            "rows": 1024, "files": 4, "error": None,
+            "extra": {"cpu": {"main": main, "threads": 0.25, "children": 3.0}, "data_wait_s": wait},
+        }
+
+    runs = [run("hand_pinned", 0, 1.0, 0.1), run("tbp", 0, 1.5, 0.2), run("hand_pinned", 1, 1.25, 0.3),
+            run("tbp", 1, 1.75, 0.4)]
+    machine = {"cpu": "a CPU", "cores": 2, "memory_gib": 8, "gpu": "a GPU", "python": "3", "packages": {},
+               "commit": "abc", "date": "today"}
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"machine": machine, "args": {"size": "quick", "scale": 1.0}, "unavailable": {},
+                                 "runs": runs}))
+    done = run_benchmark("--render", str(saved))
+    assert done.returncode == 0, done.stderr
+    table = done.stdout.split("Rank 0's time", 1)[1]
+    assert "| Main thread CPU | Other threads CPU | Loader workers CPU | Waiting for data |" in table
+    hand = next(line for line in table.splitlines() if "hand loop, pinned + non_blocking (target)" in line)
+    ours = next(line for line in table.splitlines() if "torch_batch_process (defaults)" in line)
+    assert hand.endswith("| 1.12 [1.00–1.25] | 0.25 | 3.00 | 0.20 [0.10–0.30] |"), hand
+    assert ours.endswith("| 1.62 [1.50–1.75] | 0.25 | 3.00 | 0.30 [0.20–0.40] |"), ours
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_benchmark_without_cuda_says_so_and_exits_cleanly() -> None:
     done = run_benchmark()
