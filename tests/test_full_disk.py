@@ -1,0 +1,108 @@
+"""A real full disk (a small tmpfs mounted for the test): the job stops promptly with the disk's own error, the last
+commit stays readable exactly once, and once there is room again the same call resumes and finishes exactly once.
+
+Mounting needs root (CAP_SYS_ADMIN); elsewhere the tests skip, saying why. tests/test_segment_log.py covers the same
+failure without privileges (a file size limit: ``EFBIG``).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+
+N, BATCH = 20_000, 50  # 64 floats and a label a row: ~6 MB of Arrow data, three times the disk
+
+
+class Rows(TorchBatchProcessor):
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def process_batch(self, batch, batch_idx) -> None:
+        values = [int(v) for v in batch]
+        self.context.write({"emb": torch.stack([torch.full((64,), float(v)) for v in values]),
+                            "label": [f"ex{v}" for v in values]})
+
+
+class Files(TorchBatchProcessor):
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def process_batch(self, batch, batch_idx) -> None:
+        with self.context.upload_path() as path:
+            torch.save(torch.stack([torch.full((64,), float(v)) for v in batch]), path / f"batch_{batch_idx:05d}.pt")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2-MiB tmpfs at ``tmp_path/disk``; ``remount(size)`` in the test gives it more room."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs for a full disk: {exc}")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a full disk (needs root): {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+
+
+def _grow(disk: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True, capture_output=True, timeout=30)
+
+
+def _committed_batches(storage: Path) -> list[int]:
+    record = json.loads(sorted((storage / "_tbp" / "commits").glob("*.json"))[-1].read_text())
+    return [g for a, b in record["committed"] for g in range(a, b)]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_records_on_a_full_disk_stop_at_once_then_resume_exactly_once(small_disk, fmt):
+    storage = small_disk / "job"
+    with pytest.raises(OSError) as raised:
+        torch_batch_process(Rows, torch.arange(N), batch_size=BATCH, storage_path=str(storage), checkpoint_interval=2,
+                            output_format=fmt, progress=False)
+    assert raised.value.errno == errno.ENOSPC, raised.value
+    committed = _committed_batches(storage)
+    assert 0 < len(committed) < N // BATCH
+    index = read_outputs(storage).column("index").to_pylist()  # the last commit, readable on the full disk
+    assert index == [i for g in committed for i in range(g * BATCH, (g + 1) * BATCH)]
+
+    _grow(small_disk)
+    result = torch_batch_process(Rows, torch.arange(N), batch_size=BATCH, storage_path=str(storage),
+                                 checkpoint_interval=2, output_format=fmt, progress=False)
+    assert result.finished
+    table = read_outputs(storage)
+    assert table.column("index").to_pylist() == list(range(N))
+    assert table.column("label").to_pylist() == [f"ex{i}" for i in range(N)]
+    assert not list((storage / "_tbp" / "segments").glob("*")), "segment logs are gone once the job finished"
+
+
+def test_files_on_a_full_disk_stop_at_once_then_resume_exactly_once(small_disk):
+    storage = small_disk / "job"
+    # the user's torch.save fails first (torch says RuntimeError, not ENOSPC), or the library's commit (OSError)
+    with pytest.raises((OSError, RuntimeError)):
+        torch_batch_process(Files, torch.arange(N), batch_size=BATCH, storage_path=str(storage),
+                            checkpoint_interval=2, progress=False)
+    committed = set(_committed_batches(storage))
+    published = sorted(p.name for p in (storage / "outputs").rglob("batch_*.pt"))
+    assert published == [f"batch_{g:05d}.pt" for g in sorted(committed)], "committed batches' files, each once"
+
+    _grow(small_disk)
+    assert torch_batch_process(Files, torch.arange(N), batch_size=BATCH, storage_path=str(storage),
+                               checkpoint_interval=2, progress=False).finished
+    files = sorted((storage / "outputs").rglob("batch_*.pt"))
+    assert [p.name for p in files] == [f"batch_{g:05d}.pt" for g in range(N // BATCH)]
+    values = torch.cat([torch.load(p)[:, 0] for p in files])
+    assert values.tolist() == [float(i) for i in range(N)]
