@@ -229,15 +229,21 @@ def _reading(storage: Storage, shard: str) -> Iterator[None]:
         ) from exc
 
 
+def _select(table: Any, columns: list[str] | None, storage: Storage) -> Any:
+    """``table``'s ``columns`` (all of them for ``None``), after checking that it has them."""
+    if columns is None:
+        return table
+    _check_columns(columns, table.column_names, storage.url)
+    return table.select(columns)
+
+
 def _read_jsonl(storage: Storage, shard: str, columns: list[str] | None, typed: Any) -> Any:
     """A JSONL shard, its columns cast to ``typed`` (the committed schema, see :func:`_committed_schema`)."""
     import pyarrow.json as pj
 
     with _reading(storage, shard), storage.open_input(shard) as f:
         table = pj.read_json(f, read_options=pj.ReadOptions(use_threads=False))
-    if columns is not None:
-        _check_columns(columns, table.column_names, storage.url)
-        table = table.select(columns)
+    table = _select(table, columns, storage)
     if typed is None:
         return table
     fields = [typed.field(name) if name in typed.names else table.field(name) for name in table.column_names]
@@ -360,10 +366,7 @@ def _read_segment(
             table = read_segment(storage, rel, committed)
     except FileNotFoundError as exc:
         raise _SegmentGone(rel) from exc
-    if table is not None and columns is not None:
-        _check_columns(columns, table.column_names, storage.url)
-        table = table.select(columns)
-    return table
+    return None if table is None else _select(table, columns, storage)
 
 
 def _scan_log(storage: Storage, rel: str, committed: Callable[[int], bool]) -> Any:
@@ -384,11 +387,7 @@ def _read_log_batch(storage: Storage, rel: str, span: tuple[Any, int, int], colu
             message = f.read(end - start)
     except FileNotFoundError as exc:
         raise _SegmentGone(rel) from exc
-    table = require_pyarrow().Table.from_batches([read_log_batch(schema, message)])
-    if columns is not None:
-        _check_columns(columns, table.column_names, storage.url)
-        table = table.select(columns)
-    return table
+    return _select(require_pyarrow().Table.from_batches([read_log_batch(schema, message)]), columns, storage)
 
 
 class _SegmentGone(Exception):
