@@ -860,11 +860,11 @@ def time_lines(results: list[RunResult], keys: list[tuple[str, int, str]]) -> li
         cpus = [(r.extra or {}).get("cpu") or {} for r in runs]
         if not any(cpus):
             continue
-        waits = [(r.extra or {}).get("data_wait_s") for r in runs]
+        waits = ((r.extra or {}).get("data_wait_s") for r in runs)
         rows.append(
             f"| {WORKLOAD_NAMES[workload]} | {nproc} | {CONTENDERS[name].label} "
             + "".join(f"| {fmt_spread((c.get(k) for c in cpus), 2)} " for k in ("main", "threads", "children"))
-            + f"| {fmt_spread((w for w in waits if w is not None), 2) if any(w is not None for w in waits) else 'n/a'} |"
+            + f"| {fmt_spread(waits, 2)} |"
         )
     if not rows:
         return []

@@ -191,15 +191,22 @@ def _raised_at(out: str) -> float:
     return float(next(line.split()[1] for line in out.splitlines() if line.startswith("AT ")))
 
 
+def _lost(runs: dict[int, tuple[int | None, str]], rank: int, *said: str) -> str:
+    """Asserts that ``rank`` exited with status 1 after raising ``WorkerLostError`` whose output says each of ``said``;
+    returns its output."""
+    rc, out = runs[rank]
+    assert rc == 1, out[-3000:]
+    assert "RAISED WorkerLostError" in out and all(text in out for text in said), out[-3000:]
+    return out
+
+
 def test_a_rank_that_never_joins_fails_the_others_at_the_join_deadline(tmp_path):
     """Issue 26 item 5: rank 1 of 3 plain processes exits before the call; the others used to wait in
     init_process_group for the 30-minute collective timeout. Now they fail at TBP_JOIN_TIMEOUT_S, naming rank 1."""
     runs = _join_run(tmp_path, TBP_JOIN_TIMEOUT_S="30", TBP_TEST_EXIT_BEFORE="1")
     assert runs[1][0] == 3
     for rank in (0, 2):
-        rc, out = runs[rank]
-        assert rc == 1, out[-3000:]
-        assert "RAISED WorkerLostError" in out and "rank(s) [1] did not join the job within TBP_JOIN_TIMEOUT_S=30 s" in out, out[-3000:]
+        _lost(runs, rank, "rank(s) [1] did not join the job within TBP_JOIN_TIMEOUT_S=30 s")
     assert not (tmp_path / "storage").exists(), "nothing was written"
 
 
@@ -210,10 +217,7 @@ def test_rank_0_never_starting_fails_the_others_at_the_join_deadline_not_twice_i
     runs = _join_run(tmp_path, TBP_JOIN_TIMEOUT_S="12", TBP_TEST_EXIT_BEFORE="0")
     assert runs[0][0] == 3
     for rank in (1, 2):
-        rc, out = runs[rank]
-        assert rc == 1, out[-3000:]
-        assert "RAISED WorkerLostError" in out and "cannot reach the job's store" in out, out[-3000:]
-        assert "within TBP_JOIN_TIMEOUT_S=12 s" in out, out[-3000:]
+        out = _lost(runs, rank, "cannot reach the job's store", "within TBP_JOIN_TIMEOUT_S=12 s")
         assert _raised_at(out) - started < 12 + 10, "the deadline, plus the processes' start (not 2 x 12 s)"
         assert _raised_at(out) - started >= 12 - 1, "the ranks wait for rank 0 until the deadline"
     assert not (tmp_path / "storage").exists(), "nothing was written"
@@ -229,9 +233,7 @@ def test_a_rank_that_joins_and_dies_while_the_job_opens_is_detected_within_secon
     assert runs[1][0] == -9
     died = float(next(line.split()[1] for line in runs[1][1].splitlines() if line.startswith("JOINED")))
     for rank in (0, 2):
-        rc, out = runs[rank]
-        assert rc == 1, out[-3000:]
-        assert "RAISED WorkerLostError" in out and "rank(s) [1] joined the job and then stopped" in out, out[-3000:]
+        out = _lost(runs, rank, "rank(s) [1] joined the job and then stopped")
         assert _raised_at(out) - died < 30, "detected within seconds (3 s of silence, not the 120 s deadline)"
 
 
@@ -240,9 +242,7 @@ def test_rank_0_dying_while_the_job_opens_fails_the_others_at_once(tmp_path):
     assert runs[0][0] == -9
     died = float(next(line.split()[1] for line in runs[0][1].splitlines() if line.startswith("JOINED")))
     for rank in (1, 2):
-        rc, out = runs[rank]
-        assert rc == 1, out[-3000:]
-        assert "RAISED WorkerLostError" in out, out[-3000:]
+        out = _lost(runs, rank)
         assert "rank 0" in out.split("RAISED", 1)[1], out[-3000:]
         assert _raised_at(out) - died < 30
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import commit_records
 
 from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
 
@@ -63,7 +64,7 @@ def _grow(disk: Path) -> None:
 
 
 def _committed_batches(storage: Path) -> list[int]:
-    record = json.loads(sorted((storage / "_tbp" / "commits").glob("*.json"))[-1].read_text())
+    record = json.loads(commit_records(storage)[-1].read_text())
     return [g for a, b in record["committed"] for g in range(a, b)]
 
 
