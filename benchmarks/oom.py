@@ -37,8 +37,10 @@ binary search over short jobs (the plan's largest batches, ``on_oom="raise"``).
 - ``auto``: ``max_tokens="auto"`` (``on_oom="split"``, the default);
 - ``no learning``: ``on_error="skip"``, ``on_oom="raise"``: every batch that runs out of memory is bisected
   (DESIGN §11) and nothing is learned, so every long batch fails again, and so do its halves;
-- ``resume``: ``max_tokens="auto"`` stopped (SIGTERM) once a tenth of the batches are done, then resumed: the
-  resumed call's out-of-memory errors (the limits are stored with the job).
+- ``resume``: ``max_tokens="auto"`` stopped (SIGTERM) once a tenth of the batches are done and it has met an
+  out-of-memory error (learned something), then resumed: the resumed call's out-of-memory errors (the limits are
+  stored with the job). On a real GPU a size near the limit may fit in one call and not in the next (the
+  allocator's fragmentation differs), so a first call can finish without meeting one: the round then says so.
 
 Throughput: examples per second of the process's CPU time (all threads; robust on a shared machine) and of wall
 time; the figures are the medians of same-round ratios. Goals: ``auto`` at most a handful of out-of-memory errors,
@@ -160,7 +162,8 @@ class Embedder(TorchBatchProcessor):
     """Embeds a batch on the simulated device; one row per passage."""
 
     stop_after: int | None = None
-    """Sends itself SIGTERM after this many batches (the ``resume`` contender's first call)."""
+    """Sends itself SIGTERM after this many batches, once the job met an out-of-memory error (the ``resume``
+    contender's first call)."""
 
     def __init__(self, context: Any) -> None:
         self.context = context
@@ -181,7 +184,9 @@ class Embedder(TorchBatchProcessor):
         pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9), p=2, dim=1)
         self.context.write({"embedding": pooled.cpu()})
         self.calls += 1
-        if type(self).stop_after is not None and self.calls == type(self).stop_after:
+        stop_after = type(self).stop_after
+        if stop_after is not None and self.calls >= stop_after and _STATE["ooms"] > _STATE["job_ooms_from"]:
+            type(self).stop_after = None  # once
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -190,7 +195,7 @@ class Embedder(TorchBatchProcessor):
 
 def run(texts: list[str], lengths: np.ndarray, storage: Path, batch_size: int, **options: Any) -> dict[str, Any]:
     """One job; its throughput and out-of-memory errors."""
-    before = _STATE["ooms"]
+    before = _STATE["job_ooms_from"] = _STATE["ooms"]
     t0, c0 = time.perf_counter(), time.process_time()
     result = torch_batch_process(
         Embedder, texts, batch_size=batch_size, bucket_by=lengths, dataloader_kwargs={"collate_fn": Tokenize()},
@@ -226,9 +231,12 @@ def resume_after_learning(texts: list[str], lengths: np.ndarray, storage: Path, 
         first = run(texts, lengths, storage, batch_size, max_tokens="auto")
     finally:
         Embedder.stop_after = None
-    assert first["result"].preempted, "the first call was not stopped: too few batches"
+    if not first["result"].preempted:  # it met no out-of-memory error: nothing learned, nothing to resume
+        return {**first, "ooms": None, "first_ooms": first["ooms"], "left_allocated": None}
+    left = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
     second = run(texts, lengths, storage, batch_size, max_tokens="auto")
     second["first_ooms"] = first["ooms"]
+    second["left_allocated"] = left
     return second
 
 
@@ -261,6 +269,11 @@ def best_by_search(texts: list[str], lengths: np.ndarray, scratch: Path, batch_s
     return low
 
 
+def _ooms(figure: dict[str, Any]) -> str:
+    """A run's out-of-memory errors; the resume's when its first call met none (so it was not stopped)."""
+    return "first met none" if figure["ooms"] is None else str(figure["ooms"])
+
+
 def check_outputs(storages: dict[str, Path], n: int) -> None:
     """Every contender wrote one embedding per passage, the same ones (up to float rounding of other batch
     shapes)."""
@@ -286,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["by hand", "auto", "no learning", "resume"], help="comma-separated; auto is required",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--verbose", action="store_true", help="show the library's warnings (one per OOM)")
     parser.add_argument("--gpu-memory-mib", type=int, default=1024, help="with --device cuda: this process's cap")
     parser.add_argument(
         "--fail-at", choices=("allocation", "end"), default="allocation",
@@ -294,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     configure_process(args.threads)
-    logging.basicConfig(level=logging.ERROR)  # the library logs no INFO or WARNING lines (one per OOM otherwise)
+    # the library logs no INFO or WARNING lines (one per OOM otherwise) unless asked
+    logging.basicConfig(level=logging.WARNING if args.verbose else logging.ERROR)
     from transformers import AutoTokenizer
 
     from torch_batch_process.lengths import tokenized_lengths
@@ -307,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch_root = tempfile.TemporaryDirectory(prefix="tbp-oom-")
     if args.device == "cuda":
         model.to("cuda")
+        model_mib = torch.cuda.memory_allocated() / 2**20
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_mib * 2**20 / total), 0)
         _STATE["device"] = None
@@ -348,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{index:>5} " + " ".join(f"{f'{speed[name]:.1f} ({wall[name]:.1f})':>30}" for name in runners)
                 + "".join(f" {speed['auto'] / speed[name]:>16.3f}" for name in others)
-                + "".join(f" {figures[name][-1]['ooms']:>16}" for name in names)
+                + "".join(f" {_ooms(figures[name][-1]):>16}" for name in names)
             )
     assert all(f["ooms"] == 0 for f in figures.get("by hand", [])), "the best max_tokens by hand ran out of memory"
 
@@ -373,7 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         goal = {"auto": "a handful", "resume": "0"}.get(name, "")
         label = "the resumed call, after learning" if name == "resume" else name
-        print(f"| out-of-memory errors per job, {label} | {[f['ooms'] for f in figures[name]]} | {goal} |")
+        print(f"| out-of-memory errors per job, {label} | [{', '.join(_ooms(f) for f in figures[name])}] | {goal} |")
+    if "resume" in figures:
+        first = [f["first_ooms"] for f in figures["resume"]]
+        print(f"| out-of-memory errors of the resume's first call (what it learned from) | {first} | |")
+    if "resume" in figures and args.device == "cuda":
+        left = [f"{f['left_allocated'] / 2**20:.1f}" for f in figures["resume"] if f["left_allocated"] is not None]
+        print(f"| device memory allocated when the resumed call starts (MiB; the model: {model_mib:.1f}) | {left} | |")
     print(f"| batches run in parts, auto (per job) | {auto.split_batches} of {auto.num_batches} | |")
     print(f"| learned by auto | {learned.get('text', 'nothing')} | |")
     print(f"| learned max_tokens (auto) / best by hand | {learned.get('budget', math.nan)} / {best} | |")

@@ -323,6 +323,7 @@ class JobRun:
         finally:
             batches.close()
             feed.close()  # stops the loader's worker processes
+            runner.close()
             if watchdog is not None:
                 watchdog.steps_done()
 

@@ -46,7 +46,7 @@ class RankFailure:
 
     @property
     def failed(self) -> bool:
-        return self.exception is not None
+        return self.info is not None
 
     def record(self, exc: BaseException, where: str) -> None:
         died = LoaderWorkerDiedError.wrap(exc)  # may surface anywhere: it is the loader's, not that place's
@@ -68,9 +68,17 @@ class RankFailure:
             )
 
     def raise_for(self, infos: list[FailureInfo | None]) -> None:
-        """Raises this rank's own exception if it failed, else a :class:`WorkerFailedError`."""
-        if self.exception is not None:
-            raise self.exception
+        """Raises this rank's own exception if it failed, else a :class:`WorkerFailedError`.
+
+        The exception is handed over, not kept: its traceback holds this frame and the loop's, which hold this
+        object, and a reference from here would make a cycle that keeps the failed batch (on the device too)
+        alive until a garbage collection, after the caller has dropped the exception."""
+        exc, self.exception = self.exception, None
+        if exc is not None:
+            try:
+                raise exc
+            finally:
+                del exc
         failures = [info for info in infos if info is not None]
         if failures:
             first = failures[0]

@@ -243,14 +243,17 @@ class FailingExamples:
         half = (len(indices) + 1) // 2
         for piece in (indices[:half], indices[half:]):
             failure = self.attempt(batch_idx, piece, part)
-            if failure is None:
-                succeeded += len(piece)
-            elif self.on_oom is not None and is_out_of_memory(failure[1]):
-                succeeded += self.on_oom(batch_idx, piece, part, failure[1])
-            elif len(piece) == 1:
-                self.record(batch_idx, piece[0], failure[0], failure[1], part)
-            else:
-                succeeded += self._bisect(batch_idx, piece, part)
+            try:
+                if failure is None:
+                    succeeded += len(piece)
+                elif self.on_oom is not None and is_out_of_memory(failure[1]):
+                    succeeded += self.on_oom(batch_idx, piece, part, failure[1])
+                elif len(piece) == 1:
+                    self.record(batch_idx, piece[0], failure[0], failure[1], part)
+                else:
+                    succeeded += self._bisect(batch_idx, piece, part)
+            finally:
+                failure = None  # its traceback reaches this frame: a cycle that would keep the part's batch alive
         return succeeded
 
     def attempt(self, batch_idx: int, piece: list[int], part: Part) -> tuple[str, BaseException] | None:

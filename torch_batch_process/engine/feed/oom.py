@@ -98,21 +98,23 @@ class OomSplitter:
                 remaining, below, retried = remaining[take:], None, False
                 continue
             phase, exc = failure
-            if not is_out_of_memory(exc):
-                if not self._handler.skip:
-                    raise exc
-                succeeded += self._handler.recover(batch_idx, piece, exc, phase, part)
-                remaining, below, retried = remaining[take:], None, False
-                continue
-            if take > 1 or not retried:  # a smaller part next; one example: once more, everything released
-                self._ran_out(batch_idx, piece, exc, thorough=take == 1)
-                below, retried = take, take == 1
-                continue
-            self.fitter.ran_out(piece)
-            self._too_large(batch_idx, piece[0], phase, exc, part)
-            forget_frames(exc)
-            release_device_memory(self._device)
-            remaining, below, retried = remaining[1:], None, False
+            try:
+                if not is_out_of_memory(exc):
+                    if not self._handler.skip:
+                        raise exc
+                    succeeded += self._handler.recover(batch_idx, piece, exc, phase, part)
+                    remaining, below, retried = remaining[take:], None, False
+                elif take > 1 or not retried:  # a smaller part next; one example: once more, everything released
+                    self._ran_out(batch_idx, piece, exc, thorough=take == 1)
+                    below, retried = take, take == 1
+                else:
+                    self.fitter.ran_out(piece)
+                    self._too_large(batch_idx, piece[0], phase, exc, part)
+                    forget_frames(exc)
+                    release_device_memory(self._device)
+                    remaining, below, retried = remaining[1:], None, False
+            finally:
+                failure = exc = None  # its traceback reaches this frame: a cycle that would keep the part's batch alive
         return succeeded
 
     def _ran_out(self, batch_idx: int, piece: list[int], exc: BaseException, *, thorough: bool = False) -> None:

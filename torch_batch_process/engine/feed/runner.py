@@ -65,7 +65,7 @@ class BatchRunner:
         mode: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         span: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
-        self._processor = processor
+        self._processor: TorchBatchProcessor | None = processor
         self._current = current
         self._plan = plan
         self._rank_failure = rank_failure
@@ -77,9 +77,17 @@ class BatchRunner:
         self.splitter: OomSplitter | None = None
         """``on_oom="split"`` (set by the loop)."""
 
+    def close(self) -> None:
+        """When the rank's batches are done: drops the processor (its model, on the device too) and the failure
+        handling, whose callbacks point back at this runner (a cycle), so that they go when the call returns rather
+        than at the next garbage collection (a second call in the process may need that memory)."""
+        self._processor = None
+        self.guard = self.splitter = None
+
     def process(self, batch: Any, batch_idx: int) -> None:
         """``process_batch`` under the job's modes; tells the current batch whether it returned (its
         ``context.write()`` rows join the rank's shard, or are dropped)."""
+        assert self._processor is not None, "the runner is closed"
         try:
             with self._inference(), self._mode():
                 self._processor.process_batch(batch, batch_idx)
@@ -143,6 +151,9 @@ class BatchRunner:
         finally:
             seconds = time.perf_counter() - t0
             part.timings["process"] += seconds
+            # the failed attempt's traceback reaches this frame (its frames' f_back): a reference to the error from
+            # here is a cycle that keeps the batch (on the device too) alive until a garbage collection
+            error = batch = None
             self._current.leave()
         part.add_batch(batch_idx, len(indices), seconds)
 
@@ -186,6 +197,9 @@ class BatchRunner:
         finally:
             seconds = time.perf_counter() - t0
             part.timings["process"] += seconds
+            # the failed attempt's traceback reaches this frame (its frames' f_back): a reference to the error from
+            # here is a cycle that keeps the batch (on the device too) alive until a garbage collection
+            error = batch = None
         if split and fitter is not None:
             fitter.split_batches += 1
         ran_whole = whole and not split and not failed
