@@ -7,7 +7,8 @@ out-of-memory errors in the second. Python frees an object at once when its last
 by a reference cycle waits for a garbage collection, which a process that allocates few Python objects (a GPU loop)
 may not run for a long time. So every test here runs with the garbage collector off:
 
-- everywhere: the processor instance and every batch handed to ``process_batch`` are gone when the call returns (a
+- everywhere: the processor instance, its reducer and every batch handed to ``process_batch`` are gone when the
+  call returns (a
   failed call: once its exception is dropped), for a job that finished, one stopped by SIGTERM, one that failed,
   one that skipped a failing example, one whose batches ran out of memory and ran in parts, one with loader
   workers, and one on the dynamic schedule;
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process import MetricReducer, TorchBatchProcessor, read_outputs, torch_batch_process
 
 N, BATCH = 64, 8
 
@@ -48,9 +49,28 @@ class Wide(torch.utils.data.Dataset):
         return torch.full((self.width,), float(i))
 
 
+class Total(MetricReducer):
+    """Sums the first values, on the device (a reducer's state is the user's too)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.total: Any = 0.0
+
+    def update(self, value: torch.Tensor) -> None:
+        self.total = self.total + value.sum()
+
+    def per_slot_reduce(self) -> float:
+        return float(self.total)
+
+    def cross_slot_reduce(self, per_slot_metrics: list[float]) -> float:
+        return sum(per_slot_metrics)
+
+
 class Doubler(TorchBatchProcessor):
-    """Writes each example's first value, doubled by a model it builds on the device; ``mode`` picks what else
-    happens. Keeps weak references to itself and to every batch it is handed."""
+    """Writes each example's first value, doubled by a model it builds on the device, and sums them in a reducer;
+    ``mode`` picks what else happens. Keeps weak references to itself, its reducer and every batch it is handed."""
 
     mode = "finish"
     seen: list[weakref.ref[Any]] = []
@@ -61,7 +81,9 @@ class Doubler(TorchBatchProcessor):
         width = context.device.type == "cuda" and 2**17 or 16
         self.model = context.prepare_model_for_inference(torch.nn.Linear(width, 1, bias=False))
         torch.nn.init.zeros_(self.model.weight)
-        type(self).seen.append(weakref.ref(self))
+        self.reducer = Total()
+        self.total = context.wrap_reducer(self.reducer, name="total")
+        type(self).seen += [weakref.ref(self), weakref.ref(self.reducer)]
 
     def process_batch(self, batch: torch.Tensor, batch_idx: int) -> None:
         type(self).seen.append(weakref.ref(batch))
@@ -75,6 +97,7 @@ class Doubler(TorchBatchProcessor):
         if self.mode == "skip" and 20 in self.context.batch_indices:
             raise ValueError("example 20 is bad")
         self.context.write({"value": doubled[:, 0]})
+        self.total.update(doubled[:, 0])
         if self.mode == "preempt" and self.calls == 3:
             os.kill(os.getpid(), signal.SIGTERM)
 

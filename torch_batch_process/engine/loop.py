@@ -149,7 +149,20 @@ class JobRun:
     # ------------------------------------------------------------------------ lifecycle
 
     def run(self) -> BatchProcessResult:
-        """The call on this rank, steps 1 to 6 of the module docstring; the same result on every rank."""
+        """The call on this rank, steps 1 to 6 of the module docstring; the same result on every rank. A run is
+        used once: when it ends, it drops its parts (see :meth:`_drop_parts`)."""
+        try:
+            return self._run()
+        finally:
+            self._drop_parts()
+
+    def _drop_parts(self) -> None:
+        """Forgets every part of the run. They point at each other (callbacks, the context's sinks) and hold the
+        user's objects (reducers, the dataset, the plan's arrays): without this they would wait for a garbage
+        collection after the call returns, or live on with a failed call's exception, whose frames hold the run."""
+        self.__dict__.clear()
+
+    def _run(self) -> BatchProcessResult:
         with self._closing:
             planned, planned_examples = self._prepare()
             with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
@@ -382,11 +395,14 @@ class JobRun:
 
     def _lost_peer(self, error: BaseException) -> None:
         """Rank 0's heartbeat thread found a rank gone: its failure, and every rank stops at its next batch."""
-        self.rank_failure.record(error, "watching the other ranks' heartbeats")
+        rank_failure = getattr(self, "rank_failure", None)  # None: the run ended (its parts are dropped)
+        if rank_failure is not None:
+            rank_failure.record(error, "watching the other ranks' heartbeats")
         self._post_failure()
 
     def _post_failure(self) -> None:
         """Rank 0's vote collector or heartbeats found a failure (from their thread): every rank stops at its next
         batch (dynamic schedule)."""
-        if self._scheduler is not None:
-            self._scheduler.post(Decision.FAIL)
+        scheduler = getattr(self, "_scheduler", None)  # None also once the run ended (its parts are dropped)
+        if scheduler is not None:
+            scheduler.post(Decision.FAIL)

@@ -210,7 +210,8 @@ class OutputStager:
     def close(self) -> None:
         """Stops the sink (pending uploads are abandoned: their commit never happens) and removes the spare
         folders."""
-        for writer in self._writers:
+        writers, self._writers = self._writers, []  # each writer holds this stager: no cycle left behind
+        for writer in writers:
             writer.close()
         self._sink.close()
         with self._lock:

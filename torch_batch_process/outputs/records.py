@@ -426,6 +426,8 @@ class RecordWriter:
                     pass
         self._shard, self._segment, self._table_file = None, None, None
         self._buffer, self._unsaved, self._pending, self._parts = [], [], None, []
+        if self._batch_finished in self._current.listeners:  # the current batch holds this writer: no cycle left
+            self._current.listeners.remove(self._batch_finished)
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None

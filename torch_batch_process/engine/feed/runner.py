@@ -82,6 +82,8 @@ class BatchRunner:
         handling, whose callbacks point back at this runner (a cycle), so that they go when the call returns rather
         than at the next garbage collection (a second call in the process may need that memory)."""
         self._processor = None
+        if self.guard is not None:
+            self.guard.on_oom = None  # the splitter's method: the splitter holds the guard
         self.guard = self.splitter = None
 
     def process(self, batch: Any, batch_idx: int) -> None:
