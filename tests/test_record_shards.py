@@ -166,9 +166,12 @@ def _env(shard_bytes: int = 900):
 
 
 def _committed_examples(storage: str, batch_size: int, n: int) -> set[int]:
-    """The examples of the batches the latest commit record commits."""
+    """The examples of the batches the latest commit record commits (none before the first record: under load the
+    kill may come before rank 0's queued record writes, though after the stages' rows were appended)."""
     fs, root = storage_fs(storage)
     names = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
+    if not names:
+        return set()
     record = json.loads(fs.cat_file(names[-1]))
     batches = [g for a, b in record["committed"] for g in range(a, b)]
     return {i for g in batches for i in range(g * batch_size, min((g + 1) * batch_size, n))}
