@@ -112,6 +112,8 @@ CONTENDERS: dict[str, Contender] = {
     "tbp": Contender("torch_batch_process (defaults)", "fp32", "tbp"),
     "tbp_prefetch": Contender("torch_batch_process, device_prefetch=True", "fp32", "tbp",
                               options=(("device_prefetch", True),)),
+    "tbp_no_prefetch": Contender("torch_batch_process, device_prefetch=False", "fp32", "tbp",
+                                 options=(("device_prefetch", False),)),
     "tbp_records": Contender("torch_batch_process, context.write (asynchronous copy back)", "fp32", "tbp",
                              records=True),
     "pl_trainer": Contender("Lightning Trainer.predict", "fp32", "lightning"),
