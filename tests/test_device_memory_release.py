@@ -8,10 +8,9 @@ by a reference cycle waits for a garbage collection, which a process that alloca
 may not run for a long time. So every test here runs with the garbage collector off:
 
 - everywhere: the processor instance, its reducer and every batch handed to ``process_batch`` are gone when the
-  call returns (a
-  failed call: once its exception is dropped), for a job that finished, one stopped by SIGTERM, one that failed,
-  one that skipped a failing example, one whose batches ran out of memory and ran in parts, one with loader
-  workers, and one on the dynamic schedule;
+  call returns (a failed call: once its exception is dropped), for a job that finished, one stopped by SIGTERM,
+  one that failed (with and without the transaction of ``on_oom="split"``), one that skipped a failing example,
+  one whose batches ran out of memory and ran in parts, one with loader workers, and one on the dynamic schedule;
 - on a GPU: ``torch.cuda.memory_allocated()`` after the call equals what it was before, with the model built in the
   processor's ``__init__`` (as Determined code does) and the batches copied ahead to the device.
 """
@@ -33,7 +32,7 @@ from torch_batch_process import MetricReducer, TorchBatchProcessor, read_outputs
 
 N, BATCH = 64, 8
 
-MODES = ["finish", "preempt", "fail", "skip", "split", "workers", "dynamic"]
+MODES = ["finish", "preempt", "fail", "fail_plain", "skip", "split", "workers", "dynamic"]
 
 
 class Wide(torch.utils.data.Dataset):
@@ -92,7 +91,7 @@ class Doubler(TorchBatchProcessor):
         doubled = batch * 2 + self.model(batch)
         if self.mode == "split" and len(batch) > BATCH // 2:
             raise torch.OutOfMemoryError(f"a batch of {len(batch)} does not fit (holding {doubled.numel()} floats)")
-        if self.mode == "fail" and self.calls == 3:
+        if self.mode.startswith("fail") and self.calls == 3:
             raise ValueError("the third batch is bad")
         if self.mode == "skip" and 20 in self.context.batch_indices:
             raise ValueError("example 20 is bad")
@@ -103,6 +102,7 @@ class Doubler(TorchBatchProcessor):
 
 
 OPTIONS: dict[str, dict[str, Any]] = {
+    "fail_plain": {"on_oom": "raise"},  # nothing to undo: the batch runs outside a transaction
     "skip": {"on_error": "skip"},
     "split": {"on_oom": "split"},
     "workers": {"dataloader_kwargs": {"num_workers": 2}},
@@ -118,7 +118,7 @@ def run_job(storage: Path, mode: str, width: int) -> None:
         Doubler, Wide(width), batch_size=BATCH, storage_path=str(storage), checkpoint_interval=2, progress=False,
         tensorboard=False, **OPTIONS.get(mode, {}),
     )
-    if mode == "fail":
+    if mode.startswith("fail"):
         with pytest.raises(ValueError, match="third batch") as caught:
             call()
         del caught

@@ -153,9 +153,6 @@ class BatchRunner:
         finally:
             seconds = time.perf_counter() - t0
             part.timings["process"] += seconds
-            # the failed attempt's traceback reaches this frame (its frames' f_back): a reference to the error from
-            # here is a cycle that keeps the batch (on the device too) alive until a garbage collection
-            error = batch = None
             self._current.leave()
         part.add_batch(batch_idx, len(indices), seconds)
 
