@@ -18,6 +18,7 @@ may not run for a long time. So every test here runs with the garbage collector 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import weakref
@@ -27,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import JOBS, spawn_ranks, wait_all
 
 from torch_batch_process import MetricReducer, TorchBatchProcessor, read_outputs, torch_batch_process
 
@@ -169,3 +171,20 @@ def test_a_job_leaves_nothing_allocated_on_the_gpu(tmp_path: Path, no_gc: None, 
         f"{(after - before) / 2**20:.1f} MiB left allocated after the call; {(after_gc - before) / 2**20:.1f} MiB "
         "after a garbage collection"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+@pytest.mark.parametrize("fail_batch", [None, 5])
+def test_two_ranks_let_go_of_their_processor_and_batches(tmp_path: Path, schedule: str, fail_batch: int | None) -> None:
+    """Each of 2 real ranks checks itself (tests/jobs/release_job.py): the votes, the dynamic schedule's threads
+    and a failure on one rank keep nothing either, on that rank or the other."""
+    spec = {"storage": str(tmp_path / "job"), "report_dir": str(tmp_path), "schedule": schedule,
+            "fail_batch": fail_batch}
+    outcomes = wait_all(spawn_ranks(2, JOBS / "release_job.py", json.dumps(spec)), timeout=120)
+    assert all(code == 0 for code, _, _ in outcomes), outcomes
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    ended = sorted(r["ended"] for r in reports)
+    assert ended == (["finished"] * 2 if fail_batch is None else ["ValueError", "WorkerFailedError"]), reports
+    assert all(r["seen"] >= 2 for r in reports), reports  # the processor and its reducer were built
+    assert [r["alive"] for r in reports] == [[], []], reports
