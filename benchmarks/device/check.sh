@@ -2,9 +2,8 @@
 # carried (python -m benchmarks.device.prepare makes it). Logs and results land in $OUT.
 #   TESTS_S: seconds for the tests (default 170)   BENCH_S: seconds for benchmarks.gpu (default 320)   SCALE, ROUNDS: its size (0.15, 3)
 #   CONTENDERS, WORKLOADS: benchmarks.gpu's (default: MiniLM, the fp32 target, the library's two output paths and the
-#   file path without the device copy ahead, whose pull of the next batch before the current one runs is the open
-#   question of MiniLM's gap; ~16 s a run on an H200, so 3 rounds fit; ResNet-50, peers and bf16 ran in earlier
-#   sessions, see BENCHMARKS.md)
+#   file path without the device copy ahead: whether the copy ahead costs anything is part of MiniLM's open gap;
+#   ~16 s a run on an H200, so 3 rounds fit; ResNet-50, peers and bf16 ran in earlier sessions, see BENCHMARKS.md)
 #   OOM_S, OOM_EXAMPLES: benchmarks.oom's limit (150 s) and size (12,000 passages: 3,000 ran in 25 s on an H200, a 0.8-s job)
 export PYTHONPATH=$PWD/.gpu:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
