@@ -654,6 +654,14 @@ def test_benchmark_prefetch_overhead_runs_on_cpu() -> None:
     assert "DevicePrefetcher pass-through:" in done.stdout and "ns per batch" in done.stdout
 
 
+def test_lookahead_order_benchmark_prints_a_row_per_load(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.lookahead_order import main
+
+    assert main(["--load-ms", "1", "2", "--gpu-ms", "1", "--batches", "6", "--rounds", "2", "--workers", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and all(len(row.split("|")[4].split(",")) == 2 for row in rows), rows
+
+
 def test_benchmark_utilization_sampler_reads_nvidia_smi(tmp_path: Any) -> None:
     """The sampler parses ``nvidia-smi`` output (here a stand-in printing two GPUs at 30% and 50%)."""
     import os
