@@ -394,8 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         first = [f["first_ooms"] for f in figures["resume"]]
         print(f"| out-of-memory errors of the resume's first call (what it learned from) | {first} | |")
     if "resume" in figures and args.device == "cuda":
-        left = [f"{f['left_allocated'] / 2**20:.1f}" for f in figures["resume"] if f["left_allocated"] is not None]
-        print(f"| device memory allocated when the resumed call starts (MiB; the model: {model_mib:.1f}) | {left} | |")
+        left = [f["left_allocated"] / 2**20 for f in figures["resume"] if f["left_allocated"] is not None]
+        print(
+            f"| device memory allocated when the resumed call starts (MiB; the model: {model_mib:.1f}) "
+            f"| [{', '.join(f'{mib:.1f}' for mib in left)}] | |"
+        )
     print(f"| batches run in parts, auto (per job) | {auto.split_batches} of {auto.num_batches} | |")
     print(f"| learned by auto | {learned.get('text', 'nothing')} | |")
     print(f"| learned max_tokens (auto) / best by hand | {learned.get('budget', math.nan)} / {best} | |")

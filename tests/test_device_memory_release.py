@@ -29,8 +29,9 @@ from typing import Any
 import pytest
 import torch
 from harness import JOBS, spawn_ranks, wait_all
+from jobs.release_job import Total
 
-from torch_batch_process import MetricReducer, TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
 
 N, BATCH = 64, 8
 
@@ -50,37 +51,19 @@ class Wide(torch.utils.data.Dataset):
         return torch.full((self.width,), float(i))
 
 
-class Total(MetricReducer):
-    """Sums the first values, on the device (a reducer's state is the user's too)."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.total: Any = 0.0
-
-    def update(self, value: torch.Tensor) -> None:
-        self.total = self.total + value.sum()
-
-    def per_slot_reduce(self) -> float:
-        return float(self.total)
-
-    def cross_slot_reduce(self, per_slot_metrics: list[float]) -> float:
-        return sum(per_slot_metrics)
-
-
 class Doubler(TorchBatchProcessor):
     """Writes each example's first value, doubled by a model it builds on the device, and sums them in a reducer;
     ``mode`` picks what else happens. Keeps weak references to itself, its reducer and every batch it is handed."""
 
     mode = "finish"
+    width = 16
+    """The examples' width (``Wide``'s), set with ``mode``."""
     seen: list[weakref.ref[Any]] = []
 
     def __init__(self, context: Any) -> None:
         self.context = context
         self.calls = 0
-        width = context.device.type == "cuda" and 2**17 or 16
-        self.model = context.prepare_model_for_inference(torch.nn.Linear(width, 1, bias=False))
+        self.model = context.prepare_model_for_inference(torch.nn.Linear(self.width, 1, bias=False))
         torch.nn.init.zeros_(self.model.weight)
         self.reducer = Total()
         self.total = context.wrap_reducer(self.reducer, name="total")
@@ -114,7 +97,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
 
 def run_job(storage: Path, mode: str, width: int) -> None:
     """Runs a job in ``mode``; a failed job's exception is checked and dropped."""
-    Doubler.mode = mode
+    Doubler.mode, Doubler.width = mode, width
     Doubler.seen = []
     call = lambda: torch_batch_process(  # noqa: E731
         Doubler, Wide(width), batch_size=BATCH, storage_path=str(storage), checkpoint_interval=2, progress=False,
