@@ -260,3 +260,31 @@ def test_a_signal_to_a_rank_waiting_for_the_others_to_join_preempts_every_rank(t
     assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
     assert reports[0]["result"]["finished"] and reports[0]["result"]["metrics"]["sum_cls"] == 40 * 39 // 2
     assert_exactly_once(per_batch_values(Path(spec["storage"])), 40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled_rank", [0, 1])
+def test_a_rank_signalled_in_the_join_waits_for_ranks_that_never_come_only_the_heartbeat_silence(
+    tmp_path, signalled_rank
+):
+    """A preemption signals every process; a rank still importing torch dies of it and never joins. The rank that
+    got it while waiting in the join must not wait for it until the join deadline (600 s by default; here 300):
+    it fails within TBP_HEARTBEAT_SILENCE_S of the signal, saying why, and writes nothing."""
+    import sys
+
+    spec = dict(job_spec(tmp_path, n=40, batch_size=2, pid_dir=str(tmp_path / "pids")), attempt=1)
+    env = base_env(RANK=str(signalled_rank), WORLD_SIZE="2", LOCAL_RANK=str(signalled_rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()), TBP_JOIN_TIMEOUT_S="300", TBP_HEARTBEAT_SILENCE_S="3")
+    proc = start_process([sys.executable, str(GENERIC_JOB), json.dumps(spec)], env)
+    try:
+        pid_file = tmp_path / "pids" / f"rank{signalled_rank}_restart0.pid"
+        wait_for(lambda: pid_file.exists() or proc.poll() is not None, 90, "the rank's call")
+        time.sleep(1.5)  # in the join, waiting for the other rank
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+    finally:
+        ((rc, _, err),) = wait_all([proc], timeout=120)
+    assert rc == 1 and time.monotonic() - sent < 3 + 30, (rc, err[-3000:])
+    assert "within 3 s (TBP_HEARTBEAT_SILENCE_S) of the preemption signal" in err, err[-3000:]
+    assert not Path(spec["storage"]).exists(), "nothing was written"

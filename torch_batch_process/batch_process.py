@@ -177,7 +177,9 @@ def torch_batch_process(
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
     # SIGTERM/SIGINT mean "commit and stop" from here on, the join and the job's opening included: a rank
     # signalled before its first step keeps joining, and every rank agrees to stop before that step
-    with SignalWatcher() as signals, DistributedEnv(expected=distributed_context) as env:
+    with SignalWatcher() as signals, DistributedEnv(
+        expected=distributed_context, preempted=lambda: signals.preempt_requested
+    ) as env:
         setup_logging(env.info.rank)
         tell_launcher = write_launch_state if env.info.local_rank == 0 else (lambda state: None)
         tell_launcher("running")
