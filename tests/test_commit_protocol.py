@@ -230,7 +230,7 @@ def test_a_signal_to_a_rank_waiting_for_the_others_to_join_preempts_every_rank(t
     first step, and the same command resumes."""
     import sys
 
-    spec = dict(job_spec(tmp_path, n=40, batch_size=2, checkpoint_interval=2, pid_dir=str(tmp_path / "pids")), attempt=1)
+    spec = job_spec(tmp_path, n=40, batch_size=2, checkpoint_interval=2, pid_dir=str(tmp_path / "pids"), attempt=1)
     port = free_port()
 
     def start(rank):

@@ -342,7 +342,8 @@ class DistributedEnv:
                 )
             logger.debug("joining the job (rank %d of %d)", rank, world_size)
             gpu = gpu_uuid(self.device) if self.device.type == "cuda" else None
-            store, any_gloo = join_job(rank, world_size, gpu=gpu, preempted=self._preempted)  # or a WorkerLostError naming who did not join
+            # or a WorkerLostError naming who did not join
+            store, any_gloo = join_job(rank, world_size, gpu=gpu, preempted=self._preempted)
             backend = "gloo" if any_gloo else "nccl"
             if any_gloo and self.device.type == "cuda" and rank == 0:
                 logger.warning(

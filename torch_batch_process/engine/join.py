@@ -358,7 +358,8 @@ class _Rendezvous:
                         f"{self.silence_s:g} s, {_SILENCE_HINT}): the process died or hangs; see its log"
                     )
                 if not acknowledged and self.patience.exhausted():  # rank 0 waits for ranks that do not come
-                    raise WorkerLostError(f"rank {self.rank}: " + self.patience.verdict("not every rank joined the job"))
+                    verdict = self.patience.verdict("not every rank joined the job")
+                    raise WorkerLostError(f"rank {self.rank}: {verdict}")
                 if now - started >= self.deadline_s + 2 * self.silence_s:  # rank 0 would have given its verdict
                     raise WorkerLostError(
                         f"rank {self.rank}: the job did not open within {JOIN_TIMEOUT_ENV}={self.deadline_s:g} s "
