@@ -12,13 +12,17 @@ import pytest
 from harness import (
     GENERIC_JOB,
     assert_exactly_once,
+    base_env,
     buffered_values,
+    free_port,
     job_spec,
     per_batch_values,
     read_reports,
     run_generic,
     spawn_ranks,
+    start_process,
     wait_all,
+    wait_for,
     wait_for_progress,
 )
 
@@ -215,3 +219,72 @@ def test_sigterm_to_one_rank_while_building_stops_every_rank_before_its_first_st
     outcomes, reports = run_generic(clean, nproc=2, attempt=2, launcher="plain", timeout=120)
     assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
     assert_exactly_once(per_batch_values(Path(spec["storage"])), 400)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled_rank,signum", [(0, signal.SIGTERM), (1, signal.SIGTERM), (1, signal.SIGINT)])
+def test_a_signal_to_a_rank_waiting_for_the_others_to_join_preempts_every_rank(tmp_path, signalled_rank, signum):
+    """The signal comes while the rank waits in the join for a peer that starts later (a preemption while the
+    job opens): the rank used to die of it (default action; rank 1 then waited for rank 0, its store's host, up
+    to the join deadline). Now it is a preemption like any other: every rank returns preempted=True before its
+    first step, and the same command resumes."""
+    import sys
+
+    spec = job_spec(tmp_path, n=40, batch_size=2, checkpoint_interval=2, pid_dir=str(tmp_path / "pids"), attempt=1)
+    port = free_port()
+
+    def start(rank):
+        env = base_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), TBP_JOIN_TIMEOUT_S="60")
+        return start_process([sys.executable, str(GENERIC_JOB), json.dumps(spec)], env)
+
+    first = start(signalled_rank)
+    procs = [first]
+    try:
+        pid_file = tmp_path / "pids" / f"rank{signalled_rank}_restart0.pid"
+        wait_for(lambda: pid_file.exists() or first.poll() is not None, 90, "the rank's call")
+        time.sleep(1.5)  # the call checks its arguments and waits in the join for the other rank
+        assert first.poll() is None, first.communicate()
+        first.send_signal(signum)
+        time.sleep(1.0)
+        assert first.poll() is None, f"the signal ended the rank: {first.communicate()[1][-3000:]}"
+        procs.append(start(1 - signalled_rank))
+    finally:
+        outcomes = wait_all(procs, timeout=90)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    reports = read_reports(spec, 1)
+    for rank in (0, 1):
+        result = reports[rank]["result"]
+        assert result["preempted"] and not result["finished"] and reports[rank]["calls"] == [], reports[rank]
+    outcomes, reports = run_generic(spec, nproc=2, attempt=2, launcher="plain", timeout=120)
+    assert [rc for rc, _, _ in outcomes] == [0, 0], outcomes
+    assert reports[0]["result"]["finished"] and reports[0]["result"]["metrics"]["sum_cls"] == 40 * 39 // 2
+    assert_exactly_once(per_batch_values(Path(spec["storage"])), 40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled_rank", [0, 1])
+def test_a_rank_signalled_in_the_join_waits_for_ranks_that_never_come_only_the_heartbeat_silence(
+    tmp_path, signalled_rank
+):
+    """A preemption signals every process; a rank still importing torch dies of it and never joins. The rank that
+    got it while waiting in the join must not wait for it until the join deadline (600 s by default; here 300):
+    it fails within TBP_HEARTBEAT_SILENCE_S of the signal, saying why, and writes nothing."""
+    import sys
+
+    spec = dict(job_spec(tmp_path, n=40, batch_size=2, pid_dir=str(tmp_path / "pids")), attempt=1)
+    env = base_env(RANK=str(signalled_rank), WORLD_SIZE="2", LOCAL_RANK=str(signalled_rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()), TBP_JOIN_TIMEOUT_S="300", TBP_HEARTBEAT_SILENCE_S="3")
+    proc = start_process([sys.executable, str(GENERIC_JOB), json.dumps(spec)], env)
+    try:
+        pid_file = tmp_path / "pids" / f"rank{signalled_rank}_restart0.pid"
+        wait_for(lambda: pid_file.exists() or proc.poll() is not None, 90, "the rank's call")
+        time.sleep(1.5)  # in the join, waiting for the other rank
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+    finally:
+        ((rc, _, err),) = wait_all([proc], timeout=120)
+    assert rc == 1 and time.monotonic() - sent < 3 + 30, (rc, err[-3000:])
+    assert "within 3 s (TBP_HEARTBEAT_SILENCE_S) of the preemption signal" in err, err[-3000:]
+    assert not Path(spec["storage"]).exists(), "nothing was written"

@@ -10,6 +10,7 @@ from typing import Any
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import JobRun
+from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.environment import write_launch_state
 from torch_batch_process.failure_options import validate_failure_options
 from torch_batch_process.log import setup_logging
@@ -174,7 +175,11 @@ def torch_batch_process(
         table=table,
     )
     observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
-    with DistributedEnv(expected=distributed_context) as env:
+    # SIGTERM/SIGINT mean "commit and stop" from here on, the join and the job's opening included: a rank
+    # signalled before its first step keeps joining, and every rank agrees to stop before that step
+    with SignalWatcher() as signals, DistributedEnv(
+        expected=distributed_context, preempted=lambda: signals.preempt_requested
+    ) as env:
         setup_logging(env.info.rank)
         tell_launcher = write_launch_state if env.info.local_rank == 0 else (lambda state: None)
         tell_launcher("running")
@@ -185,10 +190,10 @@ def torch_batch_process(
                 retry = prepare_retry(args, env.collectives)
                 result = JobRun(
                     retry.args, env, observe, plan=retry.plan, record_schema=retry.schema, storage=retry.storage,
-                    first_stage=retry.first_stage,
+                    first_stage=retry.first_stage, signals=signals,
                 ).run()
             else:
-                result = JobRun(args, env, observe).run()
+                result = JobRun(args, env, observe, signals=signals).run()
         except BaseException:
             tell_launcher("failed")
             raise

@@ -294,7 +294,10 @@ class RendezvousStore:
 class DistributedEnv:
     """Sets up (or reuses) torch.distributed for a job and tears down what it created."""
 
-    def __init__(self, timeout_s: float | None = None, expected: Any = None) -> None:
+    def __init__(
+        self, timeout_s: float | None = None, expected: Any = None, preempted: Callable[[], bool] | None = None
+    ) -> None:
+        self._preempted = preempted  # a rank asked to stop waits less for ranks that have not joined (engine/join.py)
         self._timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else collective_timeout_s())
         self._expected = expected
         self._created_control = False
@@ -339,7 +342,8 @@ class DistributedEnv:
                 )
             logger.debug("joining the job (rank %d of %d)", rank, world_size)
             gpu = gpu_uuid(self.device) if self.device.type == "cuda" else None
-            store, any_gloo = join_job(rank, world_size, gpu=gpu)  # or a WorkerLostError naming who did not join
+            # or a WorkerLostError naming who did not join
+            store, any_gloo = join_job(rank, world_size, gpu=gpu, preempted=self._preempted)
             backend = "gloo" if any_gloo else "nccl"
             if any_gloo and self.device.type == "cuda" and rank == 0:
                 logger.warning(

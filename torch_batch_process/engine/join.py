@@ -19,6 +19,13 @@ So when the library creates the default group, every rank first connects to the 
   scheduler; it is the default ``join_timeout`` of torchrun's own rendezvous), with a message naming the ranks
   that did not come.
 
+A rank asked to stop (SIGTERM/SIGINT, :mod:`~torch_batch_process.engine.schedule.preemption`) while it waits keeps
+joining: once every rank is there, the job opens and every rank returns ``preempted=True`` before its first step. But it
+waits for the ranks that have not joined yet only ``TBP_HEARTBEAT_SILENCE_S`` seconds more, not until the join
+deadline: a preemption usually signals every process of the job, and a rank still starting up (importing torch)
+dies of it, so it never comes; the ranks then fail promptly with :class:`~torch_batch_process.errors.WorkerLostError`
+(nothing was opened or written: the same command resumes).
+
 Once every rank has joined, the process groups are connected with a short timeout (:func:`connect_timeout`,
 at most 60 s: connecting takes well under a second per peer once everyone is there), which bounds the wait of a
 rank whose peer dies in that window, and the groups then get the collective timeout
@@ -90,7 +97,9 @@ def connect_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=min(CONNECT_TIMEOUT_S, join_timeout_s()))
 
 
-def join_job(rank: int, world_size: int, *, gpu: str | None = None) -> tuple[Any, bool]:
+def join_job(
+    rank: int, world_size: int, *, gpu: str | None = None, preempted: Callable[[], bool] | None = None
+) -> tuple[Any, bool]:
     """Connects to the job's store and waits until every rank has joined (see the module docstring).
 
     Args:
@@ -100,6 +109,8 @@ def join_job(rank: int, world_size: int, *, gpu: str | None = None) -> tuple[Any
             refuses two ranks on one GPU, so a rank without a GPU, or whose GPU another rank took first, votes for
             gloo; each rank's vote is in the store before it counts as joined, so the verdict is the same on every
             rank.
+        preempted: whether this rank was asked to stop (SIGTERM/SIGINT); from then on it waits for the ranks that
+            have not joined yet at most the heartbeat silence (see the module docstring).
 
     Returns:
         The store (its timeout set to :func:`connect_timeout`), ready for ``init_process_group(store=...)``, and
@@ -110,14 +121,16 @@ def join_job(rank: int, world_size: int, *, gpu: str | None = None) -> tuple[Any
             cannot be reached (every rank raises, naming them).
     """
     deadline_s = join_timeout_s()
-    store = _connect(rank, world_size, deadline_s)
-    rendezvous = _Rendezvous(store, rank, world_size, deadline_s, heartbeat_silence_s())
+    silence_s = heartbeat_silence_s()
+    patience = _Patience(preempted, silence_s, rank)
+    store = _connect(rank, world_size, deadline_s, patience)
+    rendezvous = _Rendezvous(store, rank, world_size, deadline_s, silence_s, patience)
     rendezvous.wait(gpu)
     store.set_timeout(connect_timeout())
     return store, rendezvous.gloo_votes() > 0
 
 
-def _connect(rank: int, world_size: int, deadline_s: float) -> Any:
+def _connect(rank: int, world_size: int, deadline_s: float, patience: _Patience) -> Any:
     """The job's TCP store: hosted by rank 0 (it does not wait for the others here: the rendezvous does, watching
     them), or by torchrun's agent when it shares its own (``TORCHELASTIC_USE_AGENT_STORE``)."""
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -134,7 +147,7 @@ def _connect(rank: int, world_size: int, deadline_s: float) -> Any:
         )
 
     if not hosting:
-        _wait_for_listener(addr, port, end, unreachable)
+        _wait_for_listener(addr, port, end, unreachable, patience)
     try:
         return dist.TCPStore(
             addr,
@@ -151,7 +164,11 @@ def _connect(rank: int, world_size: int, deadline_s: float) -> Any:
 
 
 def _wait_for_listener(
-    addr: str, port: int, end: float, unreachable: Callable[[BaseException], WorkerLostError]
+    addr: str,
+    port: int,
+    end: float,
+    unreachable: Callable[[BaseException], WorkerLostError],
+    patience: _Patience | None = None,
 ) -> None:
     """Waits until something listens at ``addr:port`` (the store's host started), until ``end`` (monotonic).
 
@@ -168,6 +185,10 @@ def _wait_for_listener(
         except OSError as exc:  # refused (not listening yet), timed out, no route, unknown host...
             if time.monotonic() >= end:
                 raise unreachable(exc) from exc
+            if patience is not None and patience.exhausted():
+                raise WorkerLostError(
+                    f"rank {patience.rank}: " + patience.verdict("rank 0 (the host of its store) did not start")
+                ) from exc
         pause.sleep()
 
 
@@ -185,15 +206,44 @@ class _Pause:
         self._next = min(_POLL_S, self._next * 1.5)
 
 
+class _Patience:
+    """How long a rank asked to stop still waits for ranks that have not joined: ``silence_s`` seconds from the first
+    look after the request (see the module docstring)."""
+
+    def __init__(self, preempted: Callable[[], bool] | None, silence_s: float, rank: int) -> None:
+        self._preempted = preempted
+        self.rank = rank
+        self.silence_s = silence_s
+        self._since: float | None = None
+
+    def exhausted(self) -> bool:
+        if self._preempted is None or not self._preempted():
+            return False
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        return now - self._since >= self.silence_s
+
+    def verdict(self, who: str) -> str:
+        return (
+            f"{who} within {self.silence_s:g} s ({_SILENCE_HINT}) of the preemption signal (SIGTERM/SIGINT) this rank "
+            "received while the job was opening: the job stops without opening (nothing was written); run the same "
+            "command again to resume"
+        )
+
+
 class _Rendezvous:
     """The wait of :func:`join_job` (one instance per call)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, deadline_s: float, silence_s: float) -> None:
+    def __init__(
+        self, store: Any, rank: int, world_size: int, deadline_s: float, silence_s: float, patience: _Patience
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.deadline_s = deadline_s
         self.silence_s = silence_s
+        self.patience = patience
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"tbp_join/{restart}/"  # torchrun's agent store may serve several rounds
         self._stop = threading.Event()
@@ -263,6 +313,12 @@ class _Rendezvous:
                         f"{self.silence_s:g} s, {_SILENCE_HINT}): the process died or hangs; see its log",
                         waiting=sum(1 for r, count in beats.items() if count > 0 and r not in silent),
                     )
+                if not ready and self.patience.exhausted():
+                    missing = [r for r, count in beats.items() if count == 0]
+                    self._fail(
+                        self.patience.verdict(f"rank(s) {missing} did not join the job"),
+                        waiting=self.world_size - 1 - len(missing),
+                    )
                 if now - started >= self.deadline_s:
                     missing = [r for r, count in beats.items() if count == 0]
                     self._fail(
@@ -301,6 +357,9 @@ class _Rendezvous:
                         f"rank {self.rank}: rank 0 stopped while the job was opening (no heartbeat for "
                         f"{self.silence_s:g} s, {_SILENCE_HINT}): the process died or hangs; see its log"
                     )
+                if not acknowledged and self.patience.exhausted():  # rank 0 waits for ranks that do not come
+                    verdict = self.patience.verdict("not every rank joined the job")
+                    raise WorkerLostError(f"rank {self.rank}: {verdict}")
                 if now - started >= self.deadline_s + 2 * self.silence_s:  # rank 0 would have given its verdict
                     raise WorkerLostError(
                         f"rank {self.rank}: the job did not open within {JOIN_TIMEOUT_ENV}={self.deadline_s:g} s "

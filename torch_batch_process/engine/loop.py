@@ -97,6 +97,9 @@ class JobRun:
         storage: a retry's storage (sharing the job's ``outputs/``), closed when the call ends; ``None``: the one
             of ``args.storage_path``, opened by :meth:`run`.
         first_stage: a retry's first commit and stage number (after every one the job used).
+        signals: the call's watcher of SIGTERM/SIGINT, entered by the caller before the ranks joined (a signal
+            during the join or the job's opening is a preemption too); ``None``: the run watches them itself
+            from the opening of the job on.
     """
 
     # the components run() makes, in this order
@@ -129,6 +132,7 @@ class JobRun:
         record_schema: RecordSchema | None = None,
         storage: Storage | None = None,
         first_stage: int = 1,
+        signals: SignalWatcher | None = None,
     ) -> None:
         self.args = args
         self.env = env
@@ -137,6 +141,7 @@ class JobRun:
         self.parent_schema = record_schema
         self.given_storage = storage
         self.first_stage = first_stage
+        self.given_signals = signals
         self.rank, self.world_size = env.info.rank, env.info.size
         self.coll = env.collectives
         self.started = time.monotonic()
@@ -164,8 +169,9 @@ class JobRun:
 
     def _run(self) -> BatchProcessResult:
         with self._closing:
-            planned, planned_examples = self._prepare()
-            with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
+            watching = contextlib.nullcontext(self.given_signals) if self.given_signals is not None else SignalWatcher()
+            with watching as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
+                planned, planned_examples = self._prepare()
                 start = open_job(self.opener, self.coll, planned, planned_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
