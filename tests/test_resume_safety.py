@@ -386,3 +386,78 @@ def test_output_folders_and_record_names_the_job_did_not_write_are_left_alone(tm
         counts.update(json.loads(path.read_text()))
     assert_exactly_once(counts, 40)
     assert result.metrics["total"] == sum(range(40))
+
+
+class RowWriter(TorchBatchProcessor):
+    """Writes one record row per example; raises at batch ``fail_at`` (its committed rows stay in segments)."""
+
+    fail_at: int | None = None
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        if batch_idx == type(self).fail_at:
+            raise RuntimeError("failing on purpose")
+        self.context.write({"value": [int(v) for v in batch]})
+
+
+class FailingRowWriter(RowWriter):
+    fail_at = 9
+
+
+class FailingAtOnce(RowWriter):
+    fail_at = 8  # the first batch of a resume after FailingRowWriter: no commit
+
+
+FailingRowWriter.__qualname__ = FailingAtOnce.__qualname__ = "RowWriter"
+
+
+def _cut(path: Path, keep: float) -> None:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+
+
+@pytest.mark.parametrize("damage", ["log cut short", "log emptied", "log deleted", "segment file deleted"])
+def test_committed_record_segments_lost_are_refused_not_resumed_with_rows_missing(tmp_path, damage):
+    """A failure leaves the committed rows of a rank in its segments (a log on local storage, a file per commit on
+    object stores) until the next start rolls them into a shard. When they are gone or cut short, a torn tail and a
+    loss look alike in the log itself; the commit record's count of the rows in segments tells them apart, so the
+    resume is refused instead of finishing the job with committed rows missing."""
+    import fsspec
+
+    from torch_batch_process import read_outputs
+
+    url = str(tmp_path / "store") if damage.startswith("log") else f"memory://tbp-{tmp_path.name}/job"
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=url, progress=False)
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        torch_batch_process(FailingRowWriter, list(range(80)), **run)
+    fs, root = fsspec.core.url_to_fs(url)
+    segments = sorted(fs.ls(f"{root}/_tbp/segments", detail=False))
+    assert segments, "the committed rows are in segments"
+    if damage == "log cut short":
+        _cut(Path(segments[0]), 0.6)
+    elif damage == "log emptied":
+        _cut(Path(segments[0]), 0)
+    else:
+        fs.rm(segments[0])
+    with pytest.raises(CheckpointCorruptError, match="rank 0") as info:
+        torch_batch_process(RowWriter, list(range(80)), **run)
+    assert "committed record rows" in str(info.value) and "resume=False" in str(info.value), str(info.value)
+    assert not fs.exists(f"{root}/result.json"), "the job did not finish"
+    fresh = torch_batch_process(RowWriter, list(range(80)), **run, resume=False)
+    assert fresh.finished and fresh.batches_skipped == 0
+    assert read_outputs(url).column("value").to_pylist() == list(range(80))
+
+
+def test_record_segments_left_by_a_failure_resume_exactly_once(tmp_path):
+    """The undamaged counterpart: the rows counted in the record are found, rolled over, and the job finishes
+    with every row once, also when the start that rolled them is followed by another before any commit."""
+    from torch_batch_process import read_outputs
+
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=str(tmp_path / "store"), progress=False)
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        torch_batch_process(FailingRowWriter, list(range(80)), **run)
+    with pytest.raises(RuntimeError, match="failing on purpose"):  # rolls the leftovers, then fails at once
+        torch_batch_process(FailingAtOnce, list(range(80)), **run)
+    assert torch_batch_process(RowWriter, list(range(80)), **run).finished
+    assert read_outputs(run["storage_path"]).column("value").to_pylist() == list(range(80))
