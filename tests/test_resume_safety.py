@@ -461,3 +461,56 @@ def test_record_segments_left_by_a_failure_resume_exactly_once(tmp_path):
         torch_batch_process(FailingAtOnce, list(range(80)), **run)
     assert torch_batch_process(RowWriter, list(range(80)), **run).finished
     assert read_outputs(run["storage_path"]).column("value").to_pylist() == list(range(80))
+
+
+@pytest.mark.parametrize("damage", ["a preempted job's shard deleted", "a failed job's segment log cut short"])
+def test_reading_a_stopped_job_with_committed_rows_lost_is_an_error_not_a_short_table(tmp_path, damage):
+    """read_outputs of a job that is not finished compares the rows found (published shards and the committed rows
+    still in segments) with its latest record's count, as it does for a finished job."""
+    from torch_batch_process import OutputCorruptError, iter_outputs, read_outputs
+
+    storage = tmp_path / "store"
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=str(storage), progress=False)
+    if damage.startswith("a preempted"):
+        with_stop = type("RowWriter", (RowWriter,), {"process_batch": _stopping_rows})
+        assert torch_batch_process(with_stop, list(range(80)), **run).preempted
+        assert len(read_outputs(storage)) == 24
+        next((storage / "outputs").rglob("*.parquet")).unlink()
+    else:
+        with pytest.raises(RuntimeError, match="failing on purpose"):
+            torch_batch_process(FailingRowWriter, list(range(80)), **run)
+        assert len(read_outputs(storage)) == 32, "the committed rows are read from the segment log"
+        _cut(next((storage / "_tbp" / "segments").glob("*.arrows")), 0.6)
+    with pytest.raises(OutputCorruptError, match="committed 2[4|8]|committed 32") as info:
+        read_outputs(storage)
+    assert "missing" in str(info.value)
+    with pytest.raises(OutputCorruptError, match="missing"):
+        next(iter_outputs(storage))
+
+
+def _stopping_rows(self, batch, batch_idx):
+    RowWriter.process_batch(self, batch, batch_idx)
+    if batch_idx == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_shard_whose_compressed_bytes_are_damaged_is_named_in_the_error(tmp_path):
+    """pyarrow reports a damaged compressed page as a plain OSError naming no file; the read names the shard."""
+    import pyarrow.parquet as pq
+
+    from torch_batch_process import OutputCorruptError, iter_outputs, read_outputs
+
+    storage = tmp_path / "store"
+    torch_batch_process(RowWriter, list(range(80)), batch_size=4, storage_path=str(storage), progress=False)
+    shard = next((storage / "outputs").rglob("*.parquet"))
+    chunk = pq.read_metadata(shard).row_group(0).column(1)  # "value": index is column 0
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    end = start + chunk.total_compressed_size
+    middle = (start + end) // 2
+    data = bytearray(shard.read_bytes())
+    data[middle:end] = bytes(end - middle)  # the page's compressed bytes, not its header
+    shard.write_bytes(bytes(data))
+    for read in (read_outputs, lambda path: next(iter_outputs(path))):
+        with pytest.raises(OutputCorruptError, match="cannot be read") as info:
+            read(storage)
+        assert shard.name in str(info.value)
