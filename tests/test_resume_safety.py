@@ -514,3 +514,17 @@ def test_a_shard_whose_compressed_bytes_are_damaged_is_named_in_the_error(tmp_pa
         with pytest.raises(OutputCorruptError, match="cannot be read") as info:
             read(storage)
         assert shard.name in str(info.value)
+
+
+def test_a_finished_job_with_its_state_files_gone_still_reports_its_stored_result(tmp_path, caplog):
+    """A finished job's result is in its final record: state files deleted afterwards (a clean-up, a partial copy)
+    are warned about, not a refusal to report it; a job that is not finished still refuses (see above)."""
+    storage = tmp_path / "store"
+    first = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    for state in (storage / "_tbp" / "states").rglob("*.pt"):
+        state.unlink()
+    before = tree_digest(storage)
+    again = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert again.already_finished and again.metrics == first.metrics == {"total": sum(range(40))}
+    assert "state file(s) that are missing" in caplog.text
+    assert tree_digest(storage) == before, "nothing changed"
