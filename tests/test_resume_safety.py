@@ -528,3 +528,22 @@ def test_a_finished_job_with_its_state_files_gone_still_reports_its_stored_resul
     assert again.already_finished and again.metrics == first.metrics == {"total": sum(range(40))}
     assert "state file(s) that are missing" in caplog.text
     assert tree_digest(storage) == before, "nothing changed"
+
+
+def test_a_damaged_record_segment_file_is_named_at_resume_not_a_bare_pyarrow_error(tmp_path):
+    """On object stores each commit's rows are a segment file; one that does not decode (cut short, zeroed) stops the
+    resume's roll-over with an error naming it and what to do (pyarrow's own says "Not an Arrow file")."""
+    import fsspec
+
+    from torch_batch_process import OutputCorruptError
+
+    url = f"memory://tbp-{tmp_path.name}/job"
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=url, progress=False)
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        torch_batch_process(FailingRowWriter, list(range(80)), **run)
+    fs, root = fsspec.core.url_to_fs(url)
+    segment = sorted(fs.ls(f"{root}/_tbp/segments", detail=False))[1]
+    fs.pipe(segment, fs.cat(segment)[:100])
+    with pytest.raises(OutputCorruptError, match="cannot be read") as info:
+        torch_batch_process(RowWriter, list(range(80)), **run)
+    assert segment.rsplit("/", 1)[1] in str(info.value) and "resume=False" in str(info.value)

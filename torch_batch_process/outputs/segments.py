@@ -163,7 +163,16 @@ def read_segment(storage: Storage, rel: str, committed: Callable[[int], bool]) -
     with storage.open_input(rel) as f:
         if rel.endswith(LOG_SUFFIX):
             return read_log(f.read(), committed, storage.url_of(rel))
-        return pa.ipc.open_file(f).read_all()
+        try:
+            return pa.ipc.open_file(f).read_all()
+        except pa.ArrowException as exc:  # pyarrow's error names no file ("Not an Arrow file")
+            from torch_batch_process.errors import OutputCorruptError
+
+            raise OutputCorruptError(
+                f"{storage.url_of(rel)}: this committed record segment cannot be read ({exc}); it is damaged and "
+                "committed record rows are lost with it. Restore it from a backup, or start the job afresh with "
+                "resume=False (this erases the stored progress and outputs) or a new storage_path"
+            ) from exc
 
 
 def roll_leftovers(storage: Storage, record: CommitRecord | None) -> None:
