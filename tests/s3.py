@@ -179,7 +179,8 @@ class FaultProxy:
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
-                    self.wfile.write(payload)
+                    if self.command != "HEAD":  # a HEAD answer has no body: one would be read as the next answer
+                        self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
                 try:
@@ -191,7 +192,9 @@ class FaultProxy:
                     for key, value in response.getheaders():
                         if key.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                             self.send_header(key, value)
-                    self.send_header("Content-Length", str(len(data)))
+                    # a HEAD answer's Content-Length is the object's size (its body is empty): keep upstream's
+                    length = response.getheader("Content-Length") if self.command == "HEAD" else None
+                    self.send_header("Content-Length", length if length is not None else str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)

@@ -386,3 +386,164 @@ def test_output_folders_and_record_names_the_job_did_not_write_are_left_alone(tm
         counts.update(json.loads(path.read_text()))
     assert_exactly_once(counts, 40)
     assert result.metrics["total"] == sum(range(40))
+
+
+class RowWriter(TorchBatchProcessor):
+    """Writes one record row per example; raises at batch ``fail_at`` (its committed rows stay in segments)."""
+
+    fail_at: int | None = None
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        if batch_idx == type(self).fail_at:
+            raise RuntimeError("failing on purpose")
+        self.context.write({"value": [int(v) for v in batch]})
+
+
+class FailingRowWriter(RowWriter):
+    fail_at = 9
+
+
+class FailingAtOnce(RowWriter):
+    fail_at = 8  # the first batch of a resume after FailingRowWriter: no commit
+
+
+FailingRowWriter.__qualname__ = FailingAtOnce.__qualname__ = "RowWriter"
+
+
+def _cut(path: Path, keep: float) -> None:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+
+
+@pytest.mark.parametrize("damage", ["log cut short", "log emptied", "log deleted", "segment file deleted"])
+def test_committed_record_segments_lost_are_refused_not_resumed_with_rows_missing(tmp_path, damage):
+    """A failure leaves the committed rows of a rank in its segments (a log on local storage, a file per commit on
+    object stores) until the next start rolls them into a shard. When they are gone or cut short, a torn tail and a
+    loss look alike in the log itself; the commit record's count of the rows in segments tells them apart, so the
+    resume is refused instead of finishing the job with committed rows missing."""
+    import fsspec
+
+    from torch_batch_process import read_outputs
+
+    url = str(tmp_path / "store") if damage.startswith("log") else f"memory://tbp-{tmp_path.name}/job"
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=url, progress=False)
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        torch_batch_process(FailingRowWriter, list(range(80)), **run)
+    fs, root = fsspec.core.url_to_fs(url)
+    segments = sorted(fs.ls(f"{root}/_tbp/segments", detail=False))
+    assert segments, "the committed rows are in segments"
+    if damage == "log cut short":
+        _cut(Path(segments[0]), 0.6)
+    elif damage == "log emptied":
+        _cut(Path(segments[0]), 0)
+    else:
+        fs.rm(segments[0])
+    with pytest.raises(CheckpointCorruptError, match="rank 0") as info:
+        torch_batch_process(RowWriter, list(range(80)), **run)
+    assert "committed record rows" in str(info.value) and "resume=False" in str(info.value), str(info.value)
+    assert not fs.exists(f"{root}/result.json"), "the job did not finish"
+    fresh = torch_batch_process(RowWriter, list(range(80)), **run, resume=False)
+    assert fresh.finished and fresh.batches_skipped == 0
+    assert read_outputs(url).column("value").to_pylist() == list(range(80))
+
+
+def test_record_segments_left_by_a_failure_resume_exactly_once(tmp_path):
+    """The undamaged counterpart: the rows counted in the record are found, rolled over, and the job finishes
+    with every row once, also when the start that rolled them is followed by another before any commit."""
+    from torch_batch_process import read_outputs
+
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=str(tmp_path / "store"), progress=False)
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        torch_batch_process(FailingRowWriter, list(range(80)), **run)
+    with pytest.raises(RuntimeError, match="failing on purpose"):  # rolls the leftovers, then fails at once
+        torch_batch_process(FailingAtOnce, list(range(80)), **run)
+    assert torch_batch_process(RowWriter, list(range(80)), **run).finished
+    assert read_outputs(run["storage_path"]).column("value").to_pylist() == list(range(80))
+
+
+@pytest.mark.parametrize("damage", ["a preempted job's shard deleted", "a failed job's segment log cut short"])
+def test_reading_a_stopped_job_with_committed_rows_lost_is_an_error_not_a_short_table(tmp_path, damage):
+    """read_outputs of a job that is not finished compares the rows found (published shards and the committed rows
+    still in segments) with its latest record's count, as it does for a finished job."""
+    from torch_batch_process import OutputCorruptError, iter_outputs, read_outputs
+
+    storage = tmp_path / "store"
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=str(storage), progress=False)
+    if damage.startswith("a preempted"):
+        with_stop = type("RowWriter", (RowWriter,), {"process_batch": _stopping_rows})
+        assert torch_batch_process(with_stop, list(range(80)), **run).preempted
+        assert len(read_outputs(storage)) == 24
+        next((storage / "outputs").rglob("*.parquet")).unlink()
+    else:
+        with pytest.raises(RuntimeError, match="failing on purpose"):
+            torch_batch_process(FailingRowWriter, list(range(80)), **run)
+        assert len(read_outputs(storage)) == 32, "the committed rows are read from the segment log"
+        _cut(next((storage / "_tbp" / "segments").glob("*.arrows")), 0.6)
+    with pytest.raises(OutputCorruptError, match="committed 2[4|8]|committed 32") as info:
+        read_outputs(storage)
+    assert "missing" in str(info.value)
+    with pytest.raises(OutputCorruptError, match="missing"):
+        next(iter_outputs(storage))
+
+
+def _stopping_rows(self, batch, batch_idx):
+    RowWriter.process_batch(self, batch, batch_idx)
+    if batch_idx == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_shard_whose_compressed_bytes_are_damaged_is_named_in_the_error(tmp_path):
+    """pyarrow reports a damaged compressed page as a plain OSError naming no file; the read names the shard."""
+    import pyarrow.parquet as pq
+
+    from torch_batch_process import OutputCorruptError, iter_outputs, read_outputs
+
+    storage = tmp_path / "store"
+    torch_batch_process(RowWriter, list(range(80)), batch_size=4, storage_path=str(storage), progress=False)
+    shard = next((storage / "outputs").rglob("*.parquet"))
+    chunk = pq.read_metadata(shard).row_group(0).column(1)  # "value": index is column 0
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    end = start + chunk.total_compressed_size
+    middle = (start + end) // 2
+    data = bytearray(shard.read_bytes())
+    data[middle:end] = bytes(end - middle)  # the page's compressed bytes, not its header
+    shard.write_bytes(bytes(data))
+    for read in (read_outputs, lambda path: next(iter_outputs(path))):
+        with pytest.raises(OutputCorruptError, match="cannot be read") as info:
+            read(storage)
+        assert shard.name in str(info.value)
+
+
+def test_a_finished_job_with_its_state_files_gone_still_reports_its_stored_result(tmp_path, caplog):
+    """A finished job's result is in its final record: state files deleted afterwards (a clean-up, a partial copy)
+    are warned about, not a refusal to report it; a job that is not finished still refuses (see above)."""
+    storage = tmp_path / "store"
+    first = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    for state in (storage / "_tbp" / "states").rglob("*.pt"):
+        state.unlink()
+    before = tree_digest(storage)
+    again = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    assert again.already_finished and again.metrics == first.metrics == {"total": sum(range(40))}
+    assert "state file(s) that are missing" in caplog.text
+    assert tree_digest(storage) == before, "nothing changed"
+
+
+def test_a_damaged_record_segment_file_is_named_at_resume_not_a_bare_pyarrow_error(tmp_path):
+    """On object stores each commit's rows are a segment file; one that does not decode (cut short, zeroed) stops the
+    resume's roll-over with an error naming it and what to do (pyarrow's own says "Not an Arrow file")."""
+    import fsspec
+
+    from torch_batch_process import OutputCorruptError
+
+    url = f"memory://tbp-{tmp_path.name}/job"
+    run = dict(batch_size=4, checkpoint_interval=2, storage_path=url, progress=False)
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        torch_batch_process(FailingRowWriter, list(range(80)), **run)
+    fs, root = fsspec.core.url_to_fs(url)
+    segment = sorted(fs.ls(f"{root}/_tbp/segments", detail=False))[1]
+    fs.pipe(segment, fs.cat(segment)[:100])
+    with pytest.raises(OutputCorruptError, match="cannot be read") as info:
+        torch_batch_process(RowWriter, list(range(80)), **run)
+    assert segment.rsplit("/", 1)[1] in str(info.value) and "resume=False" in str(info.value)

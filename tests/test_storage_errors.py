@@ -268,3 +268,43 @@ def test_job_completes_exactly_once_through_a_flaky_object_store(moto_server, pr
     assert result.finished and result.metrics == {"total": sum(range(20))}
     assert proxy.failed >= 5, (proxy.failed, proxy.requests)
     assert_exactly_once(committed_values(url), 20)
+
+
+OUTAGE: dict[str, object] = {}
+"""``proxy``: the FaultProxy that :class:`RowsAndFiles` makes fail from batch ``at`` on."""
+
+
+class RowsAndFiles(Writer):
+    """Writer's files and record rows; the object store goes away at batch ``OUTAGE["at"]``."""
+
+    def process_batch(self, batch, batch_idx):
+        if batch_idx == OUTAGE.get("at"):
+            OUTAGE["proxy"].fail_always()  # type: ignore[attr-defined]
+        super().process_batch(batch, batch_idx)
+        self.context.write({"value": [int(v) for v in batch]})
+
+
+@pytest.mark.slow
+def test_an_outage_in_the_middle_of_a_job_fails_it_promptly_and_the_resume_finishes_exactly_once(moto_server, proxy):
+    """The object store goes away mid-job (every request answers 503): the job fails within its bounded retries with
+    a StorageError naming the storage, keeps its last commit, and once the store is back the same call finishes
+    with every row and file once (read through the same endpoint)."""
+    from torch_batch_process import read_outputs
+
+    url = f"s3://{moto_server.new_bucket()}/job"
+    options = {"client_kwargs": {"endpoint_url": proxy.endpoint}}
+    run = dict(batch_size=2, checkpoint_interval=2, storage_path=url, storage_options=options, progress=False)
+    OUTAGE.update(proxy=proxy, at=41)  # after 20 commits
+    started = time.monotonic()
+    try:
+        with pytest.raises(StorageError, match=url):
+            torch_batch_process(RowsAndFiles, list(range(200)), **run)
+    finally:
+        OUTAGE.clear()
+    assert time.monotonic() - started < 90, "bounded retries, no hang"
+    proxy.heal()
+    result = torch_batch_process(RowsAndFiles, list(range(200)), **run)
+    assert result.finished and result.metrics == {"total": sum(range(200))}
+    assert 0 < result.batches_skipped < 100, "resumed from the last commit, not from zero"
+    assert read_outputs(url, storage_options=options).column("value").to_pylist() == list(range(200))
+    assert_exactly_once(committed_values(url), 200)

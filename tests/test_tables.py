@@ -433,3 +433,66 @@ def test_ranks_opening_a_new_sql_catalog_at_once_all_reach_it(tmp_path):
     for thread in threads:
         thread.join(timeout=60)
     assert not errors and len(reached) == 8, errors
+
+
+# ------------------------------------------------------------------ a damaged or deleted table
+
+
+class TableRows(TorchBatchProcessor):
+    """One record row per example; SIGTERM to itself at batch ``stop_at``."""
+
+    stop_at: int | None = None
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"value": [int(v) for v in batch]})
+        if batch_idx == type(self).stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StoppingTableRows(TableRows):
+    stop_at = 15
+
+
+StoppingTableRows.__qualname__ = "TableRows"
+
+
+def _stopped_table_job(tmp_path: Path) -> tuple[dict, Any]:
+    need("delta")
+    run = dict(batch_size=2, checkpoint_interval=2, storage_path=str(tmp_path / "job"), progress=False)
+    target = tables.delta(str(tmp_path / "rows.delta"), commit_interval_s=0)
+    assert torch_batch_process(StoppingTableRows, list(range(60)), table=target, **run).preempted
+    return run, target
+
+
+def test_a_table_whose_metadata_is_cut_short_is_named_not_a_bare_format_error(tmp_path):
+    """delta-rs says "Kernel error: Json error: Truncated record..." and a backtrace, naming no table: the resume
+    and read_outputs say which table cannot be read and what to do, before any work."""
+    run, target = _stopped_table_job(tmp_path)
+    log = sorted((tmp_path / "rows.delta" / "_delta_log").glob("*.json"))[-1]
+    log.write_bytes(log.read_bytes()[:60])
+    for call in (lambda: torch_batch_process(TableRows, list(range(60)), table=target, **run),
+                 lambda: read_outputs(target)):
+        with pytest.raises(InvalidArgumentError, match="rows.delta' cannot be read") as info:
+            call()
+        assert "restore it" in str(info.value) and "Json error" in str(info.value)
+
+
+def test_a_table_deleted_after_it_received_committed_rows_is_refused_at_resume(tmp_path):
+    """The records say which committed rows the table holds (those not pending): a table that holds no transaction
+    of the job then was deleted or replaced, and re-adding only the pending files would make a table lacking rows
+    (and referencing files deleted with it). The resume refuses; resume=False starts afresh."""
+    import shutil
+
+    from torch_batch_process import CheckpointCorruptError
+
+    run, target = _stopped_table_job(tmp_path)
+    shutil.rmtree(tmp_path / "rows.delta")
+    with pytest.raises(CheckpointCorruptError, match="holds no transaction of this job") as info:
+        torch_batch_process(TableRows, list(range(60)), table=target, **run)
+    assert "resume=False" in str(info.value)
+    assert not (tmp_path / "rows.delta").exists(), "nothing was written"
+    assert torch_batch_process(TableRows, list(range(60)), table=target, resume=False, **run).finished
+    assert read_outputs(target).column("value").to_pylist() == list(range(60))

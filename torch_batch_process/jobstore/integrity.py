@@ -36,7 +36,7 @@ def check_integrity(store: JobStore, latest: CommitRecord | None) -> None:
     Two kinds of damage would otherwise make a resume silently redo (and duplicate) committed work, or
     fail hours later: commit records missing while the job clearly committed before (its ``outputs/``,
     ``result.json`` or ``metrics.jsonl`` exist: a partial copy or restore), and state files that the
-    latest record needs but that are gone.
+    latest record needs but that are gone (of a finished job only a warning: its result is in the record).
     """
     if latest is None:
         evidence = [rel for rel in (RESULT_FILE, METRICS_FILE) if _present(store.storage, rel)]
@@ -59,7 +59,13 @@ def check_integrity(store: JobStore, latest: CommitRecord | None) -> None:
             present[folder] = set(store.storage.list(folder))
         if name not in present[folder]:
             missing.append(rel)
-    if missing:
+    if missing and latest.finished:  # its result is in the record: the state files are not needed to report it
+        logger.warning(
+            "commit record %s names %d state file(s) that are missing (first: %s): the job finished; its result "
+            "stands",
+            store.storage.url_of(record_file(latest.commit)), len(missing), store.storage.url_of(missing[0]),
+        )
+    elif missing:
         raise CheckpointCorruptError(
             f"commit record {store.storage.url_of(record_file(latest.commit))} needs {len(missing)} state file(s) "
             f"that are missing (first: {store.storage.url_of(missing[0])}); the job cannot resume with exact "

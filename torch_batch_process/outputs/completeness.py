@@ -12,8 +12,10 @@ retries used (:mod:`torch_batch_process.jobstore.retries`): a shard of ``outputs
 with the largest first stage at or below ``s``, else to the job (:meth:`CommittedRows.owner`). Retries of earlier
 versions kept theirs in ``retries/<k>/outputs/``.
 
-Not checked: a job still running or killed while publishing (its outputs trail its records until the next
-start publishes them), and records written before rows were counted.
+A job that is not finished (running, preempted, failed, killed) is checked for rows missing only: its published
+shards and the committed rows still in its segments (read back with them) hold at least the rows of the record
+read first (a running job commits more meanwhile). Not checked: a job killed while publishing (its outputs trail
+its records until the next start publishes them), and records written before rows were counted.
 
 Order matters while a job may be running: :func:`committed_rows` reads the records, then lists the staged
 stages, and only then does the caller list the shards. A stage moves from ``_tbp/staging/`` to ``outputs/``,
@@ -50,6 +52,8 @@ class CommittedRows:
     """``"retries/<k>"`` -> its first stage, for the retries that publish to the job's ``outputs/``."""
     last_stage: int | None = None
     """The last stage the job itself used (``None``: unknown); later stages are its retries'."""
+    at_least: set[str] = field(default_factory=set)
+    """Folders of :attr:`rows` whose job is not finished: their shards and segments may hold more rows, not fewer."""
 
     def owner(self, shard: str) -> str | None:
         """The folder whose outputs hold ``shard`` (``None``: a job that is not known yet, e.g. a retry that
@@ -78,11 +82,15 @@ def committed_rows(storage: Storage) -> CommittedRows:
             continue
         if root == "" and record is not None:
             found.last_stage = max(record.commit, record.last_stage)
-        rows = record.stats.get("record_rows") if record is not None and record.finished else None
+        rows = record.stats.get("record_rows") if record is not None else None
         if not isinstance(rows, int):
             continue
-        if not still_staged(storage, root, record, "outputs"):
+        if record.finished:
+            if not still_staged(storage, root, record, "outputs"):
+                found.rows[root] = rows
+        elif root == "" and not unpublished_stages_at(storage, record, root):  # (a retry's segments are not read)
             found.rows[root] = rows
+            found.at_least.add(root)
     return found
 
 
@@ -109,10 +117,13 @@ def check_rows(storage: Storage, expected: CommittedRows, shard_rows: Iterable[t
         found[root] = found.get(root, 0) + count
     for root, rows in expected.rows.items():
         have = found.get(root, 0)
-        if have == rows:
+        if have == rows or (root in expected.at_least and have > rows):
             continue
         what = (
             "shards are missing (deleted, or not restored with the rest); restore them from a backup"
+            if have < rows and root not in expected.at_least
+            else "shards or record segments (_tbp/segments/) are missing or cut short (deleted, or not restored "
+            "with the rest); restore them from a backup"
             if have < rows
             else "shards were added (copied in twice?); remove the files that the job did not write"
         )

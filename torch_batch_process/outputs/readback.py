@@ -222,11 +222,21 @@ def _reading(storage: Storage, shard: str) -> Iterator[None]:
     pa = require_pyarrow()
     try:
         yield
-    except (pa.ArrowException, NotAFileError) as exc:  # ArrowInvalid, a folder in its place...: not what was committed
+    except (pa.ArrowException, NotAFileError, OSError) as exc:  # ArrowInvalid, a folder in its place...
+        if isinstance(exc, OSError) and not isinstance(exc, NotAFileError) and not _undecodable(exc):
+            raise  # the storage's own error (unreachable, no permission, gone): not damage
         raise OutputCorruptError(
             f"{storage.url_of(shard)}: this committed record shard cannot be read ({exc}); it is damaged. Restore it "
             f"from a backup, or move it out of {OUTPUTS_DIR}/ to read the other rows (its rows are then missing)"
         ) from exc
+
+
+def _undecodable(exc: OSError) -> bool:
+    """Whether pyarrow raised ``exc`` decoding bytes (``Corrupt snappy compressed data``, a bad zstd frame: a plain
+    ``OSError`` without an errno), rather than the storage failing to give them (an errno, or a subclass)."""
+    import pyarrow as pa
+
+    return type(exc) is OSError and exc.errno is None or isinstance(exc, pa.ArrowException)
 
 
 def _select(table: Any, columns: list[str] | None, storage: Storage) -> Any:

@@ -138,6 +138,9 @@ class RecordWriter:
         self._encoding: Future[None] | None = None
         self.rows = 0
         self._taken_rows = 0
+        self._rolled_rows = 0  # self.rows at the last roll-over: the rows since then are in segments only
+        self._sealed_rows = 0  # self.rows at the last seal
+        self._row_stage = -1  # the newest stage sealed with rows
         current.listeners.append(self._batch_finished)
         stager.attach(self)
 
@@ -384,8 +387,20 @@ class RecordWriter:
             rel = segment_file(stage, self._rank, k)
             self._stager.store_file(part.path, rel)
             self._live.append(rel)
+        if self.rows != self._sealed_rows:
+            self._sealed_rows, self._row_stage = self.rows, stage
         if self._shard_bytes >= self._limit or (closing and (self._shard is not None or self._buffer)):
             self._roll(stage)
+
+    def segment_rows(self) -> list[int] | None:
+        """After :meth:`seal`: ``[rows, stage]``, the rows this rank has in segments only (committed with the stages
+        since its last roll-over; 0 right after one) and the newest stage that had rows; ``None``: the rank never
+        wrote a row to segments (a table target, or no ``context.write()``). Its vote carries it, the commit record
+        keeps it, and the repair at the next start checks the leftover segments against it
+        (:func:`~torch_batch_process.outputs.segments.roll_leftovers`)."""
+        if self._sink is not None or not self.rows:
+            return None
+        return [self.rows - self._rolled_rows, self._row_stage]
 
     def _roll(self, stage: int) -> None:
         """Closes the shard and hands it to ``stage`` (published with it); its segments are deleted after that."""
@@ -394,6 +409,7 @@ class RecordWriter:
         self._end_segment()  # a log ends with its shard
         shard, self._shard = self._shard, None
         self._shard_bytes = 0
+        self._rolled_rows = self.rows  # every row so far is in the shard
         if shard is None:
             return
         shard.close()

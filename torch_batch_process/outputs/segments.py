@@ -163,7 +163,16 @@ def read_segment(storage: Storage, rel: str, committed: Callable[[int], bool]) -
     with storage.open_input(rel) as f:
         if rel.endswith(LOG_SUFFIX):
             return read_log(f.read(), committed, storage.url_of(rel))
-        return pa.ipc.open_file(f).read_all()
+        try:
+            return pa.ipc.open_file(f).read_all()
+        except pa.ArrowException as exc:  # pyarrow's error names no file ("Not an Arrow file")
+            from torch_batch_process.errors import OutputCorruptError
+
+            raise OutputCorruptError(
+                f"{storage.url_of(rel)}: this committed record segment cannot be read ({exc}); it is damaged and "
+                "committed record rows are lost with it. Restore it from a backup, or start the job afresh with "
+                "resume=False (this erases the stored progress and outputs) or a new storage_path"
+            ) from exc
 
 
 def roll_leftovers(storage: Storage, record: CommitRecord | None) -> None:
@@ -172,10 +181,14 @@ def roll_leftovers(storage: Storage, record: CommitRecord | None) -> None:
     module docstring). Needs pyarrow only when live segments are left."""
 
     segments = list_segments(storage)
-    if not segments:
+    expected = _expected_rows(record)
+    if not segments and not expected:
         return
     newest = newest_shards(published_shards(storage))
     live = live_segments(segments, record, newest)
+    for rank, (rows, stage) in sorted(expected.items()):
+        if stage > newest.get(rank, -1) and not any(s.rank == rank for s in live):
+            _lost(storage, record, rank, rows, 0, "are gone")
     dead = sorted(set(segments) - set(live))
     if dead:
         storage.delete_files([s.rel for s in dead])
@@ -186,11 +199,40 @@ def roll_leftovers(storage: Storage, record: CommitRecord | None) -> None:
     output_format = _output_format(storage) if by_rank else "parquet"
     assert record is not None or not by_rank
     for rank, mine in sorted(by_rank.items()):
-        _roll(storage, rank, mine, record, schema, output_format)
+        rows, stage = expected.get(rank, (0, -1))
+        _roll(storage, rank, mine, record, schema, output_format, rows if stage > newest.get(rank, -1) else 0)
+
+
+def _expected_rows(record: CommitRecord | None) -> dict[int, tuple[int, int]]:
+    """Rank -> the rows its segments hold, as ``record`` commits them, and the newest stage with rows (records of
+    older versions, and jobs without record rows, say nothing)."""
+    kept = record.stats.get("segment_rows") if record is not None else None
+    if not isinstance(kept, dict):
+        return {}
+    return {int(rank): (int(value[0]), int(value[1])) for rank, value in kept.items()}
+
+
+def _lost(storage: Storage, record: CommitRecord, rank: int, rows: int, found: int, how: str) -> None:
+    """Raises :class:`~torch_batch_process.errors.CheckpointCorruptError`: rank ``rank``'s segments hold fewer
+    committed rows than ``record`` commits (deleted, cut short: a torn tail cannot tell). Nothing is published."""
+    from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
+    from torch_batch_process.jobstore.layout import record_file
+
+    raise CheckpointCorruptError(
+        f"{storage.url_of(SEGMENTS_DIR)}: the record segments of rank {rank} {how}: they hold {found} of the {rows} "
+        f"committed record rows (context.write()) that {storage.url_of(record_file(record.commit))} says are in "
+        f"them and in no published shard; resuming would finish the job with those rows missing. {CORRUPT_HINT}."
+    )
 
 
 def _roll(
-    storage: Storage, rank: int, segments: list[Segment], record: CommitRecord, schema: Any, output_format: str
+    storage: Storage,
+    rank: int,
+    segments: list[Segment],
+    record: CommitRecord,
+    schema: Any,
+    output_format: str,
+    expected: int = 0,
 ) -> None:
     """Writes one rank's live segments as one shard at its newest committed stage, publishes it in one step, deletes
     them (when they hold no committed rows, e.g. logs of stages never committed, they are only deleted). One segment
@@ -227,6 +269,8 @@ def _roll(
         finally:
             if shard is not None:
                 shard.close()
+        if (shard.rows if shard is not None else 0) < expected:
+            _lost(storage, record, rank, expected, shard.rows if shard is not None else 0, "are damaged or cut short")
         if shard is not None:
             stage = max(stages)
             name = f"{outputs_dir(stage, rank)}/{shard_name(stage, rank, 0, output_format)}"

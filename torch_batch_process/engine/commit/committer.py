@@ -281,6 +281,9 @@ class Committer:
         rows = self._records.take_rows() if self._records is not None else 0
         if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
             vote.extra["rows"] = rows
+        open_rows = self._records.segment_rows() if self._records is not None else None
+        if open_rows is not None:  # the record keeps them: the next start checks the leftover segments against them
+            vote.extra["segment_rows"] = open_rows
         files = self._records.take_table_files() if self._records is not None else []
         if files:  # a table target's data files of this stage: rank 0 adds them to the table after the record
             vote.extra["table_files"] = files

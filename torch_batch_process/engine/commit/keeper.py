@@ -143,6 +143,8 @@ class RecordKeeper:
         # record rows committed over all attempts; None: an earlier attempt's records did not count them
         rows = latest.stats.get("record_rows") if latest else 0
         self.record_rows: int | None = rows if isinstance(rows, int) else None
+        # rank -> [rows in its segments only, newest stage with rows] (this attempt's: the start rolled earlier ones)
+        self.segment_rows: dict[int, list[int]] = {}
         # the committed rows' columns: every vote's must unify with them
         self.record_schema: RecordSchema | None = latest.record_schema if latest else None
         # what the job learned about the device's memory, over all attempts (DESIGN §15)
@@ -200,6 +202,8 @@ class RecordKeeper:
                         summary.memory_limits = self.limits.summary()
                 if self.record_rows is not None:
                     self.record_rows += int(vote.extra.get("rows", 0))
+                if "segment_rows" in vote.extra:
+                    self.segment_rows[vote.rank] = list(vote.extra["segment_rows"])
                 for key, value in vote.timings.items():
                     summary.timings[key] = summary.timings.get(key, 0.0) + value
                     per_rank = summary.timings_per_rank[vote.rank]
@@ -254,6 +258,9 @@ class RecordKeeper:
             record_schema = self.record_schema
             failed = self.summary.failed_examples
             rows = {"record_rows": self.record_rows} if self.record_rows is not None else {}
+            segment_rows = {str(rank): value for rank, value in sorted(self.segment_rows.items()) if value[0] > 0}
+            if segment_rows:  # the rows a kill or a failure would leave in segments (see outputs/segments.py)
+                rows["segment_rows"] = segment_rows
             table = self._table.prepare(number) if self._table is not None else None
             limits = self.limits.to_json() if self.limits is not None else None
             oom_stats = {

@@ -163,6 +163,24 @@ class Table(ABC):
     def arrow_schema(self) -> Any:
         """The table's schema as Arrow types (normalized like :func:`normalize_schema`), ``None`` before it exists."""
 
+    def check_readable(self) -> None:
+        """Reads the table's schema when the table exists (before any work): a table its format's library cannot
+        read (metadata damaged or cut short) is an :class:`InvalidArgumentError` naming it and what to do, not the
+        library's own error (delta-rs: ``Kernel error: Json error: ...`` and a backtrace, naming no table)."""
+        from torch_batch_process.errors import BatchProcessError
+
+        try:
+            if self.exists():
+                self.arrow_schema()
+        except BatchProcessError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any of the format library's errors
+            message = (str(exc).strip().splitlines() or [""])[0]
+            raise InvalidArgumentError(
+                f"{self.target.describe_short()} cannot be read ({type(exc).__name__}: {message}); if its metadata "
+                "is damaged, restore it from a backup, or write to another table"
+            ) from exc
+
     @abstractmethod
     def exists(self) -> bool:
         """Whether the table exists."""

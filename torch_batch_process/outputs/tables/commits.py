@@ -92,7 +92,15 @@ class TableCommits:
         latest commit record, ``None``: none) that the table lacks, deletes the data files of stages never
         committed. Returns whether a transaction was made."""
         self.job_id = job_id
-        self._key = self.table.committed_key(job_id)
+        try:
+            self._key = self.table.committed_key(job_id)
+        except Exception as exc:  # the format's own error (delta-rs: "Kernel error: Json error...") names no table
+            raise StorageError(
+                f"cannot read {self.table.target.describe_short()} at the job's start ({type(exc).__name__}: "
+                f"{_first_line(exc)}); if the table's metadata is damaged, restore it from a backup, or start the "
+                "job afresh into a new table (resume=False, or a new storage_path)"
+            ) from exc
+        _check_not_lost(self.table, latest, self._key)
         groups = [g for g in _pending_of(latest) if g["n"] > self._key]
         made = False
         if groups:
@@ -175,6 +183,30 @@ class TableCommits:
             self.table.compact()
         except Exception as exc:  # noqa: BLE001 - every row is in the table; only the file count is not reduced
             logger.warning("compacting %s failed (its rows are complete): %s", self.table.target.describe_short(), exc)
+
+
+def _check_not_lost(table: Table, latest: Any, key: int) -> None:
+    """Raises :class:`~torch_batch_process.errors.CheckpointCorruptError` when the table holds no transaction of the
+    job (``key`` 0) although ``latest`` says some of its committed rows are in it (more rows committed than its
+    pending groups hold): the table was deleted or replaced. Adding the pending groups would then make a table that
+    silently lacks those rows and references data files that may be gone with it."""
+    from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
+
+    rows = latest.stats.get("record_rows") if latest is not None else None
+    if key or not isinstance(rows, int):
+        return
+    pending = sum(int(f.get("rows", 0)) for g in _pending_of(latest) for f in g["files"])
+    if rows > pending:
+        raise CheckpointCorruptError(
+            f"{table.target.describe_short()} holds no transaction of this job, but its commit record says "
+            f"{rows - pending} of its {rows} committed record rows are in it: the table was deleted or replaced "
+            f"since. Nothing was changed. {CORRUPT_HINT}."
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (delta-rs appends a backtrace)."""
+    return (str(exc).strip().splitlines() or [""])[0]
 
 
 def _pending_of(record: Any) -> list[dict[str, Any]]:

@@ -53,8 +53,7 @@ class DeltaTableOutput(TableTarget):
         what = f"tables.delta({self.uri!r})"
         check_storage_options(self.storage_options, what)
         table = self.open()
-        if table.exists():
-            table.arrow_schema()  # a table that delta-rs cannot read is an error now, not after the first batch
+        table.check_readable()  # a table its library cannot read: an error now, not after the first batch
 
     def describe(self) -> dict[str, Any]:
         return {"format": "delta", "uri": self.uri}

@@ -57,8 +57,7 @@ class IcebergTableOutput(TableTarget):
         require("pyiceberg", "iceberg", "tables.iceberg(...)")
         table = self.open()
         table.catalog()  # a catalog that cannot be loaded or reached: an error now
-        if table.exists():
-            table.arrow_schema()
+        table.check_readable()  # a table its library cannot read: an error now, not after the first batch
 
     def describe(self) -> dict[str, Any]:
         where = (self.catalog_properties or {}).get("uri")

@@ -51,8 +51,7 @@ class LanceTableOutput(TableTarget):
     def check(self) -> None:
         require("lance", "lance", "tables.lance(...)")
         table = self.open()
-        if table.exists():
-            table.arrow_schema()
+        table.check_readable()  # a table its library cannot read: an error now, not after the first batch
 
     def describe(self) -> dict[str, Any]:
         return {"format": "lance", "uri": self.uri}
