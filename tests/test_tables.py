@@ -264,6 +264,27 @@ def run_process(spec: dict, env: dict[str, str] | None = None, timeout: float = 
     return rc
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.slow  # the job in a process of its own twice (a kill -9 in the compaction, then the re-run)
+def test_kill9_in_the_final_compaction_then_the_rerun_compacts_the_finished_table(tmp_path, fmt):
+    spec = {
+        "table": dict(table_spec(fmt, tmp_path), commit_interval_s=0),  # a transaction per record: many small files
+        "n": 40, "batch_size": 4, "checkpoint_interval": 1,
+        "storage": str(tmp_path / "job"), "report_dir": str(tmp_path / "reports"),
+    }
+    assert run_process(spec, {"TBP_TEST_TABLE_KILL": "compact:1"}) == -signal.SIGKILL
+    target = target_of(spec["table"])
+    assert_each_index_once(spec["table"], 40)  # every row is in the table: the kill came after the final transaction
+    assert target.open().live_files() > 1  # not compacted
+    assert not (tmp_path / "job" / "result.json").exists()
+    assert run_process(dict(spec, attempt=2)) == 0
+    assert target.open().live_files() == 1  # the finished job's re-run compacted it
+    assert_each_index_once(spec["table"], 40)
+    assert read_outputs(target).column("index").to_pylist() == list(range(40))
+    assert (tmp_path / "job" / "result.json").exists()
+    assert run_process(dict(spec, attempt=3), {"TBP_TEST_TABLE_KILL": "compact:1"}) == 0  # finished: no compaction
+
+
 @pytest.mark.parametrize(
     ("moment", "fmt"),
     [(moment, fmt) for moment in ("before", "after") for fmt in FORMATS],

@@ -61,9 +61,11 @@ class TableReconciler(Protocol):
         ...
 
     def reconcile(
-        self, latest: CommitRecord | None, job_id: str, *, committed_stages: Callable[[int], bool]
+        self, latest: CommitRecord | None, job_id: str, *, committed_stages: Callable[[int], bool],
+        finishing: bool = False,
     ) -> bool:
-        """Adds the committed rows the table lacks, deletes the data files of stages never committed."""
+        """Adds the committed rows the table lacks, deletes the data files of stages never committed; compacts a
+        finished job's table when it added rows or when ``finishing`` (the last run ended before its result)."""
         ...
 
 
@@ -124,8 +126,11 @@ class JobOpener:
                 self.lock = self.storage.job_lock()
                 job, latest = self._read_and_check()
                 assert latest is not None
+                # the result file comes last in a finished run (after the table's compaction): without it, the run
+                # may have been killed in the compaction, which the table then runs again, before the repair
+                # writes the result (a kill in this compaction leaves it due again)
+                self._reconcile_table(job, latest, finishing=not self.store.result_written())
                 self.store.repair(latest)
-                self._reconcile_table(job, latest)
             return Start(
                 attempt=latest.attempt,
                 next_number=latest.commit + 1,
@@ -154,12 +159,13 @@ class JobOpener:
             job_id=job.uid,
         )
 
-    def _reconcile_table(self, job: JobInfo | None, latest: CommitRecord | None) -> None:
-        """A table target: adds the committed rows it lacks, deletes data files of stages never committed."""
+    def _reconcile_table(self, job: JobInfo | None, latest: CommitRecord | None, *, finishing: bool = False) -> None:
+        """A table target: adds the committed rows it lacks, deletes data files of stages never committed (and
+        compacts, see :meth:`TableReconciler.reconcile`)."""
         if self.table is None or job is None:
             return
         committed = latest.has_stage if latest is not None else (lambda stage: False)
-        self.table.reconcile(latest, job.uid, committed_stages=committed)
+        self.table.reconcile(latest, job.uid, committed_stages=committed, finishing=finishing)
 
     def _read_and_check(self) -> tuple[JobInfo | None, CommitRecord | None]:
         if not self.resume:

@@ -140,7 +140,11 @@ class JobStore:
     def finished_repair_due(self, latest: CommitRecord) -> bool:
         """Whether a finished job needs :meth:`repair`: a kill left committed stages unpublished, or came between
         the final record and ``result.json``."""
-        return bool(self.unpublished_stages(latest)) or not self.storage.exists(RESULT_FILE)
+        return bool(self.unpublished_stages(latest)) or not self.result_written()
+
+    def result_written(self) -> bool:
+        """Whether ``result.json`` is written (a finished run writes it last)."""
+        return self.storage.exists(RESULT_FILE)
 
     def has_outputs(self) -> bool:
         """Whether ``outputs/`` holds anything of this job (of a retry: an ``outputs/commit_<s>/`` folder of its

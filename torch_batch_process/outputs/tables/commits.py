@@ -40,9 +40,13 @@ record's transaction; a failed transaction fails the job (resumable: the next st
 5. **Finish.** After the final record's transaction, rank 0 compacts the table's small files with the format's own
    tool (unless the target says ``compact=False``): a transaction of its own that keeps every row once.
 
+   Killed before the compaction is done (its own transaction, atomic too): the final record is durable, the result
+   file is not written yet (it follows the compaction), so the next run of the finished job repairs it and compacts
+   the table again, before it writes the result.
+
 Test hook: ``TBP_TEST_TABLE_KILL=before:<k>`` or ``after:<k>`` makes rank 0 kill itself (SIGKILL) right before or
 right after its ``k``-th table transaction, the moments between a record and the table's commit that fault tests
-must reach.
+must reach; ``compact:<k>`` right before its ``k``-th compaction.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ __all__ = ["KILL_ENV", "TableCommits"]
 logger = logging.getLogger(__name__)
 
 KILL_ENV = "TBP_TEST_TABLE_KILL"
-"""Test-only: ``before:<k>`` / ``after:<k>`` kills rank 0 around its ``k``-th table transaction (module docstring)."""
+"""Test-only: ``before:<k>`` / ``after:<k>`` kills rank 0 around its ``k``-th table transaction, ``compact:<k>`` before
+its ``k``-th compaction (module docstring)."""
 
 
 class TableCommits:
@@ -82,15 +87,20 @@ class TableCommits:
         self._key = 0  # the newest key the table holds for this job, as far as this process knows
         self._last = float("-inf")  # when the previous transaction started (time.monotonic())
         self._transactions = 0
+        self._compactions = 0
         self.commit_s = 0.0
         """Seconds spent in table transactions (for the benchmark)."""
 
     # ---------------------------------------------------------------- start
 
-    def reconcile(self, latest: Any, job_id: str, *, committed_stages: Callable[[int], bool]) -> bool:
+    def reconcile(
+        self, latest: Any, job_id: str, *, committed_stages: Callable[[int], bool], finishing: bool = False
+    ) -> bool:
         """At the start of an attempt (rank 0, under the job lock): adds the pending groups of ``latest`` (the
         latest commit record, ``None``: none) that the table lacks, deletes the data files of stages never
-        committed. Returns whether a transaction was made."""
+        committed. A finished ``latest`` is compacted when this made a transaction or when ``finishing`` (the last
+        run ended between its final record and its result, where the compaction runs: a kill may have stopped it).
+        Returns whether a transaction was made."""
         self.job_id = job_id
         try:
             self._key = self.table.committed_key(job_id)
@@ -114,7 +124,7 @@ class TableCommits:
         if removed:
             logger.info("deleted %d data file(s) of uncommitted stages from %s", removed,
                         self.table.target.describe_short())
-        if made and latest is not None and latest.finished:
+        if (made or finishing) and latest is not None and latest.finished:
             self._compact()
         return made
 
@@ -179,6 +189,8 @@ class TableCommits:
     def _compact(self) -> None:
         if not self.table.target.compact:
             return
+        self._compactions += 1
+        _test_kill("compact", self._compactions)
         try:
             self.table.compact()
         except Exception as exc:  # noqa: BLE001 - every row is in the table; only the file count is not reduced
