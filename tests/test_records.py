@@ -294,6 +294,26 @@ def test_unknown_columns_and_bad_storage_options_are_clear_errors_when_reading_b
         assert read(result.storage_path, columns=["score"], storage_options={}) is not None
 
 
+def test_read_back_arguments_are_checked_when_called_and_a_generator_of_columns_is_read_once(tmp_path):
+    """columns=(c for c in ...) was used up by its own type check and read back the index alone; iter_outputs checked
+    its arguments only once iterated; batch_rows=True read batches of one row."""
+    Misuse.rows = lambda b: {"score": [float(x) for x in b], "other": [1] * len(b)}
+    result = _run(tmp_path, processor=Misuse, n=10, batch_size=3)
+    assert read_outputs(result.storage_path, columns=(c for c in ["score"])).column_names == ["index", "score"]
+    streamed = list(iter_outputs(result.storage_path, columns=(c for c in ["score"])))
+    assert streamed[0].schema.names == ["index", "score"]
+    for bad, needle in ((0, "batch_rows"), (True, "batch_rows"), (2.0, "batch_rows")):
+        with pytest.raises(InvalidArgumentError, match=needle):
+            iter_outputs(result.storage_path, batch_rows=bad)  # not iterated: refused at the call
+    for bad in ("score", 5, {"score": 1}):
+        with pytest.raises(InvalidArgumentError, match="columns must be a list"):
+            iter_outputs(result.storage_path, columns=bad)
+    with pytest.raises(InvalidArgumentError, match="storage_path"):
+        iter_outputs(None)
+    with pytest.raises(InvalidArgumentError, match="Did you mean 's3://bucket/x'"):
+        iter_outputs("s3:/bucket/x")
+
+
 def test_list_of_row_dicts_and_write_outside_process_batch(tmp_path):
     Misuse.rows = lambda b: [{"v": int(x), "t": torch.tensor([int(x), 1])} for x in b]
     result = _run(tmp_path, processor=Misuse, n=10, batch_size=3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -89,6 +91,31 @@ CASES = {
     "resume not bool": (dict(resume="yes"), "resume", TypeError),
     "job_name bad": (dict(job_name="../escape"), "job_name", ValueError),
     "storage_path empty": (dict(storage_path=""), "storage_path", ValueError),
+    # DataLoader options the DataLoader itself only trips over once its workers start (after the job opened its
+    # storage), or takes silently as truthy.
+    "num_workers float": (dict(dataloader_kwargs={"num_workers": 1.5}), "dataloader_kwargs['num_workers']", TypeError),
+    "num_workers bool": (dict(dataloader_kwargs={"num_workers": True}), "dataloader_kwargs['num_workers']", TypeError),
+    "prefetch_factor 0": (
+        dict(dataloader_kwargs={"num_workers": 1, "prefetch_factor": 0}), "dataloader_kwargs['prefetch_factor']", ValueError
+    ),
+    "prefetch_factor float": (
+        dict(dataloader_kwargs={"num_workers": 1, "prefetch_factor": 2.5}),
+        "dataloader_kwargs['prefetch_factor']",
+        TypeError,
+    ),
+    "timeout str": (dict(dataloader_kwargs={"num_workers": 1, "timeout": "5"}), "dataloader_kwargs['timeout']", TypeError),
+    "pin_memory str": (dict(dataloader_kwargs={"pin_memory": "no"}), "dataloader_kwargs['pin_memory'] must be True or", TypeError),
+    "shuffle str": (dict(dataloader_kwargs={"shuffle": "no"}), "dataloader_kwargs['shuffle'] must be True or False", TypeError),
+    "persistent_workers int": (
+        dict(dataloader_kwargs={"num_workers": 1, "persistent_workers": 1}), "dataloader_kwargs['persistent_workers']", TypeError
+    ),
+    # A storage path that is a URL with a typo would silently become a local folder (./s3:/bucket/x).
+    "storage_path s3 one slash": (dict(storage_path="s3:/bucket/x"), "Did you mean 's3://bucket/x'", ValueError),
+    "storage_path s3 no slash": (dict(storage_path="s3:bucket/x"), "Did you mean 's3://bucket/x'", ValueError),
+    "storage_path s3 no colon": (dict(storage_path="s3//bucket/x"), "Did you mean 's3://bucket/x'", ValueError),
+    "storage_path file one slash": (dict(storage_path="file:/tmp/x"), "Did you mean '/tmp/x'", ValueError),
+    "storage_path unknown protocol": (dict(storage_path="s33://bucket/x"), "unknown protocol 's33'; did you mean s3://", ValueError),
+    "storage_path int": (dict(storage_path=5), "storage_path", TypeError),
 }
 
 
@@ -119,6 +146,101 @@ def test_bad_processor_class_is_refused(processor, needle, tmp_path):
     with pytest.raises((TypeError, ValueError), match=needle):
         torch_batch_process(processor, list(range(4)), storage_path=str(tmp_path / "store"))
     assert not (tmp_path / "store").exists()
+
+
+class NoContext(TorchBatchProcessor):
+    def __init__(self):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+
+class OneArgProcessBatch(TorchBatchProcessor):
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch):
+        pass
+
+
+class StarArgs(TorchBatchProcessor):
+    def __init__(self, *args, **kwargs):
+        CALLS.append(-1)
+
+    def process_batch(self, *args):
+        CALLS.append(args[1])
+
+
+@pytest.mark.parametrize(
+    "processor,needle",
+    [
+        (NoContext, r"NoContext.__init__\(self, context\) is required"),
+        (OneArgProcessBatch, r"OneArgProcessBatch.process_batch\(self, batch, batch_idx\) is required"),
+    ],
+)
+def test_a_processor_with_the_wrong_hook_signature_is_refused_before_any_work(processor, needle, tmp_path):
+    """A hook with the wrong parameters failed only once the job had opened (and written) its storage."""
+    with pytest.raises(InvalidArgumentError, match=needle):
+        torch_batch_process(processor, list(range(4)), storage_path=str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_processor_with_star_args_hooks_is_accepted(tmp_path):
+    CALLS.clear()
+    torch_batch_process(StarArgs, list(range(3)), storage_path=str(tmp_path / "store"), progress=False)
+    assert CALLS == [-1, 0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "dataset,needle",
+    [
+        ("data/train.parquet", "sources.parquet"),
+        (b"abc", "map-style dataset"),
+        ({"text": ["a", "b"], "label": [0, 1]}, "datasets.Dataset.from_dict"),
+        ({1: "a", 2: "b"}, "not the indices 0..1"),
+    ],
+)
+def test_a_str_or_a_dict_of_columns_is_not_taken_for_a_dataset(dataset, needle, tmp_path):
+    """A str has a len() and indexes (its characters would be the examples); a dict of columns has a len() (its
+    keys) and dataset[0] fails only in the first batch, after the job opened its storage."""
+    with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+        torch_batch_process(Ok, dataset, storage_path=str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_dict_indexed_by_position_is_a_dataset(tmp_path):
+    CALLS.clear()
+    torch_batch_process(Ok, {1: "b", 0: "a"}, storage_path=str(tmp_path / "store"), progress=False)
+    assert CALLS == [-1, 0, 1]
+
+
+def test_a_storage_url_with_a_typo_is_refused_on_the_read_side_too(tmp_path, monkeypatch):
+    from torch_batch_process import read_failures, read_outputs
+
+    monkeypatch.chdir(tmp_path)
+    for bad in ("", "s3:/bucket/x", "gs//bucket"):
+        for read in (read_outputs, read_failures):
+            with pytest.raises(InvalidArgumentError, match="storage_path"):
+                read(bad)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InvalidArgumentError, match="storage_path"):
+        read_failures(None)
+
+
+def test_a_storage_path_from_the_environment_is_checked_and_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("TBP_STORAGE_PATH", "s3:/bucket/x")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="environment variable TBP_STORAGE_PATH 's3:/bucket/x'"):
+        torch_batch_process(Ok, list(range(4)))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_local_folder_whose_name_holds_a_colon_is_given_with_dot_slash(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    CALLS.clear()
+    torch_batch_process(Ok, list(range(2)), storage_path="./s3:/x", progress=False)
+    assert (tmp_path / "s3:" / "x" / "_tbp" / "job.json").exists()
 
 
 @pytest.mark.parametrize("dataset,needle", [(NoLen(), "__len__"), (Stream(), "IterableDataset"), (iter(range(3)), "__len__")])

@@ -90,6 +90,12 @@ def job_environment(
                 "--storage is empty: give a local path or a URL such as s3://bucket/prefix, or leave --storage out "
                 "to use the config's checkpoint_storage"
             )
+        from torch_batch_process.storage.urls import StorageUrlError, check_storage_url
+
+        try:
+            check_storage_url(storage, "--storage")
+        except StorageUrlError as exc:
+            raise ConfigError(str(exc)) from exc
         env[STORAGE_ENV] = absolute_path(storage, Path.cwd())
         if config.storage_path is not None:
             notes.append(f"storage {env[STORAGE_ENV]} (from --storage, instead of checkpoint_storage)")
