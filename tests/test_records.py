@@ -266,6 +266,8 @@ class Misuse(TorchBatchProcessor):
         (lambda b: "text", "dict of columns"),
         (lambda b: {"z": torch.zeros(len(b), dtype=torch.complex64)}, r"column 'z' holds complex numbers.*view_as_real"),
         (lambda b: {"z": [torch.zeros(2, dtype=torch.complex64)] * len(b)}, "column 'z' holds complex numbers"),
+        (lambda b: {1: b}, "column names must be non-empty str, got 1"),  # was stored as the column '1'
+        (lambda b: {"": b}, "column names must be non-empty str, got ''"),
     ],
 )
 def test_bad_rows_are_clear_errors(tmp_path, rows, match):
@@ -365,6 +367,24 @@ def test_predict_refuses_skipping_examples(tmp_path, option):
     with pytest.raises(InvalidArgumentError, match="shift every later output"):
         predict(lambda batch: batch, list(range(10)), 3, storage_path=str(storage), progress=False, **option)
     assert not storage.exists()
+
+
+def test_predict_refuses_a_table_and_a_collate_fn_given_twice_before_any_work(tmp_path):
+    """predict(table=...) ran the whole job into the table, then failed reading shards that were never written;
+    collate_fn given both ways silently dropped one."""
+    from torch_batch_process import tables
+
+    storage = tmp_path / "pred"
+    with pytest.raises(InvalidArgumentError, match="predict\\(\\) does not take table="):
+        predict(lambda b: b, list(range(4)), 2, storage_path=str(storage), table=tables.delta(str(tmp_path / "t")))
+    with pytest.raises(InvalidArgumentError, match="collate_fn is given both"):
+        predict(
+            lambda b: b, list(range(4)), 2, storage_path=str(storage), collate_fn=torch.utils.data.default_collate,
+            dataloader_kwargs={"collate_fn": torch.utils.data.default_collate},
+        )
+    with pytest.raises(InvalidArgumentError, match="dataloader_kwargs must be a dict"):
+        predict(lambda b: b, list(range(4)), 2, storage_path=str(storage), dataloader_kwargs=[("num_workers", 0)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -34,12 +34,14 @@ def _known_protocols() -> set[str]:
     return {p.lower() for p in fsspec.available_protocols()} | {"file", "local"}
 
 
-def check_storage_url(url: Any, name: str = "storage_path") -> str:
+def check_storage_url(url: Any, name: str = "storage_path", *, fsspec_protocols: bool = True) -> str:
     """Returns ``url`` as a str when it is a non-empty local path or a URL of a known fsspec protocol.
 
     Args:
         url: what the user gave (a str or an ``os.PathLike``).
         name: how the error calls it (``storage_path``, ``--storage``, ``checkpoint_storage``...).
+        fsspec_protocols: refuse a protocol fsspec does not know; ``False`` for URIs that another library opens
+            (a Delta or Lance table: their object stores know other schemes), checked for typos only.
 
     Raises:
         StorageUrlError: (an :class:`~torch_batch_process.errors.InvalidArgumentError` and a
@@ -49,6 +51,8 @@ def check_storage_url(url: Any, name: str = "storage_path") -> str:
         url = os.fspath(url)
     if not isinstance(url, str) or not url.strip():
         raise StorageUrlError(f"{name} must be a non-empty local path or fsspec URL (e.g. s3://bucket/prefix), got {url!r}")
+    if "://" in url and not fsspec_protocols:
+        return url
     if "://" in url:
         protocols = url.split("://", 1)[0]
         known = _known_protocols()
