@@ -283,3 +283,30 @@ def test_options_that_need_the_stores_queues_are_refused_on_a_torch_without_them
         torch_batch_process(Ok, list(range(10)), storage_path=str(tmp_path / "store"), **option)
     assert next(iter(option)) in str(info.value) and torch.__version__ in str(info.value)
     assert CALLS == [] and not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "needle"),
+    [
+        ("TBP_STORAGE_RETRIES", "x", "environment variable TBP_STORAGE_RETRIES must be an int >= 1, got 'x'"),
+        ("TBP_STORAGE_RETRIES", "0", "TBP_STORAGE_RETRIES must be an int >= 1"),
+        ("TBP_STORAGE_RETRY_S", "-1", "TBP_STORAGE_RETRY_S must be a number >= 0"),
+        ("TBP_UPLOAD_THREADS", "0", "TBP_UPLOAD_THREADS must be an int >= 1"),
+        ("TBP_LEASE_TTL_S", "soon", "TBP_LEASE_TTL_S must be a number > 0"),
+        ("TBP_COLLECTIVE_TIMEOUT_S", "-5", "TBP_COLLECTIVE_TIMEOUT_S must be a number > 0"),
+        ("TBP_JOIN_TIMEOUT_S", "x", "TBP_JOIN_TIMEOUT_S must be a number of seconds > 0"),
+        ("TBP_HPARAMS", "{bad", "TBP_HPARAMS is not valid JSON"),
+        ("TBP_HPARAMS", "[1]", "TBP_HPARAMS must hold a JSON object"),
+    ],
+)
+def test_a_documented_tuning_variable_with_a_bad_value_is_refused_when_the_call_starts(
+    variable, value, needle, tmp_path, monkeypatch
+):
+    """These were read only when first needed: a storage retry (raising ValueError instead of retrying), an upload or
+    the lease on an object store, a multi-process join, the processor's get_hparams() after the job opened its
+    storage; TBP_COLLECTIVE_TIMEOUT_S=-5 was taken, TBP_STORAGE_RETRIES=0 silently became 1."""
+    monkeypatch.setenv(variable, value)
+    CALLS.clear()
+    with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+        torch_batch_process(Ok, list(range(4)), storage_path=str(tmp_path / "store"))
+    assert CALLS == [] and not (tmp_path / "store").exists()

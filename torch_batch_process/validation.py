@@ -22,6 +22,7 @@ from torch_batch_process.environment import (
     STORAGE_ENV,
     STORAGE_OPTIONS_ENV,
     is_valid_job_name,
+    read_hparams,
 )
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.failure_options import FailureOptions
@@ -294,6 +295,21 @@ def _check_loader_value_types(kwargs: Mapping[str, Any]) -> None:
         )
 
 
+def check_tuning_environment() -> None:
+    """Reads the library's documented tuning variables once, so that a bad value is refused when the call starts,
+    naming the variable, rather than when it is first read: in a storage retry (hiding the error being retried),
+    in an upload, in the lock's lease, or only on a multi-process run."""
+    from torch_batch_process.engine.distributed import collective_timeout_s
+    from torch_batch_process.engine.join import join_timeout_s
+    from torch_batch_process.storage.errors import retry_attempts, retry_budget_s
+    from torch_batch_process.storage.lease import lease_ttl_s
+    from torch_batch_process.storage.uploads import upload_threads
+
+    for read in (retry_attempts, retry_budget_s, upload_threads, lease_ttl_s, collective_timeout_s, join_timeout_s):
+        read()
+    read_hparams()  # TBP_HPARAMS, which context.get_hparams() reads in the processor's __init__
+
+
 def script_stem() -> str | None:
     """The stem of the running script, or ``None`` in an interactive session.
 
@@ -456,6 +472,7 @@ def validate_arguments(
         require_store_queues("batch_timeout")
     check_output_format(output_format)
     shard_bytes()  # TBP_SHARD_BYTES, when set, is a size
+    check_tuning_environment()
     validate_table(table, output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:
