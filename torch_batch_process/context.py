@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ from torch import nn
 
 from torch_batch_process.device import to_device
 from torch_batch_process.distributed_info import DistributedInfo
-from torch_batch_process.environment import read_hparams
+from torch_batch_process.environment import HPARAMS_ENV
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.provenance import describe_checkpoint, describe_model_version
 from torch_batch_process.reducers import MetricReducer, ReducerRegistry
@@ -216,7 +218,14 @@ class TorchBatchProcessorContext:
     def get_hparams(self) -> dict[str, Any]:
         """The job config's ``hyperparameters`` (from ``tbp run``); ``{}`` when there are none."""
         if self._hparams is None:
-            self._hparams = read_hparams()
+            raw = os.environ.get(HPARAMS_ENV)
+            try:
+                value = json.loads(raw) if raw else {}
+            except ValueError as exc:
+                raise InvalidArgumentError(f"environment variable {HPARAMS_ENV} is not valid JSON: {exc}") from exc
+            if not isinstance(value, dict):
+                raise InvalidArgumentError(f"environment variable {HPARAMS_ENV} must hold a JSON object")
+            self._hparams = value
         return dict(self._hparams)
 
     # -- used by the loop ---------------------------------------------------------------------

@@ -31,7 +31,6 @@ __all__ = [
     "command_storage_options",
     "env_number",
     "is_valid_job_name",
-    "read_hparams",
     "read_launch_state",
     "write_launch_state",
 ]
@@ -70,24 +69,6 @@ def env_number(name: str, default: float, *, integer: bool = False, minimum: flo
         raise InvalidArgumentError(
             f"environment variable {name} must be {kind} {bound}, got {raw!r}; unset it for the default ({default:g})"
         )
-    return value
-
-
-def read_hparams() -> dict[str, Any]:
-    """The job config's ``hyperparameters``: the JSON object in ``$TBP_HPARAMS`` (``{}`` when unset).
-
-    Raises:
-        InvalidArgumentError: the variable is not a JSON object.
-    """
-    from torch_batch_process.errors import InvalidArgumentError
-
-    raw = os.environ.get(HPARAMS_ENV)
-    try:
-        value = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise InvalidArgumentError(f"environment variable {HPARAMS_ENV} is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise InvalidArgumentError(f"environment variable {HPARAMS_ENV} must hold a JSON object, got {raw!r:.100}")
     return value
 
 

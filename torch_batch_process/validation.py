@@ -22,7 +22,6 @@ from torch_batch_process.environment import (
     STORAGE_ENV,
     STORAGE_OPTIONS_ENV,
     is_valid_job_name,
-    read_hparams,
 )
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.failure_options import FailureOptions
@@ -307,7 +306,6 @@ def check_tuning_environment() -> None:
 
     for read in (retry_attempts, retry_budget_s, upload_threads, lease_ttl_s, collective_timeout_s, join_timeout_s):
         read()
-    read_hparams()  # TBP_HPARAMS, which context.get_hparams() reads in the processor's __init__
 
 
 def script_stem() -> str | None:
