@@ -226,6 +226,8 @@ def test_a_storage_url_with_a_typo_is_refused_on_the_read_side_too(tmp_path, mon
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(InvalidArgumentError, match="storage_path"):
         read_failures(None)
+    with pytest.raises(InvalidArgumentError, match="storage_options must be a dict"):
+        read_failures(str(tmp_path), storage_options=[1])  # was ignored for a local path
 
 
 def test_a_storage_path_from_the_environment_is_checked_and_named(tmp_path, monkeypatch):
