@@ -116,6 +116,11 @@ CASES = {
     "storage_path file one slash": (dict(storage_path="file:/tmp/x"), "Did you mean '/tmp/x'", ValueError),
     "storage_path unknown protocol": (dict(storage_path="s33://bucket/x"), "unknown protocol 's33'; did you mean s3://", ValueError),
     "storage_path int": (dict(storage_path=5), "storage_path", TypeError),
+    # Beyond int64: an OverflowError in the plan (max_tokens, with bucket_by) or in numpy, not a clear error.
+    "batch_size 10**30": (dict(batch_size=10**30), "batch_size must be at most 2**63 - 1", ValueError),
+    "checkpoint_interval 10**30": (dict(checkpoint_interval=10**30), "checkpoint_interval must be at most", ValueError),
+    "max_tokens 10**30": (dict(bucket_by=[1] * 10, max_tokens=10**30), "max_tokens=10000", ValueError),
+    "bucket_window 10**30": (dict(bucket_by=[1] * 10, bucket_window=10**30), "bucket_window=10000", ValueError),
 }
 
 
@@ -207,6 +212,16 @@ def test_a_str_or_a_dict_of_columns_is_not_taken_for_a_dataset(dataset, needle, 
     with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
         torch_batch_process(Ok, dataset, storage_path=str(tmp_path / "store"))
     assert not (tmp_path / "store").exists()
+
+
+def test_a_batch_size_far_beyond_the_dataset_plans_one_batch_with_bucket_by(tmp_path):
+    """bucket_window * batch_size overflowed numpy's int64 in the plan (OverflowError after the job opened its
+    storage); a batch or a window holds at most the dataset's examples, whatever is asked."""
+    CALLS.clear()
+    result = torch_batch_process(
+        Ok, list(range(10)), batch_size=10**18, bucket_by=[3] * 10, storage_path=str(tmp_path / "s"), progress=False
+    )
+    assert result.finished and CALLS == [-1, 0]
 
 
 def test_a_dict_indexed_by_position_is_a_dataset(tmp_path):

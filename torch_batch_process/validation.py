@@ -39,6 +39,8 @@ _FORBIDDEN_LOADER_KEYS = {
     "batch_sampler": "the library builds its own batch sampler to shard the dataset; remove 'batch_sampler'",
     "dataset": "pass the dataset as the dataset argument of torch_batch_process, not in dataloader_kwargs",
 }
+_INT64_MAX = (1 << 63) - 1
+
 _LOADER_PARAMETERS = set(inspect.signature(DataLoader.__init__).parameters) - {"self"}
 
 
@@ -49,6 +51,8 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
         raise InvalidArgumentError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+    if value > _INT64_MAX:  # the plan, the progress records and the torch collectives count in int64
+        raise InvalidArgumentError(f"{name} must be at most 2**63 - 1, got {value}")
 
 
 def validate_table(table: Any, output_format: Any) -> None:

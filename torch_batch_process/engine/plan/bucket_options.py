@@ -49,6 +49,8 @@ LengthsSource = Sequence[int] | np.ndarray | Callable[[int], int] | Any
 """What ``bucket_by`` accepts: one length per example (a list, a numpy array, a CPU tensor, a ``pyarrow.Array`` or
 ``ChunkedArray``...), or a callable ``index -> length``."""
 
+_INT64_MAX = (1 << 63) - 1
+
 _CALL_CHUNK = 1 << 20
 """Lengths a callable ``bucket_by`` gives that are checked and stored at a time."""
 
@@ -74,6 +76,12 @@ def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any,
             f"max_tokens must be None, an int >= 1 (the most len(batch) * max(length in batch) a batch may "
             f"hold) or 'auto' (the job finds it from out-of-memory errors), got {max_tokens!r}"
         )
+    for name, value in (("max_tokens", max_tokens), ("bucket_window", bucket_window)):
+        if is_integer(value) and value > _INT64_MAX:
+            raise InvalidArgumentError(
+                f"{name}={value} is beyond what the plan computes with (int64, at most 2**63 - 1); pass a smaller one"
+                + (" or None for no token budget" if name == "max_tokens" else "")
+            )
     if bucket_by is None:
         if max_tokens is not None:
             raise InvalidArgumentError(
