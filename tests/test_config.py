@@ -206,6 +206,8 @@ def test_tbp_run_with_a_storage_url_typo_is_refused(tmp_path, capsys):
         assert captured.out == "" and captured.err.startswith(f"[tbp] error: --storage {storage!r}")
         assert message in captured.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+    with pytest.raises(ConfigError, match=r"the exported \$TBP_STORAGE_PATH 's3:/b' looks like a URL with a typo"):
+        job_environment(load_config(path), environ={"TBP_STORAGE_PATH": "s3:/b"})
 
 
 def test_tbp_run_on_a_config_that_is_not_utf8_is_one_clear_error(tmp_path, capsys):
