@@ -169,6 +169,31 @@ class OneArgProcessBatch(TorchBatchProcessor):
         pass
 
 
+class FinishWithArgument(TorchBatchProcessor):
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+    def on_finish(self, result):  # called as on_finish(): failed only when the job had done all its work
+        pass
+
+
+class LoadWithoutState(TorchBatchProcessor):
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self):
+        pass
+
+
 class StarArgs(TorchBatchProcessor):
     def __init__(self, *args, **kwargs):
         CALLS.append(-1)
@@ -182,6 +207,8 @@ class StarArgs(TorchBatchProcessor):
     [
         (NoContext, r"NoContext.__init__\(self, context\) is required"),
         (OneArgProcessBatch, r"OneArgProcessBatch.process_batch\(self, batch, batch_idx\) is required"),
+        (FinishWithArgument, r"FinishWithArgument.on_finish\(self\) is required \(the library calls it as on_finish\(\)\)"),
+        (LoadWithoutState, r"LoadWithoutState.load_state_dict\(self, state\) is required"),
     ],
 )
 def test_a_processor_with_the_wrong_hook_signature_is_refused_before_any_work(processor, needle, tmp_path):

@@ -98,6 +98,13 @@ def validate_processor_cls(processor_cls: Any) -> type[TorchBatchProcessor]:
                      f"one per rank as {processor_cls.__name__}(context)")
     _check_signature(processor_cls.process_batch, (None, None, None), f"{processor_cls.__name__}.process_batch(self, "
                      "batch, batch_idx)", "the library calls it as process_batch(batch, batch_idx)")
+    for hook, arguments in (("on_checkpoint_start", ""), ("on_finish", ""), ("state_dict", ""),
+                            ("load_state_dict", ", state")):
+        function = getattr(processor_cls, hook, None)
+        if function is not None and function is not getattr(TorchBatchProcessor, hook):
+            _check_signature(function, (None,) * (2 if arguments else 1),
+                             f"{processor_cls.__name__}.{hook}(self{arguments})",
+                             f"the library calls it as {hook}({arguments.lstrip(', ')})")
     return processor_cls
 
 
