@@ -296,7 +296,7 @@ _DIFFERENT_CALLS = textwrap.dedent(
     [
         ("batch_size", "batch_size is 2 on rank 0 but 3 on rank 1"),
         ("schedule", "schedule is 'static' on rank 0 but 'dynamic' on rank 1"),  # hung until the launcher's timeout
-        ("bucket_by", "the ranks of this job were given different jobs (dataset, plan...): plan is"),
+        ("bucket_by", "the ranks of this job were given different jobs (dataset, plan...): plan.lengths_sha256 is"),
     ],
 )
 def test_ranks_given_different_arguments_all_fail_at_once_naming_them_and_nothing_is_stored(tmp_path, case, needle):

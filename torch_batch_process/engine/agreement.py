@@ -69,7 +69,7 @@ def check_same_call(values: dict[str, Any], collectives: Collectives, what: str 
     """
     if collectives.world_size == 1:
         return
-    everyone = collectives.all_gather(values)
+    everyone = [_flat(got) for got in collectives.all_gather(values)]
     first = everyone[0]
     problems = []
     keys = list(first) + sorted({key for got in everyone for key in got} - set(first))
@@ -85,3 +85,14 @@ def check_same_call(values: dict[str, Any], collectives: Collectives, what: str 
             "torch_batch_process(...) with the same ones (compute them the same way in every process): otherwise the "
             "ranks would process different batches, or wait for each other forever"
         )
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``values`` with nested dicts spread out (``plan.lengths_sha256``), so that a message names what differs."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
