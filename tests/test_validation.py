@@ -121,6 +121,7 @@ CASES = {
     "checkpoint_interval 10**30": (dict(checkpoint_interval=10**30), "checkpoint_interval must be at most", ValueError),
     "max_tokens 10**30": (dict(bucket_by=[1] * 10, max_tokens=10**30), "max_tokens=10000", ValueError),
     "bucket_window 10**30": (dict(bucket_by=[1] * 10, bucket_window=10**30), "bucket_window=10000", ValueError),
+    "bucket_by two parameters": (dict(bucket_by=lambda i, j: 1), "bucket_by must be a callable index -> length", TypeError),
 }
 
 

@@ -98,12 +98,31 @@ def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any,
             )
         return
     if callable(bucket_by):
+        _check_callable(bucket_by)
         return
     if isinstance(bucket_by, (str, bytes, Mapping, set, frozenset)) or not hasattr(bucket_by, "__len__"):
         raise InvalidArgumentError(
             f"bucket_by must be a sequence of ints (one length per example: a list, a numpy array...) or a "
             f"callable index -> int, got {type(bucket_by).__name__}; materialise an iterator with list(...)"
         )
+
+
+def _check_callable(length_of: Callable[[int], int]) -> None:
+    """Raises InvalidArgumentError when a callable ``bucket_by`` cannot be called with one index (its lengths are
+    computed when the call starts, for every example: a wrong signature would fail there with a bare TypeError)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(length_of)
+    except (TypeError, ValueError):  # a builtin or a ufunc: nothing to check
+        return
+    try:
+        signature.bind(0)
+    except TypeError as exc:
+        raise InvalidArgumentError(
+            f"bucket_by must be a callable index -> length (called as bucket_by(i) for every example), but its signature "
+            f"is {signature}: {exc}"
+        ) from exc
 
 
 def _narrowest_type(largest: int) -> type[np.integer]:
