@@ -152,6 +152,11 @@ def test_slots_per_trial_must_be_positive(tmp_path, slots):
         ("entrypoint: a.py\nhyperparameters: {lr: {type: double, minval: 0, maxval: 1}}\n", "search space"),
         ("entrypoint: a.py\nenvironment: {variables: {1BAD: x}}\n", "not a valid environment variable name"),
         ("entrypoint: a.py\nmax_restarts: -1\n", "2: max_restarts: must be an integer >= 0"),
+        # A storage URL with a typo or an unknown protocol fails at the config, not in every worker (restarted
+        # max_restarts times) nor as a local folder named 's3:'.
+        ("entrypoint: a.py\ncheckpoint_storage: s3:/bucket/x\n", "2: checkpoint_storage: the path 's3:/bucket/x' looks"),
+        ("entrypoint: a.py\ncheckpoint_storage: bogus://x\n", "2: checkpoint_storage: the path 'bogus://x': unknown"),
+        ("entrypoint: a.py\ncheckpoint_storage: {path: 's3:bucket'}\n", "2: checkpoint_storage.path: the path 's3:bucket'"),
     ],
 )
 def test_other_mistakes(text, message):
@@ -191,6 +196,18 @@ def test_tbp_run_with_an_empty_storage_option_is_refused(tmp_path, capsys):
         assert captured.out == ""  # nothing planned: no job in the config's folder
         assert captured.err.startswith("[tbp] error: --storage is empty") and captured.err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+
+
+def test_tbp_run_with_a_storage_url_typo_is_refused(tmp_path, capsys):
+    path = _write(tmp_path, "entrypoint: python3 job.py\n")
+    for storage, message in (("s3:/bucket/x", "Did you mean 's3://bucket/x'"), ("s33://b", "unknown protocol 's33'")):
+        assert main(["run", str(path), "--storage", storage, "--dry-run"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"[tbp] error: --storage {storage!r}")
+        assert message in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+    with pytest.raises(ConfigError, match=r"the exported \$TBP_STORAGE_PATH 's3:/b' looks like a URL with a typo"):
+        job_environment(load_config(path), environ={"TBP_STORAGE_PATH": "s3:/b"})
 
 
 def test_tbp_run_on_a_config_that_is_not_utf8_is_one_clear_error(tmp_path, capsys):
@@ -239,6 +256,8 @@ def test_determined_checkpoint_storage_mappings_run_unchanged(tmp_path, storage,
         ("{type: s3, bucket: b, region: x}", "checkpoint_storage.region: unknown key for type 's3'"),
         ("{type: s3, bucket: 5}", "checkpoint_storage.bucket: must be a non-empty string"),
         ("{type: gcs, prefix: p}", "type 'gcs' needs bucket"),
+        ("{type: s3, bucket: 's3://b'}", "checkpoint_storage.bucket: must be the bucket's name alone, got 's3://b'"),
+        ("{type: gcs, bucket: b/runs}", "checkpoint_storage.bucket: must be the bucket's name alone"),
     ],
 )
 def test_determined_checkpoint_storage_mistakes_name_the_key(tmp_path, storage, message):

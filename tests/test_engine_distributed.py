@@ -263,3 +263,50 @@ def test_votes_larger_than_the_gather_buffer_arrive_whole(tmp_path):
     assert_exactly_once(per_batch_values(tmp_path / "storage"), 400)
     result = reports[0]["result"]
     assert result == reports[1]["result"] | {"elapsed_s": result["elapsed_s"]}, "the same result on every rank"
+
+
+_DIFFERENT_CALLS = textwrap.dedent(
+    """
+    import os, sys
+    from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+    class Quiet(TorchBatchProcessor):
+        def __init__(self, context):
+            pass
+
+        def process_batch(self, batch, batch_idx):
+            pass
+
+    rank = int(os.environ["RANK"])
+    case, storage = sys.argv[1], sys.argv[2]
+    kwargs = dict(batch_size=2, storage_path=storage, progress=False)
+    if case == "batch_size":
+        kwargs["batch_size"] = 2 + rank
+    elif case == "schedule":
+        kwargs["schedule"] = "dynamic" if rank else "static"
+    elif case == "bucket_by":  # the same count of lengths, other values: only the plan's fingerprint differs
+        kwargs["bucket_by"] = [1 + (i * (rank + 1)) % 7 for i in range(20)]
+    torch_batch_process(Quiet, list(range(20)), **kwargs)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("batch_size", "batch_size is 2 on rank 0 but 3 on rank 1"),
+        ("schedule", "schedule is 'static' on rank 0 but 'dynamic' on rank 1"),  # hung until the launcher's timeout
+        ("bucket_by", "the ranks of this job were given different jobs (dataset, plan...): plan.lengths_sha256 is"),
+    ],
+)
+def test_ranks_given_different_arguments_all_fail_at_once_naming_them_and_nothing_is_stored(tmp_path, case, needle):
+    """Ranks given another batch_size (or dataset length) each processed their own cut of batches with no error;
+    a mixed schedule hung. Every rank now raises the same InvalidArgumentError before any storage write."""
+    script = tmp_path / "different.py"
+    script.write_text(_DIFFERENT_CALLS)
+    storage = tmp_path / "storage"
+    results = wait_all(spawn_ranks(2, script, case, str(storage)), timeout=120)
+    for rank, (code, _, err) in enumerate(results):
+        assert code not in (0, None), f"rank {rank} did not fail: {err[-2000:]}"
+        assert "InvalidArgumentError" in err and needle in err, err[-2000:]
+    assert not storage.exists()

@@ -327,6 +327,53 @@ def test_upload_path_rules(store):
     assert read_outputs(f"{store}/ok") == {"commit_00000001/rank_0/sub/0.txt": b"x"}
 
 
+@pytest.mark.parametrize(
+    "misuse",
+    [
+        lambda path: Path(path),
+        lambda path: os.path.join(path, "x.txt"),
+        lambda path: path / "x.txt",
+        lambda path: f"{path}/x.txt",
+    ],
+)
+def test_upload_path_used_as_a_path_is_a_clear_error(store, misuse):
+    """upload_path() without 'with' gave a path named '<..._Block object at 0x...>' and a FileNotFoundError."""
+
+    class Misuse(TorchBatchProcessor):
+        def __init__(self, context):
+            self.context = context
+
+        def process_batch(self, batch, batch_idx):
+            misuse(self.context.upload_path())
+
+    with pytest.raises(InvalidArgumentError, match=r"upload_path\(\) is a context manager, not a path: write 'with"):
+        torch_batch_process(Misuse, list(range(2)), storage_path=store, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("metrics", "needle"),
+    [
+        ({"x": object()}, r"metrics\['x'\] is a object, which JSON cannot hold"),
+        ({"x": [1, {2, 3}]}, r"metrics\['x'\]\[1\] is a set"),
+        ({"x": {1: 2}}, r"metrics\['x'\] has a key that is not a str"),
+        ({3: 1.0}, "keys must be str"),
+    ],
+)
+def test_report_metrics_refuses_values_json_cannot_hold(store, metrics, needle):
+    """Such values were stored as their repr ('<object object at 0x...>'); the JSON check after the conversion could
+    never fail."""
+
+    class Reporter(TorchBatchProcessor):
+        def __init__(self, context):
+            self.context = context
+
+        def process_batch(self, batch, batch_idx):
+            self.context.report_metrics("m", batch_idx + 1, metrics)
+
+    with pytest.raises(InvalidArgumentError, match=needle):
+        torch_batch_process(Reporter, list(range(2)), storage_path=store, progress=False)
+
+
 def test_context_api(store):
     seen = {}
 

@@ -139,6 +139,13 @@ def test_commands_modules_and_no_prefix():
         (["--nnodes", "2", "job.py"], "--rdzv-endpoint HOST:PORT"),
         (["--run-path", "job.py"], "--run-path is not supported"),
         (["--nproc", "2", "job.py"], "unrecognized arguments"),  # no abbreviations: typos are not guessed
+        # torchrun fails on these with an AssertionError (an empty one for --nproc-per-node 0), once it runs
+        (["--nproc-per-node", "0", "job.py"], "--nproc-per-node must be >= 1 (workers on this node), got 0"),
+        (["--nproc-per-node", "-2", "job.py"], "--nproc-per-node must be >= 1"),
+        (["--nproc-per-node", "two", "job.py"], "--nproc-per-node must be an int >= 1 or auto, cpu, gpu or xpu"),
+        (["--max-restarts", "-1", "job.py"], "--max-restarts must be an int >= 0"),
+        (["--nnodes", "0", "job.py"], "--nnodes '0': give N >= 1 nodes"),
+        (["--nnodes", "3:2", "job.py"], "--nnodes '3:2': give N >= 1 nodes, or MIN:MAX with 1 <= MIN <= MAX"),
     ],
 )
 def test_bad_launcher_command_lines(argv, message):

@@ -294,6 +294,20 @@ def _run_in_pty(args: list[str], env: dict[str, str], timeout: float = 120) -> t
     return proc.returncode, b"".join(chunks).decode("utf-8", "replace")
 
 
+def test_profiling_only_ranks_the_job_does_not_have_is_a_warning_not_silence(tmp_path, caplog):
+    """profile={'ranks': [5]} on a one-rank job profiled nothing and said nothing."""
+    caplog.set_level(logging.WARNING, logger="torch_batch_process")
+    result = torch_batch_process(
+        Reporting, list(range(8)), batch_size=2, storage_path=str(tmp_path / "s"), progress=False,
+        profile={"ranks": [5]}, tensorboard=False,
+    )
+    assert result.finished
+    assert any(
+        "profile['ranks'] names rank(s) [5], which this job of 1 rank(s) does not have; nothing is profiled"
+        in r.getMessage() for r in caplog.records
+    )
+
+
 @pytest.mark.slow
 def test_a_terminal_shows_a_tqdm_bar_with_examples_per_second(tmp_path):
     spec = job_spec(tmp_path, n=400, batch_size=4, sleep=0.02, outputs="none", attempt=1)

@@ -266,6 +266,8 @@ class Misuse(TorchBatchProcessor):
         (lambda b: "text", "dict of columns"),
         (lambda b: {"z": torch.zeros(len(b), dtype=torch.complex64)}, r"column 'z' holds complex numbers.*view_as_real"),
         (lambda b: {"z": [torch.zeros(2, dtype=torch.complex64)] * len(b)}, "column 'z' holds complex numbers"),
+        (lambda b: {1: b}, "column names must be non-empty str, got 1"),  # was stored as the column '1'
+        (lambda b: {"": b}, "column names must be non-empty str, got ''"),
     ],
 )
 def test_bad_rows_are_clear_errors(tmp_path, rows, match):
@@ -292,6 +294,26 @@ def test_unknown_columns_and_bad_storage_options_are_clear_errors_when_reading_b
         with pytest.raises(InvalidArgumentError, match="storage_options must be a dict"):
             read(result.storage_path, storage_options=[1])
         assert read(result.storage_path, columns=["score"], storage_options={}) is not None
+
+
+def test_read_back_arguments_are_checked_when_called_and_a_generator_of_columns_is_read_once(tmp_path):
+    """columns=(c for c in ...) was used up by its own type check and read back the index alone; iter_outputs checked
+    its arguments only once iterated; batch_rows=True read batches of one row."""
+    Misuse.rows = lambda b: {"score": [float(x) for x in b], "other": [1] * len(b)}
+    result = _run(tmp_path, processor=Misuse, n=10, batch_size=3)
+    assert read_outputs(result.storage_path, columns=(c for c in ["score"])).column_names == ["index", "score"]
+    streamed = list(iter_outputs(result.storage_path, columns=(c for c in ["score"])))
+    assert streamed[0].schema.names == ["index", "score"]
+    for bad, needle in ((0, "batch_rows"), (True, "batch_rows"), (2.0, "batch_rows")):
+        with pytest.raises(InvalidArgumentError, match=needle):
+            iter_outputs(result.storage_path, batch_rows=bad)  # not iterated: refused at the call
+    for bad in ("score", 5, {"score": 1}):
+        with pytest.raises(InvalidArgumentError, match="columns must be a list"):
+            iter_outputs(result.storage_path, columns=bad)
+    with pytest.raises(InvalidArgumentError, match="storage_path"):
+        iter_outputs(None)
+    with pytest.raises(InvalidArgumentError, match="Did you mean 's3://bucket/x'"):
+        iter_outputs("s3:/bucket/x")
 
 
 def test_list_of_row_dicts_and_write_outside_process_batch(tmp_path):
@@ -345,6 +367,24 @@ def test_predict_refuses_skipping_examples(tmp_path, option):
     with pytest.raises(InvalidArgumentError, match="shift every later output"):
         predict(lambda batch: batch, list(range(10)), 3, storage_path=str(storage), progress=False, **option)
     assert not storage.exists()
+
+
+def test_predict_refuses_a_table_and_a_collate_fn_given_twice_before_any_work(tmp_path):
+    """predict(table=...) ran the whole job into the table, then failed reading shards that were never written;
+    collate_fn given both ways silently dropped one."""
+    from torch_batch_process import tables
+
+    storage = tmp_path / "pred"
+    with pytest.raises(InvalidArgumentError, match="predict\\(\\) does not take table="):
+        predict(lambda b: b, list(range(4)), 2, storage_path=str(storage), table=tables.delta(str(tmp_path / "t")))
+    with pytest.raises(InvalidArgumentError, match="collate_fn is given both"):
+        predict(
+            lambda b: b, list(range(4)), 2, storage_path=str(storage), collate_fn=torch.utils.data.default_collate,
+            dataloader_kwargs={"collate_fn": torch.utils.data.default_collate},
+        )
+    with pytest.raises(InvalidArgumentError, match="dataloader_kwargs must be a dict"):
+        predict(lambda b: b, list(range(4)), 2, storage_path=str(storage), dataloader_kwargs=[("num_workers", 0)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

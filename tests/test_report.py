@@ -394,6 +394,26 @@ def test_report_and_dashboard_refuse_bad_arguments_and_missing_jobs(tmp_path, ca
     assert cli.main(["dashboard", str(tmp_path), "--port", "70000"]) == 2
     assert "--port must be in 0..65535" in capsys.readouterr().err
     assert cli.main(["report", str(tmp_path), "--storage-options", "[1]"]) == 2
+    capsys.readouterr()
+    for bad in ("", "s3:/bucket/job"):  # the working directory, a local folder named 's3:': read as a job before
+        for command in ("report", "status", "failures"):
+            assert cli.main([command, bad]) in (1, 2)
+            assert "storage_path" in capsys.readouterr().err or importlib.util.find_spec("plotly") is None
+
+
+def test_report_to_an_empty_or_unwritable_output_is_one_clear_line(tmp_path, capsys):
+    """-o '' ended in a FileNotFoundError traceback; a file in the way of the output's folder, in a NotADirectoryError
+    or FileExistsError traceback."""
+    pytest.importorskip("plotly")
+    storage = tmp_path / "job"
+    assert _run(str(storage)).finished
+    capsys.readouterr()
+    assert cli.main(["report", str(storage), "-o", ""]) == 2
+    assert capsys.readouterr().err == "tbp report: --output is empty; give a file name, e.g. report.html\n"
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["report", str(storage), "-o", str(tmp_path / "file" / "r.html")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tbp report: cannot write --output {str(tmp_path / 'file' / 'r.html')!r}") and err.count("\n") == 1
 
 
 # -------------------------------------------------------------------------------------- tbp status

@@ -247,6 +247,23 @@ def test_bad_targets_are_clear_errors_before_any_write(tmp_path, monkeypatch):
     assert not storage.exists()  # nothing was written
 
 
+def test_table_uris_with_a_typo_an_unknown_scheme_or_on_a_file_are_refused_before_any_write(tmp_path, monkeypatch):
+    """tables.lance('s3:/b/x') wrote a local dataset ./s3:/b/x; tables.delta('bogus://x') failed only at the first
+    table commit, after the job had opened its storage; a table uri on a file raised delta-rs' raw OSError."""
+    need("delta")
+    need("lance")
+    monkeypatch.chdir(tmp_path)
+    for make in (tables.delta, tables.lance):
+        with pytest.raises(InvalidArgumentError, match=r"looks like a URL with a typo.*Did you mean 's3://b/x'"):
+            make("s3:/b/x")
+    with pytest.raises(InvalidArgumentError, match=r"tables.delta\('bogus://x/t'\): Unknown scheme: bogus"):
+        run_job(tmp_path, tables.delta("bogus://x/t"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidArgumentError, match="the table cannot be used"):
+        run_job(tmp_path, tables.delta(tmp_path / "file"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing was written
+
+
 def test_reading_the_storage_of_a_table_job_names_the_table(tmp_path):
     need("lance")
     run_job(tmp_path, tables.lance(tmp_path / "rows.lance"), n=8)

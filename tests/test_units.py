@@ -162,6 +162,17 @@ def test_reducer_registry_semantics():
         registry.wrap(42)
 
 
+def test_wrap_reducer_refuses_a_reducer_class_and_an_empty_name():
+    """A MetricReducer class is callable, so it was taken for a function fn(values): the job ran to its end and then
+    failed in cross_slot_reduce() with R([...])."""
+    registry = ReducerRegistry()
+    with pytest.raises(InvalidArgumentError, match=r"got the class _Avg: pass _Avg\(\)"):
+        registry.wrap(_Avg, name="avg")
+    with pytest.raises(InvalidArgumentError, match="the metric needs a name"):
+        registry.wrap(lambda values: 1.0, name="")
+    assert registry.wrapped == []
+
+
 def test_reducer_name_and_dict_mismatch_is_explained():
     registry = ReducerRegistry()
     registry.wrap(lambda values: 1.0)  # name=None but returns a scalar

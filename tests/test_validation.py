@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -89,6 +91,37 @@ CASES = {
     "resume not bool": (dict(resume="yes"), "resume", TypeError),
     "job_name bad": (dict(job_name="../escape"), "job_name", ValueError),
     "storage_path empty": (dict(storage_path=""), "storage_path", ValueError),
+    # DataLoader options the DataLoader itself only trips over once its workers start (after the job opened its
+    # storage), or takes silently as truthy.
+    "num_workers float": (dict(dataloader_kwargs={"num_workers": 1.5}), "dataloader_kwargs['num_workers']", TypeError),
+    "num_workers bool": (dict(dataloader_kwargs={"num_workers": True}), "dataloader_kwargs['num_workers']", TypeError),
+    "prefetch_factor 0": (
+        dict(dataloader_kwargs={"num_workers": 1, "prefetch_factor": 0}), "dataloader_kwargs['prefetch_factor']", ValueError
+    ),
+    "prefetch_factor float": (
+        dict(dataloader_kwargs={"num_workers": 1, "prefetch_factor": 2.5}),
+        "dataloader_kwargs['prefetch_factor']",
+        TypeError,
+    ),
+    "timeout str": (dict(dataloader_kwargs={"num_workers": 1, "timeout": "5"}), "dataloader_kwargs['timeout']", TypeError),
+    "pin_memory str": (dict(dataloader_kwargs={"pin_memory": "no"}), "dataloader_kwargs['pin_memory'] must be True or", TypeError),
+    "shuffle str": (dict(dataloader_kwargs={"shuffle": "no"}), "dataloader_kwargs['shuffle'] must be True or False", TypeError),
+    "persistent_workers int": (
+        dict(dataloader_kwargs={"num_workers": 1, "persistent_workers": 1}), "dataloader_kwargs['persistent_workers']", TypeError
+    ),
+    # A storage path that is a URL with a typo would silently become a local folder (./s3:/bucket/x).
+    "storage_path s3 one slash": (dict(storage_path="s3:/bucket/x"), "Did you mean 's3://bucket/x'", ValueError),
+    "storage_path s3 no slash": (dict(storage_path="s3:bucket/x"), "Did you mean 's3://bucket/x'", ValueError),
+    "storage_path s3 no colon": (dict(storage_path="s3//bucket/x"), "Did you mean 's3://bucket/x'", ValueError),
+    "storage_path file one slash": (dict(storage_path="file:/tmp/x"), "Did you mean '/tmp/x'", ValueError),
+    "storage_path unknown protocol": (dict(storage_path="s33://bucket/x"), "unknown protocol 's33'; did you mean s3://", ValueError),
+    "storage_path int": (dict(storage_path=5), "storage_path", TypeError),
+    # Beyond int64: an OverflowError in the plan (max_tokens, with bucket_by) or in numpy, not a clear error.
+    "batch_size 10**30": (dict(batch_size=10**30), "batch_size must be at most 2**63 - 1", ValueError),
+    "checkpoint_interval 10**30": (dict(checkpoint_interval=10**30), "checkpoint_interval must be at most", ValueError),
+    "max_tokens 10**30": (dict(bucket_by=[1] * 10, max_tokens=10**30), "max_tokens=10000", ValueError),
+    "bucket_window 10**30": (dict(bucket_by=[1] * 10, bucket_window=10**30), "bucket_window=10000", ValueError),
+    "bucket_by two parameters": (dict(bucket_by=lambda i, j: 1), "bucket_by must be a callable index -> length", TypeError),
 }
 
 
@@ -119,6 +152,140 @@ def test_bad_processor_class_is_refused(processor, needle, tmp_path):
     with pytest.raises((TypeError, ValueError), match=needle):
         torch_batch_process(processor, list(range(4)), storage_path=str(tmp_path / "store"))
     assert not (tmp_path / "store").exists()
+
+
+class NoContext(TorchBatchProcessor):
+    def __init__(self):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+
+class OneArgProcessBatch(TorchBatchProcessor):
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch):
+        pass
+
+
+class FinishWithArgument(TorchBatchProcessor):
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+    def on_finish(self, result):  # called as on_finish(): failed only when the job had done all its work
+        pass
+
+
+class LoadWithoutState(TorchBatchProcessor):
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self):
+        pass
+
+
+class StarArgs(TorchBatchProcessor):
+    def __init__(self, *args, **kwargs):
+        CALLS.append(-1)
+
+    def process_batch(self, *args):
+        CALLS.append(args[1])
+
+
+@pytest.mark.parametrize(
+    "processor,needle",
+    [
+        (NoContext, r"NoContext.__init__\(self, context\) is required"),
+        (OneArgProcessBatch, r"OneArgProcessBatch.process_batch\(self, batch, batch_idx\) is required"),
+        (FinishWithArgument, r"FinishWithArgument.on_finish\(self\) is required \(the library calls it as on_finish\(\)\)"),
+        (LoadWithoutState, r"LoadWithoutState.load_state_dict\(self, state\) is required"),
+    ],
+)
+def test_a_processor_with_the_wrong_hook_signature_is_refused_before_any_work(processor, needle, tmp_path):
+    """A hook with the wrong parameters failed only once the job had opened (and written) its storage."""
+    with pytest.raises(InvalidArgumentError, match=needle):
+        torch_batch_process(processor, list(range(4)), storage_path=str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_processor_with_star_args_hooks_is_accepted(tmp_path):
+    CALLS.clear()
+    torch_batch_process(StarArgs, list(range(3)), storage_path=str(tmp_path / "store"), progress=False)
+    assert CALLS == [-1, 0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "dataset,needle",
+    [
+        ("data/train.parquet", "sources.parquet"),
+        (b"abc", "map-style dataset"),
+        ({"text": ["a", "b"], "label": [0, 1]}, "datasets.Dataset.from_dict"),
+        ({1: "a", 2: "b"}, "not the indices 0..1"),
+    ],
+)
+def test_a_str_or_a_dict_of_columns_is_not_taken_for_a_dataset(dataset, needle, tmp_path):
+    """A str has a len() and indexes (its characters would be the examples); a dict of columns has a len() (its
+    keys) and dataset[0] fails only in the first batch, after the job opened its storage."""
+    with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+        torch_batch_process(Ok, dataset, storage_path=str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_batch_size_far_beyond_the_dataset_plans_one_batch_with_bucket_by(tmp_path):
+    """bucket_window * batch_size overflowed numpy's int64 in the plan (OverflowError after the job opened its
+    storage); a batch or a window holds at most the dataset's examples, whatever is asked."""
+    CALLS.clear()
+    result = torch_batch_process(
+        Ok, list(range(10)), batch_size=10**18, bucket_by=[3] * 10, storage_path=str(tmp_path / "s"), progress=False
+    )
+    assert result.finished and CALLS == [-1, 0]
+
+
+def test_a_dict_indexed_by_position_is_a_dataset(tmp_path):
+    CALLS.clear()
+    torch_batch_process(Ok, {1: "b", 0: "a"}, storage_path=str(tmp_path / "store"), progress=False)
+    assert CALLS == [-1, 0, 1]
+
+
+def test_a_storage_url_with_a_typo_is_refused_on_the_read_side_too(tmp_path, monkeypatch):
+    from torch_batch_process import read_failures, read_outputs
+
+    monkeypatch.chdir(tmp_path)
+    for bad in ("", "s3:/bucket/x", "gs//bucket"):
+        for read in (read_outputs, read_failures):
+            with pytest.raises(InvalidArgumentError, match="storage_path"):
+                read(bad)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InvalidArgumentError, match="storage_path"):
+        read_failures(None)
+    with pytest.raises(InvalidArgumentError, match="storage_options must be a dict"):
+        read_failures(str(tmp_path), storage_options=[1])  # was ignored for a local path
+
+
+def test_a_storage_path_from_the_environment_is_checked_and_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("TBP_STORAGE_PATH", "s3:/bucket/x")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="environment variable TBP_STORAGE_PATH 's3:/bucket/x'"):
+        torch_batch_process(Ok, list(range(4)))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_local_folder_whose_name_holds_a_colon_is_given_with_dot_slash(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    CALLS.clear()
+    torch_batch_process(Ok, list(range(2)), storage_path="./s3:/x", progress=False)
+    assert (tmp_path / "s3:" / "x" / "_tbp" / "job.json").exists()
 
 
 @pytest.mark.parametrize("dataset,needle", [(NoLen(), "__len__"), (Stream(), "IterableDataset"), (iter(range(3)), "__len__")])
@@ -160,4 +327,30 @@ def test_options_that_need_the_stores_queues_are_refused_on_a_torch_without_them
     with pytest.raises(InvalidArgumentError, match=r"needs torch >= 2\.8") as info:
         torch_batch_process(Ok, list(range(10)), storage_path=str(tmp_path / "store"), **option)
     assert next(iter(option)) in str(info.value) and torch.__version__ in str(info.value)
+    assert CALLS == [] and not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "needle"),
+    [
+        ("TBP_STORAGE_RETRIES", "x", "environment variable TBP_STORAGE_RETRIES must be an int >= 1, got 'x'"),
+        ("TBP_STORAGE_RETRIES", "0", "TBP_STORAGE_RETRIES must be an int >= 1"),
+        ("TBP_STORAGE_RETRY_S", "-1", "TBP_STORAGE_RETRY_S must be a number >= 0"),
+        ("TBP_UPLOAD_THREADS", "0", "TBP_UPLOAD_THREADS must be an int >= 1"),
+        ("TBP_LEASE_TTL_S", "soon", "TBP_LEASE_TTL_S must be a number > 0"),
+        ("TBP_COLLECTIVE_TIMEOUT_S", "-5", "TBP_COLLECTIVE_TIMEOUT_S must be a number > 0"),
+        ("TBP_JOIN_TIMEOUT_S", "x", "TBP_JOIN_TIMEOUT_S must be a number of seconds > 0"),
+    ],
+)
+def test_a_documented_tuning_variable_with_a_bad_value_is_refused_when_the_call_starts(
+    variable, value, needle, tmp_path, monkeypatch
+):
+    """These were read only when first needed: a storage retry (raising ValueError instead of retrying), an upload or
+    the lease on an object store, or a multi-process join; TBP_COLLECTIVE_TIMEOUT_S=-5 was taken,
+    TBP_STORAGE_RETRIES=0 silently became 1. (TBP_HPARAMS stays lazy: a bad value fails only get_hparams(), see
+    test_progress_and_hparams.)"""
+    monkeypatch.setenv(variable, value)
+    CALLS.clear()
+    with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+        torch_batch_process(Ok, list(range(4)), storage_path=str(tmp_path / "store"))
     assert CALLS == [] and not (tmp_path / "store").exists()

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
+from torch_batch_process.engine.agreement import call_values, check_same_call
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import JobRun
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
@@ -181,6 +182,7 @@ def torch_batch_process(
         expected=distributed_context, preempted=lambda: signals.preempt_requested
     ) as env:
         setup_logging(env.info.rank)
+        check_same_call(call_values(args), env.collectives)  # before any work: every rank, the same error
         tell_launcher = write_launch_state if env.info.local_rank == 0 else (lambda state: None)
         tell_launcher("running")
         try:

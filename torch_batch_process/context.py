@@ -170,11 +170,11 @@ class TorchBatchProcessorContext:
             raise InvalidArgumentError(f"report_metrics(steps_completed={steps_completed!r}): a non-negative int is required")
         if not isinstance(metrics, dict):
             raise InvalidArgumentError(f"report_metrics(metrics=...): a dict is required, got {type(metrics).__name__}")
-        clean = {str(k): to_jsonable(v) for k, v in metrics.items()}
-        try:
-            json.dumps(clean)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"report_metrics(metrics=...): values must be JSON-serializable ({exc})") from exc
+        for key, value in metrics.items():
+            if not isinstance(key, str):
+                raise InvalidArgumentError(f"report_metrics(metrics=...): keys must be str, got {key!r}")
+            _check_metric_value(value, f"metrics[{key!r}]")
+        clean = {k: to_jsonable(v) for k, v in metrics.items()}
         self._metrics_sink(
             {"group": group, "steps_completed": steps_completed, "rank": self.distributed.rank, "metrics": clean}
         )
@@ -233,3 +233,24 @@ class TorchBatchProcessorContext:
     @property
     def reducers(self) -> ReducerRegistry:
         return self._reducers
+
+
+def _check_metric_value(value: Any, where: str) -> None:
+    """Raises InvalidArgumentError for a metric value that JSON cannot hold (numbers, str, bool, None, tensors, numpy
+    values, and lists and str-keyed dicts of them are fine): it would be stored as its ``repr``."""
+    if value is None or isinstance(value, (str, int, float, bool, torch.Tensor)) or type(value).__module__ == "numpy":
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_metric_value(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidArgumentError(f"report_metrics(metrics=...): {where} has a key that is not a str: {key!r}")
+            _check_metric_value(item, f"{where}[{key!r}]")
+        return
+    raise InvalidArgumentError(
+        f"report_metrics(metrics=...): {where} is a {type(value).__name__}, which JSON cannot hold; report numbers, "
+        f"strings, booleans, tensors or numpy values (or lists and dicts of them), e.g. float(x) or str(x)"
+    )

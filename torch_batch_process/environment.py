@@ -29,6 +29,7 @@ __all__ = [
     "STORAGE_ENV",
     "STORAGE_OPTIONS_ENV",
     "command_storage_options",
+    "env_number",
     "is_valid_job_name",
     "read_launch_state",
     "write_launch_state",
@@ -43,6 +44,32 @@ DEFAULT_ROOT = "tbp_runs"
 """Default storage: ``./tbp_runs/<job name>``."""
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def env_number(name: str, default: float, *, integer: bool = False, minimum: float = 0.0, above: bool = False) -> Any:
+    """The number in environment variable ``name`` (``default`` when unset or empty): an int when ``integer``, and
+    ``>= minimum`` (``> minimum`` when ``above``), finite.
+
+    Raises:
+        InvalidArgumentError: naming the variable, what it means and its default, for anything else; so that a tuning
+            variable with a typo is refused when the call starts, not when it is first read (in a retry, in an upload).
+    """
+    from torch_batch_process.errors import InvalidArgumentError
+
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value: float = int(raw) if integer else float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > minimum if above else value >= minimum) or value == float("inf"):
+        kind = "an int" if integer else "a number"
+        bound = f"> {minimum:g}" if above else f">= {minimum:g}"
+        raise InvalidArgumentError(
+            f"environment variable {name} must be {kind} {bound}, got {raw!r}; unset it for the default ({default:g})"
+        )
+    return value
 
 
 def is_valid_job_name(name: Any) -> bool:

@@ -31,6 +31,12 @@ class StorageError(BatchProcessError, OSError):
     """The storage path cannot be used (unreachable, missing bucket, no permission, read-only...)."""
 
 
+class StorageUrlError(InvalidArgumentError, StorageError):
+    """A storage path that is no usable path or URL: empty, a URL with a typo (``s3:/bucket``), an unknown
+    protocol. A bad argument (``TypeError``/``ValueError``) that is also a :class:`StorageError`, as every failure
+    to use a storage path is; raised before anything is opened or written."""
+
+
 class JobLockedError(StorageError):
     """Another job holds the lock of this storage path."""
 

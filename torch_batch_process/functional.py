@@ -77,8 +77,21 @@ def predict(
             "example would shift every later output. Call torch_batch_process() with a processor that calls "
             "context.write(), then read_outputs(): its 'index' column says which examples have outputs"
         )
-    loader = dict(options.pop("dataloader_kwargs", None) or {})
+    if options.get("table") is not None:
+        raise InvalidArgumentError(
+            "predict() does not take table=: it returns the outputs, read back from the job's own record shards. "
+            "Call torch_batch_process(..., table=...) with a processor that calls context.write(), then "
+            "read_outputs(table)"
+        )
+    given = options.pop("dataloader_kwargs", None)
+    if given is not None and not isinstance(given, Mapping):
+        raise InvalidArgumentError(f"dataloader_kwargs must be a dict or None, got {type(given).__name__}")
+    loader = dict(given or {})
     if collate_fn is not None:
+        if loader.get("collate_fn") is not None:
+            raise InvalidArgumentError(
+                "collate_fn is given both as predict(collate_fn=...) and in dataloader_kwargs['collate_fn']; give it once"
+            )
         loader["collate_fn"] = collate_fn
     temporary = storage_path is None
     if temporary:

@@ -146,6 +146,14 @@ class ReducerRegistry:
         """Registers a reducer; returns it (a :class:`SimpleReducer` when given a function)."""
         if name is not None and not isinstance(name, str):
             raise InvalidArgumentError(f"wrap_reducer(name=...) must be a str or None, got {type(name).__name__}")
+        if name == "":
+            raise InvalidArgumentError("wrap_reducer(name=''): the metric needs a name (or None for a reducer returning a dict)")
+        if isinstance(reducer, type) and issubclass(reducer, MetricReducer):
+            raise InvalidArgumentError(
+                f"wrap_reducer(reducer=...) takes a MetricReducer instance, got the class {reducer.__name__}: pass "
+                f"{reducer.__name__}() (a class is callable, so it would be taken for a function fn(values) and fail "
+                "only when the job ends)"
+            )
         if any(w.reducer is reducer for w in self.wrapped):
             raise InvalidArgumentError(
                 f"wrap_reducer(reducer=...): this {type(reducer).__name__} is already wrapped; "

@@ -29,6 +29,7 @@ from torch_batch_process.integers import is_int
 from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.processor import TorchBatchProcessor
+from torch_batch_process.storage.urls import check_storage_url
 from torch_batch_process.torch_features import require_store_queues
 
 SCHEDULES = ("static", "dynamic")
@@ -38,6 +39,8 @@ _FORBIDDEN_LOADER_KEYS = {
     "batch_sampler": "the library builds its own batch sampler to shard the dataset; remove 'batch_sampler'",
     "dataset": "pass the dataset as the dataset argument of torch_batch_process, not in dataloader_kwargs",
 }
+_INT64_MAX = (1 << 63) - 1
+
 _LOADER_PARAMETERS = set(inspect.signature(DataLoader.__init__).parameters) - {"self"}
 
 
@@ -48,6 +51,8 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
         raise InvalidArgumentError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+    if value > _INT64_MAX:  # the plan, the progress records and the torch collectives count in int64
+        raise InvalidArgumentError(f"{name} must be at most 2**63 - 1, got {value}")
 
 
 def validate_table(table: Any, output_format: Any) -> None:
@@ -89,7 +94,33 @@ def validate_processor_cls(processor_cls: Any) -> type[TorchBatchProcessor]:
         raise InvalidArgumentError(
             f"batch_processor_cls {processor_cls.__name__} leaves abstract methods unimplemented: {sorted(abstract)}"
         )
+    _check_signature(processor_cls, (None,), f"{processor_cls.__name__}.__init__(self, context)", "the library builds "
+                     f"one per rank as {processor_cls.__name__}(context)")
+    _check_signature(processor_cls.process_batch, (None, None, None), f"{processor_cls.__name__}.process_batch(self, "
+                     "batch, batch_idx)", "the library calls it as process_batch(batch, batch_idx)")
+    for hook, arguments in (("on_checkpoint_start", ""), ("on_finish", ""), ("state_dict", ""),
+                            ("load_state_dict", ", state")):
+        function = getattr(processor_cls, hook, None)
+        if function is not None and function is not getattr(TorchBatchProcessor, hook):
+            _check_signature(function, (None,) * (2 if arguments else 1),
+                             f"{processor_cls.__name__}.{hook}(self{arguments})",
+                             f"the library calls it as {hook}({arguments.lstrip(', ')})")
     return processor_cls
+
+
+def _check_signature(function: Any, arguments: tuple[Any, ...], expected: str, why: str) -> None:
+    """Raises InvalidArgumentError when ``function`` cannot be called with ``arguments`` (positionally): a hook
+    with the wrong parameters would otherwise fail only once the job has opened its storage."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin or an object without a signature: nothing to check
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError as exc:
+        raise InvalidArgumentError(
+            f"batch_processor_cls: {expected} is required ({why}), but its signature is {signature}: {exc}"
+        ) from exc
 
 
 def validate_dataset(dataset: Any, bucket_by: Any = None) -> int:
@@ -104,6 +135,19 @@ def validate_dataset(dataset: Any, bucket_by: Any = None) -> int:
             "dataset must be a map-style dataset (with __len__ and __getitem__); an IterableDataset cannot be "
             "sharded by index nor resumed exactly; for a Hugging Face datasets.IterableDataset pass "
             "torch_batch_process.sources.from_hf(dataset), for Parquet/JSONL files sources.parquet(...)/jsonl(...)"
+        )
+    if isinstance(dataset, (str, bytes, bytearray, os.PathLike)):
+        raise InvalidArgumentError(
+            f"dataset must be a map-style dataset, got the {type(dataset).__name__} {dataset!r:.100}; to read files "
+            "pass torch_batch_process.sources.parquet(path) or sources.jsonl(path) (or load them into a "
+            "datasets.Dataset)"
+        )
+    if isinstance(dataset, Mapping) and not _is_int_keyed(dataset):
+        splits = " (a datasets.DatasetDict: pick a split, e.g. dataset['train'])" if _is_dataset_dict(dataset) else ""
+        raise InvalidArgumentError(
+            f"dataset is a {type(dataset).__name__}{splits} whose keys are not the indices 0..{len(dataset) - 1}: its "
+            f"len() counts its keys and dataset[i] would look up the key i. For a dict of columns pass "
+            f"datasets.Dataset.from_dict(...) or a list of per-example dicts"
         )
     if not hasattr(dataset, "__len__"):
         raise InvalidArgumentError(
@@ -121,6 +165,18 @@ def validate_dataset(dataset: Any, bucket_by: Any = None) -> int:
     return int(length)
 
 
+def _is_int_keyed(mapping: Mapping[Any, Any]) -> bool:
+    """Whether the keys of ``mapping`` are exactly the ints ``0..len-1`` (then it indexes like a list)."""
+    try:
+        return all(is_int(key) and 0 <= key < len(mapping) for key in mapping)
+    except Exception:  # noqa: BLE001 - a mapping that cannot be iterated is not a list of examples
+        return False
+
+
+def _is_dataset_dict(value: Any) -> bool:
+    return type(value).__name__ in ("DatasetDict", "IterableDatasetDict")
+
+
 def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset: Any) -> tuple[dict[str, Any], int]:
     """Checks ``dataloader_kwargs`` and resolves the batch size; returns (kwargs without batch_size, batch_size)."""
     if dataloader_kwargs is None:
@@ -132,6 +188,7 @@ def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset:
     for key in kwargs:
         if not isinstance(key, str):
             raise InvalidArgumentError(f"dataloader_kwargs keys must be str, got {key!r}")
+    _check_loader_flags(kwargs)
     for key, why in _FORBIDDEN_LOADER_KEYS.items():
         if key in kwargs and not (key != "dataset" and kwargs[key] is None):
             raise InvalidArgumentError(f"dataloader_kwargs[{key!r}] is not allowed: {why}")
@@ -184,10 +241,48 @@ def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset:
     return kwargs, batch_size
 
 
+_LOADER_FLAGS = ("shuffle", "drop_last", "pin_memory", "persistent_workers", "in_order")
+"""DataLoader options that are True or False (``shuffle`` may also be None, the DataLoader's default)."""
+
+
+def _check_loader_flags(kwargs: Mapping[str, Any]) -> None:
+    """Raises InvalidArgumentError for a DataLoader flag that is not a bool: the DataLoader takes any truthy value
+    (``pin_memory="no"`` would pin), so a string or a number there is a mistake, not a choice."""
+    for key in _LOADER_FLAGS:
+        if key not in kwargs:
+            continue
+        value = kwargs[key]
+        if isinstance(value, bool) or (value is None and key == "shuffle"):
+            continue
+        raise InvalidArgumentError(
+            f"dataloader_kwargs[{key!r}] must be True or False, got {type(value).__name__} {value!r:.80}"
+        )
+
+
 def _check_loader_value_types(kwargs: Mapping[str, Any]) -> None:
-    """Raises InvalidArgumentError for DataLoader options of a wrong type that the DataLoader itself only trips
-    over once it runs (in a batch, or in a worker process)."""
+    """Raises InvalidArgumentError for DataLoader options of a wrong type or value that the DataLoader itself only
+    trips over once it runs (in a batch, or when it starts its worker processes, after the job has opened its
+    storage)."""
     import torch
+
+    num_workers = kwargs.get("num_workers", 0)
+    if not is_int(num_workers) or num_workers < 0:
+        raise InvalidArgumentError(
+            f"dataloader_kwargs['num_workers'] must be an int >= 0 (0: load in the main process), got "
+            f"{type(num_workers).__name__} {num_workers!r:.80}"
+        )
+    prefetch = kwargs.get("prefetch_factor")
+    if prefetch is not None and (not is_int(prefetch) or prefetch < 1):
+        raise InvalidArgumentError(
+            f"dataloader_kwargs['prefetch_factor'] must be an int >= 1 (batches loaded in advance by each worker) or "
+            f"None, got {type(prefetch).__name__} {prefetch!r:.80}"
+        )
+    timeout = kwargs.get("timeout", 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise InvalidArgumentError(
+            f"dataloader_kwargs['timeout'] must be a number of seconds >= 0 (0: no limit), got "
+            f"{type(timeout).__name__} {timeout!r:.80}"
+        )
 
     for key in ("collate_fn", "worker_init_fn"):
         value = kwargs.get(key)
@@ -208,6 +303,20 @@ def _check_loader_value_types(kwargs: Mapping[str, Any]) -> None:
             f"dataloader_kwargs['pin_memory_device'] must be a device name str such as 'cuda', got "
             f"{type(device).__name__} {device!r:.80}"
         )
+
+
+def check_tuning_environment() -> None:
+    """Reads the library's documented tuning variables once, so that a bad value is refused when the call starts,
+    naming the variable, rather than when it is first read: in a storage retry (hiding the error being retried),
+    in an upload, in the lock's lease, or only on a multi-process run."""
+    from torch_batch_process.engine.distributed import collective_timeout_s
+    from torch_batch_process.engine.join import join_timeout_s
+    from torch_batch_process.storage.errors import retry_attempts, retry_budget_s
+    from torch_batch_process.storage.lease import lease_ttl_s
+    from torch_batch_process.storage.uploads import upload_threads
+
+    for read in (retry_attempts, retry_budget_s, upload_threads, lease_ttl_s, collective_timeout_s, join_timeout_s):
+        read()
 
 
 def script_stem() -> str | None:
@@ -280,13 +389,12 @@ def resolve_storage_path(storage_path: Any, job_name: str, *, job_name_given: bo
             "name to tell jobs apart, so the default ./tbp_runs/<script name> would be shared by every job. Pass "
             "storage_path='...' (or job_name='...', which uses ./tbp_runs/<job_name>), or set TBP_STORAGE_PATH."
         )
+    given = storage_path
     if storage_path is None:
         storage_path = os.environ.get(STORAGE_ENV) or os.path.join(DEFAULT_ROOT, job_name)
-    if isinstance(storage_path, os.PathLike):
-        storage_path = os.fspath(storage_path)
-    if not isinstance(storage_path, str) or not storage_path.strip():
-        raise InvalidArgumentError(f"storage_path must be a non-empty str, path or fsspec URL, got {storage_path!r}")
-    return storage_path
+    from_env = given is None and bool(os.environ.get(STORAGE_ENV))
+    name = f"environment variable {STORAGE_ENV}" if from_env else "storage_path"
+    return check_storage_url(storage_path, name)
 
 
 def resolve_storage_options(storage_options: Any) -> dict[str, Any] | None:
@@ -351,6 +459,8 @@ def validate_arguments(
             f"job_name must be 1-128 characters of letters, digits, '.', '_' or '-' (starting with a letter or "
             f"digit), got {job_name!r}"
         )
+    resolved_storage_path = resolve_storage_path(storage_path, job_name, job_name_given=job_name_given)
+    resolved_storage_options = resolve_storage_options(storage_options)
     for name, value in (("resume", resume), ("inference_mode", inference_mode)):
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
@@ -371,6 +481,7 @@ def validate_arguments(
         require_store_queues("batch_timeout")
     check_output_format(output_format)
     shard_bytes()  # TBP_SHARD_BYTES, when set, is a size
+    check_tuning_environment()
     validate_table(table, output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:
@@ -383,8 +494,8 @@ def validate_arguments(
         max_batches=max_batches,
         checkpoint_interval=checkpoint_interval,
         dataloader_kwargs=kwargs,
-        storage_path=resolve_storage_path(storage_path, job_name, job_name_given=job_name_given),
-        storage_options=resolve_storage_options(storage_options),
+        storage_path=resolved_storage_path,
+        storage_options=resolved_storage_options,
         job_name=job_name,
         resume=resume,
         inference_mode=inference_mode,

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch_batch_process.device import get_default_device, gpu_uuid
 from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.engine.join import connect_timeout, join_job
+from torch_batch_process.environment import env_number
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
 __all__ = ["Collectives", "DistributedEnv", "PendingGather", "PendingMax", "RendezvousStore", "collective_timeout_s"]
@@ -55,7 +56,7 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 def collective_timeout_s() -> float:
     """Seconds a collective of the job may wait: ``$TBP_COLLECTIVE_TIMEOUT_S`` (read when a call joins the process
     group), default 1800."""
-    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, str(DEFAULT_COLLECTIVE_TIMEOUT_S)))
+    return float(env_number(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, above=True))
 
 
 def _sets_timeout() -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 
 from torch_batch_process.arguments import JobArguments
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
+from torch_batch_process.engine.agreement import check_same_call
 from torch_batch_process.engine.announce import (
     announce_start,
     describe_call,
@@ -169,9 +170,15 @@ class JobRun:
 
     def _run(self) -> BatchProcessResult:
         with self._closing:
+<<<<<<< HEAD
             watching = contextlib.nullcontext(self.given_signals) if self.given_signals is not None else SignalWatcher()
             with watching as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
                 planned, planned_examples = self._prepare()
+=======
+            planned, planned_examples = self._prepare()
+            check_same_call(self.spec.to_json(), self.coll, "jobs (dataset, plan...)")  # before rank 0 opens it
+            with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
+>>>>>>> audit-inputs
                 start = open_job(self.opener, self.coll, planned, planned_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
@@ -213,7 +220,7 @@ class JobRun:
         self.input = self._closing.enter_context(contextlib.closing(open_input(args, self.storage, self.coll)))
         self.plan = self.given_plan or self.input.plan
         self.plan_s = args.lengths_s + time.perf_counter() - t0
-        spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
+        self.spec = spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
         self.table = args.table.open() if args.table is not None else None  # table= (outputs/tables)
         self.table_commits = TableCommits(self.table) if self.table is not None and rank == 0 else None
         self.opener = JobOpener(

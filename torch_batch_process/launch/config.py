@@ -260,7 +260,7 @@ def _storage(value: Any, base: Path, lines: KeyLines) -> tuple[str | None, dict[
     if isinstance(value, str):
         if not value.strip():
             raise lines.error(key, "is empty: give a local path or a URL such as s3://bucket/prefix")
-        return absolute_path(value, base), None
+        return absolute_path(_checked_url(value, key, lines), base), None
     if not isinstance(value, dict):
         raise lines.error(
             key, f"must be a path/URL string or a mapping (type, path, storage_options), got {type_name(value)}"
@@ -272,6 +272,7 @@ def _storage(value: Any, base: Path, lines: KeyLines) -> tuple[str | None, dict[
     path = value.get("path")
     if not isinstance(path, str) or not path.strip():
         raise lines.error(key + ("path",), f"must be a non-empty string (a local path or a URL), got {path!r}")
+    _checked_url(path, key + ("path",), lines)
     scheme = path.split("://", 1)[0] if "://" in path else None
     kind = value.get("type", scheme or "local")
     if not isinstance(kind, str):
@@ -295,6 +296,16 @@ def _storage(value: Any, base: Path, lines: KeyLines) -> tuple[str | None, dict[
     if scheme is not None and scheme != kind:
         raise lines.error(key + ("path",), f"the URL {path!r} does not match type {kind!r}")
     return (path if scheme else f"{kind}://{path.lstrip('/')}"), options
+
+
+def _checked_url(text: str, key: tuple[Any, ...], lines: KeyLines) -> str:
+    """``text`` when it is a local path or a URL of a known protocol, not a URL with a typo (``s3:/bucket``)."""
+    from torch_batch_process.storage.urls import StorageUrlError, check_storage_url
+
+    try:
+        return check_storage_url(text, "the path")
+    except StorageUrlError as exc:
+        raise lines.error(key, str(exc)) from exc
 
 
 def _check_json(value: Any, path: tuple[Any, ...], lines: KeyLines) -> None:

@@ -70,6 +70,10 @@ def determined_storage(
         if not isinstance(item, str) or not item.strip():
             raise lines.error(key + (name,), f"must be a non-empty string, got {type_name(item)}")
         fields[name] = item.strip()
+    for name in ("bucket", "container"):
+        if name in fields and ("/" in fields[name] or ":" in fields[name]):
+            message = f"must be the {name}'s name alone, got {fields[name]!r}; give a path inside it as prefix"
+            raise lines.error(key + (name,), message)
     required = _REQUIRED[kind]
     if required not in fields:
         raise lines.error(key, f"type {kind!r} needs {required}")

@@ -90,10 +90,12 @@ def job_environment(
                 "--storage is empty: give a local path or a URL such as s3://bucket/prefix, or leave --storage out "
                 "to use the config's checkpoint_storage"
             )
+        _check_url(storage, "--storage")
         env[STORAGE_ENV] = absolute_path(storage, Path.cwd())
         if config.storage_path is not None:
             notes.append(f"storage {env[STORAGE_ENV]} (from --storage, instead of checkpoint_storage)")
     elif environ.get(STORAGE_ENV) and STORAGE_ENV not in config.variables:
+        _check_url(environ[STORAGE_ENV], f"the exported ${STORAGE_ENV}")
         instead = ", instead of checkpoint_storage" if config.storage_path is not None else ""
         notes.append(f"storage {environ[STORAGE_ENV]} (from the exported ${STORAGE_ENV}{instead})")
     elif config.storage_path is not None:
@@ -101,3 +103,14 @@ def job_environment(
     if config.storage_options is not None:
         env[STORAGE_OPTIONS_ENV] = json.dumps(config.storage_options, sort_keys=True)
     return env, notes
+
+
+def _check_url(url: str, name: str) -> None:
+    """Raises ConfigError for a storage path with a typo or an unknown protocol, before any worker starts (each would
+    fail with it, and be restarted ``max_restarts`` times)."""
+    from torch_batch_process.storage.urls import StorageUrlError, check_storage_url
+
+    try:
+        check_storage_url(url, name)
+    except StorageUrlError as exc:
+        raise ConfigError(str(exc)) from exc

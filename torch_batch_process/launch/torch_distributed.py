@@ -191,10 +191,15 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     if "nproc_per_node" not in given:
         nproc = str(_default_nproc())
         torchrun_argv += ["--nproc-per-node", nproc]
+    _check_nproc(nproc)
+    if int(args.max_restarts) < 0:
+        raise LaunchError(f"--max-restarts must be an int >= 0 (times a failed worker group is restarted), got {args.max_restarts}")
     try:
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     except (ValueError, RuntimeError) as exc:
         raise LaunchError(f"--nnodes {args.nnodes!r}: {exc}") from exc
+    if not 1 <= min_nodes <= max_nodes:
+        raise LaunchError(f"--nnodes {args.nnodes!r}: give N >= 1 nodes, or MIN:MAX with 1 <= MIN <= MAX")
     torchrun_argv += _rendezvous_options(args, given, max_nodes, notes)
     if args.no_rank_prefix:
         torchrun_argv += ["--no-python", *worker_cmd]
@@ -209,6 +214,17 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
         rank_prefix=not args.no_rank_prefix,
         notes=notes,
     )
+
+
+def _check_nproc(nproc: Any) -> None:
+    """``--nproc-per-node``: an int >= 1, or one of torchrun's words (``auto``, ``cpu``, ``gpu``, ``xpu``); torchrun
+    itself fails on 0 or a negative number with an empty AssertionError."""
+    text = str(nproc).strip()
+    if text.lstrip("+-").isdigit():
+        if int(text) < 1:
+            raise LaunchError(f"--nproc-per-node must be >= 1 (workers on this node), got {text}")
+    elif text not in ("auto", "cpu", "gpu", "xpu"):
+        raise LaunchError(f"--nproc-per-node must be an int >= 1 or auto, cpu, gpu or xpu, got {text!r}")
 
 
 def _slurm_options(

@@ -174,7 +174,15 @@ class JobObserver:
             self._tb = TensorBoardFeed(self._tb_dir, self.rank, self._progress_scalars if self.rank == 0 else None)
             if self._hparams:
                 self._tb.hparams(self._hparams, committed_batches)
-        if self.options.profile is not None and self.options.profile.covers(self.rank) and remaining_batches:
+        profile = self.options.profile
+        if self.rank == 0 and profile is not None and profile.ranks is not None:
+            missing = sorted(r for r in profile.ranks if r >= self.world_size)
+            if missing:  # a typo or a smaller world than planned: say it rather than profile nothing in silence
+                logger.warning(
+                    "profile['ranks'] names rank(s) %s, which this job of %d rank(s) does not have; %s", missing,
+                    self.world_size, "nothing is profiled" if len(missing) == len(profile.ranks) else "they are skipped",
+                )
+        if profile is not None and profile.covers(self.rank) and remaining_batches:
             self._open_profiler()
         if self.rank == 0 and self.options.progress != "off" and remaining_batches:
             self._open_display()

@@ -174,7 +174,13 @@ def rows_to_table(
             "context.write(rows): rows must be a non-empty dict of columns (tensors, numpy arrays or lists, one value "
             f"per example) or a list of per-example dicts, got {type(rows).__name__}"
         )
-    names = [str(k) for k in rows]
+    for key in rows:
+        if not isinstance(key, str) or not key:
+            raise InvalidArgumentError(
+                f"context.write(): column names must be non-empty str, got {key!r}; name the column, e.g. "
+                f"{{'score': ...}} (readers such as pandas, DuckDB and the table formats need str names)"
+            )
+    names = list(rows)
     if INDEX_COLUMN in names:
         raise InvalidArgumentError(
             f"context.write(): the column name {INDEX_COLUMN!r} is reserved (the library adds each example's dataset "

@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.jobstore.layout import STAGED_FAILURES_NAME, staging_dir
 from torch_batch_process.storage.base import Storage
 
@@ -234,6 +235,15 @@ class _Block:
         self._folder = self._stager._take_folder()
         return self._folder
 
+    def __fspath__(self) -> str:
+        raise _not_a_path()
+
+    def __truediv__(self, other: Any) -> Any:
+        raise _not_a_path()
+
+    def __str__(self) -> str:  # f"{context.upload_path()}/x": not a path either (repr() stays the default)
+        raise _not_a_path()
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         folder, self._folder = self._folder, None
         assert folder is not None
@@ -241,6 +251,14 @@ class _Block:
             shutil.rmtree(folder, ignore_errors=True)  # a failed block contributes nothing; its error goes on
             return
         self._stager._finish_block(folder)
+
+
+def _not_a_path() -> InvalidArgumentError:
+    """The error of ``context.upload_path()`` used as a path instead of in a ``with`` block."""
+    return InvalidArgumentError(
+        "context.upload_path() is a context manager, not a path: write 'with context.upload_path() as path:' and put "
+        "the files in path (they are committed when the block ends)"
+    )
 
 
 def _list_files(folder: Path) -> tuple[list[str], list[str], bool]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from torch_batch_process.errors import CheckpointCorruptError, InvalidArgumentError, OutputCorruptError
+from torch_batch_process.integers import is_int
 from torch_batch_process.jobstore.layout import JOB_FILE, OUTPUTS_DIR, RETRIES_DIR
 from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import latest_record_at
@@ -65,6 +66,7 @@ from torch_batch_process.outputs.tables.readback import iter_table, read_table
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
 from torch_batch_process.storage.registry import open_storage
+from torch_batch_process.storage.urls import check_storage_url
 
 __all__ = ["OUTPUTS_GLOB", "RETRY_OUTPUTS_GLOB", "iter_outputs", "list_shards", "published_shards", "read_outputs"]
 
@@ -187,9 +189,32 @@ def _committed_schema(storage: Storage) -> Any:
 def _columns(columns: Sequence[str] | None) -> list[str] | None:
     if columns is None:
         return None
-    if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+    if isinstance(columns, (str, bytes, Mapping)) or not isinstance(columns, Iterable):
         raise InvalidArgumentError(f"columns must be a list of column names, got {columns!r}")
-    return [INDEX_COLUMN, *[c for c in columns if c != INDEX_COLUMN]]
+    names = list(columns)  # once: a generator would be used up by the check below
+    if not all(isinstance(c, str) for c in names):
+        raise InvalidArgumentError(f"columns must be a list of column names, got {names!r}")
+    return [INDEX_COLUMN, *[c for c in names if c != INDEX_COLUMN]]
+
+
+def _check_read_arguments(storage_path: Any, storage_options: Any) -> None:
+    """Checks the storage path and options of a read before anything is opened."""
+    if isinstance(storage_path, TableTarget):
+        if storage_options is not None:
+            raise InvalidArgumentError(
+                "storage_options is for a job's storage path; a table target takes its own: "
+                "tables.delta(uri, storage_options=...), tables.lance(uri, storage_options=...)"
+            )
+        return
+    if not isinstance(storage_path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"storage_path must be a local path or an fsspec URL, got {type(storage_path).__name__}"
+        )
+    check_storage_url(storage_path)
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise InvalidArgumentError(
+            f"storage_options must be a dict of fsspec filesystem options or None, got {type(storage_options).__name__}"
+        )
 
 
 def _check_columns(wanted: list[str] | None, available: Sequence[str], where: str) -> None:
@@ -461,12 +486,19 @@ def iter_outputs(
         storage_options: options of the fsspec filesystem.
         batch_rows: most rows per yielded record batch.
     """
-    if not isinstance(batch_rows, int) or batch_rows < 1:
+    if not is_int(batch_rows) or batch_rows < 1:
         raise InvalidArgumentError(f"batch_rows must be a positive int, got {batch_rows!r}")
     wanted = _columns(columns)
+    _check_read_arguments(storage_path, storage_options)
     if isinstance(storage_path, TableTarget):
-        yield from iter_table(storage_path, wanted, batch_rows)
-        return
+        return iter_table(storage_path, wanted, batch_rows)
+    return _iter_outputs(storage_path, wanted, storage_options, batch_rows)
+
+
+def _iter_outputs(
+    storage_path: str | os.PathLike[str], wanted: list[str] | None, storage_options: Any, batch_rows: int
+) -> Iterator[Any]:
+    """The generator of :func:`iter_outputs`, whose arguments are checked when it is called, not when iterated."""
     for attempt in range(_READ_AGAIN):
         storage, shards, typed, expected, committed = _open(storage_path, storage_options)
         try:
@@ -527,6 +559,7 @@ def read_outputs(
         storage_options: options of the fsspec filesystem.
     """
     wanted = _columns(columns)
+    _check_read_arguments(storage_path, storage_options)
     if isinstance(storage_path, TableTarget):
         return read_table(storage_path, wanted)
     for attempt in range(_READ_AGAIN):  # a running job may roll segments over while they are read

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from torch_batch_process.environment import env_number
 from torch_batch_process.errors import StorageError
 
 __all__ = [
@@ -48,12 +48,12 @@ T = TypeVar("T")
 
 def retry_attempts() -> int:
     """Most attempts of one storage operation (``TBP_STORAGE_RETRIES``, default 5)."""
-    return max(1, int(os.environ.get("TBP_STORAGE_RETRIES", "5")))
+    return int(env_number("TBP_STORAGE_RETRIES", 5, integer=True, minimum=1))
 
 
 def retry_budget_s() -> float:
     """No retry starts later than this many seconds after the first attempt (``TBP_STORAGE_RETRY_S``)."""
-    return float(os.environ.get("TBP_STORAGE_RETRY_S", "30"))
+    return float(env_number("TBP_STORAGE_RETRY_S", 30.0))
 
 
 RETRY_BASE_DELAY_S = 0.2

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import uuid
 from typing import Any, Protocol
 
+from torch_batch_process.environment import env_number
 from torch_batch_process.errors import JobLockedError, StorageError
 from torch_batch_process.processes import pid_alive
 from torch_batch_process.storage.base import JobLock, Storage
@@ -72,10 +72,7 @@ class ConditionalWrites(Protocol):
 
 def lease_ttl_s() -> float:
     """Lease time-to-live in seconds (``TBP_LEASE_TTL_S``, default 15)."""
-    value = float(os.environ.get("TBP_LEASE_TTL_S", "15"))
-    if value <= 0:
-        raise ValueError(f"TBP_LEASE_TTL_S must be > 0, got {value}")
-    return value
+    return float(env_number("TBP_LEASE_TTL_S", 15.0, above=True))
 
 
 class LeaseJobLock(JobLock):

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
+from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.local import LocalStorage
 from torch_batch_process.storage.object_store import ObjectStorage
 from torch_batch_process.storage.s3 import S3Storage
+from torch_batch_process.storage.urls import check_storage_url
 
 __all__ = ["open_storage"]
 
@@ -25,7 +28,11 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
         storage_options: options of the fsspec filesystem (credentials, endpoint...). When not given, the
             filesystem reads its usual environment (e.g. ``AWS_ENDPOINT_URL``).
     """
-    text = os.fspath(url)
+    text = check_storage_url(url)
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise InvalidArgumentError(
+            f"storage_options must be a dict of fsspec filesystem options or None, got {type(storage_options).__name__}"
+        )
     protocol = text.split("://", 1)[0].lower() if "://" in text else "file"
     if protocol in ("file", "local"):
         return LocalStorage(text.split("://", 1)[1] if "://" in text else text)

@@ -49,6 +49,8 @@ LengthsSource = Sequence[int] | np.ndarray | Callable[[int], int] | Any
 """What ``bucket_by`` accepts: one length per example (a list, a numpy array, a CPU tensor, a ``pyarrow.Array`` or
 ``ChunkedArray``...), or a callable ``index -> length``."""
 
+_INT64_MAX = (1 << 63) - 1
+
 _CALL_CHUNK = 1 << 20
 """Lengths a callable ``bucket_by`` gives that are checked and stored at a time."""
 
@@ -74,6 +76,12 @@ def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any,
             f"max_tokens must be None, an int >= 1 (the most len(batch) * max(length in batch) a batch may "
             f"hold) or 'auto' (the job finds it from out-of-memory errors), got {max_tokens!r}"
         )
+    for name, value in (("max_tokens", max_tokens), ("bucket_window", bucket_window)):
+        if is_integer(value) and value > _INT64_MAX:
+            raise InvalidArgumentError(
+                f"{name}={value} is beyond what the plan computes with (int64, at most 2**63 - 1); pass a smaller one"
+                + (" or None for no token budget" if name == "max_tokens" else "")
+            )
     if bucket_by is None:
         if max_tokens is not None:
             raise InvalidArgumentError(
@@ -90,12 +98,31 @@ def validate_bucket_options(bucket_by: Any, bucket_window: Any, max_tokens: Any,
             )
         return
     if callable(bucket_by):
+        _check_callable(bucket_by)
         return
     if isinstance(bucket_by, (str, bytes, Mapping, set, frozenset)) or not hasattr(bucket_by, "__len__"):
         raise InvalidArgumentError(
             f"bucket_by must be a sequence of ints (one length per example: a list, a numpy array...) or a "
             f"callable index -> int, got {type(bucket_by).__name__}; materialise an iterator with list(...)"
         )
+
+
+def _check_callable(length_of: Callable[[int], int]) -> None:
+    """Raises InvalidArgumentError when a callable ``bucket_by`` cannot be called with one index (its lengths are
+    computed when the call starts, for every example: a wrong signature would fail there with a bare TypeError)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(length_of)
+    except (TypeError, ValueError):  # a builtin or a ufunc: nothing to check
+        return
+    try:
+        signature.bind(0)
+    except TypeError as exc:
+        raise InvalidArgumentError(
+            f"bucket_by must be a callable index -> length (called as bucket_by(i) for every example), but its signature "
+            f"is {signature}: {exc}"
+        ) from exc
 
 
 def _narrowest_type(largest: int) -> type[np.integer]:

@@ -435,7 +435,10 @@ def bucket_layout(lengths: Any, batch_size: int, window: int, max_tokens: int | 
     validate_bucket_options(lengths, window, max_tokens, batch_size)
     lengths = as_lengths(lengths, len(lengths))
     n = len(lengths)
-    window_examples = window * batch_size
+    # No batch nor window holds more than the n examples: capped at n, a batch_size or window of 10**30 plans as
+    # one of n (the same plan) instead of overflowing numpy's int64.
+    batch_size = min(batch_size, max(n, 1))
+    window_examples = min(window * batch_size, max(n, 1))
     chunk = max(1, CHUNK_EXAMPLES // window_examples) * window_examples
     sizes_parts, tokens_parts, chunk_tokens = [], [], []
     oversized = 0

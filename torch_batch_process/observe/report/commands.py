@@ -82,6 +82,9 @@ def run_report(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("plotly") is None:
         print(f"tbp report: {_NO_PLOTLY}", file=sys.stderr)
         return 2
+    if not args.output.strip():
+        print("tbp report: --output is empty; give a file name, e.g. report.html", file=sys.stderr)
+        return 2
     if os.path.isdir(args.output):
         print(f"tbp report: --output {args.output!r} is a folder; give a file name, e.g. report.html", file=sys.stderr)
         return 2
@@ -91,6 +94,9 @@ def run_report(args: argparse.Namespace) -> int:
         size = write_report(args.storage_path, args.output, options)
     except BatchProcessError as exc:
         print(f"tbp report: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the page's file: a folder that cannot be made, no permission, a full disk
+        print(f"tbp report: cannot write --output {args.output!r}: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {args.output} ({size / 1e6:.1f} MB): open it in a browser (it needs no network)")
     return 0

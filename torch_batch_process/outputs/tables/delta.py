@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.storage.urls import check_storage_url
 from torch_batch_process.outputs.tables.base import (
     DataFileWriter,
     Table,
@@ -53,13 +54,27 @@ class DeltaTableOutput(TableTarget):
         what = f"tables.delta({self.uri!r})"
         check_storage_options(self.storage_options, what)
         table = self.open()
-        table.check_readable()  # a table its library cannot read: an error now, not after the first batch
+        table.check_readable()  # a table its library cannot read (or a place it cannot use): an error now
+        if "://" in self.uri and not table.exists():
+            _check_scheme(self.uri, self.storage_options, what)
 
     def describe(self) -> dict[str, Any]:
         return {"format": "delta", "uri": self.uri}
 
     def open(self) -> DeltaTable:
         return DeltaTable(self)
+
+
+def _check_scheme(uri: str, storage_options: dict[str, str] | None, what: str) -> None:
+    """Raises InvalidArgumentError when delta-rs knows no object store for the scheme of ``uri`` (``bogus://``): it
+    would say so only when the job commits its first rows."""
+    from deltalake import DeltaTable as Loaded
+
+    try:
+        Loaded(uri, storage_options=storage_options)
+    except Exception as exc:  # noqa: BLE001 - a table that does not exist yet is the expected answer
+        if "unknown scheme" in str(exc).lower():
+            raise InvalidArgumentError(f"{what}: {str(exc).splitlines()[0][:300]}; fix the URI") from exc
 
 
 def delta(
@@ -83,7 +98,7 @@ def delta(
     if not isinstance(uri, (str, os.PathLike)) or not os.fspath(uri).strip():
         raise InvalidArgumentError(f"tables.delta(uri): uri must be a non-empty path or URI, got {uri!r}")
     interval = check_options(f"tables.delta({uri!r})", compact, commit_interval_s)
-    text = os.fspath(uri)
+    text = check_storage_url(uri, "tables.delta(uri)", fsspec_protocols=False)  # s3:/b would be a local folder
     if "://" not in text:
         text = os.path.abspath(text)
     return DeltaTableOutput(text, check_storage_options(storage_options, f"tables.delta({text!r})"), compact, interval)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.storage.urls import check_storage_url
 from torch_batch_process.outputs.tables.base import (
     DataFileWriter,
     Table,
@@ -81,7 +82,7 @@ def lance(
     if not isinstance(uri, (str, os.PathLike)) or not os.fspath(uri).strip():
         raise InvalidArgumentError(f"tables.lance(uri): uri must be a non-empty path or URI, got {uri!r}")
     interval = check_options(f"tables.lance({uri!r})", compact, commit_interval_s)
-    text = os.fspath(uri)
+    text = check_storage_url(uri, "tables.lance(uri)", fsspec_protocols=False)  # s3:/b would be a local folder
     if "://" not in text:
         text = os.path.abspath(text)
     return LanceTableOutput(text, check_storage_options(storage_options, f"tables.lance({text!r})"), compact, interval)
