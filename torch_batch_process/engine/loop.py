@@ -170,15 +170,10 @@ class JobRun:
 
     def _run(self) -> BatchProcessResult:
         with self._closing:
-<<<<<<< HEAD
             watching = contextlib.nullcontext(self.given_signals) if self.given_signals is not None else SignalWatcher()
             with watching as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
                 planned, planned_examples = self._prepare()
-=======
-            planned, planned_examples = self._prepare()
-            check_same_call(self.spec.to_json(), self.coll, "jobs (dataset, plan...)")  # before rank 0 opens it
-            with SignalWatcher() as signals:  # from here on, SIGTERM/SIGINT mean: commit and stop
->>>>>>> audit-inputs
+                check_same_call(self.spec.to_json(), self.coll, "jobs (dataset, plan...)")  # before rank 0 opens it
                 start = open_job(self.opener, self.coll, planned, planned_examples)
                 if start.finished_result is not None:
                     return stored_result(start, self.storage.url, self.world_size, self.started)
