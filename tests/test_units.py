@@ -332,3 +332,13 @@ def test_the_quick_lane_rule_tells_job_processes_from_quick_commands():
     assert not starts_a_job(tbp_cmd("run", "job.yaml", "--dry-run"), None)
     assert not starts_a_job(tbp_cmd("status", "/some/job"), None)
     assert not starts_a_job([sys.executable, "-c", "print(1)"], None)
+
+
+def test_a_single_process_distributed_context_has_determined_s_local_collectives():
+    """Determined's ``DistributedContext`` methods answer without communication in a one-process job."""
+    from torch_batch_process import DistributedInfo
+
+    info = DistributedInfo(0, 1, 0, 1, 0, 1)
+    assert info.get_num_agents() == 1
+    assert info.allgather_local("x") == ["x"] and info.gather_local("x") == ["x"] and info.broadcast_local("x") == "x"
+    info.close()
