@@ -18,7 +18,10 @@ class TorchBatchProcessor(metaclass=abc.ABCMeta):
     - ``process_batch(batch, batch_idx)`` for each batch dealt to this rank, under
       ``torch.inference_mode()`` unless disabled;
     - ``on_checkpoint_start()`` before every commit, the same number of times on every rank;
-    - ``on_finish()`` once when the whole dataset is processed (not when preempted).
+    - ``on_finish()`` once when the whole dataset is processed (not when preempted);
+
+    the two hooks run in the mode ``process_batch`` runs in (``torch.inference_mode()`` unless disabled), so they
+    may update its tensors in place.
 
     Define ``state_dict()`` / ``load_state_dict(state)`` to persist state with each commit. A resume with
     the same world size gives rank ``r`` the state rank ``r`` saved. A resume with another world size gives

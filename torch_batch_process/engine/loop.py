@@ -27,6 +27,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+
 from torch_batch_process.arguments import JobArguments
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.announce import (
@@ -351,10 +353,16 @@ class JobRun:
         return self.committer.close(processor, preempt=False, final=True)
 
     def _hook(self, name: str, hook: Callable[[], Any]) -> None:
-        """Runs a processor hook, timed; its failure travels in this rank's next vote."""
+        """Runs a processor hook, timed; its failure travels in this rank's next vote.
+
+        Under ``torch.inference_mode()`` when ``process_batch`` runs under it: the hooks handle the tensors
+        ``process_batch`` made (inference tensors), and an in-place update of one outside the mode raises (code
+        written for Determined, which has no inference mode, does ``self.total += ...`` there).
+        """
         t0 = time.perf_counter()
         try:
-            hook()
+            with torch.inference_mode() if self.args.inference_mode else contextlib.nullcontext():
+                hook()
         except Exception as exc:  # noqa: BLE001
             self.rank_failure.record(exc, f"{name}()")
         self.committer.part.timings["hooks"] += time.perf_counter() - t0
