@@ -1,6 +1,7 @@
 """The documentation's code: the ``dataloader_kwargs`` of every snippet of README.md and docs/*.md run on a CPU
 machine of two cores without a torch warning (issue 26 item 12: ``pin_memory=True`` without an accelerator and
-``num_workers=4`` on 2 cores printed warnings when the README's snippet was copied)."""
+``num_workers=4`` on 2 cores printed warnings when the README's snippet was copied), and the reader lines of
+docs/records.md run as written."""
 
 from __future__ import annotations
 
