@@ -67,3 +67,16 @@ def test_every_distributed_context_method_of_determined_from_the_hooks(tmp_path)
         assert got["gather_local"] == ([0, 1] if rank == 0 else None)
     # 7 batches (33 examples) over 2 ranks: 4 steps, commits after steps 2 and 4; rank 0 has batches 0, 2, 4, 6
     assert seen[0]["checkpoint_counts"] == seen[1]["checkpoint_counts"] == [[10, 10], [18, 15]]
+
+
+def test_rank_0_s_on_finish_sees_every_rank_s_committed_files(tmp_path):
+    """Rank 0's ``on_finish`` lists ``outputs/`` and finds every rank's files there, the last commit's included (each
+    rank published its own files after the closing commit without waiting for the others: rank 0 could run
+    ``on_finish`` first and miss another rank's last files)."""
+    report = tmp_path / "seen.json"
+    proc = subprocess.run(
+        torchrun_cmd(2, JOBS / "finish_aggregates.py", "47", str(report)), cwd=tmp_path, env=base_env(),
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(report.read_text()) == list(range(47))

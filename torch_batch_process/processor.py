@@ -49,7 +49,8 @@ class TorchBatchProcessor(metaclass=abc.ABCMeta):
         """Runs on every rank right before each commit; flush buffered outputs here."""
 
     def on_finish(self) -> None:  # noqa: B027 - optional hook
-        """Runs once per rank after every batch of the dataset is processed and committed."""
+        """Runs once per rank after every batch of the dataset is processed and committed, once every rank's files
+        are published under ``<storage_path>/outputs/`` (rank 0 may gather them there)."""
 
     def state_dict(self) -> Any:
         """Returns state to persist with each commit, or ``None`` (the default) for none."""

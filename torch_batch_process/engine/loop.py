@@ -348,7 +348,14 @@ class JobRun:
             self._hook("on_checkpoint_start", processor.on_checkpoint_start)
 
     def _finish(self, processor: TorchBatchProcessor) -> Outcome:
-        """``on_finish()`` on every rank, then the final commit (its files, the result, the reduced metrics)."""
+        """``on_finish()`` on every rank, then the final commit (its files, the result, the reduced metrics).
+
+        The ranks first wait for one another: each rank publishes its own files of the closing commit once the
+        record is durable, so without it rank 0's ``on_finish()`` could list ``outputs/`` before another rank's
+        last files are there (Determined's uploads are done when its checkpoint's gather returns: code that
+        aggregates every rank's outputs in rank 0's ``on_finish()`` relies on it).
+        """
+        self.coll.all_gather(None)
         self._hook("on_finish", processor.on_finish)
         return self.committer.close(processor, preempt=False, final=True)
 
