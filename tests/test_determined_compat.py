@@ -69,14 +69,16 @@ def test_every_distributed_context_method_of_determined_from_the_hooks(tmp_path)
     assert seen[0]["checkpoint_counts"] == seen[1]["checkpoint_counts"] == [[10, 10], [18, 15]]
 
 
-def test_rank_0_s_on_finish_sees_every_rank_s_committed_files(tmp_path):
-    """Rank 0's ``on_finish`` lists ``outputs/`` and finds every rank's files there, the last commit's included (each
-    rank published its own files after the closing commit without waiting for the others: rank 0 could run
-    ``on_finish`` first and miss another rank's last files)."""
-    report = tmp_path / "seen.json"
+def test_rank_0_sees_every_rank_s_committed_files_in_on_finish_and_once_the_call_returns(tmp_path):
+    """Rank 0's ``on_finish`` lists ``outputs/`` and finds every rank's files there, the last commit's included; once
+    the call returns, rank 0 finds every rank's ``on_finish`` files. (Each rank published its own files after a
+    closing commit without waiting for the others: rank 0 could run ``on_finish``, or return, first and miss another
+    rank's last files.)"""
+    report, finished = tmp_path / "seen.json", tmp_path / "finished.json"
     proc = subprocess.run(
-        torchrun_cmd(2, JOBS / "finish_aggregates.py", "47", str(report)), cwd=tmp_path, env=base_env(),
-        capture_output=True, text=True, timeout=240,
+        torchrun_cmd(2, JOBS / "finish_aggregates.py", "47", str(report), str(finished)), cwd=tmp_path,
+        env=base_env(), capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(report.read_text()) == list(range(47))
+    assert json.loads(finished.read_text()) == ["finished_rank0.txt", "finished_rank1.txt"]

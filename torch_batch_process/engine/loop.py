@@ -191,6 +191,8 @@ class JobRun:
                     failed = outcome.summary.failed_examples if outcome is not None else None
                     check_max_failures(self.args.failures, failed, start, self.plan.num_examples, self._failures_url)
                     outcome = self._finish(processor)
+                self.coll.all_gather(None)  # every rank has published its files: what a rank reads under outputs/
+                # once the call returns holds every rank's (Determined's call ends with such a gather too)
                 result = self._result_of(outcome.summary, outcome.metrics or {}, preempted=outcome.preempted)
                 if self.rank == 0 and self.fitter is not None:
                     log_memory(result, auto=self.args.max_tokens == AUTO)
