@@ -240,6 +240,41 @@ def test_inference_mode_by_default_and_opt_out(storage):
     assert LOG["grad"] == [(False, True)] * 2
 
 
+
+class UpdatesInHooks(TorchBatchProcessor):
+    """Determined-style code: a tensor made in ``process_batch``, updated in place in the hooks."""
+
+    seen: list = []
+
+    def __init__(self, context):
+        self.total = None
+
+    def process_batch(self, batch, batch_idx):
+        total = batch.sum()
+        self.total = total if self.total is None else self.total + total
+
+    def on_checkpoint_start(self):
+        self.total += 1  # in place, on a tensor process_batch made
+        UpdatesInHooks.seen.append(("on_checkpoint_start", torch.is_inference_mode_enabled()))
+
+    def on_finish(self):
+        self.total.mul_(2)
+        UpdatesInHooks.seen.append(("on_finish", torch.is_inference_mode_enabled(), int(self.total)))
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_the_hooks_run_in_the_mode_process_batch_runs_in(tmp_path, inference_mode):
+    """Tensors made in ``process_batch`` under ``torch.inference_mode()`` can be updated in place in
+    ``on_checkpoint_start``/``on_finish`` (they raised "Inplace update to inference tensor outside InferenceMode")."""
+    UpdatesInHooks.seen = []
+    result = torch_batch_process(
+        UpdatesInHooks, torch.arange(6), batch_size=2, checkpoint_interval=2, storage_path=str(tmp_path / "job"),
+        inference_mode=inference_mode,
+    )
+    assert result.finished
+    # commits after steps 2 and 3; total = 15, +1 at each commit, then doubled
+    assert UpdatesInHooks.seen == [("on_checkpoint_start", inference_mode)] * 2 + [("on_finish", inference_mode, 34)]
+
 class CountingReducer(MetricReducer):
     def __init__(self):
         self.reset()

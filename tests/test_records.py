@@ -359,6 +359,35 @@ def test_predict_in_one_process_returns_outputs_in_order_and_resumes(tmp_path):
         predict(fn, list(range(10)), 3, storage_path=storage, progress=False)
 
 
+
+def test_a_preempted_predict_raises_instead_of_returning_the_outputs_committed_so_far(tmp_path):
+    """A SIGTERM during predict(): the call raised nothing and returned the committed rows only (a tensor of 16 rows
+    for a dataset of 40, rows of uncommitted batches missing). It raises PreemptedError; the same call again resumes
+    and returns every output in dataset order."""
+    import signal
+
+    from torch_batch_process import PreemptedError
+
+    calls = []
+
+    def fn(batch):
+        calls.append(batch.tolist())
+        if len(calls) == 4 and not preempted:
+            signal.raise_signal(signal.SIGTERM)  # the library's handler: the job commits and stops at the step's end
+        return batch.float()[:, None]
+
+    storage = str(tmp_path / "pred")
+    preempted = False
+    with pytest.raises(PreemptedError, match="preempted with 4 of 10 batches committed.*run the same command again"):
+        predict(fn, torch.arange(40), 4, storage_path=storage, progress=False, checkpoint_interval=1)
+    preempted = True
+    out = predict(fn, torch.arange(40), 4, storage_path=storage, progress=False, checkpoint_interval=1)
+    assert out[:, 0].tolist() == [float(i) for i in range(40)] and len(calls) == 10, "only the 6 batches left ran"
+    with pytest.raises(PreemptedError, match="temporary storage is removed: give storage_path="):
+        calls.clear()
+        preempted = False
+        predict(fn, torch.arange(40), 4, progress=False, checkpoint_interval=1)
+
 @pytest.mark.parametrize("option", [{"on_error": "skip"}, {"retry_failed": True}])
 def test_predict_refuses_skipping_examples(tmp_path, option):
     """predict() returns one output per example in dataset order: a skipped example would shift every later one,

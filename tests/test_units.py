@@ -343,3 +343,28 @@ def test_the_quick_lane_rule_tells_job_processes_from_quick_commands():
     assert not starts_a_job(tbp_cmd("run", "job.yaml", "--dry-run"), None)
     assert not starts_a_job(tbp_cmd("status", "/some/job"), None)
     assert not starts_a_job([sys.executable, "-c", "print(1)"], None)
+
+
+def test_a_single_process_distributed_context_has_determined_s_local_collectives():
+    """Determined's ``DistributedContext`` methods answer without communication in a one-process job."""
+    from torch_batch_process import DistributedInfo
+
+    info = DistributedInfo(0, 1, 0, 1, 0, 1)
+    assert info.get_num_agents() == 1
+    assert info.allgather_local("x") == ["x"] and info.gather_local("x") == ["x"] and info.broadcast_local("x") == "x"
+    info.close()
+
+
+def test_determined_s_experimental_names_import_from_both_determined_style_modules():
+    """Every name of Determined's ``determined.pytorch.experimental`` imports from ``torch_batch_process``'s
+    Determined-style modules, ``get_default_device(core_context)`` (Determined's signature) included."""
+    import types
+
+    from torch_batch_process import experimental
+    from torch_batch_process.pytorch import experimental as pytorch_experimental
+
+    determined_names = {"TorchBatchProcessor", "TorchBatchProcessorContext", "get_default_device", "torch_batch_process"}
+    for module in (experimental, pytorch_experimental):
+        assert determined_names <= set(module.__all__) and all(hasattr(module, name) for name in determined_names)
+    core_context = types.SimpleNamespace(distributed=types.SimpleNamespace(local_rank=0))
+    assert experimental.get_default_device(core_context) == experimental.get_default_device() == get_default_device()

@@ -317,6 +317,23 @@ def test_shuffle_false_and_valid_loader_options_are_accepted(tmp_path):
     assert result.finished and result.num_batches == 3
 
 
+@pytest.mark.parametrize("where", ["arguments", "dataloader_kwargs"])
+def test_counts_computed_with_numpy_are_accepted_as_determined_accepts_them(where, tmp_path):
+    """``batch_size``, ``max_batches`` and ``checkpoint_interval`` given as numpy integers (computed with numpy) run,
+    and the job stores them as plain ints (its record is JSON): a resume with plain ints is the same job."""
+    np = pytest.importorskip("numpy")
+    CALLS.clear()
+    counts = {"max_batches": np.int64(2), "checkpoint_interval": np.int32(1)}
+    if where == "arguments":
+        counts["batch_size"] = np.int64(3)
+    else:
+        counts["dataloader_kwargs"] = {"batch_size": np.int64(3)}
+    result = torch_batch_process(Ok, list(range(10)), storage_path=str(tmp_path / "store"), **counts)
+    assert CALLS == [-1, 0, 1] and result.finished and result.num_batches == 2
+    again = torch_batch_process(Ok, list(range(10)), 3, 2, 1, storage_path=str(tmp_path / "store"))
+    assert again.already_finished
+
+
 @pytest.mark.parametrize("option", [dict(schedule="dynamic"), dict(batch_timeout=30)])
 def test_options_that_need_the_stores_queues_are_refused_on_a_torch_without_them(option, tmp_path, monkeypatch):
     """torch before 2.8 has no Store.queue_push / Store.clone (the dynamic schedule's votes, the watchdog's own

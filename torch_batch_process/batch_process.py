@@ -80,8 +80,9 @@ def torch_batch_process(
         job_name: name of the job; default ``$TBP_JOB_NAME``, else the script's file stem.
         resume: ``True`` resumes the job stored at ``storage_path``; ``False`` erases what is stored
             there (progress and outputs) and starts afresh.
-        inference_mode: run ``process_batch``, and the loading of its batch in the main process, under
-            ``torch.inference_mode()`` (default); pass ``False`` when the processor needs autograd.
+        inference_mode: run ``process_batch``, the loading of its batch in the main process, and the hooks
+            ``on_checkpoint_start``/``on_finish`` (which handle its tensors) under ``torch.inference_mode()``
+            (default); pass ``False`` when the processor needs autograd.
         progress: rank 0's progress display: ``None``/``True``/``"auto"`` (default ``$TBP_PROGRESS``,
             else auto): a tqdm bar when stderr is a terminal, else a plain log line every
             ``progress_interval`` seconds; ``"bar"`` or ``"log"`` to force one; ``False``/``"off"``: none.

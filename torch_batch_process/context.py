@@ -48,7 +48,8 @@ class TorchBatchProcessorContext:
     Attributes:
         device: this rank's device (``cuda:<local_rank>``, ``mps`` or ``cpu``).
         distributed: ranks of this process (``get_rank()``, ``get_size()``, ``get_local_rank()``...)
-            and object collectives (``allgather``, ``gather``, ``broadcast``), as in Determined.
+            and object collectives (``allgather``, ``gather``, ``broadcast`` and their ``_local`` forms), as in
+            Determined.
         storage_path: URL (or local path) of the job's storage.
     """
 

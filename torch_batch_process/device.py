@@ -23,21 +23,35 @@ def _local_rank() -> int:
         return 0
 
 
-def get_default_device() -> torch.device:
+def get_default_device(core_context: Any = None) -> torch.device:
     """Returns the device of this rank: ``cuda:<LOCAL_RANK>`` when CUDA is there, else ``mps``, else cpu.
 
     With CUDA it also makes that device current (``torch.cuda.set_device``), so that code which
     allocates on "cuda" without an index lands on this rank's GPU. When there are fewer GPUs than
     local ranks, ranks share GPUs round-robin.
+
+    Args:
+        core_context: optional, for code written for Determined's ``get_default_device(core_context)``: an object
+            whose ``distributed.local_rank`` (Determined's core context) or ``distributed.get_local_rank()`` (the
+            processor's context) gives the local rank; ``None``: the ``LOCAL_RANK`` environment variable.
     """
     if torch.cuda.is_available():
-        index = _local_rank() % torch.cuda.device_count()
+        index = _context_local_rank(core_context) % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     mps = getattr(torch.backends, "mps", None)
     if mps is not None and mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def _context_local_rank(core_context: Any) -> int:
+    """The local rank a Determined-style context states, else ``LOCAL_RANK``."""
+    distributed = getattr(core_context, "distributed", None)
+    local_rank = getattr(distributed, "local_rank", None)
+    if local_rank is None and callable(getattr(distributed, "get_local_rank", None)):
+        local_rank = distributed.get_local_rank()
+    return int(local_rank) if local_rank is not None else _local_rank()
 
 
 def gpu_uuid(device: torch.device) -> str:

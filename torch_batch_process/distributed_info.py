@@ -59,6 +59,10 @@ class DistributedInfo:
     def get_cross_size(self) -> int:
         return self.cross_size
 
+    def get_num_agents(self) -> int:
+        """Number of machines (nodes) of the job, as Determined names it (``cross_size``)."""
+        return self.cross_size
+
     def allgather(self, stuff: Any) -> list[Any]:
         """Gathers a picklable object from every rank, on every rank."""
         return self._coll().all_gather(stuff)
@@ -70,6 +74,46 @@ class DistributedInfo:
     def broadcast(self, stuff: Any) -> Any:
         """Returns rank 0's ``stuff`` on every rank."""
         return self._coll().broadcast(stuff)
+
+    def allgather_local(self, stuff: Any) -> list[Any]:
+        """Gathers a picklable object from every rank of this machine, on each of them, in local rank order.
+
+        Every rank of the job calls it (on one machine the job's ranks are the machine's ranks; on several, the
+        objects travel over the job's group and each machine keeps its own).
+        """
+        if self.local_size == 1:
+            return [stuff]
+        if self.cross_size == 1:
+            return self.allgather(stuff)
+        everything = self.allgather((self.cross_rank, self.local_rank, stuff))
+        return [value for _, _, value in sorted((e for e in everything if e[0] == self.cross_rank), key=lambda e: e[1])]
+
+    def gather_local(self, stuff: Any) -> list[Any] | None:
+        """Gathers a picklable object from every rank of this machine on its local rank 0 (others get ``None``).
+
+        Every rank of the job calls it, as :meth:`allgather_local`.
+        """
+        if self.local_size == 1:
+            return [stuff]
+        if self.cross_size == 1:
+            return self.gather(stuff)
+        local = self.allgather_local(stuff)
+        return local if self.local_rank == 0 else None
+
+    def broadcast_local(self, stuff: Any = None) -> Any:
+        """Returns the ``stuff`` of this machine's local rank 0 on every rank of the machine.
+
+        Every rank of the job calls it, as :meth:`allgather_local`.
+        """
+        if self.local_size == 1:
+            return stuff
+        if self.cross_size == 1:
+            return self.broadcast(stuff)
+        return self.allgather_local(stuff)[0]
+
+    def close(self) -> None:
+        """Does nothing: the library owns the job's process groups and closes them when the job returns (kept for
+        code written for Determined's ``DistributedContext``)."""
 
     def _coll(self) -> ObjectCollectives:
         assert self._collectives is not None

@@ -116,3 +116,9 @@ class ExampleTooLargeError(BatchProcessError, RuntimeError):
     """One example does not fit in the device's memory even alone (DESIGN §15): its ``process_batch`` ran out of
     memory in a part of its own. Raised with ``on_error="raise"`` (with ``"skip"`` it is a failing example); the
     message names the example, its batch and its length (with ``bucket_by``)."""
+
+
+class PreemptedError(BatchProcessError, RuntimeError):
+    """:func:`~torch_batch_process.predict` was preempted (SIGTERM/SIGINT) before every batch was committed: it has no
+    output for every example to return. What was committed stays stored; running the same command again resumes."""
+

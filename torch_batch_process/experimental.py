@@ -4,7 +4,10 @@ from torch_batch_process.pytorch.experimental import (
     MetricReducer,
     TorchBatchProcessor,
     TorchBatchProcessorContext,
+    get_default_device,
     torch_batch_process,
 )
 
-__all__ = ["MetricReducer", "TorchBatchProcessor", "TorchBatchProcessorContext", "torch_batch_process"]
+__all__ = [
+    "MetricReducer", "TorchBatchProcessor", "TorchBatchProcessorContext", "get_default_device", "torch_batch_process"
+]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.errors import InvalidArgumentError, PreemptedError
 from torch_batch_process.outputs.columns import INDEX_COLUMN, column_to_numpy
 from torch_batch_process.processor import TorchBatchProcessor
 
@@ -107,6 +107,15 @@ def predict(
             storage_path=storage_path,
             **options,
         )
+        if result.preempted:  # the same on every rank: every rank raises, none waits at the barrier
+            resume = (
+                "its temporary storage is removed: give storage_path= to make it resumable" if temporary
+                else "run the same command again to resume"
+            )
+            raise PreemptedError(
+                f"predict() was preempted with {result.batches_committed} of {result.num_batches} batches committed, "
+                f"so it has no output for every example to return; {resume}"
+            )
         table = read_outputs(result.storage_path, storage_options=options.get("storage_options"))
         _barrier()  # every rank has read: the temporary folder may go
     finally:

@@ -18,7 +18,10 @@ class TorchBatchProcessor(metaclass=abc.ABCMeta):
     - ``process_batch(batch, batch_idx)`` for each batch dealt to this rank, under
       ``torch.inference_mode()`` unless disabled;
     - ``on_checkpoint_start()`` before every commit, the same number of times on every rank;
-    - ``on_finish()`` once when the whole dataset is processed (not when preempted).
+    - ``on_finish()`` once when the whole dataset is processed (not when preempted);
+
+    the two hooks run in the mode ``process_batch`` runs in (``torch.inference_mode()`` unless disabled), so they
+    may update its tensors in place.
 
     Define ``state_dict()`` / ``load_state_dict(state)`` to persist state with each commit. A resume with
     the same world size gives rank ``r`` the state rank ``r`` saved. A resume with another world size gives
@@ -46,7 +49,8 @@ class TorchBatchProcessor(metaclass=abc.ABCMeta):
         """Runs on every rank right before each commit; flush buffered outputs here."""
 
     def on_finish(self) -> None:  # noqa: B027 - optional hook
-        """Runs once per rank after every batch of the dataset is processed and committed."""
+        """Runs once per rank after every batch of the dataset is processed and committed, once every rank's files
+        are published under ``<storage_path>/outputs/`` (rank 0 may gather them there)."""
 
     def state_dict(self) -> Any:
         """Returns state to persist with each commit, or ``None`` (the default) for none."""

@@ -25,7 +25,7 @@ from torch_batch_process.environment import (
 )
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.failure_options import FailureOptions
-from torch_batch_process.integers import is_int
+from torch_batch_process.integers import is_int, is_integer
 from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.processor import TorchBatchProcessor
@@ -44,15 +44,18 @@ _INT64_MAX = (1 << 63) - 1
 _LOADER_PARAMETERS = set(inspect.signature(DataLoader.__init__).parameters) - {"self"}
 
 
-def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> Any:
+    """Checks a count argument; returns it as a plain ``int`` (a numpy integer, computed with numpy, is one too, as
+    Determined accepts it), or ``None`` when allowed."""
     if value is None and allow_none:
-        return
-    if not is_int(value):
+        return None
+    if not is_integer(value):
         raise InvalidArgumentError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
     if value > _INT64_MAX:  # the plan, the progress records and the torch collectives count in int64
         raise InvalidArgumentError(f"{name} must be at most 2**63 - 1, got {value}")
+    return int(value)
 
 
 def validate_table(table: Any, output_format: Any) -> None:
@@ -227,12 +230,11 @@ def validate_dataloader_kwargs(dataloader_kwargs: Any, batch_size: Any, dataset:
             raise InvalidArgumentError(
                 "batch_size is given both as an argument and in dataloader_kwargs['batch_size']; give it once"
             )
-        batch_size = kwargs.pop("batch_size")
-        _positive_int("dataloader_kwargs['batch_size']", batch_size)
+        batch_size = _positive_int("dataloader_kwargs['batch_size']", kwargs.pop("batch_size"))
     elif batch_size is None:
         batch_size = 1
     else:
-        _positive_int("batch_size", batch_size)
+        batch_size = _positive_int("batch_size", batch_size)
     _check_loader_value_types(kwargs)
     try:  # Let the DataLoader check the remaining options now, before any work (it starts nothing).
         DataLoader(dataset, batch_sampler=[], **kwargs)
@@ -439,10 +441,10 @@ def validate_arguments(
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
-    _positive_int("checkpoint_interval", checkpoint_interval)
-    _positive_int("max_batches", max_batches, allow_none=True)
+    checkpoint_interval = _positive_int("checkpoint_interval", checkpoint_interval)
+    max_batches = _positive_int("max_batches", max_batches, allow_none=True)
     if batch_size is not None:
-        _positive_int("batch_size", batch_size)
+        batch_size = _positive_int("batch_size", batch_size)
     dataset_length = validate_dataset(dataset, bucket_by)
     kwargs, resolved_batch_size = validate_dataloader_kwargs(dataloader_kwargs, batch_size, dataset)
     validate_bucket_options(bucket_by, bucket_window, max_tokens, resolved_batch_size)

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+
 from torch_batch_process.arguments import JobArguments
 from torch_batch_process.context import CurrentBatch, TorchBatchProcessorContext
 from torch_batch_process.engine.agreement import check_same_call
@@ -197,6 +199,8 @@ class JobRun:
                     failed = outcome.summary.failed_examples if outcome is not None else None
                     check_max_failures(self.args.failures, failed, start, self.plan.num_examples, self._failures_url)
                     outcome = self._finish(processor)
+                self.coll.all_gather(None)  # every rank has published its files: what a rank reads under outputs/
+                # once the call returns holds every rank's (Determined's call ends with such a gather too)
                 result = self._result_of(outcome.summary, outcome.metrics or {}, preempted=outcome.preempted)
                 if self.rank == 0 and self.fitter is not None:
                     log_memory(result, auto=self.args.max_tokens == AUTO)
@@ -354,15 +358,28 @@ class JobRun:
             self._hook("on_checkpoint_start", processor.on_checkpoint_start)
 
     def _finish(self, processor: TorchBatchProcessor) -> Outcome:
-        """``on_finish()`` on every rank, then the final commit (its files, the result, the reduced metrics)."""
+        """``on_finish()`` on every rank, then the final commit (its files, the result, the reduced metrics).
+
+        The ranks first wait for one another: each rank publishes its own files of the closing commit once the
+        record is durable, so without it rank 0's ``on_finish()`` could list ``outputs/`` before another rank's
+        last files are there (Determined's uploads are done when its checkpoint's gather returns: code that
+        aggregates every rank's outputs in rank 0's ``on_finish()`` relies on it).
+        """
+        self.coll.all_gather(None)
         self._hook("on_finish", processor.on_finish)
         return self.committer.close(processor, preempt=False, final=True)
 
     def _hook(self, name: str, hook: Callable[[], Any]) -> None:
-        """Runs a processor hook, timed; its failure travels in this rank's next vote."""
+        """Runs a processor hook, timed; its failure travels in this rank's next vote.
+
+        Under ``torch.inference_mode()`` when ``process_batch`` runs under it: the hooks handle the tensors
+        ``process_batch`` made (inference tensors), and an in-place update of one outside the mode raises (code
+        written for Determined, which has no inference mode, does ``self.total += ...`` there).
+        """
         t0 = time.perf_counter()
         try:
-            hook()
+            with torch.inference_mode() if self.args.inference_mode else contextlib.nullcontext():
+                hook()
         except Exception as exc:  # noqa: BLE001
             self.rank_failure.record(exc, f"{name}()")
         self.committer.part.timings["hooks"] += time.perf_counter() - t0
