@@ -516,6 +516,43 @@ def test_a_shard_whose_compressed_bytes_are_damaged_is_named_in_the_error(tmp_pa
         assert shard.name in str(info.value)
 
 
+class NoiseWriter(TorchBatchProcessor):
+    """Writes one random float per example (incompressible: snappy keeps the bytes as they are)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        import random
+
+        noise = random.Random(batch_idx)
+        self.context.write({"value": [noise.random() for _ in batch]})
+
+
+def test_a_byte_changed_inside_a_shard_page_is_an_error_not_a_wrong_value(tmp_path):
+    """Shards carry a CRC per page: a byte changed in storage (a bit flip in a value, which decodes fine) is found by
+    the read side and named, instead of coming back as a different number."""
+    import pyarrow.parquet as pq
+
+    from torch_batch_process import OutputCorruptError, iter_outputs, read_outputs
+
+    storage = tmp_path / "store"
+    torch_batch_process(NoiseWriter, list(range(80)), batch_size=80, storage_path=str(storage), progress=False)
+    good = read_outputs(storage).column("value").to_pylist()
+    shard = next((storage / "outputs").rglob("*.parquet"))
+    chunk = pq.read_metadata(shard).row_group(0).column(1)  # "value": index is column 0
+    end = chunk.data_page_offset + chunk.total_compressed_size
+    data = bytearray(shard.read_bytes())
+    data[end - 5] ^= 0x01  # a bit of the page's last value
+    shard.write_bytes(bytes(data))
+    unchecked = pq.ParquetFile(shard).read().column("value").to_pylist()
+    assert unchecked != good and len(unchecked) == len(good)  # without the checksum: a wrong value, no error
+    for read in (read_outputs, lambda path: next(iter_outputs(path))):
+        with pytest.raises(OutputCorruptError, match="cannot be read.*CRC") as info:
+            read(storage)
+        assert shard.name in str(info.value)
+
+
 def test_a_finished_job_with_its_state_files_gone_still_reports_its_stored_result(tmp_path, caplog):
     """A finished job's result is in its final record: state files deleted afterwards (a clean-up, a partial copy)
     are warned about, not a refusal to report it; a job that is not finished still refuses (see above)."""

@@ -449,7 +449,9 @@ def _load(
     if run.group < 0:
         return _read_jsonl(storage, run.shard, columns, typed)
     with _reading(storage, run.shard), storage.open_input(run.shard) as f:
-        return pq.ParquetFile(f, pre_buffer=False).read_row_group(run.group, columns=columns, use_threads=False)
+        return pq.ParquetFile(f, pre_buffer=False, page_checksum_verification=True).read_row_group(
+            run.group, columns=columns, use_threads=False
+        )
 
 
 def _sorted(table: Any) -> Any:
@@ -584,7 +586,7 @@ def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted:
         if shard.endswith(".jsonl"):
             return _read_jsonl(storage, shard, wanted, typed)
         with _reading(storage, shard), storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table
-            parquet = pq.ParquetFile(f, pre_buffer=False)
+            parquet = pq.ParquetFile(f, pre_buffer=False, page_checksum_verification=True)  # see shard_file.py
             _check_columns(wanted, parquet.schema_arrow.names, storage.url)  # pyarrow ignores unknown names
             return parquet.read(columns=wanted, use_threads=False)  # see the module docstring: threads
 

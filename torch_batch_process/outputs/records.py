@@ -224,7 +224,7 @@ class RecordWriter:
         import pyarrow.parquet as pq
 
         shard.close()
-        old = pq.read_table(shard.path)
+        old = pq.read_table(shard.path, page_checksum_verification=True)
         self._shard = ShardFile(self._local(".parquet"), schema, self._format)
         self._shard.write(old.select(schema.names).cast(schema))
         os.unlink(shard.path)

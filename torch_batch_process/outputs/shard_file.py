@@ -39,7 +39,8 @@ class ShardFile:
         flat = [f.name for f in schema if not pa.types.is_nested(f.type)]
         self._text = None
         self._parquet = pq.ParquetWriter(  # statistics of flat columns only: min/max of tensors cost ~15%
-            self.path, schema, use_dictionary=dictionary, write_statistics=flat, compression="snappy"
+            self.path, schema, use_dictionary=dictionary, write_statistics=flat, compression="snappy",
+            write_page_checksum=True,  # a CRC per page: the read side finds bytes changed in storage, not wrong values
         )
 
     def write(self, table: Any) -> None:
