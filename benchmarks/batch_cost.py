@@ -48,7 +48,7 @@ class SameBatch(Dataset):
         return BATCH[0]
 
 
-def _identity(batch: Any) -> Any:
+def identity(batch: Any) -> Any:
     return batch
 
 
@@ -70,7 +70,7 @@ def _hand(dataset: SameBatch, folder: Path, files: bool) -> None:
     out = folder / "outputs"
     out.mkdir(parents=True)
     with torch.inference_mode():
-        for i, _ in enumerate(DataLoader(dataset, batch_size=len(BATCH), collate_fn=_identity)):
+        for i, _ in enumerate(DataLoader(dataset, batch_size=len(BATCH), collate_fn=identity)):
             if files:
                 open(out / f"b{i}", "w").close()  # noqa: SIM115
 
@@ -78,7 +78,7 @@ def _hand(dataset: SameBatch, folder: Path, files: bool) -> None:
 def _library(dataset: SameBatch, folder: Path, processor: type, interval: int, on_oom: str = "split") -> None:
     torch_batch_process(
         processor, dataset, batch_size=len(BATCH), storage_path=str(folder), checkpoint_interval=interval,
-        progress=False, dataloader_kwargs={"collate_fn": _identity}, on_oom=on_oom,
+        progress=False, dataloader_kwargs={"collate_fn": identity}, on_oom=on_oom,
     )
 
 

@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from benchmarks.batch_cost import BATCH, SameBatch, identity
 from benchmarks.launch import run_logged
 from benchmarks.report import machine, machine_line, new_results_dir, save_json
 
@@ -47,27 +48,6 @@ VARIANTS: dict[str, str] = {
     "dynamic_no_commit": "library, dynamic, no commit until the end",
 }
 NPROC = 2
-BATCH = torch.zeros(10)
-
-
-class SameBatch(Dataset):
-    """``n`` batches of 10 examples, each the same tensor."""
-
-    def __init__(self, batches: int) -> None:
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return self.batches * len(BATCH)
-
-    def __getitems__(self, indices: list[int]) -> torch.Tensor:
-        return BATCH
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return BATCH[0]
-
-
-def _identity(batch: Any) -> Any:
-    return batch
 
 
 class _Clock:
@@ -111,9 +91,10 @@ def _rank_main(variant: str, batches: int, storage: str) -> dict[str, Any]:
     if variant in ("hand", "collective"):
         dist.init_process_group("gloo")
         if variant == "hand":
-            sampler = [list(range(g * 10, (g + 1) * 10)) for g in range(rank, batches, world)]
+            size = len(BATCH)
+            sampler = [list(range(g * size, (g + 1) * size)) for g in range(rank, batches, world)]
             with torch.inference_mode():
-                for _ in DataLoader(dataset, batch_sampler=sampler, collate_fn=_identity):
+                for _ in DataLoader(dataset, batch_sampler=sampler, collate_fn=identity):
                     _Clock.tick()
         else:
             pending = None
@@ -130,7 +111,7 @@ def _rank_main(variant: str, batches: int, storage: str) -> dict[str, Any]:
         interval = batches + 1 if variant.endswith("no_commit") else 5
         torch_batch_process(
             processor, dataset, batch_size=len(BATCH), storage_path=storage, checkpoint_interval=interval,
-            progress=False, dataloader_kwargs={"collate_fn": _identity}, schedule=schedule,
+            progress=False, dataloader_kwargs={"collate_fn": identity}, schedule=schedule,
         )
     ended = time.process_time()
     assert _Clock.first is not None and _Clock.steps > 1
