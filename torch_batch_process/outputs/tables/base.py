@@ -163,15 +163,18 @@ class Table(ABC):
     def arrow_schema(self) -> Any:
         """The table's schema as Arrow types (normalized like :func:`normalize_schema`), ``None`` before it exists."""
 
-    def check_readable(self) -> None:
+    def check_readable(self) -> bool:
         """Reads the table's schema when the table exists (before any work): a table its format's library cannot
         read (metadata damaged or cut short) is an :class:`InvalidArgumentError` naming it and what to do, not the
-        library's own error (delta-rs: ``Kernel error: Json error: ...`` and a backtrace, naming no table)."""
+        library's own error (delta-rs: ``Kernel error: Json error: ...`` and a backtrace, naming no table).
+        Returns whether the table exists."""
         from torch_batch_process.errors import BatchProcessError
 
         try:
-            if self.exists():
+            exists = self.exists()
+            if exists:
                 self.arrow_schema()
+            return exists
         except BatchProcessError:
             raise
         except Exception as exc:  # noqa: BLE001 - any of the format library's errors

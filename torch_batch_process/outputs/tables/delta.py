@@ -54,8 +54,8 @@ class DeltaTableOutput(TableTarget):
         what = f"tables.delta({self.uri!r})"
         check_storage_options(self.storage_options, what)
         table = self.open()
-        table.check_readable()  # a table its library cannot read (or a place it cannot use): an error now
-        if "://" in self.uri and not table.exists():
+        exists = table.check_readable()  # a table its library cannot read (or a place it cannot use): an error now
+        if "://" in self.uri and not exists:
             _check_scheme(self.uri, self.storage_options, what)
 
     def describe(self) -> dict[str, Any]:
