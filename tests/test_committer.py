@@ -26,19 +26,24 @@ import torch
 import torch.distributed as dist
 
 from torch_batch_process.context import CurrentBatch
+from torch_batch_process.engine.capabilities.records import RecordOutputs
+from torch_batch_process.engine.capabilities.timeline import TimelineParticipant
 from torch_batch_process.engine.commit.committer import Outcome
-from torch_batch_process.engine.commit.rank_failure import RankFailure
-from torch_batch_process.engine.commit.wiring import make_committer
+from torch_batch_process.engine.commit.participants import Participants
+from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
+from torch_batch_process.engine.commit.wiring import CommitCall, make_committer
 from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.engine.plan.plans import ContiguousPlan
+from torch_batch_process.engine.rank_failure import RankFailure
+from torch_batch_process.engine.work import RankWork
 from torch_batch_process.errors import StorageError, WorkerFailedError
 from torch_batch_process.jobstore.layout import COMMITS_DIR, OUTPUTS_DIR, STAGING_DIR
 from torch_batch_process.jobstore.opening import Start
 from torch_batch_process.jobstore.store import JobStore, latest_record_at
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
-from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.records import RecordWriter
+from torch_batch_process.outputs.stager import OutputStager
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.reducers import ReducerRegistry
 from torch_batch_process.storage.local import LocalStorage
@@ -126,15 +131,19 @@ def run_rank(
         tensorboard=storage.mirrored_folder(f"tensorboard/rank_{rank}", f"tb-{rank}"), device=torch.device("cpu"),
     )
     current = CurrentBatch()
-    committer = make_committer(
-        rank=rank, collectives=world.collectives(rank), job_store=JobStore(storage), lock=None, storage=storage,  # type: ignore[arg-type]
-        plan=plan, start=start, reducers=ReducerRegistry(), observer=observer, rank_failure=RankFailure(rank),
-        stager=stager,
-        records=RecordWriter(stager, current, rank, "parquet", None),
-        call_store=RendezvousStore(store, rank) if store is not None else None,
+    job_store = JobStore(storage)
+    if rank == 0:
+        job_store.take_lock()  # records are written under the job lock (the opener takes it)
+    summaries = ReducerSummaries(ReducerRegistry(), job_store, None)
+    records = RecordWriter(stager, current, rank, "parquet", None)
+    participants = Participants([RecordOutputs(records, None), summaries, TimelineParticipant(size, observer)])
+    work = RankWork()
+    call = CommitCall(
+        store=job_store, plan=plan, start=start, started=time.monotonic(), collectives=world.collectives(rank),  # type: ignore[arg-type]
+        call_store=RendezvousStore(store, rank) if store is not None else None, on_background_error=lambda: None,
         result_json=lambda metrics, summary: {"metrics": metrics, "batches_committed": summary.batches_committed},
-        started=time.monotonic(), on_background_error=lambda: None,
     )
+    committer = make_committer(call, participants, summaries, stager, work, observer, RankFailure(rank))
     assert type(committer._transport).__name__ == ("QueuedVotes" if store is not None else "GatheredVotes")
     processor = Processor.__new__(Processor)
     try:
@@ -143,7 +152,7 @@ def run_rank(
             batch = step * size + rank  # round-robin, as the static schedule deals them
             with stager.upload_path() as folder:
                 Path(folder, f"batch_{batch}.txt").write_text(str(batch))
-            committer.part.add_batch(batch, 1)
+            work.part.add_batch(batch, 1)
             committer.check()
             committer.poll()
             committer.commit(processor)
@@ -152,6 +161,7 @@ def run_rank(
         committer.shutdown()
         stager.close()
         observer.close()
+        job_store.release_lock()
 
 
 def run_world(

@@ -139,8 +139,10 @@ class MergingKeeper:
         self.records.append(self._votes)
         self.written.set()
 
-    def take_changed_limits(self):
-        return None  # no memory limits learned (on_oom="split" shares them through the store)
+    def share(self):
+        from torch_batch_process.engine.commit.participants import Payloads
+
+        return Payloads()  # nothing every rank must learn (on_oom="split" shares memory limits through the store)
 
 
 def _queue():
@@ -148,26 +150,32 @@ def _queue():
 
     from torch.distributed import TCPStore
 
-    from torch_batch_process.engine.commit.queued import QueuedVotes
     from torch_batch_process.engine.commit.votes import Vote
     from torch_batch_process.engine.distributed import RendezvousStore
 
     server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     vote = Vote(rank=1, stage=1, has_files=False, batches=[[0, 1]], examples=1, state_file=None, lines=[], timings={})
-    return server, QueuedVotes(RendezvousStore(server, 0), 0, stage_counter=lambda: 0), vote
+    return server, _votes(RendezvousStore(server, 0), 0), vote
+
+
+def _votes(store, rank):
+    """A rank's queued votes, without a keeper (the collector under test is started with its own)."""
+    from torch_batch_process.engine.commit.queued import QueuedVotes
+
+    return QueuedVotes(store, rank, stage_counter=lambda: 0, keeper=None, on_error=lambda: None, committed=(0, 0))
 
 
 def test_the_collector_writes_records_while_votes_keep_arriving():
     """A record covers the votes waiting when the collector looks, not those that arrive while it takes them: with
     many ranks votes never stop arriving, and waiting for an empty queue wrote no record until the job's end."""
-    from torch_batch_process.engine.commit.queued import QueuedVotes, VoteCollector
+    from torch_batch_process.engine.commit.queued import VoteCollector
     from torch_batch_process.engine.distributed import RendezvousStore
 
     server, queue, vote = _queue()
     keeper = MergingKeeper()
-    collector = VoteCollector(queue, keeper, spacing_s=0.0)
+    collector = VoteCollector(queue, keeper, lambda: None, spacing_s=0.0)
     try:
-        pusher = QueuedVotes(RendezvousStore(server.clone(), 1), 1, stage_counter=lambda: 0)
+        pusher = _votes(RendezvousStore(server.clone(), 1), 1)
         pushed = 0
         started = time.monotonic()
         deadline = started + 20  # a loaded machine: the collector thread may get little of the GIL
@@ -189,7 +197,7 @@ def test_stopping_the_collector_waits_for_the_votes_each_rank_queued():
 
     server, queue, vote = _queue()
     keeper = MergingKeeper()
-    collector = VoteCollector(queue, keeper)
+    collector = VoteCollector(queue, keeper, lambda: None)
     threading.Timer(0.3, lambda: [queue.send(vote) for _ in range(3)]).start()  # late votes
     started = time.monotonic()
     try:
@@ -205,7 +213,7 @@ def test_the_collector_spaces_its_records_and_votes_made_meanwhile_share_one():
 
     server, queue, vote = _queue()
     keeper = MergingKeeper()
-    collector = VoteCollector(queue, keeper, spacing_s=0.1)
+    collector = VoteCollector(queue, keeper, lambda: None, spacing_s=0.1)
     try:
         started = time.monotonic()
         for _ in range(300):  # a vote every ~2 ms for ~0.6 s

@@ -70,6 +70,36 @@ def test_the_tool_finds_a_cycle_an_upward_import_and_imports_inside_functions_an
     ]
 
 
+def test_the_feed_and_the_commit_cannot_import_each_other_and_the_engines_core_imports_no_sub_layer_above(tmp_path):
+    package = tmp_path / import_graph.PACKAGE
+    for folder in ("engine/feed", "engine/commit", "engine/schedule", "engine/capabilities"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "engine" / "__init__.py").write_text("")
+    (package / "engine" / "feed" / "runner.py").write_text("from torch_batch_process.engine.commit import votes\n")
+    (package / "engine" / "commit" / "votes.py").write_text("from torch_batch_process.engine import work\n")
+    (package / "engine" / "work.py").write_text("")
+    (package / "engine" / "join.py").write_text(
+        "def f():\n    from torch_batch_process.engine.schedule import liveness\n"
+    )
+    (package / "engine" / "schedule" / "liveness.py").write_text("")
+    (package / "engine" / "capabilities" / "memory.py").write_text(
+        "from torch_batch_process.engine.commit import votes\nfrom torch_batch_process.engine.feed import runner\n"
+    )
+    graph = import_graph.build_graph(package)
+    assert graph.sublayer_imports() == [
+        ("engine.feed.runner", "engine.commit.votes", "sideways"),
+        ("engine.join", "engine.schedule.liveness", "up"),
+    ]
+    assert [p for p in graph.check() if "sub-layer" in p] == [
+        "sideways import between sub-layers: engine.feed.runner (engine.feed) imports engine.commit.votes "
+        "(engine.commit) at line 1",
+        "up import between sub-layers: engine.join (engine.distributed) imports engine.schedule.liveness "
+        "(engine.schedule) at line 2",
+    ]
+
+
 def test_the_command_prints_the_graph_and_exits_0():
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "import_graph.py")],
@@ -77,3 +107,4 @@ def test_the_command_prints_the_graph_and_exits_0():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "cycle(s)" in proc.stdout and "upward import(s)" in proc.stdout
+    assert "0 import(s) up or sideways between sub-layers" in proc.stdout

@@ -32,6 +32,7 @@ from harness import (
 
 from torch_batch_process.errors import JobLockedError
 from torch_batch_process.jobstore.layout import LEASE_FILE
+from torch_batch_process.jobstore.store import take_job_lock
 from torch_batch_process.storage.registry import open_storage as Storage
 
 pytestmark = pytest.mark.slow
@@ -233,7 +234,7 @@ def test_racing_jobs_cannot_both_take_the_lease(s3_url):
         storage = Storage(s3_url)
         barrier.wait()
         try:
-            locks.append(storage.job_lock())
+            locks.append(take_job_lock(storage))
             outcomes.append("won")
         except JobLockedError:
             outcomes.append("refused")
@@ -258,7 +259,7 @@ def test_an_expired_lease_is_never_renewed(s3_url, monkeypatch):
     it; the heartbeat then must not renew (which could succeed) but mark the lease lost, so that the
     next commit is refused. The pause is simulated by moving the last renewal back in time."""
     monkeypatch.setenv("TBP_LEASE_TTL_S", "1")
-    lock = Storage(s3_url).job_lock()
+    lock = take_job_lock(Storage(s3_url))
     try:
         lock.check()
         fs, root = storage_fs(s3_url)

@@ -30,7 +30,7 @@ from torch_batch_process.observe.status import read_status
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
 from torch_batch_process.observe.summary import summary_line
 from torch_batch_process.result import BatchProcessResult
-from torch_batch_process.storage.lock import flock_held
+from torch_batch_process.jobstore.job_lock import flock_held
 
 needs_tensorboard = pytest.mark.skipif(not tensorboard_installed(), reason="tensorboard is not installed")
 

@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from harness import JOBS, base_env, committed_values, read_reports, spawn_ranks, wait_all
+
 from torch_batch_process import read_outputs
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

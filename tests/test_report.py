@@ -31,7 +31,7 @@ from harness import (
 )
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
 from torch_batch_process.engine.plan.bucketing import bucket_layout, contiguous_padded_tokens, token_stats
-from torch_batch_process.engine.commit.votes import Part
+from torch_batch_process.engine.work import Part
 from torch_batch_process.launch import cli
 from torch_batch_process.observe import histogram
 from torch_batch_process.observe.status import read_status

@@ -155,7 +155,7 @@ def test_rows_go_into_the_table_once_and_read_back_in_order(tmp_path, fmt, monke
     if fmt == "lance":  # fixed-shape tensors stay fixed-size lists: Lance can index them as vectors
         assert pa.types.is_fixed_size_list(table.schema.field("emb").type)
     assert read_outputs(target, columns=["label"]).column_names == ["index", "label"]
-    import torch_batch_process.outputs.tables.readback as readback
+    import torch_batch_process.outputs.tables.reading as readback
 
     monkeypatch.setattr(readback, "WINDOW_ROWS", 16)  # several windows
     batches = list(iter_outputs(target, batch_rows=5))

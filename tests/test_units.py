@@ -250,10 +250,12 @@ def test_the_feed_skips_the_loaders_profiler_range_only_while_no_profiler_runs()
     from torch.profiler import profile
 
     from torch_batch_process.engine.feed.batches import BatchFeed
+    from torch_batch_process.engine.feed.fitting import BatchFitter
 
     plan = ContiguousPlan(20, 4)
     scheduler = StaticScheduler(RangeSet([(0, plan.num_batches)]), Collectives(None, 0, 1), interval=1)
-    feed = BatchFeed(list(range(20)), plan, scheduler, {}, torch.device("cpu"))
+    fitter = BatchFitter.for_job(None, None, "cpu")
+    feed = BatchFeed(list(range(20)), plan, scheduler, {}, torch.device("cpu"), fitter)
     feed.start()
     assert feed._direct is not None  # a DataLoader iterator: its batches are taken without the range
     first = [next(feed), next(feed)]

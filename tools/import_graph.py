@@ -10,9 +10,15 @@ A *cycle* is a strongly connected component of more than one module. A module's 
 prefix of its name in :data:`LAYERS` (top first); an *upward import* goes from a module to one of a higher
 layer. Modules of one layer may import each other (cycles aside).
 
+Inside a layer, :data:`SUBLAYERS` may order its parts the same way: the engine's (DESIGN §7) are, top first, the loop
+and its helpers; the capabilities (each one's commit participant); the feed and the commit *side by side*; the
+schedule; the plan; the engine's core. An import inside such a layer must point down a sub-layer, or stay inside its
+own part: one from the feed to the commit (or back) is a *sideways* import, as wrong as an upward one, so that the two
+cannot come to depend on each other unnoticed.
+
 Run it as ``python tools/import_graph.py`` (``--json`` for the machine-readable form; ``--edges`` lists every
-edge). ``tests/test_import_graph.py`` runs it and fails on a cycle or an upward import that :data:`ALLOWED_CYCLES`
-and :data:`ALLOWED_UPWARD` do not name.
+edge). ``tests/test_import_graph.py`` runs it and fails on a cycle, an upward import or a sub-layer import that
+:data:`ALLOWED_CYCLES`, :data:`ALLOWED_UPWARD` and :data:`ALLOWED_SUBLAYER` do not name.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ALLOWED_CYCLES", "ALLOWED_UPWARD", "LAYERS", "Graph", "build_graph", "main"]
+__all__ = [
+    "ALLOWED_CYCLES", "ALLOWED_SUBLAYER", "ALLOWED_UPWARD", "LAYERS", "SUBLAYERS", "Graph", "build_graph", "main",
+]
 
 PACKAGE = "torch_batch_process"
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +68,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "integers",
             "lengths",
             "log",
+            "metrics_lines",
             "processes",
             "provenance",
             "processor",
             "reducers",
             "result",
+            "settings",
             "torch_features",
             "version",
         ),
@@ -72,11 +82,32 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 """Layers, top first, each with the module name prefixes (relative to the package) that belong to it."""
 
+SUBLAYERS: dict[str, tuple[tuple[tuple[str, ...], ...], ...]] = {
+    "engine": (
+        # the loop on top: the lifecycle and its helpers
+        (("engine", "engine.loop", "engine.announce", "engine.building", "engine.results", "engine.same_call"),),
+        # each capability's commit participant, between the feed's side of it and the commit
+        (("engine.capabilities",),),
+        # the feed and the commit, side by side: neither imports the other
+        (("engine.feed",), ("engine.commit",)),
+        (("engine.schedule",),),
+        (("engine.plan",),),
+        # the engine's core: the ranks' collectives and join, a rank's work and failure
+        (("engine.distributed", "engine.join", "engine.work", "engine.rank_failure"),),
+    ),
+}
+"""Sub-layers of a layer, top first; each a tuple of parts side by side (module name prefixes each), which may not
+import each other."""
+
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 """Cycles that stay, each with the reason (module names relative to the package). None today."""
 
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 """Upward imports that stay, ``(importer, imported)``, each with the reason. None today."""
+
+ALLOWED_SUBLAYER: dict[tuple[str, str], str] = {}
+"""Imports inside a layer that go up a sub-layer or sideways, ``(importer, imported)``, each with the reason. None
+today."""
 
 
 @dataclass
@@ -98,8 +129,25 @@ class Graph:
         """Imports from a module to one of a higher layer, sorted."""
         return sorted((a, b) for a, targets in self.edges.items() for b in targets if layer_rank(a) > layer_rank(b))
 
+    def sublayer_imports(self) -> list[tuple[str, str, str]]:
+        """Imports inside a layer of :data:`SUBLAYERS` that go up a sub-layer or sideways, as ``(importer, imported,
+        "up" or "sideways")``, sorted."""
+        found = []
+        for a, targets in self.edges.items():
+            where_a = sublayer_of(a)
+            for b in targets:
+                where_b = sublayer_of(b)
+                if where_a is None or where_b is None or where_a[0] != where_b[0]:
+                    continue
+                if where_a[1] > where_b[1]:
+                    found.append((a, b, "up"))
+                elif where_a[1] == where_b[1] and where_a[2] != where_b[2]:
+                    found.append((a, b, "sideways"))
+        return sorted(found)
+
     def check(self) -> list[str]:
-        """What :data:`ALLOWED_CYCLES` and :data:`ALLOWED_UPWARD` do not allow, one line each (empty: fine)."""
+        """What :data:`ALLOWED_CYCLES`, :data:`ALLOWED_UPWARD` and :data:`ALLOWED_SUBLAYER` do not allow, one line each
+        (empty: fine)."""
         problems = [
             f"import cycle of {len(c)} modules: {', '.join(c)}"
             for c in self.cycles()
@@ -110,7 +158,18 @@ class Graph:
             for a, b in self.upward()
             if (a, b) not in ALLOWED_UPWARD
         ]
+        problems += [
+            f"{kind} import between sub-layers: {a} ({sublayer_name(a)}) imports {b} ({sublayer_name(b)}) at line "
+            f"{self.where[a, b]}"
+            for a, b, kind in self.sublayer_imports()
+            if (a, b) not in ALLOWED_SUBLAYER
+        ]
         problems += [f"module {m} is in no layer: add it to LAYERS" for m in self.modules if layer_of(m) == "?"]
+        problems += [
+            f"module {m} is in no sub-layer of {layer_of(m)}: add it to SUBLAYERS"
+            for m in self.modules
+            if layer_of(m) in SUBLAYERS and sublayer_of(m) is None
+        ]
         return problems
 
 
@@ -123,6 +182,28 @@ def layer_of(module: str) -> str:
             if matches and len(prefix) > best_len:
                 best, best_len = name, len(prefix)
     return best
+
+
+def sublayer_of(module: str) -> tuple[str, int, int] | None:
+    """``(layer, sub-layer from the top, part)`` of ``module`` by the longest prefix :data:`SUBLAYERS` lists for its
+    layer; ``None`` when its layer has no sub-layers, or none lists it."""
+    layer = layer_of(module)
+    best: tuple[str, int, int] | None = None
+    best_len = -1
+    for level, parts in enumerate(SUBLAYERS.get(layer, ())):
+        for part, prefixes in enumerate(parts):
+            for prefix in prefixes:
+                if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                    best, best_len = (layer, level, part), len(prefix)
+    return best
+
+
+def sublayer_name(module: str) -> str:
+    """The first prefix of ``module``'s part (e.g. ``engine.feed``), or ``"?"``."""
+    where = sublayer_of(module)
+    if where is None:
+        return "?"
+    return SUBLAYERS[where[0]][where[1]][where[2]][0] or "(package)"
 
 
 def layer_rank(module: str) -> int:
@@ -254,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     graph = build_graph()
     cycles, upward, problems = graph.cycles(), graph.upward(), graph.check()
+    sublayer = graph.sublayer_imports()
     if args.json:
-        print(json.dumps({"cycles": cycles, "upward": upward, "problems": problems}, indent=1))
+        print(json.dumps({"cycles": cycles, "upward": upward, "sublayer": sublayer, "problems": problems}, indent=1))
         return 1 if problems else 0
     edges = sum(len(targets) for targets in graph.edges.values())
     print(f"{len(graph.modules)} modules, {edges} imports between them")
@@ -268,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         reason = ALLOWED_UPWARD.get((a, b))
         note = f"  [allowed: {reason}]" if reason else ""
         print(f"  {_label(a)} ({layer_of(a)}) -> {_label(b)} ({layer_of(b)}){note}")
+    print(f"{len(sublayer)} import(s) up or sideways between sub-layers")
+    for a, b, kind in sublayer:
+        reason = ALLOWED_SUBLAYER.get((a, b))
+        note = f"  [allowed: {reason}]" if reason else ""
+        print(f"  {kind}: {_label(a)} ({sublayer_name(a)}) -> {_label(b)} ({sublayer_name(b)}){note}")
     unlayered = sorted(m for m in graph.modules if layer_of(m) == "?")
     if unlayered:
         print(f"modules in no layer: {', '.join(unlayered)}")

@@ -7,10 +7,11 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from torch_batch_process import settings
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
-from torch_batch_process.engine.agreement import call_values, check_same_call
 from torch_batch_process.engine.distributed import DistributedEnv
-from torch_batch_process.engine.loop import JobRun
+from torch_batch_process.engine.loop import run_job
+from torch_batch_process.engine.same_call import call_values, check_same_call
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.environment import write_launch_state
 from torch_batch_process.failure_options import validate_failure_options
@@ -153,52 +154,50 @@ def torch_batch_process(
         ExampleTooLargeError: one example does not fit in the device's memory (``on_oom="split"``, without
             ``on_error="skip"``).
     """
-    failures = validate_failure_options(on_error, max_failures, batch_timeout, retry_failed, on_oom)
-    args = validate_arguments(
-        batch_processor_cls,
-        dataset,
-        batch_size,
-        max_batches,
-        checkpoint_interval,
-        dataloader_kwargs,
-        storage_path,
-        storage_options,
-        job_name,
-        resume,
-        inference_mode,
-        schedule=schedule,
-        bucket_by=bucket_by,
-        bucket_window=bucket_window,
-        max_tokens=max_tokens,
-        device_prefetch=device_prefetch,
-        autocast=autocast,
-        output_format=output_format,
-        failures=failures,
-        table=table,
-    )
-    observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
-    # SIGTERM/SIGINT mean "commit and stop" from here on, the join and the job's opening included: a rank
-    # signalled before its first step keeps joining, and every rank agrees to stop before that step
-    with SignalWatcher() as signals, DistributedEnv(
-        expected=distributed_context, preempted=lambda: signals.preempt_requested
-    ) as env:
-        setup_logging(env.info.rank)
-        check_same_call(call_values(args), env.collectives)  # before any work: every rank, the same error
-        tell_launcher = write_launch_state if env.info.local_rank == 0 else (lambda state: None)
-        tell_launcher("running")
-        try:
-            if failures.retry_failed:
-                from torch_batch_process.engine.plan.retry import prepare_retry
+    # every TBP_* variable, read and checked once: a bad one fails the call before any work
+    with settings.in_force(settings.read_settings()):
+        failures = validate_failure_options(on_error, max_failures, batch_timeout, retry_failed, on_oom)
+        args = validate_arguments(
+            batch_processor_cls,
+            dataset,
+            batch_size,
+            max_batches,
+            checkpoint_interval,
+            dataloader_kwargs,
+            storage_path,
+            storage_options,
+            job_name,
+            resume,
+            inference_mode,
+            schedule=schedule,
+            bucket_by=bucket_by,
+            bucket_window=bucket_window,
+            max_tokens=max_tokens,
+            device_prefetch=device_prefetch,
+            autocast=autocast,
+            output_format=output_format,
+            failures=failures,
+            table=table,
+        )
+        observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
+        # SIGTERM/SIGINT mean "commit and stop" from here on, the join and the job's opening included: a rank
+        # signalled before its first step keeps joining, and every rank agrees to stop before that step
+        with SignalWatcher() as signals, DistributedEnv(
+            expected=distributed_context, preempted=lambda: signals.preempt_requested
+        ) as env:
+            setup_logging(env.info.rank)
+            check_same_call(call_values(args), env.collectives)  # before any work: every rank, the same error
+            tell_launcher = write_launch_state if env.info.local_rank == 0 else (lambda state: None)
+            tell_launcher("running")
+            try:
+                if failures.retry_failed:
+                    from torch_batch_process.engine.plan.retry import prepare_retry
 
-                retry = prepare_retry(args, env.collectives)
-                result = JobRun(
-                    retry.args, env, observe, plan=retry.plan, record_schema=retry.schema, storage=retry.storage,
-                    first_stage=retry.first_stage, signals=signals,
-                ).run()
-            else:
-                result = JobRun(args, env, observe, signals=signals).run()
-        except BaseException:
-            tell_launcher("failed")
-            raise
-        tell_launcher("finished" if result.finished else "preempted")  # the launcher words a late Ctrl-C by it
-        return result
+                    result = run_job(args, env, observe, signals, prepare_retry(args, env.collectives))
+                else:
+                    result = run_job(args, env, observe, signals)
+            except BaseException:
+                tell_launcher("failed")
+                raise
+            tell_launcher("finished" if result.finished else "preempted")  # the launcher words a late Ctrl-C by it
+            return result

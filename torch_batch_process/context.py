@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch_batch_process import settings
 from torch_batch_process.device import to_device
 from torch_batch_process.distributed_info import DistributedInfo
-from torch_batch_process.environment import HPARAMS_ENV
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.provenance import describe_checkpoint, describe_model_version
 from torch_batch_process.reducers import MetricReducer, ReducerRegistry
@@ -69,7 +67,7 @@ class TorchBatchProcessorContext:
         self.distributed = distributed
         self.storage_path = storage_path
         self._current = current or CurrentBatch()
-        self._upload_path = upload_path  # the rank's output stager's (outputs/files.py)
+        self._upload_path = upload_path  # the rank's output stager's (outputs/stager.py)
         self._write_rows = write_rows  # the rank's record writer's (outputs/records.py)
         self._tensorboard_path = tensorboard_path
         self._metrics_sink = metrics_sink
@@ -219,14 +217,7 @@ class TorchBatchProcessorContext:
     def get_hparams(self) -> dict[str, Any]:
         """The job config's ``hyperparameters`` (from ``tbp run``); ``{}`` when there are none."""
         if self._hparams is None:
-            raw = os.environ.get(HPARAMS_ENV)
-            try:
-                value = json.loads(raw) if raw else {}
-            except ValueError as exc:
-                raise InvalidArgumentError(f"environment variable {HPARAMS_ENV} is not valid JSON: {exc}") from exc
-            if not isinstance(value, dict):
-                raise InvalidArgumentError(f"environment variable {HPARAMS_ENV} must hold a JSON object")
-            self._hparams = value
+            self._hparams = settings.current().hparams.get() or {}  # a bad value: an error naming the variable
         return dict(self._hparams)
 
     # -- used by the loop ---------------------------------------------------------------------

@@ -13,22 +13,16 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from torch_batch_process import settings
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW, JobArguments, Script
 from torch_batch_process.engine.plan.bucket_options import AUTO, resolve_lengths, validate_bucket_options
-from torch_batch_process.engine.schedule.liveness import heartbeat_silence_s
-from torch_batch_process.environment import (
-    DEFAULT_ROOT,
-    JOB_NAME_ENV,
-    STORAGE_ENV,
-    STORAGE_OPTIONS_ENV,
-    is_valid_job_name,
-)
+from torch_batch_process.environment import DEFAULT_ROOT, is_valid_job_name
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.failure_options import FailureOptions
 from torch_batch_process.integers import is_int, is_integer
 from torch_batch_process.outputs.records import check_output_format
-from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.processor import TorchBatchProcessor
+from torch_batch_process.storage.registry import check_storage_options
 from torch_batch_process.storage.urls import check_storage_url
 from torch_batch_process.torch_features import require_store_queues
 
@@ -307,20 +301,6 @@ def _check_loader_value_types(kwargs: Mapping[str, Any]) -> None:
         )
 
 
-def check_tuning_environment() -> None:
-    """Reads the library's documented tuning variables once, so that a bad value is refused when the call starts,
-    naming the variable, rather than when it is first read: in a storage retry (hiding the error being retried),
-    in an upload, in the lock's lease, or only on a multi-process run."""
-    from torch_batch_process.engine.distributed import collective_timeout_s
-    from torch_batch_process.engine.join import join_timeout_s
-    from torch_batch_process.storage.errors import retry_attempts, retry_budget_s
-    from torch_batch_process.storage.lease import lease_ttl_s
-    from torch_batch_process.storage.uploads import upload_threads
-
-    for read in (retry_attempts, retry_budget_s, upload_threads, lease_ttl_s, collective_timeout_s, join_timeout_s):
-        read()
-
-
 def script_stem() -> str | None:
     """The stem of the running script, or ``None`` in an interactive session.
 
@@ -364,13 +344,13 @@ def default_job_name(storage_path: Any = None) -> str:
     """The job name: ``$TBP_JOB_NAME``, else the stem of the running script, else the last part of the
     storage path; ``job`` when none of these exists (the storage path is then required, see
     :func:`resolve_storage_path`)."""
-    name = os.environ.get(JOB_NAME_ENV)
+    name = settings.current().job_name.get()
     if name:
         return name
     stem = script_stem()
     if stem:
         return stem
-    given = storage_path if storage_path is not None else os.environ.get(STORAGE_ENV)
+    given = storage_path if storage_path is not None else settings.current().storage_path.get()
     if given is not None:
         tail = re.sub(r"[^A-Za-z0-9._-]", "_", os.fspath(given).rstrip("/").rsplit("/", 1)[-1]).lstrip("._-")
         if tail:
@@ -385,35 +365,28 @@ def resolve_storage_path(storage_path: Any, job_name: str, *, job_name_given: bo
     every notebook and ``python -c`` would share one folder and a job would resume (or return the result
     of) another one. The storage path (or a job name) is then required.
     """
-    if storage_path is None and not os.environ.get(STORAGE_ENV) and not job_name_given:
+    from_env = settings.current().storage_path.get() if storage_path is None else None
+    if storage_path is None and not from_env and not job_name_given:
         raise InvalidArgumentError(
             "storage_path is required in an interactive session (python -c, the REPL, Jupyter): there is no script "
             "name to tell jobs apart, so the default ./tbp_runs/<script name> would be shared by every job. Pass "
             "storage_path='...' (or job_name='...', which uses ./tbp_runs/<job_name>), or set TBP_STORAGE_PATH."
         )
-    given = storage_path
+    name = "storage_path"
     if storage_path is None:
-        storage_path = os.environ.get(STORAGE_ENV) or os.path.join(DEFAULT_ROOT, job_name)
-    from_env = given is None and bool(os.environ.get(STORAGE_ENV))
-    name = f"environment variable {STORAGE_ENV}" if from_env else "storage_path"
+        storage_path = from_env or os.path.join(DEFAULT_ROOT, job_name)
+        if from_env:
+            name = f"environment variable {settings.STORAGE_ENV}"
     return check_storage_url(storage_path, name)
 
 
 def resolve_storage_options(storage_options: Any) -> dict[str, Any] | None:
     """``storage_options``, else the JSON in ``$TBP_STORAGE_OPTIONS`` (set by ``tbp run``), else None."""
     if storage_options is None:
-        raw = os.environ.get(STORAGE_OPTIONS_ENV)
-        if not raw:
+        storage_options = settings.current().storage_options.get()
+        if storage_options is None:
             return None
-        import json
-
-        try:
-            storage_options = json.loads(raw)
-        except ValueError as exc:
-            raise InvalidArgumentError(f"environment variable {STORAGE_OPTIONS_ENV} is not valid JSON: {exc}") from exc
-    if not isinstance(storage_options, Mapping):
-        raise InvalidArgumentError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
-    return dict(storage_options)
+    return check_storage_options(storage_options)
 
 
 def validate_arguments(
@@ -453,7 +426,7 @@ def validate_arguments(
             "max_tokens='auto' learns the token budget from out-of-memory errors, which on_oom='raise' makes fail "
             "the job; pass on_oom='split' (the default) or an int max_tokens"
         )
-    job_name_given = job_name is not None or bool(os.environ.get(JOB_NAME_ENV)) or script_stem() is not None
+    job_name_given = job_name is not None or bool(settings.current().job_name.get()) or script_stem() is not None
     if job_name is None:
         job_name = default_job_name(storage_path)
     if not isinstance(job_name, str) or not is_valid_job_name(job_name):
@@ -478,12 +451,9 @@ def validate_arguments(
         )
     if schedule == "dynamic":
         require_store_queues("schedule='dynamic'")
-        heartbeat_silence_s()  # $TBP_HEARTBEAT_SILENCE_S, which rank 0 reads when it watches the others
     if failures.batch_timeout is not None:
         require_store_queues("batch_timeout")
     check_output_format(output_format)
-    shard_bytes()  # TBP_SHARD_BYTES, when set, is a size
-    check_tuning_environment()
     validate_table(table, output_format)
     lengths, started = None, time.perf_counter()
     if bucket_by is not None:

@@ -6,7 +6,8 @@ The spec comes as JSON in argv[1]: ``storage``, ``report_dir``, ``n``, ``batch_s
 ``schedule``, ``bucket`` (``bucket_by`` the lengths of :func:`length`), ``budget`` (a simulated device memory: a batch
 larger than it raises ``torch.OutOfMemoryError``; sizes in padded tokens with ``bucket``, else in examples), ``bad``
 (examples whose ``process_batch`` raises: ``on_error="skip"``), ``table`` (a Delta table's path: rows go there
-instead of record shards), ``kill_after`` (the rank SIGKILLs itself when it is given its batch number
+instead of record shards; ``TBP_TEST_TABLE_KILL`` kills rank 0 around a table transaction, as in
+tests/jobs/table_job.py), ``kill_after`` (the rank SIGKILLs itself when it is given its batch number
 ``kill_after + 1``, by rank), ``sleep`` (seconds per batch), ``attempt``.
 
 Example ``i`` is the integer ``i``; its row holds ``emb=[i, -i]`` and ``label="ex<i>"``; a file per batch goes through
@@ -109,6 +110,10 @@ class Processor(TorchBatchProcessor):
 
 
 def main():
+    if os.environ.get("TBP_TEST_TABLE_KILL"):  # the fault tests' kill around a table transaction (table_job.py)
+        from table_job import kill_at_table_moments
+
+        kill_at_table_moments(os.environ["TBP_TEST_TABLE_KILL"])
     report = {"rank": RANK}
     table = SPEC.get("table")
     try:

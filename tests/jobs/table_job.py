@@ -1,14 +1,16 @@
 """A job writing ``context.write`` rows into a table target, run in real worker processes by tests/test_tables.py.
 
 The spec comes as JSON in argv[1]: ``table`` (``{"format": "delta"|"iceberg"|"lance", "uri"|"identifier",
-"storage_options"|"catalog", "commit_interval_s"}``), ``n``, ``batch_size``, ``checkpoint_interval``, ``storage``, ``kwargs`` (more
-options of torch_batch_process), ``sleep`` (seconds per batch), ``progress_file`` (touched after each batch, for
-tests that kill workers), ``report_dir``, ``attempt``. Example ``i`` gets ``emb=[i, i+0.5, -i]`` (float32) and
-``label="ex<i>"``. An error is stored in the report and the process exits with status 1.
+"storage_options"|"catalog", "commit_interval_s"}``), ``n``, ``batch_size``, ``checkpoint_interval``, ``storage``,
+``kwargs`` (more options of torch_batch_process), ``sleep`` (seconds per batch), ``progress_file`` (touched after
+each batch, for tests that kill workers), ``report_dir``, ``attempt``. Example ``i`` gets ``emb=[i, i+0.5, -i]``
+(float32) and ``label="ex<i>"``. An error is stored in the report and the process exits with status 1.
+``TBP_TEST_TABLE_KILL`` in the environment kills rank 0 around a table transaction (:func:`kill_at_table_moments`).
 """
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -47,7 +49,42 @@ class Processor(TorchBatchProcessor):
             Path(SPEC["progress_file"]).touch()
 
 
+def kill_at_table_moments(wanted):
+    """``TBP_TEST_TABLE_KILL`` (this job's, not the library's): ``before:<k>`` / ``after:<k>`` makes rank 0 SIGKILL
+    itself right before or right after its ``k``-th table transaction, ``compact:<k>`` right before its ``k``-th
+    compaction: the moments between a record and the table's commit that fault tests must reach. It wraps the
+    library's own methods; nothing else of the library is replaced."""
+    from torch_batch_process.outputs.tables.commits import TableCommits
+
+    moment, _, k = wanted.partition(":")
+    counts = {"transact": 0, "compact": 0}
+    transact, compact = TableCommits._transact, TableCommits._compact
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def transact_then_maybe_die(self, groups, schema):
+        counts["transact"] += 1
+        if moment == "before" and counts["transact"] == int(k):
+            die()
+        transact(self, groups, schema)
+        if moment == "after" and counts["transact"] == int(k):
+            die()
+
+    def compact_or_die(self):
+        if self.table.target.compact:
+            counts["compact"] += 1
+            if moment == "compact" and counts["compact"] == int(k):
+                die()
+        compact(self)
+
+    TableCommits._transact = transact_then_maybe_die
+    TableCommits._compact = compact_or_die
+
+
 def main():
+    if os.environ.get("TBP_TEST_TABLE_KILL"):
+        kill_at_table_moments(os.environ["TBP_TEST_TABLE_KILL"])
     rank = int(os.environ.get("RANK", "0"))
     report = {"rank": rank}
     try:

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from torch_batch_process.arguments import JobArguments
-
 from torch_batch_process.engine.feed.fitting import BatchFitter
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.opening import Start
@@ -54,21 +53,20 @@ def announce_start(
     schedule: str,
     storage_url: str,
     plan_s: float,
-    fitter: BatchFitter | None = None,
-    call: Callable[[], dict[str, Any]] | None = None,
+    fitter: BatchFitter,
+    call: Callable[[], dict[str, Any]],
 ) -> None:
     """What this call starts with: told to the rank's observer on every rank, and logged by rank 0 (see
-    :func:`log_start` for the arguments; ``fitter``: the rank's memory limits with ``on_oom="split"``; ``call``:
-    makes rank 0's description of the call for ``tbp report``, :func:`describe_call`)."""
+    :func:`log_start` for the arguments; ``fitter``: the rank's memory limits (learned with ``on_oom="split"``);
+    ``call``: makes rank 0's description of the call for ``tbp report``, :func:`describe_call`)."""
     start_observing(observer, plan, start, remaining)
     if rank == 0:
-        if call is not None:
-            observer.describe_job(call())
+        observer.describe_job(call())
         log_start(
             job_name=job_name, start=start, plan=plan, remaining=remaining, world_size=world_size,
             schedule=schedule, storage_url=storage_url, plan_s=plan_s,
         )
-        if fitter is not None and fitter.active and remaining:
+        if fitter.active and remaining:
             logger.info(
                 "memory limits learned by earlier attempts, used to cut batches before they run: %s",
                 fitter.limits.describe(),

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_batch_process.context import TorchBatchProcessorContext
-from torch_batch_process.engine.commit.rank_failure import RankFailure
 from torch_batch_process.engine.distributed import Collectives
+from torch_batch_process.engine.rank_failure import RankFailure
 from torch_batch_process.errors import JobMismatchError
 from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.store import JobStore

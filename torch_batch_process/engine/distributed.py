@@ -37,26 +37,24 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from torch_batch_process import settings
 from torch_batch_process.device import get_default_device, gpu_uuid
 from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.engine.join import connect_timeout, join_job
-from torch_batch_process.environment import env_number
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
-__all__ = ["Collectives", "DistributedEnv", "PendingGather", "PendingMax", "RendezvousStore", "collective_timeout_s"]
+__all__ = [
+    "Collectives", "DistributedEnv", "PendingGather", "PendingMax", "RendezvousStore", "collective_timeout_s",
+    "peers_answering",
+]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-COLLECTIVE_TIMEOUT_ENV = "TBP_COLLECTIVE_TIMEOUT_S"
-DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
-
-
 def collective_timeout_s() -> float:
-    """Seconds a collective of the job may wait: ``$TBP_COLLECTIVE_TIMEOUT_S`` (read when a call joins the process
-    group), default 1800."""
-    return float(env_number(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, above=True))
+    """Seconds a collective of the job may wait: ``TBP_COLLECTIVE_TIMEOUT_S`` (the call's settings), default 1800."""
+    return settings.current().collective_timeout_s
 
 
 def _sets_timeout() -> bool:
@@ -88,6 +86,18 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         raise InvalidArgumentError(f"environment variable {name}={value!r} must be an integer") from None
 
 
+@contextlib.contextmanager
+def peers_answering(rank: int) -> Iterator[None]:
+    """Around a collective (started or waited for): what torch.distributed raises when a peer is gone becomes a
+    :class:`WorkerLostError` naming this rank. Gloo reports a closed connection as a ``RuntimeError`` (or a
+    ``ConnectionError``); an object collective whose peer died mid-message fails unpickling its bytes with an
+    ``EOFError``; every collective of the library goes through here, so each of them says the same."""
+    try:
+        yield
+    except (RuntimeError, ConnectionError, EOFError) as exc:
+        raise WorkerLostError(f"rank {rank}: {LOST_HINT} ({exc})") from exc
+
+
 class Collectives:
     """The library's collectives over a gloo group; a single process needs none."""
 
@@ -101,10 +111,8 @@ class Collectives:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        try:
+        with peers_answering(self.rank):
             dist.all_gather_object(out, obj, group=self.group)
-        except (RuntimeError, ConnectionError, EOFError) as exc:
-            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
         return out
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -112,10 +120,8 @@ class Collectives:
         if self.world_size == 1:
             return obj
         box = [obj if self.rank == src else None]
-        try:
+        with peers_answering(self.rank):
             dist.broadcast_object_list(box, src=src, group=self.group)
-        except (RuntimeError, ConnectionError, EOFError) as exc:
-            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
         return box[0]
 
     def from_rank0(self, compute: Callable[[], T], what: str) -> T:
@@ -137,14 +143,13 @@ class Collectives:
         if self.world_size == 1:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        try:
+        with peers_answering(self.rank):
             dist.gather_object(obj, out, dst=0, group=self.group)
-        except (RuntimeError, ConnectionError, EOFError) as exc:
-            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
         return out
 
     def start_gather(self, obj: Any, capacity: int = 4096) -> PendingGather:
-        """Starts gathering a picklable object from every rank on rank 0, without waiting (see :class:`PendingGather`)."""
+        """Starts gathering a picklable object from every rank on rank 0, without waiting (see
+        :class:`PendingGather`)."""
         return PendingGather(self, obj, capacity)
 
     def start_max(self, values: list[int]) -> PendingMax:
@@ -152,10 +157,8 @@ class Collectives:
         if self.world_size == 1:  # nothing to reduce: no tensor (a commit of one process makes one per commit)
             return PendingMax(list(values), None, self.rank)
         tensor = torch.tensor(values, dtype=torch.int64)
-        try:
+        with peers_answering(self.rank):
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        except (RuntimeError, ConnectionError) as exc:
-            raise WorkerLostError(f"rank {self.rank}: {LOST_HINT} ({exc})") from exc
         return PendingMax(tensor, work, self.rank)
 
 
@@ -190,19 +193,15 @@ class PendingGather:
             buffer[8 : 8 + length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if coll.rank == 0:
             self._out = [torch.empty_like(buffer) for _ in range(coll.world_size)]
-        try:
+        with peers_answering(coll.rank):
             self._work = dist.gather(buffer, self._out, dst=0, group=coll.group, async_op=True)
-        except (RuntimeError, ConnectionError) as exc:
-            raise WorkerLostError(f"rank {coll.rank}: {LOST_HINT} ({exc})") from exc
 
     def wait(self) -> list[Any] | None:
         """Rank 0: every rank's object in rank order (``None`` for one that did not fit); the others: ``None``."""
         if self._coll.world_size == 1:
             return [self._obj]
-        try:
+        with peers_answering(self._coll.rank):
             self._work.wait()
-        except (RuntimeError, ConnectionError) as exc:
-            raise WorkerLostError(f"rank {self._coll.rank}: {LOST_HINT} ({exc})") from exc
         if self._out is None:
             return None
         objects: list[Any] = []
@@ -222,10 +221,8 @@ class PendingMax:
 
     def wait(self) -> list[int]:
         if self._work is not None:
-            try:
+            with peers_answering(self._rank):
                 self._work.wait()
-            except (RuntimeError, ConnectionError) as exc:
-                raise WorkerLostError(f"rank {self._rank}: {LOST_HINT} ({exc})") from exc
             self._work = None
         values = self._values.tolist() if isinstance(self._values, torch.Tensor) else self._values
         return [int(v) for v in values]
@@ -331,6 +328,10 @@ class DistributedEnv:
         local_rank = _env_int("LOCAL_RANK", rank if world_size == 1 else None)
         if local_rank is None:
             local_rank = rank  # no LOCAL_RANK: assume one process per node slot, all on this node
+        # The one write to the environment, on purpose: torch reads LOCAL_RANK itself, never from the library
+        # (torch.distributed.get_node_local_rank() raises without it, and a DeviceMesh picks its GPU from it, else
+        # from a rank-modulo guess with a warning), as does get_default_device() and code written for Determined.
+        # Processes started under the plain env contract without it (docs/environment.md) get the rank here.
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         self.device = get_default_device()
         _check_expected(self._expected, rank, world_size, initialized)

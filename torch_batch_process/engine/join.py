@@ -45,16 +45,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torch_batch_process.engine.schedule.liveness import BEAT_S, heartbeat_silence_s
-from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
+from torch_batch_process import settings
+from torch_batch_process.errors import WorkerLostError
+from torch_batch_process.settings import HEARTBEAT_S as BEAT_S
+from torch_batch_process.settings import JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S
 
 __all__ = ["JOIN_TIMEOUT_ENV", "JOIN_TIMEOUT_S", "connect_timeout", "join_job", "join_timeout_s"]
 
 logger = logging.getLogger(__name__)
-
-JOIN_TIMEOUT_ENV = "TBP_JOIN_TIMEOUT_S"
-JOIN_TIMEOUT_S = 600.0
-"""Default seconds a rank waits for the others to join (see the module docstring)."""
 
 CONNECT_TIMEOUT_S = 60.0
 """At most this long to connect the process groups once every rank has joined."""
@@ -75,21 +73,9 @@ _TELL_S = 3.0
 
 
 def join_timeout_s() -> float:
-    """``$TBP_JOIN_TIMEOUT_S``, default :data:`JOIN_TIMEOUT_S`; an :class:`InvalidArgumentError` for a value that
-    is not a number of seconds > 0."""
-    raw = os.environ.get(JOIN_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return JOIN_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise InvalidArgumentError(
-            f"{JOIN_TIMEOUT_ENV} must be a number of seconds > 0 (how long ranks wait for each other to join), got "
-            f"{raw!r}; unset it for the default ({JOIN_TIMEOUT_S:g} s)"
-        )
-    return value
+    """Seconds a rank waits for the others to join: ``TBP_JOIN_TIMEOUT_S`` (the call's settings), default
+    :data:`~torch_batch_process.settings.JOIN_TIMEOUT_S`."""
+    return settings.current().join_timeout_s
 
 
 def connect_timeout() -> datetime.timedelta:
@@ -121,7 +107,7 @@ def join_job(
             cannot be reached (every rank raises, naming them).
     """
     deadline_s = join_timeout_s()
-    silence_s = heartbeat_silence_s()
+    silence_s = settings.current().heartbeat_silence_s
     patience = _Patience(preempted, silence_s, rank)
     store = _connect(rank, world_size, deadline_s, patience)
     rendezvous = _Rendezvous(store, rank, world_size, deadline_s, silence_s, patience)
@@ -305,7 +291,9 @@ class _Rendezvous:
             now = time.monotonic()
             if now >= next_scan:
                 next_scan = now + BEAT_S
-                beats = {r: self._request(lambda r=r: self.store.add(self._key(f"beat/{r}"), 0)) for r in self._others()}
+                beats = {
+                    r: self._request(lambda r=r: self.store.add(self._key(f"beat/{r}"), 0)) for r in self._others()
+                }
                 silent = watch.update(beats, now)
                 if silent:
                     self._fail(

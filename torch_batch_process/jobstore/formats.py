@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torch_batch_process import settings
 from torch_batch_process.arguments import Script
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, JobMismatchError
 from torch_batch_process.jobstore.memory_limits import MemoryLimits
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.schema import RecordSchema
+from torch_batch_process.settings import ALLOW_SCRIPT_CHANGE_ENV
 
 if TYPE_CHECKING:
     from torch_batch_process.arguments import JobArguments
@@ -287,8 +288,6 @@ def check_fingerprint(job: JobInfo, spec: JobSpec, url: str) -> None:
         )
 
 
-ALLOW_SCRIPT_CHANGE_ENV = "TBP_ALLOW_SCRIPT_CHANGE"
-"""``1``: resume a stored job although another script started it (a renamed script; see :func:`check_script`)."""
 
 
 def check_script(job: JobInfo, script: Script | None, url: str) -> None:
@@ -307,7 +306,7 @@ def check_script(job: JobInfo, script: Script | None, url: str) -> None:
     """
     if job.script is None or script is None or job.script.same_as(script):
         return
-    if os.environ.get(ALLOW_SCRIPT_CHANGE_ENV) == "1":
+    if settings.current().allow_script_change:
         logger.warning(
             "storage_path %s holds a job started by %s; resuming it from %s (%s=1)",
             url, job.script.path, script.path, ALLOW_SCRIPT_CHANGE_ENV,

@@ -28,9 +28,9 @@
     _tbp/lease.json                   the job lease of object stores
     _tbp/source_rows/<digest>.json    row counts of a streaming source's shards, counted once (see stream_counts)
 
-The names of the job lock and of local storage's scratch folders are the storage's
-(:mod:`torch_batch_process.storage.lock`, :mod:`torch_batch_process.storage.lease`,
-:mod:`torch_batch_process.storage.local`), listed here with the others.
+The job lock is the stored job's (:mod:`torch_batch_process.jobstore.job_lock`,
+:mod:`torch_batch_process.jobstore.lease`), built on what its storage offers (a local path, conditional writes); local
+storage makes its scratch folders where the stored job says (``Storage.scratch_folder(SCRATCH_DIR, ...)``).
 
 A *stage* is one rank's part of a commit: the files and state it committed together. With
 ``schedule="static"`` every rank commits at the same step and a stage number is the commit's number; with
@@ -38,10 +38,6 @@ A *stage* is one rank's part of a commit: the files and state it committed toget
 """
 
 from __future__ import annotations
-
-from torch_batch_process.storage.lease import LEASE_FILE
-from torch_batch_process.storage.local import SCRATCH_DIR
-from torch_batch_process.storage.lock import LOCK_FILE, LOCK_INFO_FILE
 
 __all__ = [
     "ATTEMPT_FILE",
@@ -74,6 +70,15 @@ __all__ = [
     "state_file",
     "tensorboard_dir",
 ]
+
+SCRATCH_DIR = "_tbp/scratch"
+"""Local storage: where folders are written before their files move into place (same filesystem as the outputs)."""
+LOCK_FILE = "_tbp/lock"
+"""The OS file lock of local storage."""
+LOCK_INFO_FILE = "_tbp/lock.json"
+"""Who holds the lock: host, pid, since when."""
+LEASE_FILE = "_tbp/lease.json"
+"""The job lease of object stores."""
 
 INTERNAL_DIR = "_tbp"
 JOB_FILE = f"{INTERNAL_DIR}/job.json"

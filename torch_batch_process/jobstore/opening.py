@@ -1,5 +1,5 @@
 """Opening a job: rank 0 reads, checks and repairs what is stored, under the job lock; its :class:`Start` (or its
-exception) goes to every rank before any work (:mod:`torch_batch_process.engine.commit.opening`).
+exception) goes to every rank before any work (:mod:`torch_batch_process.engine.commit.shared_start`).
 
 Rank 0 refuses another job (a different fingerprint) and damaged progress, returns the stored result of a
 finished job (its final commit record's; after publishing files a kill left unpublished and writing a
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
 from torch_batch_process.arguments import Script
+from torch_batch_process.errors import CheckpointCorruptError, JobMismatchError
 from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, JobSpec, check_fingerprint, check_script
 from torch_batch_process.jobstore.integrity import check_integrity, warn_of_strays
 from torch_batch_process.jobstore.store import JobStore, LeftoverRows
-from torch_batch_process.storage.base import JobLock, Storage
+from torch_batch_process.storage.base import Storage
 
 __all__ = ["JobOpener", "Start", "TableReconciler"]
 
@@ -106,7 +106,6 @@ class JobOpener:
         self.resume = resume
         self.world_size = world_size
         self.script = script
-        self.lock: JobLock | None = None
         self._damaged: CheckpointCorruptError | None = None  # resume=False: the damaged job erased
 
     def read(self, planned: int, planned_examples: int) -> Start:
@@ -123,7 +122,7 @@ class JobOpener:
         if latest is not None and latest.finished and self.resume and latest.result is not None:
             table_due = self.table is not None and job is not None and self.table.due(latest, job.uid)
             if self.store.finished_repair_due(latest) or table_due:
-                self.lock = self.storage.job_lock()
+                self.store.take_lock()
                 job, latest = self._read_and_check()
                 assert latest is not None
                 # the result file comes last in a finished run (after the table's compaction): without it, the run
@@ -138,7 +137,7 @@ class JobOpener:
                 latest=latest,
                 finished_result=latest.result,
             )
-        self.lock = self.storage.job_lock()  # the first write to storage
+        self.store.take_lock()  # the first write to storage
         job, latest = self._read_and_check()  # again, now that no other job can change it
         if not self.resume and (job is not None or latest is not None or self._damaged is not None):
             logger.warning("resume=False: erasing the job stored at %s", self.storage.url)
@@ -195,7 +194,5 @@ class JobOpener:
 
     def release(self) -> None:
         """Releases the job lock (when rank 0 took it)."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        self.store.release_lock()
 

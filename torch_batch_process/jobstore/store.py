@@ -11,18 +11,21 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
 from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, parse_json
+from torch_batch_process.jobstore.job_lock import FileJobLock, JobLock
 from torch_batch_process.jobstore.layout import (
     ATTEMPT_FILE,
     COMMITS_DIR,
     FAILURES_DIR,
     INTERNAL_DIR,
     JOB_FILE,
+    LOCK_FILE,
     METRICS_FILE,
     OUTPUTS_DIR,
     RESULT_FILE,
@@ -39,10 +42,14 @@ from torch_batch_process.jobstore.layout import (
     staging_dir,
     state_file,
 )
+from torch_batch_process.jobstore.lease import LeaseJobLock
 from torch_batch_process.storage.base import TMP_MARKER, Storage
-from torch_batch_process.storage.errors import NotAFileError
+from torch_batch_process.storage.errors import NotAFileError, storage_error
 
-__all__ = ["JobStore", "LeftoverRows", "job_finished", "latest_record_at", "output_stage", "unpublished_stages_at"]
+__all__ = [
+    "JobStore", "LeftoverRows", "job_finished", "latest_record_at", "lock_holder", "output_stage", "take_job_lock",
+    "unpublished_stages_at",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,26 @@ class JobStore:
         self.storage = storage
         self.first_stage = first_stage
         self._leftovers = leftovers
+        self._lock: JobLock | None = None
+
+    # ------------------------------------------------------------------ the job lock
+
+    def take_lock(self) -> None:
+        """Rank 0: takes the job lock (see :func:`take_job_lock`), held until :meth:`release_lock`."""
+        if self._lock is None:
+            self._lock = take_job_lock(self.storage)
+
+    def check_lock(self) -> None:
+        """Raises :class:`~torch_batch_process.errors.JobLockedError` when the lock was lost (before every record: a
+        job never commits after losing it)."""
+        assert self._lock is not None, "records are written under the job lock"
+        self._lock.check()
+
+    def release_lock(self) -> None:
+        """Releases the job lock, if this process took it."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     # ------------------------------------------------------------------ reading
 
@@ -272,11 +299,11 @@ class JobStore:
             return
         if not self.finished_repair_due(latest):
             return
-        lock = self.storage.job_lock()
+        self.take_lock()
         try:
             self.repair(self.load_latest())
         finally:
-            lock.release()
+            self.release_lock()
 
     def collect_garbage(
         self, record: CommitRecord, previous: CommitRecord | None, skipped: Sequence[CommitRecord] = ()
@@ -384,3 +411,26 @@ def output_stage(name: str) -> int | None:
     ``None`` for any other name."""
     stem = name[len("commit_") :] if name.startswith("commit_") else ""
     return int(stem) if stem.isdigit() and stem == number_name(int(stem)) else None
+
+
+def take_job_lock(storage: Storage) -> JobLock:
+    """Takes the job lock of the job stored in ``storage``: an OS file lock where the storage is a folder of this
+    machine's file system, else a heartbeat lease (written conditionally where the storage can). Raises
+    :class:`~torch_batch_process.errors.JobLockedError` when another job holds it."""
+    path = storage.local_path(LOCK_FILE)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as exc:
+            raise storage_error(storage.url, "create the job lock", exc) from exc
+        return FileJobLock(storage, path)
+    return LeaseJobLock(storage, conditional=storage.conditional_writes())
+
+
+def lock_holder(storage: Storage) -> tuple[bool | None, dict[str, Any] | None]:
+    """Whether a job holds the job lock of ``storage`` now (``None``: cannot tell from here), and its
+    ``{host, pid}``."""
+    path = storage.local_path(LOCK_FILE)
+    if path is not None:
+        return FileJobLock.holder(storage, path)
+    return LeaseJobLock.holder(storage)

@@ -20,6 +20,7 @@ import shlex
 import sys
 from typing import Any
 
+from torch_batch_process import settings
 from torch_batch_process.environment import DEFAULT_ROOT, JOB_NAME_ENV, STORAGE_ENV, STORAGE_OPTIONS_ENV
 
 EXIT_STDOUT_CLOSED = 141
@@ -120,7 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         _say(f"error: {exc}")
         return 2
-    storage = os.environ.get(STORAGE_ENV) or f"the default (./{DEFAULT_ROOT}/<job name>)"
+    storage = settings.current().storage_path.value or f"the default (./{DEFAULT_ROOT}/<job name>)"
     _say(
         f"job {config.name or '(unnamed)'} from {config.path}: {plan.nproc_per_node} worker(s) per node on "
         f"{plan.nnodes} node(s), max_restarts {plan.max_restarts}, storage {storage}; runs {shlex.join(plan.command)}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,9 +75,9 @@ def job_environment(
     Raises:
         ConfigError: ``storage`` is given but empty.
     """
-    from torch_batch_process.environment import HPARAMS_ENV, JOB_NAME_ENV, STORAGE_ENV, STORAGE_OPTIONS_ENV
+    from torch_batch_process.settings import HPARAMS_ENV, JOB_NAME_ENV, STORAGE_ENV, STORAGE_OPTIONS_ENV, read_settings
 
-    environ = os.environ if environ is None else environ
+    exported = read_settings(environ, check=False).storage_path.value  # the exported $TBP_STORAGE_PATH
     env = dict(config.variables)
     notes: list[str] = []
     env[HPARAMS_ENV] = hparams_json(config.hyperparameters)
@@ -94,10 +93,10 @@ def job_environment(
         env[STORAGE_ENV] = absolute_path(storage, Path.cwd())
         if config.storage_path is not None:
             notes.append(f"storage {env[STORAGE_ENV]} (from --storage, instead of checkpoint_storage)")
-    elif environ.get(STORAGE_ENV) and STORAGE_ENV not in config.variables:
-        _check_url(environ[STORAGE_ENV], f"the exported ${STORAGE_ENV}")
+    elif exported and STORAGE_ENV not in config.variables:
+        _check_url(exported, f"the exported ${STORAGE_ENV}")
         instead = ", instead of checkpoint_storage" if config.storage_path is not None else ""
-        notes.append(f"storage {environ[STORAGE_ENV]} (from the exported ${STORAGE_ENV}{instead})")
+        notes.append(f"storage {exported} (from the exported ${STORAGE_ENV}{instead})")
     elif config.storage_path is not None:
         env[STORAGE_ENV] = config.storage_path
     if config.storage_options is not None:

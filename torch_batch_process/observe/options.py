@@ -1,9 +1,9 @@
 """Options of the job's observability (progress display, TensorBoard, profiler, interim metrics).
 
 Each option is a keyword argument of :func:`torch_batch_process` and an environment variable (which
-``tbp run`` sets from the job config); an argument given explicitly wins over the variable. Every
-value is checked before any work, and a bad one raises :class:`InvalidArgumentError` naming the
-argument or the variable.
+``tbp run`` sets from the job config, read by :mod:`torch_batch_process.settings`); an argument given explicitly wins
+over the variable. Every value is checked before any work, and a bad one raises :class:`InvalidArgumentError` naming
+the argument or the variable.
 
 =========================  ===========================  ===================================================
 argument                   environment variable         meaning
@@ -31,37 +31,24 @@ ranks, or ``"all"``), ``wait`` (steps skipped first, default 2), ``warmup`` (def
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from torch_batch_process import settings
 from torch_batch_process.errors import InvalidArgumentError
-
-PROGRESS_ENV = "TBP_PROGRESS"
-PROGRESS_INTERVAL_ENV = "TBP_PROGRESS_INTERVAL"
-TENSORBOARD_ENV = "TBP_TENSORBOARD"
-PROFILE_ENV = "TBP_PROFILE"
-METRICS_INTERVAL_ENV = "TBP_METRICS_INTERVAL"
-STRAGGLER_RATIO_ENV = "TBP_STRAGGLER_RATIO"
-
-ENV_VARS = (
-    PROGRESS_ENV,
-    PROGRESS_INTERVAL_ENV,
-    TENSORBOARD_ENV,
-    PROFILE_ENV,
-    METRICS_INTERVAL_ENV,
-    STRAGGLER_RATIO_ENV,
+from torch_batch_process.settings import (
+    DEFAULT_METRICS_INTERVAL_S,
+    DEFAULT_PROGRESS_INTERVAL_S,
+    DEFAULT_STRAGGLER_RATIO,
+    PROGRESS_MODES,
 )
 
-PROGRESS_MODES = ("auto", "bar", "log", "off")
-DEFAULT_PROGRESS_INTERVAL_S = 30.0
-DEFAULT_METRICS_INTERVAL_S = 60.0
-DEFAULT_STRAGGLER_RATIO = 0.5
+__all__ = [
+    "DEFAULT_METRICS_INTERVAL_S", "DEFAULT_PROGRESS_INTERVAL_S", "DEFAULT_STRAGGLER_RATIO", "ObserveOptions",
+    "ProfileOptions", "resolve_observe_options", "tensorboard_installed",
+]
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 _PROFILE_KEYS = ("ranks", "wait", "warmup", "active", "record_shapes", "profile_memory", "with_stack")
 
 
@@ -106,30 +93,21 @@ def resolve_observe_options(
     tensorboard: Any = None,
     profile: Any = None,
 ) -> ObserveOptions:
-    """Checks the arguments, falls back on the environment variables, and returns the options."""
+    """Checks the arguments, falls back on the environment variables (the call's settings), and returns the options."""
+    env = settings.current()
     return ObserveOptions(
-        progress=_progress_mode(progress),
-        progress_interval=_seconds(
-            "progress_interval", progress_interval, PROGRESS_INTERVAL_ENV, DEFAULT_PROGRESS_INTERVAL_S, allow_zero=False
-        ),
-        tensorboard=_tensorboard(tensorboard),
-        profile=_profile(profile),
-        metrics_interval=_seconds("", None, METRICS_INTERVAL_ENV, DEFAULT_METRICS_INTERVAL_S, allow_zero=True),
-        straggler_ratio=_ratio(),
+        progress=_progress_mode(progress, env),
+        progress_interval=_seconds("progress_interval", progress_interval, env),
+        tensorboard=_tensorboard(tensorboard, env),
+        profile=_profile(profile, env),
+        metrics_interval=env.metrics_interval,
+        straggler_ratio=env.straggler_ratio,
     )
 
 
-def _progress_mode(value: Any) -> str:
-    name = "progress"
+def _progress_mode(value: Any, env: settings.Settings) -> str:
     if value is None:
-        raw = os.environ.get(PROGRESS_ENV, "").strip().lower()
-        if not raw:
-            return "auto"
-        name, value = f"environment variable {PROGRESS_ENV}", raw
-        if raw in _TRUE:
-            return "auto"
-        if raw in _FALSE:
-            return "off"
+        return env.progress.get() or "auto"
     if value is True:
         return "auto"
     if value is False:
@@ -137,42 +115,28 @@ def _progress_mode(value: Any) -> str:
     if isinstance(value, str) and value.lower() in PROGRESS_MODES:
         return value.lower()
     raise InvalidArgumentError(
-        f"{name} must be None, True, False or one of {list(PROGRESS_MODES)}, got {value!r}"
+        f"progress must be None, True, False or one of {list(PROGRESS_MODES)}, got {value!r}"
     )
 
 
-def _seconds(name: str, value: Any, env: str, default: float, *, allow_zero: bool) -> float:
-    where = name
+def _seconds(name: str, value: Any, env: settings.Settings) -> float:
     if value is None:
-        raw = os.environ.get(env, "").strip()
-        if not raw:
-            return default
-        where = f"environment variable {env}"
-        try:
-            value = float(raw)
-        except ValueError:
-            raise InvalidArgumentError(f"{where} must be a number of seconds, got {raw!r}") from None
+        given = env.progress_interval.get()
+        return given if given is not None else DEFAULT_PROGRESS_INTERVAL_S
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidArgumentError(f"{where} must be a number of seconds, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise InvalidArgumentError(f"{where} must be {bound} seconds, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}")
+    if value <= 0:
+        raise InvalidArgumentError(f"{name} must be > 0 seconds, got {value!r}")
     return float(value)
 
 
-def _tensorboard(value: Any) -> bool:
+def _tensorboard(value: Any, env: settings.Settings) -> bool:
     name = "tensorboard"
     if value is None:
-        raw = os.environ.get(TENSORBOARD_ENV, "").strip().lower()
-        if not raw or raw == "auto":
+        given = env.tensorboard.get()
+        if given is None:
             return tensorboard_installed()
-        name = f"environment variable {TENSORBOARD_ENV}"
-        if raw in _TRUE:
-            value = True
-        elif raw in _FALSE:
-            value = False
-        else:
-            raise InvalidArgumentError(f"{name} must be 1, 0 or auto, got {raw!r}")
+        name, value = env.tensorboard.where, given
     if not isinstance(value, bool):
         raise InvalidArgumentError(f"{name} must be None, True or False, got {value!r}")
     if value and not tensorboard_installed():
@@ -183,22 +147,13 @@ def _tensorboard(value: Any) -> bool:
     return value
 
 
-def _profile(value: Any) -> ProfileOptions | None:
+def _profile(value: Any, env: settings.Settings) -> ProfileOptions | None:
     name = "profile"
     if value is None:
-        raw = os.environ.get(PROFILE_ENV, "").strip()
-        if not raw:
+        given = env.profile.get()
+        if given is None:
             return None
-        name = f"environment variable {PROFILE_ENV}"
-        if raw.lower() in _TRUE:
-            value = True
-        elif raw.lower() in _FALSE:
-            return None
-        else:
-            try:
-                value = json.loads(raw)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"{name} must be 1, 0 or a JSON object, got {raw!r} ({exc})") from None
+        name, value = env.profile.where, given
     if value is False:
         return None
     if value is True:
@@ -230,19 +185,6 @@ def _profile(value: Any) -> ProfileOptions | None:
             raise InvalidArgumentError(f"{name}[{key!r}] must be True or False, got {flag!r}")
         flags[key] = flag
     return ProfileOptions(ranks=ranks, **steps, **flags)
-
-
-def _ratio() -> float:
-    raw = os.environ.get(STRAGGLER_RATIO_ENV, "").strip()
-    if not raw:
-        return DEFAULT_STRAGGLER_RATIO
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 1:
-        raise InvalidArgumentError(f"environment variable {STRAGGLER_RATIO_ENV} must be a number in (0, 1), got {raw!r}")
-    return value
 
 
 def _nonneg_int(value: Any) -> bool:

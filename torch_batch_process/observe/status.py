@@ -53,7 +53,7 @@ from torch_batch_process.jobstore.layout import (
     TENSORBOARD_DIR,
 )
 from torch_batch_process.jobstore.memory_limits import MemoryLimits
-from torch_batch_process.jobstore.store import JobStore
+from torch_batch_process.jobstore.store import JobStore, lock_holder
 from torch_batch_process.observe.failures import current_failure_records, failure_summary
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.storage.base import Storage
@@ -78,7 +78,7 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         raise NoJobError(f"no job is stored at {storage.url!r} (no _tbp/job.json)")
     attempt_info = storage.read_json_object(ATTEMPT_FILE) or {}
     result = storage.read_json_object(RESULT_FILE) if latest is not None and latest.finished else None
-    running, holder = storage.lock_holder()
+    running, holder = lock_holder(storage)
 
     spec = job.spec
     batches_total = job.planned_batches

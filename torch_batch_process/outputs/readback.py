@@ -19,7 +19,7 @@ Before returning anything, both compare the rows found with the rows the job's r
 
 Given a table target (``tables.delta(...)``, ``tables.iceberg(...)``, ``tables.lance(...)``) instead of a storage
 path, both read that table, in ``index`` order, with its format's reader
-(:mod:`torch_batch_process.outputs.tables.readback`). The storage path of a job that wrote to a table holds no
+(:mod:`torch_batch_process.outputs.tables.reading`). The storage path of a job that wrote to a table holds no
 shards: reading it is an error that names the table.
 
 Threads: shards are read from Python file objects, so pyarrow wraps what they return in buffers that hold Python
@@ -34,6 +34,7 @@ over shards with a thread pool of its own that is joined before it returns: noth
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -51,7 +52,6 @@ from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
-from torch_batch_process.outputs.shard_names import RECORDS_DIR, committed_shards, published_shards
 from torch_batch_process.outputs.segment_log import read_log_batch, scan_log
 from torch_batch_process.outputs.segments import (
     LOG_SUFFIX,
@@ -61,11 +61,12 @@ from torch_batch_process.outputs.segments import (
     newest_shards,
     read_segment,
 )
+from torch_batch_process.outputs.shard_names import RECORDS_DIR, committed_shards, published_shards
 from torch_batch_process.outputs.tables.base import TableTarget
-from torch_batch_process.outputs.tables.readback import iter_table, read_table
+from torch_batch_process.outputs.tables.reading import iter_table, read_table
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
-from torch_batch_process.storage.registry import open_storage
+from torch_batch_process.storage.registry import check_storage_options, open_storage
 from torch_batch_process.storage.urls import check_storage_url
 
 __all__ = ["OUTPUTS_GLOB", "RETRY_OUTPUTS_GLOB", "iter_outputs", "list_shards", "published_shards", "read_outputs"]
@@ -106,11 +107,7 @@ def _open(
         raise InvalidArgumentError(
             f"storage_path must be a local path or an fsspec URL, got {type(storage_path).__name__}"
         )
-    if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise InvalidArgumentError(
-            f"storage_options must be a dict of fsspec filesystem options or None, got {type(storage_options).__name__}"
-        )
-    storage = open_storage(storage_path, dict(storage_options) if storage_options is not None else None)
+    storage = open_storage(storage_path, check_storage_options(storage_options))
     _refuse_table_job(storage)
     expected = committed_rows(storage)
     record = _latest_record(storage)  # then the segments, then the shards (see outputs/segments.py)
@@ -121,7 +118,7 @@ def _open(
     live = [s.rel for s in live_segments(segments, record, newest_shards(shards))]
     if not shards and not live:
         _say_no_records(storage)
-    typed = _committed_schema(storage) if shards and shards[0].endswith(".jsonl") else None
+    typed = _committed_schema(storage) if shards and _kind(shards[0]) is _Kind.JSONL else None
     committed = record.has_stage if record is not None else (lambda stage: False)
     return storage, shards + live, typed, expected, committed
 
@@ -211,10 +208,7 @@ def _check_read_arguments(storage_path: Any, storage_options: Any) -> None:
             f"storage_path must be a local path or an fsspec URL, got {type(storage_path).__name__}"
         )
     check_storage_url(storage_path)
-    if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise InvalidArgumentError(
-            f"storage_options must be a dict of fsspec filesystem options or None, got {type(storage_options).__name__}"
-        )
+    check_storage_options(storage_options)
 
 
 def _check_columns(wanted: list[str] | None, available: Sequence[str], where: str) -> None:
@@ -226,16 +220,38 @@ def _check_columns(wanted: list[str] | None, available: Sequence[str], where: st
         )
 
 
+class _Kind(enum.Enum):
+    """What a committed file of record rows is, by its name (:func:`_kind`), and so how its rows are read."""
+
+    PARQUET = "a Parquet shard: a run per row group"
+    JSONL = "a JSONL shard: one run"
+    SEGMENT = "a segment file (rows not in a shard yet): one run"
+    LOG = "a segment log: a run per committed record batch"
+
+
+def _kind(shard: str) -> _Kind:
+    """The kind of a committed file (the one place that tells them apart by name)."""
+    if shard.endswith(LOG_SUFFIX):
+        return _Kind.LOG
+    if is_segment(shard):
+        return _Kind.SEGMENT
+    if shard.endswith(".jsonl"):
+        return _Kind.JSONL
+    return _Kind.PARQUET
+
+
 @dataclass
 class _Run:
     """Rows that are loaded together: a Parquet row group, a JSONL shard, a segment file, or a record batch of a
     segment log."""
 
     shard: str
-    group: int
+    kind: _Kind
     low: int
     high: int
     rows: int
+    group: int = 0
+    """A Parquet shard's row group."""
     span: tuple[Any, int, int] | None = None
     """A segment log's batch: the log's schema, where the batch's message starts and ends."""
 
@@ -304,61 +320,66 @@ def _runs(
     """Every run of the shards with its index range (footers only for Parquet, the index column for JSONL), and
     the shards' schemas unified (a column that was all None in one shard is typed in another). JSONL shards have
     the committed schema ``typed`` when the commit record keeps one (it covers every shard), else JSON's types."""
-    import pyarrow.parquet as pq
-
     pa = require_pyarrow()
     runs: list[_Run] = []
     schemas = []
     for shard in shards:
-        if shard.endswith(LOG_SUFFIX):  # a segment log (it grows with the job): a run per committed batch
+        kind = _kind(shard)
+        if kind is _Kind.LOG:  # it grows with the job: a run per committed batch
             scan = _scan_log(storage, shard, committed)
             if scan is None:
                 continue
             schemas.append(scan.schema)
             if not scan.self_contained:  # dictionaries in messages of their own: the whole log is one run
-                runs += _whole_run(shard, pa.Table.from_batches([b for _, _, b in scan.batches], schema=scan.schema))
+                whole = pa.Table.from_batches([b for _, _, b in scan.batches], schema=scan.schema)
+                runs += _whole_run(shard, _Kind.SEGMENT, whole)
                 continue
             for start, end, batch in scan.batches:
                 index = batch.column(INDEX_COLUMN)
                 if len(index):
                     span = (scan.schema, start, end)
-                    runs.append(_Run(shard, -2, int(_np(index).min()), int(_np(index).max()), len(index), span))
-            continue
-        if is_segment(shard):  # committed rows not in a shard yet: a whole segment file is one run
+                    runs.append(_Run(shard, kind, int(_np(index).min()), int(_np(index).max()), len(index), span=span))
+        elif kind is _Kind.SEGMENT:  # committed rows not in a shard yet
             table = _read_segment(storage, shard, None, committed)
-            if table is None:
-                continue
-            schemas.append(table.schema)
-            runs += _whole_run(shard, table)
-            continue
-        if shard.endswith(".jsonl"):
+            if table is not None:
+                schemas.append(table.schema)
+                runs += _whole_run(shard, kind, table)
+        elif kind is _Kind.JSONL:
             table = _read_jsonl(storage, shard, None, None) if typed is None else _read_jsonl_index(storage, shard)
             schemas.append(table.schema if typed is None else typed)
-            index = table.column(INDEX_COLUMN)
-            if len(index):
-                runs.append(_Run(shard, -1, int(_np(index).min()), int(_np(index).max()), len(index)))
-            continue
-        with _reading(storage, shard), storage.open_input(shard) as f:
-            parquet = pq.ParquetFile(f, pre_buffer=False)
-            meta = parquet.metadata
-            schemas.append(parquet.schema_arrow)
-        position = meta.schema.to_arrow_schema().get_field_index(INDEX_COLUMN)
-        for group in range(meta.num_row_groups):
-            rg = meta.row_group(group)
-            if rg.num_rows == 0:
-                continue
-            stats = rg.column(position).statistics
-            if stats is None or not stats.has_min_max:  # no statistics: the range is unknown, load it first
-                runs.append(_Run(shard, group, -1, 2**62, rg.num_rows))
-            else:
-                runs.append(_Run(shard, group, int(stats.min), int(stats.max), rg.num_rows))
+            runs += _whole_run(shard, kind, table)
+        else:
+            schemas.append(_parquet_runs(storage, shard, runs))
     runs.sort(key=lambda run: (run.low, run.shard, run.group))
     return runs, pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
 
 
-def _whole_run(shard: str, table: Any) -> list[_Run]:
+def _whole_run(shard: str, kind: _Kind, table: Any) -> list[_Run]:
+    """The one run of a file read whole (none when it has no rows)."""
     index = table.column(INDEX_COLUMN)
-    return [_Run(shard, -2, int(_np(index).min()), int(_np(index).max()), len(index))] if len(index) else []
+    return [_Run(shard, kind, int(_np(index).min()), int(_np(index).max()), len(index))] if len(index) else []
+
+
+def _parquet_runs(storage: Storage, shard: str, runs: list[_Run]) -> Any:
+    """Adds a run per row group of a Parquet shard, from its footer (the ``index`` statistics give the range; a group
+    without them is loaded first); returns the shard's schema."""
+    import pyarrow.parquet as pq
+
+    with _reading(storage, shard), storage.open_input(shard) as f:
+        parquet = pq.ParquetFile(f, pre_buffer=False)
+        meta = parquet.metadata
+        schema = parquet.schema_arrow
+    position = meta.schema.to_arrow_schema().get_field_index(INDEX_COLUMN)
+    for group in range(meta.num_row_groups):
+        rg = meta.row_group(group)
+        if rg.num_rows == 0:
+            continue
+        stats = rg.column(position).statistics
+        if stats is None or not stats.has_min_max:  # no statistics: the range is unknown, load it first
+            runs.append(_Run(shard, _Kind.PARQUET, -1, 2**62, rg.num_rows, group=group))
+        else:
+            runs.append(_Run(shard, _Kind.PARQUET, int(stats.min), int(stats.max), rg.num_rows, group=group))
+    return schema
 
 
 class _Coalesced:
@@ -442,11 +463,12 @@ def _load(
 ) -> Any:
     import pyarrow.parquet as pq
 
-    if run.span is not None:
+    if run.kind is _Kind.LOG:
+        assert run.span is not None
         return _read_log_batch(storage, run.shard, run.span, columns)
-    if run.group == -2:
+    if run.kind is _Kind.SEGMENT:
         return _read_segment(storage, run.shard, columns, committed)
-    if run.group < 0:
+    if run.kind is _Kind.JSONL:
         return _read_jsonl(storage, run.shard, columns, typed)
     with _reading(storage, run.shard), storage.open_input(run.shard) as f:
         return pq.ParquetFile(f, pre_buffer=False, page_checksum_verification=True).read_row_group(
@@ -580,10 +602,11 @@ def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted:
     storage, shards, typed, expected, committed = _open(storage_path, storage_options)
 
     def read(shard: str) -> Any:
-        if is_segment(shard):
+        kind = _kind(shard)
+        if kind in (_Kind.LOG, _Kind.SEGMENT):
             table = _read_segment(storage, shard, wanted, committed)
             return table if table is not None else require_pyarrow().table({INDEX_COLUMN: []})
-        if shard.endswith(".jsonl"):
+        if kind is _Kind.JSONL:
             return _read_jsonl(storage, shard, wanted, typed)
         with _reading(storage, shard), storage.open_input(shard) as f:  # ParquetFile.read: ~3x faster than read_table
             parquet = pq.ParquetFile(f, pre_buffer=False, page_checksum_verification=True)  # see shard_file.py

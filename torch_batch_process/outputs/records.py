@@ -14,7 +14,7 @@ the previous commit are made durable before the vote: on object stores as the st
 rank's segment log, ``_tbp/segments/<s>-rank_<r>-<k>.arrows``, one file per shard instead of one per commit
 (:mod:`torch_batch_process.outputs.segment_log`). The shard stays open across commits (row groups by bytes, not by
 commit). The shard is *rolled over* (closed and handed to the
-:class:`~torch_batch_process.outputs.files.OutputStager` like an ``upload_path()`` file, so it is published once
+:class:`~torch_batch_process.outputs.stager.OutputStager` like an ``upload_path()`` file, so it is published once
 with the stage it is sealed in) at a commit once it holds ``TBP_SHARD_BYTES`` of rows (default 128 MiB), and at
 every closing commit; its name is ``outputs/commit_<t>/rank_<r>/records/part-<t>-rank<r>-00000.<ext>`` (see
 :mod:`torch_batch_process.jobstore.layout`). Once it is published, the segments it holds are deleted. The
@@ -37,15 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.errors import InvalidArgumentError, SchemaConflictError
-from torch_batch_process.jobstore.layout import SEGMENTS_DIR, segment_file, segment_log_file
+from torch_batch_process.jobstore.layout import SCRATCH_DIR, SEGMENTS_DIR, segment_file, segment_log_file
 from torch_batch_process.jobstore.schema import FIX_HINT, RecordSchema, unify
 from torch_batch_process.outputs.columns import rows_to_table
 from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
-from torch_batch_process.outputs.files import OutputStager
 from torch_batch_process.outputs.segment_log import SegmentLog
 from torch_batch_process.outputs.segments import shard_bytes
-from torch_batch_process.outputs.shard_names import OUTPUT_FORMATS, RECORDS_DIR, shard_name
 from torch_batch_process.outputs.shard_file import ShardFile
+from torch_batch_process.outputs.shard_names import OUTPUT_FORMATS, RECORDS_DIR, shard_name
+from torch_batch_process.outputs.stager import OutputStager
 
 if TYPE_CHECKING:
     from torch_batch_process.context import CurrentBatch
@@ -232,7 +232,7 @@ class RecordWriter:
     def _local(self, suffix: str) -> Path:
         """A new file name in the rank's scratch folder."""
         if self._folder is None:
-            self._folder = self._stager.storage.scratch_folder(f"records-rank_{self._rank}")
+            self._folder = self._stager.storage.scratch_folder(SCRATCH_DIR, f"records-rank_{self._rank}")
         self._files += 1
         return self._folder / f"{self._files:06d}{suffix}"
 

@@ -40,24 +40,23 @@ preempted; after a kill -9 or a failure, once the next start has run).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torch_batch_process.storage.base import Storage
-from torch_batch_process.jobstore.layout import JOB_FILE, SEGMENTS_DIR, outputs_dir
+from torch_batch_process import settings
+from torch_batch_process.jobstore.layout import JOB_FILE, SCRATCH_DIR, SEGMENTS_DIR, outputs_dir
 from torch_batch_process.outputs.segment_log import read_log
 from torch_batch_process.outputs.shard_names import published_shards, shard_name
+from torch_batch_process.storage.base import Storage
 
 if TYPE_CHECKING:
     from torch_batch_process.jobstore.formats import CommitRecord
 
 __all__ = [
     "LOG_SUFFIX",
-    "SHARD_BYTES_ENV",
     "Segment",
     "is_segment",
     "list_segments",
@@ -70,11 +69,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SHARD_BYTES_ENV = "TBP_SHARD_BYTES"
-"""Environment variable: bytes of rows (Arrow's in-memory size) after which a rank rolls its shard over at a commit."""
-
-DEFAULT_SHARD_BYTES = 128 << 20
-
 LOG_SUFFIX = ".arrows"
 """The suffix of a segment log (a segment file's is ``.arrow``)."""
 
@@ -83,24 +77,9 @@ _SHARD_FOLDER = re.compile(r"(?:^|/)outputs/commit_(\d{8,})/rank_(\d+)/records/p
 
 
 def shard_bytes() -> int:
-    """The roll-over size: ``TBP_SHARD_BYTES`` (an int > 0, suffixes ``k``, ``M``, ``G`` allowed), else 128 MiB.
-
-    Raises:
-        InvalidArgumentError: the variable is set to something else (checked before any work).
-    """
-    from torch_batch_process.errors import InvalidArgumentError
-
-    raw = os.environ.get(SHARD_BYTES_ENV, "").strip()
-    if not raw:
-        return DEFAULT_SHARD_BYTES
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1].lower(), 1)
-    digits = raw[:-1] if scale > 1 else raw
-    if not digits.isdigit() or int(digits) * scale <= 0:
-        raise InvalidArgumentError(
-            f"{SHARD_BYTES_ENV}={raw!r}: expected a positive number of bytes (e.g. 134217728 or 128M), the size of "
-            "rows after which a rank starts a new record shard; unset it for the default (128M)"
-        )
-    return int(digits) * scale
+    """The roll-over size: ``TBP_SHARD_BYTES`` (an int > 0, suffixes ``k``, ``M``, ``G`` allowed; the call's settings,
+    checked before any work), else 128 MiB."""
+    return settings.current().shard_bytes
 
 
 @dataclass(frozen=True, order=True)
@@ -258,7 +237,7 @@ def _roll(
         import pyarrow as pa
 
         schema = pa.unify_schemas([t.schema for t in tables], promote_options="permissive")
-    folder = storage.scratch_folder(f"roll-rank_{rank}")
+    folder = storage.scratch_folder(SCRATCH_DIR, f"roll-rank_{rank}")
     try:
         shard = None
         try:

@@ -15,6 +15,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch_batch_process.errors import InvalidArgumentError, StorageError
 from torch_batch_process.sources.base import Source
 from torch_batch_process.storage.errors import missing_backend_hint
+from torch_batch_process.storage.registry import check_storage_options
 
 __all__ = ["FileEntry", "FileSource", "list_files", "open_filesystem"]
 
@@ -57,11 +58,7 @@ def list_files(
         StorageError: the filesystem cannot be reached or listed.
     """
     items = _url_items(urls_or_glob)
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise InvalidArgumentError(
-            f"storage_options={storage_options!r} is not a dict; pass the fsspec filesystem's options as a dict"
-        )
-    options = dict(storage_options or {})
+    options = check_storage_options(storage_options) or {}
     protocols = {_protocol(item) for item in items}
     if len(protocols) > 1:
         raise InvalidArgumentError(

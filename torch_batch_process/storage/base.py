@@ -13,9 +13,11 @@ one-interface-many-backends:
 - :class:`~torch_batch_process.storage.s3.S3Storage` for ``s3://``: an object store whose lease writes are
   conditional, with S3's own requests where they are cheaper (one GET, one CopyObject, multipart uploads).
 
-Callers never ask which backend they have: what differs (how a file gets in, how the job is locked, where
-a folder that is written locally lives) is a method of the backend. Credentials and endpoints come from the
-backend's usual environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``GOOGLE_APPLICATION_CREDENTIALS``...)
+Callers never ask which backend they have: what differs (how a file gets in, whether a file can be written
+conditionally, where a folder that is written locally lives) is a method of the backend. What the stored job makes
+of them (its job lock, its names) is the stored job's (:mod:`torch_batch_process.jobstore`), never a method here.
+Credentials and endpoints come from the backend's usual environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``GOOGLE_APPLICATION_CREDENTIALS``...)
 or from ``storage_options`` (passed to the fsspec filesystem). Every failure is a
 :class:`~torch_batch_process.errors.StorageError` naming the URL, the action and the cause
 (:mod:`torch_batch_process.storage.errors`).
@@ -28,9 +30,9 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
-__all__ = ["FileSink", "JobLock", "MirroredFolder", "Storage", "TMP_MARKER"]
+__all__ = ["ConditionFailed", "ConditionalWrites", "FileSink", "MirroredFolder", "Storage", "TMP_MARKER"]
 
 TMP_MARKER = ".tmp-"
 """Part of the name of a file being written (a crash may leave one; the next start removes it)."""
@@ -143,11 +145,11 @@ class Storage(abc.ABC):
     # ------------------------------------------- what differs between backends
 
     @abc.abstractmethod
-    def scratch_folder(self, name: str) -> Path:
+    def scratch_folder(self, under: str, name: str) -> Path:
         """A fresh local folder (created) whose files :meth:`file_sink` can take in cheaply.
 
-        Locally it lies inside the storage (on the same filesystem: files are later renamed, never copied);
-        for object stores it is a local temporary folder. ``name`` ends up in its name.
+        Locally it lies inside the storage, in its folder ``under`` (on the same filesystem: files are later renamed,
+        never copied); for object stores it is a local temporary folder. ``name`` ends up in its name.
         """
 
     @abc.abstractmethod
@@ -163,14 +165,10 @@ class Storage(abc.ABC):
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
         """A local folder whose files appear at ``rel`` in this storage (see :class:`MirroredFolder`)."""
 
-    @abc.abstractmethod
-    def job_lock(self) -> JobLock:
-        """Takes the job lock of this storage path (:mod:`~torch_batch_process.storage.lock` locally,
-        :mod:`~torch_batch_process.storage.lease` on object stores)."""
-
-    @abc.abstractmethod
-    def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
-        """Whether a job holds the lock now (``None``: cannot tell from here), and its ``{host, pid}``."""
+    def conditional_writes(self) -> ConditionalWrites | None:
+        """The storage's writes that succeed only when a file is still the version read (S3's conditional PUTs), or
+        ``None`` when it has none (a lease is then written and read back: :mod:`torch_batch_process.jobstore.lease`)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional
         """Releases local resources (temporary mirrors)."""
@@ -213,12 +211,19 @@ class MirroredFolder(abc.ABC):
         """A last :meth:`sync`, then local clean-up."""
 
 
-class JobLock:
-    """Held by rank 0 for the whole job; ``storage.job_lock()`` takes the backend's kind."""
+class ConditionFailed(Exception):
+    """A conditional write lost: the object changed (or appeared) since it was read."""
 
-    def release(self) -> None:
-        """Releases the lock (idempotent)."""
 
-    def check(self) -> None:
-        """Raises :class:`~torch_batch_process.errors.JobLockedError` when the lock was lost (lease taken over or
-        not renewable)."""
+class ConditionalWrites(Protocol):
+    """Writes that succeed only when the object is still the version read (S3:
+    :class:`~torch_batch_process.storage.s3.S3Storage`)."""
+
+    def read_versioned(self, rel: str) -> tuple[bytes, str]:
+        """Reads a file and its version tag; ``FileNotFoundError`` when missing."""
+        ...
+
+    def write_conditional(self, rel: str, data: bytes, *, if_version: str | None) -> str:
+        """Writes ``rel`` only if it is still at version ``if_version`` (``None``: only if absent); returns the new
+        version tag; raises :class:`ConditionFailed` when another writer won."""
+        ...

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from torch_batch_process.environment import env_number
+from torch_batch_process import settings
 from torch_batch_process.errors import StorageError
 
 __all__ = [
@@ -48,12 +48,12 @@ T = TypeVar("T")
 
 def retry_attempts() -> int:
     """Most attempts of one storage operation (``TBP_STORAGE_RETRIES``, default 5)."""
-    return int(env_number("TBP_STORAGE_RETRIES", 5, integer=True, minimum=1))
+    return settings.current().storage_retries
 
 
 def retry_budget_s() -> float:
     """No retry starts later than this many seconds after the first attempt (``TBP_STORAGE_RETRY_S``)."""
-    return float(env_number("TBP_STORAGE_RETRY_S", 30.0))
+    return settings.current().storage_retry_s
 
 
 RETRY_BASE_DELAY_S = 0.2

@@ -8,8 +8,8 @@
   this process's first append to the file, so that new lines never join it.
 - **Files in**: output files are written in scratch folders inside the storage and renamed into place
   (no copy, whatever their size).
-- **Lock**: an OS file lock (:class:`~torch_batch_process.storage.lock.FileJobLock`), released by the
-  kernel when the holder dies.
+- **Local paths**: a file can be appended in place or locked by the OS (the stored job's lock,
+  :class:`~torch_batch_process.jobstore.job_lock.FileJobLock`, released by the kernel when the holder dies).
 """
 
 from __future__ import annotations
@@ -21,19 +21,16 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from torch_batch_process.errors import StorageError
-from torch_batch_process.storage.base import TMP_MARKER, FileSink, JobLock, MirroredFolder, Storage
+from torch_batch_process.storage.base import TMP_MARKER, FileSink, MirroredFolder, Storage
 from torch_batch_process.storage.errors import NotAFileError, describe, storage_error
-from torch_batch_process.storage.lock import LOCK_FILE, FileJobLock
 
 __all__ = ["LocalStorage"]
 
 logger = logging.getLogger(__name__)
 
-SCRATCH_DIR = "_tbp/scratch"
-"""Where :meth:`LocalStorage.scratch_folder` makes its folders (same filesystem as the outputs)."""
 
 
 class LocalStorage(Storage):
@@ -210,8 +207,8 @@ class LocalStorage(Storage):
 
     # ------------------------------------------- what differs between backends
 
-    def scratch_folder(self, name: str) -> Path:
-        folder = Path(self.path(f"{SCRATCH_DIR}/{name}-{uuid.uuid4().hex[:10]}"))
+    def scratch_folder(self, under: str, name: str) -> Path:
+        folder = Path(self.path(f"{under}/{name}-{uuid.uuid4().hex[:10]}"))
         try:
             folder.mkdir(parents=True, exist_ok=False)
         except OSError as exc:
@@ -226,13 +223,6 @@ class LocalStorage(Storage):
 
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
         return _SameFolder(Path(self.path(rel)))
-
-    def job_lock(self) -> JobLock:
-        self.makedirs(LOCK_FILE.rsplit("/", 1)[0])
-        return FileJobLock(self, self.path(LOCK_FILE))
-
-    def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
-        return FileJobLock.holder(self, self.path(LOCK_FILE))
 
 
 class _RenameSink(FileSink):

@@ -8,7 +8,7 @@ retry's storage: every path maps into ``retries/<k>/``, except ``outputs/...``, 
 job's storage (one rename locally), and the retry's stage numbers, which follow every stage number the job used
 before, keep its ``outputs/commit_<s>/`` folders apart from the job's.
 
-What differs between backends (scratch folders, the job lock, mirrored folders) is the folder's own storage's
+What differs between backends (scratch folders, conditional writes, mirrored folders) is the folder's own storage's
 (``retries/<k>/`` opened as a storage of the same kind), so the retry's lock and scratch files stay in its folder.
 """
 
@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
-from torch_batch_process.storage.base import FileSink, MirroredFolder, Storage
+from torch_batch_process.storage.base import ConditionalWrites, FileSink, MirroredFolder, Storage
 from torch_batch_process.storage.registry import open_storage
-
-if TYPE_CHECKING:
-    from torch_batch_process.storage.lock import JobLock
 
 __all__ = ["NestedStorage"]
 
@@ -99,8 +96,8 @@ class NestedStorage(Storage):
     def remove_empty_folder(self, rel: str) -> None:
         self.parent.remove_empty_folder(self._map(rel))
 
-    def scratch_folder(self, name: str) -> Path:
-        return self.own.scratch_folder(name)
+    def scratch_folder(self, under: str, name: str) -> Path:
+        return self.own.scratch_folder(under, name)
 
     def file_sink(self) -> FileSink:
         return _MappedSink(self.parent.file_sink(), self._map)
@@ -113,11 +110,8 @@ class NestedStorage(Storage):
             return self.parent.mirrored_folder(rel, name)
         return self.own.mirrored_folder(rel, name)
 
-    def job_lock(self) -> JobLock:
-        return self.own.job_lock()
-
-    def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
-        return self.own.lock_holder()
+    def conditional_writes(self) -> ConditionalWrites | None:
+        return self.own.conditional_writes()  # the folder's own storage: the same objects as this one's own paths
 
     def close(self) -> None:
         self.own.close()

@@ -12,7 +12,8 @@
 - **Appends**: objects cannot be appended to, so the appender keeps a local copy of the file and uploads
   it whole, in one atomic PUT, at each append (:mod:`torch_batch_process.storage.scratch`, with the other
   local temporary folders).
-- **Lock**: a heartbeat lease (:class:`~torch_batch_process.storage.lease.LeaseJobLock`).
+- **No local paths, no locks**: the stored job holds a heartbeat lease instead
+  (:class:`~torch_batch_process.jobstore.lease.LeaseJobLock`).
 
 S3 is a subclass (:class:`~torch_batch_process.storage.s3.S3Storage`): conditional lease writes and S3's own
 requests; this class holds what every object store shares.
@@ -32,7 +33,7 @@ from typing import Any, BinaryIO, TypeVar
 import fsspec
 
 from torch_batch_process.errors import StorageError
-from torch_batch_process.storage.base import FileSink, JobLock, MirroredFolder, Storage
+from torch_batch_process.storage.base import FileSink, MirroredFolder, Storage
 from torch_batch_process.storage.errors import (
     describe,
     is_missing_backend,
@@ -41,7 +42,6 @@ from torch_batch_process.storage.errors import (
     storage_error,
     with_retries,
 )
-from torch_batch_process.storage.lease import LeaseJobLock
 from torch_batch_process.storage.scratch import AppendedFiles, LocalScratch
 from torch_batch_process.storage.uploads import UploadedFolder, UploadSink
 
@@ -267,7 +267,7 @@ class ObjectStorage(Storage):
 
     # ------------------------------------------- what differs between backends
 
-    def scratch_folder(self, name: str) -> Path:
+    def scratch_folder(self, under: str, name: str) -> Path:
         return self._scratch.folder(name)
 
     def scratch_root(self) -> Path:
@@ -279,12 +279,6 @@ class ObjectStorage(Storage):
 
     def mirrored_folder(self, rel: str, name: str) -> MirroredFolder:
         return UploadedFolder(self, rel, LocalScratch.mirror_path(name))
-
-    def job_lock(self) -> JobLock:
-        return LeaseJobLock(self)
-
-    def lock_holder(self) -> tuple[bool | None, dict[str, Any] | None]:
-        return LeaseJobLock.holder(self)
 
     def close(self) -> None:
         self._appended.close()

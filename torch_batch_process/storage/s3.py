@@ -4,7 +4,7 @@ What differs from :class:`~torch_batch_process.storage.object_store.ObjectStorag
 
 - **Lease**: every write of the job lease is conditional (``If-None-Match: *`` to create, ``If-Match: <etag>`` to
   renew or take over: :meth:`S3Storage.read_versioned`, :meth:`S3Storage.write_conditional`), so two jobs
-  racing for it cannot both win (:mod:`torch_batch_process.storage.lease`);
+  racing for it cannot both win (:mod:`torch_batch_process.jobstore.lease`);
 - **Retries**: the retry loops of botocore and s3fs are turned off on the library's own filesystem instance, so
   the storage's retry policy (:func:`~torch_batch_process.storage.errors.with_retries`) is the only one;
 - **Requests**: a read is one GET (no size probe first); a copy of up to 5 GiB is one ``CopyObject``; an upload
@@ -19,9 +19,8 @@ from typing import Any
 
 import fsspec
 
-from torch_batch_process.storage.base import JobLock
+from torch_batch_process.storage.base import ConditionalWrites, ConditionFailed
 from torch_batch_process.storage.errors import is_precondition_failed
-from torch_batch_process.storage.lease import ConditionFailed, LeaseJobLock
 from torch_batch_process.storage.object_store import ObjectStorage
 
 __all__ = ["UPLOAD_PART_BYTES", "UPLOAD_PART_CONCURRENCY", "S3Storage"]
@@ -92,7 +91,7 @@ class S3Storage(ObjectStorage):
     def write_conditional(self, rel: str, data: bytes, *, if_version: str | None) -> str:
         """Writes ``rel`` only if it is still at version ``if_version`` (``None``: only if absent).
 
-        Returns the new version tag; raises :class:`~torch_batch_process.storage.lease.ConditionFailed` when another
+        Returns the new version tag; raises :class:`~torch_batch_process.storage.base.ConditionFailed` when another
         writer won.
         """
         bucket, key = self._bucket_key(rel)
@@ -117,5 +116,5 @@ class S3Storage(ObjectStorage):
         bucket, _, key = full.partition("/")
         return bucket, key
 
-    def job_lock(self) -> JobLock:
-        return LeaseJobLock(self, conditional=self)
+    def conditional_writes(self) -> ConditionalWrites:
+        return self

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from torch_batch_process.environment import env_number
+from torch_batch_process import settings
 from torch_batch_process.storage.base import FileSink, MirroredFolder, Storage
 
 __all__ = ["UploadSink", "UploadedFolder", "upload_threads"]
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 def upload_threads() -> int:
     """Threads uploading output files: ``$TBP_UPLOAD_THREADS``, default 8 (read when a sink starts uploading)."""
-    return int(env_number("TBP_UPLOAD_THREADS", 8, integer=True, minimum=1))
+    return settings.current().upload_threads
 
 
 class UploadSink(FileSink):

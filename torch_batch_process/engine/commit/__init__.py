@@ -3,9 +3,11 @@
 Each rank votes (its batches, state file, metrics lines, failure, stop request); rank 0 merges the votes into
 commit records and writes them (record keeping, group commit); each rank then publishes its committed stages
 into ``outputs/``. Votes travel by one of two transports: gathered (``schedule="static"``: every rank at the
-same step) or queued (``schedule="dynamic"``: each rank on its own); what the ranks learned about the device's
-memory (``on_oom="split"``) travels in the votes and is shared back by each transport. Opening the job (rank 0
-reads, checks and repairs what is stored) is the commit path's start.
+same step) or queued (``schedule="dynamic"``: each rank on its own). What each capability stores with a commit
+(record rows, a table's files, memory limits, failing examples, batch-time histograms, the reducers' summaries) is a
+participant of the commit (:mod:`~torch_batch_process.engine.commit.participants`): its typed payloads travel in the
+votes, rank 0 merges them into the records, and what every rank must learn is shared back by each transport.
+Opening the job (rank 0 reads, checks and repairs what is stored) is the commit path's start.
 
 Promise: exactly-once outputs: a file appears under ``outputs/`` only once the durable record that covers it
 was written, together with the batches it came from, and a crash anywhere is repaired at the next start. A

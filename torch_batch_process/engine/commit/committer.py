@@ -31,10 +31,12 @@ of *its* batches: votes go into a queue in the rendezvous store, rank 0's collec
 records as votes arrive and acknowledges them per rank through the store; no rank ever waits for another at a
 commit. A single process takes the gathered path, whose exchanges are then local.
 
-**Memory limits** (``on_oom="split"``, DESIGN §15): each vote carries what its rank's
-:class:`~torch_batch_process.engine.feed.fitting.BatchFitter` learned; every rank learns the others' from rank 0
-(gathered: rank 0 reads the votes and, when it holds news, flags it in a commit's flags and every rank takes its
-limits by one broadcast at that step boundary; queued: through the store, :meth:`VoteTransport.shared_limits`).
+**Participants** (DESIGN §20, :mod:`~torch_batch_process.engine.commit.participants`): what each capability stores
+with a commit (record rows, a table's files, memory limits, failing examples, batch-time histograms, the reducers'
+summaries) travels in the votes as typed payloads, and rank 0's keeper merges them into the records; the committer
+iterates the call's participants and knows none of them. What rank 0 merged and every rank must learn (memory limits,
+``on_oom="split"``) goes back to every rank: gathered, rank 0 flags it in a commit's flags and every rank takes it by
+one broadcast at that step boundary; queued, through the store (:meth:`VoteTransport.shared`).
 
 **Closing commit**: when a rank has no batch left, or the ranks stop (preemption) or fail, every rank makes
 one synchronous commit together (:meth:`Committer.close`): the votes (with failures, preemption requests and
@@ -57,19 +59,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from torch_batch_process.engine.commit.keeper import RecordKeeper, Summary
+from torch_batch_process.engine.commit.participants import Participants
+from torch_batch_process.engine.commit.payloads import Payloads
 from torch_batch_process.engine.commit.publisher import Publisher
-from torch_batch_process.engine.commit.rank_failure import FailureInfo, RankFailure
-from torch_batch_process.engine.commit.votes import Part, Vote, VoteTransport
+from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
+from torch_batch_process.engine.commit.summary import Summary
+from torch_batch_process.engine.commit.transport import VoteTransport
+from torch_batch_process.engine.commit.votes import Vote
 from torch_batch_process.engine.distributed import Collectives
-from torch_batch_process.engine.feed.fitting import BatchFitter
+from torch_batch_process.engine.rank_failure import FailureInfo, RankFailure
+from torch_batch_process.engine.work import RankWork
 from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.stragglers import RankInterval
-from torch_batch_process.outputs.files import OutputStager
-from torch_batch_process.outputs.records import RecordWriter
+from torch_batch_process.outputs.stager import OutputStager
 from torch_batch_process.processor import TorchBatchProcessor
-from torch_batch_process.reducers import ReducerRegistry
 
 __all__ = ["Committer", "Outcome"]
 
@@ -85,61 +89,56 @@ class Outcome:
     summary: Summary
 
 
+@dataclass(frozen=True)
+class RankState:
+    """What a rank's commit saves besides its outputs: its state file (the reducers' summaries and the processor's
+    ``state_dict()``), in the job's store."""
+
+    store: JobStore
+    summaries: ReducerSummaries
+
+
 class Committer:
     """This rank's side of the commit protocol (see the module docstring).
 
     Args:
-        rank: this rank.
         collectives: the library's collectives (closing commits, static votes).
-        store: the job's stored state.
-        stager: this rank's ``upload_path()`` files.
-        reducers: this rank's reducers.
-        rank_failure: this rank's failure (errors of background work are recorded there).
-        keeper: rank 0's record keeper (``None`` elsewhere).
+        transport: how this rank's regular votes travel (gathered: static schedule; queued: dynamic); on rank 0 it
+            holds the record keeper.
+        state: where this rank's state files go, and the reducers' summaries they hold.
+        stager: this rank's ``upload_path()`` files (and record outputs, attached to it).
+        work: this rank's work since its previous commit (its votes carry it).
+        participants: what the call's capabilities add to each vote.
         observer: told about every commit this rank sees complete (progress, stragglers, TensorBoard).
-        committed: batches and examples committed before this attempt.
-        first_stage: the stage this rank's first commit fills.
-        transport: how this rank's regular votes travel (gathered: static schedule; queued: dynamic).
-        records: this rank's record writer (``context.write()``): its votes carry its schema.
-        fitter: this rank's memory limits (``on_oom="split"``): its votes carry what it learned, and it learns
-            what the other ranks did (from their votes, or from rank 0 through the store with queued votes).
+        rank_failure: this rank's failure (errors of background work are recorded there).
     """
 
     def __init__(
         self,
         *,
-        rank: int,
         collectives: Collectives,
-        store: JobStore,
-        stager: OutputStager,
-        reducers: ReducerRegistry,
-        rank_failure: RankFailure,
-        keeper: RecordKeeper | None,
-        observer: Any,
-        committed: tuple[int, int],
-        first_stage: int,
         transport: VoteTransport,
-        records: RecordWriter | None = None,
-        fitter: BatchFitter | None = None,
+        state: RankState,
+        stager: OutputStager,
+        work: RankWork,
+        participants: Participants,
+        observer: Any,
+        rank_failure: RankFailure,
     ) -> None:
-        self.rank = rank
-        self._fitter = fitter
-        self._unshared = False  # rank 0, static schedule: it holds memory limits the other ranks have not seen
-        self._records = records
-        self._sent_schema: Any = None  # the record schema this rank's votes carried last
+        self.rank = collectives.rank
         self._coll = collectives
-        self._store = store
-        self._stager = stager
-        self._reducers = reducers
-        self._rank_failure = rank_failure
-        self._keeper = keeper
-        self._observer = observer
-        self._committed_batches, self._committed_examples = committed
         self._transport = transport
-        self.part = Part()
-        self.stage = first_stage
-        self._stager.advance(first_stage)
-        self._published = Publisher(store, rank, sole=collectives.world_size == 1, on_published=stager.published)
+        self._state = state
+        self._stager = stager
+        self._work = work
+        self._participants = participants
+        self._observer = observer
+        self._rank_failure = rank_failure
+        self._news: Payloads | None = None  # rank 0, gathered: what its participants share, not sent yet
+        self.stage = transport.first_stage
+        self._stager.advance(self.stage)
+        self._published = Publisher(state.store, self.rank, sole=collectives.world_size == 1,
+                                     on_published=stager.published)
 
     # ------------------------------------------------------------ regular commits
 
@@ -151,13 +150,13 @@ class Committer:
             return  # a failed rank's part is never committed: the closing exchange makes every rank raise
         vote = self._vote(processor, final=False)
         vote.preempt = preempt
-        if self._transport.send(vote, limits_news=self._unshared and self.rank == 0 and self._coll.world_size > 1):
+        news = self._news is not None and self._coll.world_size > 1
+        if self._transport.send(vote, news=news):
             self._complete()  # complete now (queued, or one process): no step to wait for the votes
-        if self._fitter is not None:
-            shared = self._transport.shared_limits()  # queued votes: rank 0's merge of every rank's votes so far
-            if shared is not None:
-                self._fitter.merge(shared)
-        self.part.timings["commit"] += time.perf_counter() - t0
+        shared = self._transport.shared()  # queued votes: what rank 0's participants shared since the last read
+        if shared is not None:
+            self._participants.learn(shared)
+        self._work.part.timings["commit"] += time.perf_counter() - t0
 
     def poll(self) -> bool:
         """At a step boundary: completes a commit whose votes have arrived (gathered votes); returns True
@@ -166,7 +165,7 @@ class Committer:
             return False
         t0 = time.perf_counter()
         stop = self._complete()
-        self.part.timings["commit"] += time.perf_counter() - t0
+        self._work.part.timings["commit"] += time.perf_counter() - t0
         return stop
 
     def _complete(self) -> bool:
@@ -178,7 +177,11 @@ class Committer:
         votes, flags = arrival.votes, arrival.flags
         if flags.failed:  # every rank knows: the failures themselves, then every rank raises
             self._raise_failures(self._coll.all_gather(self._rank_failure.info))
-        self._learn(votes, flags.limits)
+        if flags.shared:  # rank 0 flagged what its participants share: every rank takes it now
+            shared = self._coll.broadcast(self._news if self.rank == 0 else None)
+            self._news = None
+            if self.rank != 0:
+                self._participants.learn(shared)
         own = next(v for v in votes if v.rank == self.rank)
         self._published.voted(own.stage, own.has_files)
         self._published.publish(self._transport.durable_votes(flags.durable, self._published))
@@ -187,39 +190,16 @@ class Committer:
             metrics = self._transport.record(votes)
         except SchemaConflictError as exc:  # never committed: travels in rank 0's next vote, all ranks raise
             self._rank_failure.record(exc, f"commit of stage {own.stage} (checking the ranks' record outputs)")
-        self._observe(votes, metrics, arrival.counts)
+        news = self._transport.news()  # gathered, rank 0: what the votes it merged taught
+        if news is not None:
+            self._participants.learn(news)  # rank 0 learns at once; the others with its next commit's flags
+            self._news = news
+        self._observe(votes, metrics, self._transport.committed_counts(arrival))
         return flags.preempt
 
-    def _learn(self, votes: list[Vote], broadcast: int = 0) -> None:
-        """What the other ranks learned about the device's memory: from their votes (every rank's at a closing
-        commit; rank 0's alone at a static commit), and at a static commit where rank 0 flagged news (``broadcast``),
-        the limits rank 0 merged, sent to every rank."""
-        if self._fitter is None:
-            return
-        for vote in votes:
-            if vote.limits is not None and vote.rank != self.rank:
-                self._fitter.merge(vote.limits)
-                self._unshared = True  # the other ranks have not seen it yet
-        if broadcast:
-            shared = self._coll.broadcast(self._fitter.limits.to_json() if self.rank == 0 else None)
-            if self.rank != 0:
-                self._fitter.merge(shared)
-            self._unshared = False
-
-    def _observe(
-        self, votes: list[Vote], metrics: dict[str, Any] | None, counts: tuple[int, int] | None = None
-    ) -> None:
+    def _observe(self, votes: list[Vote], metrics: dict[str, Any] | None, counts: tuple[int, int]) -> None:
         """Tells the observer about a completed commit (all ranks' votes, or this rank's own; ``counts``: the
-        committed batches and examples rank 0 told, when the votes are only this rank's own)."""
-        if self._keeper is not None:
-            self._committed_batches, self._committed_examples = self._keeper.committed_counts()
-        elif counts is not None:
-            self._committed_batches = max(self._committed_batches, counts[0])
-            self._committed_examples = max(self._committed_examples, counts[1])
-        else:
-            for vote in votes:
-                self._committed_batches += sum(b - a for a, b in vote.batches)
-                self._committed_examples += vote.examples
+        committed batches and examples as this rank knows them)."""
         intervals = [RankInterval(0, 0, {}) for _ in range(self._coll.world_size)]
         for vote in votes:
             intervals[vote.rank] = RankInterval(sum(b - a for a, b in vote.batches), vote.examples, vote.timings)
@@ -227,8 +207,8 @@ class Committer:
         self._observer.on_commit(
             intervals=intervals,
             own_records=own,
-            batches_committed=self._committed_batches,
-            examples_committed=self._committed_examples,
+            batches_committed=counts[0],
+            examples_committed=counts[1],
             metrics=metrics,
             all_ranks=len(votes) == self._coll.world_size,
         )
@@ -236,22 +216,25 @@ class Committer:
     def _vote(self, processor: TorchBatchProcessor, *, final: bool, closing: bool = False) -> Vote:
         """Settles this rank's part (earlier background work, uploads, state file) into a vote, and starts
         the next stage."""
-        state_file, slots = None, None
+        state_file = None
         if not self._rank_failure.failed:
             try:
                 self._check_background()
                 self._stager.seal(closing)  # record rows: the stage's segment; shards roll over (records.py)
+                self._participants.seal(closing)
                 self._stager.flush()
                 processor_state = processor.state_dict()
-                if self._reducers.wrapped or processor_state is not None:
-                    slots = self._reducers.per_slot_states()
-                    state_file = self._store.write_state(self.stage, self.rank, slots, processor_state)
+                summaries = self._state.summaries
+                if summaries.wrapped or processor_state is not None:
+                    state_file = self._state.store.write_state(
+                        self.stage, self.rank, summaries.take_slots(), processor_state
+                    )
             except Exception as exc:  # noqa: BLE001 - travels in the vote
                 self._rank_failure.record(exc, f"commit of stage {self.stage} (saving outputs and state)")
         has_files, outputs = self._stager.has_files, self._stager.has_outputs
         if self._stager.has_failures:
             self._published.mark_failures(self.stage)
-        part, self.part = self.part, Part()
+        part = self._work.take()
         vote = Vote(
             rank=self.rank,
             stage=self.stage,
@@ -262,44 +245,14 @@ class Committer:
             lines=part.lines,
             timings=part.timings,
             failure=self._rank_failure.info,
-            slots=slots if closing else None,
-            extra={"failed": part.failed} if part.failed else {},
             outputs=outputs,
-            schema=self._new_schema(),
+            payloads=self._participants.contribute(part, closing),
         )
         self._transport.stamp(vote)
-        if self._fitter is not None:
-            vote.limits = self._fitter.take_news()
-            self._unshared = self._unshared or vote.limits is not None
-            ooms, split = self._fitter.take_counts()
-            if ooms:
-                vote.extra["ooms"] = ooms
-            if split:
-                vote.extra["split"] = split
-        if part.batch_times:  # the histogram of its batches' seconds: rank 0 keeps it for the job's timeline
-            vote.extra["batch_times"] = dict(part.batch_times)
-        rows = self._records.take_rows() if self._records is not None else 0
-        if rows:  # rank 0 adds them up in the record; read-back checks the shards against the sum
-            vote.extra["rows"] = rows
-        open_rows = self._records.segment_rows() if self._records is not None else None
-        if open_rows is not None:  # the record keeps them: the next start checks the leftover segments against them
-            vote.extra["segment_rows"] = open_rows
-        files = self._records.take_table_files() if self._records is not None else []
-        if files:  # a table target's data files of this stage: rank 0 adds them to the table after the record
-            vote.extra["table_files"] = files
         if not final:  # after a closing commit, on_finish() may still write files: a final commit follows
             self.stage = self._transport.next_stage(self.stage)
             self._stager.advance(self.stage)
         return vote
-
-    def _new_schema(self) -> Any:
-        """This rank's record schema if its votes have not carried it yet (an Arrow schema pickles in ~45 us:
-        a commit every few milliseconds should not pay it every time), else ``None``."""
-        schema = self._records.schema if self._records is not None else None
-        if schema is self._sent_schema:
-            return None
-        self._sent_schema = schema
-        return schema
 
     # ------------------------------------------------------------ closing commits
 
@@ -312,42 +265,28 @@ class Committer:
         vote.preempt = preempt or stop
         votes: list[Vote] = self._coll.all_gather(vote)
         self._raise_failures([v.failure for v in votes])
-        self._learn(votes)
         preempted = any(v.preempt for v in votes)
         own_error: BaseException | None = None
         answer: Any = None
-        if self._keeper is not None:
-            try:
-                answer = self._close_records(votes, final=final, preempted=preempted)
-            except Exception as exc:  # noqa: BLE001 - sent to every rank
-                own_error = exc
-                answer = FailureInfo(0, "writing the closing commit record", type(exc).__name__, str(exc), "")
-                answer = (answer, self._transport.newest_durable())
+        try:
+            answer = self._transport.close_record(votes, final=final, preempted=preempted,
+                                                  settle=self._published.settle)
+        except Exception as exc:  # noqa: BLE001 - sent to every rank
+            own_error = exc
+            answer = FailureInfo(0, "writing the closing commit record", type(exc).__name__, str(exc), "")
+            answer = (answer, self._transport.newest_durable())
         answer = self._coll.broadcast(answer)
         if isinstance(answer[0], FailureInfo):
             self._publish_committed(answer[1])  # what earlier records made durable
             if own_error is not None:
                 raise own_error
             raise WorkerFailedError(f"{answer[0].describe()}; the commit did not happen. Run the job again to resume.")
+        metrics, summary = answer
         self._published.voted(vote.stage, vote.has_files)
         self._published.publish(len(self._published), wait=True)  # every vote of this rank is durable now
-        self._observe(votes, answer[0], (answer[1].batches_committed, answer[1].examples_committed))
-        self.part.timings["commit"] += time.perf_counter() - t0
-        return Outcome(preempted=preempted, metrics=answer[0], summary=answer[1])
-
-    def _close_records(
-        self, votes: list[Vote], *, final: bool, preempted: bool
-    ) -> tuple[dict[str, Any] | None, Summary]:
-        """Rank 0: every record still owed, then the closing one, written now."""
-        keeper = self._keeper
-        assert keeper is not None
-        self._transport.drain(votes)
-        self._published.settle()
-        slots = [v.slots for v in votes]
-        prepared = keeper.prepare(keeper.merge(votes), final=final, preempting=preempted, slots=slots)
-        keeper.persist(prepared, closing=True)
-        self._transport.written(prepared.record.commit)
-        return prepared.metrics, keeper.summary
+        self._observe(votes, metrics, (summary.batches_committed, summary.examples_committed))
+        self._work.part.timings["commit"] += time.perf_counter() - t0
+        return Outcome(preempted=preempted, metrics=metrics, summary=summary)
 
     # ------------------------------------------------------------ failures
 

@@ -10,9 +10,9 @@ then merges the votes into the next record and queues it for its record writer t
 that wait as one group commit (:mod:`~torch_batch_process.engine.commit.group_commit`); its next commit's flags
 tell every rank the newest durable record, and each rank publishes the stages that record covers.
 
-Memory limits (``on_oom="split"``): rank 0 reads what every rank learned in their votes; when it holds limits the
-other ranks have not seen, it says so in a commit's flags and every rank takes them from it in one ``broadcast``
-at that step boundary (the committer's, which holds the limits).
+What rank 0's participants share (memory limits, ``on_oom="split"``): when the votes rank 0 merged taught them
+something every rank must learn (:meth:`GatheredVotes.news`), rank 0 says so in its next commit's flags and every
+rank takes it from rank 0 in one ``broadcast`` at that step boundary (the committer's).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.commit.group_commit import GroupCommit
 from torch_batch_process.engine.commit.keeper import RecordKeeper
-from torch_batch_process.engine.commit.votes import Arrival, CommitFlags, Vote, VoteTransport
+from torch_batch_process.engine.commit.payloads import Payloads
+from torch_batch_process.engine.commit.transport import VoteTransport
+from torch_batch_process.engine.commit.votes import Arrival, CommitFlags, Vote
 from torch_batch_process.engine.distributed import Collectives, PendingGather, PendingMax
 
 if TYPE_CHECKING:
@@ -36,13 +38,13 @@ logger = logging.getLogger(__name__)
 class PendingVotes:
     """A commit's exchange in flight: the votes' gather to rank 0 and the flags' ``all_reduce``."""
 
-    def __init__(self, collectives: Collectives, vote: Vote, counts: tuple[int, int], limits: bool = False) -> None:
+    def __init__(self, collectives: Collectives, vote: Vote, counts: tuple[int, int], shared: bool = False) -> None:
         self._collectives = collectives
         self._vote = vote
         self._gather: PendingGather = collectives.start_gather(vote)
         flags = [
             int(vote.preempt), int(vote.failure is not None), int(self._gather.overflowed), vote.durable, *counts,
-            int(limits),
+            int(shared),
         ]
         self._flags: PendingMax = collectives.start_max(flags)
 
@@ -66,13 +68,15 @@ class GatheredVotes(VoteTransport):
     Args:
         collectives: the library's collectives.
         keeper: rank 0's record keeper (``None`` elsewhere): its records are written by a thread of their own.
+        first_stage: the stage of this attempt's first commit (the same on every rank).
     """
 
     every_rank_votes = True
 
-    def __init__(self, collectives: Collectives, keeper: RecordKeeper | None) -> None:
+    def __init__(self, collectives: Collectives, keeper: RecordKeeper | None, first_stage: int) -> None:
         self._collectives = collectives
-        self._keeper = keeper
+        self.keeper = self._keeper = keeper
+        self.first_stage = first_stage
         self._writes = GroupCommit(keeper) if keeper is not None else None  # rank 0
         self._pending: PendingVotes | None = None
 
@@ -83,9 +87,9 @@ class GatheredVotes(VoteTransport):
         if self._writes is not None:
             vote.durable = self._writes.durable
 
-    def send(self, vote: Vote, *, limits_news: bool = False) -> bool:
+    def send(self, vote: Vote, *, news: bool = False) -> bool:
         counts = self._keeper.committed_counts() if self._keeper is not None else (0, 0)  # rank 0's, for progress
-        self._pending = PendingVotes(self._collectives, vote, counts, limits_news)
+        self._pending = PendingVotes(self._collectives, vote, counts, news)
         return self._collectives.world_size == 1  # nothing to wait for: the record goes to the writer now
 
     @property
@@ -97,7 +101,12 @@ class GatheredVotes(VoteTransport):
             return None
         pending, self._pending = self._pending, None
         votes, flags = pending.wait()  # rank 0: every rank's vote; the others: their own
-        return Arrival(votes, flags, (flags.batches_committed, flags.examples_committed))
+        return Arrival(votes, flags)
+
+    def committed_counts(self, arrival: Arrival) -> tuple[int, int]:
+        if self._keeper is not None:
+            return self._keeper.committed_counts()
+        return arrival.flags.batches_committed, arrival.flags.examples_committed
 
     def durable_votes(self, newest_durable: int, published: Publisher) -> int:
         return published.covered(newest_durable)
@@ -108,6 +117,12 @@ class GatheredVotes(VoteTransport):
         prepared = self._keeper.prepare(self._keeper.merge(votes))
         self._writes.put(prepared)
         return prepared.metrics
+
+    def news(self) -> Payloads | None:
+        if self._keeper is None:
+            return None
+        shared = self._keeper.share()
+        return shared if len(shared) else None
 
     def drain(self, votes: list[Vote]) -> None:
         if self._writes is not None:

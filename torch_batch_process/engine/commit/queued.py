@@ -13,24 +13,25 @@ of the collector start at least :data:`~torch_batch_process.engine.commit.group_
 the votes that arrive meanwhile share the next record: with sub-millisecond batches every rank votes hundreds of
 times a second, and a record (JSON, a write and an ``fsync``, or a PUT) for each would be most of rank 0's work.
 
-What the ranks learned about the device's memory (``on_oom="split"``) travels in their votes; when the votes
-changed the job's limits, the collector shares rank 0's merge in the store (a version counter, read with one request
-at each commit, and the limits, read when it moved: :meth:`QueuedVotes.shared_limits`).
+What rank 0's participants share (memory limits, ``on_oom="split"``): when the votes the collector merged taught
+them something every rank must learn, the collector puts it in the store (a version counter, read with one request at
+each commit, and the shared payloads, read when it moved: :meth:`QueuedVotes.shared`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch_batch_process.engine.commit.group_commit import RECORD_SPACING_S
 from torch_batch_process.engine.commit.keeper import RecordKeeper
-from torch_batch_process.engine.commit.votes import Arrival, CommitFlags, Vote, VoteTransport
+from torch_batch_process.engine.commit.payloads import Payloads
+from torch_batch_process.engine.commit.transport import VoteTransport
+from torch_batch_process.engine.commit.votes import Arrival, CommitFlags, Vote
 from torch_batch_process.engine.distributed import RendezvousStore
 
 if TYPE_CHECKING:
@@ -43,8 +44,9 @@ logger = logging.getLogger(__name__)
 QUEUE = "votes"
 """The queue of votes in the call's rendezvous store."""
 _STOP = b"stop"
-LIMITS = "limits"
-"""The job's memory limits as rank 0 merged them (JSON), and their version counter (``limits/version``)."""
+SHARED = "shared"
+"""What rank 0's participants share with every rank (pickled payloads), and its version counter
+(``shared/version``)."""
 
 STOP_TIMEOUT_S = 600.0
 """The most a closing commit waits for the collector to take the votes every rank queued."""
@@ -59,6 +61,7 @@ class QueuedVotes(VoteTransport):
         stage_counter: draws the next stage number (shared by all ranks).
         keeper: rank 0's record keeper (``None`` elsewhere): rank 0 starts the collector.
         on_error: called from the collector thread when it fails (the dynamic schedule then stops every rank).
+        committed: the batches and examples committed before this attempt (this rank adds its own votes to them).
     """
 
     every_rank_votes = False
@@ -68,16 +71,20 @@ class QueuedVotes(VoteTransport):
         store: RendezvousStore,
         rank: int,
         stage_counter: Callable[[], int],
-        keeper: RecordKeeper | None = None,
-        on_error: Callable[[], None] | None = None,
+        keeper: RecordKeeper | None,
+        on_error: Callable[[], None],
+        committed: tuple[int, int],
     ) -> None:
         self.store = store
         self._rank = rank
         self._stage_counter = stage_counter
+        self.first_stage = stage_counter()
+        self.keeper = keeper
         self.queued = 0
         """Votes this rank pushed so far."""
         self._sent: Vote | None = None
-        self._limits_seen = 0
+        self._shared_seen = 0
+        self._committed = committed
         self._collector = VoteCollector(self, keeper, on_error) if keeper is not None else None  # rank 0
 
     def next_stage(self, stage: int) -> int:
@@ -86,7 +93,7 @@ class QueuedVotes(VoteTransport):
     def stamp(self, vote: Vote) -> None:
         vote.queued = self.queued
 
-    def send(self, vote: Vote, *, limits_news: bool = False) -> bool:
+    def send(self, vote: Vote, *, news: bool = False) -> bool:
         if vote.failure is not None:
             return False  # saving it failed: the closing exchange makes every rank raise
         self.store.queue_push(QUEUE, pickle.dumps(vote, protocol=pickle.HIGHEST_PROTOCOL))
@@ -106,13 +113,23 @@ class QueuedVotes(VoteTransport):
                             examples_committed=0)  # a failed vote is never sent (see send)
         return Arrival([sent], flags)
 
-    def shared_limits(self) -> dict[str, Any] | None:
-        version = self.store.add(f"{LIMITS}/version", 0)
-        if version <= self._limits_seen:
+    def shared(self) -> Payloads | None:
+        version = self.store.add(f"{SHARED}/version", 0)
+        if version <= self._shared_seen:
             return None
-        self._limits_seen = version
-        limits: dict[str, Any] = json.loads(self.store.get(LIMITS))
-        return limits
+        self._shared_seen = version
+        shared: Payloads = pickle.loads(self.store.get(SHARED))
+        return shared
+
+    def committed_counts(self, arrival: Arrival) -> tuple[int, int]:
+        if self.keeper is not None:
+            return self.keeper.committed_counts()
+        batches, examples = self._committed
+        for vote in arrival.votes:
+            batches += sum(b - a for a, b in vote.batches)
+            examples += vote.examples
+        self._committed = (batches, examples)
+        return self._committed
 
     def durable_votes(self, newest_durable: int, published: Publisher) -> int:
         return self.acknowledged()
@@ -151,10 +168,10 @@ class QueuedVotes(VoteTransport):
         reader.add(f"ack/{rank}", count)
 
     @staticmethod
-    def share_limits(writer: RendezvousStore, limits: dict[str, Any]) -> None:
-        """Rank 0's collector thread: the job's merged memory limits changed (see :meth:`shared_limits`)."""
-        writer.set(LIMITS, json.dumps(limits).encode())
-        writer.add(f"{LIMITS}/version", 1)
+    def share(writer: RendezvousStore, shared: Payloads) -> None:
+        """Rank 0's collector thread: what its participants share changed (see :meth:`shared`)."""
+        writer.set(SHARED, pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL))
+        writer.add(f"{SHARED}/version", 1)
 
     def wake(self) -> None:
         """Rank 0: unblocks its collector, waiting for a vote (:meth:`take` then returns ``None``)."""
@@ -184,7 +201,7 @@ class VoteCollector:
         self,
         queue: QueuedVotes,
         keeper: RecordKeeper,
-        on_error: Callable[[], None] | None = None,
+        on_error: Callable[[], None],
         spacing_s: float = RECORD_SPACING_S,
     ) -> None:
         self._queue = queue
@@ -229,9 +246,9 @@ class VoteCollector:
                     continue
                 last_start = time.monotonic()
                 self._keeper.persist(self._keeper.prepare(self._keeper.merge(votes)))
-                limits = self._keeper.take_changed_limits()
-                if limits is not None:  # the ranks read it at their next commit
-                    QueuedVotes.share_limits(reader, limits)
+                shared = self._keeper.share()
+                if len(shared):  # the ranks read it at their next commit
+                    QueuedVotes.share(reader, shared)
                 with self._progress:
                     self.taken += len(votes)
                     self._progress.notify_all()
@@ -242,8 +259,7 @@ class VoteCollector:
                     QueuedVotes.acknowledge(reader, rank, count)
         except BaseException as exc:  # noqa: BLE001 - raised on rank 0's main thread, travels in its vote
             self._error = exc
-            if self._on_error is not None:
-                self._on_error()
+            self._on_error()
         finally:
             with self._progress:
                 self._ended = True

@@ -6,112 +6,103 @@ stage numbers in the rendezvous store).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from torch_batch_process.engine.commit.committer import Committer
+from torch_batch_process.engine.commit.committer import Committer, RankState
 from torch_batch_process.engine.commit.gathered import GatheredVotes
 from torch_batch_process.engine.commit.keeper import KeeperStart, RecordKeeper, Summary
+from torch_batch_process.engine.commit.participants import Participants
 from torch_batch_process.engine.commit.queued import QueuedVotes
-from torch_batch_process.engine.commit.rank_failure import RankFailure
-from torch_batch_process.engine.commit.votes import VoteTransport
-from torch_batch_process.engine.feed.fitting import BatchFitter
+from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
+from torch_batch_process.engine.commit.transport import VoteTransport
 from torch_batch_process.engine.distributed import Collectives, RendezvousStore
 from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.engine.rank_failure import RankFailure
+from torch_batch_process.engine.work import RankWork
 from torch_batch_process.jobstore.opening import Start
 from torch_batch_process.jobstore.store import JobStore
-from torch_batch_process.observe.metrics import MetricsLog
-from torch_batch_process.observe.observer import JobObserver
-from torch_batch_process.outputs.files import OutputStager
-from torch_batch_process.outputs.records import RecordWriter
-from torch_batch_process.outputs.tables.commits import TableCommits
-from torch_batch_process.reducers import ReducerRegistry
-from torch_batch_process.storage.base import JobLock, Storage
+from torch_batch_process.outputs.stager import OutputStager
 
-__all__ = ["make_committer"]
+__all__ = ["CommitCall", "make_committer"]
+
+
+@dataclass(frozen=True)
+class CommitCall:
+    """The call a committer commits for: the stored job, where the job starts from, and how votes travel.
+
+    Attributes:
+        store: the job's stored state (rank 0 holds its lock).
+        plan: the job's plan (to count examples).
+        start: what opening the job found.
+        started: when the call started (``time.monotonic()``).
+        collectives: the library's collectives.
+        call_store: the call's keys in the rendezvous store with the dynamic schedule on several ranks (votes are
+            queued there), else ``None`` (votes are gathered).
+        on_background_error: called from rank 0's vote collector thread when it fails (the dynamic schedule then
+            stops every rank).
+        result_json: the final result's JSON from the reduced metrics and the summary (rank 0, final record).
+    """
+
+    store: JobStore
+    plan: Plan
+    start: Start
+    started: float
+    collectives: Collectives
+    call_store: RendezvousStore | None
+    on_background_error: Callable[[], None]
+    result_json: Callable[[dict[str, Any], Summary], dict[str, Any]]
 
 
 def make_committer(
-    *,
-    rank: int,
-    collectives: Collectives,
-    job_store: JobStore,
-    lock: JobLock | None,
-    storage: Storage,
-    plan: Plan,
-    start: Start,
-    reducers: ReducerRegistry,
-    observer: JobObserver,
-    rank_failure: RankFailure,
+    call: CommitCall,
+    participants: Participants,
+    summaries: ReducerSummaries,
     stager: OutputStager,
-    records: RecordWriter,
-    call_store: RendezvousStore | None,
-    result_json: Callable[[dict[str, Any], Summary], dict[str, Any]],
-    started: float,
-    on_background_error: Callable[[], None],
-    table: TableCommits | None = None,
-    fitter: BatchFitter | None = None,
+    work: RankWork,
+    observer: Any,
+    rank_failure: RankFailure,
 ) -> Committer:
     """The committer of this rank for this call.
 
     Args:
-        rank: this rank.
-        collectives: the library's collectives.
-        job_store: the job's stored state.
-        lock: the job lock (rank 0 holds it; ``None`` elsewhere).
-        storage: the job's storage (``metrics.jsonl``).
-        plan: the job's plan (to count examples).
-        start: what opening the job found.
-        reducers: the processor context's reducers (their states are committed).
+        call: the call and its stored job.
+        participants: what the call's capabilities store with each commit (the reducers' summaries among them).
+        summaries: the reducers' summaries (their state files, and on rank 0 the metrics).
+        stager: the rank's ``upload_path()`` files.
+        work: the rank's work since its previous commit.
         observer: the rank's observer (told about commits; rank 0 adds its stats to records).
         rank_failure: the rank's failure.
-        stager: the rank's ``upload_path()`` files.
-        records: the rank's record writer (``context.write()``).
-        call_store: the call's keys in the rendezvous store with the dynamic schedule on several ranks, else
-            ``None``.
-        result_json: the final result's JSON from the reduced metrics and the summary (rank 0, final record).
-        started: when the call started (``time.monotonic()``).
-        on_background_error: called when rank 0's vote collector fails (dynamic schedule).
-        table: rank 0's transactions of a table target (``table=``), made after each record.
-        fitter: the rank's memory limits (``on_oom="split"``; ``None``: ``"raise"``), shared through the votes.
     """
+    coll, start, plan = call.collectives, call.start, call.plan
     keeper = None
-    if rank == 0:
+    if coll.rank == 0:
         keeper = RecordKeeper(
-            store=job_store,
+            store=call.store,
+            start=KeeperStart(start.attempt, start.next_number, start.latest, call.started),
             plan=plan,
-            start=KeeperStart(start.attempt, start.next_number, start.latest, start.frozen_state_files),
-            world_size=collectives.world_size,
-            reducers=reducers,
+            world_size=coll.world_size,
+            summaries=summaries,
+            participants=participants,
             observer=observer,
-            metrics_log=MetricsLog(storage),
-            lock=lock,
-            result_of=result_json,
-            started=started,
-            table=table,
+            result_of=call.result_json,
         )
-    latest = start.latest
-    committed = (len(latest.committed), plan.count_examples(latest.committed)) if latest is not None else (0, 0)
-    store = call_store
     transport: VoteTransport
-    if store is not None:
-        first_stage = start.next_number + store.add("stage", 1) - 1
-        stage_counter = lambda: start.next_number + store.add("stage", 1) - 1  # noqa: E731
-        transport = QueuedVotes(store, rank, stage_counter, keeper, on_background_error)
+    store = call.call_store
+    if store is None:
+        transport = GatheredVotes(coll, keeper, start.next_number)
     else:
-        first_stage = start.next_number
-        transport = GatheredVotes(collectives, keeper)
+        latest = start.latest
+        committed = (len(latest.committed), plan.count_examples(latest.committed)) if latest is not None else (0, 0)
+        stage_counter = lambda: start.next_number + store.add("stage", 1) - 1  # noqa: E731
+        transport = QueuedVotes(store, coll.rank, stage_counter, keeper, call.on_background_error, committed)
     return Committer(
-        rank=rank,
-        collectives=collectives,
-        store=job_store,
-        stager=stager,
-        reducers=reducers,
-        rank_failure=rank_failure,
-        keeper=keeper,
-        observer=observer,
-        committed=committed,
-        first_stage=first_stage,
+        collectives=coll,
         transport=transport,
-        records=records,
-        fitter=fitter,
+        state=RankState(call.store, summaries),
+        stager=stager,
+        work=work,
+        participants=participants,
+        observer=observer,
+        rank_failure=rank_failure,
     )

@@ -68,7 +68,7 @@ class _PlanSampler(Sampler[Sequence[int]]):
     (or :class:`Cut` s), in order."""
 
     def __init__(
-        self, scheduler: Scheduler, plan: Plan, ids: collections.deque[int | Cut], fitter: BatchFitter | None
+        self, scheduler: Scheduler, plan: Plan, ids: collections.deque[int | Cut], fitter: BatchFitter
     ) -> None:
         self._scheduler = scheduler
         self._plan = plan
@@ -79,7 +79,7 @@ class _PlanSampler(Sampler[Sequence[int]]):
         fitter = self._fitter
         for batch in self._scheduler.batch_ids():
             indices = self._plan.batch_indices(batch)
-            pieces = fitter.cut(indices) if fitter is not None and fitter.active else None
+            pieces = fitter.cut(indices) if fitter.active else None
             if pieces is None:
                 self._ids.append(batch)
                 yield list(indices)
@@ -98,7 +98,8 @@ class BatchFeed:
         scheduler: this rank's scheduler.
         loader_kwargs: the user's ``dataloader_kwargs`` (checked before).
         device: this rank's device (on CUDA ``pin_memory`` defaults to True).
-        fitter: the rank's fitter (``on_oom="split"``), which cuts batches that would not fit; ``None``: none.
+        fitter: the rank's fitter, which cuts batches that would not fit (it knows nothing with ``on_oom="raise"``).
+        watch: ``batch_timeout``: times each wait for a batch (the watchdog's span), else ``None``.
     """
 
     def __init__(
@@ -108,7 +109,8 @@ class BatchFeed:
         scheduler: Scheduler,
         loader_kwargs: dict[str, Any],
         device: torch.device,
-        fitter: BatchFitter | None = None,
+        fitter: BatchFitter,
+        watch: Callable[[Callable[[], int | None]], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         self._ids: collections.deque[int | Cut] = collections.deque()
         kwargs = dict(loader_kwargs)
@@ -119,8 +121,8 @@ class BatchFeed:
         self.loader = DataLoader(dataset, batch_sampler=_PlanSampler(scheduler, plan, self._ids, fitter), **kwargs)
         self._iter: Iterator[Any] | None = None
         self._direct: Callable[[], Any] | None = None  # the iterator's next batch without its profiler range
-        self.watch: Callable[[Callable[[], int | None]], contextlib.AbstractContextManager[Any]] | None = None
-        """``batch_timeout``: times each wait for a batch (``BatchWatchdog.span``); set before the first batch."""
+        self.watch = watch
+        """``batch_timeout``: times each wait for a batch (``BatchWatchdog.span``), else ``None``."""
 
     def start(self) -> None:
         """Starts the loader (its workers fork here) and its first claims."""

@@ -1,115 +1,92 @@
 """The call's error handling around a rank's batches (DESIGN §11, §15): ``on_error="skip"`` and ``on_oom="split"``
-(a :class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` on the runner for transactions and
-bisection, and an :class:`~torch_batch_process.engine.feed.oom.OomSplitter`), ``batch_timeout`` (a
-:class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog` timing the runner's batches and the feed's
-loads), and ``max_failures`` over all ranks at the end.
+(the :class:`~torch_batch_process.engine.feed.runner.Guards` of the runner: a
+:class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples` for transactions and bisection, and an
+:class:`~torch_batch_process.engine.feed.oom.OomSplitter`), and ``max_failures`` over all ranks at the end
+(``batch_timeout``'s watchdog times the feed's loads and the runner's batches:
+:func:`~torch_batch_process.engine.feed.watchdog.watch_batches`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from torch_batch_process.context import CurrentBatch
 from torch_batch_process.device import to_device
-from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.engine.feed.batches import BatchFeed
-from torch_batch_process.engine.feed.failing_examples import FailingExamples, check_total
+from torch_batch_process.engine.feed.failing_examples import (
+    FailingExamples,
+    FailureLog,
+    PartLoader,
+    Transactions,
+    check_total,
+    no_span,
+)
 from torch_batch_process.engine.feed.fitting import BatchFitter
 from torch_batch_process.engine.feed.oom import OomSplitter
-from torch_batch_process.engine.feed.runner import BatchRunner
-from torch_batch_process.engine.feed.watchdog import BatchWatchdog
+from torch_batch_process.engine.feed.runner import BatchCall, Guards
+from torch_batch_process.engine.plan.plans import BucketedPlan, Plan
 from torch_batch_process.failure_options import FailureOptions
 from torch_batch_process.jobstore.opening import Start
-from torch_batch_process.outputs.files import OutputStager
-from torch_batch_process.reducers import ReducerRegistry
 
-__all__ = ["check_max_failures", "guard_batches"]
+__all__ = ["Placement", "check_max_failures", "guard_batches"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank's batches go: its device, and whether the loader's batches arrive there (device prefetch), so
+    that a part loaded again in the main process goes there too."""
+
+    device: torch.device
+    prefetch: bool
+
+    def place(self, batch: Any) -> Any:
+        return to_device(batch, self.device) if self.prefetch else batch
 
 
 def guard_batches(
-    runner: BatchRunner,
+    call: BatchCall,
     feed: BatchFeed,
+    plan: Plan,
     options: FailureOptions,
-    *,
-    rank: int,
-    store: Callable[[], RendezvousStore] | None,
-    device: torch.device | None,
-    current: CurrentBatch,
-    stager: OutputStager,
-    reducers: ReducerRegistry,
-    start: Start,
-    num_examples: int,
-    failures_url: str,
-    fitter: BatchFitter | None = None,
-    original_batch: Callable[[int, int], int] | None = None,
-    lengths: np.ndarray | None = None,
-    rank_device: torch.device | None = None,
-) -> BatchWatchdog | None:
-    """Sets up ``on_error="skip"``, ``on_oom="split"`` and ``batch_timeout`` on ``runner`` and ``feed``; returns the
-    started watchdog
-    (``batch_timeout``), which the caller closes when its call ends (so that a rank whose batches are done still
-    dumps its stacks when another rank's batch times out), else ``None``.
+    transactions: Transactions,
+    log: FailureLog,
+    fitter: BatchFitter,
+    placement: Placement,
+) -> Guards:
+    """What guards a rank's batches: ``on_error="skip"`` (bisection, failures recorded in ``log``) and
+    ``on_oom="split"`` (an :class:`~torch_batch_process.engine.feed.oom.OomSplitter` cutting by ``fitter``), both on
+    transactions; nothing for ``on_error="raise"`` with ``on_oom="raise"``.
 
     Args:
-        runner: the rank's batch runner.
+        call: the rank's ``process_batch`` under the job's modes.
         feed: the rank's batch feed (its loader's dataset and ``collate_fn`` load a failing batch's parts).
-        options: ``on_error``, ``max_failures``, ``batch_timeout``.
-        rank: this rank.
-        store: several ranks: a factory of rendezvous store connections for the watchdog (a timeout is told to
-            the others); ``None``: one rank.
-        device: the device a failing batch's parts go to before ``process_batch`` (device prefetch: batches
-            arrive there); ``None``: they stay where the loader put them.
-        current: the context's current batch.
-        stager: the rank's ``upload_path()`` files (a failed part's are dropped, failure records staged).
-        reducers: the rank's reducers (restored after a failed part).
-        start: what opening the job found (the attempt, the failures committed before).
-        num_examples: examples of the job's plan (``max_failures`` as a fraction).
-        failures_url: where failure records are published (for messages).
-        fitter: the rank's memory limits with ``on_oom="split"`` (``None``: ``"raise"``).
-        original_batch: a retry's plan: the batch an example failed in, in the job (its failure records keep it).
-        lengths: the examples' lengths of a ``bucket_by`` plan (the splitter cuts by them), else ``None``.
-        rank_device: the rank's device (the splitter releases its memory after an out-of-memory error).
+        plan: the job's plan (the lengths of a ``bucket_by`` plan: the splitter names an example too large by it).
+        options: ``on_error``, ``on_oom``.
+        transactions: the rank's transactions (what a failed attempt leaves is undone).
+        log: the rank's failing examples.
+        fitter: the rank's memory limits (learned and used with ``on_oom="split"``).
+        placement: where a part loaded again goes.
+
+    Each attempt is timed with the feed's watch (``batch_timeout``: the watchdog's span).
     """
-    watchdog = None
-    if options.batch_timeout is not None:
-        watchdog = BatchWatchdog(options.batch_timeout, rank, store)
-        runner.span = watchdog.span
-        feed.watch = watchdog.span  # a batch whose loading hangs is a stuck batch too
-        watchdog.start()
-    if options.skip or fitter is not None:
-        place: Any = (lambda batch: to_device(batch, device)) if device is not None else (lambda batch: batch)
-        runner.guard = FailingExamples(
-            skip=options.skip,
-            dataset=feed.loader.dataset,  # a source's rows by global row number (engine/feed/streams.py)
-            collate_fn=feed.loader.collate_fn,
-            place=place,
-            process=runner.process,
-            span=runner.span,
-            current=current,
-            stager=stager,
-            reducers=reducers,
-            rank=rank,
-            attempt=start.attempt,
-            failed_before=_failed_before(start),
-            limit=options.limit(num_examples),
-            failures_url=failures_url,
-            original_batch=original_batch,
-        )
-    if fitter is not None:
-        assert runner.guard is not None
-        runner.splitter = OomSplitter(
-            fitter=fitter,
-            handler=runner.guard,
-            device=rank_device if rank_device is not None else torch.device("cpu"),
-            rank=rank,
-            lengths=lengths,
-        )
-        runner.guard.on_oom = runner.splitter.run_parts
-    return watchdog
+    if not (options.skip or options.split_on_oom):
+        return Guards()
+    failing = FailingExamples(
+        skip=options.skip,
+        loader=PartLoader(feed.loader.dataset, feed.loader.collate_fn, placement.place),
+        process=call,
+        current=call.current,
+        span=feed.watch or no_span,
+        transactions=transactions,
+        log=log,
+    )
+    if not options.split_on_oom:
+        return Guards(failing)
+    lengths = plan.lengths if isinstance(plan, BucketedPlan) else None
+    splitter = OomSplitter(fitter=fitter, handler=failing, device=placement.device, rank=log.rank, lengths=lengths)
+    return Guards(failing, splitter)
 
 
 def check_max_failures(

@@ -31,9 +31,14 @@ retry's), ``attempt`` (the job's attempt), ``rank``, ``phase`` (``"load"`` or ``
 
 **Out-of-memory errors** (``on_oom="split"``, the default, independent of ``on_error``): the same transactions
 and parts serve :mod:`~torch_batch_process.engine.feed.oom`, which cuts a batch that ran out of memory into parts that
-fit; a half that runs out of memory during a bisection goes there too (:attr:`FailingExamples.on_oom`). Without
-``"skip"`` the handler only runs transactions (nothing is recorded: an error that is not an out-of-memory one
-fails the job as before).
+fit; a half that runs out of memory during a bisection goes there too (the ``split`` route of
+:meth:`FailingExamples.recover`). Without ``"skip"`` the handler only runs transactions (nothing is recorded: an
+error that is not an out-of-memory one fails the job as before).
+
+The pieces: :class:`Transactions` (an attempt's files, reducer updates and metrics lines, kept or undone),
+:class:`PartLoader` (loads a part in the main process as the loader would), :class:`FailureLog` (the failures this
+rank recorded since its previous vote: the failing-examples participant of the commit, see
+:mod:`~torch_batch_process.engine.capabilities.failures`) and :class:`FailingExamples` (bisection).
 
 **max_failures**: when the committed failures plus this rank's new ones exceed the limit, the rank fails with
 :class:`~torch_batch_process.errors.TooManyFailuresError` (every rank stops; the last commit stays, so a
@@ -51,8 +56,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch
-from torch_batch_process.engine.commit.votes import Part
 from torch_batch_process.engine.feed.device_memory import is_out_of_memory
+from torch_batch_process.engine.work import Part
 from torch_batch_process.errors import (
     BatchTimeoutError,
     LoaderWorkerDiedError,
@@ -60,11 +65,14 @@ from torch_batch_process.errors import (
     TooManyFailuresError,
     WorkerLostError,
 )
-from torch_batch_process.outputs.files import OutputStager
+from torch_batch_process.outputs.stager import OutputStager
 from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 from torch_batch_process.sources.base import SourceChangedError
 
-__all__ = ["FailingExamples", "check_total", "no_span", "too_many_message"]
+__all__ = [
+    "FailingExamples", "FailureLog", "PartLoader", "SplitRoute", "Transactions", "check_total", "no_span",
+    "too_many_message",
+]
 
 SLOW_SNAPSHOT_S = 0.005
 """A copy of the reducers' state before an attempt that takes longer than this is worth a warning (once)."""
@@ -102,7 +110,9 @@ def too_many_message(failed: int, limit: int, failures_url: str, uncommitted: Se
     named = ", ".join(uncommitted[-_NAMED:])
     more = f" and {len(uncommitted) - _NAMED} earlier" if len(uncommitted) > _NAMED else ""
     committed = failed - len(uncommitted)
-    earlier = f"; {committed} more were committed before (in {failures_url}/: `tbp failures` lists them)" if committed > 0 else ""
+    earlier = ""
+    if committed > 0:
+        earlier = f"; {committed} more were committed before (in {failures_url}/: `tbp failures` lists them)"
     return (
         f"{failed} examples failed, more than max_failures allows ({limit}); the job stops before committing them. "
         f"Rank {rank}'s since its last commit: {named}{more}{earlier}. {advice}"
@@ -116,78 +126,23 @@ def check_total(failed: int, limit: int | None, failures_url: str) -> None:
         raise TooManyFailuresError(too_many_message(failed, limit, failures_url))
 
 
-class FailingExamples:
-    """Runs a rank's batches as transactions and bisects those that fail (see the module docstring).
+class Transactions:
+    """Runs a rank's attempts (a batch, or a part of one) as transactions: what a failed attempt wrote or reported
+    is undone (see the module docstring).
 
     Args:
-        skip: ``on_error="skip"``: failing examples are found and recorded (``False``: transactions only, for
-            ``on_oom="split"``).
-        dataset: the user's dataset.
-        collate_fn: the loader's ``collate_fn``.
-        place: puts a loaded part where the loader's batches go (the device, with device prefetch).
-        process: runs ``process_batch(batch, batch_idx)`` under the job's modes.
-        span: a context manager factory timing one attempt (``batch_timeout``).
-        current: the context's current batch.
-        stager: the rank's output stager.
-        reducers: the rank's reducers.
-        rank: this rank.
-        attempt: the job's attempt number.
-        failed_before: failures committed by earlier attempts.
-        limit: ``max_failures`` as a count (``None``: no limit).
-        failures_url: where the failures are published (for messages).
-        original_batch: a retry's ``(batch_idx, index) -> the batch the example failed in, in the job``: its
-            failure records keep the original batch (``batch_idx``), and the retry's (``retry_batch_idx``).
+        stager: the rank's output stager (an attempt's ``upload_path()`` blocks are held until it returns).
+        reducers: the rank's reducers (restored after a failed attempt).
+        rank: this rank (for the warning of a slow snapshot).
     """
 
-    def __init__(
-        self,
-        *,
-        skip: bool = True,
-        dataset: Any,
-        collate_fn: Callable[[list[Any]], Any],
-        place: Callable[[Any], Any],
-        process: Callable[[Any, int], None],
-        span: Callable[[int], contextlib.AbstractContextManager[Any]],
-        current: CurrentBatch,
-        stager: OutputStager,
-        reducers: ReducerRegistry,
-        rank: int,
-        attempt: int,
-        failed_before: int,
-        limit: int | None,
-        failures_url: str,
-        original_batch: Callable[[int, int], int] | None = None,
-    ) -> None:
-        self.skip = skip
-        self._dataset = dataset
-        self._original_batch = original_batch
-        self._collate = collate_fn
-        self._place = place
-        self._process = process
-        self._span = span
-        self._current = current
+    def __init__(self, stager: OutputStager, reducers: ReducerRegistry, rank: int) -> None:
         self._stager = stager
         self._reducers = reducers
         self._rank = rank
-        self._job_attempt = attempt
-        self._failed_before = failed_before
-        self._limit = limit
-        self._failures_url = failures_url
-        self.failed = 0  # failures this rank recorded in this call
-        self._uncommitted: list[str] = []  # descriptions of those since the rank's last commit (for the message)
         self._saved: list[Any] = []
         self._lines = 0
         self._warned_slow = False
-        self.on_oom: Callable[[int, list[int], Part, BaseException], int] | None = None
-        """``on_oom="split"``: runs a part that ran out of memory in smaller parts (returns how many succeeded);
-        set by :mod:`~torch_batch_process.engine.feed.error_handling`."""
-
-    @staticmethod
-    def recoverable(exc: BaseException) -> bool:
-        """Whether ``exc`` is an example's failure (else it fails the job)."""
-        return isinstance(exc, Exception) and not isinstance(exc, FATAL) and not LoaderWorkerDiedError.reports(exc)
-
-    # ------------------------------------------------------------------ one attempt as a transaction
 
     def begin(self, part: Part, prefix: str = "") -> None:
         """Before an attempt: hold its files, remember the reducers' state and the metrics lines."""
@@ -223,62 +178,25 @@ class FailingExamples:
             _restore(self._reducers, self._saved)
         del part.lines[self._lines :]
 
-    # ------------------------------------------------------------------ bisection
 
-    def recover(self, batch_idx: int, indices: Sequence[int], error: BaseException, phase: str, part: Part) -> int:
-        """The examples ``indices`` of batch ``batch_idx`` (the batch, or a part of it) failed together with
-        ``error`` (in ``phase``): bisects them and records the examples that fail; returns how many succeeded."""
-        indices = list(indices)
-        logger.warning(
-            "rank %d: batch %d (%d examples) failed in %s (%s: %s); splitting it to find the failing examples",
-            self._rank, batch_idx, len(indices), phase, type(error).__name__, _first_line(error),
-        )
-        if len(indices) == 1:
-            self.record(batch_idx, indices[0], phase, error, part)
-            return 0
-        return self._bisect(batch_idx, indices, part)
+class PartLoader:
+    """Loads the examples of a part in the main process, as the ``DataLoader`` loads a batch (the dataset's
+    ``__getitems__`` or ``__getitem__``, then the loader's ``collate_fn``), and puts it where the loader's batches go.
 
-    def _bisect(self, batch_idx: int, indices: list[int], part: Part) -> int:
-        succeeded = 0
-        half = (len(indices) + 1) // 2
-        for piece in (indices[:half], indices[half:]):
-            failure = self.attempt(batch_idx, piece, part)
-            try:
-                if failure is None:
-                    succeeded += len(piece)
-                elif self.on_oom is not None and is_out_of_memory(failure[1]):
-                    succeeded += self.on_oom(batch_idx, piece, part, failure[1])
-                elif len(piece) == 1:
-                    self.record(batch_idx, piece[0], failure[0], failure[1], part)
-                else:
-                    succeeded += self._bisect(batch_idx, piece, part)
-            finally:
-                failure = None  # its traceback reaches this frame: a cycle that would keep the part's batch alive
-        return succeeded
+    Args:
+        dataset: the user's dataset (a source's rows by global row number).
+        collate_fn: the loader's ``collate_fn``.
+        place: puts a loaded part where the loader's batches go (the device, with device prefetch).
+    """
 
-    def attempt(self, batch_idx: int, piece: list[int], part: Part) -> tuple[str, BaseException] | None:
-        """Loads and processes one part (the examples ``piece``, in the main process) as a transaction; returns
-        ``(phase, error)`` when it failed (an error that fails the job even with ``on_error="skip"`` is raised)."""
-        with self._span(batch_idx):
-            try:
-                batch = self._place(self._collate(self._fetch(piece)))
-            except Exception as exc:  # noqa: BLE001 - the part's failure
-                if not self.recoverable(exc):
-                    raise
-                return "load", exc
-            self.begin(part, prefix=f"part_{piece[0]}/")
-            self._current.enter(batch_idx, piece)
-            try:
-                self._process(batch, batch_idx)
-            except BaseException as exc:
-                self.rollback(part)
-                if not self.recoverable(exc):
-                    raise
-                return "process", exc
-            finally:
-                self._current.leave()
-            self.keep()
-            return None
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any], place: Callable[[Any], Any]) -> None:
+        self._dataset = dataset
+        self._collate = collate_fn
+        self._place = place
+
+    def load(self, piece: list[int]) -> Any:
+        """The part of the examples ``piece``, loaded and placed."""
+        return self._place(self._collate(self._fetch(piece)))
 
     def _fetch(self, piece: list[int]) -> Any:
         """The examples of a part, fetched as the ``DataLoader`` fetches a batch (``__getitems__``' result goes to
@@ -288,10 +206,52 @@ class FailingExamples:
             return getitems(piece)
         return [self._dataset[i] for i in piece]
 
-    def record(self, batch_idx: int, index: int, phase: str, error: BaseException, part: Part) -> None:
-        """Records example ``index`` of batch ``batch_idx`` as failing (in the stage of this rank's next commit)."""
+
+class FailureLog:
+    """The examples this rank recorded as failing (``on_error="skip"``), each in the stage of its next commit.
+
+    Args:
+        stager: the rank's output stager (failure records are staged with the stage's files).
+        rank: this rank.
+        attempt: the job's attempt number.
+        failed_before: failures committed by earlier attempts (``max_failures`` counts them).
+        limit: ``max_failures`` as a count (``None``: no limit).
+        failures_url: where the failures are published (for messages).
+        original_batch: a retry's ``(batch_idx, index) -> the batch the example failed in, in the job``: its
+            failure records keep the original batch (``batch_idx``), and the retry's (``retry_batch_idx``).
+    """
+
+    def __init__(
+        self,
+        stager: OutputStager,
+        *,
+        rank: int,
+        attempt: int,
+        failed_before: int,
+        limit: int | None,
+        failures_url: str,
+        original_batch: Callable[[int, int], int] | None,
+    ) -> None:
+        self._stager = stager
+        self.rank = rank
+        self._job_attempt = attempt
+        self._failed_before = failed_before
+        self._limit = limit
+        self.failures_url = failures_url
+        self._original_batch = original_batch
+        self.failed = 0
+        """Failures this rank recorded in this call."""
+        self._since_vote = 0
+        self._uncommitted: list[str] = []  # descriptions of those since the rank's last commit (for the message)
+
+    def record(self, batch_idx: int, index: int, phase: str, error: BaseException) -> None:
+        """Records example ``index`` of batch ``batch_idx`` as failing (in the stage of this rank's next commit).
+
+        Raises:
+            TooManyFailuresError: the job's failures now exceed ``max_failures``.
+        """
         self.failed += 1
-        part.failed += 1
+        self._since_vote += 1
         where = {"batch_idx": batch_idx}
         if self._original_batch is not None:
             where = {"batch_idx": self._original_batch(batch_idx, int(index)), "retry_batch_idx": batch_idx}
@@ -300,7 +260,7 @@ class FailingExamples:
                 "index": int(index),
                 **where,
                 "attempt": self._job_attempt,
-                "rank": self._rank,
+                "rank": self.rank,
                 "phase": phase,
                 "error_type": type(error).__name__,
                 "message": str(error),
@@ -310,17 +270,130 @@ class FailingExamples:
         )
         logger.warning(
             "rank %d: example %d of batch %d failed in %s (%s: %s); skipped, recorded in %s/",
-            self._rank, index, batch_idx, phase, type(error).__name__, _first_line(error), self._failures_url,
+            self.rank, index, batch_idx, phase, type(error).__name__, _first_line(error), self.failures_url,
         )
-        self._uncommitted.append(f"example {index} (batch {batch_idx}, {type(error).__name__}: {_first_line(error)[:80]})")
+        first = _first_line(error)[:80]
+        self._uncommitted.append(f"example {index} (batch {batch_idx}, {type(error).__name__}: {first})")
         total = self._failed_before + self.failed
         if self._limit is not None and total > self._limit:
-            message = too_many_message(total, self._limit, self._failures_url, self._uncommitted, self._rank)
+            message = too_many_message(total, self._limit, self.failures_url, self._uncommitted, self.rank)
             raise TooManyFailuresError(message) from None  # each example's own error is in the message and the log
 
-    def committed(self) -> None:
-        """The rank's stage was committed: its failures so far are listed in ``failures/`` now."""
+    def take(self) -> int:
+        """The failures recorded since the previous call, for this rank's vote: they are in the stage it commits (and
+        ``tbp failures`` lists them once it is published)."""
+        count, self._since_vote = self._since_vote, 0
         self._uncommitted.clear()
+        return count
+
+
+SplitRoute = Callable[[int, list[int], Part, BaseException], int]
+"""Runs a part that ran out of memory in smaller parts; returns how many of its examples succeeded
+(:meth:`~torch_batch_process.engine.feed.oom.OomSplitter.run_parts`)."""
+
+
+class FailingExamples:
+    """Runs a rank's parts as transactions and bisects those that fail (see the module docstring).
+
+    Args:
+        skip: ``on_error="skip"``: failing examples are found and recorded in ``log`` (``False``: transactions only,
+            for ``on_oom="split"``).
+        loader: loads a part in the main process.
+        process: runs ``process_batch(batch, batch_idx)`` under the job's modes.
+        current: the context's current batch.
+        span: a context manager factory timing one attempt (``batch_timeout``).
+        transactions: the rank's transactions.
+        log: where the failing examples are recorded.
+    """
+
+    def __init__(
+        self,
+        *,
+        skip: bool,
+        loader: PartLoader,
+        process: Callable[[Any, int], None],
+        current: CurrentBatch,
+        span: Callable[[int], contextlib.AbstractContextManager[Any]],
+        transactions: Transactions,
+        log: FailureLog,
+    ) -> None:
+        self.skip = skip
+        self._loader = loader
+        self._process = process
+        self._current = current
+        self._span = span
+        self.transactions = transactions
+        self._log = log
+
+    @staticmethod
+    def recoverable(exc: BaseException) -> bool:
+        """Whether ``exc`` is an example's failure (else it fails the job)."""
+        return isinstance(exc, Exception) and not isinstance(exc, FATAL) and not LoaderWorkerDiedError.reports(exc)
+
+    # ------------------------------------------------------------------ bisection
+
+    def recover(
+        self, batch_idx: int, indices: Sequence[int], error: BaseException, phase: str, part: Part,
+        split: SplitRoute | None,
+    ) -> int:
+        """The examples ``indices`` of batch ``batch_idx`` (the batch, or a part of it) failed together with
+        ``error`` (in ``phase``): bisects them and records the examples that fail; returns how many succeeded. A half
+        that runs out of memory goes to ``split`` (``on_oom="split"``; ``None``: it is a failure like any other)."""
+        indices = list(indices)
+        logger.warning(
+            "rank %d: batch %d (%d examples) failed in %s (%s: %s); splitting it to find the failing examples",
+            self._log.rank, batch_idx, len(indices), phase, type(error).__name__, _first_line(error),
+        )
+        if len(indices) == 1:
+            self.record(batch_idx, indices[0], phase, error)
+            return 0
+        return self._bisect(batch_idx, indices, part, split)
+
+    def _bisect(self, batch_idx: int, indices: list[int], part: Part, split: SplitRoute | None) -> int:
+        succeeded = 0
+        half = (len(indices) + 1) // 2
+        for piece in (indices[:half], indices[half:]):
+            failure = self.attempt(batch_idx, piece, part)
+            try:
+                if failure is None:
+                    succeeded += len(piece)
+                elif split is not None and is_out_of_memory(failure[1]):
+                    succeeded += split(batch_idx, piece, part, failure[1])
+                elif len(piece) == 1:
+                    self.record(batch_idx, piece[0], failure[0], failure[1])
+                else:
+                    succeeded += self._bisect(batch_idx, piece, part, split)
+            finally:
+                failure = None  # its traceback reaches this frame: a cycle that would keep the part's batch alive
+        return succeeded
+
+    def attempt(self, batch_idx: int, piece: list[int], part: Part) -> tuple[str, BaseException] | None:
+        """Loads and processes one part (the examples ``piece``, in the main process) as a transaction; returns
+        ``(phase, error)`` when it failed (an error that fails the job even with ``on_error="skip"`` is raised)."""
+        with self._span(batch_idx):
+            try:
+                batch = self._loader.load(piece)
+            except Exception as exc:  # noqa: BLE001 - the part's failure
+                if not self.recoverable(exc):
+                    raise
+                return "load", exc
+            self.transactions.begin(part, prefix=f"part_{piece[0]}/")
+            self._current.enter(batch_idx, piece)
+            try:
+                self._process(batch, batch_idx)
+            except BaseException as exc:
+                self.transactions.rollback(part)
+                if not self.recoverable(exc):
+                    raise
+                return "process", exc
+            finally:
+                self._current.leave()
+            self.transactions.keep()
+            return None
+
+    def record(self, batch_idx: int, index: int, phase: str, error: BaseException) -> None:
+        """Records example ``index`` of batch ``batch_idx`` as failing (see :meth:`FailureLog.record`)."""
+        self._log.record(batch_idx, index, phase, error)
 
 
 _NULL = contextlib.nullcontext()

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from torch_batch_process.engine.commit.votes import Part
 from torch_batch_process.engine.feed.device_memory import forget_frames, is_out_of_memory, release_device_memory
 from torch_batch_process.engine.feed.fitting import BatchFitter
+from torch_batch_process.engine.work import Part
 from torch_batch_process.errors import ExampleTooLargeError
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class OomSplitter:
                 if not is_out_of_memory(exc):
                     if not self._handler.skip:
                         raise exc
-                    succeeded += self._handler.recover(batch_idx, piece, exc, phase, part)
+                    succeeded += self._handler.recover(batch_idx, piece, exc, phase, part, self.run_parts)
                     remaining, below, retried = remaining[take:], None, False
                 elif take > 1 or not retried:  # a smaller part next; one example: once more, everything released
                     self._ran_out(batch_idx, piece, exc, thorough=take == 1)
@@ -133,7 +133,7 @@ class OomSplitter:
     def _too_large(self, batch_idx: int, index: int, phase: str, exc: BaseException, part: Part) -> None:
         """One example ran out of memory alone, twice: a failing example, or the job's error."""
         if self._handler.skip:
-            self._handler.record(batch_idx, index, phase, exc, part)
+            self._handler.record(batch_idx, index, phase, exc)
             return
         length = f"length {int(self._lengths[index]):,}" if self._lengths is not None else "its length unknown"
         raise ExampleTooLargeError(

@@ -3,7 +3,7 @@
 The context tells the processor which batch it is in (``context.batch_indices``); the batch counts as done
 (part of this rank's next commit) only when ``process_batch`` returned, for each of its parts if it ran in
 parts. An exception in loading or in ``process_batch`` is recorded for this rank (see
-:class:`~torch_batch_process.engine.commit.rank_failure.RankFailure`), and the loop makes every rank stop with it,
+:class:`~torch_batch_process.engine.rank_failure.RankFailure`), and the loop makes every rank stop with it,
 except that:
 
 - with ``on_oom="split"`` (the default) an out-of-memory error goes to the
@@ -14,9 +14,10 @@ except that:
 - with ``on_error="skip"`` the batch goes to the
   :class:`~torch_batch_process.engine.feed.failing_examples.FailingExamples`, which bisects it.
 
-With either, every attempt runs as a transaction (:meth:`FailingExamples.begin`), and the runner holds no
-reference to a batch that failed while its parts run, so its device memory can be released. With
-``batch_timeout`` each call is timed by the :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`.
+With either, every attempt runs as a transaction
+(:class:`~torch_batch_process.engine.feed.failing_examples.Transactions`), and the runner holds no reference to a
+batch that failed while its parts run, so its device memory can be released. With ``batch_timeout`` each call is
+timed by the :class:`~torch_batch_process.engine.feed.watchdog.BatchWatchdog`.
 """
 
 from __future__ import annotations
@@ -24,87 +25,120 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from torch_batch_process.context import CurrentBatch
-from torch_batch_process.engine.commit.rank_failure import RankFailure
-from torch_batch_process.engine.commit.votes import Part
 from torch_batch_process.engine.feed.batches import Cut, LoadFailed
-from torch_batch_process.engine.feed.failing_examples import FailingExamples, no_span
 from torch_batch_process.engine.feed.device_memory import forget_frames, is_out_of_memory
+from torch_batch_process.engine.feed.failing_examples import FailingExamples, no_span
 from torch_batch_process.engine.feed.oom import OomSplitter
 from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.engine.rank_failure import RankFailure
+from torch_batch_process.engine.work import Part, RankWork
 from torch_batch_process.processor import TorchBatchProcessor
 
-__all__ = ["BatchRunner"]
+__all__ = ["BatchCall", "BatchRunner", "Guards"]
 
 
-class BatchRunner:
-    """Runs batches of one rank.
+class BatchCall:
+    """``process_batch(batch, batch_idx)`` of one rank's processor under the job's modes.
 
     Args:
         processor: the rank's processor.
-        current: the context's current batch (``context.batch_indices``).
-        plan: the job's plan.
-        rank_failure: the rank's failure.
+        current: the context's current batch (``context.batch_indices``; told whether the call returned).
         inference_mode: run under ``torch.inference_mode()``.
         mode: extra context manager factory around ``process_batch`` (autocast), or ``None``.
-        span: context manager factory timing a batch (``batch_timeout``), or ``None``.
     """
 
     def __init__(
         self,
         processor: TorchBatchProcessor,
         current: CurrentBatch,
-        plan: Plan,
-        rank_failure: RankFailure,
         *,
         inference_mode: bool,
         mode: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-        span: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         self._processor: TorchBatchProcessor | None = processor
-        self._current = current
-        self._plan = plan
-        self._rank_failure = rank_failure
-        self._inference = torch.inference_mode if inference_mode else contextlib.nullcontext
+        self.current = current
+        self.inference = torch.inference_mode if inference_mode else contextlib.nullcontext
         self._mode = mode or contextlib.nullcontext
-        self.span = span or no_span
-        self.guard: FailingExamples | None = None
-        """Transactions and bisection: ``on_error="skip"`` or ``on_oom="split"`` (set by the loop)."""
-        self.splitter: OomSplitter | None = None
-        """``on_oom="split"`` (set by the loop)."""
 
-    def close(self) -> None:
-        """When the rank's batches are done: drops the processor (its model, on the device too) and the failure
-        handling, whose callbacks point back at this runner (a cycle), so that they go when the call returns rather
-        than at the next garbage collection (a second call in the process may need that memory)."""
-        self._processor = None
-        if self.guard is not None:
-            self.guard.on_oom = None  # the splitter's method: the splitter holds the guard
-        self.guard = self.splitter = None
-
-    def process(self, batch: Any, batch_idx: int) -> None:
+    def __call__(self, batch: Any, batch_idx: int) -> None:
         """``process_batch`` under the job's modes; tells the current batch whether it returned (its
         ``context.write()`` rows join the rank's shard, or are dropped)."""
-        assert self._processor is not None, "the runner is closed"
+        assert self._processor is not None, "the rank's batches are done"
         try:
-            with self._inference(), self._mode():
+            with self.inference(), self._mode():
                 self._processor.process_batch(batch, batch_idx)
         except BaseException:
-            self._current.finish(False)
+            self.current.finish(False)
             raise
-        self._current.finish(True)
+        self.current.finish(True)
 
-    def step(self, batches: Iterator[tuple[Any, Any]], part: Part) -> bool:
-        """Loads this rank's next batch from ``batches`` (the feed) and runs it; on success the batch joins
-        ``part``. Returns ``False`` when there is no batch left for this rank (dynamic schedule), or a stop was
-        seen at a claim.
+    def close(self) -> None:
+        """When the rank's batches are done: drops the processor (its model, on the device too), so that it goes
+        when the call returns (a second call in the process may need that memory)."""
+        self._processor = None
+
+
+@dataclass(frozen=True)
+class Guards:
+    """What guards a rank's batches (:func:`~torch_batch_process.engine.feed.error_handling.guard_batches`)."""
+
+    failing: FailingExamples | None = None
+    """Transactions and bisection (``on_error="skip"`` or ``on_oom="split"``); ``None``: a failure fails the job and
+    nothing is to be undone."""
+    splitter: OomSplitter | None = None
+    """``on_oom="split"``: runs a batch that ran out of memory in parts that fit."""
+
+
+class BatchRunner:
+    """Runs batches of one rank.
+
+    Args:
+        call: the rank's ``process_batch`` under the job's modes.
+        plan: the job's plan.
+        rank_failure: the rank's failure.
+        work: the rank's work since its previous commit (a batch done joins its part).
+        guards: what guards the batches.
+        span: context manager factory timing a batch (``batch_timeout``), or ``None``.
+    """
+
+    def __init__(
+        self,
+        call: BatchCall,
+        plan: Plan,
+        rank_failure: RankFailure,
+        work: RankWork,
+        guards: Guards,
+        span: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> None:
+        self._call = call
+        self._current = call.current
+        self._plan = plan
+        self._rank_failure = rank_failure
+        self._work = work
+        self._inference = call.inference
+        self.span = span or no_span
+        self._guard = guards.failing
+        self._splitter = guards.splitter
+        self._split = self._splitter.run_parts if self._splitter is not None else None
+
+    def close(self) -> None:
+        """When the rank's batches are done: drops the processor (see :meth:`BatchCall.close`)."""
+        self._call.close()
+
+    def step(self, batches: Iterator[tuple[Any, Any]]) -> bool:
+        """Loads this rank's next batch from ``batches`` (the feed) and runs it; on success the batch joins the
+        rank's current part. Returns ``False`` when there is no batch left for this rank (dynamic schedule), or a
+        stop was seen at a claim.
 
         Loading runs under ``torch.inference_mode()`` with ``inference_mode`` (as in a hand loop under it:
         tensors that the main process makes, e.g. ``collate_fn``'s without workers, cost less)."""
+        part = self._work.part
         t0 = time.perf_counter()
         try:
             with self._inference():
@@ -115,7 +149,7 @@ class BatchRunner:
             self.load_failed(failed, part, time.perf_counter() - t0)
             return True
         part.timings["data"] += time.perf_counter() - t0
-        if self.guard is None:  # on_oom="raise", on_error="raise": nothing to undo, nothing to split
+        if self._guard is None:  # on_oom="raise", on_error="raise": nothing to undo, nothing to split
             self._run_plain(key, batch, part)
             return True
         if type(key) is Cut:
@@ -131,7 +165,7 @@ class BatchRunner:
     def load_failed(self, failed: LoadFailed, part: Part, loaded_s: float) -> None:
         """A batch whose loading (or copy to the device) raised."""
         part.timings["data"] += loaded_s
-        if self.guard is None:
+        if self._guard is None:
             self._rank_failure.record(failed.error, f"loading batch {failed.batch_idx}")
             return
         indices = self._plan.batch_indices(failed.batch_idx)
@@ -146,7 +180,7 @@ class BatchRunner:
         t0 = time.perf_counter()
         try:
             with self.span(batch_idx):
-                self.process(batch, batch_idx)
+                self._call(batch, batch_idx)
         except Exception as exc:  # noqa: BLE001 - every rank stops with it (the loop's agreement)
             self._rank_failure.record(exc, f"process_batch(batch_idx={batch_idx})")
             return
@@ -162,9 +196,7 @@ class BatchRunner:
         """Runs batch ``batch_idx`` as ``pieces`` (its examples, in order; one piece: the whole batch), each from
         ``loaded`` (a batch loaded by the feed, or its :class:`LoadFailed`), each as a transaction; a piece that
         fails goes to the splitter or the bisection. The batch joins ``part`` when no failure failed the job."""
-        guard = self.guard
-        assert guard is not None
-        splitter = self.splitter
+        splitter = self._splitter
         fitter = splitter.fitter if splitter is not None else None
         t0 = time.perf_counter()
         succeeded = 0
@@ -198,7 +230,7 @@ class BatchRunner:
             part.timings["process"] += seconds
             # the failed attempt's traceback reaches this frame (its frames' f_back): a reference to the error from
             # here is a cycle that keeps the batch (on the device too) alive until a garbage collection
-            error = batch = None
+            error = batch = None  # noqa: F841 - dropped on purpose (see above)
         if split and fitter is not None:
             fitter.split_batches += 1
         ran_whole = whole and not split and not failed
@@ -206,19 +238,19 @@ class BatchRunner:
 
     def _attempt(self, batch_idx: int, indices: Sequence[int], batch: Any, part: Part, prefix: str) -> Exception | None:
         """Runs one loaded batch or piece as a transaction; returns its error."""
-        guard = self.guard
+        guard = self._guard
         assert guard is not None
-        guard.begin(part, prefix)
+        guard.transactions.begin(part, prefix)
         self._current.enter(batch_idx, indices)
         try:
             with self.span(batch_idx):
-                self.process(batch, batch_idx)
+                self._call(batch, batch_idx)
         except Exception as exc:  # noqa: BLE001 - handled by the caller
-            guard.rollback(part)
+            guard.transactions.rollback(part)
             return exc
         finally:
             self._current.leave()
-        guard.keep()
+        guard.transactions.keep()
         return None
 
     def _recover(
@@ -226,15 +258,15 @@ class BatchRunner:
     ) -> int | None:
         """The examples ``indices`` failed together with ``error`` (``None``: they would not fit): splits or
         bisects them; returns how many succeeded, ``None`` when the failure fails the job (recorded)."""
-        guard = self.guard
+        guard = self._guard
         assert guard is not None
         try:
-            if self.splitter is not None and (error is None or is_out_of_memory(error)):
-                return self.splitter.run_parts(batch_idx, indices, part, error)
+            if self._splitter is not None and (error is None or is_out_of_memory(error)):
+                return self._splitter.run_parts(batch_idx, indices, part, error)
             if error is not None and guard.skip and guard.recoverable(error):
                 if phase == "process":
                     forget_frames(error)  # the failed attempt's batch: not kept while the halves run
-                return guard.recover(batch_idx, indices, error, phase, part)
+                return guard.recover(batch_idx, indices, error, phase, part, self._split)
         except Exception as exc:  # noqa: BLE001 - ExampleTooLargeError, TooManyFailuresError, BatchTimeoutError...
             self._rank_failure.record(exc, f"running batch {batch_idx} in parts")
             return None

@@ -37,7 +37,7 @@ from typing import Any
 
 from torch_batch_process.errors import BatchTimeoutError
 
-__all__ = ["BatchWatchdog"]
+__all__ = ["BatchWatchdog", "NoWatchdog", "watch_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,11 @@ class BatchWatchdog:
         if self._previous_handler is not None:
             signal.signal(SIGNAL, self._previous_handler)
             self._previous_handler = None
+
+    @property
+    def watch(self) -> Callable[[Any], contextlib.AbstractContextManager[Any]]:
+        """What times a batch (:meth:`span`), for the feed and the runner."""
+        return self.span
 
     @contextlib.contextmanager
     def span(self, batch: int | Callable[[], int | None]) -> Iterator[None]:
@@ -185,6 +190,32 @@ class BatchWatchdog:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(1)
+
+
+class NoWatchdog:
+    """No ``batch_timeout``: nothing times the batches (``watch`` is ``None``: the feed and the runner skip it)."""
+
+    watch = None
+
+    def steps_done(self) -> None:
+        """Nothing to stop watching."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+def watch_batches(
+    timeout_s: float | None, rank: int, store: Callable[[], Any] | None
+) -> BatchWatchdog | NoWatchdog:
+    """The rank's started watchdog with ``batch_timeout`` (``timeout_s``), else a :class:`NoWatchdog`; the caller
+    closes it when its call ends, so that a rank whose batches are done still dumps its stacks when another rank's
+    batch times out. ``store``: several ranks: a factory of rendezvous store connections (a timeout is told to the
+    others); ``None``: one rank."""
+    if timeout_s is None:
+        return NoWatchdog()
+    watchdog = BatchWatchdog(timeout_s, rank, store)
+    watchdog.start()
+    return watchdog
 
 
 def _stacks() -> str:

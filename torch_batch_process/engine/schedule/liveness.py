@@ -18,48 +18,37 @@ gets a fresh :data:`SILENCE_S` before it counts as silent.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
+from torch_batch_process import settings
+from torch_batch_process.errors import WorkerLostError
+from torch_batch_process.settings import HEARTBEAT_S, HEARTBEAT_SILENCE_ENV, HEARTBEAT_SILENCE_S
 
 __all__ = ["BEAT_S", "SILENCE_ENV", "SILENCE_S", "Heartbeats", "StoreConnection", "heartbeat_silence_s", "watch_peers"]
 
 logger = logging.getLogger(__name__)
 
-BEAT_S = 1.0
+BEAT_S = HEARTBEAT_S
 """Seconds between two heartbeats of a rank (one store request each; rank 0 also reads every rank's counter, in
 one request)."""
 
-SILENCE_S = 15.0
+SILENCE_S = HEARTBEAT_SILENCE_S
 """A rank whose heartbeats stopped for this long is lost (default of ``TBP_HEARTBEAT_SILENCE_S``)."""
 
-SILENCE_ENV = "TBP_HEARTBEAT_SILENCE_S"
+SILENCE_ENV = HEARTBEAT_SILENCE_ENV
 
 
 def heartbeat_silence_s() -> float:
-    """Seconds of silence after which a rank is lost: ``$TBP_HEARTBEAT_SILENCE_S``, default :data:`SILENCE_S`.
+    """Seconds of silence after which a rank is lost: ``TBP_HEARTBEAT_SILENCE_S`` (the call's settings), default
+    :data:`SILENCE_S`.
 
     Raise it when a rank may legitimately not run Python for longer: the heartbeat is a Python thread, so a batch
     that holds the GIL in one long C call (one that does not release it), or a process suspended on its own,
-    looks silent. Raises :class:`~torch_batch_process.errors.InvalidArgumentError` for a value that is not a
-    number of seconds >= 2 (checked with the other arguments, before any work)."""
-    raw = os.environ.get(SILENCE_ENV)
-    if raw is None:
-        return SILENCE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 2 * BEAT_S:  # also NaN
-        raise InvalidArgumentError(
-            f"{SILENCE_ENV} must be a number of seconds >= {2 * BEAT_S:g} (heartbeats come every {BEAT_S:g} s), got "
-            f"{raw!r}; unset it for the default ({SILENCE_S:g} s)"
-        )
-    return value
+    looks silent. A value that is not a number of seconds >= 2 is refused when the call starts."""
+    return settings.current().heartbeat_silence_s
 
 
 class Heartbeats:

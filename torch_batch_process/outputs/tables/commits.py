@@ -44,16 +44,14 @@ record's transaction; a failed transaction fails the job (resumable: the next st
    file is not written yet (it follows the compaction), so the next run of the finished job repairs it and compacts
    the table again, before it writes the result.
 
-Test hook: ``TBP_TEST_TABLE_KILL=before:<k>`` or ``after:<k>`` makes rank 0 kill itself (SIGKILL) right before or
-right after its ``k``-th table transaction, the moments between a record and the table's commit that fault tests
-must reach; ``compact:<k>`` right before its ``k``-th compaction.
+Fault tests reach the moments between a record and the table's commit by killing rank 0 around its ``k``-th call of
+:meth:`TableCommits._transact` or :meth:`TableCommits._compact` (tests/jobs/table_job.py wraps them; nothing of it
+ships here).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -62,14 +60,9 @@ from typing import Any
 from torch_batch_process.errors import StorageError
 from torch_batch_process.outputs.tables.base import Table
 
-__all__ = ["KILL_ENV", "TableCommits"]
+__all__ = ["TableCommits"]
 
 logger = logging.getLogger(__name__)
-
-KILL_ENV = "TBP_TEST_TABLE_KILL"
-"""Test-only: ``before:<k>`` / ``after:<k>`` kills rank 0 around its ``k``-th table transaction, ``compact:<k>`` before
-its ``k``-th compaction (module docstring)."""
-
 
 class TableCommits:
     """Rank 0's table transactions (see the module docstring).
@@ -86,8 +79,6 @@ class TableCommits:
         self._pending: list[dict[str, Any]] = []  # groups {"n", "files"} not yet seen in the table
         self._key = 0  # the newest key the table holds for this job, as far as this process knows
         self._last = float("-inf")  # when the previous transaction started (time.monotonic())
-        self._transactions = 0
-        self._compactions = 0
         self.commit_s = 0.0
         """Seconds spent in table transactions (for the benchmark)."""
 
@@ -135,9 +126,8 @@ class TableCommits:
 
     # ---------------------------------------------------------------- commits
 
-    def merge(self, votes: list[Any]) -> None:
-        """Collects the data files that ``votes`` carry (under the record keeper's merge)."""
-        files = [f for vote in votes for f in vote.extra.get("table_files", ())]
+    def add(self, files: list[dict[str, Any]]) -> None:
+        """Collects the data files a vote carries (under the record keeper's merge)."""
         if files:
             with self._mutex:
                 self._merged.extend(files)
@@ -169,9 +159,7 @@ class TableCommits:
     def _transact(self, groups: list[dict[str, Any]], schema: Any) -> None:
         key = max(g["n"] for g in groups)
         files = [f for g in groups for f in g["files"]]
-        self._transactions += 1
         self._last = time.monotonic()
-        _test_kill("before", self._transactions)
         started = time.perf_counter()
         try:
             self.table.commit(files, schema, self.job_id, key)
@@ -181,7 +169,6 @@ class TableCommits:
                 f"({type(exc).__name__}: {exc}); run the job again: its start adds them"
             ) from exc
         self.commit_s += time.perf_counter() - started
-        _test_kill("after", self._transactions)
         with self._mutex:
             self._key = max(self._key, key)
             self._pending = [g for g in self._pending if g["n"] > self._key]
@@ -189,8 +176,6 @@ class TableCommits:
     def _compact(self) -> None:
         if not self.table.target.compact:
             return
-        self._compactions += 1
-        _test_kill("compact", self._compactions)
         try:
             self.table.compact()
         except Exception as exc:  # noqa: BLE001 - every row is in the table; only the file count is not reduced
@@ -224,10 +209,3 @@ def _first_line(exc: BaseException) -> str:
 def _pending_of(record: Any) -> list[dict[str, Any]]:
     table = getattr(record, "table", None) if record is not None else None
     return list((table or {}).get("pending", ()))
-
-
-def _test_kill(moment: str, count: int) -> None:
-    wanted = os.environ.get(KILL_ENV, "")
-    if wanted == f"{moment}:{count}":
-        logger.warning("%s=%s: killing this process %s table transaction %d", KILL_ENV, wanted, moment, count)
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.jobstore.layout import STAGED_FAILURES_NAME, staging_dir
+from torch_batch_process.jobstore.layout import SCRATCH_DIR, STAGED_FAILURES_NAME, staging_dir
 from torch_batch_process.storage.base import Storage
 
 __all__ = ["OutputStager"]
@@ -159,7 +159,7 @@ class OutputStager:
         with self._lock:
             if self._spare:
                 return self._spare.pop()
-        return self._storage.scratch_folder(f"block-rank_{self._rank}")
+        return self._storage.scratch_folder(SCRATCH_DIR, f"block-rank_{self._rank}")
 
     def _seal(self, folder: Path) -> bool:
         """Moves the block's files into the stage; returns True when that left ``folder`` empty."""

@@ -34,45 +34,24 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Protocol
+from typing import Any
 
-from torch_batch_process.environment import env_number
+from torch_batch_process import settings
 from torch_batch_process.errors import JobLockedError, StorageError
+from torch_batch_process.jobstore.job_lock import JobLock, holder_info, locked_message, machine_id
+from torch_batch_process.jobstore.layout import LEASE_FILE
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage.base import JobLock, Storage
-from torch_batch_process.storage.lock import holder_info, locked_message, machine_id
+from torch_batch_process.storage.base import ConditionalWrites, ConditionFailed, Storage
 
-__all__ = ["LEASE_FILE", "ConditionFailed", "ConditionalWrites", "LeaseJobLock", "lease_ttl_s"]
+__all__ = ["LeaseJobLock", "lease_ttl_s"]
 
 logger = logging.getLogger(__name__)
 
 _READ_BACK_DELAY_S = 0.2
 
-LEASE_FILE = "_tbp/lease.json"
-"""The job lease of object stores, in the job's internal folder (see :mod:`torch_batch_process.jobstore.layout`)."""
-
-
-class ConditionFailed(Exception):
-    """A conditional write lost: the object changed (or appeared) since it was read."""
-
-
-class ConditionalWrites(Protocol):
-    """Writes that succeed only when the object is still the version read (S3:
-    :class:`~torch_batch_process.storage.s3.S3Storage`)."""
-
-    def read_versioned(self, rel: str) -> tuple[bytes, str]:
-        """Reads a file and its version tag; ``FileNotFoundError`` when missing."""
-        ...
-
-    def write_conditional(self, rel: str, data: bytes, *, if_version: str | None) -> str:
-        """Writes ``rel`` only if it is still at version ``if_version`` (``None``: only if absent); returns the new
-        version tag; raises :class:`ConditionFailed` when another writer won."""
-        ...
-
-
 def lease_ttl_s() -> float:
     """Lease time-to-live in seconds (``TBP_LEASE_TTL_S``, default 15)."""
-    return float(env_number("TBP_LEASE_TTL_S", 15.0, above=True))
+    return settings.current().lease_ttl_s
 
 
 class LeaseJobLock(JobLock):
@@ -185,7 +164,7 @@ class LeaseJobLock(JobLock):
     def _fall_back(self, exc: BaseException) -> None:
         logger.warning(
             "storage %s: the object store does not support conditional writes (%s); the job lease falls back to "
-            "write-and-read-back, a weaker guarantee (see torch_batch_process.storage.lock)",
+            "write-and-read-back, a weaker guarantee (see torch_batch_process.jobstore.lease)",
             self._storage.url,
             exc,
         )

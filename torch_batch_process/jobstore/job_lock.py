@@ -1,13 +1,15 @@
 """The job lock: one job at a time per storage path.
 
-Rank 0 takes the lock before its first write to storage and holds it until the job returns.
+Rank 0 takes the lock before its first write to storage and holds it until the job returns. The stored job picks
+the lock by what its storage offers (:meth:`~torch_batch_process.jobstore.store.JobStore.take_lock`): a file of this
+machine's file system, or an object store (with or without conditional writes).
 
 **Local storage** (a local or network-mounted folder) uses an OS file lock on ``_tbp/lock``
 (``filelock``; ``flock``, which Linux maps to POSIX locks on NFS). The kernel releases it when the
 holding process dies, even by ``kill -9``, so a killed job never blocks its resume. The holder's
 host and pid are written to ``_tbp/lock.json`` for the error message of a refused job.
 
-**Object stores** hold a heartbeat lease instead (:mod:`torch_batch_process.storage.lease`).
+**Object stores** hold a heartbeat lease instead (:mod:`torch_batch_process.jobstore.lease`).
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from typing import Any
 import filelock
 
 from torch_batch_process.errors import JobLockedError
+from torch_batch_process.jobstore.layout import LOCK_INFO_FILE
 from torch_batch_process.processes import pid_alive
-from torch_batch_process.storage.base import JobLock, Storage
+from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import storage_error
 
 __all__ = [
-    "LOCK_FILE",
-    "LOCK_INFO_FILE",
     "FileJobLock",
+    "JobLock",
     "flock_held",
     "holder_info",
     "locked_message",
@@ -37,10 +39,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LOCK_FILE = "_tbp/lock"
-"""The OS file lock of local storage, in the job's internal folder (see :mod:`torch_batch_process.jobstore.layout`)."""
-LOCK_INFO_FILE = "_tbp/lock.json"
-"""Who holds the lock: host, pid, since when."""
+
+class JobLock:
+    """Held by rank 0 for the whole job (:func:`take_job_lock` takes the kind its storage allows)."""
+
+    def release(self) -> None:
+        """Releases the lock (idempotent)."""
+
+    def check(self) -> None:
+        """Raises :class:`~torch_batch_process.errors.JobLockedError` when the lock was lost (lease taken over or
+        not renewable)."""
 
 
 def machine_id() -> dict[str, Any]:

@@ -10,9 +10,9 @@ raises the same :class:`~torch_batch_process.errors.InvalidArgumentError` naming
 Two moments: :func:`call_values` right after the process group is joined (the arguments as given), and the job's
 fingerprint (:class:`~torch_batch_process.jobstore.formats.JobSpec`, with the plan's: the lengths of ``bucket_by``, a
 stream's shards and rows) once every rank has planned, before rank 0 opens the stored job. Not compared: the storage
-path (a shared filesystem may be mounted at another path on each node; :mod:`~torch_batch_process.engine.commit.opening`
-checks that every rank sees rank 0's files), storage options (credentials) and ``dataloader_kwargs`` (loader
-workers may differ per node).
+path (a shared filesystem may be mounted at another path on each node;
+:mod:`~torch_batch_process.engine.commit.shared_start` checks that every rank sees rank 0's files), storage options
+(credentials) and ``dataloader_kwargs`` (loader workers may differ per node).
 """
 
 from __future__ import annotations
