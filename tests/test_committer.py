@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from torch_batch_process.context import CurrentBatch
-from torch_batch_process.engine.capabilities.records import RecordOutputs
-from torch_batch_process.engine.capabilities.timeline import TimelineParticipant
+from torch_batch_process.engine.capabilities.records_participant import RecordOutputs
+from torch_batch_process.engine.capabilities.timeline_participant import TimelineParticipant
 from torch_batch_process.engine.commit.committer import Outcome
 from torch_batch_process.engine.commit.participants import Participants
 from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries

@@ -44,16 +44,16 @@ from torch_batch_process.engine.announce import (
     warn_max_batches,
 )
 from torch_batch_process.engine.building import build_processor
-from torch_batch_process.engine.capabilities.failures import FailingExamplesParticipant, failed_before
-from torch_batch_process.engine.capabilities.memory import MemoryLimitsParticipant
-from torch_batch_process.engine.capabilities.records import RecordOutputs
-from torch_batch_process.engine.capabilities.tables import TableOutputs
-from torch_batch_process.engine.capabilities.timeline import TimelineParticipant
+from torch_batch_process.engine.capabilities.failures_participant import FailingExamplesParticipant, failed_before
+from torch_batch_process.engine.capabilities.memory_participant import MemoryLimitsParticipant
+from torch_batch_process.engine.capabilities.records_participant import RecordOutputs
+from torch_batch_process.engine.capabilities.table_participant import TableOutputs
+from torch_batch_process.engine.capabilities.timeline_participant import TimelineParticipant
+from torch_batch_process.engine.commit.call_summary import Summary
 from torch_batch_process.engine.commit.committer import Outcome
 from torch_batch_process.engine.commit.participants import Participant, Participants
 from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
 from torch_batch_process.engine.commit.shared_start import open_job
-from torch_batch_process.engine.commit.summary import Summary
 from torch_batch_process.engine.commit.wiring import CommitCall, make_committer
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.feed.autocast import resolve_autocast

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from torch_batch_process.engine.commit.summary import Summary
+from torch_batch_process.engine.commit.call_summary import Summary
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.opening import Start
 from torch_batch_process.result import BatchProcessResult

@@ -59,11 +59,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from torch_batch_process.engine.commit.call_summary import Summary
 from torch_batch_process.engine.commit.participants import Participants
 from torch_batch_process.engine.commit.payloads import Payloads
 from torch_batch_process.engine.commit.publisher import Publisher
 from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
-from torch_batch_process.engine.commit.summary import Summary
 from torch_batch_process.engine.commit.transport import VoteTransport
 from torch_batch_process.engine.commit.votes import Vote
 from torch_batch_process.engine.distributed import Collectives

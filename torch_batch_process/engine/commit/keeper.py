@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_batch_process.engine.commit.call_summary import Summary
 from torch_batch_process.engine.commit.participants import Durable, Participants, RecordDraft
 from torch_batch_process.engine.commit.payloads import Payloads
 from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
-from torch_batch_process.engine.commit.summary import Summary
 from torch_batch_process.engine.commit.votes import Vote
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.jobstore.formats import CommitRecord

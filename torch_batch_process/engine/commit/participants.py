@@ -33,8 +33,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torch_batch_process.engine.commit.call_summary import Summary
 from torch_batch_process.engine.commit.payloads import Payload, Payloads
-from torch_batch_process.engine.commit.summary import Summary
 from torch_batch_process.engine.commit.votes import Vote
 from torch_batch_process.engine.work import Part
 from torch_batch_process.jobstore.formats import CommitRecord

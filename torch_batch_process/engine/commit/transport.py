@@ -11,9 +11,9 @@ import abc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from torch_batch_process.engine.commit.call_summary import Summary
 from torch_batch_process.engine.commit.keeper import RecordKeeper
 from torch_batch_process.engine.commit.payloads import Payloads
-from torch_batch_process.engine.commit.summary import Summary
 from torch_batch_process.engine.commit.votes import Arrival, Vote
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ error that is not an out-of-memory one fails the job as before).
 The pieces: :class:`Transactions` (an attempt's files, reducer updates and metrics lines, kept or undone),
 :class:`PartLoader` (loads a part in the main process as the loader would), :class:`FailureLog` (the failures this
 rank recorded since its previous vote: the failing-examples participant of the commit, see
-:mod:`~torch_batch_process.engine.capabilities.failures`) and :class:`FailingExamples` (bisection).
+:mod:`~torch_batch_process.engine.capabilities.failures_participant`) and :class:`FailingExamples` (bisection).
 
 **max_failures**: when the committed failures plus this rank's new ones exceed the limit, the rank fails with
 :class:`~torch_batch_process.errors.TooManyFailuresError` (every rank stops; the last commit stays, so a
