@@ -18,15 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import LAUNCHER, REPO  # noqa: E402
 from s3 import MotoServer, moto_available  # noqa: E402
 
+from torch_batch_process import settings  # noqa: E402
+
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-_TBP_VARS = ("TBP_STORAGE_PATH", "TBP_JOB_NAME", "TBP_HPARAMS", "TBP_STORAGE_OPTIONS") + (
-    "TBP_PROGRESS",
-    "TBP_PROGRESS_INTERVAL",
-    "TBP_TENSORBOARD",
-    "TBP_PROFILE",
-    "TBP_METRICS_INTERVAL",
-    "TBP_STRAGGLER_RATIO",
-)
+_TBP_VARS = tuple(variable.name for variable in settings.VARIABLES)  # every TBP_* variable the library reads
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ and checked once when a call starts, and docs/environment.md lists exactly the v
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -85,8 +86,39 @@ def test_the_scan_finds_every_way_of_reading_a_tbp_variable(tmp_path):
 
 def test_docs_environment_lists_the_variables_the_settings_read():
     doc = (REPO / "docs" / "environment.md").read_text()
-    assert settings.markdown_table() in doc
-    assert len(settings.VARIABLES) == len({v.name for v in settings.VARIABLES}) == 20
+    table = settings.markdown_table()
+    assert table in doc, f"docs/environment.md's table of the library's own variables must read:\n{table}"
+    names = [v.name for v in settings.VARIABLES]
+    assert len(names) == len(set(names)) and all(name.startswith("TBP_") for name in names)
+    assert [v.field for v in settings.VARIABLES] == [f.name for f in dataclasses.fields(settings.Settings)]
+
+
+def test_one_policy_for_every_variable_blank_is_not_set_and_a_set_value_is_a_value_or_an_error():
+    """Unset, empty or blank: a tuning variable's default, a stand-in's ``None`` (the argument's default applies).
+    Set: a value (never ``None``, which would pass for "not set") or an error naming the variable."""
+    defaults = settings.read_settings({})
+    for blank in ("", "  "):
+        read = settings.read_settings({v.name: blank for v in settings.VARIABLES})
+        assert read == defaults
+    for v in settings.VARIABLES:
+        value = getattr(defaults, v.field)
+        if v.stands_in:
+            assert value == settings.EnvValue(v.name) and value.get() is None, v.name
+        for raw in ("null", "[]", "0", "1", "x"):
+            try:
+                parsed = v.parse(raw)
+            except InvalidArgumentError as exc:
+                assert v.name in str(exc), (v.name, raw, str(exc))
+            else:
+                assert parsed is not None, (v.name, raw)
+    read = settings.read_settings({"TBP_PROFILE": "null", "TBP_TENSORBOARD": "maybe", "TBP_ALLOW_SCRIPT_CHANGE": "yes"})
+    with pytest.raises(InvalidArgumentError, match="TBP_PROFILE must be 1, 0 or a JSON object, got 'null'"):
+        read.profile.get()  # was taken as unset
+    with pytest.raises(InvalidArgumentError, match="TBP_TENSORBOARD must be 1, 0 or auto, got 'maybe'"):
+        read.tensorboard.get()
+    assert read.allow_script_change is True
+    with pytest.raises(InvalidArgumentError, match="TBP_ALLOW_SCRIPT_CHANGE must be 1, 0, got 'sure'"):
+        settings.read_settings({"TBP_ALLOW_SCRIPT_CHANGE": "sure"})  # was taken as 0, silently
 
 
 def test_a_tuning_variable_is_refused_at_once_a_stand_in_only_where_it_is_used():
@@ -115,3 +147,4 @@ def test_the_settings_of_a_call_are_in_force_for_its_parts_on_every_thread(monke
         thread.join()
         assert seen == [3] and settings.current() is mine
     assert settings.current().storage_retries == 9  # outside a call: the environment's now
+

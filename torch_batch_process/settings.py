@@ -7,26 +7,29 @@ from :func:`current` (a storage retry, an upload, the lease, the join...), never
 package reads a ``TBP_*`` variable (``tests/test_settings.py`` checks it), and docs/environment.md's table is the one
 :data:`VARIABLES` gives (:func:`markdown_table`; the same test compares them).
 
-Two kinds of variables:
+Every variable is one field of :class:`Settings`, declared with its name, parser, default and meaning
+(:func:`variable`): adding a variable is adding one field there. One policy for all of them: unset, empty or blank
+means "not set"; any other value parses to a value or to an
+:class:`~torch_batch_process.errors.InvalidArgumentError` naming the variable. Two kinds of variables:
 
-- *tuning* variables are always in use: a bad value is an
-  :class:`~torch_batch_process.errors.InvalidArgumentError` naming the variable when the call starts, before any
-  work (:func:`read_settings` raises it);
+- *tuning* variables are always in use: not set, they take their default; a bad value fails the call when it starts,
+  before any work (:func:`read_settings` raises it);
 - variables that *stand in for an argument* (``TBP_STORAGE_PATH`` for ``storage_path``, ``TBP_PROGRESS`` for
-  ``progress``...) are read and checked at the same moment, but a bad value is kept as its error
-  (:class:`EnvValue`) and raised only where it is used: when the argument is not given (``TBP_HPARAMS``: by
-  ``context.get_hparams()``; logging the hyperparameters skips a bad value with a warning). One policy for each
-  JSON variable, parsed once.
+  ``progress``...) are read and checked at the same moment into an :class:`EnvValue`: ``None`` when not set (the
+  argument's own default applies), else the value, or the error of a bad value, raised only where it is used: when
+  the argument is not given (``TBP_HPARAMS``: by ``context.get_hparams()``; logging the hyperparameters skips a bad
+  value with a warning). So each JSON variable is parsed once, with one policy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "in_force",
     "markdown_table",
     "read_settings",
+    "variable",
 ]
 
 T = TypeVar("T")
@@ -79,8 +83,8 @@ def _invalid(message: str) -> Exception:
 
 @dataclass(frozen=True)
 class EnvValue(Generic[T]):
-    """A variable that stands in for an argument: its value (``None``: unset), or the error of a bad value, raised by
-    :meth:`get` (only where the value is used)."""
+    """A variable that stands in for an argument: its value (``None``: not set, and only then), or the error of a bad
+    value, raised by :meth:`get` (only where the value is used)."""
 
     name: str
     value: T | None = None
@@ -100,65 +104,51 @@ class EnvValue(Generic[T]):
 
 
 # ---------------------------------------------------------------------------------------------------- parsers
+# One policy for every variable: unset, empty or blank means "not set" (a tuning variable's default; a stand-in's
+# ``None``, so the argument's own default applies); any other value parses to a value or to an error naming the
+# variable.
 
 
-def _number(name: str, default: float, *, integer: bool = False, minimum: float = 0.0, above: bool = False) -> Any:
-    """A tuning number: ``default`` when unset or empty, else an int (``integer``) or float ``>= minimum`` (``>``
-    with ``above``), finite."""
+def _blank(raw: str | None) -> bool:
+    return raw is None or not raw.strip()
+
+
+def _number(
+    name: str,
+    default: float | None,
+    *,
+    integer: bool = False,
+    minimum: float = 0.0,
+    above: bool = False,
+    seconds: bool = False,
+    why: str = "",
+) -> Callable[[str | None], Any]:
+    """A number: ``default`` when not set, else an int (``integer``) or a finite float, ``>= minimum`` (``>`` with
+    ``above``); the error says what it is (``seconds``), why (``why``) and the default."""
 
     def parse(raw: str | None) -> Any:
-        if raw is None or not raw.strip():
+        if _blank(raw):
             return default
+        assert raw is not None
         try:
             value: float = int(raw) if integer else float(raw)
         except ValueError:
-            value = float("nan")
-        if not (value > minimum if above else value >= minimum) or value == float("inf"):
-            kind = "an int" if integer else "a number"
+            value = math.nan
+        if not (value > minimum if above else value >= minimum) or not math.isfinite(value):  # NaN fails both
+            kind = "an int" if integer else "a number of seconds" if seconds else "a number"
             bound = f"> {minimum:g}" if above else f">= {minimum:g}"
-            raise _invalid(
-                f"environment variable {name} must be {kind} {bound}, got {raw!r}; unset it for the default "
-                f"({default:g})"
-            )
+            unset = "" if default is None else f"; unset it for the default ({default:g}{' s' if seconds else ''})"
+            raise _invalid(f"environment variable {name} must be {kind} {bound}{why}, got {raw!r}{unset}")
         return value
 
     return parse
 
 
-def _join_timeout(raw: str | None) -> float:
-    if raw is None or raw == "":
-        return JOIN_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise _invalid(
-            f"{JOIN_TIMEOUT_ENV} must be a number of seconds > 0 (how long ranks wait for each other to join), got "
-            f"{raw!r}; unset it for the default ({JOIN_TIMEOUT_S:g} s)"
-        )
-    return value
-
-
-def _heartbeat_silence(raw: str | None) -> float:
-    if raw is None:
-        return HEARTBEAT_SILENCE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 2 * HEARTBEAT_S:  # also NaN
-        raise _invalid(
-            f"{HEARTBEAT_SILENCE_ENV} must be a number of seconds >= {2 * HEARTBEAT_S:g} (heartbeats come every "
-            f"{HEARTBEAT_S:g} s), got {raw!r}; unset it for the default ({HEARTBEAT_SILENCE_S:g} s)"
-        )
-    return value
-
-
 def _shard_bytes(raw: str | None) -> int:
-    raw = (raw or "").strip()
-    if not raw:
+    if _blank(raw):
         return DEFAULT_SHARD_BYTES
+    assert raw is not None
+    raw = raw.strip()
     scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1].lower(), 1)
     digits = raw[:-1] if scale > 1 else raw
     if not digits.isdigit() or int(digits) * scale <= 0:
@@ -169,29 +159,10 @@ def _shard_bytes(raw: str | None) -> int:
     return int(digits) * scale
 
 
-def _seconds(name: str, default: float | None, *, allow_zero: bool) -> Callable[[str | None], float | None]:
-    def parse(raw: str | None) -> float | None:
-        raw = (raw or "").strip()
-        if not raw:
-            return default
-        try:
-            value = float(raw)
-        except ValueError:
-            raise _invalid(f"environment variable {name} must be a number of seconds, got {raw!r}") from None
-        if not math.isfinite(value):
-            raise _invalid(f"environment variable {name} must be a number of seconds, got {value!r}")
-        if value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
-            raise _invalid(f"environment variable {name} must be {bound} seconds, got {value!r}")
-        return value
-
-    return parse
-
-
 def _ratio(raw: str | None) -> float:
-    raw = (raw or "").strip()
-    if not raw:
+    if _blank(raw):
         return DEFAULT_STRAGGLER_RATIO
+    assert raw is not None
     try:
         value = float(raw)
     except ValueError:
@@ -202,13 +173,14 @@ def _ratio(raw: str | None) -> float:
 
 
 def _text(raw: str | None) -> str | None:
-    return raw or None
+    return None if _blank(raw) else raw
 
 
 def _json_object(name: str) -> Callable[[str | None], dict[str, Any] | None]:
     def parse(raw: str | None) -> dict[str, Any] | None:
-        if not raw:
+        if _blank(raw):
             return None
+        assert raw is not None
         try:
             value = json.loads(raw)
         except ValueError as exc:
@@ -220,49 +192,64 @@ def _json_object(name: str) -> Callable[[str | None], dict[str, Any] | None]:
     return parse
 
 
+def _switch(name: str, *, auto: bool = False) -> Callable[[str | None], bool | None]:
+    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (and ``auto`` with ``auto``: ``None``, as
+    unset)."""
+
+    def parse(raw: str | None) -> bool | None:
+        if _blank(raw):
+            return None
+        assert raw is not None
+        word = raw.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+        if auto and word == "auto":
+            return None
+        raise _invalid(f"environment variable {name} must be 1, 0{' or auto' if auto else ''}, got {raw!r}")
+
+    return parse
+
+
+def _flag(name: str) -> Callable[[str | None], bool]:
+    """A tuning switch, off unless set to ``1`` (``true``, ``yes``, ``on``)."""
+    switch = _switch(name)
+    return lambda raw: bool(switch(raw))
+
+
 def _progress(raw: str | None) -> str | None:
-    raw = (raw or "").strip().lower()
-    if not raw:
+    if _blank(raw):
         return None
-    if raw in _TRUE:
+    assert raw is not None
+    word = raw.strip().lower()
+    if word in _TRUE:
         return "auto"
-    if raw in _FALSE:
+    if word in _FALSE:
         return "off"
-    if raw in PROGRESS_MODES:
-        return raw
+    if word in PROGRESS_MODES:
+        return word
     raise _invalid(
         f"environment variable TBP_PROGRESS must be None, True, False or one of {list(PROGRESS_MODES)}, got {raw!r}"
     )
 
 
-def _tensorboard(raw: str | None) -> bool | None:
-    raw = (raw or "").strip().lower()
-    if not raw or raw == "auto":
-        return None
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise _invalid(f"environment variable TBP_TENSORBOARD must be 1, 0 or auto, got {raw!r}")
-
-
 def _profile(raw: str | None) -> bool | dict[str, Any] | None:
-    raw = (raw or "").strip()
-    if not raw:
+    if _blank(raw):
         return None
-    if raw.lower() in _TRUE:
+    assert raw is not None
+    word = raw.strip()
+    if word.lower() in _TRUE:
         return True
-    if raw.lower() in _FALSE:
+    if word.lower() in _FALSE:
         return False
     try:
-        value = json.loads(raw)
+        value = json.loads(word)
     except ValueError as exc:
         raise _invalid(f"environment variable TBP_PROFILE must be 1, 0 or a JSON object, got {raw!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise _invalid(f"environment variable TBP_PROFILE must be 1, 0 or a JSON object, got {raw!r}")
     return value  # its keys are checked with the argument's (observe/options.py)
-
-
-def _flag(raw: str | None) -> bool:
-    return raw == "1"
 
 
 # ---------------------------------------------------------------------------------------------------- the table
@@ -281,131 +268,135 @@ class Variable:
     """One environment variable of the library: the :class:`Settings` field it fills, its parser, and its docs."""
 
     name: str
-    field: str
     parse: Callable[[str | None], Any]
     default: str
+    """The default as docs/environment.md says it."""
     meaning: str
     stands_in: bool = False
     """It stands in for an argument: a bad value is kept as its error (:class:`EnvValue`) until it is used."""
+    field: str = ""
+    """The :class:`Settings` field (set from the field that declares it)."""
 
 
-VARIABLES: tuple[Variable, ...] = (
-    Variable(
-        STORAGE_ENV, "storage_path", _text, "`./tbp_runs/<job name>`",
-        "storage path when `storage_path` is not given (`tbp run` sets it from `checkpoint_storage`)", True,
-    ),
-    Variable(
-        STORAGE_OPTIONS_ENV, "storage_options", _json_object(STORAGE_OPTIONS_ENV), "none",
+def variable(
+    name: str, parse: Callable[[str | None], Any], default: str, meaning: str, *, stands_in: bool = False
+) -> Any:
+    """Declares a field of :class:`Settings` as the value of environment variable ``name`` (see :class:`Variable`)."""
+    return dataclasses.field(metadata={"variable": Variable(name, parse, default, meaning, stands_in)})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The library's environment variables, one field each, in the order docs/environment.md lists them.
+
+    A field is declared with its variable (:func:`variable`): its name, parser, default and meaning. Adding a
+    variable is adding one field here (then ``settings.current().<field>`` where it is used, and the table in
+    docs/environment.md, which ``tests/test_settings.py`` prints when it differs).
+    """
+
+    storage_path: EnvValue[str] = variable(
+        STORAGE_ENV, _text, "`./tbp_runs/<job name>`",
+        "storage path when `storage_path` is not given (`tbp run` sets it from `checkpoint_storage`)", stands_in=True,
+    )
+    storage_options: EnvValue[dict[str, Any]] = variable(
+        STORAGE_OPTIONS_ENV, _json_object(STORAGE_OPTIONS_ENV), "none",
         "JSON object of fsspec options when `storage_options` is not given (and of the `tbp` commands without "
-        "`--storage-options`)", True,
-    ),
-    Variable(
-        JOB_NAME_ENV, "job_name", _text, "the script's stem",
-        "the job name when `job_name` is not given (`tbp run`: the config's `name`)", True,
-    ),
-    Variable(
-        HPARAMS_ENV, "hparams", _json_object(HPARAMS_ENV), "`{}`",
+        "`--storage-options`)", stands_in=True,
+    )
+    job_name: EnvValue[str] = variable(
+        JOB_NAME_ENV, _text, "the script's stem",
+        "the job name when `job_name` is not given (`tbp run`: the config's `name`)", stands_in=True,
+    )
+    hparams: EnvValue[dict[str, Any]] = variable(
+        HPARAMS_ENV, _json_object(HPARAMS_ENV), "`{}`",
         "JSON object: `context.get_hparams()` (`tbp run`: the config's `hyperparameters`); a bad value fails "
-        "`get_hparams()` only, and the hyperparameters are then not logged (a warning)", True,
-    ),
-    Variable(
-        ALLOW_SCRIPT_CHANGE_ENV, "allow_script_change", _flag, "unset",
+        "`get_hparams()` only, and the hyperparameters are then not logged (a warning)", stands_in=True,
+    )
+    allow_script_change: bool = variable(
+        ALLOW_SCRIPT_CHANGE_ENV, _flag(ALLOW_SCRIPT_CHANGE_ENV), "0",
         "`1`: resume a stored job that another script started (a renamed script) instead of refusing it with "
         "`JobMismatchError` (see the README, \"Resume\")",
-    ),
-    Variable("TBP_PROGRESS", "progress", _progress, "auto", "the `progress` argument (docs/observability.md)", True),
-    Variable(
-        "TBP_PROGRESS_INTERVAL", "progress_interval", _seconds("TBP_PROGRESS_INTERVAL", None, allow_zero=False), "30",
-        "the `progress_interval` argument (seconds)", True,
-    ),
-    Variable(
-        "TBP_TENSORBOARD", "tensorboard", _tensorboard, "auto", "the `tensorboard` argument (`1`, `0`, `auto`)", True
-    ),
-    Variable("TBP_PROFILE", "profile", _profile, "off", "the `profile` argument (`1`, `0` or a JSON object)", True),
-    Variable(
-        "TBP_METRICS_INTERVAL", "metrics_interval",
-        _seconds("TBP_METRICS_INTERVAL", DEFAULT_METRICS_INTERVAL_S, allow_zero=True), "60",
+    )
+    progress: EnvValue[str] = variable(
+        "TBP_PROGRESS", _progress, "auto", "the `progress` argument (docs/observability.md)", stands_in=True
+    )
+    progress_interval: EnvValue[float] = variable(
+        "TBP_PROGRESS_INTERVAL", _number("TBP_PROGRESS_INTERVAL", None, above=True, seconds=True), "30",
+        "the `progress_interval` argument (seconds)", stands_in=True,
+    )
+    tensorboard: EnvValue[bool] = variable(
+        "TBP_TENSORBOARD", _switch("TBP_TENSORBOARD", auto=True), "auto",
+        "the `tensorboard` argument (`1`, `0`, `auto`)", stands_in=True,
+    )
+    profile: EnvValue[Any] = variable(
+        "TBP_PROFILE", _profile, "off", "the `profile` argument (`1`, `0` or a JSON object)", stands_in=True
+    )
+    metrics_interval: float = variable(
+        "TBP_METRICS_INTERVAL", _number("TBP_METRICS_INTERVAL", DEFAULT_METRICS_INTERVAL_S, seconds=True), "60",
         "seconds between reduced metrics \"so far\" computed at commits (`0`: only at preemption and at the end)",
-    ),
-    Variable(
-        "TBP_STRAGGLER_RATIO", "straggler_ratio", _ratio, "0.5",
+    )
+    straggler_ratio: float = variable(
+        "TBP_STRAGGLER_RATIO", _ratio, "0.5",
         "a rank slower than this fraction of the others' median is logged as a straggler",
-    ),
-    Variable(
-        JOIN_TIMEOUT_ENV, "join_timeout_s", _join_timeout, "600",
+    )
+    join_timeout_s: float = variable(
+        JOIN_TIMEOUT_ENV,
+        _number(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S, above=True, seconds=True,
+                why=" (how long ranks wait for each other to join)"),
+        "600",
         "seconds the ranks wait for each other to join when the library creates the process group; a rank that has "
         "not joined by then fails the others with `WorkerLostError` naming it, and a rank that cannot reach rank 0's "
         "store by then (rank 0 never started, or `MASTER_ADDR`/`MASTER_PORT` are wrong) fails with a "
         "`WorkerLostError` saying so. 600 s is torchrun's own rendezvous `join_timeout`: the nodes of a cluster may "
         "start minutes apart (an image pull, a slow scheduler). Once every rank has joined, the process groups are "
         "connected within at most 60 s (`torch_batch_process/engine/join.py`)",
-    ),
-    Variable(
-        HEARTBEAT_SILENCE_ENV, "heartbeat_silence_s", _heartbeat_silence, "15",
+    )
+    heartbeat_silence_s: float = variable(
+        HEARTBEAT_SILENCE_ENV,
+        _number(HEARTBEAT_SILENCE_ENV, HEARTBEAT_SILENCE_S, minimum=2 * HEARTBEAT_S, seconds=True,
+                why=f" (heartbeats come every {HEARTBEAT_S:g} s)"),
+        "15",
         "seconds without a heartbeat after which a rank is lost: while the job opens (every start with plain "
         "processes), and during a `schedule=\"dynamic\"` job (at least 2: heartbeats come every second)",
-    ),
-    Variable(
-        COLLECTIVE_TIMEOUT_ENV, "collective_timeout_s",
-        _number(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S, above=True), "1800",
+    )
+    collective_timeout_s: float = variable(
+        COLLECTIVE_TIMEOUT_ENV, _number(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S, above=True), "1800",
         "the timeout of the process groups' collectives (torch's own default): the last resort of a rank that waits "
         "on a peer that neither answers nor closes its connection",
-    ),
-    Variable(
-        "TBP_STORAGE_RETRIES", "storage_retries", _number("TBP_STORAGE_RETRIES", 5, integer=True, minimum=1), "5",
+    )
+    storage_retries: int = variable(
+        "TBP_STORAGE_RETRIES", _number("TBP_STORAGE_RETRIES", 5, integer=True, minimum=1), "5",
         "attempts of one storage operation on transient errors (docs/storage.md)",
-    ),
-    Variable(
-        "TBP_STORAGE_RETRY_S", "storage_retry_s", _number("TBP_STORAGE_RETRY_S", 30.0), "30",
+    )
+    storage_retry_s: float = variable(
+        "TBP_STORAGE_RETRY_S", _number("TBP_STORAGE_RETRY_S", 30.0), "30",
         "no retry starts later than this after the first attempt",
-    ),
-    Variable(
-        "TBP_UPLOAD_THREADS", "upload_threads", _number("TBP_UPLOAD_THREADS", 8, integer=True, minimum=1), "8",
+    )
+    upload_threads: int = variable(
+        "TBP_UPLOAD_THREADS", _number("TBP_UPLOAD_THREADS", 8, integer=True, minimum=1), "8",
         "parallel uploads of `upload_path()` files per rank (object stores)",
-    ),
-    Variable(
-        "TBP_LEASE_TTL_S", "lease_ttl_s", _number("TBP_LEASE_TTL_S", 15.0, above=True), "15",
+    )
+    lease_ttl_s: float = variable(
+        "TBP_LEASE_TTL_S", _number("TBP_LEASE_TTL_S", 15.0, above=True), "15",
         "lease time-to-live of the job lock on object stores",
-    ),
-    Variable(
-        SHARD_BYTES_ENV, "shard_bytes", _shard_bytes, "128M",
+    )
+    shard_bytes: int = variable(
+        SHARD_BYTES_ENV, _shard_bytes, "128M",
         "bytes of rows (Arrow's in-memory size) after which a rank rolls its record shard over at a commit (an int "
         "> 0; suffixes `k`, `M`, `G`)",
-    ),
-    Variable(
-        LAUNCH_STATE_ENV, "launch_state", _text, "set by the launcher",
+    )
+    launch_state: str | None = variable(
+        LAUNCH_STATE_ENV, _text, "set by the launcher",
         "a file where each node's local rank 0 writes the state of its latest call (`running`, `finished`, "
         "`preempted`, `failed`), so that the launcher does not report a signal that came after the job finished as a "
         "preemption",
-    ),
+    )
+
+
+VARIABLES: tuple[Variable, ...] = tuple(
+    dataclasses.replace(f.metadata["variable"], field=f.name) for f in dataclasses.fields(Settings)
 )
-"""Every environment variable of the library, in the order docs/environment.md lists them."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The values of :data:`VARIABLES` (their docs are there)."""
-
-    storage_path: EnvValue[str]
-    storage_options: EnvValue[dict[str, Any]]
-    job_name: EnvValue[str]
-    hparams: EnvValue[dict[str, Any]]
-    allow_script_change: bool
-    progress: EnvValue[str]
-    progress_interval: EnvValue[float]
-    tensorboard: EnvValue[bool]
-    profile: EnvValue[Any]
-    metrics_interval: float
-    straggler_ratio: float
-    join_timeout_s: float
-    heartbeat_silence_s: float
-    collective_timeout_s: float
-    storage_retries: int
-    storage_retry_s: float
-    upload_threads: int
-    lease_ttl_s: float
-    shard_bytes: int
-    launch_state: str | None
+"""Every environment variable of the library, in the order of :class:`Settings` (and of docs/environment.md)."""
 
 
 def read_settings(environ: Mapping[str, str] | None = None, *, check: bool = True) -> Settings:
@@ -421,20 +412,20 @@ def read_settings(environ: Mapping[str, str] | None = None, *, check: bool = Tru
     """
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    for variable in VARIABLES:
-        raw = environ.get(variable.name)
-        if not variable.stands_in:
+    for each in VARIABLES:
+        raw = environ.get(each.name)
+        if each.stands_in:
             try:
-                values[variable.field] = variable.parse(raw)
-            except Exception:
-                if check:
-                    raise
-                values[variable.field] = variable.parse(None)
+                values[each.field] = EnvValue(each.name, each.parse(raw))
+            except Exception as exc:  # noqa: BLE001 - kept, raised where the value is used
+                values[each.field] = EnvValue(each.name, None, str(exc))
             continue
         try:
-            values[variable.field] = EnvValue(variable.name, variable.parse(raw))
-        except Exception as exc:  # noqa: BLE001 - kept, raised where the value is used
-            values[variable.field] = EnvValue(variable.name, None, str(exc))
+            values[each.field] = each.parse(raw)
+        except Exception:
+            if check:
+                raise
+            values[each.field] = each.parse(None)
     return Settings(**values)
 
 
@@ -462,5 +453,3 @@ def markdown_table() -> str:
     lines += [f"| `{v.name}` | {v.default} | {v.meaning} |" for v in VARIABLES]
     return "\n".join(lines)
 
-
-assert {v.field for v in VARIABLES} == {f.name for f in fields(Settings)}, "every field has its variable"
