@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from harness import REPO
 
-from torch_batch_process import settings
+from torch_batch_process import TorchBatchProcessor, settings, torch_batch_process
 from torch_batch_process.errors import InvalidArgumentError
 
 PACKAGE = REPO / "torch_batch_process"
@@ -148,3 +150,56 @@ def test_the_settings_of_a_call_are_in_force_for_its_parts_on_every_thread(monke
         assert seen == [3] and settings.current() is mine
     assert settings.current().storage_retries == 9  # outside a call: the environment's now
 
+
+def environment_writes(files: list[Path]) -> list[str]:
+    """``path:line`` of every write to the process's environment in ``files``: ``os.environ[...] = ...``,
+    ``os.environ.update/setdefault/pop/clear(...)``, ``del os.environ[...]``, ``os.putenv/unsetenv(...)``."""
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Subscript):
+                write = _is_environ(node.value) and isinstance(node.ctx, (ast.Store, ast.Del))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                attr = node.func.attr
+                write = attr in ("putenv", "unsetenv") or (
+                    attr in ("update", "setdefault", "pop", "clear") and _is_environ(node.func.value)
+                )
+            else:
+                write = False
+            if write:
+                found.append(f"{path.relative_to(path.parents[1])}:{node.lineno}")
+    return found
+
+
+def test_only_the_launcher_writes_the_environment_for_the_processes_it_starts(tmp_path):
+    files = [p for p in sorted(PACKAGE.rglob("*.py")) if "launch" not in p.parent.name]
+    assert len(files) > 100
+    assert environment_writes(files) == []  # the engine never did but once: LOCAL_RANK, in engine/distributed.py
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "writes.py").write_text(
+        "import os\nos.environ['A'] = '1'\nos.environ.setdefault('B', '1')\ndel os.environ['A']\nos.putenv('C', '1')\n"
+        "x = os.environ.get('A')\n"
+    )
+    assert environment_writes([package / "writes.py"]) == [f"pkg/writes.py:{n}" for n in (2, 3, 4, 5)]
+
+
+class _Where(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        SEEN.append((self.context.device, self.context.distributed.get_local_rank(), os.environ.get("LOCAL_RANK")))
+
+
+SEEN: list = []
+
+
+def test_a_call_without_local_rank_takes_local_rank_0_and_leaves_the_environment_as_it_was(tmp_path):
+    """A call used to leave LOCAL_RANK=0 in the caller's environment (a notebook's, for instance)."""
+    before = dict(os.environ)
+    assert "LOCAL_RANK" not in before  # conftest's clean environment
+    SEEN.clear()
+    torch_batch_process(_Where, list(range(4)), batch_size=2, storage_path=str(tmp_path / "job"))
+    assert SEEN == [(torch.device("cpu"), 0, None)] * 2
+    assert dict(os.environ) == before

@@ -35,8 +35,13 @@ def get_default_device(core_context: Any = None) -> torch.device:
             whose ``distributed.local_rank`` (Determined's core context) or ``distributed.get_local_rank()`` (the
             processor's context) gives the local rank; ``None``: the ``LOCAL_RANK`` environment variable.
     """
+    return local_rank_device(_context_local_rank(core_context))
+
+
+def local_rank_device(local_rank: int) -> torch.device:
+    """The device of the process of local rank ``local_rank`` (see :func:`get_default_device`), made current."""
     if torch.cuda.is_available():
-        index = _context_local_rank(core_context) % torch.cuda.device_count()
+        index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     mps = getattr(torch.backends, "mps", None)

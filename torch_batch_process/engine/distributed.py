@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from torch_batch_process import settings
-from torch_batch_process.device import get_default_device, gpu_uuid
+from torch_batch_process.device import gpu_uuid, local_rank_device
 from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.engine.join import connect_timeout, join_job
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
@@ -328,12 +328,10 @@ class DistributedEnv:
         local_rank = _env_int("LOCAL_RANK", rank if world_size == 1 else None)
         if local_rank is None:
             local_rank = rank  # no LOCAL_RANK: assume one process per node slot, all on this node
-        # The one write to the environment, on purpose: torch reads LOCAL_RANK itself, never from the library
-        # (torch.distributed.get_node_local_rank() raises without it, and a DeviceMesh picks its GPU from it, else
-        # from a rank-modulo guess with a warning), as does get_default_device() and code written for Determined.
-        # Processes started under the plain env contract without it (docs/environment.md) get the rank here.
-        os.environ.setdefault("LOCAL_RANK", str(local_rank))
-        self.device = get_default_device()
+        # The environment is left as it is (no LOCAL_RANK written for others to read): torch needs none from the
+        # library (the device is made current here, so a DeviceMesh keeps it; get_node_local_rank() takes a
+        # fallback_rank), and a processor has context.device and context.distributed.get_local_rank().
+        self.device = local_rank_device(local_rank)
         _check_expected(self._expected, rank, world_size, initialized)
         if world_size > 1 and not initialized:
             missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
