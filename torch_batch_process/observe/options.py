@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.shell_commands import pip_install
 
 PROGRESS_ENV = "TBP_PROGRESS"
 PROGRESS_INTERVAL_ENV = "TBP_PROGRESS_INTERVAL"
@@ -177,7 +178,7 @@ def _tensorboard(value: Any) -> bool:
         raise InvalidArgumentError(f"{name} must be None, True or False, got {value!r}")
     if value and not tensorboard_installed():
         raise InvalidArgumentError(
-            f"{name}=True needs the tensorboard package: pip install 'torch-batch-process[tensorboard]' "
+            f"{name}=True needs the tensorboard package: {pip_install('tensorboard')} "
             "(or pass tensorboard=None to write event files only when it is installed)"
         )
     return value
