@@ -50,10 +50,10 @@ from torch_batch_process.observe.profiler import StepProfiler
 from torch_batch_process.observe.progress import BarDisplay, LogDisplay, ProgressDisplay, pick_mode
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
 from torch_batch_process.observe.summary import summary_line
-from torch_batch_process.shell_commands import job_commands
 from torch_batch_process.observe.tensorboard_feed import TensorBoardFeed
 from torch_batch_process.observe.timeline import RankActivity, Timeline
 from torch_batch_process.result import BatchProcessResult, to_jsonable
+from torch_batch_process.shell_commands import job_commands
 from torch_batch_process.storage.base import MirroredFolder
 
 logger = logging.getLogger(__name__)

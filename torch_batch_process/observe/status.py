@@ -23,9 +23,9 @@ when finished, else the latest computed "so far"), ``metrics_final``, ``metrics_
 ``metrics_time``, ``memory_limits`` (what the job learned about the device's memory with ``on_oom="split"``:
 ``{"unit", "budget", "ranges", "text"}``, see ``BatchProcessResult.memory_limits``; ``null``: it never ran out),
 ``ooms`` and ``split_batches`` (out-of-memory errors met and batches run in parts, over all attempts),
-``outputs_path``, ``metrics_path``, ``tensorboard_path`` (``null`` when the job wrote no event files), ``result_path`` (when
-finished and ``result.json`` is written: a job killed between its final commit record, which makes it finished,
-and ``result.json`` has none until it is run again), ``failed_examples`` (examples skipped with
+``outputs_path``, ``metrics_path``, ``tensorboard_path`` (``null`` when the job wrote no event files),
+``result_path`` (when finished and ``result.json`` is written: a job killed between its final commit record, which
+makes it finished, and ``result.json`` has none until it is run again), ``failed_examples`` (examples skipped with
 ``on_error="skip"``, committed so far; after ``retry_failed=True``, those still failing), ``failures``
 (``{"count", "by_phase", "by_error", "first", "path", "error"}``: counts per phase (``load``/``process``) and per
 exception type, the first few by dataset index with their messages, the folder they are stored in, and
