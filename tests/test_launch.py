@@ -419,7 +419,7 @@ def test_ctrl_c_after_the_job_finished_is_not_reported_as_a_preemption(tmp_path)
 def test_sigterm_to_the_launcher_commits_stops_and_the_same_command_resumes_exactly_once(tmp_path):
     spec, proc, err, seconds = _preempted_run(tmp_path)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "[launcher] stopped by SIGTERM" in err
+    assert "[launcher] stopped by SIGTERM" in err and "death signal" not in err  # torchrun's agent's line left out
     reports = read_reports(spec, 1)
     assert sorted(reports) == [0, 1]
     assert all(r["result"]["preempted"] for r in reports.values()), err[-3000:]  # returned, not killed

@@ -359,7 +359,8 @@ def run_plan(plan: LaunchPlan) -> int:
     if threads is not None:  # before torchrun, which would print its 3-line banner and set 1
         os.environ["OMP_NUM_THREADS"] = str(threads)
         _say(f"OMP_NUM_THREADS={threads} for each worker (the cores / the workers; set OMP_NUM_THREADS to choose)")
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_SaidAgain())
+    for name, templates in _AGENT_LINES_SAID_AGAIN.items():
+        logging.getLogger(name).addFilter(_SaidAgain(templates))
     state_file = os.path.join(tempfile.gettempdir(), f"tbp-launch-{os.getpid()}-{uuid.uuid4().hex[:8]}.state")
     os.environ[LAUNCH_STATE_ENV] = state_file  # the workers' calls say there whether the job is done
     try:
@@ -370,16 +371,24 @@ def run_plan(plan: LaunchPlan) -> int:
                 os.unlink(path)
 
 
-# torchrun's agent lines that the launcher's own last line says better (it names the worker, not its wrapper)
-_AGENT_LINES_SAID_AGAIN = (
-    "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-    "Sending process %s closing signal %s",
-)
+# torchrun's agent lines that the launcher's own last line says better (it names the worker, not its wrapper, and
+# what to do), by their logger and message template
+_AGENT_LINES_SAID_AGAIN = {
+    "torch.distributed.elastic.multiprocessing.api": (
+        "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+        "Sending process %s closing signal %s",
+    ),
+    "torch.distributed.elastic.agent.server.api": ("Received %s death signal, shutting down workers",),
+}
 
 
 class _SaidAgain(logging.Filter):
+    def __init__(self, templates: tuple[str, ...]) -> None:
+        super().__init__()
+        self.templates = templates
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg not in _AGENT_LINES_SAID_AGAIN
+        return record.msg not in self.templates
 
 
 def worker_threads(nproc_per_node: str, environ: Mapping[str, str]) -> int | None:
