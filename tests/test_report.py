@@ -7,6 +7,7 @@ tables show with what the job stored. Without Chromium those tests skip, saying 
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import json
 import os
@@ -428,6 +429,9 @@ def test_report_without_output_goes_next_to_the_job_named_after_it_and_says_wher
     assert cli.main(["report", "runs/job/"]) == 0
     assert capsys.readouterr().out.startswith("wrote runs/job-report.html (")
     assert (tmp_path / "runs" / "job-report.html").stat().st_size > 0 and not (tmp_path / "report.html").exists()
+    page = (tmp_path / "runs" / "job-report.html").read_text()
+    name = html.escape(f"job '{read_status(str(tmp_path / 'runs' / 'job'))['job_name']}'")  # issue 41 item 3: quoted
+    assert f"<title>{name}: torch_batch_process report</title>" in page and f"<h1>{name}</h1>" in page
     assert default_output("s3://bucket/jobs/digits/") == "digits-report.html"
     assert default_output("file:///srv/jobs/digits") == "/srv/jobs/digits-report.html"
 
