@@ -151,18 +151,18 @@ def test_tbp_status_names_the_job_in_quotes_without_the_raw_fingerprint_nor_a_mi
 def test_the_commands_printed_for_the_user_run_as_printed_here(tmp_path, monkeypatch):
     """Issue 48 items 2 and 5: a bare ``tbp`` (the README never activates its venv) and an install hint in a form the
     README does not use; the library names this environment's own ``tbp``/``pip`` and this checkout."""
-    from torch_batch_process.shell_commands import job_commands, pip_install, tbp_command
+    from torch_batch_process.shell_commands import job_commands, pip_install, shell_path, tbp_command
 
     bin_dir = Path(sys.executable).parent
     monkeypatch.setenv("PATH", str(tmp_path))  # the venv is not activated
     monkeypatch.chdir(REPO)
     tbp = tbp_command()
-    assert tbp == str(bin_dir / "tbp") or tbp.endswith(" -m torch_batch_process.launch.cli"), tbp
+    assert tbp == shell_path(bin_dir / "tbp") or tbp.endswith(" -m torch_batch_process.launch.cli"), tbp
     status, report = job_commands("tbp_runs/embed_docstrings")
     assert (status, report) == (f"{tbp} status tbp_runs/embed_docstrings", f"{tbp} report tbp_runs/embed_docstrings")
     pip = pip_install("report")
     assert pip.endswith(' install -e ".[report]"') and pip.split(" install")[0] in (
-        str(bin_dir / "pip"), f"{sys.executable} -m pip"), pip
+        shell_path(bin_dir / "pip"), f"{shell_path(sys.executable)} -m pip"), pip
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{tmp_path}")  # activated: the bare names run
     if (bin_dir / "tbp").exists():
         assert tbp_command() == "tbp"
