@@ -132,6 +132,18 @@ def test_commands_modules_and_no_prefix():
     assert plan.torchrun_argv[plan.torchrun_argv.index("--no-python") + 1 :] == [sys.executable, "x.py"]
 
 
+def test_omp_num_threads_is_set_for_several_workers_only_where_the_user_set_none(monkeypatch):
+    """Issue 41 item 2: torchrun prints a three-line ``*****`` banner and sets 1 when several workers run and
+    ``OMP_NUM_THREADS`` is unset; the launcher sets it first (the cores divided among the workers), and leaves the
+    user's value and a single worker alone (a slow test below checks the banner is gone from a real launch)."""
+    from torch_batch_process.launch.torch_distributed import worker_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert worker_threads("2", {}) == 4 and worker_threads("3", {}) == 2 and worker_threads("16", {}) == 1
+    assert worker_threads("2", {"OMP_NUM_THREADS": "3"}) is None  # the user's choice
+    assert worker_threads("1", {}) is None  # one worker may use every core; torchrun prints nothing then
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
