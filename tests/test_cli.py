@@ -148,6 +148,22 @@ def test_tbp_status_names_the_job_in_quotes_without_the_raw_fingerprint_nor_a_mi
     assert not [line for line in lines if "{" in line or "dataset_length=" in line or line.startswith("tensorboard")]
 
 
+class _FailsAt7(Quick):
+    def process_batch(self, batch, batch_idx):
+        if 7 in batch:
+            raise ValueError("example 7")
+
+
+def test_a_retry_of_the_failed_examples_names_the_job_in_quotes(tmp_path, caplog, monkeypatch):
+    """Issue 41 item 3, in the one other log line that names the job: a job named 'job' logged "retry 1 of job job"."""
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="torch_batch_process")
+    for retry in (False, True):
+        torch_batch_process(_FailsAt7, list(range(12)), batch_size=3, storage_path="job", progress=False,
+                            tensorboard=False, job_name="job", on_error="skip", retry_failed=retry)
+    assert [r for r in caplog.records if r.getMessage().startswith("retry 1 of job 'job': 1 failed example(s)")]
+
+
 def test_the_commands_printed_for_the_user_run_as_printed_here(tmp_path, monkeypatch):
     """Issue 48 items 2 and 5: a bare ``tbp`` (the README never activates its venv) and an install hint in a form the
     README does not use; the library names this environment's own ``tbp``/``pip`` and this checkout."""
