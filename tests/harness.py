@@ -265,19 +265,26 @@ def wait_for_progress(progress: Path, procs: list[subprocess.Popen[str]], timeou
         time.sleep(0.02)
 
 
-def committed_batches(storage: str) -> int:
-    """Batches the latest durable commit record of the job at ``storage`` lists (0 without one)."""
+def latest_commit_record(storage: str | Path) -> dict[str, Any] | None:
+    """The latest durable commit record of the job at ``storage``, or ``None`` before the first one (a kill may
+    come after the stages' rows were written but before rank 0's first record, or ``_tbp/commits`` was ever made)."""
     fs, root = storage_fs(storage)
     try:
         names = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
     except FileNotFoundError:
-        return 0
+        return None
     for name in reversed(names):
         try:
-            return sum(b - a for a, b in json.loads(fs.cat_file(name))["committed"])
+            return json.loads(fs.cat_file(name))
         except (FileNotFoundError, ValueError):  # superseded and deleted meanwhile, or being replaced
             continue
-    return 0
+    return None
+
+
+def committed_batches(storage: str) -> int:
+    """Batches the latest durable commit record of the job at ``storage`` lists (0 without one)."""
+    record = latest_commit_record(storage)
+    return sum(b - a for a, b in record["committed"]) if record else 0
 
 
 def commit_records(storage: Path) -> list[Path]:

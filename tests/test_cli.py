@@ -116,3 +116,71 @@ def test_tbp_run_dry_run_imports_no_torch(tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text("name: dry\nentrypoint: python3 job.py\nhyperparameters: {lr: 0.1}\n")
     assert _imports_of("run", str(config), "--dry-run") == {"code": 0, "heavy": []}
+
+
+def test_tbp_status_names_the_job_in_quotes_without_the_raw_fingerprint_nor_a_missing_tensorboard_folder(
+    tmp_path, capsys, caplog, monkeypatch
+):
+    """Issue 41 items 1 and 3 (the finished job's line says how to look at it; a job named 'job' logged and showed
+    "job job"), issue 48 items 6 and 9 (how to run a finished job again; the fingerprint's dict, and a tensorboard
+    folder that a job without the tensorboard package never wrote)."""
+    from torch_batch_process.launch import cli
+    from torch_batch_process.shell_commands import job_commands
+
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="torch_batch_process")
+    for _ in range(2):
+        torch_batch_process(Quick, list(range(30)), batch_size=3, storage_path="job", progress=False,
+                            tensorboard=False, job_name="job")
+    logged = [record.getMessage() for record in caplog.records]
+    assert [m for m in logged if m.startswith("job 'job' attempt 1: 30 examples in 10 batches")], logged
+    (finished,) = [m for m in logged if m.startswith("finished: ")]
+    assert finished.endswith("; look at the job: {} and {}".format(*job_commands("job")))
+    assert job_commands("job")[0].endswith("status job")
+    assert [m for m in logged if "is already finished; nothing to do (to run it again: another storage_path, or "
+            "resume=False" in m], logged
+    storage = tmp_path / "job"
+    capsys.readouterr()
+    assert cli.main(["status", str(storage)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split(None, 1) == ["job", "'job': processor test_cli.Quick over 30 examples (builtins.list) in "
+                                       f"batches of 3; fingerprint {lines[0].rsplit(' ', 1)[1]}"], lines[0]
+    assert not [line for line in lines if "{" in line or "dataset_length=" in line or line.startswith("tensorboard")]
+
+
+class _FailsAt7(Quick):
+    def process_batch(self, batch, batch_idx):
+        if 7 in batch:
+            raise ValueError("example 7")
+
+
+def test_a_retry_of_the_failed_examples_names_the_job_in_quotes(tmp_path, caplog, monkeypatch):
+    """Issue 41 item 3, in the one other log line that names the job: a job named 'job' logged "retry 1 of job job"."""
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="torch_batch_process")
+    for retry in (False, True):
+        torch_batch_process(_FailsAt7, list(range(12)), batch_size=3, storage_path="job", progress=False,
+                            tensorboard=False, job_name="job", on_error="skip", retry_failed=retry)
+    assert [r for r in caplog.records if r.getMessage().startswith("retry 1 of job 'job': 1 failed example(s)")]
+
+
+def test_the_commands_printed_for_the_user_run_as_printed_here(tmp_path, monkeypatch):
+    """Issue 48 items 2 and 5: a bare ``tbp`` (the README never activates its venv) and an install hint in a form the
+    README does not use; the library names this environment's own ``tbp``/``pip`` and this checkout."""
+    from torch_batch_process.shell_commands import job_commands, pip_install, shell_path, tbp_command
+
+    bin_dir = Path(sys.executable).parent
+    monkeypatch.setenv("PATH", str(tmp_path))  # the venv is not activated
+    monkeypatch.chdir(REPO)
+    tbp = tbp_command()
+    assert tbp == shell_path(bin_dir / "tbp") or tbp.endswith(" -m torch_batch_process.launch.cli"), tbp
+    status, report = job_commands("tbp_runs/embed_docstrings")
+    assert (status, report) == (f"{tbp} status tbp_runs/embed_docstrings", f"{tbp} report tbp_runs/embed_docstrings")
+    pip = pip_install("report")
+    assert pip.endswith(' install -e ".[report]"') and pip.split(" install")[0] in (
+        shell_path(bin_dir / "pip"), f"{shell_path(sys.executable)} -m pip"), pip
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{tmp_path}")  # activated: the bare names run
+    if (bin_dir / "tbp").exists():
+        assert tbp_command() == "tbp"
+    monkeypatch.chdir(tmp_path)
+    assert pip_install("report").endswith(f' install -e "{REPO}[report]"')

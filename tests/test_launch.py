@@ -132,6 +132,18 @@ def test_commands_modules_and_no_prefix():
     assert plan.torchrun_argv[plan.torchrun_argv.index("--no-python") + 1 :] == [sys.executable, "x.py"]
 
 
+def test_omp_num_threads_is_set_for_several_workers_only_where_the_user_set_none(monkeypatch):
+    """Issue 41 item 2: torchrun prints a three-line ``*****`` banner and sets 1 when several workers run and
+    ``OMP_NUM_THREADS`` is unset; the launcher sets it first (the cores divided among the workers), and leaves the
+    user's value and a single worker alone (a slow test below checks the banner is gone from a real launch)."""
+    from torch_batch_process.launch.torch_distributed import worker_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert worker_threads("2", {}) == 4 and worker_threads("3", {}) == 2 and worker_threads("16", {}) == 1
+    assert worker_threads("2", {"OMP_NUM_THREADS": "3"}) is None  # the user's choice
+    assert worker_threads("1", {}) is None  # one worker may use every core; torchrun prints nothing then
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -184,7 +196,9 @@ def test_torchs_own_rank_prefix_is_not_doubled():
 
     read_end, write_end = os.pipe()
     out_read, out_write = os.pipe()
-    os.write(write_end, b"[rank1]: Traceback (most recent call last):\n[rank1]:   File x\n[rank0]: other\nplain [rank1]: \n")
+    os.write(
+        write_end, b"[rank1]: Traceback (most recent call last):\n[rank1]:   File x\n[rank0]: other\nplain [rank1]: \n"
+    )
     os.close(write_end)
     with os.fdopen(read_end, "rb") as source:
         _copy(source, out_write, b"[rank 1] ", b"[rank1]: ")
@@ -227,6 +241,71 @@ def test_a_traceback_under_the_launcher_carries_one_rank_prefix(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "[rank 1] Traceback (most recent call last):" in proc.stderr.splitlines(), proc.stderr[-3000:]
     assert "[rank1]:" not in proc.stderr and "[rank0]:" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].endswith("the last commit is intact: fix what its output above says, then run "
+                                                 "the same command again to resume"), proc.stderr[-3000:]
+
+
+_LOSABLE_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+    class P(TorchBatchProcessor):
+        def __init__(self, context):
+            self.context = context
+            Path(sys.argv[1], f"pid{context.get_distributed_rank()}").write_text(str(os.getpid()))
+
+        def process_batch(self, batch, batch_idx):
+            time.sleep(float(sys.argv[3]))
+            self.context.write({"value": [int(v) for v in batch]})
+
+    torch_batch_process(P, list(range(200)), batch_size=2, checkpoint_interval=2, storage_path=sys.argv[2],
+                        progress=False)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_under_the_launcher_is_named_in_one_line_per_rank_and_the_same_command_resumes(tmp_path):
+    """Issue 48 item 7: the surviving rank claimed a SIGTERM nobody sent, printed a 35-line traceback for the lost
+    peer, and the launcher named the pid of the worker's wrapper; issue 41 item 2: torchrun's OMP_NUM_THREADS banner.
+    The survivor hears of the loss from its next exchange with the peer, or first from the agent's SIGTERM (then it
+    says so: see test_a_sigterm_from_the_agent_after_a_worker_died_is_worded_so)."""
+    script, storage = tmp_path / "job.py", tmp_path / "storage"
+    script.write_text(_LOSABLE_WORKER)
+    env = base_env()
+    env.pop("OMP_NUM_THREADS")  # the user set none
+    command = launcher_cmd("--nproc-per-node", "2", "python3", str(script), str(tmp_path), str(storage))
+    proc = start_process([*command, "0.05"], env)
+    try:
+        wait_for(lambda: commit_records(storage) or proc.poll() is not None, 120, "the first commit")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        victim = int((tmp_path / "pid1").read_text())
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    lines = err.splitlines()
+    assert "*****" not in err and "[launcher] OMP_NUM_THREADS=" in lines[0], err[-3000:]
+    assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
+    assert [line for line in lines if line.startswith("[rank 0] WorkerLostError:")] == [
+        f"[rank 0] WorkerLostError: rank 0 stopped: rank 1 (pid {victim}) died of SIGKILL. The last commit is intact: "
+        "run the same command again to resume from it"
+    ], err[-3000:]
+    told = [line for line in lines if "SIGTERM" in line]
+    assert all(f"SIGTERM from the launcher's agent, after rank 1 (pid {victim}) died of SIGKILL" in t for t in told)
+    assert lines[-1] == (
+        f"[launcher] the job failed: rank 1 (local rank 1, pid {victim}) ended with signal SIGKILL; the last commit is "
+        "intact: run the same command again to resume"
+    ), err[-3000:]
+    assert len(lines) <= 5, err  # the OMP line, rank 0's start, SIGTERM and lost-peer lines, the launcher's
+    again = subprocess.run([*command, "0"], env=env, capture_output=True, text=True, timeout=180, cwd=str(REPO))
+    assert again.returncode == 0, again.stderr[-3000:]
+    from torch_batch_process import read_outputs
+
+    assert read_outputs(str(storage)).column("value").to_pylist() == list(range(200))
 
 
 # ------------------------------------------------------------------ real launches
@@ -352,7 +431,7 @@ def test_ctrl_c_after_the_job_finished_is_not_reported_as_a_preemption(tmp_path)
 def test_sigterm_to_the_launcher_commits_stops_and_the_same_command_resumes_exactly_once(tmp_path):
     spec, proc, err, seconds = _preempted_run(tmp_path)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "[launcher] stopped by SIGTERM" in err
+    assert "[launcher] stopped by SIGTERM" in err and "death signal" not in err  # torchrun's agent's line left out
     reports = read_reports(spec, 1)
     assert sorted(reports) == [0, 1]
     assert all(r["result"]["preempted"] for r in reports.values()), err[-3000:]  # returned, not killed
@@ -421,3 +500,34 @@ def test_a_repeated_signal_is_one_request_unless_it_comes_later(monkeypatch):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, outer)
+
+
+def test_a_sigterm_from_the_agent_after_a_worker_died_is_worded_so(tmp_path, monkeypatch):
+    """What the rank wrapper notes when its command dies of a signal, read by a surviving rank: the SIGTERM that
+    torchrun's agent then sends is not the user's, and the lost peer is named (issue 48 item 7)."""
+    from torch_batch_process.environment import LAUNCH_STATE_ENV
+    from torch_batch_process.errors import WorkerLostError
+    from torch_batch_process.launch import rank_prefix
+    from torch_batch_process.lost_workers import LOST_SUFFIX, lost_peer_line, signal_origin
+
+    assert (rank_prefix._LAUNCH_STATE_ENV, rank_prefix._LOST_SUFFIX) == (LAUNCH_STATE_ENV, LOST_SUFFIX)
+    monkeypatch.setenv(LAUNCH_STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("torch_batch_process.lost_workers.NOTE_WAIT_S", 0.1)
+    try:
+        raise WorkerLostError("rank 0: another rank stopped answering (Connection reset by peer)") from OSError(
+            "Connection reset by peer"
+        )
+    except WorkerLostError as exc:
+        error = exc
+    assert signal_origin("SIGTERM") == "SIGTERM received"
+    assert lost_peer_line(error) == "rank 0: another rank stopped answering"  # the transport's report left out
+    monkeypatch.setenv("RANK", "1")
+    rank_prefix._note_lost("1", 4242, signal.SIGKILL)
+    monkeypatch.setenv("RANK", "0")
+    assert signal_origin("SIGTERM") == "SIGTERM from the launcher's agent, after rank 1 (pid 4242) died of SIGKILL"
+    assert signal_origin("SIGINT") == "SIGINT received"
+    assert lost_peer_line(error) == (
+        "rank 0 stopped: rank 1 (pid 4242) died of SIGKILL. The last commit is intact: run the same command again to "
+        "resume from it"
+    )

@@ -14,6 +14,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import signal
 import tarfile
 import time
@@ -21,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from harness import JOBS, assert_exactly_once, spawn_ranks, storage_fs, wait_all
+from harness import JOBS, assert_exactly_once, latest_commit_record, spawn_ranks, storage_fs, wait_all
 
 from torch_batch_process import TorchBatchProcessor, iter_outputs, read_outputs, torch_batch_process
 from torch_batch_process.errors import InvalidArgumentError
@@ -167,14 +168,31 @@ def _env(shard_bytes: int = 900):
 
 def _committed_examples(storage: str, batch_size: int, n: int) -> set[int]:
     """The examples of the batches the latest commit record commits (none before the first record: under load the
-    kill may come before rank 0's queued record writes, though after the stages' rows were appended)."""
-    fs, root = storage_fs(storage)
-    names = sorted(p for p in fs.ls(f"{root}/_tbp/commits", detail=False) if p.endswith(".json"))
-    if not names:
-        return set()
-    record = json.loads(fs.cat_file(names[-1]))
-    batches = [g for a, b in record["committed"] for g in range(a, b)]
+    kill may come before rank 0's queued record writes, though after the stages' rows were appended, so that
+    ``_tbp/commits`` does not exist yet)."""
+    record = latest_commit_record(storage)
+    batches = [g for a, b in record["committed"] for g in range(a, b)] if record else []
     return {i for g in batches for i in range(g * batch_size, min((g + 1) * batch_size, n))}
+
+
+class _StopsAt6(Small):
+    def process_batch(self, batch, batch_idx):
+        if batch_idx == 6:
+            raise RuntimeError("stops at batch 6")
+        super().process_batch(batch, batch_idx)
+
+
+def test_the_committed_examples_of_a_job_killed_before_its_first_record_are_none(tmp_path):
+    """Issue 49: killed after the stages' rows were appended but before rank 0's first record, a job has no
+    ``_tbp/commits`` folder; the helper that the kill tests check read-back against counts nothing then."""
+    storage = tmp_path / "storage"
+    with pytest.raises(RuntimeError, match="stops at batch 6"):
+        torch_batch_process(_StopsAt6, list(range(40)), batch_size=4, checkpoint_interval=1, progress=False,
+                            storage_path=str(storage))  # rows of 6 commits in a segment log
+    shutil.rmtree(storage / "_tbp" / "commits")  # as if killed before rank 0 wrote any of them
+    assert list((storage / "_tbp" / "segments").iterdir())
+    assert _committed_examples(str(storage), 4, 40) == set()
+    assert read_outputs(str(storage)).num_rows == 0
 
 
 def _check_exactly_once_now(storage: str, spec: dict, fmt: str) -> None:

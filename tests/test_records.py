@@ -20,6 +20,7 @@ from harness import (
     JOBS,
     assert_exactly_once,
     base_env,
+    committed_batches,
     free_port,
     read_reports,
     run_torchrun,
@@ -468,9 +469,10 @@ def test_kill9_then_resume_with_another_world_size_every_index_once(tmp_path, fm
     kwargs = {"output_format": fmt, "schedule": schedule}
     spec = _spec(tmp_path, n=600, kwargs=kwargs, sleep=0.02, progress_file=str(progress))
     procs = spawn_ranks(2, RECORDS_JOB, json.dumps(spec))
-    published = os.path.join(spec["storage"], "_tbp", "segments", "*.arrow*")  # committed rows, not rolled yet
+    segments = os.path.join(spec["storage"], "_tbp", "segments", "*.arrow*")  # rows not rolled into a shard yet
     deadline = time.monotonic() + 90
-    while not glob.glob(published):  # some commits are durable, the others under way
+    # some commits are durable (a record: segments alone may precede rank 0's first record), the others under way
+    while not (committed_batches(spec["storage"]) and glob.glob(segments)):
         assert time.monotonic() < deadline, "the job never published a commit"
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
         time.sleep(0.02)

@@ -7,6 +7,7 @@ tables show with what the job stored. Without Chromium those tests skip, saying 
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import json
 import os
@@ -414,6 +415,25 @@ def test_report_to_an_empty_or_unwritable_output_is_one_clear_line(tmp_path, cap
     assert cli.main(["report", str(storage), "-o", str(tmp_path / "file" / "r.html")]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"tbp report: cannot write --output {str(tmp_path / 'file' / 'r.html')!r}") and err.count("\n") == 1
+
+
+def test_report_without_output_goes_next_to_the_job_named_after_it_and_says_where(tmp_path, capsys, monkeypatch):
+    """Issue 48 item 5: without -o the page was report.html in the working directory (a clone's root, where it shows
+    in git status)."""
+    pytest.importorskip("plotly")
+    from torch_batch_process.observe.report.commands import default_output
+
+    assert _run(str(tmp_path / "runs" / "job")).finished
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["report", "runs/job/"]) == 0
+    assert capsys.readouterr().out.startswith("wrote runs/job-report.html (")
+    assert (tmp_path / "runs" / "job-report.html").stat().st_size > 0 and not (tmp_path / "report.html").exists()
+    page = (tmp_path / "runs" / "job-report.html").read_text()
+    name = html.escape(f"job '{read_status(str(tmp_path / 'runs' / 'job'))['job_name']}'")  # issue 41 item 3: quoted
+    assert f"<title>{name}: torch_batch_process report</title>" in page and f"<h1>{name}</h1>" in page
+    assert default_output("s3://bucket/jobs/digits/") == "digits-report.html"
+    assert default_output("file:///srv/jobs/digits") == "/srv/jobs/digits-report.html"
 
 
 # -------------------------------------------------------------------------------------- tbp status

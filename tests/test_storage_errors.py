@@ -22,6 +22,7 @@ from harness import REPO, assert_exactly_once, base_env, committed_values
 from s3 import FaultProxy, MotoServer, free_port
 
 from torch_batch_process import StorageError, TorchBatchProcessor, torch_batch_process
+from torch_batch_process.shell_commands import pip_install
 from torch_batch_process.storage.registry import open_storage as Storage
 
 BUILT: list[int] = []
@@ -204,7 +205,7 @@ def test_missing_backend_names_the_extra_to_install():
     with pytest.raises(StorageError) as info:
         run_job("gs://some-bucket/job")
     message = str(info.value)
-    assert "gs://some-bucket/job" in message and "pip install 'torch-batch-process[gcs]'" in message
+    assert "gs://some-bucket/job" in message and pip_install("gcs") in message
     assert BUILT == []
 
 

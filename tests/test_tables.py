@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -242,8 +243,13 @@ def test_bad_targets_are_clear_errors_before_any_write(tmp_path, monkeypatch):
     with pytest.raises(InvalidArgumentError, match="storage_options must be a dict of str"):
         tables.delta(tmp_path / "d", storage_options={"AWS_ALLOW_HTTP": True})
     monkeypatch.setitem(sys.modules, "deltalake", None)  # as if the extra were not installed
-    with pytest.raises(InvalidArgumentError, match=r"pip install 'torch-batch-process\[delta\]'"):
+    from torch_batch_process.shell_commands import pip_install
+
+    with pytest.raises(InvalidArgumentError, match=re.escape(pip_install("delta"))):  # as it runs here
         run_job(tmp_path, tables.delta(tmp_path / "d"))
+    monkeypatch.setitem(sys.modules, "lance", None)
+    with pytest.raises(InvalidArgumentError, match=re.escape(pip_install("lance"))):  # found, not imported
+        run_job(tmp_path, tables.lance(tmp_path / "l.lance"))
     assert not storage.exists()  # nothing was written
 
 

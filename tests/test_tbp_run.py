@@ -69,7 +69,7 @@ def test_tbp_run_hparams_storage_and_a_worker_killed_once_is_restarted_exactly_o
         kill_tree(proc)
 
     assert proc.returncode == 0, err[-4000:]
-    assert "[tbp] job tbp-run-test from" in err and "2 worker(s) per node on 1 node(s), max_restarts 2" in err
+    assert "[tbp] job 'tbp-run-test' from" in err and "2 worker(s) per node on 1 node(s), max_restarts 2" in err
     reports = read_reports(spec, 1)  # written by the restarted workers
     assert sorted(reports) == [0, 1]
     expected_hparams = {"model": "tiny", "threshold": 0.5, "layers": [1, 2]}
@@ -81,7 +81,7 @@ def test_tbp_run_hparams_storage_and_a_worker_killed_once_is_restarted_exactly_o
         assert result["storage_path"] == str(storage) and result["finished"] and not result["preempted"]
         assert result["batches_skipped"] > 0  # it resumed from a commit
     # The log says which attempt, which torchrun restart, and from which batch the job resumes.
-    assert re.search(r"\[rank 0\] .*job tbp-run-test attempt 2 \(torchrun restart 1\): resuming at batch \d+", err), (
+    assert re.search(r"\[rank 0\] .*job 'tbp-run-test' attempt 2 \(torchrun restart 1\): resuming at batch \d+", err), (
         err[-4000:]
     )
     assert_exactly_once(committed_values(storage), n)

@@ -16,6 +16,7 @@ from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.environment import write_launch_state
 from torch_batch_process.failure_options import validate_failure_options
 from torch_batch_process.log import setup_logging
+from torch_batch_process.lost_workers import one_line_for_a_lost_peer
 from torch_batch_process.observe.options import resolve_observe_options
 from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.processor import TorchBatchProcessor
@@ -182,7 +183,7 @@ def torch_batch_process(
         observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
         # SIGTERM/SIGINT mean "commit and stop" from here on, the join and the job's opening included: a rank
         # signalled before its first step keeps joining, and every rank agrees to stop before that step
-        with SignalWatcher() as signals, DistributedEnv(
+        with one_line_for_a_lost_peer(), SignalWatcher() as signals, DistributedEnv(
             expected=distributed_context, preempted=lambda: signals.preempt_requested
         ) as env:
             setup_logging(env.info.rank)

@@ -17,7 +17,8 @@ compacted when the job finishes; needs ``pip install -e ".[lance]"``) and the se
 (``nearest=``; with an IVF-PQ index once the dataset is large enough to train one).
 
 Interrupt it (Ctrl-C) and run the same command again: it resumes; run it once more: it finds the job finished
-and only searches. Requires ``pip install -e ".[examples]"``.
+and only searches (``--fresh`` embeds again from scratch, or give another ``--storage``). It ends with the two
+commands that show the job (``tbp status`` and ``tbp report``). Requires ``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from torch_batch_process import TorchBatchProcessor, read_outputs, tables, torch_batch_process
 from torch_batch_process.lengths import tokenized_lengths
+from torch_batch_process.shell_commands import job_commands
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -85,7 +87,8 @@ class Tokenize:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir())
 
     def __call__(self, sentences: list[str]) -> dict[str, torch.Tensor]:
-        return dict(self.tokenizer(sentences, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"))
+        tokens = self.tokenizer(sentences, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
+        return dict(tokens)
 
 
 def embed(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -136,8 +139,9 @@ def search_lance(path: str, sentences: list[str], query: str, k: int) -> list[tu
         dataset.create_index("embedding", index_type="IVF_PQ", metric="cosine",
                              num_partitions=int(dataset.count_rows() ** 0.5), num_sub_vectors=16)
     nearest = {"column": "embedding", "q": query_embedding(query), "k": k, "metric": "cosine"}
-    hits = dataset.to_table(columns=["index"], nearest=nearest)
-    return [(1.0 - float(d), sentences[i]) for i, d in zip(hits["index"].to_pylist(), hits["_distance"].to_pylist())]
+    hits = dataset.to_table(columns=["index", "_distance"], nearest=nearest)  # the distance asked for by name
+    pairs = zip(hits["index"].to_pylist(), hits["_distance"].to_pylist(), strict=True)
+    return [(1.0 - float(d), sentences[i]) for i, d in pairs]
 
 
 def main() -> None:
@@ -148,7 +152,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--storage", default=None, help="default: ./tbp_runs/embed_docstrings[-<limit>][-lance]")
     parser.add_argument("--lance", default=None, metavar="PATH", help="write the embeddings to this Lance dataset")
+    parser.add_argument("--fresh", action="store_true", help="erase a stored job and embed again (resume=False)")
     args = parser.parse_args()
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its "Loading weights" bar, for a model read from a local folder
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
     suffix = f"{f'-{args.limit}' if args.limit else ''}{'-lance' if args.lance else ''}"
     storage = args.storage or f"tbp_runs/embed_docstrings{suffix}"
@@ -163,20 +171,27 @@ def main() -> None:
         batch_size=args.batch_size,
         dataloader_kwargs={"collate_fn": Tokenize(), "num_workers": 1},
         storage_path=storage,
+        resume=not args.fresh,  # --fresh: erase the stored job (and its outputs) first
         bucket_by=lengths,  # similar lengths together: less padding
         schedule="dynamic",  # a free rank takes the next batch
         table=tables.lance(args.lance) if args.lance else None,  # --lance: rows into a Lance dataset
     )
     if int(os.environ.get("RANK", "0")) != 0 or result.preempted:
         return
+    if args.lance:
+        found = search_lance(args.lance, sentences, args.query, args.top)
+    else:
+        found = search(storage, sentences, args.query, args.top)
     if result.already_finished:
-        print(f"The job had finished before: {result.num_examples} sentences embedded in {storage}")
+        print(f"The job had finished before: {result.num_examples} sentences embedded in {storage} "
+              "(--fresh embeds them again, or give another --storage)")
     else:
         print(f"Embedded {result.examples_processed} sentences in {result.elapsed_s:.1f} s ({storage})")
     print(f"Nearest to {args.query!r}:")
-    found = search_lance(args.lance, sentences, args.query, args.top) if args.lance else None
-    for score, sentence in found or search(storage, sentences, args.query, args.top):
+    for score, sentence in found:
         print(f"  {score:.3f}  {sentence}")
+    status, report = job_commands(storage)
+    print(f"Look at the job: {status}\n                 {report}")
 
 
 if __name__ == "__main__":

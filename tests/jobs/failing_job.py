@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from report_file import write_report
 
 from torch_batch_process import MetricReducer, TorchBatchProcessor, torch_batch_process
 
@@ -152,7 +153,7 @@ def main():
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
     out = Path(SPEC["report_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json").write_text(json.dumps(report))
+    write_report(out / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json", report)
     if "error" in report:
         sys.exit(1)
 

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from report_file import write_report
 
 from torch_batch_process import MetricReducer, TorchBatchProcessor, torch_batch_process
 
@@ -210,7 +211,7 @@ def main():
     report_dir = Path(SPEC["report_dir"])
     report_dir.mkdir(parents=True, exist_ok=True)
     attempt = SPEC.get("attempt", 1)
-    (report_dir / f"attempt{attempt}_rank{rank}.json").write_text(json.dumps(report))
+    write_report(report_dir / f"attempt{attempt}_rank{rank}.json", report)
     if exit_code:
         print(report["error"]["traceback"], file=sys.stderr, flush=True)
     sys.exit(exit_code)

@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+from report_file import write_report
 from simulated_memory import Embedder, SimulatedMemory, Texts, lengths_for, pad_collate
 
 from torch_batch_process import torch_batch_process
@@ -61,7 +62,7 @@ def main():
     report["calls"] = Job.memory.calls
     out = Path(SPEC["report_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json").write_text(json.dumps(report))
+    write_report(out / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json", report)
     if "error" in report:
         sys.exit(1)
 

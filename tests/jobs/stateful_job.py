@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from report_file import write_report
+
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
 
 SPEC = json.loads(sys.argv[1])
@@ -51,7 +53,7 @@ def main():
     processor = INSTANCES[0]
     report.update(count=processor.count, loaded=processor.loaded)
     Path(SPEC["report_dir"]).mkdir(parents=True, exist_ok=True)
-    Path(SPEC["report_dir"], f"attempt{SPEC['attempt']}_rank{rank}.json").write_text(json.dumps(report))
+    write_report(Path(SPEC["report_dir"], f"attempt{SPEC['attempt']}_rank{rank}.json"), report)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
+from report_file import write_report
+
 from torch_batch_process import TorchBatchProcessor, sources, torch_batch_process
 
 SPEC = json.loads(sys.argv[1])
@@ -116,7 +118,7 @@ def main():
         report["calls"] = PROCESSOR.calls
     report_dir = Path(SPEC["report_dir"])
     report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json").write_text(json.dumps(report))
+    write_report(report_dir / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json", report)
     if exit_code:
         print(report["error"]["traceback"], file=sys.stderr, flush=True)
     sys.exit(exit_code)

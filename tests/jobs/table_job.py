@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from report_file import write_report
 
 from torch_batch_process import TorchBatchProcessor, tables, torch_batch_process
 
@@ -103,7 +104,7 @@ def main():
         report["error"] = {"type": type(exc).__name__, "message": str(exc)}
     report_dir = Path(SPEC["report_dir"])
     report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json").write_text(json.dumps(report))
+    write_report(report_dir / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json", report)
     if "error" in report:
         sys.exit(1)
 

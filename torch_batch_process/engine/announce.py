@@ -99,17 +99,17 @@ def log_start(
         where += f"; plan computed in {plan_s:.2f} s"
     if done and not remaining:
         logger.info(
-            "job %s attempt %d%s: all %d batches already committed, none to go; finishing the job %s",
+            "job '%s' attempt %d%s: all %d batches already committed, none to go; finishing the job %s",
             job_name, start.attempt, note, plan.num_batches, where,
         )
     elif done:
         first = next(iter(remaining))
         logger.info(
-            "job %s attempt %d%s: resuming at batch %s; %d of %d batches already committed, %d to go %s",
+            "job '%s' attempt %d%s: resuming at batch %s; %d of %d batches already committed, %d to go %s",
             job_name, start.attempt, note, first, done, plan.num_batches, len(remaining), where,
         )
     else:
-        logger.info("job %s attempt %d%s: %s %s", job_name, start.attempt, note, plan.describe(), where)
+        logger.info("job '%s' attempt %d%s: %s %s", job_name, start.attempt, note, plan.describe(), where)
 
 
 def log_memory(result: BatchProcessResult, auto: bool) -> None:

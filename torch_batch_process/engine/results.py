@@ -57,7 +57,10 @@ def job_result(
 def stored_result(start: Start, storage_url: str, world_size: int, started: float) -> BatchProcessResult:
     """The result of a call on a job that had finished before: no work, the stored metrics and counts."""
     assert start.finished_result is not None
-    logger.info("job at %s is already finished; nothing to do", storage_url)
+    logger.info(
+        "job at %s is already finished; nothing to do (to run it again: another storage_path, or resume=False, which "
+        "erases its outputs)", storage_url,
+    )
     return BatchProcessResult.from_json(
         start.finished_result,
         preempted=False,

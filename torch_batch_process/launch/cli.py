@@ -123,8 +123,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     storage = settings.current().storage_path.value or f"the default (./{DEFAULT_ROOT}/<job name>)"
     _say(
-        f"job {config.name or '(unnamed)'} from {config.path}: {plan.nproc_per_node} worker(s) per node on "
-        f"{plan.nnodes} node(s), max_restarts {plan.max_restarts}, storage {storage}; runs {shlex.join(plan.command)}"
+        f"job {repr(config.name) if config.name else '(unnamed)'} from {config.path}: "
+        f"{plan.nproc_per_node} worker(s) per node on {plan.nnodes} node(s), max_restarts {plan.max_restarts}, "
+        f"storage {storage}; runs {shlex.join(plan.command)}"
     )
     for note in notes:
         _say(note)

@@ -17,10 +17,15 @@ ignores the catchable ones while ``CMD`` runs. Its exit status is ``CMD``'s: the
 death by the same signal, so torchrun sees what the command did. If the agent itself dies (``kill
 -9`` of the launcher), torchrun's workers would run on as orphans: this process notices that its
 parent is gone and sends ``CMD`` SIGTERM, so the job commits and stops.
+
+A ``CMD`` that dies of a signal is noted (rank, pid, signal) next to the launcher's state file before this
+process exits, so that the ranks that survive and the launcher name that worker (see
+:mod:`torch_batch_process.lost_workers`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -44,6 +49,10 @@ _PARENT_POLL_S = 1.0
 _ATOMIC_WRITE = getattr(select, "PIPE_BUF", 512)  # POSIX: writes up to this size to a pipe are not interleaved
 # A line: anything up to \n, \r\n, or a lone \r (progress bars redraw their line with it).
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
+# Where a worker that dies of a signal is noted (torch_batch_process.environment.LAUNCH_STATE_ENV and
+# torch_batch_process.lost_workers.LOST_SUFFIX: this file imports nothing of the package; tests check they agree)
+_LAUNCH_STATE_ENV = "TBP_LAUNCH_STATE"
+_LOST_SUFFIX = ".lost"
 
 
 def _ignore(signum: int, frame: object) -> None:
@@ -113,6 +122,28 @@ def _watch_parent(proc: subprocess.Popen[bytes], parent: int) -> None:
         time.sleep(_PARENT_POLL_S)
 
 
+def _note_lost(rank: str, pid: int, signum: int) -> None:
+    """Appends this worker's death to the launcher's notes (``$TBP_LAUNCH_STATE`` + ``.lost``; the format of
+    :mod:`torch_batch_process.lost_workers`, which reads it), so that the ranks that survive and the launcher name the
+    worker (rank, pid, signal), not this wrapper. One ``write`` of one short line: appends never interleave."""
+    state_file = os.environ.get(_LAUNCH_STATE_ENV)
+    if not state_file or not rank.isdigit():
+        return
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    note = {"rank": int(rank), "local_rank": int(os.environ.get("LOCAL_RANK", "0") or 0), "pid": pid, "signal": name}
+    try:
+        fd = os.open(state_file + _LOST_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, (json.dumps(note) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # best effort: the launcher then names the wrapper's pid
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: rank_prefix.py CMD [ARGS...]", file=sys.stderr)
@@ -136,9 +167,11 @@ def main(argv: list[str]) -> int:
     for thread in threads:
         thread.start()
     code = proc.wait()
+    if code < 0:  # killed by a signal: note who died of what (before the agent can see it; see _note_lost)
+        _note_lost(rank, proc.pid, -code)
     for thread in threads:
         thread.join(_DRAIN_TIMEOUT_S)
-    if code < 0:  # killed by a signal: die of the same signal
+    if code < 0:  # die of the same signal
         try:
             signal.signal(-code, signal.SIG_DFL)
         except (OSError, ValueError):  # SIGKILL and SIGSTOP cannot be caught: nothing to reset

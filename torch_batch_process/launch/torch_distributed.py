@@ -15,7 +15,12 @@ accepts every torchrun option and adds what a batch job wants by default:
   seconds (torchrun's default: 30) are killed;
 - the exit code is the job's: 0, the exit code of the first worker that failed (128 + N for a
   worker killed by signal N), or 128 + N when the launcher itself was stopped by signal N (the job
-  was preempted: run the same command again to resume).
+  was preempted: run the same command again to resume);
+- ``OMP_NUM_THREADS``, when the user set none and a node runs several workers: the cores divided among
+  them, said in one line (torchrun sets 1 after a three-line banner);
+- a worker that dies of a signal is named (rank, its own pid, the signal) by the ranks that survive, in
+  one line each instead of a traceback, and by the launcher's last line, which says that the same command
+  resumes (see :mod:`torch_batch_process.lost_workers`).
 
 ``CMD`` is a command (``python3 script.py --flag``); a first word ``python`` or ``python3`` means
 this launcher's interpreter, and a script path ending in ``.py`` is run with it. With ``-m``, CMD is
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -37,6 +43,7 @@ from typing import Any, NoReturn
 
 from torch_batch_process.environment import LAUNCH_STATE_ENV, read_launch_state
 from torch_batch_process.launch.slurm import DEFAULT_RDZV_PORT, slurm_step
+from torch_batch_process.lost_workers import lost_workers, notes_path
 
 PROG = "python -m torch_batch_process.launch.torch_distributed"
 RANK_PREFIX_SCRIPT = str(Path(__file__).resolve().with_name("rank_prefix.py"))
@@ -193,7 +200,9 @@ def plan_launch(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
         torchrun_argv += ["--nproc-per-node", nproc]
     _check_nproc(nproc)
     if int(args.max_restarts) < 0:
-        raise LaunchError(f"--max-restarts must be an int >= 0 (times a failed worker group is restarted), got {args.max_restarts}")
+        raise LaunchError(
+            f"--max-restarts must be an int >= 0 (times a failed worker group is restarted), got {args.max_restarts}"
+        )
     try:
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     except (ValueError, RuntimeError) as exc:
@@ -338,20 +347,63 @@ def run_plan(plan: LaunchPlan) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("PYTHONUNBUFFERED", "1")  # workers' lines appear as they are printed (torchrun uses -u)
-    # torch 2.15 shares the agent's rendezvous store with the workers and reuses it, unprefixed, after a
-    # restart: the restarted workers read their peers' stale addresses and fail or hang in
-    # init_process_group (pytorch/pytorch#135712). A store per round (hosted by rank 0) avoids it.
+    # Since torch 2.5 (pytorch/pytorch#128096), torchrun's c10d rendezvous shares the agent's store with the workers
+    # and keeps it across restarts: the restarted workers can read their peers' stale addresses and fail or hang in
+    # init_process_group (pytorch/pytorch#135712; torch 2.14 still shares it by default). A store per round (hosted
+    # by rank 0) avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = parse_args(plan.torchrun_argv)
     for note in plan.notes:
         _say(note)
+    threads = worker_threads(args.nproc_per_node, os.environ)
+    if threads is not None:  # before torchrun, which would print its 3-line banner and set 1
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        _say(f"OMP_NUM_THREADS={threads} for each worker (the cores / the workers; set OMP_NUM_THREADS to choose)")
+    for name, templates in _AGENT_LINES_SAID_AGAIN.items():
+        logging.getLogger(name).addFilter(_SaidAgain(templates))
     state_file = os.path.join(tempfile.gettempdir(), f"tbp-launch-{os.getpid()}-{uuid.uuid4().hex[:8]}.state")
     os.environ[LAUNCH_STATE_ENV] = state_file  # the workers' calls say there whether the job is done
     try:
         return _run_agent(run, args, plan, state_file)
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(state_file)
+        for path in (state_file, notes_path(state_file)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+# torchrun's agent lines that the launcher's own last line says better (it names the worker, not its wrapper, and
+# what to do), by their logger and message template
+_AGENT_LINES_SAID_AGAIN = {
+    "torch.distributed.elastic.multiprocessing.api": (
+        "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+        "Sending process %s closing signal %s",
+    ),
+    "torch.distributed.elastic.agent.server.api": ("Received %s death signal, shutting down workers",),
+}
+
+
+class _SaidAgain(logging.Filter):
+    def __init__(self, templates: tuple[str, ...]) -> None:
+        super().__init__()
+        self.templates = templates
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.templates
+
+
+def worker_threads(nproc_per_node: str, environ: Mapping[str, str]) -> int | None:
+    """``OMP_NUM_THREADS`` for each worker when the user set none and there are several workers on this node: this
+    process's cores divided among them (at least 1), as torchrun would set 1 after printing a banner; ``None``: leave
+    it (set by the user, or one worker, which may use every core)."""
+    from torch.distributed.run import determine_local_world_size
+
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    workers = determine_local_world_size(nproc_per_node)
+    if workers <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
 
 
 def _run_agent(run: Any, args: Any, plan: LaunchPlan, state_file: str) -> int:
@@ -364,9 +416,15 @@ def _run_agent(run: Any, args: Any, plan: LaunchPlan, state_file: str) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        restarts = f" (restarts allowed: {plan.max_restarts})" if plan.max_restarts else ""
-        who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
-        _say(f"the job failed: {who} ended with {how}{restarts}")
+        restarts = f" (restarts allowed: {plan.max_restarts}, all used)" if plan.max_restarts else ""
+        noted = [worker for worker in lost_workers(state_file) if worker.rank == rank]
+        pid = noted[0].pid if noted else failure.pid  # the worker's own pid (torchrun knows its wrapper's)
+        who = f"rank {rank} (local rank {failure.local_rank}, pid {pid})"
+        then = "fix what its output above says, then run" if failure.exitcode > 0 else "run"
+        _say(
+            f"the job failed: {who} ended with {how}{restarts}; the last commit is intact: {then} the same command "
+            "again to resume"
+        )
         return exit_code_of(failure.exitcode)
     except SignalException as exc:
         if read_launch_state(state_file) == "finished":  # the job was done: its workers were ending

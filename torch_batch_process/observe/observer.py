@@ -53,6 +53,7 @@ from torch_batch_process.observe.summary import summary_line
 from torch_batch_process.observe.tensorboard_feed import TensorBoardFeed
 from torch_batch_process.observe.timeline import RankActivity, Timeline
 from torch_batch_process.result import BatchProcessResult, to_jsonable
+from torch_batch_process.shell_commands import job_commands
 from torch_batch_process.storage.base import MirroredFolder
 
 logger = logging.getLogger(__name__)
@@ -413,7 +414,10 @@ class JobObserver:
         if self._tb is not None:
             self._tb.finish(result.batches_committed, result.examples_committed)
         if self.rank == 0:
-            logger.info(summary_line(result))
+            line = summary_line(result)
+            if result.finished:  # where a new user looks next
+                line += "; look at the job: {} and {}".format(*job_commands(result.storage_path))
+            logger.info(line)
 
     def close(self) -> None:
         """Always, when the call ends (also on errors): stops the profiler, closes files and display."""

@@ -43,6 +43,7 @@ from torch_batch_process.settings import (
     DEFAULT_STRAGGLER_RATIO,
     PROGRESS_MODES,
 )
+from torch_batch_process.shell_commands import pip_install
 
 __all__ = [
     "DEFAULT_METRICS_INTERVAL_S", "DEFAULT_PROGRESS_INTERVAL_S", "DEFAULT_STRAGGLER_RATIO", "ObserveOptions",
@@ -141,7 +142,7 @@ def _tensorboard(value: Any, env: settings.Settings) -> bool:
         raise InvalidArgumentError(f"{name} must be None, True or False, got {value!r}")
     if value and not tensorboard_installed():
         raise InvalidArgumentError(
-            f"{name}=True needs the tensorboard package: pip install 'torch-batch-process[tensorboard]' "
+            f"{name}=True needs the tensorboard package: {pip_install('tensorboard')} "
             "(or pass tensorboard=None to write event files only when it is installed)"
         )
     return value

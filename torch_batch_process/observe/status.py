@@ -23,9 +23,9 @@ when finished, else the latest computed "so far"), ``metrics_final``, ``metrics_
 ``metrics_time``, ``memory_limits`` (what the job learned about the device's memory with ``on_oom="split"``:
 ``{"unit", "budget", "ranges", "text"}``, see ``BatchProcessResult.memory_limits``; ``null``: it never ran out),
 ``ooms`` and ``split_batches`` (out-of-memory errors met and batches run in parts, over all attempts),
-``outputs_path``, ``metrics_path``, ``tensorboard_path``, ``result_path`` (when
-finished and ``result.json`` is written: a job killed between its final commit record, which makes it finished,
-and ``result.json`` has none until it is run again), ``failed_examples`` (examples skipped with
+``outputs_path``, ``metrics_path``, ``tensorboard_path`` (``null`` when the job wrote no event files),
+``result_path`` (when finished and ``result.json`` is written: a job killed between its final commit record, which
+makes it finished, and ``result.json`` has none until it is run again), ``failed_examples`` (examples skipped with
 ``on_error="skip"``, committed so far; after ``retry_failed=True``, those still failing), ``failures``
 (``{"count", "by_phase", "by_error", "first", "path", "error"}``: counts per phase (``load``/``process``) and per
 exception type, the first few by dataset index with their messages, the folder they are stored in, and
@@ -165,7 +165,7 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "split_batches": int(stats.get("split_batches", 0)),
         "outputs_path": storage.url_of(OUTPUTS_DIR),
         "metrics_path": storage.url_of(METRICS_FILE),
-        "tensorboard_path": storage.url_of(TENSORBOARD_DIR),
+        "tensorboard_path": storage.url_of(TENSORBOARD_DIR) if storage.exists(TENSORBOARD_DIR) else None,
         "result_path": storage.url_of(RESULT_FILE) if finished and result is not None else None,
         "failed_examples": failures["count"],
         "failures": failures,
@@ -216,7 +216,7 @@ def _load_latest(store: JobStore) -> CommitRecord | None:
 def format_status(status: dict[str, Any]) -> str:
     """The human-readable report of :func:`read_status`'s object."""
     now = time.time()
-    lines = [("job", f"{status['job_name']}  (fingerprint {status['fingerprint']}: {_spec_text(status['spec'])})")]
+    lines = [("job", f"'{status['job_name']}': {_spec_text(status['spec'])}; fingerprint {status['fingerprint']}")]
     lines.append(("storage", status["storage_path"]))
     state = status["state"]
     holder = status.get("holder")
@@ -282,7 +282,8 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(("uses", ", ".join(f"{key}={_short(value)}" for key, value in entry.items())))
     lines.append(("outputs", status["outputs_path"]))
     lines.append(("metrics log", status["metrics_path"]))
-    lines.append(("tensorboard", status["tensorboard_path"]))
+    if status.get("tensorboard_path"):  # none without the tensorboard package (nor with tensorboard=False)
+        lines.append(("tensorboard", status["tensorboard_path"]))
     if status.get("result_path"):
         lines.append(("result", status["result_path"]))
     elif status["state"] in ("finished", "unpublished"):
@@ -317,7 +318,23 @@ def _failures_text(status: dict[str, Any]) -> str:
 
 
 def _spec_text(spec: dict[str, Any]) -> str:
-    return ", ".join(f"{key}={value}" for key, value in sorted(spec.items()))
+    """What the job runs, in words (``--json`` has the whole spec its fingerprint hashes)."""
+    text = (
+        f"processor {spec.get('processor')} over {spec.get('dataset_length')} examples ({spec.get('dataset_type')}) "
+        f"in batches of {spec.get('batch_size')}"
+    )
+    plan = spec.get("plan")
+    if isinstance(plan, dict):
+        kind = plan.get("plan") or plan.get("kind") or ("retry" if "retry_indices" in plan else "custom")
+        text += f", {kind} plan"
+    if spec.get("max_batches") is not None:
+        text += f", max_batches={spec['max_batches']} per rank"
+    table = spec.get("table")
+    if isinstance(table, dict):
+        text += f", rows into a {table.get('format')} table"
+    elif spec.get("output_format"):
+        text += f", {spec['output_format']} records"
+    return text
 
 
 def _when(epoch: float, now: float) -> str:

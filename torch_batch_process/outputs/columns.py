@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.shell_commands import pip_install
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -44,7 +45,7 @@ def require_pyarrow() -> Any:
     except ImportError as exc:  # pragma: no cover - pyarrow is in the test environment
         raise ImportError(
             "record outputs (context.write, read_outputs, iter_outputs, predict) need pyarrow: "
-            "pip install 'torch-batch-process[records]' (or pip install pyarrow)"
+            f"{pip_install('records')} (or pip install pyarrow)"
         ) from exc
     return pyarrow
 

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from torch_batch_process import settings
 from torch_batch_process.errors import StorageError
+from torch_batch_process.shell_commands import pip_install
 
 __all__ = [
     "NotAFileError",
@@ -133,7 +134,7 @@ def missing_backend_hint(protocol: str) -> str:
     """How to install the fsspec backend of ``protocol`` (the fix in a missing-backend error)."""
     extra = BACKEND_EXTRAS.get(protocol)
     if extra:
-        return f"pip install 'torch-batch-process[{extra}]'"
+        return pip_install(extra)
     return f"install the fsspec implementation of the {protocol!r} protocol"
 
 

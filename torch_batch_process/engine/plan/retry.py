@@ -97,7 +97,7 @@ def prepare_retry(args: JobArguments, collectives: Collectives) -> Retry:
     else:
         storage = NestedStorage(root, folder, args.storage_options)
     logger.info(
-        "retry %d of job %s: %d failed example(s) to process again, stored in %s (outputs in %s)",
+        "retry %d of job '%s': %d failed example(s) to process again, stored in %s (outputs in %s)",
         choice.k, args.job_name, len(choice.indices), storage.url, storage.url_of("outputs"),
     )
     options = dataclasses.replace(args.failures, retry_failed=False)

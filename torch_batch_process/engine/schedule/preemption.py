@@ -20,6 +20,8 @@ import time
 from types import FrameType
 from typing import Any
 
+from torch_batch_process.lost_workers import signal_origin
+
 logger = logging.getLogger(__name__)
 
 WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -77,9 +79,9 @@ class SignalWatcher:
             self.requested = name
             self._requested_at = now
         logger.warning(
-            "%s received: committing and stopping at the next step boundary (send it again, %.0f s or more "
-            "later, to stop at once)",
-            name,
+            "%s: committing and stopping at the next step boundary (send it again, %.0f s or more later, to stop at "
+            "once)",
+            signal_origin(name),  # a SIGTERM from the launcher's agent after a worker died says so
             REPEAT_WINDOW_S,
         )
 

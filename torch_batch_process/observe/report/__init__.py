@@ -7,7 +7,7 @@
 - :mod:`~torch_batch_process.observe.report.dashboard`: the page served live on localhost;
 - :mod:`~torch_batch_process.observe.report.commands`: the two ``tbp`` subcommands.
 
-Plots need the optional ``plotly`` package (``pip install 'torch-batch-process[report]'``). Nothing here imports
+Plots need the optional ``plotly`` package (``pip install -e ".[report]"``). Nothing here imports
 the engine's loop: the page is made from what the job stores.
 """
 

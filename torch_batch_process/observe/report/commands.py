@@ -10,12 +10,35 @@ from typing import Any
 
 from torch_batch_process.environment import add_storage_arguments, command_storage_options
 from torch_batch_process.errors import BatchProcessError
+from torch_batch_process.shell_commands import pip_install, shell_path
 
-__all__ = ["DEFAULT_PORT", "add_dashboard_parser", "add_report_parser", "run_dashboard", "run_report"]
+__all__ = [
+    "DEFAULT_PORT", "REPORT_SUFFIX", "add_dashboard_parser", "add_report_parser", "default_output", "run_dashboard",
+    "run_report",
+]
 
 DEFAULT_PORT = 8765
 DEFAULT_REFRESH_S = 5.0
-_NO_PLOTLY = "plotly is not installed; install it with: pip install 'torch-batch-process[report]'"
+REPORT_SUFFIX = "-report.html"
+"""The default page of ``tbp report STORAGE``: ``STORAGE-report.html``, next to a local job's folder (see
+:func:`default_output`)."""
+
+
+def _no_plotly() -> str:
+    return f"plotly is not installed; install it with: {pip_install('report')}"
+
+
+def default_output(storage_path: str) -> str:
+    """Where ``tbp report`` writes the page without ``-o``: next to a local job's folder and named after it
+    (``tbp_runs/job`` -> ``tbp_runs/job-report.html``), so that it belongs to the job (never a ``report.html`` left in
+    the working directory, a clone's root for one); for a job on an object store, ``<last part of the URL>``
+    + ``-report.html`` in the working directory."""
+    path = storage_path.rstrip("/") or storage_path
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    if "://" in path:
+        return path.rsplit("/", 1)[-1].split("://")[-1] + REPORT_SUFFIX
+    return path + REPORT_SUFFIX
 
 
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -33,7 +56,9 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_storage_arguments(parser)
     parser.add_argument(
-        "-o", "--output", metavar="FILE", default="report.html", help="the page to write (default: report.html)"
+        "-o", "--output", metavar="FILE", default=None,
+        help=f"the page to write (default: next to the job's folder, named after it: STORAGE_PATH{REPORT_SUFFIX}; "
+        f"for a job on an object store, its name{REPORT_SUFFIX} here)",
     )
     parser.set_defaults(func=run_report)
     return parser
@@ -80,8 +105,10 @@ def run_report(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     if importlib.util.find_spec("plotly") is None:
-        print(f"tbp report: {_NO_PLOTLY}", file=sys.stderr)
+        print(f"tbp report: {_no_plotly()}", file=sys.stderr)
         return 2
+    if args.output is None:
+        args.output = default_output(args.storage_path)
     if not args.output.strip():
         print("tbp report: --output is empty; give a file name, e.g. report.html", file=sys.stderr)
         return 2
@@ -98,7 +125,7 @@ def run_report(args: argparse.Namespace) -> int:
     except OSError as exc:  # the page's file: a folder that cannot be made, no permission, a full disk
         print(f"tbp report: cannot write --output {args.output!r}: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {args.output} ({size / 1e6:.1f} MB): open it in a browser (it needs no network)")
+    print(f"wrote {shell_path(args.output)} ({size / 1e6:.1f} MB): open it in a browser (it needs no network)")
     return 0
 
 
@@ -115,7 +142,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
         print(f"tbp dashboard: --refresh must be at least 0.5 seconds, got {args.refresh:g}", file=sys.stderr)
         return 2
     if importlib.util.find_spec("plotly") is None:
-        print(f"tbp dashboard: {_NO_PLOTLY}", file=sys.stderr)
+        print(f"tbp dashboard: {_no_plotly()}", file=sys.stderr)
         return 2
     from torch_batch_process.observe.report.dashboard import serve_dashboard
 

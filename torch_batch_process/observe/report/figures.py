@@ -19,6 +19,7 @@ from typing import Any
 from torch_batch_process.observe.histogram import bin_bounds, quantile, total
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.observe.report.series import Attempt, Interval, RankTotals, all_batch_times, slowest_ratio
+from torch_batch_process.shell_commands import pip_install
 
 __all__ = [
     "batch_times_figure",
@@ -51,7 +52,7 @@ def template() -> dict[str, Any]:
     try:
         import plotly.io
     except ImportError as exc:  # pragma: no cover - the commands check first
-        raise ImportError("tbp report and tbp dashboard need plotly: pip install 'torch-batch-process[report]'") from exc
+        raise ImportError(f"tbp report and tbp dashboard need plotly: {pip_install('report')}") from exc
     return plotly.io.templates["plotly_white"].to_plotly_json()
 
 

@@ -37,6 +37,7 @@ from torch_batch_process.observe.report.series import (
     rank_totals,
     stragglers,
 )
+from torch_batch_process.shell_commands import pip_install
 
 __all__ = ["SECTIONS", "build_model", "plotly_bundle", "render_page"]
 
@@ -82,7 +83,7 @@ def build_model(data: JobData, *, live: bool = False, refresh_s: float = 5.0) ->
         "arguments": (_arguments_html(data), None),
     }
     return {
-        "title": f"{status['job_name']}: torch_batch_process report",
+        "title": f"job '{status['job_name']}': torch_batch_process report",
         "job_name": status["job_name"],
         "generated": time.time(),
         "generated_text": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime()),
@@ -104,7 +105,7 @@ def plotly_bundle() -> tuple[str, str]:
         import plotly
         from plotly.offline import get_plotlyjs
     except ImportError as exc:
-        raise ImportError("tbp report and tbp dashboard need plotly: pip install 'torch-batch-process[report]'") from exc
+        raise ImportError(f"tbp report and tbp dashboard need plotly: {pip_install('report')}") from exc
     packed = gzip.compress(get_plotlyjs().encode("utf-8"), compresslevel=9, mtime=0)
     return base64.b64encode(packed).decode("ascii"), plotly.__version__
 
@@ -128,7 +129,7 @@ def render_page(model: dict[str, Any]) -> str:
     nav = " · ".join(f'<a href="#sec-{key}">{_e(title)}</a>' for key, title in SECTIONS)
     return _TEMPLATE.format(
         title=_e(model["title"]),
-        job=_e(model["job_name"]),
+        job=_e(f"job '{model['job_name']}'"),
         mode=mode,
         nav=nav,
         body=body,
@@ -201,7 +202,7 @@ def _summary_html(data: JobData, runs: list[Attempt]) -> str:
     rate = throughput.get("examples_per_s")
     running_s = sum(run.seconds for run in runs)
     rows = [
-        ("job", _e(status["job_name"]), "job_name"),
+        ("job", _e(f"'{status['job_name']}'"), "job_name"),
         ("storage", f'<code>{_e(status["storage_path"])}</code>', "storage_path"),
         ("state", _e(state), "state"),
         ("examples committed", f'<span class="num">{status["examples_committed"]}</span> of '

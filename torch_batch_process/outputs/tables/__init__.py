@@ -8,7 +8,7 @@
     torch_batch_process(Processor, dataset, table=tables.iceberg("db.embeddings", catalog={...}))
     torch_batch_process(Processor, dataset, table=tables.lance("/data/embeddings.lance"))
 
-Each format is an optional extra (``pip install 'torch-batch-process[delta]'``, ``[iceberg]``, ``[lance]``);
+Each format is an optional extra (``pip install -e ".[delta]"``, ``[iceberg]``, ``[lance]``);
 Parquet/JSONL shards in the job's storage stay the default. The protocol is
 :mod:`torch_batch_process.outputs.tables.commits`; :func:`torch_batch_process.read_outputs` reads a table back in
 dataset order.

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError, SchemaConflictError
 from torch_batch_process.outputs.columns import INDEX_COLUMN
+from torch_batch_process.shell_commands import pip_install
 
 __all__ = [
     "DataFileWriter",
@@ -52,16 +53,21 @@ def data_file_stage(name: str, job_id: str) -> int | None:
     return int(match.group("stage"))
 
 
-def require(module: str, extra: str, what: str) -> Any:
-    """Imports ``module``, or raises :class:`InvalidArgumentError` naming the pip extra that installs it."""
+def require(module: str, extra: str, what: str, *, load: bool = True) -> Any:
+    """Imports ``module`` (``load=False``: only finds it, for a library that must not be loaded yet), or raises
+    :class:`InvalidArgumentError` naming the pip extra that installs it."""
     import importlib
+    import importlib.util
 
     try:
+        if not load:
+            if importlib.util.find_spec(module) is None:
+                raise ImportError(module)
+            return None
         return importlib.import_module(module)
     except ImportError as exc:
         raise InvalidArgumentError(
-            f"table={what} needs the {module.split('.')[0]} package, which is not installed: "
-            f"pip install 'torch-batch-process[{extra}]'"
+            f"table={what} needs the {module.split('.')[0]} package, which is not installed: {pip_install(extra)}"
         ) from exc
 
 
