@@ -90,7 +90,9 @@ def test_sigterm_commits_returns_preempted_and_restores_user_handler(tmp_path, c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target_rank,checkpoint_interval", [(0, 50), (1, 50), (1, 1), (0, 2)])
-def test_sigterm_to_one_rank_stops_all_within_one_agreement_period_and_resume_does_the_rest(tmp_path, target_rank, checkpoint_interval):
+def test_sigterm_to_one_rank_stops_all_within_one_agreement_period_and_resume_does_the_rest(
+    tmp_path, target_rank, checkpoint_interval
+):
     n, b = 2000, 5  # 400 batches, 200 steps of ~20 ms on 2 ranks
     spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=checkpoint_interval, sleep=0.02, outputs="both",
                     progress_file=str(tmp_path / "progress"))

@@ -59,7 +59,8 @@ def agreement_period_s() -> float:
     if not 0 <= value <= 10:  # also NaN
         raise InvalidArgumentError(
             f"{AGREEMENT_ENV} must be a number of seconds between 0 and 10 (how often the static schedule's ranks "
-            f"agree to go on, stop or fail; 0: at every step), got {raw!r}; unset it for the default ({AGREEMENT_S:g} s)"
+            f"agree to go on, stop or fail; 0: at every step), got {raw!r}; unset it for the default "
+            f"({AGREEMENT_S:g} s)"
         )
     return value
 

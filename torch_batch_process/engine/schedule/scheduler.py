@@ -103,7 +103,7 @@ class StaticScheduler(Scheduler):
         if agreed_stop:
             return Decision.STOP
         if (step + 1) % self._interval == 0:
-            return self._agreement.at_commit(step, preempt)  # flags in flight decide; else the commit's votes carry them
+            return self._agreement.at_commit(step, preempt)  # flags in flight decide, else the commit's votes
         return self._agreement.boundary(step, preempt, failed)  # a rank's own flags reach the others here
 
     def after_last(self, *, failed: bool) -> Decision:
