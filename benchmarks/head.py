@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.launch import REPO, worker_env
-from benchmarks.report import FIGURES_ENV, load_average, machine, new_results_dir
+from benchmarks.report import FIGURES_ENV, REPO, load_average, machine, new_results_dir
 
 DATA = Path(__file__).with_name("head.json")
 BENCHMARKS_MD = REPO / "BENCHMARKS.md"
@@ -124,6 +123,8 @@ def load_data(path: Path = DATA) -> dict[str, Any]:
 
 def run_command(row: Row, log: Path) -> tuple[dict[str, Any], str]:
     """Runs ``row``'s command; returns what it emitted and the load average before it."""
+    from benchmarks.launch import worker_env  # imports torch: not needed to list or render the head
+
     load = load_average()
     with tempfile.TemporaryDirectory(prefix="tbp-head-") as tmp:
         figures_file = Path(tmp) / "figures.json"
@@ -153,6 +154,8 @@ def render_table(data: dict[str, Any], rows: tuple[Row, ...] = ROWS) -> str:
     for row in rows:
         run = data["runs"].get(row.key, {})
         where = f"{run.get('date', '?')}, {run.get('cpu', '?')}, {run.get('load', '?')}" if run else "not yet"
+        if run.get("source"):
+            where += f" ({run['source']})"
         lines.append(
             f"| {row.figure} | {row.clock} | {row_value(row, data['figures'])} | {row.goal} "
             f"| `python -m {' '.join(row.command)}` | {where} |"

@@ -18,8 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks.launch import REPO
-
+REPO = Path(__file__).resolve().parents[1]
 RESULTS_ROOT = REPO / "bench_results"
 PACKAGES = ("torch", "lightning", "accelerate", "ray", "transformers", "sentence-transformers", "torch-batch-process")
 

@@ -313,11 +313,15 @@ def check_tuning_environment() -> None:
     in an upload, in the lock's lease, or only on a multi-process run."""
     from torch_batch_process.engine.distributed import collective_timeout_s
     from torch_batch_process.engine.join import join_timeout_s
+    from torch_batch_process.engine.schedule.agreement import agreement_period_s
     from torch_batch_process.storage.errors import retry_attempts, retry_budget_s
     from torch_batch_process.storage.lease import lease_ttl_s
     from torch_batch_process.storage.uploads import upload_threads
 
-    for read in (retry_attempts, retry_budget_s, upload_threads, lease_ttl_s, collective_timeout_s, join_timeout_s):
+    for read in (
+        retry_attempts, retry_budget_s, upload_threads, lease_ttl_s, collective_timeout_s, join_timeout_s,
+        agreement_period_s,
+    ):
         read()
 
 
