@@ -55,20 +55,23 @@ class Row:
     digits: int = 3
 
 
-RUN = ("benchmarks.run", "--rounds", "3")
+def _run(workload: str, nproc: int, *contenders: str, clocks: tuple[str, ...] = ("job",)) -> dict[str, Any]:
+    """The command and figures of a ``benchmarks.run`` row: the library's contenders against the hand loop."""
+    command = ("benchmarks.run", "--rounds", "3", "--workloads", workload, "--contenders",
+               ",".join(("hand_loop", *contenders)), "--nprocs", str(nproc))
+    figures = tuple(f"run.{workload}.p{nproc}.{c}.{clock}" for c in contenders for clock in clocks)
+    return {"command": command, "figures": figures}
+
+
 ROWS: tuple[Row, ...] = (
     Row("cnn_p1", "CNN 32x32 (data-bound), 1 process / hand loop", "job; steady", ">= 0.97",
-        (*RUN, "--workloads", "cnn", "--contenders", "hand_loop,tbp", "--nprocs", "1"),
-        ("run.cnn.p1.tbp.job", "run.cnn.p1.tbp.steady"), 1.5),
+        **_run("cnn", 1, "tbp", clocks=("job", "steady")), minutes=1.5),
     Row("cnn_p2", "CNN 32x32, 2 processes / hand loop: static; dynamic", "job", ">= 0.95",
-        (*RUN, "--workloads", "cnn", "--contenders", "hand_loop,tbp,tbp_dynamic", "--nprocs", "2"),
-        ("run.cnn.p2.tbp.job", "run.cnn.p2.tbp_dynamic.job"), 2.5),
+        **_run("cnn", 2, "tbp", "tbp_dynamic"), minutes=2.5),
     Row("minilm_p1", "MiniLM-L6 (compute-bound), 1 process / hand loop", "job; steady", ">= 0.98",
-        (*RUN, "--workloads", "minilm", "--contenders", "hand_loop,tbp", "--nprocs", "1"),
-        ("run.minilm.p1.tbp.job", "run.minilm.p1.tbp.steady"), 2.0),
+        **_run("minilm", 1, "tbp", clocks=("job", "steady")), minutes=2.0),
     Row("minilm_p2", "MiniLM-L6, 2 processes / hand loop: static; dynamic", "job", ">= 0.95; >= 1.0",
-        (*RUN, "--workloads", "minilm", "--contenders", "hand_loop,tbp,tbp_dynamic", "--nprocs", "2"),
-        ("run.minilm.p2.tbp.job", "run.minilm.p2.tbp_dynamic.job"), 2.5),
+        **_run("minilm", 2, "tbp", "tbp_dynamic"), minutes=2.5),
     Row("records_small", "Tiny-batch record job (1e6 rows, batches of 100) / hand loop buffering row groups by bytes",
         "job; main thread's CPU", "<= 1.1", ("benchmarks.records_small", "--rounds", "3"),
         ("records_small.tbp_over_buffered.job", "records_small.tbp_over_buffered.main_cpu"), 1.5, 2),

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 import time
 
 from torch_batch_process.engine.distributed import Collectives, PendingMax
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.environment import env_number
 
 __all__ = ["AGREEMENT_ENV", "AGREEMENT_S", "Decision", "StepAgreement", "agreement_period_s"]
 
@@ -47,22 +46,9 @@ def agreement_period_s() -> float:
     """Seconds between two agreements of the static schedule: ``$TBP_AGREEMENT_S``, default :data:`AGREEMENT_S`.
 
     ``0`` agrees at every step boundary (the lowest stop latency; a collective per step). Raises
-    :class:`~torch_batch_process.errors.InvalidArgumentError` for a value that is not a number of seconds in
-    ``[0, 10]`` (checked with the other arguments, before any work)."""
-    raw = os.environ.get(AGREEMENT_ENV)
-    if raw is None:
-        return AGREEMENT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 10:  # also NaN
-        raise InvalidArgumentError(
-            f"{AGREEMENT_ENV} must be a number of seconds between 0 and 10 (how often the static schedule's ranks "
-            f"agree to go on, stop or fail; 0: at every step), got {raw!r}; unset it for the default "
-            f"({AGREEMENT_S:g} s)"
-        )
-    return value
+    :class:`~torch_batch_process.errors.InvalidArgumentError` for a value that is not a number of seconds >= 0
+    (checked with the other arguments, before any work)."""
+    return float(env_number(AGREEMENT_ENV, AGREEMENT_S))
 
 
 class Decision(enum.Enum):
