@@ -378,8 +378,7 @@ class RecordWriter:
             for _, copies in saving:
                 copies.wait()
             tables = [table for table, _ in saving]
-            rows = pa.concat_tables(tables).combine_chunks() if len(tables) > 1 else tables[0]  # one IPC message
-            segment.append(rows, self._stager.stage)
+            segment.append(pa.concat_tables(tables) if len(tables) > 1 else tables[0], self._stager.stage)
         stage = self._stager.stage
         if not self._logs:  # a segment file per commit (a log stays open until the shard rolls over)
             self._end_segment()
