@@ -8,9 +8,9 @@ the workload's size; with ``--nproc 2`` a pool of 2 CPU workers is started (``st
 spawned processes that import torch) and ``encode(..., pool=...)`` shares the sentences out in chunks. The job clock
 starts once the pool's workers are up (a one-sentence warm-up has gone through them), as the other contenders'
 starts once their torchrun workers have imported torch (issue 45: the pool's start-up was inside it before); the
-model's loading stays inside it, as for them (its seconds are added back). The embeddings are then written in dataset order, one ``torch.save`` file
-per batch of the workload, like the other contenders' outputs. ``encode`` returns everything at the end, so
-there is no per-batch timestamp: the table shows *steady* as n/a.
+model's loading stays inside it, as for them (its seconds are added back). The embeddings are then written in
+dataset order, one ``torch.save`` file per batch of the workload, like the other contenders' outputs. ``encode``
+returns everything at the end, so there is no per-batch timestamp: the table shows *steady* as n/a.
 """
 
 from __future__ import annotations
