@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.launch import run_synthetic
-from benchmarks.report import fmt_spread, machine, machine_line, new_results_dir, save_json
+from benchmarks.report import emit_figures, fmt_spread, machine, machine_line, median_spread, new_results_dir, save_json
 
 GOAL = 0.97
 NO_COMMITS = 10**9
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {fmt_spread((r['ratio'] for r in rounds), 3)} | {fmt_spread((r['ratio_vs_hand'] for r in rounds), 3)} "
         f"| >= {GOAL} {'met' if ratio >= GOAL else 'MISSED'} |"
     )
+    emit_figures({f"commit_interval.p{args.nproc}.ratio": list(median_spread(r["ratio"] for r in rounds))})
     print(f"\nThroughput counts global batches per second of the torch_batch_process call (hand loop: of its loop); "
           f"median [min–max] of {args.rounds} rounds. Machine: {machine_line(info)}.")
     print(f"results: {out_dir}", file=sys.stderr)

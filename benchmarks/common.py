@@ -109,10 +109,16 @@ class Reporter:
 def cpu_times() -> dict[str, float]:
     """CPU seconds (user + system) so far of this process's main thread, of its other threads (alive or ended:
     a framework's background threads, gloo's, the DataLoader's feeder) and of its children that ended (the
-    DataLoader's workers, once the loader stopped them). Read on the main thread."""
+    DataLoader's workers, once the loader stopped them); on Linux also the main thread's context switches so far
+    (``main_waits``: it blocked, on a lock, the loader or I/O; ``main_preempted``: the scheduler took its core).
+    Read on the main thread."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     main = time.thread_time()
-    return {"main": main, "threads": time.process_time() - main, "children": children.ru_utime + children.ru_stime}
+    times = {"main": main, "threads": time.process_time() - main, "children": children.ru_utime + children.ru_stime}
+    if hasattr(resource, "RUSAGE_THREAD"):  # Linux: how often the main thread waited (voluntary) or was preempted
+        thread = resource.getrusage(resource.RUSAGE_THREAD)
+        times.update(main_waits=thread.ru_nvcsw, main_preempted=thread.ru_nivcsw)
+    return times
 
 
 def env_rank() -> tuple[int, int]:

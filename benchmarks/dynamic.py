@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.launch import run_synthetic
-from benchmarks.report import fmt_spread, machine, machine_line, new_results_dir, save_json
+from benchmarks.report import emit_figures, fmt_spread, machine, machine_line, median_spread, new_results_dir, save_json
 
 GOAL = 1.15
 VARIANTS = {
@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         f"| {fmt_spread((r['dynamic'] for r in rounds), 2)} | {fmt_spread((r['static / hand'] for r in rounds), 3)} "
         f"| {fmt_spread((r['dynamic / hand'] for r in rounds), 3)} | >= {GOAL} {'met' if ratio >= GOAL else 'MISSED'} |"
     )
+    emit_figures({
+        "dynamic.dynamic_over_hand": list(median_spread(r["dynamic / hand"] for r in rounds)),
+        "dynamic.static_over_hand": list(median_spread(r["static / hand"] for r in rounds)),
+    })
     print(f"\nMedian [min-max] of {args.rounds} interleaved rounds. Machine: {machine_line(info)}.")
     print(f"results: {out_dir}", file=sys.stderr)
     return 0

@@ -18,8 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks.launch import REPO
-
+REPO = Path(__file__).resolve().parents[1]
 RESULTS_ROOT = REPO / "bench_results"
 PACKAGES = ("torch", "lightning", "accelerate", "ray", "transformers", "sentence-transformers", "torch-batch-process")
 
@@ -44,6 +43,40 @@ def fmt_spread(values: Iterable[float | None], digits: int = 0) -> str:
     if lo == hi:
         return fmt(med, digits)
     return f"{fmt(med, digits)} [{fmt(lo, digits)}–{fmt(hi, digits)}]"
+
+
+FIGURES_ENV = "TBP_BENCH_FIGURES"
+"""A JSON file where a benchmark adds its figures (set by ``benchmarks.head``, which reads them back)."""
+
+
+def rotated(items: list[Any], round_index: int) -> list[Any]:
+    """``items`` in the order of round ``round_index``: rotated by one per round, so that no contender always runs
+    first (a cold cache, a machine that just got busy) or last."""
+    if not items:
+        return []
+    shift = round_index % len(items)
+    return items[shift:] + items[:shift]
+
+
+def load_average() -> str:
+    """The machine's 1-, 5- and 15-minute load averages, for the line under a table."""
+    try:
+        return "load average " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:  # pragma: no cover - not on Linux
+        return "load average unknown"
+
+
+def emit_figures(figures: dict[str, Any]) -> None:
+    """Adds ``figures`` (name -> value, a number or ``[median, min, max]``) to the file named by
+    ``$TBP_BENCH_FIGURES``, if set: how ``benchmarks.head`` reads what a benchmark measured without parsing its
+    table."""
+    path = os.environ.get(FIGURES_ENV)
+    if not path:
+        return
+    target = Path(path)
+    known = json.loads(target.read_text()) if target.exists() else {}
+    known.update(figures)
+    target.write_text(json.dumps(known, indent=1) + "\n")
 
 
 def machine() -> dict[str, Any]:
@@ -91,6 +124,7 @@ def machine() -> dict[str, Any]:
         "packages": versions,
         "commit": commit,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load": load_average(),
     }
 
 
@@ -99,7 +133,7 @@ def machine_line(info: dict[str, Any]) -> str:
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ", no GPU"
     return (
         f"{info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB{gpu}; Python {info['python']}; "
-        f"{packages}; commit {info['commit'] or '?'}; {info['date']}"
+        f"{packages}; commit {info['commit'] or '?'}; {info['date']}; {info.get('load', 'load average unknown')}"
     )
 
 

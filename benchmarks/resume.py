@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.launch import run_synthetic
-from benchmarks.report import fmt_spread, machine, machine_line, new_results_dir, save_json
+from benchmarks.report import emit_figures, fmt_spread, machine, machine_line, median_spread, new_results_dir, save_json
 
 GOAL = 0.15
 
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {redone:g} | {fmt_spread((r['call_ratio'] for r in rounds), 3)} | {fmt_spread((r['wall_ratio'] for r in rounds), 3)} "
         f"| <= {GOAL} {'met' if ratio <= GOAL else 'MISSED'} (call) |"
     )
+    emit_figures({f"resume.p{args.nproc}.call_ratio": list(median_spread(r["call_ratio"] for r in rounds))})
     print(f"\nMedian [min–max] of {args.rounds} rounds. Machine: {machine_line(info)}.")
     print(f"results: {out_dir}", file=sys.stderr)
     return 0

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import CONTENDERS, LABELS, WORKLOADS_OF, RunResult, run_contender
-from benchmarks.report import fmt_spread, machine, machine_line, new_results_dir, save_json
+from benchmarks.report import emit_figures, fmt_spread, machine, machine_line, new_results_dir, save_json
 from benchmarks.workloads import SIZES, WORKLOADS, load_sentences
 
 
@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                 save_json(out_dir / "results.json", {"machine": info, "args": vars(args), "runs": [r.to_json() for r in results]})
     table = render_table(results, args, info)
     (out_dir / "table.md").write_text(table)
+    emit_figures({
+        f"run.{row['workload']}.p{row['nproc']}.{row['contender']}.{clock}": list(row[f"{clock}_ratio"])
+        for row in summarize(results) for clock in ("job", "steady", "wall")
+    })
     save_json(out_dir / "results.json", {"machine": info, "args": vars(args), "runs": [r.to_json() for r in results],
                                          "summary": summarize(results)})
     print(table)

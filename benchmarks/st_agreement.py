@@ -86,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         library = library_embeddings(workload, folder)
         sentences = workload.dataset().sentences  # type: ignore[attr-defined]
     model = st_contender.load_model()
-    single = st_contender.encode(model, sentences, workload.batch_size, nproc=1)
+    single = st_contender.encode(model, sentences, workload.batch_size)
     print("| embeddings compared | sentences | min cosine | median cosine | max abs difference | all > 0.999 |")
     print("|---|---:|---:|---:|---:|---|")
     ok = compare("torch_batch_process (tbp_bucket, 1 process) vs sentence-transformers encode", library, single)
     if not args.no_pool:
-        pooled = st_contender.encode(model, sentences, workload.batch_size, nproc=2)
+        pool = model.start_multi_process_pool(["cpu"] * 2)
+        try:
+            pooled = st_contender.encode(model, sentences, workload.batch_size, pool)
+        finally:
+            model.stop_multi_process_pool(pool)
         ok &= compare("torch_batch_process (tbp_bucket) vs sentence-transformers pool of 2", library, pooled)
         ok &= compare("sentence-transformers encode vs its pool of 2", single, pooled)
     return 0 if ok else 1

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.launch import run_synthetic
-from benchmarks.report import fmt_spread, machine, machine_line, new_results_dir, save_json
+from benchmarks.report import emit_figures, fmt_spread, machine, machine_line, median_spread, new_results_dir, save_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             imp = fmt_spread((r["import_tbp_s"] for r in rows), 2) if mode == "tbp" else "–"
             print(f"| {nproc} | {name} | {imp} | {fmt_spread((r['call_to_first_s'] for r in rows), 3)} "
                   f"| {fmt_spread((r['launch_to_first_s'] for r in rows), 2)} |")
+    emit_figures({
+        f"startup.p{nproc}.{mode}.call_to_first_s":
+            list(median_spread(r["call_to_first_s"] for r in samples[(mode, nproc)]))
+        for nproc in nprocs for mode in ("hand", "tbp")
+    })
     print(f"\nMedian [min–max] of {args.rounds} rounds; 2 processes: the last rank's first batch. "
           f"Machine: {machine_line(info)}.")
     print(f"results: {out_dir}", file=sys.stderr)

@@ -5,8 +5,9 @@
 
 Trivial batches (the same prebuilt tensor, an identity ``collate_fn``, a ``process_batch`` that does nothing and
 writes nothing), so what is left is the loop around them: for the hand loop, its DataLoader; for the library, its
-loop plus what each schedule adds per step (``static``: the per-step agreement, an asynchronous MAX ``all_reduce``
-of two integers, and a commit's votes every ``checkpoint_interval`` steps; ``dynamic``: one claim from the
+loop plus what each schedule adds per step (``static``: the ranks' agreement, an asynchronous MAX ``all_reduce``
+of three integers every ~50 ms or every step (``*_every_step``: ``TBP_AGREEMENT_S=0``, as before issue 45), and a
+commit's votes every ``checkpoint_interval`` steps; ``dynamic``: one claim from the
 rendezvous store's counter per batch, and the rank's own commits). The variant ``collective`` runs the static
 agreement's ``all_reduce`` alone, posted and waited the way the agreement does, in plain ``torch.distributed``.
 
@@ -37,13 +38,16 @@ from torch.utils.data import DataLoader
 
 from benchmarks.batch_cost import BATCH, SameBatch, identity
 from benchmarks.launch import run_logged
-from benchmarks.report import machine, machine_line, new_results_dir, save_json
+from benchmarks.report import emit_figures, machine, machine_line, median_spread, new_results_dir, save_json
+from torch_batch_process.engine.schedule.agreement import AGREEMENT_ENV
 
 VARIANTS: dict[str, str] = {
     "hand": "hand loop (no collective until the final barrier)",
     "collective": "the static agreement's all_reduce alone (plain torch.distributed)",
-    "static": "library, static, a commit every 5 steps (the defaults)",
+    "static": "library, static, a commit every 5 steps (the defaults: an agreement every ~50 ms and at commits)",
+    "static_every_step": "library, static, a commit every 5 steps, an agreement every step (TBP_AGREEMENT_S=0)",
     "static_no_commit": "library, static, no commit until the end",
+    "static_no_commit_every_step": "library, static, no commit until the end, an agreement every step",
     "dynamic": "library, dynamic, a commit every 5 of the rank's batches",
     "dynamic_no_commit": "library, dynamic, no commit until the end",
 }
@@ -108,7 +112,9 @@ def _rank_main(variant: str, batches: int, storage: str) -> dict[str, Any]:
         dist.destroy_process_group()
     else:
         schedule = variant.split("_")[0]
-        interval = batches + 1 if variant.endswith("no_commit") else 5
+        interval = batches + 1 if "no_commit" in variant else 5
+        if variant.endswith("every_step"):  # the static agreement at every step boundary (before issue 45)
+            os.environ[AGREEMENT_ENV] = "0"
         torch_batch_process(
             processor, dataset, batch_size=len(BATCH), storage_path=storage, checkpoint_interval=interval,
             progress=False, dataloader_kwargs={"collate_fn": identity}, schedule=schedule,
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {statistics.median(fixed[variant]):.3f} |"
         )
     print(f"\n{args.batches:,} batches on {NPROC} ranks, {args.rounds} rounds. Machine: {machine_line(info)}.")
+    emit_figures({f"step_cost.{variant}.cpu_us": list(median_spread(costs[variant])) for variant in variants})
     print(f"results: {out_dir}")
     return 0
 

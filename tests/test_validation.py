@@ -355,6 +355,7 @@ def test_options_that_need_the_stores_queues_are_refused_on_a_torch_without_them
         ("TBP_LEASE_TTL_S", "soon", "TBP_LEASE_TTL_S must be a number > 0"),
         ("TBP_COLLECTIVE_TIMEOUT_S", "-5", "TBP_COLLECTIVE_TIMEOUT_S must be a number > 0"),
         ("TBP_JOIN_TIMEOUT_S", "x", "TBP_JOIN_TIMEOUT_S must be a number of seconds > 0"),
+        ("TBP_AGREEMENT_S", "-1", "environment variable TBP_AGREEMENT_S must be a number of seconds >= 0, got '-1'"),
     ],
 )
 def test_a_documented_tuning_variable_with_a_bad_value_is_refused_when_the_call_starts(

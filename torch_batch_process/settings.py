@@ -66,6 +66,7 @@ JOIN_TIMEOUT_ENV = "TBP_JOIN_TIMEOUT_S"
 HEARTBEAT_SILENCE_ENV = "TBP_HEARTBEAT_SILENCE_S"
 COLLECTIVE_TIMEOUT_ENV = "TBP_COLLECTIVE_TIMEOUT_S"
 SHARD_BYTES_ENV = "TBP_SHARD_BYTES"
+AGREEMENT_ENV = "TBP_AGREEMENT_S"
 
 HEARTBEAT_S = 1.0
 """Seconds between two heartbeats of a rank (the silence that loses a rank is at least two of them)."""
@@ -261,6 +262,7 @@ DEFAULT_SHARD_BYTES = 128 << 20
 DEFAULT_PROGRESS_INTERVAL_S = 30.0
 DEFAULT_METRICS_INTERVAL_S = 60.0
 DEFAULT_STRAGGLER_RATIO = 0.5
+DEFAULT_AGREEMENT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -363,6 +365,12 @@ class Settings:
         COLLECTIVE_TIMEOUT_ENV, _number(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S, above=True), "1800",
         "the timeout of the process groups' collectives (torch's own default): the last resort of a rank that waits "
         "on a peer that neither answers nor closes its connection",
+    )
+    agreement_s: float = variable(
+        AGREEMENT_ENV, _number(AGREEMENT_ENV, DEFAULT_AGREEMENT_S, seconds=True), "0.05",
+        "seconds the static schedule aims at between two agreements of the ranks (whether to stop, commit or fail): "
+        "a preemption or a failure stops every rank within this and a step; `0` agrees at every step boundary (a "
+        "collective per step)",
     )
     storage_retries: int = variable(
         "TBP_STORAGE_RETRIES", _number("TBP_STORAGE_RETRIES", 5, integer=True, minimum=1), "5",

@@ -145,6 +145,20 @@ def _is_per_example_list(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 
 
+def _is_row_dicts(rows: Any) -> bool:
+    """Whether ``rows`` is a list of per-example dicts (not a dict of columns)."""
+    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
+        return False
+    return not rows or isinstance(rows[0], Mapping)
+
+
+def _index_array(indices: Sequence[int]) -> np.ndarray:
+    """The ``index`` column's values (a contiguous plan's ``range`` without iterating it in Python)."""
+    if type(indices) is range:
+        return np.arange(indices.start, indices.stop, indices.step, dtype=np.int64)
+    return np.asarray(indices, dtype=np.int64)
+
+
 def rows_to_table(
     rows: Any, indices: Sequence[int], copies: DeviceCopies | None = None, ragged: set[str] | None = None
 ) -> pa.Table:
@@ -160,7 +174,7 @@ def rows_to_table(
     """
     pa = require_pyarrow()
     n = len(indices)
-    if isinstance(rows, Sequence) and not isinstance(rows, (str, bytes)) and (not rows or isinstance(rows[0], Mapping)):
+    if type(rows) is not dict and _is_row_dicts(rows):
         if len(rows) != n:
             raise InvalidArgumentError(f"context.write(): {len(rows)} row dicts for the batch's {n} example(s)")
         keys = list(rows[0]) if rows else []
@@ -189,7 +203,7 @@ def rows_to_table(
         )
     if ragged is not None:
         ragged.update(name for name, value in zip(names, rows.values(), strict=True) if _is_per_example_list(value))
-    arrays = [pa.array(np.asarray(indices, dtype=np.int64), type=pa.int64())]
+    arrays = [pa.array(_index_array(indices), type=pa.int64())]
     arrays += [_column(pa, name, value, n, copies) for name, value in zip(names, rows.values(), strict=True)]
     return pa.Table.from_arrays(arrays, names=[INDEX_COLUMN, *names])
 

@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM or SIGINT asks the job to commit and stop at the next step boundary.
+"""Preemption: SIGTERM or SIGINT asks the job to commit and stop at the next agreed step boundary (~50 ms away).
 
 While a job runs, :class:`SignalWatcher` replaces the handlers of SIGTERM and SIGINT with one that
 only records the request; the loop then makes every rank agree to stop (see
@@ -79,8 +79,8 @@ class SignalWatcher:
             self.requested = name
             self._requested_at = now
         logger.warning(
-            "%s: committing and stopping at the next step boundary (send it again, %.0f s or more later, to stop at "
-            "once)",
+            "%s: committing and stopping at the next agreed step boundary (send it again, %.0f s or more "
+            "later, to stop at once)",
             signal_origin(name),  # a SIGTERM from the launcher's agent after a worker died says so
             REPEAT_WINDOW_S,
         )

@@ -3,8 +3,8 @@
 - :class:`StaticScheduler` (``schedule="static"``, the default; Determined's behaviour, DESIGN §3): the
   batches not committed yet are dealt round-robin over the ranks, the ``i``-th to rank ``i % W`` at step
   ``i // W``; every rank runs the same number of steps (a rank with no batch left idles), commits every
-  ``checkpoint_interval`` steps with the others, and the ranks agree at every step boundary whether to go on,
-  stop or fail (:class:`~torch_batch_process.engine.schedule.agreement.StepAgreement`).
+  ``checkpoint_interval`` steps with the others, and the ranks agree at step boundaries, every ~50 ms and at every
+  commit, whether to go on, stop or fail (:class:`~torch_batch_process.engine.schedule.agreement.StepAgreement`).
 - :class:`BlockScheduler` (``schedule="static"`` for a streaming source, DESIGN §12): the static schedule with each
   rank's batches one contiguous block, so that ranks do not decode each other's Parquet row groups.
 - :class:`DynamicScheduler` (``schedule="dynamic"``, DESIGN §8): a rank that is free takes the next batch not
@@ -103,8 +103,8 @@ class StaticScheduler(Scheduler):
         if agreed_stop:
             return Decision.STOP
         if (step + 1) % self._interval == 0:
-            return self._agreement.at_commit(preempt)  # flags in flight decide; else the commit's votes carry them
-        return self._agreement.boundary(preempt, failed)  # a rank's own flags reach the others here
+            return self._agreement.at_commit(step, preempt)  # flags in flight decide, else the commit's votes
+        return self._agreement.boundary(step, preempt, failed)  # a rank's own flags reach the others here
 
     def after_last(self, *, failed: bool) -> Decision:
         raise AssertionError("static steps end with decide(), never with an exhausted feed")  # pragma: no cover
