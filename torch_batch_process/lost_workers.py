@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from torch_batch_process.environment import LAUNCH_STATE_ENV
+from torch_batch_process import settings
 from torch_batch_process.errors import WorkerLostError
 
 __all__ = [
@@ -71,7 +71,7 @@ def notes_path(state_file: str) -> str:
 def lost_workers(state_file: str | None = None) -> list[LostWorker]:
     """The workers of this node noted as dead, first death first (``state_file``: the launcher's; default
     ``$TBP_LAUNCH_STATE``; none when not under the launcher). Best effort: unreadable lines are skipped."""
-    state_file = state_file or os.environ.get(LAUNCH_STATE_ENV)
+    state_file = state_file or settings.current().launch_state
     if not state_file:
         return []
     try:
@@ -102,7 +102,7 @@ def lost_peer_line(error: WorkerLostError) -> str:
     """The one line a rank shows for ``error``: which worker was lost (when this node's launcher knows) and what to
     do; else the error's own message without the transport's report that it wraps (``Connection reset by peer``)."""
     rank = os.environ.get("RANK")
-    deadline = time.monotonic() + (NOTE_WAIT_S if os.environ.get(LAUNCH_STATE_ENV) else 0.0)
+    deadline = time.monotonic() + (NOTE_WAIT_S if settings.current().launch_state else 0.0)
     while True:  # the survivor may notice first: the dead worker's wrapper notes it a moment later
         lost = [worker for worker in lost_workers() if str(worker.rank) != rank]
         if lost or time.monotonic() >= deadline:
