@@ -177,10 +177,10 @@ def render_table(results: list[RunResult], args: argparse.Namespace, info: dict[
         n, _ = sizes(row["workload"], args.quick, args.scale)
         lines.append(
             f"| {names[row['workload']]}, {n:,} ex | {row['nproc']} | {LABELS[row['contender']]} "
-            f"| {fmt_spread((r.job_throughput for r in runs))} "
+            f"| {fmt_spread(r.job_throughput for r in runs)} "
             f"| {fmt_spread(_ratios(results, row['workload'], row['nproc'], row['contender'], 'job_throughput'), 3)} "
             f"| {fmt_spread(_ratios(results, row['workload'], row['nproc'], row['contender'], 'steady_throughput'), 3)} "
-            f"| {fmt_spread((r.wall_throughput for r in runs))} "
+            f"| {fmt_spread(r.wall_throughput for r in runs)} "
             f"| {fmt_spread(_ratios(results, row['workload'], row['nproc'], row['contender'], 'wall_throughput'), 3)} "
             f"| {row['failed']}/{row['runs']} |"
         )

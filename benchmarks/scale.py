@@ -371,7 +371,7 @@ def render(results: dict[str, Any]) -> str:
             lines.append(f"| {world} | {_f(cost)} | {_f(ratio, 2)} | {results['loads'].get(world, 0):.1f} |")
     waits = results.get("waits") or []
     if waits:
-        lines += ["", f"| Schedule | W | Waiting ranks' CPU, ms per s (mean of W-1 ranks) | Their wait, s | Load |",
+        lines += ["", "| Schedule | W | Waiting ranks' CPU, ms per s (mean of W-1 ranks) | Their wait, s | Load |",
                   "|---|---:|---:|---:|---:|"]
         for w in sorted(waits, key=lambda w: (w["schedule"], w["world"])):
             lines.append(f"| {w['schedule']} | {w['world']} | {_f(w['cpu_ms_per_s'], 1) if not w['failed'] else 'failed'} "

@@ -23,6 +23,7 @@ import pytest
 from harness import GENERIC_JOB, REPO, base_env, job_spec, read_reports, run_generic, spawn_ranks, wait_all
 
 from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
+from torch_batch_process.jobstore.job_lock import flock_held
 from torch_batch_process.launch import cli
 from torch_batch_process.observe.options import ProfileOptions, resolve_observe_options, tensorboard_installed
 from torch_batch_process.observe.progress import format_duration
@@ -30,7 +31,6 @@ from torch_batch_process.observe.status import read_status
 from torch_batch_process.observe.stragglers import RankInterval, StragglerDetector
 from torch_batch_process.observe.summary import summary_line
 from torch_batch_process.result import BatchProcessResult
-from torch_batch_process.jobstore.job_lock import flock_held
 
 needs_tensorboard = pytest.mark.skipif(not tensorboard_installed(), reason="tensorboard is not installed")
 

@@ -32,9 +32,9 @@ from torch_batch_process import (
     read_outputs,
     torch_batch_process,
 )
+from torch_batch_process.engine.feed.device_memory import is_out_of_memory
 from torch_batch_process.engine.feed.fitting import TOLERANCE, BatchFitter
 from torch_batch_process.jobstore.memory_limits import MemoryLimits, RangeLimit, length_range, range_lengths
-from torch_batch_process.engine.feed.device_memory import is_out_of_memory
 from torch_batch_process.observe.status import format_status, read_status
 
 OOM_JOB = JOBS / "oom_job.py"

@@ -26,10 +26,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from harness import (
-    GENERIC_JOB, REPO, base_env, job_spec, run_generic, spawn_ranks, stop_with_stacks, tbp_cmd, wait_all, wait_for,
+    GENERIC_JOB,
+    REPO,
+    base_env,
+    job_spec,
+    run_generic,
+    spawn_ranks,
+    stop_with_stacks,
+    tbp_cmd,
+    wait_all,
+    wait_for,
 )
+
 from torch_batch_process import TorchBatchProcessor, torch_batch_process
 from torch_batch_process.engine.plan.bucketing import bucket_layout, contiguous_padded_tokens, token_stats
 from torch_batch_process.engine.work import Part

@@ -7,7 +7,6 @@ The weights are shipped with the repository; run this only to regenerate them:
 from __future__ import annotations
 
 import torch
-
 from model import WEIGHTS, DigitsDataset, build_model, split
 
 

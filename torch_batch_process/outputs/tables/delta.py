@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.storage.urls import check_storage_url
 from torch_batch_process.outputs.tables.base import (
     DataFileWriter,
     Table,
@@ -33,6 +32,7 @@ from torch_batch_process.outputs.tables.base import (
     require,
 )
 from torch_batch_process.outputs.tables.parquet_files import ParquetDataFile
+from torch_batch_process.storage.urls import check_storage_url
 
 __all__ = ["DeltaTableOutput", "delta"]
 
