@@ -60,6 +60,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "integers",
             "lengths",
             "log",
+            "mesh_shape",
             "processes",
             "provenance",
             "processor",
