@@ -28,6 +28,7 @@ __all__ = [
     "Pipeline",
     "TokenDataset",
     "build_encoder",
+    "encode_whole",
     "pipeline_stage",
     "tensor_parallel_plan",
 ]
@@ -91,6 +92,19 @@ def build_encoder(cfg: EncoderConfig = EncoderConfig()) -> Encoder:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         return Encoder(cfg).eval()
+
+
+def encode_whole(dataset: TokenDataset, cfg: EncoderConfig = EncoderConfig(), batch_size: int = 256) -> torch.Tensor:
+    """Every example's embedding by the whole encoder on this process, in dataset order: what the split runs must
+    give (up to float reassociation)."""
+    encoder = build_encoder(cfg)
+    with torch.no_grad():
+        return torch.cat(
+            [
+                encoder(torch.stack([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]))
+                for start in range(0, len(dataset), batch_size)
+            ]
+        )
 
 
 class _Stage(nn.Module):

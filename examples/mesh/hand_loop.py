@@ -28,7 +28,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DataLoader
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``benchmarks/contenders/tbp_mesh.py`` takes the same)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("tp", "pp"), required=True, help="tensor parallel or pipeline stages")
     parser.add_argument("--size", type=int, default=2, help="ranks of one replica")
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline only")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--report", type=Path, default=None)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     start = time.time()
 
     cuda = torch.cuda.is_available()
