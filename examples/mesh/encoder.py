@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ __all__ = [
     "Pipeline",
     "TokenDataset",
     "build_encoder",
-    "encode_whole",
+    "compare_with_whole",
     "pipeline_stage",
     "tensor_parallel_plan",
 ]
@@ -94,17 +95,21 @@ def build_encoder(cfg: EncoderConfig = EncoderConfig()) -> Encoder:
         return Encoder(cfg).eval()
 
 
-def encode_whole(dataset: TokenDataset, cfg: EncoderConfig = EncoderConfig(), batch_size: int = 256) -> torch.Tensor:
-    """Every example's embedding by the whole encoder on this process, in dataset order: what the split runs must
-    give (up to float reassociation)."""
+def compare_with_whole(table: Any, dataset: TokenDataset, cfg: EncoderConfig = EncoderConfig()) -> float:
+    """Prints and returns the largest difference between a job's ``embedding`` column (``read_outputs``, in dataset
+    order) and the whole encoder run on this process: what the split runs must give, up to float reassociation."""
     encoder = build_encoder(cfg)
     with torch.no_grad():
-        return torch.cat(
+        whole = torch.cat(
             [
-                encoder(torch.stack([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]))
-                for start in range(0, len(dataset), batch_size)
+                encoder(torch.stack([dataset[i] for i in range(start, min(start + 256, len(dataset)))]))
+                for start in range(0, len(dataset), 256)
             ]
         )
+    embeddings = torch.tensor(table.column("embedding").to_pylist())
+    difference = (embeddings - whole).abs().max().item()
+    print(f"{table.num_rows} embeddings; largest difference from the whole encoder on one process: {difference:.2e}")
+    return difference
 
 
 class _Stage(nn.Module):

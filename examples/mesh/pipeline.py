@@ -19,8 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-from encoder import EncoderConfig, Pipeline, TokenDataset, build_encoder, encode_whole
+from encoder import EncoderConfig, Pipeline, TokenDataset, build_encoder, compare_with_whole
 
 from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
 
@@ -53,15 +52,8 @@ def main() -> None:
         mesh={"replica": -1, "pp": args.stages},
         storage_path=args.storage,
     )
-    if result.preempted or os.environ.get("RANK", "0") != "0":
-        return
-    table = read_outputs(args.storage)
-    embeddings = torch.tensor(table.column("embedding").to_pylist())
-    whole = encode_whole(dataset, CONFIG)
-    print(
-        f"{table.num_rows} embeddings; largest difference from the whole encoder on one process: "
-        f"{(embeddings - whole).abs().max().item():.2e}"
-    )
+    if not result.preempted and os.environ.get("RANK", "0") == "0":
+        compare_with_whole(read_outputs(args.storage), dataset, CONFIG)
 
 
 if __name__ == "__main__":
