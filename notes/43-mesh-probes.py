@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "mesh"))
 
-from encoder import EncoderConfig, TokenDataset, build_encoder, pipeline_stage, tensor_parallel_plan  # noqa: E402
+from encoder import TokenDataset, build_encoder, pipeline_stage, tensor_parallel_plan  # noqa: E402
 
 
 def say(*args):
@@ -81,8 +81,15 @@ def pipeline_shapes():
             with torch.no_grad():
                 out = schedule.eval(tokens) if stage == 0 else schedule.eval()
             if stage == 1 and dist.get_rank() == 1:
-                print("one schedule, batch", size, "->", tuple(out.shape), "max diff",
-                      (out - whole(tokens)).abs().max().item(), flush=True)
+                print(
+                    "one schedule, batch",
+                    size,
+                    "->",
+                    tuple(out.shape),
+                    "max diff",
+                    (out - whole(tokens)).abs().max().item(),
+                    flush=True,
+                )
         except Exception as exc:  # noqa: BLE001
             if dist.get_rank() == 1:
                 print("one schedule, batch", size, "FAILS:", str(exc).splitlines()[0][:120], flush=True)
@@ -114,12 +121,16 @@ def release():
         try:
             dist.all_reduce(torch.ones(4), group=tp)
         except Exception as exc:  # noqa: BLE001
-            print(f"{how}: rank 1's collective raised after {time.perf_counter() - start:.1f}s:",
-                  str(exc).splitlines()[0][:90], flush=True)
+            print(
+                f"{how}: rank 1's collective raised after {time.perf_counter() - start:.1f}s:",
+                str(exc).splitlines()[0][:90],
+                flush=True,
+            )
     os._exit(0)
 
 
 dist.init_process_group("gloo")
-{"collectives": collectives, "inference_mode": inference_mode, "pipeline_shapes": pipeline_shapes,
- "release": release}[sys.argv[1]]()
+{"collectives": collectives, "inference_mode": inference_mode, "pipeline_shapes": pipeline_shapes, "release": release}[
+    sys.argv[1]
+]()
 dist.destroy_process_group()
