@@ -69,6 +69,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "lengths",
             "log",
             "lost_workers",
+            "mesh_shape",
             "metrics_lines",
             "processes",
             "provenance",
@@ -94,8 +95,8 @@ SUBLAYERS: dict[str, tuple[tuple[tuple[str, ...], ...], ...]] = {
         (("engine.feed",), ("engine.commit",)),
         (("engine.schedule",),),
         (("engine.plan",),),
-        # the engine's core: the ranks' collectives and join, a rank's work and failure
-        (("engine.distributed", "engine.join", "engine.work", "engine.rank_failure"),),
+        # the engine's core: the ranks' collectives and join, the device mesh's groups, a rank's work and failure
+        (("engine.distributed", "engine.join", "engine.work", "engine.rank_failure", "engine.mesh"),),
     ),
 }
 """Sub-layers of a layer, top first; each a tuple of parts side by side (module name prefixes each), which may not
