@@ -176,7 +176,8 @@ def engine_alone(work: Workload, temperature: float = 0.0) -> dict[int, list[int
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     budget = work.budget.resolved(work.model.config.max_position_embeddings)
-    sampled = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
+    # sampled: the plain distribution (no top-k: GenerationConfig's default top_k=50 would add a warper)
+    sampled = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {"do_sample": False}
     generation = GenerationConfig(eos_token_id=-1, pad_token_id=0, max_new_tokens=256, **sampled)
     cb_config = ContinuousBatchingConfig(
         page_size=budget.page_size, num_blocks=budget.pages(budget.cache_tokens), max_batch_tokens=budget.batch_tokens,

@@ -100,7 +100,9 @@ def sample_tokens(scores: torch.Tensor, uniforms: torch.Tensor, sampling: Sampli
     """
     if sampling.greedy:
         return scores.argmax(dim=-1)
-    logits = scores.float() / sampling.temperature
+    logits = scores.float()
+    if sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
     vocab = logits.size(-1)
     if sampling.top_k is not None and sampling.top_k < vocab:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
@@ -111,7 +113,9 @@ def sample_tokens(scores: torch.Tensor, uniforms: torch.Tensor, sampling: Sampli
         # a token stays if the tokens more likely than it hold less than top_p (so the most likely always stays)
         drop = (mass - ordered.softmax(dim=-1)) >= sampling.top_p
         logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
-    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    # unnormalised weights suffice: the uniform is scaled by their total
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+    cdf = weights.cumsum_(dim=-1)
     target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     chosen = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return chosen.clamp_(max=vocab - 1)

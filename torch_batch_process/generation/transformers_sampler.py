@@ -65,8 +65,8 @@ def seeded_processor_list(sampling: Sampling) -> Any:
         def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
             uniforms = tensor_arg[: scores.size(0)].view(torch.float32)
             chosen = sample_tokens(scores, uniforms, sampling)
-            picked = torch.full_like(scores, float("-inf"))
-            return picked.scatter_(-1, chosen.unsqueeze(-1), 0.0)
+            # the loop's scores are a float32 copy of this step's logits, read no more: overwritten in place
+            return scores.fill_(float("-inf")).scatter_(-1, chosen.unsqueeze(-1), 0.0)
 
     processors = ContinuousBatchingLogitsProcessorList(
         LogitsProcessorList([SeededSampler()]), per_request_processors=False, drop_unsupported_processors=True
