@@ -38,22 +38,19 @@ rounds differently: see :mod:`torch_batch_process.generation.sampling`).
 from __future__ import annotations
 
 import argparse
-import ast
 import math
 import random
 import re
 import statistics
-import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.report import fmt_spread, machine, machine_line
-from benchmarks.workloads import configure_process, minilm_dir
+from benchmarks.workloads import configure_process, minilm_dir, stdlib_docstrings
 
 CONTENDERS = (
     "loop: dataset order",
@@ -88,21 +85,13 @@ class Workload:
 def docstrings(limit: int) -> list[str]:
     """Up to ``limit`` docstrings of Python's standard library (whitespace collapsed, 20+ characters), in file
     order; the corpus is cycled when it has fewer."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo"}
     texts: list[str] = []
-    for path in sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                text = " ".join((ast.get_docstring(node) or "").split())
-                if len(text) >= 20 and not re.match(r"^[-=*#]", text):
-                    texts.append(text)
-                    if len(texts) >= limit:
-                        return texts
+    for doc in stdlib_docstrings():
+        text = " ".join(doc.split())
+        if len(text) >= 20 and not re.match(r"^[-=*#]", text):
+            texts.append(text)
+            if len(texts) >= limit:
+                return texts
     if not texts:
         raise RuntimeError("no docstrings found in the standard library")
     return [texts[i % len(texts)] for i in range(limit)]

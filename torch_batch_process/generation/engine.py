@@ -8,8 +8,8 @@ completions as they come; a batch is done when its last prompt is.
 :class:`GenerationEngine` holds what every backend shares: admission (a prompt that cannot run comes back as a failed
 :class:`~torch_batch_process.generation.requests.Completion` naming its index and lengths, never as a failed batch;
 an answer is capped at the model's context), the bookkeeping of prompts in flight, and the checks of the calls.
-A backend implements five hooks: ``_enqueue``, ``_collect``, ``_partial``, ``_shutdown`` and the properties
-``context_length`` and ``vocab_size``.
+A backend gives the model's context length and vocabulary size to ``__init__`` and implements four hooks:
+``_enqueue``, ``_collect``, ``_partial`` and ``_shutdown``.
 
 :class:`CacheBudget` sizes the engine from the job (never from an engine's default share of free memory: on a CPU,
 ``transformers`` takes 60% of the free RAM for its cache and attention masks, 8.8 GiB and 15 s to start for a
@@ -128,7 +128,9 @@ class GenerationEngine(abc.ABC):
     Usable as a context manager (``stop`` on exit).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, context_length: int, vocab_size: int) -> None:
+        self._context_length = context_length
+        self._vocab_size = vocab_size
         self._in_flight: dict[int, Prompt] = {}
         self._ready: list[Completion] = []
         self._closed = False
@@ -137,14 +139,14 @@ class GenerationEngine(abc.ABC):
     # ------------------------------------------------------------------ the interface
 
     @property
-    @abc.abstractmethod
     def context_length(self) -> int:
         """The most tokens a sequence (prompt, answer prefix and answer) may hold."""
+        return self._context_length
 
     @property
-    @abc.abstractmethod
     def vocab_size(self) -> int:
         """The number of token ids the model knows."""
+        return self._vocab_size
 
     @property
     def in_flight(self) -> int:

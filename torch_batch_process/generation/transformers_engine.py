@@ -66,7 +66,6 @@ class TransformersEngine(GenerationEngine):
         eos_token_id: int | tuple[int, ...] | None = None,
         context_length: int | None = None,
     ) -> None:
-        super().__init__()
         if not callable(getattr(model, "init_continuous_batching", None)):
             raise InvalidArgumentError(
                 f"model must be a transformers causal language model with init_continuous_batching() (transformers "
@@ -76,9 +75,9 @@ class TransformersEngine(GenerationEngine):
         if not isinstance(self.sampling, Sampling):
             raise InvalidArgumentError(f"sampling must be a Sampling, got {type(sampling).__name__}")
         text_config = model.config.get_text_config()
-        self._context = _context_length(context_length, text_config)
-        self._vocab = int(text_config.vocab_size)
-        self.budget = (budget if budget is not None else CacheBudget()).resolved(self._context)
+        context = _context_length(context_length, text_config)
+        super().__init__(context_length=context, vocab_size=int(text_config.vocab_size))
+        self.budget = (budget if budget is not None else CacheBudget()).resolved(context)
         if model.device.type == "cpu" and importlib.util.find_spec("psutil") is None:
             raise InvalidArgumentError(
                 "transformers' continuous batching on a CPU reads the machine's memory with psutil: pip install "
@@ -86,14 +85,6 @@ class TransformersEngine(GenerationEngine):
             )
         self._eos = _eos_ids(eos_token_id, model)
         self._manager = self._start(model)
-
-    @property
-    def context_length(self) -> int:
-        return self._context
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
 
     def _start(self, model: Any) -> Any:
         """Builds the manager and its cache in this thread (so a cache too large raises here), then starts its loop."""

@@ -65,7 +65,6 @@ class VLLMEngine(GenerationEngine):
         eos_token_id: tuple[int, ...] | None = None,
         engine_args: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__()
         if not vllm_available():
             raise InvalidArgumentError(
                 "VLLMEngine needs vLLM: pip install vllm (on a machine with a GPU), or use TransformersEngine"
@@ -76,14 +75,14 @@ class VLLMEngine(GenerationEngine):
             raise InvalidArgumentError("VLLMEngine takes eos_token_id=None (the model's) or () (none), not a list")
         self.sampling = sampling if sampling is not None else Sampling()
         self._ignore_eos = eos_token_id == ()
+        from transformers import AutoConfig
         from vllm import EngineArgs, LLMEngine
 
-        if context_length is None:  # vLLM would read it from the same config; the cache is sized from it first
-            from transformers import AutoConfig
-
-            text_config = AutoConfig.from_pretrained(model, revision=revision).get_text_config()
+        # vLLM reads the same config; the cache is sized from its context before vLLM starts
+        text_config = AutoConfig.from_pretrained(model, revision=revision).get_text_config()
+        if context_length is None:
             context_length = int(text_config.max_position_embeddings)
-        self._context = context_length
+        super().__init__(context_length=context_length, vocab_size=int(text_config.vocab_size))
         budget = budget if budget is not None else CacheBudget(page_size=16)
         self.budget = budget.resolved(context_length)
         arguments: dict[str, Any] = {
@@ -101,16 +100,7 @@ class VLLMEngine(GenerationEngine):
             arguments["distributed_executor_backend"] = "external_launcher"
         arguments.update(engine_args or {})
         self._engine = LLMEngine.from_engine_args(EngineArgs(**arguments))
-        self._vocab = int(self._engine.model_config.get_vocab_size())
         self._progress: dict[int, list[int]] = {}
-
-    @property
-    def context_length(self) -> int:
-        return self._context
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
 
     def _params(self, prompt: Prompt, new_tokens: int) -> Any:
         from vllm import SamplingParams
