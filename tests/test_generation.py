@@ -196,7 +196,8 @@ def test_sampled_answers_depend_on_the_index_only(model: Any) -> None:
 
 
 def test_end_of_sequence_stops_an_answer(model: Any) -> None:
-    """With an end-of-sequence token, an answer that draws it ends there with ``finish_reason="stop"``."""
+    """With an end-of-sequence token, an answer that draws it ends there with ``finish_reason="stop"``; a resubmitted
+    answer whose prefix already ended comes back as it is."""
     prompts = make_prompts(12, seed=3)
     with TransformersEngine(model, budget=BUDGET, eos_token_id=()) as engine:
         free = answers(run(engine, prompts))
@@ -206,6 +207,15 @@ def test_end_of_sequence_stops_an_answer(model: Any) -> None:
         done = run(engine, [prompt])[prompt.index]
     stop = free[prompt.index].index(eos) + 1
     assert done.finish_reason == "stop" and done.token_ids == free[prompt.index][:stop]
+    # a resumed answer whose prefix already ended (an EOS, max_new_tokens, the context) needs no engine
+    ended = Prompt(50, prompt.token_ids, 30, answer_prefix=(7, eos))
+    full = Prompt(51, [4] * (CONTEXT - 2), 30, answer_prefix=(7, 8))
+    with TransformersEngine(model, budget=BUDGET, eos_token_id=eos) as engine:
+        engine.submit([ended, full])
+        assert engine.poll() == [
+            Completion(50, (7, eos), "stop", len(prompt.token_ids)),
+            Completion(51, (7, 8), "length", CONTEXT - 2),
+        ]
 
 
 def test_a_dying_engine_raises_and_bad_calls_are_refused(model: Any) -> None:

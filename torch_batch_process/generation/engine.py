@@ -8,8 +8,8 @@ completions as they come; a batch is done when its last prompt is.
 :class:`GenerationEngine` holds what every backend shares: admission (a prompt that cannot run comes back as a failed
 :class:`~torch_batch_process.generation.requests.Completion` naming its index and lengths, never as a failed batch;
 an answer is capped at the model's context), the bookkeeping of prompts in flight, and the checks of the calls.
-A backend gives the model's context length and vocabulary size to ``__init__`` and implements four hooks:
-``_enqueue``, ``_collect``, ``_partial`` and ``_shutdown``.
+A backend gives the model's context length, vocabulary size and end-of-sequence ids to ``__init__`` and implements
+four hooks: ``_enqueue``, ``_collect``, ``_partial`` and ``_shutdown``.
 
 :class:`CacheBudget` sizes the engine from the job (never from an engine's default share of free memory: on a CPU,
 ``transformers`` takes 60% of the free RAM for its cache and attention masks, 8.8 GiB and 15 s to start for a
@@ -95,30 +95,35 @@ class CacheBudget:
         return math.ceil(tokens / self.page_size)
 
 
-def admit(prompt: Prompt, context_length: int, vocab_size: int) -> Completion | int:
-    """How many tokens ``prompt``'s answer may still grow by, or the failed completion of a prompt that cannot run.
-
-    A prompt fails when it is empty, holds a token id outside the vocabulary, or fills the model's context (with its
-    answer prefix) so no answer token fits. An answer that would outgrow the context is capped there (it ends with
-    ``finish_reason="length"``, as in vLLM). A prompt whose prefix already holds ``max_new_tokens`` tokens needs no
-    engine: 0.
+def admit(
+    prompt: Prompt, context_length: int, vocab_size: int, eos_token_ids: tuple[int, ...] = ()
+) -> Completion | int:
+    """How many tokens ``prompt``'s answer may still grow by; or its completion when it needs no engine: failed
+    (empty, a token id outside the vocabulary, or a prompt that fills the model's context so no answer token fits),
+    or already complete (its answer prefix ends with an end-of-sequence token: ``"stop"``; or holds
+    ``max_new_tokens`` tokens, or reaches the context: ``"length"``). An answer that would outgrow the context is
+    capped there (``finish_reason="length"``, as in vLLM).
     """
-    sequence = len(prompt.token_ids) + len(prompt.answer_prefix)
+    tokens, prefix = prompt.token_ids, prompt.answer_prefix
     error = None
-    if not prompt.token_ids:
+    if not tokens:
         error = f"the prompt of index {prompt.index} has no tokens"
-    elif min(prompt.token_ids + prompt.answer_prefix) < 0 or max(prompt.token_ids + prompt.answer_prefix) >= vocab_size:
-        bad = next(t for t in prompt.token_ids + prompt.answer_prefix if not 0 <= t < vocab_size)
+    elif min(tokens + prefix) < 0 or max(tokens + prefix) >= vocab_size:
+        bad = next(t for t in tokens + prefix if not 0 <= t < vocab_size)
         error = f"the prompt of index {prompt.index} holds token id {bad}, outside the vocabulary (0-{vocab_size - 1})"
-    elif sequence >= context_length:
-        prefix = f" and an answer prefix of {len(prompt.answer_prefix)} tokens" if prompt.answer_prefix else ""
+    elif len(tokens) >= context_length:
         error = (
-            f"the prompt of index {prompt.index} has {len(prompt.token_ids)} tokens{prefix}, the model's context "
-            f"holds {context_length}: no room for an answer token"
+            f"the prompt of index {prompt.index} has {len(tokens)} tokens, the model's context holds "
+            f"{context_length}: no room for an answer token"
         )
     if error is not None:
-        return Completion(prompt.index, (), "failed", len(prompt.token_ids), error)
-    return min(prompt.remaining_tokens, context_length - sequence)
+        return Completion(prompt.index, (), "failed", len(tokens), error)
+    if prefix and prefix[-1] in eos_token_ids:
+        return Completion(prompt.index, prefix, "stop", len(tokens))
+    remaining = min(prompt.remaining_tokens, context_length - len(tokens) - len(prefix))
+    if remaining <= 0:
+        return Completion(prompt.index, prefix[: context_length - len(tokens)], "length", len(tokens))
+    return remaining
 
 
 class GenerationEngine(abc.ABC):
@@ -128,9 +133,11 @@ class GenerationEngine(abc.ABC):
     Usable as a context manager (``stop`` on exit).
     """
 
-    def __init__(self, *, context_length: int, vocab_size: int) -> None:
+    def __init__(self, *, context_length: int, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._context_length = context_length
         self._vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        """The tokens that end an answer (empty: answers run to their ``max_new_tokens``)."""
         self._in_flight: dict[int, Prompt] = {}
         self._ready: list[Completion] = []
         self._closed = False
@@ -174,11 +181,9 @@ class GenerationEngine(abc.ABC):
                     "it again"
                 )
             batch.add(prompt.index)
-            verdict = admit(prompt, self.context_length, self.vocab_size)
+            verdict = admit(prompt, self.context_length, self.vocab_size, self.eos_token_ids)
             if isinstance(verdict, Completion):
                 self._ready.append(verdict)
-            elif verdict == 0:
-                self._ready.append(Completion(prompt.index, prompt.answer_prefix, "length", len(prompt.token_ids)))
             else:
                 admitted.append((prompt, verdict))
         for prompt, _ in admitted:

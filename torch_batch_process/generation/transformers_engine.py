@@ -76,14 +76,14 @@ class TransformersEngine(GenerationEngine):
             raise InvalidArgumentError(f"sampling must be a Sampling, got {type(sampling).__name__}")
         text_config = model.config.get_text_config()
         context = _context_length(context_length, text_config)
-        super().__init__(context_length=context, vocab_size=int(text_config.vocab_size))
+        eos = _eos_ids(eos_token_id, model)
+        super().__init__(context_length=context, vocab_size=int(text_config.vocab_size), eos_token_ids=eos)
         self.budget = (budget if budget is not None else CacheBudget()).resolved(context)
         if model.device.type == "cpu" and importlib.util.find_spec("psutil") is None:
             raise InvalidArgumentError(
                 "transformers' continuous batching on a CPU reads the machine's memory with psutil: pip install "
                 "psutil (or torch-batch-process[generation])"
             )
-        self._eos = _eos_ids(eos_token_id, model)
         self._manager = self._start(model)
 
     def _start(self, model: Any) -> Any:
@@ -95,7 +95,7 @@ class TransformersEngine(GenerationEngine):
         generation = GenerationConfig(
             do_sample=False,  # sampled answers: SeededSampler leaves one finite score per row
             max_new_tokens=budget.cache_tokens,
-            eos_token_id=list(self._eos) if self._eos else -1,
+            eos_token_id=list(self.eos_token_ids) if self.eos_token_ids else -1,
             pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
         )
         cb_config = ContinuousBatchingConfig(
@@ -132,7 +132,7 @@ class TransformersEngine(GenerationEngine):
                 list(prompt.token_ids + prompt.answer_prefix),
                 request_id=str(prompt.index),
                 max_new_tokens=new_tokens,
-                eos_token_id=list(self._eos) if self._eos else -1,
+                eos_token_id=list(self.eos_token_ids) if self.eos_token_ids else -1,
                 **kwargs,
             )
             if accepted is None:
@@ -194,7 +194,7 @@ class TransformersEngine(GenerationEngine):
             error = f"the prompt of index {index} failed in transformers' generation loop: {output.error}"
             return Completion(index, (), "failed", len(prompt.token_ids), error)
         tokens = tuple(int(t) for t in output.generated_tokens)
-        reason = "stop" if tokens and tokens[-1] in self._eos else "length"
+        reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
         return Completion(index, tokens, reason, len(prompt.token_ids))
 
     def _loop_dying(self) -> bool:

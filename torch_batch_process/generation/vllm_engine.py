@@ -82,7 +82,8 @@ class VLLMEngine(GenerationEngine):
         text_config = AutoConfig.from_pretrained(model, revision=revision).get_text_config()
         if context_length is None:
             context_length = int(text_config.max_position_embeddings)
-        super().__init__(context_length=context_length, vocab_size=int(text_config.vocab_size))
+        eos = () if self._ignore_eos else _config_eos(text_config.eos_token_id)
+        super().__init__(context_length=context_length, vocab_size=int(text_config.vocab_size), eos_token_ids=eos)
         budget = budget if budget is not None else CacheBudget(page_size=16)
         self.budget = budget.resolved(context_length)
         arguments: dict[str, Any] = {
@@ -169,3 +170,10 @@ class VLLMEngine(GenerationEngine):
             error = f"vLLM ended the prompt of index {index} with finish_reason={finish_reason!r}"
             return Completion(index, (), "failed", len(prompt.token_ids), error)
         return Completion(index, tuple(tokens), reason, len(prompt.token_ids))
+
+
+def _config_eos(eos_token_id: int | list[int] | None) -> tuple[int, ...]:
+    """The model config's end-of-sequence ids as a tuple (vLLM stops on them, and on its generation config's)."""
+    if eos_token_id is None:
+        return ()
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
