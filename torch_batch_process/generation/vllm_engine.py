@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import time
 from typing import Any
 
@@ -140,7 +141,7 @@ class VLLMEngine(GenerationEngine):
             except Exception as error:  # noqa: BLE001 - any engine error loses every prompt in flight
                 raise EngineFailedError(f"vLLM's engine failed: {error!r}; the prompts in flight are lost") from error
             for output in outputs:
-                index = int(output.request_id)
+                index = _index_of(output.request_id)
                 tokens = self._progress.setdefault(index, [])
                 tokens.extend(int(t) for t in output.outputs[0].token_ids)
                 if output.finished:
@@ -177,3 +178,12 @@ def _config_eos(eos_token_id: int | list[int] | None) -> tuple[int, ...]:
     if eos_token_id is None:
         return ()
     return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+
+
+def _index_of(request_id: str) -> int:
+    """The dataset index a request id names: its leading digits (vLLM >= 0.12 may report the id it made unique
+    internally, the caller's with a random suffix)."""
+    digits = re.match(r"\d+", request_id)
+    if digits is None:
+        raise EngineFailedError(f"vLLM returned a request id that names no dataset index: {request_id!r}")
+    return int(digits.group())
