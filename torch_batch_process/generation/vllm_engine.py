@@ -181,8 +181,8 @@ def _config_eos(eos_token_id: int | list[int] | None) -> tuple[int, ...]:
 
 
 def _index_of(request_id: str) -> int:
-    """The dataset index a request id names: its leading digits (vLLM >= 0.12 may report the id it made unique
-    internally, the caller's with a random suffix)."""
+    """The dataset index a request id names: its leading digits (since late 2025 vLLM makes a caller's request id
+    unique inside the engine by a random suffix; read this way, either form names the index)."""
     digits = re.match(r"\d+", request_id)
     if digits is None:
         raise EngineFailedError(f"vLLM returned a request id that names no dataset index: {request_id!r}")
