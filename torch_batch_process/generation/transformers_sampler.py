@@ -10,13 +10,15 @@ token's position in the answer, float32 bits), draws the token by inverse transf
 (:func:`~torch_batch_process.generation.sampling.sample_tokens`), and returns scores whose argmax is that token,
 so the loop runs greedy (``do_sample=False``) and picks it.
 
-A token's position is counted from the start of the answer: ``len(initial_tokens) + len(generated_tokens)`` minus
-the prompt's length (sent as ``tbp_prompt_tokens``). That sum does not change when ``transformers`` evicts a request
-and restarts it from its prompt and the tokens it had (a "soft reset" folds them into ``initial_tokens``), nor when
-the job resubmits a preempted answer's prefix after its prompt.
+A token's position is counted from the start of the answer: the request's ``position_offset`` (the tokens in its
+cache once this step's query is in: the index of the token being drawn) minus the prompt's length (sent as
+``tbp_prompt_tokens``). That count does not change when ``transformers`` evicts a request and restarts it from its
+prompt and the tokens it had (a "soft reset" folds them into ``initial_tokens``), nor when the job resubmits a
+preempted answer's prefix after its prompt.
 
-This needs the loop's synchronous mode (``use_async_batching=False``): the asynchronous one prepares a step's
-arguments before the previous step's tokens are known, so a position read then could be one behind.
+The engine runs the loop synchronously when it samples (``use_async_batching=False``): ``position_offset`` is
+advanced when a step is scheduled, before its arguments are prepared, so the count should hold in the asynchronous
+mode too (where ``generated_tokens`` lags a step), but that mode runs only on CUDA/XPU and has not been checked.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def seeded_processor_list(sampling: Sampling) -> Any:
             for future in requests_with_new_token:
                 state = future.state
                 kwargs = state.logit_processor_kwargs
-                position = len(state.initial_tokens) + len(state.generated_tokens) - kwargs.get(PROMPT_TOKENS_ARG, 0)
+                position = state.position_offset - kwargs.get(PROMPT_TOKENS_ARG, 0)
                 uniforms.append(token_uniform(kwargs.get(KEY_ARG, 0), position))
             return torch.tensor(uniforms, dtype=torch.float32).view(torch.int32)
 
