@@ -26,7 +26,6 @@ What it relies on (``transformers`` 5.24, read in its source and checked by the 
 from __future__ import annotations
 
 import importlib.util
-import logging
 from typing import Any
 
 import torch
@@ -39,8 +38,7 @@ from torch_batch_process.generation.transformers_sampler import KEY_ARG, PROMPT_
 
 __all__ = ["TransformersEngine"]
 
-_log = logging.getLogger(__name__)
-_FINISHED, _FAILED = 3, 4  # transformers' RequestStatus.FINISHED and FAILED
+_FAILED = 4  # transformers' RequestStatus.FAILED
 _HARD_STOP = 2  # its BackgroundThreadStatus.HARD_STOP: the loop is dying or dead
 
 
