@@ -247,7 +247,11 @@ def test_a_dying_engine_raises_and_bad_calls_are_refused(model: Any) -> None:
         TransformersEngine(model, context_length=CONTEXT + 1)
     engine = TransformersEngine(model, budget=BUDGET, eos_token_id=())
     with pytest.raises(InvalidArgumentError, match="index 4 is already in flight"):
-        engine.submit([Prompt(4, [1, 2], 3), Prompt(4, [1, 2], 3)])
+        engine.submit([Prompt(3, [1, 2], 3), Prompt(4, [1, 2], 3), Prompt(4, [1, 2], 3)])
+    assert engine.in_flight == 0  # nothing of a refused call was submitted
+    engine.submit([Prompt(4, [1, 2], 3)])
+    with pytest.raises(InvalidArgumentError, match="index 4 is already in flight"):
+        engine.submit([Prompt(4, [1, 2], 3)])
     engine.stop()
     engine.stop()
     with pytest.raises(EngineClosedError):

@@ -170,24 +170,25 @@ class GenerationEngine(abc.ABC):
         """
         if self._closed:
             raise EngineClosedError("this generation engine was stopped: it takes no more prompts")
-        admitted: list[tuple[Prompt, int]] = []
-        batch: set[int] = set()
-        for prompt in prompts:
+        prompts = list(prompts)
+        taken = set(self._in_flight) | {completion.index for completion in self._ready}
+        for prompt in prompts:  # every check before anything is submitted
             if not isinstance(prompt, Prompt):
                 raise InvalidArgumentError(f"submit() takes Prompt objects, got {type(prompt).__name__}")
-            if prompt.index in self._in_flight or prompt.index in batch:
+            if prompt.index in taken:
                 raise InvalidArgumentError(
                     f"the prompt of index {prompt.index} is already in flight: poll its completion before submitting "
                     "it again"
                 )
-            batch.add(prompt.index)
+            taken.add(prompt.index)
+        admitted: list[tuple[Prompt, int]] = []
+        for prompt in prompts:
             verdict = admit(prompt, self.context_length, self.vocab_size, self.eos_token_ids)
             if isinstance(verdict, Completion):
                 self._ready.append(verdict)
             else:
                 admitted.append((prompt, verdict))
-        for prompt, _ in admitted:
-            self._in_flight[prompt.index] = prompt
+                self._in_flight[prompt.index] = prompt
         if admitted:
             self._enqueue(admitted)
 
