@@ -43,6 +43,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry", ("", "batch_process", "functional", "experimental", "pytorch", "launch", "tables", "validation")),
     # the engine: the loop and its components
     ("engine", ("engine",)),
+    # generation engines behind one interface (continuous batching; the runner will drive them), sampling, requests
+    ("generation", ("generation",)),
     # what the engine and the commands tell and read: observer, status, failures
     ("observe", ("observe",)),
     # upload_path staging, record writer, read-back
