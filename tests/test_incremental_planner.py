@@ -215,6 +215,16 @@ def test_the_newest_event_of_a_key_decides_and_failures_are_retried():
     assert (c.changed, c.failed, c.unchanged, c.removed, c.stored, c.stored_failed, c.shadowed) == (1, 1, 3, 1, 5, 2, 4)
 
 
+def test_a_key_removed_by_a_finished_run_is_new_again():
+    removal = _stored([2, 3], [0, 0], run=2).append_column("removed", pa.array([True, True]))
+    stored = [_stored([1, 2, 3], [10, 20, 30], run=1).append_column("removed", pa.array([False] * 3)), removal,
+              _stored([3], [31], run=3).append_column("removed", pa.array([False]))]  # 3 came back in run 3
+    increment = _plan([1, 2, 3], [10, 20, 31], stored)
+    assert _selected(increment) == [1]
+    c = increment.counts
+    assert (c.new, c.unchanged, c.removed, c.stored) == (1, 2, 0, 2)
+
+
 def test_removed_keys_are_written_when_asked(tmp_path):
     stored = [_stored([f"k{i}" for i in range(50)], range(50))]
     increment = _plan([f"k{i}" for i in range(0, 50, 2)], range(0, 50, 2), stored, removed_to=tmp_path / "gone",

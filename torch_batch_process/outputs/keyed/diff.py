@@ -5,8 +5,10 @@ An incremental run (DESIGN §21) compares the dataset with what the job's output
 - the dataset gives, in index order, each example's key and content hash
   (:meth:`~torch_batch_process.outputs.keyed.keys.KeySpec.key_batch`, or a source's columns);
 - the outputs give their *events*: every stored row (key, content hash, the run that wrote it, that run's
-  fingerprint digest: its *version*) and every failure record of a keyed example (key, run, ``failed``). A key's
-  newest event (highest run) is its state; older ones are shadowed (a changed example's earlier row).
+  fingerprint digest: its *version*), every failure record of a keyed example (key, run, ``failed``) and every key
+  a finished run removed (``prune_missing=True``: key, run, ``removed``). A key's newest event (highest run) is its
+  state; older ones are shadowed (a changed example's earlier row). A key whose newest event is a removal has no
+  row: it is ``new`` if the dataset has it again.
 
 Every example is then one of:
 
@@ -151,7 +153,7 @@ def plan_increment(
         new: the dataset's keys and content hashes, in index order: ``pyarrow.RecordBatch``\\ es with columns
             ``key`` (ints or strings) and ``hash`` (int64).
         stored: the outputs' events: record batches with columns ``key``, ``hash`` (int64; null for a failure),
-            ``run`` (int), ``version`` (string) and ``failed`` (bool).
+            ``run`` (int), ``version`` (string), ``failed`` (bool) and, optionally, ``removed`` (bool).
         new_rows: the number of examples of the dataset (the rows ``new`` gives).
         stored_rows: about how many events ``stored`` gives (it sizes the partitions).
         version: the run's version (fingerprint digest).
@@ -250,6 +252,10 @@ class _Planner:
             if batch.num_rows == 0:
                 continue
             failed = batch.column("failed").fill_null(False)
+            removed = (
+                batch.column("removed").fill_null(False) if "removed" in batch.schema.names
+                else pa.array(np.zeros(len(failed), bool))
+            )
             self.stored.add(pa.record_batch(
                 [
                     self._keys(batch.column("key"), "the stored outputs"),
@@ -257,8 +263,9 @@ class _Planner:
                     batch.column("run").cast(pa.int32()),
                     pa.array(self._codes(batch.column("version").cast(pa.string())), pa.int32()),
                     failed,
+                    removed,
                 ],
-                names=[KEY_COLUMN, HASH_COLUMN, "run", "version", "failed"],
+                names=[KEY_COLUMN, HASH_COLUMN, "run", "version", "failed", "removed"],
             ))
         self.stored.close()
 
@@ -266,6 +273,8 @@ class _Planner:
         """Keeps each stored key's newest event (rewriting the partitions); returns version -> keys whose newest
         event is a row of that version."""
         assert self.stored is not None
+        import pyarrow.compute as pc
+
         pa = require_pyarrow()
         self.winners = KeyPartitions(self.folder, "winners", self.partitions)
         per_version = np.zeros(len(self.version_codes), np.int64)
@@ -284,6 +293,7 @@ class _Planner:
             self.counts.duplicates += repeated
             self.counts.shadowed += int((~first).sum()) - repeated
             winners = table.take(pa.array(order[first]))
+            winners = winners.filter(pc.invert(winners.column("removed")))  # a removed key has no row: absent
             failed = _np(winners.column("failed"))
             self.counts.stored += int((~failed).sum())
             self.counts.stored_failed += int(failed.sum())
