@@ -21,7 +21,7 @@ Contenders, in rotated order each round:
 - ``in memory``: the hand-written way: every key of both sides concatenated in memory, then numpy (int keys: sort
   and ``searchsorted``) or pyarrow's hash join (str keys). Its memory grows with the keys: the comparison point.
 
-With ``--hash-only``: microseconds per example of
+With ``--hash-only``: CPU microseconds per example of
 :func:`~torch_batch_process.outputs.keyed.content_hash.content_hash` for a few example shapes (median [min-max] of
 rounds), in one process.
 """
@@ -172,18 +172,18 @@ def hash_costs(rounds: int) -> None:
         "tensor 3x224x224 uint8 (an image)": (torch.zeros(3, 224, 224, dtype=torch.uint8), 2000),
         "tuple (tensor 3x32x32 float32, int label)": ((torch.rand(3, 32, 32), 4), 20000),
     }
-    print(f"content hash, microseconds per example ({rounds} rounds, median [min-max]):")
-    print(f"| {'example':44} | {'bytes':>8} | {'us/example':>22} |")
+    print(f"content hash, CPU microseconds per example ({rounds} rounds, median [min-max]):")
+    print(f"| {'example':44} | {'bytes':>8} | {'CPU us/example':>22} |")
     print(f"|{'-' * 46}|{'-' * 10}|{'-' * 24}|")
     from torch_batch_process.outputs.keyed.content_hash import encode
 
     for name, (example, count) in shapes.items():
         times = []
         for _ in range(rounds):
-            started = time.perf_counter()
+            started = time.process_time()  # CPU time of this process: steadier than wall time on a loaded machine
             for _ in range(count):
                 content_hash(example)
-            times.append((time.perf_counter() - started) / count * 1e6)
+            times.append((time.process_time() - started) / count * 1e6)
         print(f"| {name:44} | {len(encode(example)):>8} | {_spread(times, 2):>22} |")
 
 
