@@ -237,6 +237,8 @@ def test_removed_keys_are_written_when_asked(tmp_path):
 def test_keys_of_another_type_or_missing_are_refused():
     with pytest.raises(InvalidArgumentError, match="the dataset has str keys, but the stored outputs have int keys"):
         _plan(["a"], [1], [_stored([1], [1])])
+    with pytest.raises(InvalidArgumentError, match="the stored outputs has str keys, but its earlier rows have int"):
+        _plan([1], [1], [_stored([1], [1]), _stored(["a"], [1])])
     batch = pa.record_batch({"key": pa.array([1, None]), "hash": pa.array([1, 2])})
     with pytest.raises(InvalidArgumentError, match="example 1 of the dataset has no key"):
         plan_increment([batch], [], new_rows=2, stored_rows=0, version="v1")

@@ -209,6 +209,7 @@ class _Planner:
         self.version = version
         self.recompute = on_change == "recompute"
         self.kind: str | None = None  # "int" or "str", fixed by the first keys seen
+        self._kind_of = ""  # the side whose keys fixed it
         self.version_codes: dict[str, int] = {}
         self.counts = IncrementCounts()
         self.stored: KeyPartitions | None = None
@@ -222,11 +223,12 @@ class _Planner:
         pa = require_pyarrow()
         kind = key_kind(column.type)
         if self.kind is None:
-            self.kind = kind
+            self.kind, self._kind_of = kind, what
         elif kind != self.kind:
+            theirs = f"{self._kind_of} have" if self._kind_of != what else "its earlier rows have"
             raise InvalidArgumentError(
-                f"key: {what} has {kind} keys, but the {'stored outputs' if what == 'the dataset' else 'dataset'} "
-                f"have {self.kind} keys; a job's keys keep one type (cast them in the key function)"
+                f"key: {what} has {kind} keys, but {theirs} {self.kind} keys; a job's keys keep one type (cast them "
+                "in the key function)"
             )
         if column.null_count:
             nulls = np.flatnonzero(_np(column.is_null()))
