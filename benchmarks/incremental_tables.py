@@ -157,16 +157,14 @@ def delta_add_remove(folder: Path, stored: pa.Table, source: pa.Table) -> dict[s
         adds, removes = [_add(folder, new_file, now, AddAction)], []
         touched = 0
         for path in table.file_uris():  # the live files (a real run filters them by the key bounds of their stats)
-            name = Path(path).name
-            rows = pq.read_table(path)
-            keep = pc.invert(pc.is_in(rows.column("id"), keys))
-            if pc.all(keep).as_py():
+            kept = _without(pq.read_table(path), keys)
+            if kept is None:
                 continue
             touched += 1
             rewritten = f"tbp-{JOB}-rewrite-{uuid.uuid4().hex}.parquet"
-            pq.write_table(rows.filter(keep), folder / rewritten)
+            pq.write_table(kept, folder / rewritten)
             adds.append(_add(folder, rewritten, now, AddAction))
-            removes.append(RemoveAction(name, True, now, Path(path).stat().st_size, {}))
+            removes.append(RemoveAction(Path(path).name, True, now, Path(path).stat().st_size, {}))
         properties = CommitProperties(
             custom_metadata={"tbp.job": JOB, "tbp.commit": str(COMMIT)},
             app_transactions=[Transaction(f"tbp-{JOB}", COMMIT)],
@@ -183,6 +181,12 @@ def delta_add_remove(folder: Path, stored: pa.Table, source: pa.Table) -> dict[s
     info = table.history(1)[0]
     return {"seconds": seconds, "key": table.transaction_version(f"tbp-{JOB}"),
             "metadata": {k: info.get(k) for k in ("tbp.job", "tbp.commit")}, "files": files}
+
+
+def _without(rows: pa.Table, keys: pa.ChunkedArray) -> pa.Table | None:
+    """A data file's rows without those of ``keys`` (the superseded ones); ``None`` when it holds none of them."""
+    keep = pc.invert(pc.is_in(rows.column("id"), keys))
+    return None if pc.all(keep).as_py() else rows.filter(keep)
 
 
 def _add(folder: Path, name: str, now: int, action: Any) -> Any:
@@ -271,14 +275,13 @@ def iceberg_add_remove(folder: Path, stored: pa.Table, source: pa.Table) -> dict
                 as overwrite:
             for task in table.scan().plan_files():
                 with table.io.new_input(task.file.file_path).open() as f:
-                    rows = pq.read_table(f)
-                keep = pc.invert(pc.is_in(rows.column("id"), keys))
-                if pc.all(keep).as_py():
+                    kept = _without(pq.read_table(f), keys)
+                if kept is None:
                     continue
                 touched += 1
                 rewritten = f"{data}/tbp-{JOB}-rewrite-{uuid.uuid4().hex}.parquet"
                 with table.io.new_output(rewritten).create(overwrite=True) as f:
-                    pq.write_table(rows.filter(keep), f)
+                    pq.write_table(kept, f)
                 overwrite.delete_data_file(task.file)
                 overwrite.append_data_file(parquet_file_to_data_file(table.io, transaction.table_metadata, rewritten))
             overwrite.append_data_file(parquet_file_to_data_file(table.io, transaction.table_metadata, new_file))
