@@ -27,8 +27,9 @@ PIL images and others with    as the array ``numpy.asarray`` gives
 Anything else raises :class:`~torch_batch_process.errors.InvalidArgumentError` naming where in the example it is,
 so that no change can go unseen because a type was hashed by its identity.
 
-Cost (``python -m benchmarks.incremental --hash-only``): about 1-3 microseconds for a small dict of scalars and
-strings, plus about 1 ns per byte of arrays and strings (BLAKE2b's speed).
+Cost (``python -m benchmarks.incremental --hash-only``, CPU time on a loaded machine): about 5 microseconds for a
+dict of an id and a short text, 14 for 512 token ids, plus about 1.5 ns per byte of arrays and strings (BLAKE2b's
+speed: 225 microseconds for a 3x224x224 uint8 image).
 
 A 64-bit hash compares an example with *its own key's* earlier content only: a change goes unseen only if the old
 and new content of one key collide, about 1 chance in 2**64 per changed example.
