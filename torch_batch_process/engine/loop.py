@@ -82,6 +82,7 @@ from torch_batch_process.jobstore.opening import JobOpener, Start
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
+from torch_batch_process.outputs.keyed.options import RowStamp
 from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.outputs.segments import roll_leftovers
 from torch_batch_process.outputs.stager import OutputStager
@@ -231,6 +232,8 @@ class JobRun:
             committed = latest.record_schema if latest is not None else (job.retry.schema if job.retry else None)
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
             self.records = RecordWriter(self.stager, self.current, self.rank, args.output_format, committed, sink)
+            if args.keyed is not None:  # key=: every row carries its key, content hash, version and run (§21)
+                self.records.stamp = RowStamp(args.keyed, args.dataset)
             self.context = TorchBatchProcessorContext(
                 device=env.device,
                 distributed=env.info,
