@@ -38,12 +38,13 @@ from torch_batch_process.jobstore.retries import next_retry, open_job_folder, re
 from torch_batch_process.jobstore.store import JobStore, job_finished, latest_record_at
 from torch_batch_process.outputs.keyed.diff import plan_increment
 from torch_batch_process.outputs.keyed.options import HASH_FIELD, RUN_FIELD, VERSION_FIELD, KeyedOptions
+from torch_batch_process.outputs.keyed.runs import INCREMENT_FILE, SELECTION_FILE
 from torch_batch_process.outputs.keyed.selection import Selection
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
 from torch_batch_process.storage.registry import open_storage
 
-__all__ = ["INCREMENT_FILE", "SELECTION_FILE", "RunChoice", "SelectionPlan", "choose_run", "prepare_incremental"]
+__all__ = ["RunChoice", "SelectionPlan", "choose_run", "prepare_incremental"]
 
 if TYPE_CHECKING:
     from torch_batch_process.arguments import JobArguments
@@ -52,10 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SELECTION_FILE = "_tbp/selection.bin"
-"""The run's selection (:class:`~torch_batch_process.outputs.keyed.selection.Selection`), in its folder."""
-INCREMENT_FILE = "_tbp/increment.json"
-"""The planner's counts of the run (new, changed, unchanged...), in its folder."""
 KEYS_PER_CHUNK = 4096
 """Examples hashed per Arrow batch of the planning pass."""
 
