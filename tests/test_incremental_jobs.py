@@ -40,7 +40,7 @@ def run(tmp: Path, spec: dict[str, Any], world_size: int, *, ok: bool = True, ti
     env = base_env(TBP_SHARD_BYTES="1")  # a shard published per commit: reads between kills see the run's rows
     results = wait_all(spawn_ranks(world_size, SCRIPT, json.dumps(spec), env=env), timeout)
     if ok:
-        for code, out, err in results:
+        for code, _out, err in results:
             assert code == 0, err[-3000:]
     return [json.loads(p.read_text()) for p in sorted(reports.glob("rank_*.json"))]
 
@@ -74,13 +74,13 @@ def check_final(storage: Path) -> None:
     table = read_outputs(storage, columns=["id", "value", "_tbp_run"]).to_pydict()
     ids = table["id"]
     assert len(ids) == N + EXTRA and len(set(ids)) == N + EXTRA
-    for key, value, run in zip(ids, table["value"], table["_tbp_run"]):
+    for key, value, run in zip(ids, table["value"], table["_tbp_run"], strict=True):
         text = f"NEW{key}" if key >= N else f"T{key}-V2" if key % EVERY == 0 else f"T{key}"
         assert value == text, (key, value, run)
         assert run == (2 if key in SELECTED else 1), (key, run)
     streamed = [row for batch in iter_outputs(storage, columns=["id", "value"]) for row in batch.to_pylist()]
     assert [r["id"] for r in streamed] == list(range(N + EXTRA))  # ids are the indices: index order, each once
-    assert {r["id"]: r["value"] for r in streamed} == dict(zip(ids, table["value"]))
+    assert {r["id"]: r["value"] for r in streamed} == dict(zip(ids, table["value"], strict=True))
 
 
 def test_incremental_run_processes_exactly_the_new_and_changed_examples(first_run: Path, tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ def test_incremental_run_killed_and_resumed_on_other_world_sizes(first_run: Path
         between = read_outputs(storage, columns=["id", "_tbp_run"]).to_pydict()
         assert len(between["id"]) == len(set(between["id"]))  # never a key twice
         assert set(range(N)) <= set(between["id"])  # every stored key, with its old value or its new one
-        seen_new |= {i for i, r in zip(between["id"], between["_tbp_run"]) if r == 2}
+        seen_new |= {i for i, r in zip(between["id"], between["_tbp_run"], strict=True) if r == 2}
     assert seen_new  # the reads between kills saw rows of the killed run (its committed, published shards)
     reports = run(tmp_path, changed_spec(storage), 1)
     assert reports[0]["result"]["finished"]
