@@ -255,6 +255,8 @@ class JobRun:
                 limit=failures.limit(self.plan.num_examples), failures_url=job.failures_url,
                 original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
             )
+            if args.keyed is not None:  # key=: a failure record names its key and run (§21)
+                self.failure_log.keyed = RowStamp(args.keyed, args.dataset).failure_fields
             self.summaries = ReducerSummaries(self.context.reducers, job.opener.store, latest)
             participants: list[Participant] = [RecordOutputs(self.records, latest)]
             if job.table_commits is not None:

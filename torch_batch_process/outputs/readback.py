@@ -53,6 +53,7 @@ from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
 from torch_batch_process.outputs.keyed.keys import KEY_COLUMN
+from torch_batch_process.outputs.keyed.runs import failed_keys
 from torch_batch_process.outputs.keyed.shadow import RUN_COLUMN, Shadows, find_shadows
 from torch_batch_process.outputs.segment_log import read_log_batch, scan_log
 from torch_batch_process.outputs.segments import (
@@ -502,6 +503,12 @@ def _key_events(table: Any, key: str) -> list[Any]:
     return table.select([key, RUN_COLUMN]).rename_columns([KEY_COLUMN, RUN_COLUMN]).to_batches()
 
 
+def _tombstones(storage: Storage) -> list[Any]:
+    """The failures of a keyed job's runs: each hides its key's older rows (:func:`failed_keys`)."""
+    failed = failed_keys(storage)
+    return [] if failed is None else failed.to_batches()
+
+
 def _visible(table: Any, shadows: Shadows, part: int) -> Any:
     """The rows of part ``part`` that no newer row of their key hides."""
     mask = shadows.visible(part, 0, table.num_rows)
@@ -565,7 +572,7 @@ def _iter_outputs(
             shadows = find_shadows(
                 ((i, _key_events(_load(storage, run, [key, RUN_COLUMN], typed, committed), key))
                  for i, run in enumerate(runs)),
-                total_rows=sum(run.rows for run in runs),
+                _tombstones(storage), total_rows=sum(run.rows for run in runs),
             )
         if schema is not None:  # every yielded batch has one schema
             _check_columns(wanted, schema.names, storage.url)
@@ -661,7 +668,7 @@ def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted:
     if key is not None and any(key in t.column_names for t in tables):  # a keyed job: each key once (§21)
         shadows = find_shadows(
             ((i, _key_events(t, key)) for i, t in enumerate(tables) if key in t.column_names),
-            total_rows=sum(t.num_rows for t in tables),
+            _tombstones(storage), total_rows=sum(t.num_rows for t in tables),
         )
         tables = [_visible(t, shadows, i).select(asked) if asked is not None else _visible(t, shadows, i)
                   for i, t in enumerate(tables)]

@@ -38,7 +38,7 @@ from torch_batch_process.jobstore.retries import next_retry, open_job_folder, re
 from torch_batch_process.jobstore.store import JobStore, job_finished, latest_record_at
 from torch_batch_process.outputs.keyed.diff import plan_increment
 from torch_batch_process.outputs.keyed.options import HASH_FIELD, RUN_FIELD, VERSION_FIELD, KeyedOptions
-from torch_batch_process.outputs.keyed.runs import INCREMENT_FILE, SELECTION_FILE
+from torch_batch_process.outputs.keyed.runs import INCREMENT_FILE, SELECTION_FILE, failed_keys
 from torch_batch_process.outputs.keyed.selection import Selection
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
@@ -275,6 +275,14 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
              pa.array([False] * stored.num_rows)],
             names=["key", "hash", "run", "version", "failed"],
         ))
+    failed = failed_keys(storage)  # a failure is its key's newest event until a later run writes a row
+    if failed is not None:
+        events.append(pa.record_batch(
+            [failed.column("key").combine_chunks(), pa.nulls(failed.num_rows, pa.int64()),
+             failed.column(RUN_FIELD).combine_chunks(), pa.nulls(failed.num_rows, pa.string()),
+             pa.array([True] * failed.num_rows)],
+            names=["key", "hash", "run", "version", "failed"],
+        ))
     values = _versions(storage)
 
     def describe(digest: str) -> str:
@@ -282,7 +290,7 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
 
     return plan_increment(
         _key_batches(args, keyed), events, new_rows=args.dataset_length,
-        stored_rows=stored.num_rows if stored is not None else 0, version=keyed.digest, on_change=keyed.on_change,
+        stored_rows=sum(e.num_rows for e in events), version=keyed.digest, on_change=keyed.on_change,
         describe_version=describe,
     )
 

@@ -192,3 +192,12 @@ class RowStamp:
             .append_column(VERSION_FIELD, pa.array([options.digest] * n, pa.string()))
             .append_column(RUN_FIELD, pa.array([options.run] * n, pa.int32()))
         )
+
+    def failure_fields(self, index: int) -> dict[str, Any]:
+        """The fields of a failure record of example ``index``: its key and this run (none when the example's key
+        cannot be had: its loading failed)."""
+        try:
+            key = self.options.spec.key_of(self.dataset[index], index)
+        except Exception:  # noqa: BLE001 - the example itself fails to load: the record has no key
+            return {}
+        return {"key": key, RUN_FIELD: self.options.run}

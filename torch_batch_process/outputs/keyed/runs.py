@@ -7,14 +7,16 @@ its selection (:data:`SELECTION_FILE`) and the planner's counts (:data:`INCREMEN
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from torch_batch_process.jobstore.layout import RETRIES_DIR
+from torch_batch_process.jobstore.layout import FAILURES_DIR, RETRIES_DIR
 from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
+from torch_batch_process.outputs.columns import require_pyarrow
 from torch_batch_process.storage.base import Storage
 
-__all__ = ["INCREMENT_FILE", "SELECTION_FILE", "counts_text", "incremental_runs"]
+__all__ = ["INCREMENT_FILE", "SELECTION_FILE", "counts_text", "failed_keys", "incremental_runs"]
 
 SELECTION_FILE = "_tbp/selection.bin"
 """The run's selection (:class:`~torch_batch_process.outputs.keyed.selection.Selection`), in its folder."""
@@ -57,3 +59,26 @@ def counts_text(run: dict[str, Any]) -> str:
         f"{run['examples_committed']:,}/{run['examples_total']:,} processed"
         + (f"; {gone:,} keys gone from the dataset (kept)" if gone else "")
     )
+
+
+def failed_keys(storage: Storage) -> Any:
+    """The keys that failed in each run of a keyed job (``on_error="skip"``), as a ``pyarrow.Table`` of ``key`` and
+    ``_tbp_run``: the *tombstones* that hide a key's older rows (a changed example whose new run failed is not
+    served with its stale value) and that the planner selects again. ``None`` when there are none. Reads the
+    committed failure records of the job and of every ``retries/<k>/`` run."""
+    keys: list[Any] = []
+    runs: list[int] = []
+    for k in [0, *retry_numbers(storage)]:
+        folder = f"{RETRIES_DIR}/{k}/{FAILURES_DIR}" if k else FAILURES_DIR
+        for name in storage.list(folder):
+            if not name.endswith(".jsonl"):
+                continue
+            for line in storage.read_bytes(f"{folder}/{name}").decode("utf-8").splitlines():
+                record = json.loads(line) if line.strip() else {}
+                if isinstance(record, dict) and "key" in record:
+                    keys.append(record["key"])
+                    runs.append(int(record.get("_tbp_run", k + 1)))
+    if not keys:
+        return None
+    pa = require_pyarrow()
+    return pa.table({"key": keys, "_tbp_run": pa.array(runs, pa.int32())})
