@@ -3,11 +3,12 @@
 A keyed job (``key=``) stores each row with its key, content hash, version and run
 (:mod:`torch_batch_process.outputs.keyed.options`). Once the job is finished, a call with ``incremental=True``
 over a grown or changed dataset plans a *run*: rank 0, before any rank writes, reads the newest stored row of every
-key (``read_outputs``, which shadows superseded rows), hashes every example of the dataset, and selects the
+key (``iter_outputs`` of the key columns: it shadows superseded rows, in bounded memory) and the keys that failed,
+hashes every example of the dataset, and selects the
 examples whose key is new, whose content hash changed, or whose stored row has another version
 (``on_change="recompute"``; ``"refuse"``, the default, raises :class:`VersionChangedError` naming the stored and
 the current ``version=`` before the dataset is read): :func:`~torch_batch_process.outputs.keyed.diff.plan_increment`.
-A key that failed has no row (or an older one), so it is selected again as new (or changed).
+A key whose newest event is a failure (its records name their key) is selected again (``failed``).
 
 The run is a job of its own stored like a ``retry_failed`` run, in ``retries/<k>/`` (so it shares the job's
 numbering of batches and stages, its ``outputs/``, and "the job's current failures are its latest finished run's":
@@ -22,11 +23,14 @@ Runs are sequential: a new one is planned only on a finished job whose latest ru
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.engine.plan.retry import Retry
@@ -262,26 +266,29 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
     """Plans the run: the stored rows (newest per key) against the dataset's keys and hashes."""
     import pyarrow as pa
 
-    from torch_batch_process.outputs.readback import read_outputs
+    from torch_batch_process.outputs.readback import iter_outputs
 
     column = keyed.column
-    stored = read_outputs(storage.url, columns=[column, HASH_FIELD, RUN_FIELD, VERSION_FIELD],
-                          storage_options=args.storage_options) if _has_rows(storage) else None
-    events = []
-    if stored is not None and stored.num_rows:
-        events.append(pa.record_batch(
-            [stored.column(column).combine_chunks(), stored.column(HASH_FIELD).combine_chunks(),
-             stored.column(RUN_FIELD).combine_chunks(), stored.column(VERSION_FIELD).combine_chunks(),
-             pa.array([False] * stored.num_rows)],
-            names=["key", "hash", "run", "version", "failed"],
-        ))
+    names = ["key", "hash", "run", "version", "failed"]
+
+    def stored() -> Iterator[Any]:  # the newest row of every key, a batch at a time (bounded memory)
+        if not _has_rows(storage):
+            return
+        for batch in iter_outputs(storage.url, columns=[column, HASH_FIELD, RUN_FIELD, VERSION_FIELD],
+                                  storage_options=args.storage_options):
+            yield pa.record_batch(
+                [batch.column(column), batch.column(HASH_FIELD), batch.column(RUN_FIELD),
+                 batch.column(VERSION_FIELD), pa.array(np.zeros(batch.num_rows, bool))], names=names,
+            )
+
+    events: list[Any] = []
     failed = failed_keys(storage)  # a failure is its key's newest event until a later run writes a row
     if failed is not None:
         events.append(pa.record_batch(
             [failed.column("key").combine_chunks(), pa.nulls(failed.num_rows, pa.int64()),
              failed.column(RUN_FIELD).combine_chunks(), pa.nulls(failed.num_rows, pa.string()),
              pa.array([True] * failed.num_rows)],
-            names=["key", "hash", "run", "version", "failed"],
+            names=names,
         ))
     values = _versions(storage)
 
@@ -289,19 +296,24 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
         return f"version: stored {values.get(digest)!r}, now {keyed.version!r}"
 
     return plan_increment(
-        _key_batches(args, keyed), events, new_rows=args.dataset_length,
-        stored_rows=sum(e.num_rows for e in events), version=keyed.digest, on_change=keyed.on_change,
-        describe_version=describe,
+        _key_batches(args, keyed), itertools.chain(stored(), events), new_rows=args.dataset_length,
+        stored_rows=_stored_rows(storage), version=keyed.digest, on_change=keyed.on_change, describe_version=describe,
     )
 
 
 def _has_rows(storage: Storage) -> bool:
     """Whether the job committed record rows (a keyed job whose processor wrote none has no keys stored)."""
+    return _stored_rows(storage) > 0
+
+
+def _stored_rows(storage: Storage) -> int:
+    """The record rows the job and its runs committed (it sizes the planner's partitions)."""
+    total = 0
     for folder in ["", *(f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage))]:
         latest = latest_record_at(storage, folder)
-        if latest is not None and latest.stats.get("record_rows"):
-            return True
-    return False
+        rows = latest.stats.get("record_rows") if latest is not None else None
+        total += rows if isinstance(rows, int) else 0
+    return total
 
 
 def _newest_schema(storage: Storage) -> RecordSchema | None:
