@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import JOBS, base_env, spawn_ranks, tbp_cmd, wait_all
+from harness import JOBS, base_env, spawn_ranks, wait_all
 
 from torch_batch_process import iter_outputs, read_outputs
+from torch_batch_process.observe.status import format_status, read_status
 
 pytestmark = pytest.mark.slow
 
@@ -97,22 +97,13 @@ def test_incremental_run_processes_exactly_the_new_and_changed_examples(first_ru
         EXTRA, N // EVERY, N - N // EVERY, len(SELECTED))
     assert result["finished"] and result["examples_processed"] == len(SELECTED)
     check_final(storage)
-    status = json.loads(subprocess.run(tbp_cmd("status", str(storage), "--json"), capture_output=True, text=True,
-                                       env=base_env(), check=True).stdout)
+    status = read_status(str(storage))  # what tbp status prints (--json, and as text)
     assert [(r["run"], r["state"], r["counts"]["new"], r["counts"]["changed"]) for r in status["runs"]] == [
         (2, "finished", EXTRA, N // EVERY)]
-    text = subprocess.run(tbp_cmd("status", str(storage)), capture_output=True, text=True, env=base_env()).stdout
+    text = format_status(status)
     assert f"{EXTRA} new, {N // EVERY} changed" in text and f"{N - N // EVERY:,} unchanged" in text
 
-    # the same dataset again: nothing selected, nothing processed
-    shutil.rmtree(tmp_path / "calls")
-    again = run(tmp_path, changed_spec(storage), 1)[0]["result"]
-    assert again["increment"]["selected"] == 0 and again["examples_processed"] == 0 and not calls(tmp_path)
-
-    # another version: refused by default naming both, nothing changed; recomputed when asked
-    refused = run(tmp_path, changed_spec(storage, version="v2"), 1, ok=False)[0]
-    assert "VersionChangedError" in refused["error"] and "version: stored 'v1', now 'v2'" in refused["error"]
-    check_final(storage)
+    # (the same dataset again selecting nothing, a changed version=: tests/test_incremental_api.py, in-process)
 
 
 def test_incremental_run_killed_and_resumed_on_other_world_sizes(first_run: Path, tmp_path: Path) -> None:
@@ -124,8 +115,7 @@ def test_incremental_run_killed_and_resumed_on_other_world_sizes(first_run: Path
     for world_size, fewest, most in ((2, 5, 9), (3, 3, 4)):
         die = {"rank": rng.randrange(world_size), "batches": rng.randint(fewest, most)}
         run(tmp_path, changed_spec(storage, die_after=die), world_size, ok=False)
-        status = json.loads(subprocess.run(tbp_cmd("status", str(storage), "--json"), capture_output=True, text=True,
-                                           env=base_env(), check=True).stdout)
+        status = read_status(str(storage))
         assert [r["state"] for r in status["runs"]] == ["unfinished"], status["runs"]  # the kill came mid-run
         between = read_outputs(storage, columns=["id", "_tbp_run"]).to_pydict()
         assert len(between["id"]) == len(set(between["id"]))  # never a key twice
@@ -137,3 +127,31 @@ def test_incremental_run_killed_and_resumed_on_other_world_sizes(first_run: Path
     processed = {i for batch in calls(tmp_path) for i in batch}
     assert processed == SELECTED  # every attempt processed only selected examples, and all of them in the end
     check_final(storage)
+
+
+def test_keyed_delta_table_killed_around_its_merge_transactions(tmp_path: Path) -> None:
+    """A keyed job into a Delta table: run 2's MERGE by key, killed right before its first table transaction
+    (between a durable record and the table's commit: the start of the next attempt replays it), resumed: every key
+    once in the table with its newest value, read with delta-rs' own reader."""
+    pytest.importorskip("deltalake")
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    n, table = 400, tmp_path / "table"
+    base = {"storage": str(tmp_path / "storage"), "delta": str(table), "batch_size": 10}
+    run(tmp_path, {"n": n, **base}, 1)
+    selected = set(range(0, n, EVERY)) | set(range(n, n + n // 10))
+    shutil.rmtree(tmp_path / "calls")
+    for kill in ("before:1",):
+        killed = run(tmp_path, {"n": n, "changed_every": EVERY, "extra": n // 10, "kwargs": {"incremental": True},
+                                "table_kill": kill, **base}, 1, ok=False)
+        assert killed == []  # killed: no report
+    report = run(tmp_path, {"n": n, "changed_every": EVERY, "extra": n // 10, "kwargs": {"incremental": True},
+                            **base}, 1)[0]
+    assert report["result"]["finished"] and {i for b in calls(tmp_path) for i in b} == selected
+    rows = pa.table(QueryBuilder().register("t", DeltaTable(str(table))).execute(
+        'SELECT id, value, "_tbp_run" FROM t').read_all()).to_pydict()
+    assert sorted(rows["id"]) == list(range(n + n // 10))  # every key once
+    for key, value, run_ in zip(rows["id"], rows["value"], rows["_tbp_run"], strict=True):
+        assert value == (f"NEW{key}" if key >= n else f"T{key}-V2" if key % EVERY == 0 else f"T{key}")
+        assert run_ == (2 if key in selected else 1)

@@ -6,8 +6,10 @@ torch_batch_process, e.g. ``incremental``), ``batch_size``, ``checkpoint_interva
 (each process appends the dataset indices of every batch it is given, one JSON line per batch, to
 ``calls-<pid>.jsonl`` before it processes it), ``report_dir`` (``rank_<r>.json``: the result, or the error),
 ``die_after`` (``{"rank": r, "batches": b}``: that rank SIGKILLs itself when it is given its ``b``-th batch, after
-noting it). Example ``id`` has the text ``t<id>`` (``t<id>-v2`` once changed, ``new<id>`` appended); its row is
-``value = text.upper()``.
+noting it), ``delta`` (a local Delta table's path: the rows go there, ``table=tables.delta(path)``),
+``table_kill`` (``before:<k>`` / ``after:<k>``: the process SIGKILLs itself right before / after its ``k``-th
+table transaction, wrapping the library's own method). Example ``id`` has the text ``t<id>`` (``t<id>-v2`` once
+changed, ``new<id>`` appended); its row is ``value = text.upper()``.
 """
 
 import json
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from report_file import write_report
 
-from torch_batch_process import TorchBatchProcessor, torch_batch_process
+from torch_batch_process import TorchBatchProcessor, tables, torch_batch_process
 
 SPEC = json.loads(sys.argv[1])
 
@@ -46,7 +48,26 @@ class Processor(TorchBatchProcessor):
         self.context.write({"value": [text.upper() for text in batch["text"]]})
 
 
+def kill_around_table_transactions(wanted: str) -> None:
+    from torch_batch_process.outputs.tables.commits import TableCommits
+
+    moment, _, k = wanted.partition(":")
+    transact, made = TableCommits._transact, []
+
+    def transact_or_die(self, groups, schema):
+        made.append(1)
+        if moment == "before" and len(made) == int(k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        transact(self, groups, schema)
+        if moment == "after" and len(made) == int(k):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    TableCommits._transact = transact_or_die
+
+
 def main() -> None:
+    if SPEC.get("table_kill"):
+        kill_around_table_transactions(SPEC["table_kill"])
     rank = int(os.environ.get("RANK", "0"))
     report = Path(SPEC["report_dir"]) / f"rank_{rank}.json"
     Path(SPEC["calls_dir"]).mkdir(parents=True, exist_ok=True)
@@ -54,7 +75,7 @@ def main() -> None:
         result = torch_batch_process(
             Processor, dataset(), batch_size=SPEC["batch_size"], checkpoint_interval=SPEC["checkpoint_interval"],
             storage_path=SPEC["storage"], key="id", version=SPEC.get("version", "v1"), progress=False,
-            **SPEC.get("kwargs", {}),
+            **({"table": tables.delta(SPEC["delta"])} if SPEC.get("delta") else {}), **SPEC.get("kwargs", {}),
         )
     except Exception as exc:
         write_report(report, {"rank": rank, "error": f"{type(exc).__name__}: {exc}"})

@@ -152,6 +152,8 @@ class OpenJob:
             self.plan_s = args.lengths_s + time.perf_counter() - t0
             self.spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
             self.table = args.table.open() if args.table is not None else None  # table= (outputs/tables)
+            if self.table is not None and args.keyed is not None:  # key=: a MERGE by key (§21)
+                self.table.merge_key = args.keyed.column
             self.table_commits = TableCommits(self.table) if self.table is not None else None
             self.opener = JobOpener(
                 storage, self.spec, args.job_name, args.resume, env.info.size,

@@ -274,8 +274,13 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
     def stored() -> Iterator[Any]:  # the newest row of every key, a batch at a time (bounded memory)
         if not _has_rows(storage):
             return
-        for batch in iter_outputs(storage.url, columns=[column, HASH_FIELD, RUN_FIELD, VERSION_FIELD],
-                                  storage_options=args.storage_options):
+        columns = [column, HASH_FIELD, RUN_FIELD, VERSION_FIELD]
+        # a table holds one row per key (each run's transactions MERGE by key): the table is the truth
+        batches = (
+            args.table.open().batches(columns, None, None) if args.table is not None
+            else iter_outputs(storage.url, columns=columns, storage_options=args.storage_options)
+        )
+        for batch in batches:
             yield pa.record_batch(
                 [batch.column(column), batch.column(HASH_FIELD), batch.column(RUN_FIELD),
                  batch.column(VERSION_FIELD), pa.array(np.zeros(batch.num_rows, bool))], names=names,
