@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from torch_batch_process.engine.plan.plans import Plan
-from torch_batch_process.engine.plan.retry import Retry
+from torch_batch_process.engine.plan.retry import Retry, repair_finished_folders
 from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
 from torch_batch_process.jobstore.formats import JobInfo
 from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
-from torch_batch_process.jobstore.retries import next_retry, open_job_folder, retry_numbering, retry_numbers
-from torch_batch_process.jobstore.store import JobStore, job_finished, latest_record_at
+from torch_batch_process.jobstore.retries import next_retry, retry_numbering, retry_numbers
+from torch_batch_process.jobstore.store import job_finished, latest_record_at
 from torch_batch_process.outputs.keyed.diff import plan_increment
 from torch_batch_process.outputs.keyed.options import HASH_FIELD, RUN_FIELD, VERSION_FIELD, KeyedOptions
 from torch_batch_process.outputs.keyed.runs import INCREMENT_FILE, SELECTION_FILE, failed_keys
@@ -239,17 +239,8 @@ def _spec(storage: Storage, folder: str) -> dict[str, Any]:
 def _repair(storage: Storage, args: JobArguments) -> None:
     """The repairs of a finished job and of its runs (their last outputs published, ``result.json`` written), so
     that what is read is all that was committed."""
-    from torch_batch_process.outputs.segments import roll_leftovers
-
-    for folder in ["", *(f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage))]:
-        if folder and not job_finished(storage, folder):
-            continue
-        job = open_job_folder(storage, folder, args.storage_options) if folder else storage
-        try:
-            JobStore(job, leftovers=roll_leftovers).repair_finished()
-        finally:
-            if job is not storage:
-                job.close()
+    folders = [f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage)]
+    repair_finished_folders(storage, ["", *(f for f in folders if job_finished(storage, f))], args.storage_options)
 
 
 def _versions(storage: Storage) -> dict[str, Any]:
