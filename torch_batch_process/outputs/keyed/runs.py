@@ -13,7 +13,6 @@ from typing import Any
 from torch_batch_process.jobstore.layout import FAILURES_DIR, RETRIES_DIR
 from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
-from torch_batch_process.outputs.columns import require_pyarrow
 from torch_batch_process.storage.base import Storage
 
 __all__ = ["INCREMENT_FILE", "SELECTION_FILE", "counts_text", "failed_keys", "incremental_runs"]
@@ -80,5 +79,6 @@ def failed_keys(storage: Storage) -> Any:
                     runs.append(int(record.get("_tbp_run", k + 1)))
     if not keys:
         return None
-    pa = require_pyarrow()
+    import pyarrow as pa  # only here: tbp's status parser imports this module, and must stay light
+
     return pa.table({"key": keys, "_tbp_run": pa.array(runs, pa.int32())})
