@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 
 from torch_batch_process import (
+    DuplicateKeyError,
     InvalidArgumentError,
     JobMismatchError,
     TorchBatchProcessor,
+    VersionChangedError,
     iter_outputs,
     read_outputs,
     tables,
@@ -78,7 +80,7 @@ def test_keyed_arguments_are_checked_before_any_work(tmp_path: Path, kwargs: dic
 def test_duplicate_and_bad_keys_are_refused_before_any_work(tmp_path: Path) -> None:
     dataset = data(10)
     dataset[7]["id"] = 2
-    with pytest.raises(InvalidArgumentError, match="examples 2 and 7 have the same key 2"):
+    with pytest.raises(DuplicateKeyError, match="examples 2 and 7 have the same key 2"):
         call(tmp_path / "dup", dataset)
     assert not CALLS and not (tmp_path / "dup" / "_tbp").exists()
     floats = [{"id": i + 0.5, "text": "t"} for i in range(4)]
@@ -95,7 +97,7 @@ def test_keyed_rows_version_change_refused_or_recomputed(tmp_path: Path) -> None
     assert table.column_names == ["index", "value", "id", "_tbp_hash", "_tbp_version", "_tbp_run"]
     version = set(table.column("_tbp_version").to_pylist())
     assert len(version) == 1 and set(table.column("_tbp_run").to_pylist()) == {1}
-    with pytest.raises(JobMismatchError, match="version: stored 'v1', now 'v2'"):
+    with pytest.raises(VersionChangedError, match="version: stored 'v1', now 'v2'"):
         call(path, data(10), version="v2", incremental=True)
     assert not CALLS and rows(path) == {i: (f"T{i}", 1) for i in range(10)}
     again = call(path, data(10), version="v2", incremental=True, on_change="recompute")

@@ -167,6 +167,9 @@ def torch_batch_process(
     Raises:
         InvalidArgumentError: a bad argument (raised before any work or storage access).
         JobMismatchError: ``storage_path`` holds another job.
+        DuplicateKeyError: ``key=``: two examples have the same key (an :class:`InvalidArgumentError`).
+        VersionChangedError: ``incremental=True``: stored rows have another ``version`` and ``on_change="refuse"``
+            (a :class:`JobMismatchError`).
         JobLockedError: another job is running on ``storage_path``.
         CheckpointCorruptError: the stored progress cannot be read.
         StorageError: the storage cannot be used.
