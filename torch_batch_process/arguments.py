@@ -76,3 +76,6 @@ class JobArguments:
     script: Script | None = None
     """The script that runs the call (:func:`~torch_batch_process.validation.launching_script`): a job started by
     another one is refused."""
+    keyed: Any = None
+    """A keyed job's options (``key=``...: :class:`~torch_batch_process.outputs.keyed.options.KeyedOptions`), or
+    ``None``."""

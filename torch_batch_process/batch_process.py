@@ -3,6 +3,7 @@ runs the job's lifecycle (:mod:`torch_batch_process.engine.loop`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,9 +16,11 @@ from torch_batch_process.engine.same_call import call_values, check_same_call
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.environment import write_launch_state
 from torch_batch_process.failure_options import validate_failure_options
+from torch_batch_process.jobstore.formats import qualified_name
 from torch_batch_process.log import setup_logging
 from torch_batch_process.lost_workers import one_line_for_a_lost_peer
 from torch_batch_process.observe.options import resolve_observe_options
+from torch_batch_process.outputs.keyed.options import check_keyed_options
 from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
@@ -57,6 +60,11 @@ def torch_batch_process(
     batch_timeout: float | None = None,
     retry_failed: bool = False,
     on_oom: str = "split",
+    key: str | Callable[[Any], Any] | None = None,
+    content: Sequence[str] | Callable[[Any], Any] | None = None,
+    version: Any = None,
+    incremental: bool = False,
+    on_change: str = "refuse",
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -138,6 +146,20 @@ def torch_batch_process(
             are cut before they run, on every rank and after a resume; one example that does not fit alone is a
             failing example with ``on_error="skip"``, else :class:`ExampleTooLargeError`. ``"raise"``: an
             out-of-memory error is an error like any other (see :mod:`torch_batch_process.engine.feed.oom`).
+        key: makes the job *keyed* (DESIGN §21, ``docs/incremental.md``): the name of a field of each example (a
+            dict), or a function of the example, giving its key (an ``int`` or a ``str``, unique in the dataset:
+            duplicates are refused before any work). Every row ``context.write()`` stores then carries the key,
+            ``_tbp_hash`` (the example's content hash), ``_tbp_version`` and ``_tbp_run``.
+        content: what of an example is hashed: ``None`` (the whole example), a list of field names, or a function
+            of the example.
+        version: what the outputs depend on besides the examples (a model revision, a prompt's name: any JSON
+            value); stored with every row.
+        incremental: on a finished keyed job, process only the examples whose key is new, whose content changed,
+            or that failed, as the job's next run (``<storage_path>/retries/<k>/``); ``read_outputs`` then gives
+            every key once, with its newest values (see :mod:`torch_batch_process.engine.plan.incremental`).
+        on_change: rows stored by another ``version``: ``"refuse"`` (default: the incremental run raises
+            :class:`VersionChangedError` naming both versions, before any work) or ``"recompute"`` (processed
+            again).
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -145,6 +167,9 @@ def torch_batch_process(
     Raises:
         InvalidArgumentError: a bad argument (raised before any work or storage access).
         JobMismatchError: ``storage_path`` holds another job.
+        DuplicateKeyError: ``key=``: two examples have the same key (an :class:`InvalidArgumentError`).
+        VersionChangedError: ``incremental=True``: stored rows have another ``version`` and ``on_change="refuse"``
+            (a :class:`JobMismatchError`).
         JobLockedError: another job is running on ``storage_path``.
         CheckpointCorruptError: the stored progress cannot be read.
         StorageError: the storage cannot be used.
@@ -180,6 +205,12 @@ def torch_batch_process(
             failures=failures,
             table=table,
         )
+        keyed = check_keyed_options(
+            key, content, version, incremental, on_change, processor=qualified_name(args.processor_cls),
+            dataset=dataset, autocast=autocast, inference_mode=args.inference_mode,
+            retry_failed=failures.retry_failed, table=table,
+        )
+        args = dataclasses.replace(args, keyed=keyed)
         observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
         # SIGTERM/SIGINT mean "commit and stop" from here on, the join and the job's opening included: a rank
         # signalled before its first step keeps joining, and every rank agrees to stop before that step
@@ -195,6 +226,13 @@ def torch_batch_process(
                     from torch_batch_process.engine.plan.retry import prepare_retry
 
                     result = run_job(args, env, observe, signals, prepare_retry(args, env.collectives))
+                elif keyed is not None:  # key=: the job's own run, or an incremental run (engine/plan/incremental)
+                    from torch_batch_process.engine.plan.incremental import prepare_incremental
+
+                    run = prepare_incremental(args, env.collectives)
+                    result = run_job(args, env, observe, signals, run)
+                    if run is not None and run.args.keyed is not None:
+                        result = dataclasses.replace(result, increment=run.args.keyed.increment)
                 else:
                     result = run_job(args, env, observe, signals)
             except BaseException:

@@ -46,6 +46,9 @@ class BatchProcessResult:
             ``"examples"``), ``budget`` (the largest size known to fit for the longest examples that met a
             limit: with ``bucket_by``, the ``max_tokens`` it learned), ``ranges`` (per length range: ``lengths``,
             ``fits``, ``oom``) and ``text`` (the same in one line, as logged).
+        increment: an incremental run's counts (``incremental=True``, DESIGN §21): ``total``, ``new``, ``changed``,
+            ``recompute``, ``unchanged``, ``removed`` (keys gone from the dataset, kept), ``selected``...;
+            ``None`` for other calls.
     """
 
     metrics: dict[str, Any]
@@ -71,6 +74,7 @@ class BatchProcessResult:
     ooms: int = 0
     split_batches: int = 0
     memory_limits: dict[str, Any] | None = None
+    increment: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict (tensors and numpy values become plain numbers)."""

@@ -82,6 +82,7 @@ from torch_batch_process.jobstore.opening import JobOpener, Start
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.observe.observer import JobObserver
 from torch_batch_process.observe.options import ObserveOptions
+from torch_batch_process.outputs.keyed.options import RowStamp
 from torch_batch_process.outputs.records import RecordWriter
 from torch_batch_process.outputs.segments import roll_leftovers
 from torch_batch_process.outputs.stager import OutputStager
@@ -151,6 +152,8 @@ class OpenJob:
             self.plan_s = args.lengths_s + time.perf_counter() - t0
             self.spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
             self.table = args.table.open() if args.table is not None else None  # table= (outputs/tables)
+            if self.table is not None and args.keyed is not None:  # key=: a MERGE by key (§21)
+                self.table.merge_key = args.keyed.column
             self.table_commits = TableCommits(self.table) if self.table is not None else None
             self.opener = JobOpener(
                 storage, self.spec, args.job_name, args.resume, env.info.size,
@@ -231,6 +234,8 @@ class JobRun:
             committed = latest.record_schema if latest is not None else (job.retry.schema if job.retry else None)
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
             self.records = RecordWriter(self.stager, self.current, self.rank, args.output_format, committed, sink)
+            if args.keyed is not None:  # key=: every row carries its key, content hash, version and run (§21)
+                self.records.stamp = RowStamp(args.keyed, args.dataset)
             self.context = TorchBatchProcessorContext(
                 device=env.device,
                 distributed=env.info,
@@ -252,6 +257,8 @@ class JobRun:
                 limit=failures.limit(self.plan.num_examples), failures_url=job.failures_url,
                 original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
             )
+            if args.keyed is not None:  # key=: a failure record names its key and run (§21)
+                self.failure_log.keyed = RowStamp(args.keyed, args.dataset).failure_fields
             self.summaries = ReducerSummaries(self.context.reducers, job.opener.store, latest)
             participants: list[Participant] = [RecordOutputs(self.records, latest)]
             if job.table_commits is not None:

@@ -59,6 +59,8 @@ class JobSpec:
     """Format of record shards: a resume in another format would mix formats (stored only when not the default)."""
     table: dict[str, Any] | None = None
     """The table target of record outputs (``table=``; its :meth:`~TableTarget.describe`), ``None``: shards."""
+    keyed: dict[str, Any] | None = None
+    """A keyed job's key and version (``key=``, DESIGN §21), ``None``: not keyed."""
 
     @classmethod
     def of_call(cls, args: JobArguments, dataset_length: int, plan: dict[str, Any] | None) -> JobSpec:
@@ -72,6 +74,7 @@ class JobSpec:
             plan,
             output_format=args.output_format,
             table=args.table.describe() if args.table is not None else None,
+            keyed=args.keyed.describe() if args.keyed is not None else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -84,6 +87,7 @@ class JobSpec:
             **({"plan": self.plan} if self.plan is not None else {}),
             **({"output_format": self.output_format} if self.output_format != "parquet" else {}),
             **({"table": self.table} if self.table is not None else {}),
+            **({"keyed": self.keyed} if self.keyed is not None else {}),
         }
 
     def differences(self, stored: dict[str, Any]) -> list[str]:

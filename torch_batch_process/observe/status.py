@@ -29,7 +29,9 @@ makes it finished, and ``result.json`` has none until it is run again), ``failed
 ``on_error="skip"``, committed so far; after ``retry_failed=True``, those still failing), ``failures``
 (``{"count", "by_phase", "by_error", "first", "path", "error"}``: counts per phase (``load``/``process``) and per
 exception type, the first few by dataset index with their messages, the folder they are stored in, and
-``error``: why the records cannot be read, else ``null``; ``tbp failures`` lists them all).
+``error``: why the records cannot be read, else ``null``; ``tbp failures`` lists them all), ``runs`` (a keyed job's
+incremental runs, ``incremental=True``: ``{"run", "folder", "state", "counts", "examples_committed",
+"examples_total"}``, ``counts`` as ``BatchProcessResult.increment``; ``[]`` for other jobs).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from torch_batch_process.jobstore.memory_limits import MemoryLimits
 from torch_batch_process.jobstore.store import JobStore, lock_holder
 from torch_batch_process.observe.failures import current_failure_records, failure_summary
 from torch_batch_process.observe.progress import format_duration
+from torch_batch_process.outputs.keyed.runs import counts_text, incremental_runs
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
 
@@ -169,6 +172,7 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "result_path": storage.url_of(RESULT_FILE) if finished and result is not None else None,
         "failed_examples": failures["count"],
         "failures": failures,
+        "runs": incremental_runs(storage),
     }
 
 
@@ -278,6 +282,8 @@ def format_status(status: dict[str, Any]) -> str:
             f"{status.get('split_batches', 0)} batch(es) run in parts, over all attempts)",
         ))
     lines.append(("failed", _failures_text(status)))
+    for run in status.get("runs") or []:  # a keyed job's incremental runs (DESIGN §21)
+        lines.append(("runs", counts_text(run)))
     for entry in status.get("provenance") or []:
         lines.append(("uses", ", ".join(f"{key}={_short(value)}" for key, value in entry.items())))
     lines.append(("outputs", status["outputs_path"]))

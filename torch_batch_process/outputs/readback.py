@@ -52,6 +52,9 @@ from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
+from torch_batch_process.outputs.keyed.keys import KEY_COLUMN
+from torch_batch_process.outputs.keyed.runs import failed_keys
+from torch_batch_process.outputs.keyed.shadow import RUN_COLUMN, Shadows, find_shadows
 from torch_batch_process.outputs.segment_log import read_log_batch, scan_log
 from torch_batch_process.outputs.segments import (
     LOG_SUFFIX,
@@ -483,6 +486,35 @@ def _sorted(table: Any) -> Any:
     return table.take(np.argsort(index, kind="stable"))
 
 
+def _keyed_column(storage: Storage) -> str | None:
+    """The key's column of a keyed job (``key=``, DESIGN §21), ``None`` for another job."""
+    import json
+
+    try:
+        spec = json.loads(storage.read_bytes(JOB_FILE)).get("spec", {})
+    except (FileNotFoundError, NotAFileError, ValueError, AttributeError):
+        return None
+    keyed = spec.get("keyed") if isinstance(spec, dict) else None
+    return keyed.get("column") if isinstance(keyed, dict) else None
+
+
+def _key_events(table: Any, key: str) -> list[Any]:
+    """A keyed part's rows as the events :func:`find_shadows` takes (columns ``key`` and ``_tbp_run``)."""
+    return table.select([key, RUN_COLUMN]).rename_columns([KEY_COLUMN, RUN_COLUMN]).to_batches()
+
+
+def _tombstones(storage: Storage) -> list[Any]:
+    """The failures of a keyed job's runs: each hides its key's older rows (:func:`failed_keys`)."""
+    failed = failed_keys(storage)
+    return [] if failed is None else failed.to_batches()
+
+
+def _visible(table: Any, shadows: Shadows, part: int) -> Any:
+    """The rows of part ``part`` that no newer row of their key hides."""
+    mask = shadows.visible(part, 0, table.num_rows)
+    return table if mask is None else table.filter(mask)
+
+
 def _concat(tables: list[Any]) -> Any:
     pa = require_pyarrow()
     if len(tables) == 1:
@@ -534,6 +566,14 @@ def _iter_outputs(
                 raise
     try:
         check_rows(storage, expected, ((run.shard, run.rows) for run in runs))  # before the first row is yielded
+        key = _keyed_column(storage)
+        shadows = None
+        if key is not None and schema is not None and key in schema.names:  # a keyed job: each key once (§21)
+            shadows = find_shadows(
+                ((i, _key_events(_load(storage, run, [key, RUN_COLUMN], typed, committed), key))
+                 for i, run in enumerate(runs)),
+                _tombstones(storage), total_rows=sum(run.rows for run in runs),
+            )
         if schema is not None:  # every yielded batch has one schema
             _check_columns(wanted, schema.names, storage.url)
             names = wanted if wanted is not None else schema.names
@@ -556,6 +596,8 @@ def _iter_outputs(
                         f"{storage.url}: the running job moved committed rows ({exc.args[0]}) into a shard while "
                         "iter_outputs() read them; call it again (or read a stopped job)"
                     ) from exc
+                if shadows is not None:
+                    loaded = _visible(loaded, shadows, i)
                 held.append(loaded.select(schema.names).cast(schema))
         yield from ready.flush()
     finally:
@@ -600,6 +642,10 @@ def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted:
     import pyarrow.parquet as pq
 
     storage, shards, typed, expected, committed = _open(storage_path, storage_options)
+    key = _keyed_column(storage)
+    asked = wanted
+    if key is not None and wanted is not None:  # shadowing needs the key and the run of every row
+        wanted = [*wanted, *(c for c in (key, RUN_COLUMN) if c not in wanted)]
 
     def read(shard: str) -> Any:
         kind = _kind(shard)
@@ -619,6 +665,13 @@ def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted:
         check_rows(storage, expected, ((shard, table.num_rows) for shard, table in zip(shards, tables, strict=True)))
     finally:
         storage.close()
+    if key is not None and any(key in t.column_names for t in tables):  # a keyed job: each key once (§21)
+        shadows = find_shadows(
+            ((i, _key_events(t, key)) for i, t in enumerate(tables) if key in t.column_names),
+            _tombstones(storage), total_rows=sum(t.num_rows for t in tables),
+        )
+        tables = [_visible(t, shadows, i).select(asked) if asked is not None else _visible(t, shadows, i)
+                  for i, t in enumerate(tables)]
     tables = [t for t in tables if t.num_rows]
     if not tables:
         pa = require_pyarrow()

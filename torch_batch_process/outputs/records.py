@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,9 @@ class RecordWriter:
         self._rank = rank
         self._format = output_format
         self._pending: tuple[Any, CopiesDone, RecordSchema] | None = None  # the batch's rows, until it returns
+        self.stamp: Callable[[Any, Sequence[int]], Any] | None = None
+        """A keyed job's columns added to each batch's rows (``key=``: :class:`~torch_batch_process.outputs.keyed.
+        options.RowStamp`)."""
         self._buffer: list[tuple[Any, CopiesDone]] = []  # rows not in the shard yet (with their copies back)
         self._buffered = 0
         self._unsaved: list[tuple[Any, CopiesDone]] = []  # rows not in a segment yet
@@ -155,6 +159,8 @@ class RecordWriter:
             )
         copies, ragged = DeviceCopies(), set()
         table = rows_to_table(rows, self._current.indices, copies, ragged)
+        if self.stamp is not None:
+            table = self.stamp(table, self._current.indices)
         schema = RecordSchema(table.schema, frozenset(ragged), f"batch {self._current.batch_idx} (rank {self._rank})")
         self._pending = (table, copies.done(), schema)
 

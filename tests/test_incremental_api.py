@@ -1,0 +1,164 @@
+"""Keyed jobs and incremental runs through the call, in this process (one rank; DESIGN §21, issue 46): the keyed
+arguments checked before any work, duplicate keys refused naming the key, a changed ``version=`` refused or
+recomputed, examples that failed (``on_error="skip"``) selected again, and a key whose new run failed hidden from
+``read_outputs`` (its stale row is not served). Multi-process runs, kills and resumes: tests/test_incremental_jobs.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torch_batch_process import (
+    DuplicateKeyError,
+    InvalidArgumentError,
+    JobMismatchError,
+    TorchBatchProcessor,
+    VersionChangedError,
+    iter_outputs,
+    read_outputs,
+    tables,
+    torch_batch_process,
+)
+
+FAILING: set[str] = set()
+"""Texts the processor fails on (the test's 'bug', fixed between calls)."""
+CALLS: list[list[int]] = []
+
+
+class Upper(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        CALLS.append([int(i) for i in self.context.batch_indices])
+        if FAILING & set(batch["text"]):
+            raise ValueError(f"cannot process {sorted(FAILING & set(batch['text']))}")
+        self.context.write({"value": [text.upper() for text in batch["text"]]})
+
+
+def data(n: int, **texts: str) -> list[dict[str, Any]]:
+    """``n`` examples ``{"id": i, "text": "t<i>"}``, some texts replaced (``t3="bad"``)."""
+    return [{"id": i, "text": texts.get(f"t{i}", f"t{i}")} for i in range(n)]
+
+
+def call(path: Path, dataset: list[dict[str, Any]], **kwargs: Any) -> Any:
+    CALLS.clear()
+    options: dict[str, Any] = {"key": "id", "batch_size": 4, "storage_path": str(path), "progress": False}
+    return torch_batch_process(Upper, dataset, **(options | kwargs))
+
+
+def rows(path: Path) -> dict[int, tuple[str, int]]:
+    table = read_outputs(path, columns=["id", "value", "_tbp_run"]).to_pydict()
+    assert len(table["id"]) == len(set(table["id"])), "a key read back twice"
+    return {k: (v, r) for k, v, r in zip(table["id"], table["value"], table["_tbp_run"], strict=True)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"key": None, "incremental": True}, "incremental=True is for a keyed job: give key="),
+        ({"key": None, "version": "v1"}, "version='v1' is for a keyed job"),
+        ({"key": "index"}, "key='index'"),
+        ({"key": 3}, "key must be the name of a field"),
+        ({"on_change": "ignore"}, "on_change must be one of"),
+        ({"incremental": "yes"}, "incremental must be True or False"),
+        ({"version": object()}, "version must be a JSON value"),
+        ({"retry_failed": True, "on_error": "skip"}, "run it with incremental=True instead"),
+        ({"table": tables.lance("/tmp/never-written")}, "key= with table=.* is not supported yet"),
+        ({"content": ["text"], "key": None}, "give key= too"),
+    ],
+)
+def test_keyed_arguments_are_checked_before_any_work(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        call(tmp_path / "job", data(8), **kwargs)
+    assert not (tmp_path / "job").exists() and not CALLS
+
+
+def test_duplicate_and_bad_keys_are_refused_before_any_work(tmp_path: Path) -> None:
+    dataset = data(10)
+    dataset[7]["id"] = 2
+    with pytest.raises(DuplicateKeyError, match="examples 2 and 7 have the same key 2"):
+        call(tmp_path / "dup", dataset)
+    assert not CALLS and not (tmp_path / "dup" / "_tbp").exists()
+    floats = [{"id": i + 0.5, "text": "t"} for i in range(4)]
+    with pytest.raises(InvalidArgumentError, match="example 0 has the key 0.5 of type float"):
+        call(tmp_path / "float", floats)
+    assert not CALLS
+
+
+def test_keyed_rows_version_change_refused_or_recomputed(tmp_path: Path) -> None:
+    path = tmp_path / "job"
+    first = call(path, data(10), version="v1")
+    assert first.finished and first.increment is None
+    table = read_outputs(path)
+    assert table.column_names == ["index", "value", "id", "_tbp_hash", "_tbp_version", "_tbp_run"]
+    version = set(table.column("_tbp_version").to_pylist())
+    assert len(version) == 1 and set(table.column("_tbp_run").to_pylist()) == {1}
+    with pytest.raises(VersionChangedError, match="version: stored 'v1', now 'v2'"):
+        call(path, data(10), version="v2", incremental=True)
+    assert not CALLS and rows(path) == {i: (f"T{i}", 1) for i in range(10)}
+    again = call(path, data(10), version="v2", incremental=True, on_change="recompute")
+    assert again.increment["recompute"] == 10 and sorted(i for b in CALLS for i in b) == list(range(10))
+    table = read_outputs(path)
+    assert table.num_rows == 10 and set(table.column("_tbp_version").to_pylist()).isdisjoint(version)
+    assert set(table.column("_tbp_run").to_pylist()) == {2}
+    with pytest.raises(JobMismatchError, match="keyed otherwise"):  # another key is another identity of the rows
+        call(path, data(10), key=lambda example: str(example["id"]), version="v2", incremental=True)
+    plain = tmp_path / "plain"
+    call(plain, data(4), key=None)
+    with pytest.raises(InvalidArgumentError, match="stored no keys"):
+        call(plain, data(4), incremental=True)
+
+
+def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: Path) -> None:
+    path = tmp_path / "job"
+    FAILING.clear()
+    FAILING.update({"bad3", "bad7"})
+    try:
+        first = call(path, data(12, t3="bad3", t7="bad7"), on_error="skip")
+        assert first.failed_examples == 2 and set(rows(path)) == set(range(12)) - {3, 7}
+        FAILING.clear()  # the bug is fixed: the same dataset again processes the two failed examples only
+        fixed = call(path, data(12, t3="bad3", t7="bad7"), on_error="skip", incremental=True)
+        assert (fixed.increment["failed"], fixed.increment["selected"]) == (2, 2)
+        assert sorted(i for b in CALLS for i in b) == [3, 7] and fixed.failed_examples == 0
+        assert rows(path)[3] == ("BAD3", 2) and len(rows(path)) == 12
+        FAILING.add("bad5")  # example 5 changes and its new run fails: its stale row is not served
+        changed = call(path, data(12, t3="bad3", t7="bad7", t5="bad5"), on_error="skip", incremental=True)
+        assert changed.increment["changed"] == 1 and changed.failed_examples == 1
+        assert 5 not in rows(path) and len(rows(path)) == 11
+        assert 5 not in [r["id"] for b in iter_outputs(path, columns=["id"]) for r in b.to_pylist()]
+        FAILING.clear()
+        last = call(path, data(12, t3="bad3", t7="bad7", t5="bad5"), on_error="skip", incremental=True)
+        assert (last.increment["failed"], last.increment["selected"]) == (1, 1) and rows(path)[5] == ("BAD5", 4)
+    finally:
+        FAILING.clear()
+
+
+def test_a_keyed_delta_table_is_merged_by_key(tmp_path: Path) -> None:
+    pytest.importorskip("deltalake")
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    target = tables.delta(str(tmp_path / "table"))
+    path = tmp_path / "job"
+    call(path, data(40), table=target, version="v1")
+    changed = data(40, t3="x3", t17="x17", t31="x31") + [{"id": i, "text": f"n{i}"} for i in range(40, 44)]
+    result = call(path, changed, table=target, version="v1", incremental=True)
+    assert (result.increment["changed"], result.increment["new"], result.increment["selected"]) == (3, 4, 7)
+    assert sorted(i for b in CALLS for i in b) == [3, 17, 31, 40, 41, 42, 43]
+
+    def table_rows() -> dict[int, tuple[str, int]]:
+        read = pa.table(QueryBuilder().register("t", DeltaTable(str(tmp_path / "table"))).execute(
+            'SELECT id, value, "_tbp_run" FROM t').read_all()).to_pydict()
+        assert len(read["id"]) == len(set(read["id"])), "a key twice in the table"
+        return {k: (v, r) for k, v, r in zip(read["id"], read["value"], read["_tbp_run"], strict=True)}
+
+    rows_now = table_rows()
+    assert len(rows_now) == 44 and rows_now[3] == ("X3", 2) and rows_now[4] == ("T4", 1) and rows_now[42] == ("N42", 2)
+    by_reader = read_outputs(target).to_pydict()
+    assert sorted(by_reader["id"]) == list(range(44))
+    again = call(path, changed, table=target, version="v1", incremental=True)
+    assert again.increment["selected"] == 0 and table_rows() == rows_now

@@ -1,0 +1,157 @@
+"""Incremental runs of keyed jobs in real processes (DESIGN §21, issue 46): after a run over a dataset, 10% of its
+examples change and 10% are appended; the run with ``incremental=True`` calls ``process_batch`` on exactly those,
+``read_outputs``/``iter_outputs`` give every key once with its newest value, and the counts are in the result and
+``tbp status``. Killed with SIGKILL at random moments of that run and resumed on other world sizes, the union of
+what it processed is the selection, and no read between the kills returns a key twice.
+
+Scaled down from the issue's 10**5 rows to 3,000 (CI budget); ``python -m benchmarks.incremental`` measures the
+planner at scale.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import JOBS, base_env, spawn_ranks, wait_all
+
+from torch_batch_process import iter_outputs, read_outputs
+from torch_batch_process.observe.status import format_status, read_status
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = JOBS / "keyed_job.py"
+N, EVERY, EXTRA = 3000, 10, 300
+SELECTED = set(range(0, N, EVERY)) | set(range(N, N + EXTRA))
+"""The indices run 2 must process: the changed ids (every 10th) and the appended ones (ids = indices)."""
+
+
+def run(tmp: Path, spec: dict[str, Any], world_size: int, *, ok: bool = True, timeout: float = 240) -> list[dict]:
+    """Runs the keyed job on ``world_size`` ranks; returns the ranks' reports."""
+    reports = tmp / "reports"
+    shutil.rmtree(reports, ignore_errors=True)
+    reports.mkdir(parents=True)
+    spec = {"batch_size": 20, "checkpoint_interval": 2, "calls_dir": str(tmp / "calls"), **spec,
+            "report_dir": str(reports)}
+    env = base_env(TBP_SHARD_BYTES="1")  # a shard published per commit: reads between kills see the run's rows
+    results = wait_all(spawn_ranks(world_size, SCRIPT, json.dumps(spec), env=env), timeout)
+    if ok:
+        for code, _out, err in results:
+            assert code == 0, err[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(reports.glob("rank_*.json"))]
+
+
+def calls(tmp: Path) -> list[list[int]]:
+    """Every batch any process was given since the calls folder was last emptied."""
+    return [json.loads(line) for path in sorted((tmp / "calls").glob("calls-*.jsonl"))
+            for line in path.read_text().splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job after its first run over N examples, on 2 ranks (copied by each test)."""
+    tmp = tmp_path_factory.mktemp("first")
+    storage = tmp / "storage"
+    reports = run(tmp, {"n": N, "storage": str(storage)}, 2)
+    assert reports[0]["result"]["finished"] and reports[0]["result"]["examples_processed"] == N
+    table = read_outputs(storage)
+    assert table.num_rows == N and sorted(table.column("id").to_pylist()) == list(range(N))
+    assert set(table.column("_tbp_run").to_pylist()) == {1}
+    return storage
+
+
+def changed_spec(storage: Path, **more: Any) -> dict[str, Any]:
+    return {"n": N, "changed_every": EVERY, "extra": EXTRA, "storage": str(storage),
+            "kwargs": {"incremental": True}, **more}
+
+
+def check_final(storage: Path) -> None:
+    """Every id once, with the value of its newest text."""
+    table = read_outputs(storage, columns=["id", "value", "_tbp_run"]).to_pydict()
+    ids = table["id"]
+    assert len(ids) == N + EXTRA and len(set(ids)) == N + EXTRA
+    for key, value, run in zip(ids, table["value"], table["_tbp_run"], strict=True):
+        text = f"NEW{key}" if key >= N else f"T{key}-V2" if key % EVERY == 0 else f"T{key}"
+        assert value == text, (key, value, run)
+        assert run == (2 if key in SELECTED else 1), (key, run)
+    streamed = [row for batch in iter_outputs(storage, columns=["id", "value"]) for row in batch.to_pylist()]
+    assert [r["id"] for r in streamed] == list(range(N + EXTRA))  # ids are the indices: index order, each once
+    assert {r["id"]: r["value"] for r in streamed} == dict(zip(ids, table["value"], strict=True))
+
+
+def test_incremental_run_processes_exactly_the_new_and_changed_examples(first_run: Path, tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    shutil.copytree(first_run, storage)
+    reports = run(tmp_path, changed_spec(storage), 2)
+    batches = calls(tmp_path)
+    processed = [i for batch in batches for i in batch]
+    assert len(processed) == len(SELECTED) and set(processed) == SELECTED  # each selected example once, no other
+    result = reports[0]["result"]
+    assert reports[1]["result"]["increment"] == result["increment"]
+    counts = result["increment"]
+    assert (counts["new"], counts["changed"], counts["unchanged"], counts["selected"]) == (
+        EXTRA, N // EVERY, N - N // EVERY, len(SELECTED))
+    assert result["finished"] and result["examples_processed"] == len(SELECTED)
+    check_final(storage)
+    status = read_status(str(storage))  # what tbp status prints (--json, and as text)
+    assert [(r["run"], r["state"], r["counts"]["new"], r["counts"]["changed"]) for r in status["runs"]] == [
+        (2, "finished", EXTRA, N // EVERY)]
+    text = format_status(status)
+    assert f"{EXTRA} new, {N // EVERY} changed" in text and f"{N - N // EVERY:,} unchanged" in text
+
+    # (the same dataset again selecting nothing, a changed version=: tests/test_incremental_api.py, in-process)
+
+
+def test_incremental_run_killed_and_resumed_on_other_world_sizes(first_run: Path, tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    shutil.copytree(first_run, storage)
+    rng = random.Random(46)
+    seen_new: set[int] = set()
+    # 30 batches: killed at a random batch of a random rank on 2 ranks, then on 3, then resumed on 1
+    for world_size, fewest, most in ((2, 5, 9), (3, 3, 4)):
+        die = {"rank": rng.randrange(world_size), "batches": rng.randint(fewest, most)}
+        run(tmp_path, changed_spec(storage, die_after=die), world_size, ok=False)
+        status = read_status(str(storage))
+        assert [r["state"] for r in status["runs"]] == ["unfinished"], status["runs"]  # the kill came mid-run
+        between = read_outputs(storage, columns=["id", "_tbp_run"]).to_pydict()
+        assert len(between["id"]) == len(set(between["id"]))  # never a key twice
+        assert set(range(N)) <= set(between["id"])  # every stored key, with its old value or its new one
+        seen_new |= {i for i, r in zip(between["id"], between["_tbp_run"], strict=True) if r == 2}
+    assert seen_new  # the reads between kills saw rows of the killed run (its committed, published shards)
+    reports = run(tmp_path, changed_spec(storage), 1)
+    assert reports[0]["result"]["finished"]
+    processed = {i for batch in calls(tmp_path) for i in batch}
+    assert processed == SELECTED  # every attempt processed only selected examples, and all of them in the end
+    check_final(storage)
+
+
+def test_keyed_delta_table_killed_around_its_merge_transactions(tmp_path: Path) -> None:
+    """A keyed job into a Delta table: run 2's MERGE by key, killed right before its first table transaction
+    (between a durable record and the table's commit: the start of the next attempt replays it), resumed: every key
+    once in the table with its newest value, read with delta-rs' own reader."""
+    pytest.importorskip("deltalake")
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    n, table = 400, tmp_path / "table"
+    base = {"storage": str(tmp_path / "storage"), "delta": str(table), "batch_size": 10}
+    run(tmp_path, {"n": n, **base}, 1)
+    selected = set(range(0, n, EVERY)) | set(range(n, n + n // 10))
+    shutil.rmtree(tmp_path / "calls")
+    for kill in ("before:1",):
+        killed = run(tmp_path, {"n": n, "changed_every": EVERY, "extra": n // 10, "kwargs": {"incremental": True},
+                                "table_kill": kill, **base}, 1, ok=False)
+        assert killed == []  # killed: no report
+    report = run(tmp_path, {"n": n, "changed_every": EVERY, "extra": n // 10, "kwargs": {"incremental": True},
+                            **base}, 1)[0]
+    assert report["result"]["finished"] and {i for b in calls(tmp_path) for i in b} == selected
+    rows = pa.table(QueryBuilder().register("t", DeltaTable(str(table))).execute(
+        'SELECT id, value, "_tbp_run" FROM t').read_all()).to_pydict()
+    assert sorted(rows["id"]) == list(range(n + n // 10))  # every key once
+    for key, value, run_ in zip(rows["id"], rows["value"], rows["_tbp_run"], strict=True):
+        assert value == (f"NEW{key}" if key >= n else f"T{key}-V2" if key % EVERY == 0 else f"T{key}")
+        assert run_ == (2 if key in selected else 1)

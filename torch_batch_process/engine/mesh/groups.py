@@ -1,0 +1,79 @@
+"""The job's ``DeviceMesh`` and the library's group per replica, created over the job's default process group.
+
+:func:`build_job_mesh` runs on every rank at the same point of a call, after the library's control group exists
+and before the processor is built (its ``__init__`` parallelizes the model over ``context.mesh``). It creates:
+
+- ``device_mesh``: torch's ``DeviceMesh`` with the user's dimension names (``init_device_mesh``), on the job's
+  device type: gloo groups on CPU, NCCL on CUDA. Its groups are communicators of their own: a tensor-parallel
+  collective never queues behind a collective of the user's default group, nor behind the library's control group
+  (gloo, see :mod:`~torch_batch_process.engine.distributed`), and the other way round;
+- ``replica_group``: a gloo group of this replica's members (``None`` for a replica of one rank), the library's: the
+  batch a replica's first member sends to the others (:mod:`~torch_batch_process.engine.mesh.broadcast`), and any
+  agreement inside a replica, on CPU memory, never on the user's device streams.
+
+Both are kept for the process's life, keyed by the default group and the layout (as the library keeps the default
+group it created, see :mod:`~torch_batch_process.engine.distributed`): creating groups again in each call of a
+script that calls :func:`~torch_batch_process.torch_batch_process` several times would only add connections, and
+torch cannot release a ``DeviceMesh``'s groups while the user's model (its ``DTensor`` parameters) holds the mesh.
+
+Verified with torch 2.14 on CPU (gloo, 4 processes as 2 replicas x 2): tensor parallel (``parallelize_module`` with
+``ColwiseParallel``/``RowwiseParallel``) and ``torch.distributed.pipelining`` (``PipelineStage`` on
+``mesh["pp"].get_group()``, ``ScheduleGPipe``) run on these groups next to the control group; see
+notes/43-mesh.md for what works on gloo and what does not.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torch_batch_process.mesh_shape import MeshLayout, MeshPosition
+
+__all__ = ["JobMesh", "build_job_mesh"]
+
+
+@dataclass(frozen=True)
+class JobMesh:
+    """This rank's view of the job's mesh."""
+
+    layout: MeshLayout
+    position: MeshPosition
+    device_mesh: DeviceMesh
+    """``context.mesh``: the user's dimension names, outer (the replicas) first."""
+    replica_group: dist.ProcessGroup | None
+    """The library's gloo group of this replica's members; ``None`` when a replica is one rank."""
+
+
+_BUILT: dict[tuple[Any, ...], tuple[Any, JobMesh]] = {}
+"""Meshes built in this process: key -> (the default group they were built over, the mesh)."""
+
+
+def build_job_mesh(layout: MeshLayout, device: torch.device, timeout: datetime.timedelta) -> JobMesh:
+    """This rank's :class:`JobMesh` over the job's default process group (initialized, ``layout.world_size``
+    ranks), built on the first call with this layout and reused by the later ones.
+
+    A collective over the default group: every rank calls it, at the same point, with the same layout. ``timeout``
+    is the replica group's collective timeout."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_job_mesh needs the job's default process group (initialize it first)")
+    world = dist.group.WORLD
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(f"the mesh is laid out for {layout.world_size} ranks, the job has {dist.get_world_size()}")
+    key = (device.type, layout.names, layout.shape)
+    built = _BUILT.get(key)
+    if built is not None and built[0] is world:
+        return built[1]
+    position = layout.position(dist.get_rank())
+    device_mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.names)
+    replica_group = None
+    if layout.members > 1:
+        # every rank creates every replica's group (new_group is a collective over the default group), keeps its own
+        replica_group, _ = dist.new_subgroups_by_enumeration(layout.replicas(), timeout=timeout, backend="gloo")
+    mesh = JobMesh(layout, position, device_mesh, replica_group)
+    _BUILT[key] = (world, mesh)
+    return mesh

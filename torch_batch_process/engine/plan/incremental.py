@@ -1,0 +1,321 @@
+"""``incremental=True``: a keyed job's next run processes only the new, changed or failed examples (DESIGN §21).
+
+A keyed job (``key=``) stores each row with its key, content hash, version and run
+(:mod:`torch_batch_process.outputs.keyed.options`). Once the job is finished, a call with ``incremental=True``
+over a grown or changed dataset plans a *run*: rank 0, before any rank writes, reads the newest stored row of every
+key (``iter_outputs`` of the key columns: it shadows superseded rows, in bounded memory) and the keys that failed,
+hashes every example of the dataset, and selects the
+examples whose key is new, whose content hash changed, or whose stored row has another version
+(``on_change="recompute"``; ``"refuse"``, the default, raises :class:`VersionChangedError` naming the stored and
+the current ``version=`` before the dataset is read): :func:`~torch_batch_process.outputs.keyed.diff.plan_increment`.
+A key whose newest event is a failure (its records name their key) is selected again (``failed``).
+
+The run is a job of its own stored like a ``retry_failed`` run, in ``retries/<k>/`` (so it shares the job's
+numbering of batches and stages, its ``outputs/``, and "the job's current failures are its latest finished run's":
+:mod:`torch_batch_process.jobstore.retries`), with a :class:`SelectionPlan` over the selected indices; its rows
+carry ``_tbp_run = k + 1``. The selection is stored in ``retries/<k>/_tbp/selection.bin`` with the counts in
+``increment.json`` before the run's ``job.json``; a resume (after a kill, on any world size) reuses them: the
+selection is the run's plan, fixed at its start. A start killed before the run's ``job.json`` plans again.
+
+Runs are sequential: a new one is planned only on a finished job whose latest run is finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.engine.plan.retry import Retry, repair_finished_folders
+from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
+from torch_batch_process.jobstore.formats import JobInfo
+from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
+from torch_batch_process.jobstore.ranges import RangeSet
+from torch_batch_process.jobstore.retries import next_retry, retry_numbering, retry_numbers
+from torch_batch_process.jobstore.store import job_finished, latest_record_at
+from torch_batch_process.outputs.keyed.diff import plan_increment
+from torch_batch_process.outputs.keyed.options import HASH_FIELD, RUN_FIELD, VERSION_FIELD, KeyedOptions
+from torch_batch_process.outputs.keyed.runs import INCREMENT_FILE, SELECTION_FILE, failed_keys
+from torch_batch_process.outputs.keyed.selection import Selection
+from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.nested import NestedStorage
+from torch_batch_process.storage.registry import open_storage
+
+__all__ = ["RunChoice", "SelectionPlan", "choose_run", "prepare_incremental"]
+
+if TYPE_CHECKING:
+    from torch_batch_process.arguments import JobArguments
+    from torch_batch_process.engine.distributed import Collectives
+    from torch_batch_process.jobstore.schema import RecordSchema
+
+logger = logging.getLogger(__name__)
+
+KEYS_PER_CHUNK = 4096
+"""Examples hashed per Arrow batch of the planning pass."""
+
+
+class SelectionPlan(Plan):
+    """Batches of ``batch_size`` over the selected indices of a dataset, in index order, numbered from
+    ``first_batch``: batch ``first_batch + g`` holds the selected examples of ranks ``[g*B, (g+1)*B)``.
+
+    Args:
+        selection: the selected dataset indices.
+        batch_size: examples per batch.
+        num_batches: keep only this many batches (``None``: all).
+        first_batch: the number of the first batch.
+        first_stage: where the run's stage numbers start (part of the fingerprint).
+    """
+
+    def __init__(
+        self, selection: Selection, batch_size: int, num_batches: int | None = None, *, first_batch: int,
+        first_stage: int,
+    ) -> None:
+        self.selection = selection
+        self.batch_size = batch_size
+        self.first_batch = first_batch
+        self.first_stage = first_stage
+        self.selected = selection.count
+        full = -(-self.selected // batch_size)
+        self.num_batches = full if num_batches is None else min(num_batches, full)
+
+    def cut(self, num_batches: int) -> SelectionPlan:
+        return SelectionPlan(
+            self.selection, self.batch_size, num_batches, first_batch=self.first_batch, first_stage=self.first_stage
+        )
+
+    def batch_indices(self, batch: int) -> list[int]:
+        local = batch - self.first_batch
+        if not 0 <= local < self.num_batches:
+            raise IndexError(f"batch {batch} is not in the run's plan")
+        return self.selection.take(local * self.batch_size, self.batch_size).tolist()
+
+    def count_examples(self, batches: RangeSet) -> int:
+        total = 0
+        for start, stop in batches.ranges():
+            start, stop = max(start - self.first_batch, 0), min(stop - self.first_batch, self.num_batches)
+            if start < stop:
+                total += min(stop * self.batch_size, self.selected) - start * self.batch_size
+        return total
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "selection": self.selection.digest(), "selected": self.selected, "first_batch": self.first_batch,
+            "first_stage": self.first_stage,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"incremental run of {self.selected} selected examples (of {self.selection.size}) in {self.num_batches} "
+            f"batches of {self.batch_size}"
+        )
+
+
+@dataclass
+class RunChoice:
+    """Rank 0's choice of the incremental run, sent to every rank."""
+
+    k: int
+    selection: bytes
+    counts: dict[str, Any]
+    schema: RecordSchema | None
+    first_batch: int
+    first_stage: int
+
+
+def prepare_incremental(args: JobArguments, collectives: Collectives) -> Retry | None:
+    """Every rank: the incremental run to do for a keyed call (see the module docstring), or ``None`` when the call
+    is the job's own run (its first start, a resume of it, or a call without ``incremental=True``). Rank 0 plans
+    (:func:`choose_run`); every rank gets its answer, or raises what it raised."""
+    choice = collectives.from_rank0(lambda: choose_run(args), "planning the incremental run")
+    if choice is None:
+        return None
+    assert isinstance(choice, RunChoice) and args.keyed is not None
+    folder = f"{RETRIES_DIR}/{choice.k}"
+    storage = NestedStorage(open_storage(args.storage_path, args.storage_options), folder, args.storage_options)
+    selection = Selection.from_bytes(choice.selection, storage.url_of(SELECTION_FILE))
+    plan = SelectionPlan(selection, args.batch_size, first_batch=choice.first_batch, first_stage=choice.first_stage)
+    counts = choice.counts
+    logger.info(
+        "incremental run %d of job '%s': %s new, %s changed, %s recomputed, %s unchanged (%s keys gone from the "
+        "dataset, kept): %d example(s) to process, stored in %s", choice.k + 1, args.job_name, counts.get("new"),
+        counts.get("changed"), counts.get("recompute"), counts.get("unchanged"), counts.get("removed"),
+        plan.selected, storage.url,
+    )
+    run_args = dataclasses.replace(
+        args, storage_path=storage.url, max_batches=None, lengths=None,
+        keyed=args.keyed.for_run(choice.k + 1, counts),
+    )
+    return Retry(run_args, plan, storage, choice.schema, choice.first_stage)  # type: ignore[arg-type]
+
+
+def choose_run(args: JobArguments) -> RunChoice | None:
+    """Rank 0: the run to do (see :func:`prepare_incremental`): a new run planned now, or the unfinished latest one
+    with its stored selection; ``None`` for the job's own run. Refuses duplicate keys before any work."""
+    keyed = args.keyed
+    assert keyed is not None
+    storage = open_storage(args.storage_path, args.storage_options)
+    try:
+        if not args.resume or not storage.exists(JOB_FILE) or not job_finished(storage):
+            _refuse_duplicates(args, keyed)  # the job's first run: every example is new
+            return None
+        if not keyed.incremental:
+            return None  # the job's own fingerprint decides: its stored result, or another dataset refused
+        _check_same_key(storage, keyed)
+        k, _ = next_retry(storage)
+        folder = f"{RETRIES_DIR}/{k}"
+        first_batch, first_stage = retry_numbering(storage, k)
+        if storage.exists(f"{folder}/{JOB_FILE}"):  # the run started: resume it with its selection
+            if not storage.exists(f"{folder}/{SELECTION_FILE}"):
+                raise InvalidArgumentError(
+                    f"{storage.url_of(folder)} is an unfinished retry_failed=True run; finish it first (call again "
+                    "with retry_failed=True and the dataset it retried), then run incrementally"
+                )
+            counts = storage.read_json(f"{folder}/{INCREMENT_FILE}")
+            latest = latest_record_at(storage, folder)
+            schema = latest.record_schema if latest is not None else _newest_schema(storage)
+            return RunChoice(
+                k, storage.read_bytes(f"{folder}/{SELECTION_FILE}"), counts, schema, first_batch, int(first_stage or 1)
+            )
+        _repair(storage, args)
+        increment = _plan(storage, args, keyed)
+        counts = increment.counts.to_json() | {"versions": increment.versions}
+        storage.write_bytes(f"{folder}/{SELECTION_FILE}", increment.selection.to_bytes())
+        storage.write_bytes(f"{folder}/{INCREMENT_FILE}", json.dumps(counts).encode())
+        return RunChoice(
+            k, increment.selection.to_bytes(), counts, _newest_schema(storage), first_batch, int(first_stage or 1)
+        )
+    finally:
+        storage.close()
+
+
+def _key_batches(args: JobArguments, keyed: KeyedOptions) -> Iterator[Any]:
+    """The dataset's keys and content hashes, in index order, a chunk of examples at a time."""
+    dataset = args.dataset
+    for first in range(0, args.dataset_length, KEYS_PER_CHUNK):
+        stop = min(first + KEYS_PER_CHUNK, args.dataset_length)
+        yield keyed.spec.key_batch((dataset[i] for i in range(first, stop)), first)
+
+
+def _refuse_duplicates(args: JobArguments, keyed: KeyedOptions) -> None:
+    """The first run's pass over the keys: two examples with one key are refused (naming it) before any work."""
+    plan_increment(
+        _key_batches(args, keyed), [], new_rows=args.dataset_length, stored_rows=0, version=keyed.digest
+    )
+
+
+def _check_same_key(storage: Storage, keyed: KeyedOptions) -> None:
+    """The job's key must be the one it stored (another key is another identity of the rows)."""
+    stored = _spec(storage, "").get("keyed")
+    if not stored:
+        raise InvalidArgumentError(
+            f"incremental=True: the job at {storage.url} stored no keys (it ran without key=); start a keyed job "
+            "(resume=False, or a new storage_path)"
+        )
+    now = keyed.describe()
+    differ = [name for name in ("key", "content", "hash", "column") if stored.get(name) != now.get(name)]
+    if differ:
+        named = "; ".join(f"{name}: stored {stored.get(name)!r}, now {now.get(name)!r}" for name in differ)
+        raise JobMismatchError(
+            f"incremental=True: the job at {storage.url} is keyed otherwise ({named}); run it with its key and "
+            "content, or start a new job (resume=False, or a new storage_path)"
+        )
+
+
+def _spec(storage: Storage, folder: str) -> dict[str, Any]:
+    rel = f"{folder}/{JOB_FILE}" if folder else JOB_FILE
+    try:
+        return JobInfo.from_json(storage.read_json(rel), storage.url_of(rel)).spec
+    except FileNotFoundError:
+        return {}
+
+
+def _repair(storage: Storage, args: JobArguments) -> None:
+    """The repairs of a finished job and of its runs (their last outputs published, ``result.json`` written), so
+    that what is read is all that was committed."""
+    folders = [f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage)]
+    repair_finished_folders(storage, ["", *(f for f in folders if job_finished(storage, f))], args.storage_options)
+
+
+def _versions(storage: Storage) -> dict[str, Any]:
+    """Version digest -> the ``version=`` value of the runs that stored it."""
+    found = {}
+    for folder in ["", *(f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage))]:
+        keyed = _spec(storage, folder).get("keyed") or {}
+        if "version" in keyed:
+            found[keyed["version"]] = keyed.get("version_value")
+    return found
+
+
+def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
+    """Plans the run: the stored rows (newest per key) against the dataset's keys and hashes."""
+    import pyarrow as pa
+
+    from torch_batch_process.outputs.readback import iter_outputs
+
+    column = keyed.column
+    names = ["key", "hash", "run", "version", "failed"]
+
+    def stored() -> Iterator[Any]:  # the newest row of every key, a batch at a time (bounded memory)
+        if not _has_rows(storage):
+            return
+        columns = [column, HASH_FIELD, RUN_FIELD, VERSION_FIELD]
+        # a table holds one row per key (each run's transactions MERGE by key): the table is the truth
+        batches = (
+            args.table.open().batches(columns, None, None) if args.table is not None
+            else iter_outputs(storage.url, columns=columns, storage_options=args.storage_options)
+        )
+        for batch in batches:
+            yield pa.record_batch(
+                [batch.column(column), batch.column(HASH_FIELD), batch.column(RUN_FIELD),
+                 batch.column(VERSION_FIELD), pa.array(np.zeros(batch.num_rows, bool))], names=names,
+            )
+
+    events: list[Any] = []
+    failed = failed_keys(storage)  # a failure is its key's newest event until a later run writes a row
+    if failed is not None:
+        events.append(pa.record_batch(
+            [failed.column("key").combine_chunks(), pa.nulls(failed.num_rows, pa.int64()),
+             failed.column(RUN_FIELD).combine_chunks(), pa.nulls(failed.num_rows, pa.string()),
+             pa.array([True] * failed.num_rows)],
+            names=names,
+        ))
+    values = _versions(storage)
+
+    def describe(digest: str) -> str:
+        return f"version: stored {values.get(digest)!r}, now {keyed.version!r}"
+
+    return plan_increment(
+        _key_batches(args, keyed), itertools.chain(stored(), events), new_rows=args.dataset_length,
+        stored_rows=_stored_rows(storage), version=keyed.digest, on_change=keyed.on_change, describe_version=describe,
+    )
+
+
+def _has_rows(storage: Storage) -> bool:
+    """Whether the job committed record rows (a keyed job whose processor wrote none has no keys stored)."""
+    return _stored_rows(storage) > 0
+
+
+def _stored_rows(storage: Storage) -> int:
+    """The record rows the job and its runs committed (it sizes the planner's partitions)."""
+    total = 0
+    for folder in ["", *(f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage))]:
+        latest = latest_record_at(storage, folder)
+        rows = latest.stats.get("record_rows") if latest is not None else None
+        total += rows if isinstance(rows, int) else 0
+    return total
+
+
+def _newest_schema(storage: Storage) -> RecordSchema | None:
+    """The record schema of the job's newest finished run (the run's rows unify with it)."""
+    for folder in [*(f"{RETRIES_DIR}/{k}" for k in reversed(retry_numbers(storage))), ""]:
+        latest = latest_record_at(storage, folder)
+        if latest is not None and latest.record_schema is not None and (not folder or latest.finished):
+            return latest.record_schema
+    return None

@@ -1,0 +1,203 @@
+"""The keyed-job options of a call (DESIGN §21): ``key=``, ``content=``, ``version=``, ``incremental=``,
+``on_change=``, checked before any work, and the columns they add to every row the job writes.
+
+A keyed job's rows carry, next to ``index`` and the user's columns:
+
+==================  ==============  ===========================================================================
+column              type            meaning
+==================  ==============  ===========================================================================
+the key's name      int64 / string  the example's key (``key="id"``: ``id``; a key function: ``key``)
+``_tbp_hash``       int64           the content hash of the example when it was processed
+``_tbp_version``    string          the version (digest) of the run that wrote the row
+``_tbp_run``        int32           the run that wrote it: 1 for the job's first run, ``k + 1`` for ``retries/<k>``
+==================  ==============  ===========================================================================
+
+The *version* is a digest of what determines a row's values besides its content: the processor's qualified name,
+the user's ``version=`` (any JSON value: a model revision, a prompt's name), the hash scheme, ``autocast`` and
+``inference_mode``. Not the batch size, the world size or the schedule, which do not change the outputs.
+
+The key and hash of a processed example are computed in the main process when its batch's rows are written
+(:class:`RowStamp`: one more ``dataset[i]`` per processed example; cheap for in-memory and Arrow-backed
+datasets). The rows of a batch must be one per example of ``context.batch_indices`` (what ``context.write``
+already requires).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.outputs.columns import require_pyarrow
+from torch_batch_process.outputs.keyed.content_hash import HASH_SCHEME
+from torch_batch_process.outputs.keyed.diff import ON_CHANGE
+from torch_batch_process.outputs.keyed.keys import KeySpec, check_key_spec, key_array
+
+__all__ = [
+    "HASH_FIELD",
+    "KEYED_COLUMNS",
+    "RUN_FIELD",
+    "VERSION_FIELD",
+    "KeyedOptions",
+    "RowStamp",
+    "check_keyed_options",
+]
+
+HASH_FIELD = "_tbp_hash"
+VERSION_FIELD = "_tbp_version"
+RUN_FIELD = "_tbp_run"
+KEYED_COLUMNS = (HASH_FIELD, VERSION_FIELD, RUN_FIELD)
+"""The columns the library adds to a keyed job's rows (besides the key)."""
+
+
+@dataclass(frozen=True)
+class KeyedOptions:
+    """A keyed job's options, checked (see the module docstring)."""
+
+    spec: KeySpec
+    version: Any = None
+    """The user's ``version=`` (a JSON value), or ``None``."""
+    digest: str = ""
+    """The run's version: a digest of what determines the outputs (see the module docstring)."""
+    incremental: bool = False
+    on_change: str = "refuse"
+    run: int = 1
+    """The run that writes rows: 1 for the job's first run, ``k + 1`` for ``retries/<k>``."""
+    increment: dict[str, Any] | None = field(default=None, compare=False)
+    """The planner's counts of this run (``None``: the job's first run or a plain retry)."""
+
+    @property
+    def column(self) -> str:
+        """The key's column in the rows."""
+        return self.spec.column
+
+    def describe(self) -> dict[str, Any]:
+        """What a job's spec keeps (its fingerprint): the key's identity and the run's version."""
+        return {**self.spec.describe(), "column": self.column, "version": self.digest, "version_value": self.version}
+
+    def for_run(self, run: int, increment: dict[str, Any] | None = None) -> KeyedOptions:
+        """The same options for run ``run``."""
+        return replace(self, run=run, increment=increment)
+
+
+def check_keyed_options(
+    key: Any,
+    content: Any,
+    version: Any,
+    incremental: Any,
+    on_change: Any,
+    *,
+    processor: str,
+    dataset: Any,
+    autocast: Any,
+    inference_mode: bool,
+    retry_failed: bool,
+    table: Any,
+) -> KeyedOptions | None:
+    """Checks the keyed options of a call before any work; ``None`` when the job is not keyed."""
+    if not isinstance(incremental, bool):
+        raise InvalidArgumentError(f"incremental must be True or False, got {incremental!r:.80}")
+    if on_change not in ON_CHANGE:
+        raise InvalidArgumentError(f"on_change must be one of {list(ON_CHANGE)}, got {on_change!r:.80}")
+    spec = check_key_spec(key, content)
+    if spec is None:
+        for name, value, default in (("version", version, None), ("incremental", incremental, False),
+                                     ("on_change", on_change, "refuse")):
+            if value != default:
+                raise InvalidArgumentError(
+                    f"{name}={value!r:.80} is for a keyed job: give key= too (the field of each example, or a "
+                    "function of the example, that identifies it)"
+                )
+        return None
+    if retry_failed:
+        raise InvalidArgumentError(
+            "retry_failed=True on a keyed job: run it with incremental=True instead (it processes the examples that "
+            "failed, with those that are new or changed); drop retry_failed=True"
+        )
+    if table is not None and (getattr(table, "kind", "") != "delta" or "://" in str(getattr(table, "uri", ""))):
+        raise InvalidArgumentError(
+            f"key= with table={table.describe_short()} is not supported yet: a keyed job's MERGE by key is built for "
+            "a local Delta table (tables.delta('/path')) so far; write shards (no table=), or drop key="
+        )
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) or _is_source(dataset):
+        raise InvalidArgumentError(
+            f"key= needs a map-style dataset (with __len__ and __getitem__) for now, got {type(dataset).__name__}; "
+            "streamed sources are not keyed yet"
+        )
+    try:
+        declared = json.dumps(version, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"version must be a JSON value (a str such as a model revision, a number, a list or dict of them), got "
+            f"{version!r:.80}"
+        ) from exc
+    fingerprint = json.dumps(
+        {"processor": processor, "version": declared, "hash": HASH_SCHEME, "autocast": autocast,
+         "inference_mode": inference_mode},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+    return KeyedOptions(spec, version, digest, incremental, on_change)
+
+
+def _is_source(dataset: Any) -> bool:
+    from torch_batch_process.sources.base import Source
+
+    return isinstance(dataset, Source)
+
+
+class RowStamp:
+    """Adds a keyed job's columns to the rows of a batch (see the module docstring).
+
+    Args:
+        options: the job's keyed options (its run).
+        dataset: the map-style dataset (``dataset[i]`` gives the example whose key and hash are stored).
+    """
+
+    def __init__(self, options: KeyedOptions, dataset: Any) -> None:
+        self.options = options
+        self.dataset = dataset
+
+    def __call__(self, table: Any, indices: Sequence[int]) -> Any:
+        """``table`` (one row per index of ``indices``, ``index`` first) with the key and ``_tbp_*`` columns."""
+        pa = require_pyarrow()
+        options, spec = self.options, self.options.spec
+        taken = [c for c in KEYED_COLUMNS if c in table.column_names]
+        if taken:
+            raise InvalidArgumentError(
+                f"context.write(): column {taken[0]!r} is reserved in a keyed job (the library stores it); rename it"
+            )
+        keys, hashes = [], []
+        for index in indices:
+            example = self.dataset[int(index)]
+            keys.append(spec.key_of(example, int(index)))
+            hashes.append(spec.hash_of(example, int(index)))
+        key_column = key_array(keys, int(indices[0]) if len(indices) else 0)
+        name = options.column
+        if name in table.column_names:
+            written = table.column(name)
+            if written.to_pylist() != keys:
+                raise InvalidArgumentError(
+                    f"context.write(): column {name!r} holds other values than the examples' keys (key={name!r}); "
+                    "write the key unchanged, or leave the column out (the library adds it)"
+                )
+            table = table.drop_columns([name])
+        n = table.num_rows
+        return (
+            table.append_column(name, key_column)
+            .append_column(HASH_FIELD, pa.array(hashes, pa.int64()))
+            .append_column(VERSION_FIELD, pa.array([options.digest] * n, pa.string()))
+            .append_column(RUN_FIELD, pa.array([options.run] * n, pa.int32()))
+        )
+
+    def failure_fields(self, index: int) -> dict[str, Any]:
+        """The fields of a failure record of example ``index``: its key and this run (none when the example's key
+        cannot be had: its loading failed)."""
+        try:
+            key = self.options.spec.key_of(self.dataset[index], index)
+        except Exception:  # noqa: BLE001 - the example itself fails to load: the record has no key
+            return {}
+        return {"key": key, RUN_FIELD: self.options.run}

@@ -1,0 +1,84 @@
+"""The incremental runs of a keyed job as stored (DESIGN §21): their files, and what ``tbp status`` says of them.
+
+An incremental run ``k + 1`` is stored like a ``retry_failed`` run, in ``retries/<k>/``
+(:mod:`torch_batch_process.engine.plan.incremental`), with two files of its own written before its ``job.json``:
+its selection (:data:`SELECTION_FILE`) and the planner's counts (:data:`INCREMENT_FILE`). Read-only here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from torch_batch_process.jobstore.layout import FAILURES_DIR, RETRIES_DIR
+from torch_batch_process.jobstore.retries import retry_numbers
+from torch_batch_process.jobstore.store import job_finished, latest_record_at
+from torch_batch_process.storage.base import Storage
+
+__all__ = ["INCREMENT_FILE", "SELECTION_FILE", "counts_text", "failed_keys", "incremental_runs"]
+
+SELECTION_FILE = "_tbp/selection.bin"
+"""The run's selection (:class:`~torch_batch_process.outputs.keyed.selection.Selection`), in its folder."""
+INCREMENT_FILE = "_tbp/increment.json"
+"""The planner's counts of the run (new, changed, unchanged...: ``IncrementCounts.to_json``), in its folder."""
+
+
+def incremental_runs(storage: Storage) -> list[dict[str, Any]]:
+    """The job's incremental runs, oldest first: ``run`` (2, 3...), ``folder``, ``state`` (``finished``,
+    ``unfinished``: killed or running; ``planned``: killed before it started), ``counts`` (the planner's),
+    ``examples_committed`` and ``examples_total`` (of its selection)."""
+    runs = []
+    for k in retry_numbers(storage):
+        folder = f"{RETRIES_DIR}/{k}"
+        counts = storage.read_json_object(f"{folder}/{INCREMENT_FILE}")
+        if counts is None:
+            continue  # a retry_failed run
+        latest = latest_record_at(storage, folder)
+        started = storage.exists(f"{folder}/_tbp/job.json")
+        state = "finished" if job_finished(storage, folder) else "unfinished" if started else "planned"
+        runs.append({
+            "run": k + 1,
+            "folder": folder,
+            "state": state,
+            "counts": counts,
+            "examples_committed": int(latest.stats.get("examples_committed", 0)) if latest is not None else 0,
+            "examples_total": int(counts.get("selected", 0)),
+        })
+    return runs
+
+
+def counts_text(run: dict[str, Any]) -> str:
+    """One incremental run in words, for ``tbp status`` and the log."""
+    c = run["counts"]
+    gone = int(c.get("removed", 0))
+    return (
+        f"run {run['run']} (incremental, {run['state']}): {c.get('total', 0):,} examples: {c.get('new', 0):,} new, "
+        f"{c.get('changed', 0):,} changed, {c.get('failed', 0):,} failed before (retried), "
+        f"{c.get('recompute', 0):,} recomputed, {c.get('unchanged', 0):,} unchanged; "
+        f"{run['examples_committed']:,}/{run['examples_total']:,} processed"
+        + (f"; {gone:,} keys gone from the dataset (kept)" if gone else "")
+    )
+
+
+def failed_keys(storage: Storage) -> Any:
+    """The keys that failed in each run of a keyed job (``on_error="skip"``), as a ``pyarrow.Table`` of ``key`` and
+    ``_tbp_run``: the *tombstones* that hide a key's older rows (a changed example whose new run failed is not
+    served with its stale value) and that the planner selects again. ``None`` when there are none. Reads the
+    committed failure records of the job and of every ``retries/<k>/`` run."""
+    keys: list[Any] = []
+    runs: list[int] = []
+    for k in [0, *retry_numbers(storage)]:
+        folder = f"{RETRIES_DIR}/{k}/{FAILURES_DIR}" if k else FAILURES_DIR
+        for name in storage.list(folder):
+            if not name.endswith(".jsonl"):
+                continue
+            for line in storage.read_bytes(f"{folder}/{name}").decode("utf-8").splitlines():
+                record = json.loads(line) if line.strip() else {}
+                if isinstance(record, dict) and "key" in record:
+                    keys.append(record["key"])
+                    runs.append(int(record.get("_tbp_run", k + 1)))
+    if not keys:
+        return None
+    import pyarrow as pa  # only here: tbp's status parser imports this module, and must stay light
+
+    return pa.table({"key": keys, "_tbp_run": pa.array(runs, pa.int32())})
