@@ -230,7 +230,9 @@ class JobRun:
             latest = start.latest
             committed = latest.record_schema if latest is not None else (job.retry.schema if job.retry else None)
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
-            self.records = RecordWriter(self.stager, self.current, self.rank, args.output_format, committed, sink)
+            self.records = RecordWriter(
+                self.stager, self.current, self.rank, args.output_format, committed, sink, sole=self.world_size == 1
+            )
             self.context = TorchBatchProcessorContext(
                 device=env.device,
                 distributed=env.info,
