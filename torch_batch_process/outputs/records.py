@@ -9,7 +9,8 @@ groups' rows per rank, whatever the job's size. CUDA tensors are copied back asy
 their rows, so the batch's thread does not wait for the GPU.
 
 At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer before its vote) the rows since
-the previous commit are made durable before the vote: on object stores as the stage's segment,
+the previous commit are made durable before the vote (one process on local storage: before the record that commits
+them, see ``sole``): on object stores as the stage's segment,
 ``_tbp/segments/<s>-rank_<r>-<k>.arrow``, uploaded through the stager's file sink; on local storage appended to the
 rank's segment log, ``_tbp/segments/<s>-rank_<r>-<k>.arrows``, one file per shard instead of one per commit
 (:mod:`torch_batch_process.outputs.segment_log`). The shard stays open across commits (row groups by bytes, not by
