@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.base:
         figures["records_small.tbp_over_base.job"] = ratio_spread(results, "tbp", "tbp-base", "seconds")
         figures["records_small.tbp_over_base.main_cpu"] = ratio_spread(results, "tbp", "tbp-base", "main_cpu")
+        print("tbp / the --base tree's, same round: " + "; ".join(
+            f"{label} {fmt_spread([r['tbp'][c] / r['tbp-base'][c] for r in results], 3)}"
+            for label, c in (("job", "seconds"), ("main CPU", "main_cpu"), ("CPU", "cpu"))))
     emit_figures(figures)
     if args.s3_read:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
