@@ -4,8 +4,10 @@
     python -m benchmarks.records_small --rows 100000 --rounds 1
     python -m benchmarks.records_small --ablate                 # also: the job with one of its costs taken out
     python -m benchmarks.records_small --s3-read                # also: read_outputs on S3 (moto), by layout
+    python -m benchmarks.records_small --base /tmp/before        # also: another checkout's job, in the same rounds
 
-Each measurement runs in a fresh process and times only the work (imports and the dataset outside the clock):
+Each measurement runs in a fresh process and times only the work (imports, ``pyarrow``'s too, and the dataset
+outside the clock; ``pandas``, which ``pyarrow`` imports at its first table, inside it for every contender):
 
 - *tbp*: ``torch_batch_process`` with a processor that ``context.write()``\\ s two columns per batch of 100 tiny
   examples (``x = batch * 2``, ``y = batch * 0.5``), default ``checkpoint_interval=5`` (2,000 commits for 1e6
@@ -89,6 +91,8 @@ def _ablate(kind: str) -> dict:
 
 def child_tbp(rows: int, batch_size: int, storage: str, ablate: str = "") -> dict:
     import glob
+
+    import pyarrow.parquet  # noqa: F401 - imported before the clock, as in the hand loops (the library's is lazy)
 
     from torch_batch_process import TorchBatchProcessor, torch_batch_process
     from torch_batch_process.outputs.readback import OUTPUTS_GLOB
@@ -178,10 +182,14 @@ def child_s3(rows: int, batch_size: int, url: str, per_commit: bool) -> dict:
     return {"job": job, "upload": upload, "read": read, "shards": shards}
 
 
-def _child(*args: str) -> dict:
+def _child(*args: str, tree: str = "") -> dict:
+    """One measurement in a fresh process (``tree``: another checkout of the library, first on its path)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.records_small", "--child", *args],
-        capture_output=True, text=True, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True, text=True, check=False, env=env, cwd=tree or None,
     )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-4000:])
@@ -189,12 +197,15 @@ def _child(*args: str) -> dict:
 
 
 CONTENDERS = ("tbp", "buffered", "hand")
-LABELS = {"tbp": "tbp", "buffered": "hand, buffered", "hand": "hand, unbuffered"}
+LABELS = {"tbp": "tbp", "tbp-base": "tbp, --base tree", "buffered": "hand, buffered", "hand": "hand, unbuffered"}
 ABLATIONS = ("no-commits", "no-segment", "no-fsync", "no-crc")
 
 
-def run_rounds(rows: int, batch_size: int, rounds: int, contenders: list[str]) -> list[dict[str, dict]]:
-    """Every contender once per round, in an order rotated per round; each in a fresh process."""
+def run_rounds(
+    rows: int, batch_size: int, rounds: int, contenders: list[str], base: str = ""
+) -> list[dict[str, dict]]:
+    """Every contender once per round, in an order rotated per round; each in a fresh process (``base``: the
+    checkout the ``tbp-base`` contender runs)."""
     from benchmarks.report import rotated
 
     results = []
@@ -202,7 +213,9 @@ def run_rounds(rows: int, batch_size: int, rounds: int, contenders: list[str]) -
         runs: dict[str, dict] = {}
         for kind in rotated(list(contenders), r):
             with tempfile.TemporaryDirectory() as tmp:
-                if kind == "tbp" or kind.startswith("no-"):
+                if kind == "tbp-base":
+                    runs[kind] = _child("tbp", str(rows), str(batch_size), f"{tmp}/job", tree=base)
+                elif kind == "tbp" or kind.startswith("no-"):
                     runs[kind] = _child("tbp", str(rows), str(batch_size), f"{tmp}/job", kind if kind != "tbp" else "")
                 else:
                     runs[kind] = _child(kind, str(rows), str(batch_size), f"{tmp}/{kind}.parquet")
@@ -229,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-read", action="store_true")
     parser.add_argument("--s3-rows", type=int, default=1_000_000)
     parser.add_argument("--s3-before-rows", type=int, default=100_000, help="rows of the shard-per-commit job")
+    parser.add_argument("--base", default="", help="another checkout (e.g. before a change): its job runs as the "
+                        "contender tbp-base in the same rounds")
     parser.add_argument("--child", nargs="+")
     args = parser.parse_args(argv)
     if args.child:
@@ -240,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(json.dumps(child_hand(rows, batch, where, kind == "buffered")))
         return 0
-    contenders = list(CONTENDERS) + (list(ABLATIONS) if args.ablate else [])
+    contenders = list(CONTENDERS) + (["tbp-base"] if args.base else []) + (list(ABLATIONS) if args.ablate else [])
     print(f"{args.rows:,} rows, batches of {args.batch_size}, {args.rounds} rounds (order rotated per round)")
-    results = run_rounds(args.rows, args.batch_size, args.rounds, contenders)
+    base = os.path.abspath(args.base) if args.base else ""
+    results = run_rounds(args.rows, args.batch_size, args.rounds, contenders, base)
     print("| contender | job (s) | main CPU (s) | CPU (s) | / hand, buffered: job | main CPU | CPU | shards |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind in contenders:
@@ -261,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     for kind in ABLATIONS if args.ablate else ():
         figures[f"records_small.{kind}_over_tbp.main_cpu"] = ratio_spread(results, kind, "tbp", "main_cpu")
+    if args.base:
+        figures["records_small.tbp_over_base.job"] = ratio_spread(results, "tbp", "tbp-base", "seconds")
+        figures["records_small.tbp_over_base.main_cpu"] = ratio_spread(results, "tbp", "tbp-base", "main_cpu")
+        print("tbp / the --base tree's, same round: " + "; ".join(
+            f"{label} {fmt_spread([r['tbp'][c] / r['tbp-base'][c] for r in results], 3)}"
+            for label, c in (("job", "seconds"), ("main CPU", "main_cpu"), ("CPU", "cpu"))))
     emit_figures(figures)
     if args.s3_read:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))

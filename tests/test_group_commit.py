@@ -22,9 +22,10 @@ class RecordingKeeper:
         self.gate = threading.Event()
         self.gate.set()
 
-    def prepare(self):
+    def prepare(self, lines=None):
         self.number += 1
-        return SimpleNamespace(record=SimpleNamespace(commit=self.number))
+        self.prepared_on = threading.current_thread()
+        return SimpleNamespace(record=SimpleNamespace(commit=self.number), metrics={"lines": lines} if lines else None)
 
     def persist(self, *prepared):
         self.starts.append(time.monotonic())
@@ -48,6 +49,19 @@ def test_records_queued_during_a_write_are_written_as_one_and_all_become_durable
     writes.settle()
     assert keeper.groups == [[1], [2, 3, 4, 5]]  # every record's lines go with the newest record of its group
     assert writes.durable == 5
+    writes.close()
+
+
+def test_one_process_the_writer_prepares_merged_records_in_order_and_hands_their_metrics_back():
+    keeper = RecordingKeeper()
+    writes = GroupCommit(keeper, spacing_s=0.0)
+    for lines in ([], [{"n": 2}], []):  # a commit's votes merged on the main thread, their record left to the writer
+        writes.put_merged(lines)
+    writes.settle()
+    assert [n for group in keeper.groups for n in group] == [1, 2, 3] and writes.durable == 3
+    assert keeper.prepared_on is not threading.current_thread()  # off the batch's thread
+    assert writes.take_metrics() == {"lines": [{"n": 2}]}  # the newest metrics prepared, once
+    assert writes.take_metrics() is None
     writes.close()
 
 

@@ -257,6 +257,18 @@ def test_kill9_during_a_roll_over_then_resume_every_row_exactly_once(tmp_path, m
 
 
 @pytest.mark.slow
+def test_one_process_a_record_waits_for_the_rows_it_commits_appended_off_the_batch_thread(tmp_path):
+    # one process: a seal hands its append to the encoder thread; slowed down, the record must still wait for it
+    spec = _spec(tmp_path, die_after=6, die_at="after_slow_append")
+    storage = spec["storage"]
+    outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(spec), env=_env(1 << 20)), timeout=120)
+    assert outcomes[0][0] == -signal.SIGKILL, outcomes
+    committed = _committed_examples(storage, spec["batch_size"], spec["n"])
+    assert len(committed) > 6 * 2 * spec["batch_size"]  # a record past commit 6 is durable
+    _check_exactly_once_now(storage, spec, "parquet")  # and every row it commits is in the log
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_kill9_mid_append_to_a_segment_log_then_resume_every_row_exactly_once(tmp_path, fmt):
     # a shard of 1 MB: the job's rows stay in one segment log, appended at every commit

@@ -59,7 +59,9 @@ def die_at(moment: str, after: int) -> None:
       one per shard: not deleted);
     - ``roll_at_start``: at the next start, the leftover segments' shard is published, none of them deleted;
     - ``mid_append`` (not at a roll-over): the first append to a segment log after commit ``after`` (of the stage being
-      sealed, before its vote) is cut off halfway: half of its first record batch's bytes reach the file.
+      sealed, before its vote) is cut off halfway: half of its first record batch's bytes reach the file;
+    - ``after_slow_append`` (one process, whose appends are its encoder thread's): every append of a stage after
+      ``after`` takes 0.2 s longer, and the process dies just after the first record that commits such a stage.
     """
     from torch_batch_process.jobstore.store import JobStore
     from torch_batch_process.outputs import segments
@@ -131,6 +133,27 @@ def die_at(moment: str, after: int) -> None:
             _die()
 
         SegmentLog.append = torn
+    elif moment == "after_slow_append":
+        import time
+
+        from torch_batch_process.outputs.segment_log import SegmentLog
+
+        append = SegmentLog.append
+
+        def late(self, table, stage):
+            if stage > after:
+                time.sleep(0.2)
+            append(self, table, stage)
+
+        SegmentLog.append = late
+        write_record = JobStore.write_record
+
+        def record_then_die(self, rec):
+            write_record(self, rec)
+            if rec.commit > after:
+                _die()
+
+        JobStore.write_record = record_then_die
     else:
         raise ValueError(moment)
 

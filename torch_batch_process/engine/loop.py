@@ -233,7 +233,9 @@ class JobRun:
             latest = start.latest
             committed = latest.record_schema if latest is not None else (job.retry.schema if job.retry else None)
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
-            self.records = RecordWriter(self.stager, self.current, self.rank, args.output_format, committed, sink)
+            self.records = RecordWriter(
+                self.stager, self.current, self.rank, args.output_format, committed, sink, sole=self.world_size == 1
+            )
             if args.keyed is not None:  # key=: every row carries its key, content hash, version and run (§21)
                 self.records.stamp = RowStamp(args.keyed, args.dataset)
             self.context = TorchBatchProcessorContext(

@@ -9,7 +9,8 @@ groups' rows per rank, whatever the job's size. CUDA tensors are copied back asy
 their rows, so the batch's thread does not wait for the GPU.
 
 At each commit of the rank (:meth:`RecordWriter.seal`, called by the committer before its vote) the rows since
-the previous commit are made durable before the vote: on object stores as the stage's segment,
+the previous commit are made durable before the vote (one process on local storage: before the record that commits
+them, see ``sole``): on object stores as the stage's segment,
 ``_tbp/segments/<s>-rank_<r>-<k>.arrow``, uploaded through the stager's file sink; on local storage appended to the
 rank's segment log, ``_tbp/segments/<s>-rank_<r>-<k>.arrows``, one file per shard instead of one per commit
 (:mod:`torch_batch_process.outputs.segment_log`). The shard stays open across commits (row groups by bytes, not by
@@ -98,6 +99,10 @@ class RecordWriter:
         output_format: ``"parquet"`` or ``"jsonl"``.
         schema: the job's record schema committed by earlier attempts (``None``: none yet).
         sink: a table target's data files (``None``: shards in the job's storage).
+        sole: the job has one process, which also writes the commit records: on local storage a seal's rows are
+            appended to the segment log by the encoder thread, off the batch's path, and the record writer waits for
+            that append (:meth:`appended`) before the commit point (with several processes the vote itself must
+            follow the append: rank 0 cannot wait for another rank's thread).
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class RecordWriter:
         output_format: str = "parquet",
         schema: RecordSchema | None = None,
         sink: TableSink | None = None,
+        sole: bool = False,
     ) -> None:
         self._stager = stager
         self._sink = sink
@@ -130,6 +136,7 @@ class RecordWriter:
         self._limit = SHARD_BYTES if sink is not None else shard_bytes()
         # local storage: segments are logs appended in place, one per shard (else a file per commit, uploaded)
         self._logs = sink is None and stager.storage.local_path(SEGMENTS_DIR) is not None
+        self._append_later = sole and self._logs  # a seal's append goes to the encoder thread (see ``sole``)
         self._log_name = (-1, -1)  # the (first stage, part) of the newest log opened
         self._segment: _SegmentFile | SegmentLog | None = None  # the stage's open segment part, or the open log
         self._parts: list[_SegmentFile] = []  # the stage's closed segment parts (segment files)
@@ -140,6 +147,7 @@ class RecordWriter:
         self._part_stage = -1
         self._encoder: ThreadPoolExecutor | None = None  # rows are written off the batch's path
         self._encoding: Future[None] | None = None
+        self._appending: Future[None] | None = None  # sole: the newest seal's append, handed to the encoder thread
         self.rows = 0
         self._taken_rows = 0
         self._rolled_rows = 0  # self.rows at the last roll-over: the rows since then are in segments only
@@ -289,8 +297,9 @@ class RecordWriter:
         for copies in landing:
             copies.wait()
         if segment is not None:
-            for table in saving:
-                segment.append(table, stage)
+            import pyarrow as pa
+
+            segment.append(pa.concat_tables(saving) if len(saving) > 1 else saving[0], stage)  # one write
         if target is not None:
             if isinstance(target, ShardFile):
                 target.write(group)
@@ -375,6 +384,9 @@ class RecordWriter:
             self._close_table_file()
             return
         self._wait()
+        if self._append_later and self._unsaved:  # one process: the record writer waits for it (appended())
+            self._flush(shard=False)
+            self._appending = self._encoding
         saving, self._unsaved = self._unsaved, []
         if saving:  # written here, not handed to the encoder thread: the vote waits for it anyway (a hand-over
             # and its wake-up cost more than the write of a few small tables: ~1 ms a commit on a busy machine)
@@ -397,6 +409,14 @@ class RecordWriter:
             self._sealed_rows, self._row_stage = self.rows, stage
         if self._shard_bytes >= self._limit or (closing and (self._shard is not None or self._buffer)):
             self._roll(stage)
+
+    def appended(self) -> None:
+        """Waits until the rows of every stage sealed so far are in the segment log (any thread: the record writer's,
+        before a record that commits them is written); raises the append's error. Returns at once unless ``sole``:
+        then a seal's append is the encoder thread's."""
+        appending = self._appending
+        if appending is not None:
+            appending.result()
 
     def segment_rows(self) -> list[int] | None:
         """After :meth:`seal`: ``[rows, stage]``, the rows this rank has in segments only (committed with the stages

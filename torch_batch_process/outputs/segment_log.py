@@ -11,13 +11,15 @@ widen: a stream has one schema).
 The format is a plain Arrow IPC stream (any Arrow reader opens it): the schema, then one or more record batches per
 commit, each carrying the stage it belongs to in its custom metadata (``tbp_stage``), and the end-of-stream marker
 once the log is closed. The rows of stage ``s`` are appended (written to the file: a ``kill -9`` keeps them) before
-the rank's vote for ``s``, so:
+the rank's vote for ``s`` (one process: before the record that commits ``s``, which waits for the append made by the
+rank's encoder thread), so:
 
 - a batch counts iff the commit record commits its stage (:func:`read_log` takes that test), exactly as a segment
   file does;
-- only the last batch can be cut off (the writer was killed or failed while appending it, before its vote): its
-  stage is not committed, and :func:`read_log` ignores such a *torn tail*. A damaged message that is whole (bytes
-  follow it) raises :class:`~torch_batch_process.errors.OutputCorruptError` instead: committed rows may be behind it.
+- only the last batch can be cut off (the writer was killed or failed while appending it, before its vote or its
+  record): its stage is not committed, and :func:`read_log` ignores such a *torn tail*. A damaged message that is
+  whole (bytes follow it) raises :class:`~torch_batch_process.errors.OutputCorruptError` instead: committed rows may
+  be behind it.
 """
 
 from __future__ import annotations

@@ -68,6 +68,12 @@ class RecordOutputs(Participant):
 
     # ------------------------------------------------------------------ rank 0
 
+    def before_record(self, record: CommitRecord) -> None:
+        """One process: the rows of the stages sealed so far are in the segment log before the record commits them
+        (the seal handed their append to the encoder thread, :class:`~torch_batch_process.outputs.records.RecordWriter`
+        ``sole``)."""
+        self._writer.appended()
+
     def check(self, votes: Sequence[Vote]) -> None:
         """Raises :class:`~torch_batch_process.errors.SchemaConflictError` when a vote's rows do not unify with the
         job's."""

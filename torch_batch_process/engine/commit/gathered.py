@@ -7,7 +7,8 @@ commit's step boundary and complete at the next one, so that their latency overl
 process: at once). Only rank 0 receives and unpickles the W votes (O(W) for rank 0, O(1) for every other rank; an
 ``all_gather`` of the votes made it O(W) on every rank: at 32 ranks, 4.6 ms of CPU per rank and commit). Rank 0
 then merges the votes into the next record and queues it for its record writer thread, which writes the records
-that wait as one group commit (:mod:`~torch_batch_process.engine.commit.group_commit`); its next commit's flags
+that wait as one group commit (:mod:`~torch_batch_process.engine.commit.group_commit`; one process: the writer also
+prepares them, off the batch's path); its next commit's flags
 tell every rank the newest durable record, and each rank publishes the stages that record covers.
 
 What rank 0's participants share (memory limits, ``on_oom="split"``): when the votes rank 0 merged taught them
@@ -78,6 +79,7 @@ class GatheredVotes(VoteTransport):
         self.keeper = self._keeper = keeper
         self.first_stage = first_stage
         self._writes = GroupCommit(keeper) if keeper is not None else None  # rank 0
+        self._sole = collectives.world_size == 1  # the writer prepares the records too (see group_commit)
         self._pending: PendingVotes | None = None
 
     def next_stage(self, stage: int) -> int:
@@ -114,7 +116,11 @@ class GatheredVotes(VoteTransport):
     def record(self, votes: list[Vote]) -> dict[str, Any] | None:
         if self._keeper is None or self._writes is None:
             return None
-        prepared = self._keeper.prepare(self._keeper.merge(votes))
+        lines = self._keeper.merge(votes)  # refuses the votes here (SchemaConflictError), as with several processes
+        if self._sole:  # one process: the record is prepared off the batch's path, by the writer
+            self._writes.put_merged(lines)
+            return self._writes.take_metrics()  # metrics so far, of a record prepared since the last commit
+        prepared = self._keeper.prepare(lines)
         self._writes.put(prepared)
         return prepared.metrics
 

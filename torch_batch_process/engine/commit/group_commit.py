@@ -10,6 +10,13 @@ be most of a job's time. The price is that a record may become durable up to tha
 ``kill -9`` then loses that much more work, which the next start does again. Exactly-once output is
 unchanged: a stage is published only once a record that covers it is durable, and publications (on the
 rank's other background thread) are queued only then.
+
+With one process the writer also prepares the records (:meth:`GroupCommit.put_merged`): the main thread merges a
+commit's votes (what refuses them, a schema conflict, still fails that commit there) and the writer builds each
+record from the merged state when it takes it, so that its bookkeeping (the record's fields, the observer's stats,
+metrics so far) leaves the batch's path; a record then commits every vote merged before it was prepared (records are
+cumulative, and a vote is only sent once the rank's part is durable or waited for, see
+:meth:`~torch_batch_process.engine.commit.participants.Participant.before_record`).
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch_batch_process.engine.commit.keeper import PreparedRecord, RecordKeeper
+from torch_batch_process.metrics_lines import MetricsLine
 
 __all__ = ["MAX_RECORDS_WAITING", "RECORD_SPACING_S", "GroupCommit"]
 
@@ -29,6 +39,14 @@ RECORD_SPACING_S = 0.05
 
 MAX_RECORDS_WAITING = 256
 """Rank 0 waits at a commit when this many prepared records wait for a write (storage slower than commits)."""
+
+
+@dataclass
+class _Merged:
+    """A commit's votes merged on the main thread, its record to be prepared by the writer (:meth:`put_merged`)."""
+
+    lines: list[MetricsLine]
+    merged_at: float = field(default_factory=time.monotonic)
 
 
 class GroupCommit:
@@ -46,7 +64,8 @@ class GroupCommit:
         self._keeper = keeper
         self._spacing_s = spacing_s
         self._cond = threading.Condition()
-        self._unwritten: list[PreparedRecord] = []  # prepared, not taken by a write yet
+        self._unwritten: list[PreparedRecord | _Merged] = []  # not taken by a write yet
+        self._metrics: dict[str, Any] | None = None  # the newest metrics of a record the writer prepared, not taken
         self._writing = False
         self._idle = True  # the writer waits for a first record, with no deadline: put() must wake it
         self._hurry = False  # settle() waits: write without spacing
@@ -57,7 +76,7 @@ class GroupCommit:
         self.durable = keeper.number
         """The newest record known durable on the main thread (it covers every stage up to its number)."""
 
-    def put(self, prepared: PreparedRecord) -> None:
+    def put(self, prepared: PreparedRecord | _Merged) -> None:
         """Queues a record for the writer; waits only when :data:`MAX_RECORDS_WAITING` records wait already.
         Never raises for a failed write (see :meth:`advance`)."""
         with self._cond:
@@ -71,6 +90,31 @@ class GroupCommit:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tbp-records", daemon=True)
             self._thread.start()
+
+    def put_merged(self, lines: list[MetricsLine]) -> None:
+        """Queues the record of votes the keeper merged (``lines``: their ``metrics.jsonl`` lines): the writer prepares
+        it when it takes it (see the module docstring). Never raises for a failed write (see :meth:`advance`)."""
+        self.put(_Merged(lines))
+
+    def take_metrics(self) -> dict[str, Any] | None:
+        """The metrics of the newest record the writer prepared since the last call (``None``: none)."""
+        with self._cond:
+            metrics, self._metrics = self._metrics, None
+        return metrics
+
+    def _prepare(self, group: list[PreparedRecord | _Merged]) -> list[PreparedRecord]:
+        """On the writer: the group's records, those merged on the main thread prepared now, in order."""
+        prepared = []
+        for each in group:
+            if isinstance(each, _Merged):
+                record = self._keeper.prepare(each.lines)
+                record.prepared_at = each.merged_at
+                if record.metrics is not None:
+                    with self._cond:
+                        self._metrics = record.metrics
+                each = record
+            prepared.append(each)
+        return prepared
 
     def _run(self) -> None:
         """The writer: waits for records, keeps the spacing, writes everything waiting as one record."""
@@ -90,14 +134,15 @@ class GroupCommit:
                 self._writing = True
             last_start = time.monotonic()
             try:
-                self._keeper.persist(*group)
+                records = self._prepare(group)
+                self._keeper.persist(*records)
             except BaseException as exc:  # noqa: BLE001 - raised on the main thread by advance()
                 with self._cond:
                     self._error, self._writing = exc, False
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._written, self._writing = group[-1].record.commit, False
+                self._written, self._writing = records[-1].record.commit, False
                 self._cond.notify_all()
 
     @property

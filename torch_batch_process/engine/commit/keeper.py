@@ -227,6 +227,7 @@ class RecordKeeper:
         transaction: never postponed for the ``closing`` commit's record), then every record's lines, the result and
         the clean-up."""
         record = prepared[-1].record
+        self._participants.before_record(record)  # what the record commits is durable first (one process's rows)
         self._store.check_lock()
         durable = Durable(record, closing, prepared_at=prepared[0].prepared_at)
         self._store.write_record(record)

@@ -15,6 +15,8 @@ check, merge       rank 0        refuses the votes, or merges its payloads (:met
                                  :meth:`~Participant.merge`; under the keeper's lock, on the thread that merges)
 record             rank 0        adds its fields to the commit record and the call's summary
                                  (:meth:`Participant.draft`, under the keeper's lock)
+before the write   rank 0        waits until what the record commits is durable (one process: rows a seal handed
+                                 to a thread of the rank, :meth:`Participant.before_record`)
 durable            rank 0        follows a durable record (a table transaction, :meth:`Participant.after_record`)
 share, learn       rank 0, all   rank 0's merge of what every rank must know, sent back by the vote transport
                                  (:meth:`Participant.share`, :meth:`Participant.learn`)
@@ -102,6 +104,11 @@ class Participant:
         """What every rank must learn of the merged votes, when it changed since the previous call (else ``None``)."""
         return None
 
+    def before_record(self, record: CommitRecord) -> None:
+        """Rank 0's record writer, just before ``record`` is written (the commit point): waits until what it commits is
+        durable where the rank's seal left that to a thread of its own (one process only: with several, every rank's
+        seal is durable before its vote). An error fails the job and the record is not written."""
+
     def after_record(self, durable: Durable) -> None:
         """Once a record is durable (rank 0's record writer): what follows it. An error fails the job (resumable)."""
 
@@ -145,6 +152,10 @@ class Participants(Sequence[Participant]):
     def share(self) -> Payloads:
         """What rank 0 shares with every rank now (empty: nothing new)."""
         return Payloads([p for p in (each.share() for each in self._all) if p is not None])
+
+    def before_record(self, record: CommitRecord) -> None:
+        for participant in self._all:
+            participant.before_record(record)
 
     def after_record(self, durable: Durable) -> None:
         for participant in self._all:
