@@ -151,9 +151,9 @@ class OpenJob:
             self.plan = retry.plan if retry is not None else self.input.plan
             self.plan_s = args.lengths_s + time.perf_counter() - t0
             self.spec = JobSpec.of_call(args, self.input.dataset_length, self.plan.fingerprint())
-            self.table = args.table.open() if args.table is not None else None  # table= (outputs/tables)
-            if self.table is not None and args.keyed is not None:  # key=: a MERGE by key (§21)
-                self.table.merge_key = args.keyed.column
+            # table= (outputs/tables); key=: a MERGE by key (§21)
+            merge_key = args.keyed.column if args.keyed is not None else None
+            self.table = args.table.open(merge_key) if args.table is not None else None
             self.table_commits = TableCommits(self.table) if self.table is not None else None
             self.opener = JobOpener(
                 storage, self.spec, args.job_name, args.resume, env.info.size,
@@ -233,11 +233,12 @@ class JobRun:
             latest = start.latest
             committed = latest.record_schema if latest is not None else (job.retry.schema if job.retry else None)
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
+            # key=: every row carries its key, content hash, version and run (§21)
+            stamp = RowStamp(args.keyed, args.dataset) if args.keyed is not None else None
             self.records = RecordWriter(
-                self.stager, self.current, self.rank, args.output_format, committed, sink, sole=self.world_size == 1
+                self.stager, self.current, self.rank, args.output_format, committed, sink,
+                sole=self.world_size == 1, stamp=stamp,
             )
-            if args.keyed is not None:  # key=: every row carries its key, content hash, version and run (§21)
-                self.records.stamp = RowStamp(args.keyed, args.dataset)
             self.context = TorchBatchProcessorContext(
                 device=env.device,
                 distributed=env.info,
@@ -258,9 +259,8 @@ class JobRun:
                 self.stager, rank=self.rank, attempt=start.attempt, failed_before=failed_before(latest),
                 limit=failures.limit(self.plan.num_examples), failures_url=job.failures_url,
                 original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
+                keyed=stamp.failure_fields if stamp is not None else None,  # key=: a failure names its key and run
             )
-            if args.keyed is not None:  # key=: a failure record names its key and run (§21)
-                self.failure_log.keyed = RowStamp(args.keyed, args.dataset).failure_fields
             self.summaries = ReducerSummaries(self.context.reducers, job.opener.store, latest)
             participants: list[Participant] = [RecordOutputs(self.records, latest)]
             if job.table_commits is not None:

@@ -103,6 +103,8 @@ class RecordWriter:
             appended to the segment log by the encoder thread, off the batch's path, and the record writer waits for
             that append (:meth:`appended`) before the commit point (with several processes the vote itself must
             follow the append: rank 0 cannot wait for another rank's thread).
+        stamp: a keyed job's columns added to each batch's rows (``key=``: :class:`~torch_batch_process.outputs.keyed.
+            options.RowStamp`; ``None``: no key).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class RecordWriter:
         schema: RecordSchema | None = None,
         sink: TableSink | None = None,
         sole: bool = False,
+        stamp: Callable[[Any, Sequence[int]], Any] | None = None,
     ) -> None:
         self._stager = stager
         self._sink = sink
@@ -121,9 +124,7 @@ class RecordWriter:
         self._rank = rank
         self._format = output_format
         self._pending: tuple[Any, CopiesDone, RecordSchema] | None = None  # the batch's rows, until it returns
-        self.stamp: Callable[[Any, Sequence[int]], Any] | None = None
-        """A keyed job's columns added to each batch's rows (``key=``: :class:`~torch_batch_process.outputs.keyed.
-        options.RowStamp`)."""
+        self._stamp = stamp
         self._buffer: list[tuple[Any, CopiesDone]] = []  # rows not in the shard yet (with their copies back)
         self._buffered = 0
         self._unsaved: list[tuple[Any, CopiesDone]] = []  # rows not in a segment yet
@@ -167,8 +168,8 @@ class RecordWriter:
             )
         copies, ragged = DeviceCopies(), set()
         table = rows_to_table(rows, self._current.indices, copies, ragged)
-        if self.stamp is not None:
-            table = self.stamp(table, self._current.indices)
+        if self._stamp is not None:
+            table = self._stamp(table, self._current.indices)
         schema = RecordSchema(table.schema, frozenset(ragged), f"batch {self._current.batch_idx} (rank {self._rank})")
         self._pending = (table, copies.done(), schema)
 

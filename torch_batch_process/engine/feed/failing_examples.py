@@ -219,6 +219,7 @@ class FailureLog:
         failures_url: where the failures are published (for messages).
         original_batch: a retry's ``(batch_idx, index) -> the batch the example failed in, in the job``: its
             failure records keep the original batch (``batch_idx``), and the retry's (``retry_batch_idx``).
+        keyed: a keyed job's fields of a failure record, its key and run (``RowStamp.failure_fields``; DESIGN §21).
     """
 
     def __init__(
@@ -231,6 +232,7 @@ class FailureLog:
         limit: int | None,
         failures_url: str,
         original_batch: Callable[[int, int], int] | None,
+        keyed: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
         self._stager = stager
         self.rank = rank
@@ -241,8 +243,7 @@ class FailureLog:
         self._original_batch = original_batch
         self.failed = 0
         """Failures this rank recorded in this call."""
-        self.keyed: Callable[[int], dict[str, Any]] | None = None
-        """A keyed job's fields of a failure record (its key and run: ``RowStamp.failure_fields``), DESIGN §21."""
+        self._keyed = keyed  # a keyed job's fields of a failure record (its key and run), DESIGN §21
         self._since_vote = 0
         self._uncommitted: list[str] = []  # descriptions of those since the rank's last commit (for the message)
 
@@ -268,7 +269,7 @@ class FailureLog:
                 "message": str(error),
                 "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__, chain=False)),
                 "time": round(time.time(), 3),
-                **(self.keyed(int(index)) if self.keyed is not None else {}),
+                **(self._keyed(int(index)) if self._keyed is not None else {}),
             }
         )
         logger.warning(

@@ -162,9 +162,9 @@ class Table(ABC):
     fixed_lists: bool = False
     """Whether fixed-shape tensors stay fixed-size lists in the table (Lance: vectors it can index)."""
 
-    def __init__(self, target: TableTarget) -> None:
+    def __init__(self, target: TableTarget, merge_key: str | None = None) -> None:
         self.target = target
-        self.merge_key: str | None = None
+        self.merge_key = merge_key
         """A keyed job's key column (``key=``, DESIGN §21): a transaction then also removes the rows its new files'
         keys supersede (a MERGE by key; Delta only for now)."""
 
@@ -275,8 +275,8 @@ class TableTarget(ABC):
         """What identifies the table in the job's fingerprint (no credentials)."""
 
     @abstractmethod
-    def open(self) -> Table:
-        """The opened table."""
+    def open(self, merge_key: str | None = None) -> Table:
+        """The opened table (``merge_key``: a keyed job's key column, whose new rows replace their keys' rows)."""
 
     def describe_short(self) -> str:
         """The table in messages."""

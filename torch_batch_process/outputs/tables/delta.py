@@ -62,8 +62,8 @@ class DeltaTableOutput(TableTarget):
     def describe(self) -> dict[str, Any]:
         return {"format": "delta", "uri": self.uri}
 
-    def open(self) -> DeltaTable:
-        return DeltaTable(self)
+    def open(self, merge_key: str | None = None) -> DeltaTable:
+        return DeltaTable(self, merge_key)
 
 
 def _check_scheme(uri: str, storage_options: dict[str, str] | None, what: str) -> None:
@@ -112,8 +112,8 @@ def _app_id(job_id: str) -> str:
 class DeltaTable(Table):
     """An opened Delta table (see the module docstring)."""
 
-    def __init__(self, target: DeltaTableOutput) -> None:
-        super().__init__(target)
+    def __init__(self, target: DeltaTableOutput, merge_key: str | None = None) -> None:
+        super().__init__(target, merge_key)
         self._target = target
         self._local = "://" not in target.uri or target.uri.startswith("file://")
         self._root = target.uri[len("file://") :] if target.uri.startswith("file://") else target.uri

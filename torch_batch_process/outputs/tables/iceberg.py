@@ -63,8 +63,8 @@ class IcebergTableOutput(TableTarget):
         where = (self.catalog_properties or {}).get("uri")
         return {"format": "iceberg", "identifier": self.identifier, "catalog": self.catalog or where}
 
-    def open(self) -> IcebergTable:
-        return IcebergTable(self)
+    def open(self, merge_key: str | None = None) -> IcebergTable:
+        return IcebergTable(self, merge_key)
 
 
 def iceberg(
@@ -113,8 +113,8 @@ def _key_property(job_id: str) -> str:
 class IcebergTable(Table):
     """An opened Iceberg table (see the module docstring)."""
 
-    def __init__(self, target: IcebergTableOutput) -> None:
-        super().__init__(target)
+    def __init__(self, target: IcebergTableOutput, merge_key: str | None = None) -> None:
+        super().__init__(target, merge_key)
         self._target = target
         self._catalog: Any = None
         self._location: str | None = None

@@ -66,8 +66,8 @@ class LanceTableOutput(TableTarget):
     def describe(self) -> dict[str, Any]:
         return {"format": "lance", "uri": self.uri}
 
-    def open(self) -> LanceTable:
-        return LanceTable(self)
+    def open(self, merge_key: str | None = None) -> LanceTable:
+        return LanceTable(self, merge_key)
 
 
 def lance(
@@ -102,8 +102,8 @@ class LanceTable(Table):
 
     fixed_lists = True
 
-    def __init__(self, target: LanceTableOutput) -> None:
-        super().__init__(target)
+    def __init__(self, target: LanceTableOutput, merge_key: str | None = None) -> None:
+        super().__init__(target, merge_key)
         self._target = target
 
     def _load(self) -> Any:
