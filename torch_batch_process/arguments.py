@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_batch_process.failure_options import FailureOptions
+from torch_batch_process.mesh_shape import MeshShape
 from torch_batch_process.processor import TorchBatchProcessor
 
 __all__ = ["DEFAULT_BUCKET_WINDOW", "JobArguments", "Script"]
@@ -76,3 +77,5 @@ class JobArguments:
     script: Script | None = None
     """The script that runs the call (:func:`~torch_batch_process.validation.launching_script`): a job started by
     another one is refused."""
+    mesh: MeshShape | None = None
+    """``mesh=`` parsed (names and sizes, the outer one the replicas), or ``None``: every rank its own replica."""

@@ -57,6 +57,7 @@ def torch_batch_process(
     batch_timeout: float | None = None,
     retry_failed: bool = False,
     on_oom: str = "split",
+    mesh: dict[str, int] | None = None,
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -138,6 +139,12 @@ def torch_batch_process(
             are cut before they run, on every rank and after a resume; one example that does not fit alone is a
             failing example with ``on_error="skip"``, else :class:`ExampleTooLargeError`. ``"raise"``: an
             out-of-memory error is an error like any other (see :mod:`torch_batch_process.engine.feed.oom`).
+        mesh: one model over several ranks (DESIGN §18, docs/mesh.md): a dict of dimension names to sizes, the outer
+            one the replicas (data parallel; ``-1``: what the world size leaves), e.g. ``{"replica": -1, "tp": 2}``.
+            Batches are dealt over the replicas, every rank of a replica gets the same batch (loaded by its first
+            rank and broadcast), ``context.mesh`` is a torch ``DeviceMesh`` with these names, and a replica's outputs
+            and metrics count once, from its writer (its last rank, ``context.is_writer``). ``None`` (default): every
+            rank is a replica of its own.
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -179,6 +186,7 @@ def torch_batch_process(
             output_format=output_format,
             failures=failures,
             table=table,
+            mesh=mesh,
         )
         observe = resolve_observe_options(progress, progress_interval, tensorboard, profile)
         # SIGTERM/SIGINT mean "commit and stop" from here on, the join and the job's opening included: a rank

@@ -141,6 +141,8 @@ class RecordWriter:
         self._rolled_rows = 0  # self.rows at the last roll-over: the rows since then are in segments only
         self._sealed_rows = 0  # self.rows at the last seal
         self._row_stage = -1  # the newest stage sealed with rows
+        self.keeps_rows = True
+        """``False`` on a replica's members other than its writer (``mesh=``): rows are checked, then dropped."""
         current.listeners.append(self._batch_finished)
         stager.attach(self)
 
@@ -161,7 +163,7 @@ class RecordWriter:
     def _batch_finished(self, ok: bool) -> None:
         """The current batch returned (``ok``: its rows join the buffer) or raised (they are dropped)."""
         pending, self._pending = self._pending, None
-        if not ok or pending is None:
+        if not ok or pending is None or not self.keeps_rows:
             return
         table, landing, schema = pending
         table = self._conform(table, landing, schema)

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torch_batch_process.mesh_shape import MeshLayout, MeshPosition
+from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
-__all__ = ["JobMesh", "build_job_mesh"]
+__all__ = ["JobMesh", "build_job_mesh", "open_job_mesh"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class JobMesh:
     """``context.mesh``: the user's dimension names, outer (the replicas) first."""
     replica_group: dist.ProcessGroup | None
     """The library's gloo group of this replica's members; ``None`` when a replica is one rank."""
+
+    @property
+    def units(self) -> tuple[int, int]:
+        """What the static schedule deals batches over: this rank's replica and the number of replicas."""
+        return self.position.replica_rank, self.position.num_replicas
 
 
 _BUILT: dict[tuple[Any, ...], tuple[Any, JobMesh]] = {}
@@ -77,3 +83,28 @@ def build_job_mesh(layout: MeshLayout, device: torch.device, timeout: datetime.t
     mesh = JobMesh(layout, position, device_mesh, replica_group)
     _BUILT[key] = (world, mesh)
     return mesh
+
+
+def open_job_mesh(shape: MeshShape | None, world_size: int, device: torch.device, timeout: datetime.timedelta) -> (
+    JobMesh | None
+):
+    """Every rank, at the same point of a call, once the ranks joined: the :class:`JobMesh` of ``mesh=`` (``None``
+    without one).
+
+    The layout is checked first (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`: the same
+    :class:`~torch_batch_process.errors.InvalidArgumentError` on every rank, before any work). A job of one process
+    has no process group: it gets a process group of its own (kept for the process's life, as the job's default
+    group is), so that ``context.mesh`` is a real ``DeviceMesh`` (a 1 x 1 mesh on one GPU runs the NCCL path)."""
+    if shape is None:
+        return None
+    layout = shape.resolve(world_size)
+    if world_size == 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        extra: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
+    if device.type == "cuda" and dist.get_backend() != "nccl":
+        raise InvalidArgumentError(
+            f"mesh={shape.describe()} on GPUs needs one process per GPU (the job's process group is "
+            f"{dist.get_backend()}, not NCCL): start as many processes per node as it has GPUs"
+        )
+    return build_job_mesh(layout, device, timeout)
