@@ -80,6 +80,7 @@ from torch_batch_process.engine.schedule.agreement import Decision
 from torch_batch_process.engine.schedule.liveness import watch_peers
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.engine.work import RankWork
+from torch_batch_process.errors import WorkerLostError
 from torch_batch_process.jobstore.formats import JobSpec
 from torch_batch_process.jobstore.layout import FAILURES_DIR, OUTPUTS_DIR, tensorboard_dir
 from torch_batch_process.jobstore.opening import JobOpener, Start
@@ -311,7 +312,14 @@ class JobRun:
         )
         outcome = None
         if len(self.remaining) or stop_now:
-            outcome = self._process(processor, stop_now)  # 3. to 5.
+            try:
+                outcome = self._process(processor, stop_now)  # 3. to 5.
+            except WorkerLostError:
+                # a rank lost while this one had failed (mesh=: its peer, ended by the member watch while it waited
+                # in a collective with this rank): this rank's own error is the cause, the lost rank its consequence
+                if self.rank_failure.failed:
+                    self.rank_failure.raise_for([])
+                raise
         if outcome is None or not outcome.preempted:
             failed = outcome.summary.failed_examples if outcome is not None else None
             check_max_failures(
