@@ -28,7 +28,12 @@ from harness import (
 )
 
 from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.engine.capabilities.mesh_participant import MemberFiles, MemberFilesParticipant, UploadedNames
+from torch_batch_process.engine.commit.payloads import Payloads
+from torch_batch_process.engine.commit.votes import Vote
+from torch_batch_process.engine.work import Part
+from torch_batch_process.errors import InvalidArgumentError, MeshOutputError
+from torch_batch_process.mesh_shape import parse_mesh
 
 sys.path.insert(0, str(REPO / "examples" / "mesh"))
 from encoder import EncoderConfig, TokenDataset, build_encoder  # noqa: E402
@@ -70,6 +75,34 @@ def test_without_a_mesh_every_rank_is_a_replica_that_writes(tmp_path):
     assert Rows.seen == (None, 0, 1, True)
 
 
+def test_a_members_upload_file_its_writer_did_not_write_refuses_the_commit_naming_it(tmp_path):
+    layout = parse_mesh({"replica": -1, "tp": 2}).resolve(4)
+    never = lambda: pytest.fail("a member that is not the writer never uses the stager")  # noqa: E731
+    files = {rank: MemberFiles(layout.position(rank), never) for rank in (0, 2)}
+    for rank, names in ((0, ["batch_3.pt"]), (2, ["batch_4.pt", "extra/notes.txt"])):
+        with files[rank].upload_path() as folder:
+            scratch = folder
+            for name in names:
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                (folder / name).write_text(name)
+        assert not scratch.exists()  # a member's scratch folder goes with its block
+
+    def vote(rank: int, participant) -> Vote:
+        payloads = Payloads([p] if (p := participant.contribute(Part(), closing=False)) is not None else [])
+        return Vote(rank, 1, False, [], 0, None, [], {}, payloads=payloads)
+
+    members = {rank: MemberFilesParticipant(files[rank], layout) for rank in (0, 2)}
+    writers = {1: ["batch_3.pt"], 3: ["batch_4.pt"]}
+    votes = [vote(0, members[0]), vote(2, members[2])]
+    for rank, names in writers.items():
+        votes.append(Vote(rank, 1, True, [], 0, None, [], {}, payloads=Payloads([UploadedNames(tuple(names))])))
+    with pytest.raises(MeshOutputError, match=r"rank 2 wrote 'extra/notes.txt'.*writer of its replica \(rank 3\)"):
+        members[0].check(votes)
+    both = Payloads([UploadedNames(("batch_4.pt", "extra/notes.txt"))])
+    votes[-1] = Vote(3, 1, True, [], 0, None, [], {}, payloads=both)
+    members[0].check(votes)  # the same names as the writers': the writers' files are the outputs
+
+
 # ----------------------------------------------------------------------------- real processes (gloo)
 
 N, BATCH, LAYERS = 48, 4, 2
@@ -107,7 +140,7 @@ def exact_metrics() -> dict:
 
 @pytest.mark.slow
 def test_two_replicas_of_two_give_the_outputs_of_one_process_each_example_once(tmp_path):
-    spec = spec_for(tmp_path)
+    spec = spec_for(tmp_path, upload="same")  # every member saves the same file: the writer's is the output
     done, reports = run_attempt(spec, 1, 4, {"replica": -1, "tp": 2})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     seen = {rank: reports[rank]["seen"] for rank in range(4)}
@@ -119,6 +152,10 @@ def test_two_replicas_of_two_give_the_outputs_of_one_process_each_example_once(t
     assert seen[2]["batches"] == seen[3]["batches"] == list(range(1, N // BATCH, 2))  # as to ranks of a 2-rank world
     assert all(reports[rank]["result"]["metrics"] == exact_metrics() for rank in range(4))
     check_outputs(Path(spec["storage"]))
+    files = sorted(Path(spec["storage"], "outputs").glob("commit_*/rank_*/batch_*.pt"))
+    assert sorted(int(f.stem.split("_")[1]) for f in files) == list(range(N // BATCH))  # each batch's file once
+    assert {f.parent.name for f in files} == {"rank_1", "rank_3"}  # from the writers
+    assert all(torch.load(f) == list(range(int(f.stem[6:]) * BATCH, int(f.stem[6:]) * BATCH + BATCH)) for f in files)
 
 
 @pytest.mark.slow

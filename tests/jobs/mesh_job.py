@@ -5,7 +5,9 @@ on every member (the writer's count), two exact reducers, and what each rank saw
 argv[1]: a JSON spec: ``storage``, ``report_dir``, ``attempt``, ``mesh`` (a dict), ``n``, ``batch_size``,
 ``layers``, ``checkpoint_interval``, optional ``sleep`` (seconds per batch), ``progress_file`` (touched once a rank ran
 ``progress_after`` batches), ``raise_at`` (``[rank, k]``: that rank raises in its ``k``-th batch of the attempt,
-before its forward, while the other members of its replica wait for it in the forward's collectives).
+before its forward, while the other members of its replica wait for it in the forward's collectives), ``upload``
+(``"same"``: every member saves ``batch_<idx>.pt`` with ``upload_path()``; ``"member_only"``: the members that are not
+writers save ``member_<rank>.txt``, which no writer writes).
 Each rank writes ``attempt<a>_rank<r>.json`` with its result or its error. Plain processes or torchrun.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "mesh"))
 
+import torch  # noqa: E402
 from encoder import EncoderConfig, TokenDataset, build_encoder, tensor_parallel_plan  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
@@ -58,6 +61,13 @@ class TensorParallelJob(TorchBatchProcessor):
             raise ValueError(f"rank {rank} fails in batch {batch_idx}")
         embeddings = self.model(self.context.to_device(batch))
         self.context.write({"embedding": embeddings})
+        upload = SPEC.get("upload")
+        if upload == "same" or (upload == "member_only" and not self.context.is_writer):
+            with self.context.upload_path() as folder:
+                if upload == "same":
+                    torch.save(list(self.context.batch_indices), folder / f"batch_{batch_idx}.pt")
+                else:
+                    (folder / f"member_{rank}.txt").write_text(str(batch_idx))
         self.examples.update(len(self.context.batch_indices))
         self.index_sum.update(sum(self.context.batch_indices))
         self.seen["batches"].append(batch_idx)

@@ -47,6 +47,7 @@ from torch_batch_process.engine.announce import (
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.capabilities.failures_participant import FailingExamplesParticipant, failed_before
 from torch_batch_process.engine.capabilities.memory_participant import MemoryLimitsParticipant
+from torch_batch_process.engine.capabilities.mesh_participant import MemberFiles, MemberFilesParticipant
 from torch_batch_process.engine.capabilities.records_participant import RecordOutputs
 from torch_batch_process.engine.capabilities.table_participant import TableOutputs
 from torch_batch_process.engine.capabilities.timeline_participant import TimelineParticipant
@@ -69,7 +70,7 @@ from torch_batch_process.engine.feed.replica import ReplicaFeed
 from torch_batch_process.engine.feed.runner import BatchCall, BatchRunner
 from torch_batch_process.engine.feed.watchdog import watch_batches
 from torch_batch_process.engine.mesh.groups import open_job_mesh
-from torch_batch_process.engine.mesh.members import MemberWatch, scratch_upload_path
+from torch_batch_process.engine.mesh.members import MemberWatch
 from torch_batch_process.engine.plan.bucket_options import AUTO
 from torch_batch_process.engine.plan.plans import BucketedPlan, planned_batches
 from torch_batch_process.engine.plan.retry import Retry
@@ -246,10 +247,11 @@ class JobRun:
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
             self.records = RecordWriter(self.stager, self.current, self.rank, args.output_format, committed, sink)
             self.records.keeps_rows = self.writer  # a replica's other members: rows checked, not kept (docs/mesh.md)
+            member_files = MemberFiles(mesh.position, self.stager.upload_path) if mesh is not None else None
             self.context = TorchBatchProcessorContext(
                 device=env.device,
                 distributed=env.info,
-                upload_path=self.stager.upload_path if self.writer else scratch_upload_path(mesh),
+                upload_path=member_files.upload_path if member_files is not None else self.stager.upload_path,
                 storage_path=job.storage.url,
                 tensorboard_path=job.tensorboard.path,
                 metrics_sink=self.work.add_line,
@@ -273,6 +275,8 @@ class JobRun:
             participants: list[Participant] = [RecordOutputs(self.records, latest)]
             if job.table_commits is not None:
                 participants.append(TableOutputs(self.records, job.table_commits))
+            if member_files is not None and mesh is not None:
+                participants.append(MemberFilesParticipant(member_files, mesh.layout))
             participants += [
                 MemoryLimitsParticipant(self.fitter, latest),
                 FailingExamplesParticipant(self.failure_log, latest),
@@ -378,9 +382,11 @@ class JobRun:
         feed: BatchFeed | ReplicaFeed
         feed = BatchFeed(dataset, self.plan, order, kwargs, env.device, self.fitter, watchdog.watch)
         members: MemberWatch | None = None  # mesh=: a failed member stops its replica (engine/mesh/members.py)
-        if mesh is not None and mesh.replica_group is not None:  # the replica's first member loads and sends
-            feed = ReplicaFeed(feed, mesh.replica_group, mesh.position.first_rank)
-            members = MemberWatch(mesh.position, call_store(call_id) if call_store is not None else None, rank_failure)
+        replica = mesh if mesh is not None and mesh.replica_group is not None else None
+        if replica is not None:  # the replica's first member loads and sends
+            feed = ReplicaFeed(feed, replica.replica_group, replica.position.first_rank)
+            assert call_store is not None  # a replica of several ranks: a job of several ranks
+            members = MemberWatch(replica.position, call_store(call_id), rank_failure)
             self._closing.callback(members.close)
         call = BatchCall(
             processor, self.current, inference_mode=args.inference_mode, mode=job.autocast, no_grad=mesh is not None
@@ -395,6 +401,8 @@ class JobRun:
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
+                if has_batch and replica is not None and not replica.members_ok(rank_failure.failed):
+                    has_batch = False  # a member of this replica failed: no member runs a batch that waits for it
                 if has_batch and not rank_failure.failed and not runner.step(batches):
                     # no batch left for this rank (dynamic), or a stop seen at a claim
                     return scheduler.after_last(failed=rank_failure.failed)

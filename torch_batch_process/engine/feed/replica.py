@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from torch_batch_process.engine.distributed import peers_answering
 from torch_batch_process.engine.feed.batches import BatchFeed, LoadFailed
 from torch_batch_process.engine.mesh.broadcast import broadcast_batch
 
@@ -77,7 +78,8 @@ class ReplicaFeed:
             except LoadFailed as exc:
                 failed = exc
                 item = _Failed(exc.batch_idx, exc.error)
-        item = broadcast_batch(item, self._group, self._source)
+        with peers_answering(dist.get_rank()):  # the source (or a receiver) lost: WorkerLostError, as any collective
+            item = broadcast_batch(item, self._group, self._source)
         if failed is not None:
             raise failed
         if isinstance(item, _Failed):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torch_batch_process.engine.distributed import peers_answering
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
@@ -48,6 +49,18 @@ class JobMesh:
     """``context.mesh``: the user's dimension names, outer (the replicas) first."""
     replica_group: dist.ProcessGroup | None
     """The library's gloo group of this replica's members; ``None`` when a replica is one rank."""
+
+    def members_ok(self, failed: bool) -> bool:
+        """Every member of this replica, at the same step before its batch: whether none of them has failed (``failed``:
+        this rank). One small ``all_reduce`` over the replica's group; a replica whose member failed (in a hook, at a
+        commit, in an earlier batch) then runs no batch, so that no member waits in a collective for a member that is
+        not coming (the ranks' agreement stops the job soon after)."""
+        if self.replica_group is None:
+            return not failed
+        flag = torch.tensor([int(failed)])
+        with peers_answering(self.position.rank):  # a member lost meanwhile: WorkerLostError
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group)
+        return not int(flag.item())
 
     @property
     def units(self) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""A replica's members (``mesh=``, DESIGN §18): what a member that is not the writer does with its files, and the
-watch that makes every rank stop when a member of its replica failed.
+"""A replica's members (``mesh=``, DESIGN §18): the watch that makes every rank stop when a member of its replica
+failed.
 
 **A member that failed while its peers wait in a collective.** A tensor-parallel forward or a pipeline stage waits in
 a collective of the replica's mesh groups for every member. A member killed outright closes its connections: gloo
@@ -12,10 +12,6 @@ replica in the call's rendezvous store; a member that sees the mark and is still
 and stop with them) logs its stacks and ends its process with exit code 1, as ``batch_timeout``'s watchdog does. Its
 exit closes its connections, which releases whoever waited on it; the other ranks then see a lost rank and raise
 (the failing rank its own exception), so no rank waits for the collective timeout.
-
-**Files of a member that is not the writer.** ``context.upload_path()`` yields a scratch folder whose files are not
-outputs (the writer's are: the same processor code runs on every member); a warning says so once per rank, naming
-the fix (``if context.is_writer:``).
 """
 
 from __future__ import annotations
@@ -23,51 +19,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from torch_batch_process import settings
 from torch_batch_process.engine.rank_failure import RankFailure
 from torch_batch_process.mesh_shape import MeshPosition
 
-__all__ = ["MemberWatch", "scratch_upload_path"]
+__all__ = ["MemberWatch"]
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
 """Seconds between two looks of the watch at its rank's failure and its replica's mark."""
-
-
-def scratch_upload_path(mesh: Any) -> Callable[[], contextlib.AbstractContextManager[Path]]:
-    """``context.upload_path`` of a member that is not its replica's writer: a fresh scratch folder each time, removed
-    when the block ends; its files are not outputs (warned once)."""
-    position: MeshPosition = mesh.position
-    warned: list[bool] = []
-
-    @contextlib.contextmanager
-    def upload_path() -> Iterator[Path]:
-        if not warned:
-            warned.append(True)
-            logger.warning(
-                "rank %d is not the writer of replica %d (rank %d is): the files it writes under "
-                "context.upload_path() are not outputs, only the writer's are; write them where "
-                "context.is_writer is True",
-                position.rank, position.replica_rank, position.writer_rank,
-            )
-        folder = Path(tempfile.mkdtemp(prefix=f"tbp-member-rank{position.rank}-"))
-        try:
-            yield folder
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    return upload_path
 
 
 class MemberWatch:
