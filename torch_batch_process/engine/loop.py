@@ -149,7 +149,7 @@ class OpenJob:
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
         # mesh=: its layout checked, then its groups (a collective over every rank), before any I/O
         timeout = datetime.timedelta(seconds=collective_timeout_s())
-        self.mesh = open_job_mesh(args.mesh, env.info.size, env.device, timeout)
+        self.mesh = open_job_mesh(args.mesh, env.info.size, env.device, timeout, env.info.local_size)
         self.units = self.mesh.units if self.mesh is not None else (rank, env.info.size)
         """What batches are dealt over: this rank's replica and the number of replicas (without a mesh: ranks)."""
         self._closing = contextlib.ExitStack()

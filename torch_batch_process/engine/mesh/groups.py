@@ -25,6 +25,7 @@ notes/43-mesh.md for what works on gloo and what does not.
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
 __all__ = ["JobMesh", "build_job_mesh", "open_job_mesh"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,16 +101,17 @@ def build_job_mesh(layout: MeshLayout, device: torch.device, timeout: datetime.t
     return mesh
 
 
-def open_job_mesh(shape: MeshShape | None, world_size: int, device: torch.device, timeout: datetime.timedelta) -> (
-    JobMesh | None
-):
+def open_job_mesh(
+    shape: MeshShape | None, world_size: int, device: torch.device, timeout: datetime.timedelta, local_size: int = 1
+) -> JobMesh | None:
     """Every rank, at the same point of a call, once the ranks joined: the :class:`JobMesh` of ``mesh=`` (``None``
     without one).
 
     The layout is checked first (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`: the same
     :class:`~torch_batch_process.errors.InvalidArgumentError` on every rank, before any work). A job of one process
     has no process group: it gets a process group of its own (kept for the process's life, as the job's default
-    group is), so that ``context.mesh`` is a real ``DeviceMesh`` (a 1 x 1 mesh on one GPU runs the NCCL path)."""
+    group is), so that ``context.mesh`` is a real ``DeviceMesh`` (a 1 x 1 mesh on one GPU runs the NCCL path).
+    ``local_size``: processes per node (rank 0 warns when a replica would span two nodes)."""
     if shape is None:
         return None
     layout = shape.resolve(world_size)
@@ -120,4 +124,11 @@ def open_job_mesh(shape: MeshShape | None, world_size: int, device: torch.device
             f"mesh={shape.describe()} on GPUs needs one process per GPU (the job's process group is "
             f"{dist.get_backend()}, not NCCL): start as many processes per node as it has GPUs"
         )
-    return build_job_mesh(layout, device, timeout)
+    mesh = build_job_mesh(layout, device, timeout)
+    if mesh.position.rank == 0 and layout.members > 1 and local_size % layout.members:
+        logger.warning(
+            "mesh=%s: a replica has %d ranks but %d processes run per node, so some replicas span two nodes (their "
+            "tensor-parallel collectives then cross the network): start a multiple of %d processes per node",
+            shape.describe(), layout.members, local_size, layout.members,
+        )
+    return mesh
