@@ -105,7 +105,8 @@ def test_a_members_upload_file_its_writer_did_not_write_refuses_the_commit_namin
 
 # ----------------------------------------------------------------------------- real processes (gloo)
 
-N, BATCH, LAYERS = 48, 4, 2
+N, BATCH, LAYERS = 46, 4, 2  # two batch shapes: 11 batches of 4, one of 2
+BATCHES = -(-N // BATCH)
 CONFIG = EncoderConfig(layers=LAYERS)
 
 
@@ -139,23 +140,29 @@ def exact_metrics() -> dict:
 
 
 @pytest.mark.slow
-def test_two_replicas_of_two_give_the_outputs_of_one_process_each_example_once(tmp_path):
+@pytest.mark.parametrize("inner", ["tp", "pp"])
+def test_two_replicas_of_two_give_the_outputs_of_one_process_each_example_once(tmp_path, inner):
     spec = spec_for(tmp_path, upload="same")  # every member saves the same file: the writer's is the output
-    done, reports = run_attempt(spec, 1, 4, {"replica": -1, "tp": 2})
+    mesh = {"replica": -1, inner: 2}
+    done, reports = run_attempt(spec, 1, 4, mesh)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     seen = {rank: reports[rank]["seen"] for rank in range(4)}
     assert [(s["replica_rank"], s["num_replicas"], s["is_writer"]) for s in seen.values()] == [
         (0, 2, False), (0, 2, True), (1, 2, False), (1, 2, True),
     ]
-    assert all(s["mesh_names"] == ["replica", "tp"] for s in seen.values())
-    assert seen[0]["batches"] == seen[1]["batches"] == list(range(0, N // BATCH, 2))  # a replica's batches, dealt
-    assert seen[2]["batches"] == seen[3]["batches"] == list(range(1, N // BATCH, 2))  # as to ranks of a 2-rank world
+    layout = parse_mesh(mesh).resolve(4)
+    assert all(s["mesh_names"] == ["replica", inner] for s in seen.values())
+    assert [tuple(s["coordinate"]) for s in seen.values()] == [layout.position(r).coordinate for r in range(4)]
+    assert seen[0]["batches"] == seen[1]["batches"] == list(range(0, BATCHES, 2))  # a replica's batches, dealt
+    assert seen[2]["batches"] == seen[3]["batches"] == list(range(1, BATCHES, 2))  # as to ranks of a 2-rank world
     assert all(reports[rank]["result"]["metrics"] == exact_metrics() for rank in range(4))
     check_outputs(Path(spec["storage"]))
     files = sorted(Path(spec["storage"], "outputs").glob("commit_*/rank_*/batch_*.pt"))
-    assert sorted(int(f.stem.split("_")[1]) for f in files) == list(range(N // BATCH))  # each batch's file once
+    assert sorted(int(f.stem.split("_")[1]) for f in files) == list(range(BATCHES))  # each batch's file once
     assert {f.parent.name for f in files} == {"rank_1", "rank_3"}  # from the writers
-    assert all(torch.load(f) == list(range(int(f.stem[6:]) * BATCH, int(f.stem[6:]) * BATCH + BATCH)) for f in files)
+    for f in files:
+        g = int(f.stem[6:])
+        assert torch.load(f) == list(range(g * BATCH, min(N, (g + 1) * BATCH)))
 
 
 @pytest.mark.slow
@@ -171,7 +178,7 @@ def test_a_killed_member_then_a_raising_member_stop_every_rank_and_another_shape
     assert all(rc not in (None, 0) for rc, _, _ in outcomes), [(rc, err[-2000:]) for rc, _, err in outcomes]
     assert time.monotonic() - started < 45
     first = committed_batches(spec["storage"])
-    assert 0 < first < N // BATCH  # the resumes below take over from a real commit
+    assert 0 < first < BATCHES  # the resumes below take over from a real commit
     # attempt 2: resumed on 1 replica x 2; its source raises in its 2nd batch while its peer waits in the forward's
     # collective: the member watch ends the blocked peer after TBP_MESH_GRACE_S, and every rank exits
     env = base_env(TBP_MESH_GRACE_S="2")

@@ -1,13 +1,19 @@
 """A ``mesh=`` job through the library (tests/test_mesh_jobs.py): the examples' encoder split with tensor parallel
-(``parallelize_module`` over ``context.mesh["tp"]``) on every replica, its embeddings written with ``context.write``
-on every member (the writer's count), two exact reducers, and what each rank saw of its mesh.
+(``parallelize_module`` over ``context.mesh["tp"]``; its embeddings written with ``context.write`` on every member, the
+writer's count) or cut into pipeline stages (``torch.distributed.pipelining`` over ``context.mesh["pp"]``, one schedule
+per batch shape; the last stage, the writer, holds and writes the embeddings), two exact reducers, and what each rank
+saw of its mesh.
 
-argv[1]: a JSON spec: ``storage``, ``report_dir``, ``attempt``, ``mesh`` (a dict), ``n``, ``batch_size``,
-``layers``, ``checkpoint_interval``, optional ``sleep`` (seconds per batch), ``progress_file`` (touched once a rank ran
-``progress_after`` batches), ``raise_at`` (``[rank, k]``: that rank raises in its ``k``-th batch of the attempt,
-before its forward, while the other members of its replica wait for it in the forward's collectives), ``upload``
-(``"same"``: every member saves ``batch_<idx>.pt`` with ``upload_path()``; ``"member_only"``: the members that are not
-writers save ``member_<rank>.txt``, which no writer writes).
+argv[1]: a JSON spec: ``storage``, ``report_dir``, ``attempt``, ``mesh`` (a dict: ``tp`` or ``pp`` inner), ``n``,
+``batch_size``, ``layers``, ``checkpoint_interval``, and optionally:
+
+- ``sleep``: seconds per batch;
+- ``progress_file``: touched once a rank ran ``progress_after`` batches;
+- ``raise_at``: ``[rank, k]``: that rank raises in its ``k``-th batch of the attempt, before its forward, while the
+  other members of its replica wait for it in the forward's collectives;
+- ``upload``: ``"same"``: every member saves ``batch_<idx>.pt`` with ``upload_path()``; ``"member_only"``: the members
+  that are not writers save ``member_<rank>.txt``, which no writer writes.
+
 Each rank writes ``attempt<a>_rank<r>.json`` with its result or its error. Plain processes or torchrun.
 """
 
@@ -24,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "mesh"))
 
 import torch  # noqa: E402
-from encoder import EncoderConfig, TokenDataset, build_encoder, tensor_parallel_plan  # noqa: E402
+from encoder import EncoderConfig, Pipeline, TokenDataset, build_encoder, tensor_parallel_plan  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 from torch_batch_process import TorchBatchProcessor, torch_batch_process  # noqa: E402
@@ -44,7 +50,10 @@ class TensorParallelJob(TorchBatchProcessor):
     def __init__(self, context):
         self.context = context
         model = build_encoder(CONFIG).to(context.device)
-        self.model = parallelize_module(model, context.mesh["tp"], tensor_parallel_plan(CONFIG))
+        if "pp" in context.mesh.mesh_dim_names:
+            self.model = Pipeline(model, context.mesh["pp"].get_group(), context.device, microbatches=2)
+        else:
+            self.model = parallelize_module(model, context.mesh["tp"], tensor_parallel_plan(CONFIG))
         self.examples = context.wrap_reducer(sum, name="examples")
         self.index_sum = context.wrap_reducer(sum, name="index_sum")
         self.seen = SEEN[rank_of(context)] = {
@@ -52,6 +61,7 @@ class TensorParallelJob(TorchBatchProcessor):
             "num_replicas": context.num_replicas,
             "is_writer": context.is_writer,
             "mesh_names": list(context.mesh.mesh_dim_names),
+            "coordinate": list(context.mesh.get_coordinate()),
             "batches": [],
         }
 
@@ -59,8 +69,9 @@ class TensorParallelJob(TorchBatchProcessor):
         rank = self.context.distributed.rank
         if SPEC.get("raise_at") == [rank, len(self.seen["batches"])]:
             raise ValueError(f"rank {rank} fails in batch {batch_idx}")
-        embeddings = self.model(self.context.to_device(batch))
-        self.context.write({"embedding": embeddings})
+        embeddings = self.model(self.context.to_device(batch))  # pipeline: None but on the last stage
+        if embeddings is not None:
+            self.context.write({"embedding": embeddings})
         upload = SPEC.get("upload")
         if upload == "same" or (upload == "member_only" and not self.context.is_writer):
             with self.context.upload_path() as folder:
