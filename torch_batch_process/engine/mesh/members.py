@@ -16,17 +16,14 @@ exit closes its connections, which releases whoever waited on it; the other rank
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 from torch_batch_process import settings
 from torch_batch_process.engine.rank_failure import RankFailure
+from torch_batch_process.log import end_process, thread_stacks
 from torch_batch_process.mesh_shape import MeshPosition
 
 __all__ = ["MemberWatch"]
@@ -90,18 +87,10 @@ class MemberWatch:
 
     def _exit(self) -> None:
         position = self._position
-        frames = sys._current_frames().items()
-        stacks = "".join(f"thread {ident}:\n" + "".join(traceback.format_stack(frame)) for ident, frame in frames)
         logger.error(
             "rank %d: a member of replica %d failed and this rank is still in its steps %gs later (blocked in a "
             "collective with it, which nothing else releases): ending the process so that every rank stops. "
             "Stacks of rank %d:\n%s",
-            position.rank, position.replica_rank, self._grace_s, position.rank, stacks,
+            position.rank, position.replica_rank, self._grace_s, position.rank, thread_stacks(),
         )
-        for handler in logging.getLogger().handlers + logging.getLogger("torch_batch_process").handlers:
-            with contextlib.suppress(Exception):
-                handler.flush()
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(1)
+        end_process()
