@@ -24,7 +24,7 @@ from harness import (
     run_torchrun,
     spawn_ranks,
     wait_all,
-    wait_for_progress,
+    wait_for,
 )
 
 from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
@@ -126,7 +126,7 @@ def check_outputs(storage: Path) -> None:
 
 
 def spec_for(tmp_path: Path, **spec) -> dict:
-    return job_spec(tmp_path, n=N, batch_size=BATCH, layers=LAYERS, checkpoint_interval=2, **spec)
+    return job_spec(tmp_path, **{"n": N, "batch_size": BATCH, "layers": LAYERS, "checkpoint_interval": 2, **spec})
 
 
 def run_attempt(spec: dict, attempt: int, nproc: int, mesh: dict, timeout: float = 150):
@@ -168,21 +168,22 @@ def test_two_replicas_of_two_give_the_outputs_of_one_process_each_example_once(t
 @pytest.mark.slow
 def test_a_killed_member_then_a_raising_member_stop_every_rank_and_another_shape_resumes_exactly_once(tmp_path):
     # attempt 1: 2 replicas x 2; a non-writer member is killed (SIGKILL) mid-job
-    spec = spec_for(tmp_path, sleep=0.15, progress_file=str(tmp_path / "progress"), progress_after=3)
+    # killed right after the first durable commit (step 3 of 6), between commits: a rank killed while a gathered commit
+    # is in flight can leave the other ranks waiting for one another (see the note in notes/43-mesh.md §9)
+    spec = spec_for(tmp_path, sleep=0.3, checkpoint_interval=3)
     mesh = {"replica": -1, "tp": 2}
     procs = spawn_ranks(4, MESH_JOB, json.dumps(dict(spec, attempt=1, mesh=mesh)))
-    wait_for_progress(Path(spec["progress_file"]), procs)
+    wait_for(lambda: committed_batches(spec["storage"]) > 0, 120, "the first durable commit")  # a real commit to resume
     os.kill(procs[2].pid, signal.SIGKILL)
     started = time.monotonic()
     outcomes = wait_all(procs, timeout=60)
     assert all(rc not in (None, 0) for rc, _, _ in outcomes), [(rc, err[-2000:]) for rc, _, err in outcomes]
     assert time.monotonic() - started < 45
-    first = committed_batches(spec["storage"])
-    assert 0 < first < BATCHES  # the resumes below take over from a real commit
+    assert committed_batches(spec["storage"]) < BATCHES  # killed mid-job
     # attempt 2: resumed on 1 replica x 2; its source raises in its 2nd batch while its peer waits in the forward's
     # collective: the member watch ends the blocked peer after TBP_MESH_GRACE_S, and every rank exits
     env = base_env(TBP_MESH_GRACE_S="2")
-    spec2 = dict(spec, attempt=2, mesh=mesh, raise_at=[0, 1], sleep=0, progress_file=None)
+    spec2 = dict(spec, attempt=2, mesh=mesh, raise_at=[0, 1], sleep=0)
     procs = spawn_ranks(2, MESH_JOB, json.dumps(spec2), env=env)
     started = time.monotonic()
     outcomes = wait_all(procs, timeout=90)

@@ -384,7 +384,7 @@ class JobRun:
         members: MemberWatch | None = None  # mesh=: a failed member stops its replica (engine/mesh/members.py)
         replica = mesh if mesh is not None and mesh.replica_group is not None else None
         if replica is not None:  # the replica's first member loads and sends
-            feed = ReplicaFeed(feed, replica.replica_group, replica.position.first_rank)
+            feed = ReplicaFeed(order, feed, replica.replica_group, replica.position.first_rank)
             assert call_store is not None  # a replica of several ranks: a job of several ranks
             members = MemberWatch(replica.position, call_store(call_id), rank_failure)
             self._closing.callback(members.close)
@@ -401,7 +401,7 @@ class JobRun:
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
-                if has_batch and replica is not None and not replica.members_ok(rank_failure.failed):
+                if has_batch and replica is not None and not replica.members_ok(rank_failure):
                     has_batch = False  # a member of this replica failed: no member runs a batch that waits for it
                 if has_batch and not rank_failure.failed and not runner.step(batches):
                     # no batch left for this rank (dynamic), or a stop seen at a claim

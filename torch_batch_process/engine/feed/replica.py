@@ -9,7 +9,10 @@ per batch); the other members run no loader at all. The batch goes with its feed
 
 A batch that fails to load on the source fails on every member: the members receive the failure (its type and
 message) and raise a :class:`~torch_batch_process.engine.feed.batches.LoadFailed` for that batch, so every rank of the
-replica records a failure at the same step.
+replica records a failure at the same step. A member lost during the broadcast is that batch's failure too (a
+:class:`~torch_batch_process.errors.WorkerLostError`): the rank records it and goes on idling in step with the others
+until they all stop together, rather than leaving the ranks' protocol where it stands (its collectives in flight
+would then wait for it).
 
 Why broadcast rather than each member loading: loading costs CPU on every member (tokenizing, decoding, remote reads)
 and a dataset may not give the same batch twice (random augmentation, a stream); the broadcast costs the same
@@ -24,8 +27,9 @@ from typing import Any
 import torch.distributed as dist
 
 from torch_batch_process.engine.distributed import peers_answering
-from torch_batch_process.engine.feed.batches import BatchFeed, LoadFailed
+from torch_batch_process.engine.feed.batches import BatchFeed, LoadFailed, batch_id
 from torch_batch_process.engine.mesh.broadcast import broadcast_batch
+from torch_batch_process.errors import WorkerLostError
 
 __all__ = ["ReplicaFeed", "SourceLoadFailed"]
 
@@ -47,6 +51,7 @@ class ReplicaFeed:
     every member of a replica (see the module docstring).
 
     Args:
+        order: the replica's batch order (the same on every member; what a member expects next).
         feed: this rank's feed; only the source's is started (the other members' loaders never run: no worker
             process, no batch loaded; a batch's parts run again after an out-of-memory error load with its dataset and
             ``collate_fn``).
@@ -54,7 +59,8 @@ class ReplicaFeed:
         source: the global rank of the replica's source member.
     """
 
-    def __init__(self, feed: BatchFeed, group: dist.ProcessGroup, source: int) -> None:
+    def __init__(self, order: Any, feed: BatchFeed, group: dist.ProcessGroup, source: int) -> None:
+        self._expected = iter(order.batch_ids()) if dist.get_rank() != source else None
         self._feed = feed if dist.get_rank() == source else None
         self.loader = feed.loader
         self.watch = feed.watch
@@ -72,14 +78,18 @@ class ReplicaFeed:
     def __next__(self) -> tuple[Any, Any]:
         item: Any = None
         failed: LoadFailed | None = None
+        expected = next(self._expected, -1) if self._expected is not None else -1
         if self._feed is not None:
             try:
                 item = next(self._feed)  # a StopIteration never happens under the static schedule's step count
             except LoadFailed as exc:
                 failed = exc
                 item = _Failed(exc.batch_idx, exc.error)
-        with peers_answering(dist.get_rank()):  # the source (or a receiver) lost: WorkerLostError, as any collective
-            item = broadcast_batch(item, self._group, self._source)
+        try:
+            with peers_answering(dist.get_rank()):  # the source (or a receiver) lost: WorkerLostError
+                item = broadcast_batch(item, self._group, self._source)
+        except WorkerLostError as lost:
+            raise LoadFailed(failed.batch_idx if failed is not None else _id_of(item, expected), lost) from lost
         if failed is not None:
             raise failed
         if isinstance(item, _Failed):
@@ -90,3 +100,10 @@ class ReplicaFeed:
     def close(self) -> None:
         if self._feed is not None:
             self._feed.close()
+
+
+def _id_of(item: Any, expected: int) -> int:
+    """The batch id of a feed item the source could not send (``expected`` on the other members)."""
+    if isinstance(item, tuple) and item:
+        return batch_id(item[0])
+    return item.batch_idx if isinstance(item, _Failed) else expected

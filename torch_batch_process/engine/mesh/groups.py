@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torch_batch_process.engine.distributed import peers_answering
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.engine.rank_failure import RankFailure
+from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
 from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
 __all__ = ["JobMesh", "build_job_mesh", "open_job_mesh"]
@@ -53,16 +54,22 @@ class JobMesh:
     replica_group: dist.ProcessGroup | None
     """The library's gloo group of this replica's members; ``None`` when a replica is one rank."""
 
-    def members_ok(self, failed: bool) -> bool:
-        """Every member of this replica, at the same step before its batch: whether none of them has failed (``failed``:
-        this rank). One small ``all_reduce`` over the replica's group; a replica whose member failed (in a hook, at a
-        commit, in an earlier batch) then runs no batch, so that no member waits in a collective for a member that is
-        not coming (the ranks' agreement stops the job soon after)."""
+    def members_ok(self, rank_failure: RankFailure) -> bool:
+        """Every member of this replica, at the same step before its batch: whether none of them has failed. One small
+        ``all_reduce`` over the replica's group; a replica whose member failed (in a hook, at a commit, in an earlier
+        batch) then runs no batch, so that no member waits in a collective for a member that is not coming (the ranks'
+        agreement stops the job soon after). A member lost meanwhile is this rank's failure (a
+        :class:`~torch_batch_process.errors.WorkerLostError`): it idles on in step with the other ranks, whose
+        agreement then stops every rank together."""
         if self.replica_group is None:
-            return not failed
-        flag = torch.tensor([int(failed)])
-        with peers_answering(self.position.rank):  # a member lost meanwhile: WorkerLostError
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group)
+            return not rank_failure.failed
+        flag = torch.tensor([int(rank_failure.failed)])
+        try:
+            with peers_answering(self.position.rank):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group)
+        except WorkerLostError as lost:
+            rank_failure.record(lost, f"exchanging the status of replica {self.position.replica_rank}")
+            return False
         return not int(flag.item())
 
     @property
