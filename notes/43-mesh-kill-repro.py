@@ -5,12 +5,19 @@ gathered commit's wait while another rank still waits in the same gather's send 
 all_reduce waits for it), and rank 0's process is alive, blocked in garbage collection (the control group's
 destructor joining its worker thread). Run: PYTHONPATH=. python notes/43-mesh-kill-repro.py /tmp/somewhere
 """
-import json, os, signal, sys, time
+import json
+import os
+import signal
+import sys
+import time
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from pathlib import Path
-from harness import GENERIC_JOB, job_spec, spawn_ranks, wait_all, wait_for, committed_batches
-tmp = Path(sys.argv[1]); tmp.mkdir(parents=True, exist_ok=True)
+
+from harness import GENERIC_JOB, committed_batches, job_spec, spawn_ranks, wait_all, wait_for  # noqa: E402
+
+tmp = Path(sys.argv[1])
+tmp.mkdir(parents=True, exist_ok=True)
 spec = job_spec(tmp, n=200, batch_size=4, sleep=0.3, attempt=1, checkpoint_interval=1)
 procs = spawn_ranks(4, GENERIC_JOB, json.dumps(spec))
 wait_for(lambda: committed_batches(spec["storage"]) > 0, 120, "commit")
