@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -137,6 +138,21 @@ def run_attempt(spec: dict, attempt: int, nproc: int, mesh: dict, timeout: float
 
 def exact_metrics() -> dict:
     return {"examples": N, "index_sum": N * (N - 1) // 2}
+
+
+@pytest.mark.slow
+def test_a_one_process_mesh_gets_a_process_group_of_its_own(tmp_path):
+    """A 1 x 1 mesh on one process (the NCCL path on one GPU; gloo here): the library makes the process group."""
+    spec = job_spec(tmp_path, n=10, batch_size=4, layers=1, attempt=1, mesh={"replica": -1, "tp": 1})
+    done = subprocess.run(
+        [sys.executable, str(MESH_JOB), json.dumps(spec)], env=base_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = read_reports(spec)[0]
+    assert report["result"]["metrics"] == {"examples": 10, "index_sum": 45}
+    seen = report["seen"]
+    assert (seen["num_replicas"], seen["is_writer"], seen["coordinate"]) == (1, True, [0, 0])
+    assert read_outputs(spec["storage"]).column("index").to_pylist() == list(range(10))
 
 
 @pytest.mark.slow
