@@ -10,8 +10,8 @@ over the same batches, the replica's writer saving each batch's embeddings with 
 - ``hand loop``: ``examples/mesh/hand_loop.py``, what a user writes with torch alone (``init_device_mesh``, batches
   dealt to replicas, every member loading its replica's batches, no checkpoint, no resume);
 - ``torch_batch_process``: ``benchmarks/contenders/tbp_mesh.py``, ``mesh={"replica": -1, <mode>: 2}``, files through
-  ``upload_path()`` committed every 5 steps. Run only once ``torch_batch_process`` accepts ``mesh=`` (until then
-  the table says n/a).
+  ``upload_path()`` committed every 5 steps, each batch loaded by the replica's first member and broadcast to the
+  other (the hand loop has every member load it).
 
 Each run is a fresh torchrun with ``2 x replicas`` processes, the contenders in rotated order per round. Clocks: *job*
 is from the moment the last process is ready (its imports done) to the moment the last one is done (examples per

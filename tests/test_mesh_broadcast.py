@@ -1,5 +1,5 @@
 """What a replica's first member sends its members (engine/mesh/broadcast.py): any structure, tensors as raw bytes in
-one aligned buffer, rebuilt equal (pure: the collectives themselves run in test_mesh_parts.py)."""
+one aligned buffer, rebuilt equal (pure: the collectives themselves run in test_mesh_jobs.py, through the library)."""
 
 from __future__ import annotations
 

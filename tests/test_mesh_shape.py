@@ -1,5 +1,5 @@
 """``mesh=`` (DESIGN §18): the spec's checks and the rank arithmetic, compared with torch's own ``DeviceMesh`` layout
-(pure: no process group; the multi-process checks are in test_mesh_parts.py)."""
+(pure: no process group; the multi-process checks are in test_mesh_jobs.py)."""
 
 from __future__ import annotations
 

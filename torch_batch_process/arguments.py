@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_batch_process.failure_options import FailureOptions
+from torch_batch_process.mesh_shape import MeshShape
 from torch_batch_process.processor import TorchBatchProcessor
 
 __all__ = ["DEFAULT_BUCKET_WINDOW", "JobArguments", "Script"]
@@ -79,3 +80,5 @@ class JobArguments:
     keyed: Any = None
     """A keyed job's options (``key=``...: :class:`~torch_batch_process.outputs.keyed.options.KeyedOptions`), or
     ``None``."""
+    mesh: MeshShape | None = None
+    """``mesh=`` parsed (names and sizes, the outer one the replicas), or ``None``: every rank its own replica."""

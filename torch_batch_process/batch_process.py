@@ -65,6 +65,7 @@ def torch_batch_process(
     version: Any = None,
     incremental: bool = False,
     on_change: str = "refuse",
+    mesh: dict[str, int] | None = None,
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
 
@@ -160,6 +161,12 @@ def torch_batch_process(
         on_change: rows stored by another ``version``: ``"refuse"`` (default: the incremental run raises
             :class:`VersionChangedError` naming both versions, before any work) or ``"recompute"`` (processed
             again).
+        mesh: one model over several ranks (DESIGN §18, docs/mesh.md): a dict of dimension names to sizes, the outer
+            one the replicas (data parallel; ``-1``: what the world size leaves), e.g. ``{"replica": -1, "tp": 2}``.
+            Batches are dealt over the replicas, every rank of a replica gets the same batch (loaded by its first
+            rank and broadcast), ``context.mesh`` is a torch ``DeviceMesh`` with these names, and a replica's outputs
+            and metrics count once, from its writer (its last rank, ``context.is_writer``). ``None`` (default): every
+            rank is a replica of its own.
 
     Returns:
         The same :class:`BatchProcessResult` on every rank.
@@ -204,6 +211,7 @@ def torch_batch_process(
             output_format=output_format,
             failures=failures,
             table=table,
+            mesh=mesh,
         )
         keyed = check_keyed_options(
             key, content, version, incremental, on_change, processor=qualified_name(args.processor_cls),

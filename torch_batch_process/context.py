@@ -14,6 +14,7 @@ from torch_batch_process import settings
 from torch_batch_process.device import to_device
 from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.mesh_shape import MeshPosition
 from torch_batch_process.provenance import describe_checkpoint, describe_model_version
 from torch_batch_process.reducers import MetricReducer, ReducerRegistry
 from torch_batch_process.result import to_jsonable
@@ -62,8 +63,14 @@ class TorchBatchProcessorContext:
         metrics_sink: Callable[[dict[str, Any]], None],
         current: CurrentBatch | None = None,
         write_rows: Callable[[Any], None] | None = None,
+        mesh: Any = None,
+        mesh_position: MeshPosition | None = None,
     ) -> None:
         self.device = device
+        self.mesh = mesh
+        """``mesh=``: the job's torch ``DeviceMesh`` (the user's dimension names, the replicas first), for
+        ``parallelize_module`` or ``torch.distributed.pipelining``; ``None`` without ``mesh=``."""
+        self._position = mesh_position
         self.distributed = distributed
         self.storage_path = storage_path
         self._current = current or CurrentBatch()
@@ -74,6 +81,22 @@ class TorchBatchProcessorContext:
         self._reducers = ReducerRegistry()
         self._warned_types: set[type] = set()
         self._hparams: dict[str, Any] | None = None
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's replica (``mesh=``: batches are dealt over replicas); without a mesh, the rank."""
+        return self._position.replica_rank if self._position is not None else self.distributed.rank
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas of the model in the job; without a mesh, the number of ranks."""
+        return self._position.num_replicas if self._position is not None else self.distributed.size
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this rank's outputs count: its replica's last rank with ``mesh=`` (the other ranks' ``write()``
+        rows, reducer values and ``upload_path()`` files are not outputs, see docs/mesh.md); without a mesh, always."""
+        return self._position.is_writer if self._position is not None else True
 
     @property
     def batch_indices(self) -> Sequence[int]:

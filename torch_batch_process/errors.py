@@ -20,6 +20,11 @@ class InvalidArgumentError(BatchProcessError, TypeError, ValueError):
     """
 
 
+class MeshOutputError(InvalidArgumentError):
+    """``mesh=``: a member of a replica that is not its writer wrote an ``upload_path()`` file that the writer did not
+    write in the same commit: only the writer's files are outputs (docs/mesh.md). Raised before that commit."""
+
+
 class SchemaConflictError(InvalidArgumentError):
     """``context.write()`` rows whose columns do not unify with the job's (another type, a tensor whose
     per-example shape changed; see :mod:`torch_batch_process.jobstore.schema`), or that the job's

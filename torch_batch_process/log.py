@@ -7,8 +7,12 @@ INFO and above (a few lines per job), the other ranks WARNING and above. Configu
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+import threading
+import traceback
 
 LOGGER_NAME = "torch_batch_process"
 
@@ -55,3 +59,24 @@ def setup_logging(rank: int) -> None:
         logger.propagate = False
     if _handler is not None:
         logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def thread_stacks() -> str:
+    """The Python stack of every thread of this process (logged before a process ends itself)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_stack(frame))}")
+    return "\n".join(parts)
+
+
+def end_process() -> None:
+    """Ends this process at once with exit code 1 (``os._exit``: from a watching thread, while the main thread is
+    blocked where nothing else can release it), after flushing the logs and the standard streams."""
+    for handler in logging.getLogger().handlers + logging.getLogger(LOGGER_NAME).handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(1)

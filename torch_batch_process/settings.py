@@ -372,6 +372,12 @@ class Settings:
         "a preemption or a failure stops every rank within this and a step; `0` agrees at every step boundary (a "
         "collective per step)",
     )
+    mesh_grace_s: float = variable(
+        "TBP_MESH_GRACE_S", _number("TBP_MESH_GRACE_S", 10.0, seconds=True), "10",
+        "with `mesh=`: seconds a rank may stay in its steps once a member of its replica failed (it may be blocked in "
+        "a collective with it, which nothing else releases); then it logs its stacks and exits with code 1, so that "
+        "every rank stops (docs/mesh.md)",
+    )
     storage_retries: int = variable(
         "TBP_STORAGE_RETRIES", _number("TBP_STORAGE_RETRIES", 5, integer=True, minimum=1), "5",
         "attempts of one storage operation on transient errors (docs/storage.md)",

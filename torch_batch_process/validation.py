@@ -20,6 +20,7 @@ from torch_batch_process.environment import DEFAULT_ROOT, is_valid_job_name
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.failure_options import FailureOptions
 from torch_batch_process.integers import is_int, is_integer
+from torch_batch_process.mesh_shape import MeshShape, parse_mesh
 from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.storage.registry import check_storage_options
@@ -411,6 +412,7 @@ def validate_arguments(
     output_format: Any = "parquet",
     failures: FailureOptions = FailureOptions(),
     table: Any = None,
+    mesh: Any = None,
 ) -> JobArguments:
     """Checks every argument; raises :class:`InvalidArgumentError` naming the first bad one."""
     processor_cls = validate_processor_cls(batch_processor_cls)
@@ -451,6 +453,7 @@ def validate_arguments(
         )
     if schedule == "dynamic":
         require_store_queues("schedule='dynamic'")
+    mesh_shape = validate_mesh(mesh, schedule, failures)
     if failures.batch_timeout is not None:
         require_store_queues("batch_timeout")
     check_output_format(output_format)
@@ -482,4 +485,27 @@ def validate_arguments(
         failures=failures,
         table=table,
         script=launching_script(),
+        mesh=mesh_shape,
     )
+
+
+def validate_mesh(mesh: Any, schedule: str, failures: FailureOptions) -> MeshShape | None:
+    """Checks ``mesh=`` (:func:`~torch_batch_process.mesh_shape.parse_mesh`) and what a mesh job cannot do yet: the
+    dynamic schedule (a replica's members would claim different batches) and ``on_error="skip"`` (one member
+    bisecting a batch alone leaves its peers waiting in their collectives). The world size is checked once the ranks
+    joined (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`)."""
+    shape = parse_mesh(mesh)
+    if shape is None:
+        return None
+    if schedule == "dynamic":
+        raise InvalidArgumentError(
+            f"schedule='dynamic' cannot be used with mesh={mesh!r} yet: the replicas take their batches in lockstep; "
+            "pass schedule='static' (the default) with a mesh"
+        )
+    if failures.skip:
+        raise InvalidArgumentError(
+            f"on_error='skip' cannot be used with mesh={mesh!r} yet: a member that retries a batch in parts alone "
+            "leaves the other members of its replica waiting in their collectives; pass on_error='raise' (the "
+            "default) with a mesh"
+        )
+    return shape

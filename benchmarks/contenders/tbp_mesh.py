@@ -3,7 +3,7 @@
 The same work as ``examples/mesh/hand_loop.py`` (the baseline of ``benchmarks/mesh.py``): the same model split the
 same way, the same batches, the replica's writer saving each batch's ``{"index", "embedding"}`` with ``torch.save``
 (here through ``upload_path()``, committed with the job's checkpoints). Written against the ``mesh=`` API of
-DESIGN §18; ``benchmarks/mesh.py`` runs it only once ``torch_batch_process`` accepts ``mesh``. Arguments: those of
+DESIGN §18 (a mesh job runs ``process_batch`` under ``torch.no_grad()``, as the hand loop does). Arguments: those of
 ``hand_loop.py``.
 """
 
@@ -63,7 +63,6 @@ def main() -> None:
         batch_size=args.batch_size,
         mesh={"replica": -1, args.mode: args.size},
         storage_path=str(args.out),
-        inference_mode=False,  # run under no_grad (see notes/43-mesh.md: DTensor under inference_mode gathers)
         progress=False,
     )
     end = time.time()

@@ -159,6 +159,7 @@ def describe_call(
         "device_prefetch": device_prefetch,
         "output_format": args.output_format,
         "table": args.table.describe() if args.table is not None else None,
+        "mesh": args.mesh.describe() if args.mesh is not None else None,
         "resume": args.resume,
         "job_name": args.job_name,
         "storage_path": storage_url,

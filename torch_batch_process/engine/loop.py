@@ -27,6 +27,7 @@ hold the parts they need), so they all go when the call returns, or when a faile
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
 from collections.abc import Callable
 from functools import partial
@@ -46,6 +47,7 @@ from torch_batch_process.engine.announce import (
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.capabilities.failures_participant import FailingExamplesParticipant, failed_before
 from torch_batch_process.engine.capabilities.memory_participant import MemoryLimitsParticipant
+from torch_batch_process.engine.capabilities.mesh_participant import MemberFiles, MemberFilesParticipant
 from torch_batch_process.engine.capabilities.records_participant import RecordOutputs
 from torch_batch_process.engine.capabilities.table_participant import TableOutputs
 from torch_batch_process.engine.capabilities.timeline_participant import TimelineParticipant
@@ -55,7 +57,7 @@ from torch_batch_process.engine.commit.participants import Participant, Particip
 from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
 from torch_batch_process.engine.commit.shared_start import open_job
 from torch_batch_process.engine.commit.wiring import CommitCall, make_committer
-from torch_batch_process.engine.distributed import DistributedEnv
+from torch_batch_process.engine.distributed import DistributedEnv, collective_timeout_s
 from torch_batch_process.engine.feed.autocast import resolve_autocast
 from torch_batch_process.engine.feed.batches import BatchFeed
 from torch_batch_process.engine.feed.device_memory import device_kind
@@ -64,8 +66,11 @@ from torch_batch_process.engine.feed.failing_examples import FailureLog, Transac
 from torch_batch_process.engine.feed.fitting import BatchFitter
 from torch_batch_process.engine.feed.inputs import open_input
 from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_device_prefetch
+from torch_batch_process.engine.feed.replica import ReplicaFeed
 from torch_batch_process.engine.feed.runner import BatchCall, BatchRunner
 from torch_batch_process.engine.feed.watchdog import watch_batches
+from torch_batch_process.engine.mesh.groups import open_job_mesh
+from torch_batch_process.engine.mesh.members import MemberWatch
 from torch_batch_process.engine.plan.bucket_options import AUTO
 from torch_batch_process.engine.plan.plans import BucketedPlan, planned_batches
 from torch_batch_process.engine.plan.retry import Retry
@@ -76,6 +81,7 @@ from torch_batch_process.engine.schedule.agreement import Decision
 from torch_batch_process.engine.schedule.liveness import watch_peers
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.engine.work import RankWork
+from torch_batch_process.errors import WorkerLostError
 from torch_batch_process.jobstore.formats import JobSpec
 from torch_batch_process.jobstore.layout import FAILURES_DIR, OUTPUTS_DIR, tensorboard_dir
 from torch_batch_process.jobstore.opening import JobOpener, Start
@@ -142,6 +148,11 @@ class OpenJob:
         # checked on the rank's device, before any I/O
         self.autocast = resolve_autocast(args.autocast, env.device)
         self.device_prefetch = validate_device_prefetch(args.device_prefetch, env.device)
+        # mesh=: its layout checked, then its groups (a collective over every rank), before any I/O
+        timeout = datetime.timedelta(seconds=collective_timeout_s())
+        self.mesh = open_job_mesh(args.mesh, env.info.size, env.device, timeout, env.info.local_size)
+        self.units = self.mesh.units if self.mesh is not None else (rank, env.info.size)
+        """What batches are dealt over: this rank's replica and the number of replicas (without a mesh: ranks)."""
         self._closing = contextlib.ExitStack()
         with self._closing:  # closes what was opened when a later part fails
             storage = retry.storage if retry is not None else open_storage(args.storage_path, args.storage_options)
@@ -179,8 +190,8 @@ class OpenJob:
         """Every rank: the :class:`Start` of this attempt, once rank 0 read, checked and repaired what is stored
         (the same error on every rank when it could not)."""
         coll, plan = self.env.collectives, self.plan
-        warn_max_batches(plan, self.args.max_batches, coll.world_size)
-        planned = planned_batches(plan.num_batches, self.args.max_batches, coll.world_size)
+        warn_max_batches(plan, self.args.max_batches, self.units[1])
+        planned = planned_batches(plan.num_batches, self.args.max_batches, self.units[1])  # per replica
         check_same_call(self.spec.to_json(), coll, "jobs (dataset, plan...)")  # before rank 0 opens it
         start = open_job(self.opener, coll, planned, plan.cut(planned).num_examples)
         if start.finished_result is None:
@@ -222,11 +233,15 @@ class JobRun:
         self._closing = contextlib.ExitStack()  # what is closed when the call ends, the last made first
         try:
             self.rank_failure = RankFailure(self.rank)
-            self.work = RankWork()
+            mesh = job.mesh
+            self.writer = mesh is None or mesh.position.is_writer
+            """Whether this rank's outputs and metrics count (``mesh=``: its replica's writer only)."""
+            self.work = RankWork(counts=self.writer)
             dynamic = args.schedule == "dynamic" and self.world_size > 1  # ranks share counters and queues in the store
             self.call_store = env.call_store(start.call_id) if dynamic else None
             self.scheduler = job.input.scheduler(
-                args.schedule, self.remaining, self.coll, args.checkpoint_interval, self.call_store
+                args.schedule, self.remaining, self.coll, args.checkpoint_interval, self.call_store,
+                job.units if mesh is not None else None,
             )
             self.stager = self._closing.enter_context(contextlib.closing(OutputStager(job.storage, self.rank)))
             self.current = CurrentBatch()
@@ -238,16 +253,20 @@ class JobRun:
             self.records = RecordWriter(
                 self.stager, self.current, self.rank, args.output_format, committed, sink,
                 sole=self.world_size == 1, stamp=stamp,
+                keeps_rows=self.writer,  # a replica's other members: rows checked, not kept (docs/mesh.md)
             )
+            member_files = MemberFiles(mesh.position, self.stager.upload_path) if mesh is not None else None
             self.context = TorchBatchProcessorContext(
                 device=env.device,
                 distributed=env.info,
-                upload_path=self.stager.upload_path,
+                upload_path=member_files.upload_path if member_files is not None else self.stager.upload_path,
                 storage_path=job.storage.url,
                 tensorboard_path=job.tensorboard.path,
                 metrics_sink=self.work.add_line,
                 current=self.current,
                 write_rows=self.records.write,
+                mesh=mesh.device_mesh if mesh is not None else None,
+                mesh_position=mesh.position if mesh is not None else None,
             )
             # the capabilities: each with its feed side and its commit participant
             failures = args.failures
@@ -261,10 +280,12 @@ class JobRun:
                 original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
                 keyed=stamp.failure_fields if stamp is not None else None,  # key=: a failure names its key and run
             )
-            self.summaries = ReducerSummaries(self.context.reducers, job.opener.store, latest)
+            self.summaries = ReducerSummaries(self.context.reducers, job.opener.store, latest, counts=self.writer)
             participants: list[Participant] = [RecordOutputs(self.records, latest)]
             if job.table_commits is not None:
                 participants.append(TableOutputs(self.records, job.table_commits))
+            if member_files is not None and mesh is not None:
+                participants.append(MemberFilesParticipant(member_files, mesh.layout))
             participants += [
                 MemoryLimitsParticipant(self.fitter, latest),
                 FailingExamplesParticipant(self.failure_log, latest),
@@ -304,7 +325,14 @@ class JobRun:
         )
         outcome = None
         if len(self.remaining) or stop_now:
-            outcome = self._process(processor, stop_now)  # 3. to 5.
+            try:
+                outcome = self._process(processor, stop_now)  # 3. to 5.
+            except WorkerLostError:
+                # a rank lost while this one had failed (mesh=: its peer, ended by the member watch while it waited
+                # in a collective with this rank): this rank's own error is the cause, the lost rank its consequence
+                if self.rank_failure.failed:
+                    self.rank_failure.raise_for([])
+                raise
         if outcome is None or not outcome.preempted:
             failed = outcome.summary.failed_examples if outcome is not None else None
             check_max_failures(
@@ -359,8 +387,19 @@ class JobRun:
         )
         self._closing.callback(watchdog.close)
         dataset, order, kwargs = job.input.feed_parts(scheduler, args.dataloader_kwargs, self.plan)
+        mesh = job.mesh
+        feed: BatchFeed | ReplicaFeed
         feed = BatchFeed(dataset, self.plan, order, kwargs, env.device, self.fitter, watchdog.watch)
-        call = BatchCall(processor, self.current, inference_mode=args.inference_mode, mode=job.autocast)
+        members: MemberWatch | None = None  # mesh=: a failed member stops its replica (engine/mesh/members.py)
+        replica = mesh if mesh is not None and mesh.replica_group is not None else None
+        if replica is not None:  # the replica's first member loads and sends
+            feed = ReplicaFeed(order, feed, replica.replica_group, replica.position.first_rank)
+            assert call_store is not None  # a replica of several ranks: a job of several ranks
+            members = MemberWatch(replica.position, call_store(call_id), rank_failure)
+            self._closing.callback(members.close)
+        call = BatchCall(
+            processor, self.current, inference_mode=args.inference_mode, mode=job.autocast, no_grad=mesh is not None
+        )
         guards = guard_batches(  # on_error="skip", on_oom="split" (engine/feed/error_handling.py)
             call, feed, self.plan, args.failures, Transactions(self.stager, self.context.reducers, self.rank),
             self.failure_log, self.fitter, Placement(env.device, job.device_prefetch),
@@ -371,6 +410,8 @@ class JobRun:
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
+                if has_batch and replica is not None and not replica.members_ok(rank_failure):
+                    has_batch = False  # a member of this replica failed: no member runs a batch that waits for it
                 if has_batch and not rank_failure.failed and not runner.step(batches):
                     # no batch left for this rank (dynamic), or a stop seen at a claim
                     return scheduler.after_last(failed=rank_failure.failed)
@@ -392,6 +433,8 @@ class JobRun:
             feed.close()  # stops the loader's worker processes
             runner.close()
             watchdog.steps_done()
+            if members is not None:
+                members.steps_done()
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
         """``on_checkpoint_start()`` before a commit (a rank that failed already skips it)."""
@@ -419,13 +462,20 @@ class JobRun:
         """
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode() if self.args.inference_mode else contextlib.nullcontext():
+            with self._grad_mode():
                 hook()
         except Exception as exc:  # noqa: BLE001
             self.rank_failure.record(exc, f"{name}()")
         self.work.add_hook_seconds(time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------ helpers
+
+    def _grad_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """What the hooks run under: ``inference_mode`` as ``process_batch`` (a mesh job: ``no_grad``, see
+        :class:`~torch_batch_process.engine.feed.runner.BatchCall`)."""
+        if not self.args.inference_mode:
+            return contextlib.nullcontext()
+        return torch.no_grad() if self.job.mesh is not None else torch.inference_mode()
 
     def _describe(self) -> dict[str, Any]:
         """Rank 0: the call's arguments, world and plan for ``tbp report`` (:func:`describe_call`)."""

@@ -55,6 +55,7 @@ def call_values(args: JobArguments) -> dict[str, Any]:
         "batch_timeout": failures.batch_timeout,
         "retry_failed": failures.retry_failed,
         "on_oom": failures.on_oom,
+        "mesh": args.mesh.describe() if args.mesh is not None else None,
     }
 
 

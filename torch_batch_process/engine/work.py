@@ -37,9 +37,11 @@ class Part:
     """What this rank did since its previous commit: batches, examples, metrics lines, seconds per phase, and the
     histogram of its batches' ``process_batch`` seconds (see :mod:`torch_batch_process.observe.histogram`)."""
 
-    __slots__ = ("batch_times", "batches", "examples", "lines", "timings")
+    __slots__ = ("batch_times", "batches", "counts", "examples", "lines", "timings")
 
-    def __init__(self) -> None:
+    def __init__(self, counts: bool = True) -> None:
+        self.counts = counts
+        """Whether its batches count (``mesh=``: a replica's writer; the other members vote only control)."""
         self.batches = RangeSet()
         self.examples = 0
         self.lines: list[MetricsLine] = []
@@ -48,6 +50,8 @@ class Part:
 
     def add_batch(self, batch: int, examples: int, seconds: float | None = None) -> None:
         """A batch done; ``seconds``: its ``process_batch`` time, when it ran whole (counted in ``batch_times``)."""
+        if not self.counts:
+            return
         self.batches.add(batch)
         self.examples += examples
         if seconds is not None:  # histogram.add_seconds inlined (this runs once per batch): one C call
@@ -61,14 +65,16 @@ class Part:
 class RankWork:
     """This rank's current :class:`Part`, replaced by a new one each time the committer takes it for a vote."""
 
-    __slots__ = ("part",)
+    __slots__ = ("counts", "part")
 
-    def __init__(self) -> None:
-        self.part = Part()
+    def __init__(self, counts: bool = True) -> None:
+        self.counts = counts
+        """Whether this rank's batches count (``mesh=``: only a replica's writer's do, so each counts once)."""
+        self.part = Part(counts)
 
     def take(self) -> Part:
         """The part done so far (for this rank's vote); a new one starts."""
-        part, self.part = self.part, Part()
+        part, self.part = self.part, Part(self.counts)
         return part
 
     def add_line(self, line: MetricsLine) -> None:

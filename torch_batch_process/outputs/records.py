@@ -105,6 +105,8 @@ class RecordWriter:
             follow the append: rank 0 cannot wait for another rank's thread).
         stamp: a keyed job's columns added to each batch's rows (``key=``: :class:`~torch_batch_process.outputs.keyed.
             options.RowStamp`; ``None``: no key).
+        keeps_rows: ``False`` on a replica's members other than its writer (``mesh=``): rows are checked, then
+            dropped.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class RecordWriter:
         sink: TableSink | None = None,
         sole: bool = False,
         stamp: Callable[[Any, Sequence[int]], Any] | None = None,
+        keeps_rows: bool = True,
     ) -> None:
         self._stager = stager
         self._sink = sink
@@ -154,6 +157,7 @@ class RecordWriter:
         self._rolled_rows = 0  # self.rows at the last roll-over: the rows since then are in segments only
         self._sealed_rows = 0  # self.rows at the last seal
         self._row_stage = -1  # the newest stage sealed with rows
+        self._keeps_rows = keeps_rows
         current.listeners.append(self._batch_finished)
         stager.attach(self)
 
@@ -176,7 +180,7 @@ class RecordWriter:
     def _batch_finished(self, ok: bool) -> None:
         """The current batch returned (``ok``: its rows join the buffer) or raised (they are dropped)."""
         pending, self._pending = self._pending, None
-        if not ok or pending is None:
+        if not ok or pending is None or not self._keeps_rows:
             return
         table, landing, schema = pending
         table = self._conform(table, landing, schema)

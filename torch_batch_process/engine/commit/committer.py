@@ -69,7 +69,7 @@ from torch_batch_process.engine.commit.votes import Vote
 from torch_batch_process.engine.distributed import Collectives
 from torch_batch_process.engine.rank_failure import FailureInfo, RankFailure
 from torch_batch_process.engine.work import RankWork
-from torch_batch_process.errors import SchemaConflictError, WorkerFailedError
+from torch_batch_process.errors import InvalidArgumentError, WorkerFailedError
 from torch_batch_process.jobstore.store import JobStore
 from torch_batch_process.observe.stragglers import RankInterval
 from torch_batch_process.outputs.stager import OutputStager
@@ -188,8 +188,9 @@ class Committer:
         metrics = None
         try:
             metrics = self._transport.record(votes)
-        except SchemaConflictError as exc:  # never committed: travels in rank 0's next vote, all ranks raise
-            self._rank_failure.record(exc, f"commit of stage {own.stage} (checking the ranks' record outputs)")
+        except InvalidArgumentError as exc:  # a participant refused the votes (SchemaConflictError, MeshOutputError):
+            # never committed: travels in rank 0's next vote, all ranks raise
+            self._rank_failure.record(exc, f"commit of stage {own.stage} (checking the ranks' outputs)")
         news = self._transport.news()  # gathered, rank 0: what the votes it merged taught
         if news is not None:
             self._participants.learn(news)  # rank 0 learns at once; the others with its next commit's flags

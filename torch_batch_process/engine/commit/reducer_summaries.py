@@ -39,8 +39,11 @@ class ReducerSummaries(Participant):
         latest: the latest record of earlier attempts: their state files stay slots of the reduction.
     """
 
-    def __init__(self, reducers: ReducerRegistry, store: JobStore, latest: CommitRecord | None) -> None:
+    def __init__(
+        self, reducers: ReducerRegistry, store: JobStore, latest: CommitRecord | None, counts: bool = True
+    ) -> None:
         self._reducers = reducers
+        self._counts = counts  # mesh=: a replica's other members than its writer store no summaries (counted once)
         self._store = store
         self.frozen: list[str] = latest.slot_files() if latest is not None else []
         """State files of earlier attempts, whose summaries stay slots of the final reduction."""
@@ -61,8 +64,8 @@ class ReducerSummaries(Participant):
 
     def take_slots(self) -> list[Any]:
         """This rank's summaries for its state file (computed once per vote: a closing vote carries the same)."""
-        self._slots = self._reducers.per_slot_states()
-        return self._slots
+        self._slots = self._reducers.per_slot_states() if self._counts else None
+        return self._slots  # type: ignore[return-value]
 
     def contribute(self, part: Part, closing: bool) -> ReducerSlots | None:
         slots, self._slots = self._slots, None
@@ -104,4 +107,5 @@ class ReducerSummaries(Participant):
         else:
             live = [self._store.load_state(rel)["reducers"] for rel in state_files if rel]
         frozen = [self._store.load_state(rel)["reducers"] for rel in self.frozen]
-        return self._reducers.cross_slot_reduce(frozen + live)
+        # None: a mesh member that is not its replica's writer (its writer's summaries count its batches)
+        return self._reducers.cross_slot_reduce([slots for slots in frozen + live if slots is not None])

@@ -43,9 +43,16 @@ class JobInput(abc.ABC):
 
     @abc.abstractmethod
     def scheduler(
-        self, kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: RendezvousStore | None
+        self,
+        kind: str,
+        remaining: RangeSet,
+        collectives: Collectives,
+        interval: int,
+        store: RendezvousStore | None,
+        units: tuple[int, int] | None = None,
     ) -> Scheduler:
-        """This rank's scheduler of ``schedule=kind`` over the batches ``remaining``."""
+        """This rank's scheduler of ``schedule=kind`` over the batches ``remaining`` (``units``: its replica and the
+        number of replicas with ``mesh=``)."""
 
     @abc.abstractmethod
     def feed_parts(
@@ -77,9 +84,15 @@ class MapInput(JobInput):
         self.dataset_length = dataset_length
 
     def scheduler(
-        self, kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: RendezvousStore | None
+        self,
+        kind: str,
+        remaining: RangeSet,
+        collectives: Collectives,
+        interval: int,
+        store: RendezvousStore | None,
+        units: tuple[int, int] | None = None,
     ) -> Scheduler:
-        return make_scheduler(kind, remaining, collectives, interval, store)
+        return make_scheduler(kind, remaining, collectives, interval, store, units)
 
     def feed_parts(
         self, scheduler: Scheduler, loader_kwargs: dict[str, Any], plan: Plan
@@ -107,10 +120,16 @@ class StreamInput(JobInput):
         self.dataset = StreamDataset(source, self.plan)
 
     def scheduler(
-        self, kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: RendezvousStore | None
+        self,
+        kind: str,
+        remaining: RangeSet,
+        collectives: Collectives,
+        interval: int,
+        store: RendezvousStore | None,
+        units: tuple[int, int] | None = None,
     ) -> Scheduler:
         """The scheduler of a stream job (static: contiguous blocks per rank)."""
-        return stream_scheduler(kind, remaining, collectives, interval, store)
+        return stream_scheduler(kind, remaining, collectives, interval, store, units)
 
     def feed_parts(
         self, scheduler: Scheduler, loader_kwargs: dict[str, Any], plan: Plan

@@ -51,6 +51,7 @@ class BatchCall:
         current: the context's current batch (``context.batch_indices``; told whether the call returned).
         inference_mode: run under ``torch.inference_mode()``.
         mode: extra context manager factory around ``process_batch`` (autocast), or ``None``.
+        no_grad: ``inference_mode`` means ``torch.no_grad()`` (``mesh=`` jobs).
     """
 
     def __init__(
@@ -60,10 +61,14 @@ class BatchCall:
         *,
         inference_mode: bool,
         mode: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        no_grad: bool = False,
     ) -> None:
         self._processor: TorchBatchProcessor | None = processor
         self.current = current
-        self.inference = torch.inference_mode if inference_mode else contextlib.nullcontext
+        # a mesh job (no_grad): torch.no_grad() stands for inference_mode, under which DTensor's tensor-parallel
+        # layers take a slower path (all-gathers instead of all-reduces; notes/43-mesh.md §2): no autograd either way
+        inference = torch.no_grad if no_grad else torch.inference_mode
+        self.inference = inference if inference_mode else contextlib.nullcontext
         self._mode = mode or contextlib.nullcontext
 
     def __call__(self, batch: Any, batch_idx: int) -> None:

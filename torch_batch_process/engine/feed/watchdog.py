@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch_batch_process.errors import BatchTimeoutError
+from torch_batch_process.log import end_process, thread_stacks
 
 __all__ = ["BatchWatchdog", "NoWatchdog", "watch_batches"]
 
@@ -153,7 +151,7 @@ class BatchWatchdog:
                 self._remote_at = now
                 logger.error(
                     "rank %d: a batch on another rank ran longer than batch_timeout=%gs; stacks of rank %d:\n%s",
-                    self.rank, self.timeout_s, self.rank, _stacks(),
+                    self.rank, self.timeout_s, self.rank, thread_stacks(),
                 )
         except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
             return None
@@ -173,7 +171,7 @@ class BatchWatchdog:
             f"{what} ran longer than batch_timeout={self.timeout_s:g}s; the job stops "
             "(the last commit is intact: run it again to resume)"
         )
-        logger.error("rank %d: %s. Stacks of rank %d:\n%s", self.rank, message, self.rank, _stacks())
+        logger.error("rank %d: %s. Stacks of rank %d:\n%s", self.rank, message, self.rank, thread_stacks())
         if store is not None:
             with contextlib.suppress(Exception):
                 store.add(TIMEOUT_KEY, 1)
@@ -182,14 +180,9 @@ class BatchWatchdog:
             signal.pthread_kill(self._main, SIGNAL)
 
     def _exit(self, why: str) -> None:
-        logger.error("rank %d: %s; ending the process. Stacks of rank %d:\n%s", self.rank, why, self.rank, _stacks())
-        for handler in logging.getLogger().handlers + logging.getLogger("torch_batch_process").handlers:
-            with contextlib.suppress(Exception):
-                handler.flush()
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(1)
+        stacks = thread_stacks()
+        logger.error("rank %d: %s; ending the process. Stacks of rank %d:\n%s", self.rank, why, self.rank, stacks)
+        end_process()
 
 
 class NoWatchdog:
@@ -218,10 +211,3 @@ def watch_batches(
     return watchdog
 
 
-def _stacks() -> str:
-    """The Python stack of every thread of this process."""
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        parts.append(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_stack(frame))}")
-    return "\n".join(parts)

@@ -25,6 +25,7 @@ notes/43-mesh.md for what works on gloo and what does not.
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +33,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torch_batch_process.mesh_shape import MeshLayout, MeshPosition
+from torch_batch_process.engine.distributed import peers_answering
+from torch_batch_process.engine.rank_failure import RankFailure
+from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
+from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
-__all__ = ["JobMesh", "build_job_mesh"]
+__all__ = ["JobMesh", "build_job_mesh", "open_job_mesh"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,29 @@ class JobMesh:
     """``context.mesh``: the user's dimension names, outer (the replicas) first."""
     replica_group: dist.ProcessGroup | None
     """The library's gloo group of this replica's members; ``None`` when a replica is one rank."""
+
+    def members_ok(self, rank_failure: RankFailure) -> bool:
+        """Every member of this replica, at the same step before its batch: whether none of them has failed. One small
+        ``all_reduce`` over the replica's group; a replica whose member failed (in a hook, at a commit, in an earlier
+        batch) then runs no batch, so that no member waits in a collective for a member that is not coming (the ranks'
+        agreement stops the job soon after). A member lost meanwhile is this rank's failure (a
+        :class:`~torch_batch_process.errors.WorkerLostError`): it idles on in step with the other ranks, whose
+        agreement then stops every rank together."""
+        if self.replica_group is None:
+            return not rank_failure.failed
+        flag = torch.tensor([int(rank_failure.failed)])
+        try:
+            with peers_answering(self.position.rank):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group)
+        except WorkerLostError as lost:
+            rank_failure.record(lost, f"exchanging the status of replica {self.position.replica_rank}")
+            return False
+        return not int(flag.item())
+
+    @property
+    def units(self) -> tuple[int, int]:
+        """What the static schedule deals batches over: this rank's replica and the number of replicas."""
+        return self.position.replica_rank, self.position.num_replicas
 
 
 _BUILT: dict[tuple[Any, ...], tuple[Any, JobMesh]] = {}
@@ -76,4 +105,37 @@ def build_job_mesh(layout: MeshLayout, device: torch.device, timeout: datetime.t
         replica_group, _ = dist.new_subgroups_by_enumeration(layout.replicas(), timeout=timeout, backend="gloo")
     mesh = JobMesh(layout, position, device_mesh, replica_group)
     _BUILT[key] = (world, mesh)
+    return mesh
+
+
+def open_job_mesh(
+    shape: MeshShape | None, world_size: int, device: torch.device, timeout: datetime.timedelta, local_size: int = 1
+) -> JobMesh | None:
+    """Every rank, at the same point of a call, once the ranks joined: the :class:`JobMesh` of ``mesh=`` (``None``
+    without one).
+
+    The layout is checked first (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`: the same
+    :class:`~torch_batch_process.errors.InvalidArgumentError` on every rank, before any work). A job of one process
+    has no process group: it gets a process group of its own (kept for the process's life, as the job's default
+    group is), so that ``context.mesh`` is a real ``DeviceMesh`` (a 1 x 1 mesh on one GPU runs the NCCL path).
+    ``local_size``: processes per node (rank 0 warns when a replica would span two nodes)."""
+    if shape is None:
+        return None
+    layout = shape.resolve(world_size)
+    if world_size == 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        extra: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
+    if device.type == "cuda" and dist.get_backend() != "nccl":
+        raise InvalidArgumentError(
+            f"mesh={shape.describe()} on GPUs needs one process per GPU (the job's process group is "
+            f"{dist.get_backend()}, not NCCL): start as many processes per node as it has GPUs"
+        )
+    mesh = build_job_mesh(layout, device, timeout)
+    if mesh.position.rank == 0 and layout.members > 1 and local_size % layout.members:
+        logger.warning(
+            "mesh=%s: a replica has %d ranks but %d processes run per node, so some replicas span two nodes (their "
+            "tensor-parallel collectives then cross the network): start a multiple of %d processes per node",
+            shape.describe(), layout.members, local_size, layout.members,
+        )
     return mesh

@@ -2,7 +2,8 @@
 
 - :class:`StaticScheduler` (``schedule="static"``, the default; Determined's behaviour, DESIGN §3): the
   batches not committed yet are dealt round-robin over the ranks, the ``i``-th to rank ``i % W`` at step
-  ``i // W``; every rank runs the same number of steps (a rank with no batch left idles), commits every
+  ``i // W`` (with ``mesh=``: over the replicas, every member of a replica gets its batches); every rank runs the
+  same number of steps (a rank with no batch left idles), commits every
   ``checkpoint_interval`` steps with the others, and the ranks agree at step boundaries, every ~50 ms and at every
   commit, whether to go on, stop or fail (:class:`~torch_batch_process.engine.schedule.agreement.StepAgreement`).
 - :class:`BlockScheduler` (``schedule="static"`` for a streaming source, DESIGN §12): the static schedule with each
@@ -72,10 +73,13 @@ class StaticScheduler(Scheduler):
 
     kind = "static"
 
-    def __init__(self, remaining: RangeSet, collectives: Collectives, interval: int) -> None:
+    def __init__(
+        self, remaining: RangeSet, collectives: Collectives, interval: int, units: tuple[int, int] | None = None
+    ) -> None:
         self._remaining = IndexedRanges(remaining)
-        self._rank = collectives.rank
-        self._world = collectives.world_size
+        # the unit batches are dealt to: the rank, or with mesh= its replica (every member gets the same batches);
+        # the agreement stays over every rank
+        self._rank, self._world = units if units is not None else (collectives.rank, collectives.world_size)
         self._interval = interval
         self._agreement = StepAgreement(collectives)
         self.num_steps = math.ceil(len(self._remaining) / self._world)
@@ -197,12 +201,18 @@ class DynamicScheduler(Scheduler):
 
 
 def make_scheduler(
-    kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: Any = None
+    kind: str,
+    remaining: RangeSet,
+    collectives: Collectives,
+    interval: int,
+    store: Any = None,
+    units: tuple[int, int] | None = None,
 ) -> Scheduler:
-    """The scheduler of ``schedule=kind`` (one process: static, the two are the same then)."""
+    """The scheduler of ``schedule=kind`` (one process: static, the two are the same then); ``units``: this rank's
+    replica and the number of replicas with ``mesh=`` (static only), else ``None`` (the rank and the world)."""
     if kind == "dynamic" and collectives.world_size > 1:
         return DynamicScheduler(remaining, store, interval)
-    return StaticScheduler(remaining, collectives, interval)
+    return StaticScheduler(remaining, collectives, interval, units)
 
 
 class BlockScheduler(StaticScheduler):
@@ -215,8 +225,10 @@ class BlockScheduler(StaticScheduler):
     batches left, whatever the world size, in blocks again.
     """
 
-    def __init__(self, remaining: RangeSet, collectives: Collectives, interval: int) -> None:
-        super().__init__(remaining, collectives, interval)
+    def __init__(
+        self, remaining: RangeSet, collectives: Collectives, interval: int, units: tuple[int, int] | None = None
+    ) -> None:
+        super().__init__(remaining, collectives, interval, units)
         self._block = self.num_steps
 
     def batch_at(self, step: int, rank: int) -> int | None:
@@ -234,10 +246,15 @@ class BlockScheduler(StaticScheduler):
 
 
 def stream_scheduler(
-    kind: str, remaining: RangeSet, collectives: Collectives, interval: int, store: Any = None
+    kind: str,
+    remaining: RangeSet,
+    collectives: Collectives,
+    interval: int,
+    store: Any = None,
+    units: tuple[int, int] | None = None,
 ) -> Scheduler:
     """The scheduler of a stream job: :class:`BlockScheduler` for ``"static"`` (and one process), else as
     :func:`make_scheduler`."""
     if kind == "dynamic" and collectives.world_size > 1:
         return make_scheduler(kind, remaining, collectives, interval, store)
-    return BlockScheduler(remaining, collectives, interval)
+    return BlockScheduler(remaining, collectives, interval, units)

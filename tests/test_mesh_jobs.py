@@ -1,0 +1,216 @@
+"""``mesh=`` through the library's own call (DESIGN §18, issue 43): the checks before any work in one process, and on
+real processes (gloo) the examples' tensor-parallel encoder on 2 replicas x 2 against the whole encoder on one
+process, a member killed with SIGKILL mid-job, a member that raises while its peer waits in a collective, and resumes
+with another mesh shape: every example exactly once, exact metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import (
+    JOBS,
+    REPO,
+    base_env,
+    committed_batches,
+    job_spec,
+    read_reports,
+    run_torchrun,
+    spawn_ranks,
+    wait_all,
+    wait_for,
+)
+
+from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process.engine.capabilities.mesh_participant import MemberFiles, MemberFilesParticipant, UploadedNames
+from torch_batch_process.engine.commit.payloads import Payloads
+from torch_batch_process.engine.commit.votes import Vote
+from torch_batch_process.engine.work import Part
+from torch_batch_process.errors import InvalidArgumentError, MeshOutputError
+from torch_batch_process.mesh_shape import parse_mesh
+
+sys.path.insert(0, str(REPO / "examples" / "mesh"))
+from encoder import EncoderConfig, TokenDataset, build_encoder  # noqa: E402
+
+MESH_JOB = JOBS / "mesh_job.py"
+
+
+class Rows(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+        Rows.seen = (context.mesh, context.replica_rank, context.num_replicas, context.is_writer)
+
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"x": batch})
+
+
+# ----------------------------------------------------------------------------- before any work
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mesh": {"replica": -1, "tp": 0}}, "the size of 'tp' must be an int >= 1"),
+        ({"mesh": [("replica", -1)]}, "mesh must be None or a non-empty dict"),
+        ({"mesh": {"replica": -1, "tp": 2}, "schedule": "dynamic"}, "schedule='dynamic' cannot be used with mesh="),
+        ({"mesh": {"replica": -1, "tp": 2}, "on_error": "skip"}, "on_error='skip' cannot be used with mesh="),
+        ({"mesh": {"replica": -1, "tp": 2}}, "does not divide the job's 1 ranks"),
+    ],
+)
+def test_a_bad_mesh_is_refused_before_any_work(tmp_path, kwargs, message):
+    storage = tmp_path / "store"
+    with pytest.raises(InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        torch_batch_process(Rows, list(range(4)), batch_size=2, storage_path=str(storage), progress=False, **kwargs)
+    assert not storage.exists()
+
+
+def test_without_a_mesh_every_rank_is_a_replica_that_writes(tmp_path):
+    torch_batch_process(Rows, list(range(4)), batch_size=2, storage_path=str(tmp_path / "store"), progress=False)
+    assert Rows.seen == (None, 0, 1, True)
+
+
+def test_a_members_upload_file_its_writer_did_not_write_refuses_the_commit_naming_it(tmp_path):
+    layout = parse_mesh({"replica": -1, "tp": 2}).resolve(4)
+    never = lambda: pytest.fail("a member that is not the writer never uses the stager")  # noqa: E731
+    files = {rank: MemberFiles(layout.position(rank), never) for rank in (0, 2)}
+    for rank, names in ((0, ["batch_3.pt"]), (2, ["batch_4.pt", "extra/notes.txt"])):
+        with files[rank].upload_path() as folder:
+            scratch = folder
+            for name in names:
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                (folder / name).write_text(name)
+        assert not scratch.exists()  # a member's scratch folder goes with its block
+
+    def vote(rank: int, participant) -> Vote:
+        payloads = Payloads([p] if (p := participant.contribute(Part(), closing=False)) is not None else [])
+        return Vote(rank, 1, False, [], 0, None, [], {}, payloads=payloads)
+
+    members = {rank: MemberFilesParticipant(files[rank], layout) for rank in (0, 2)}
+    writers = {1: ["batch_3.pt"], 3: ["batch_4.pt"]}
+    votes = [vote(0, members[0]), vote(2, members[2])]
+    for rank, names in writers.items():
+        votes.append(Vote(rank, 1, True, [], 0, None, [], {}, payloads=Payloads([UploadedNames(tuple(names))])))
+    with pytest.raises(MeshOutputError, match=r"rank 2 wrote 'extra/notes.txt'.*writer of its replica \(rank 3\)"):
+        members[0].check(votes)
+    both = Payloads([UploadedNames(("batch_4.pt", "extra/notes.txt"))])
+    votes[-1] = Vote(3, 1, True, [], 0, None, [], {}, payloads=both)
+    members[0].check(votes)  # the same names as the writers': the writers' files are the outputs
+
+
+# ----------------------------------------------------------------------------- real processes (gloo)
+
+N, BATCH, LAYERS = 46, 4, 2  # two batch shapes: 11 batches of 4, one of 2
+BATCHES = -(-N // BATCH)
+CONFIG = EncoderConfig(layers=LAYERS)
+
+
+def whole_encoder_embeddings() -> torch.Tensor:
+    """The reference: the whole encoder on this one process, no mesh."""
+    dataset = TokenDataset(N, CONFIG)
+    with torch.no_grad():
+        return build_encoder(CONFIG)(torch.stack([dataset[i] for i in range(N)]))
+
+
+def check_outputs(storage: Path) -> None:
+    """Every example exactly once, its embedding that of the whole encoder (up to float reassociation)."""
+    table = read_outputs(str(storage))
+    assert table.column("index").to_pylist() == list(range(N))  # sorted by index: each once, none missing
+    embeddings = torch.tensor(table.column("embedding").to_pylist())
+    assert (embeddings - whole_encoder_embeddings()).abs().max().item() <= 1e-5
+
+
+def spec_for(tmp_path: Path, **spec) -> dict:
+    return job_spec(tmp_path, **{"n": N, "batch_size": BATCH, "layers": LAYERS, "checkpoint_interval": 2, **spec})
+
+
+def run_attempt(spec: dict, attempt: int, nproc: int, mesh: dict, timeout: float = 150):
+    spec = dict(spec, attempt=attempt, mesh=mesh)
+    done = run_torchrun(nproc, MESH_JOB, json.dumps(spec), timeout=timeout)
+    return done, read_reports(spec, attempt)
+
+
+def exact_metrics() -> dict:
+    return {"examples": N, "index_sum": N * (N - 1) // 2}
+
+
+@pytest.mark.slow
+def test_a_one_process_mesh_gets_a_process_group_of_its_own(tmp_path):
+    """A 1 x 1 mesh on one process (the NCCL path on one GPU; gloo here): the library makes the process group."""
+    spec = job_spec(tmp_path, n=10, batch_size=4, layers=1, attempt=1, mesh={"replica": -1, "tp": 1})
+    done = subprocess.run(
+        [sys.executable, str(MESH_JOB), json.dumps(spec)], env=base_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = read_reports(spec)[0]
+    assert report["result"]["metrics"] == {"examples": 10, "index_sum": 45}
+    seen = report["seen"]
+    assert (seen["num_replicas"], seen["is_writer"], seen["coordinate"]) == (1, True, [0, 0])
+    assert read_outputs(spec["storage"]).column("index").to_pylist() == list(range(10))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inner", ["tp", "pp"])
+def test_two_replicas_of_two_give_the_outputs_of_one_process_each_example_once(tmp_path, inner):
+    spec = spec_for(tmp_path, upload="same")  # every member saves the same file: the writer's is the output
+    mesh = {"replica": -1, inner: 2}
+    done, reports = run_attempt(spec, 1, 4, mesh)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    seen = {rank: reports[rank]["seen"] for rank in range(4)}
+    assert [(s["replica_rank"], s["num_replicas"], s["is_writer"]) for s in seen.values()] == [
+        (0, 2, False), (0, 2, True), (1, 2, False), (1, 2, True),
+    ]
+    layout = parse_mesh(mesh).resolve(4)
+    assert all(s["mesh_names"] == ["replica", inner] for s in seen.values())
+    assert [tuple(s["coordinate"]) for s in seen.values()] == [layout.position(r).coordinate for r in range(4)]
+    assert seen[0]["batches"] == seen[1]["batches"] == list(range(0, BATCHES, 2))  # a replica's batches, dealt
+    assert seen[2]["batches"] == seen[3]["batches"] == list(range(1, BATCHES, 2))  # as to ranks of a 2-rank world
+    assert all(reports[rank]["result"]["metrics"] == exact_metrics() for rank in range(4))
+    check_outputs(Path(spec["storage"]))
+    files = sorted(Path(spec["storage"], "outputs").glob("commit_*/rank_*/batch_*.pt"))
+    assert sorted(int(f.stem.split("_")[1]) for f in files) == list(range(BATCHES))  # each batch's file once
+    assert {f.parent.name for f in files} == {"rank_1", "rank_3"}  # from the writers
+    for f in files:
+        g = int(f.stem[6:])
+        assert torch.load(f) == list(range(g * BATCH, min(N, (g + 1) * BATCH)))
+
+
+@pytest.mark.slow
+def test_a_killed_member_then_a_raising_member_stop_every_rank_and_another_shape_resumes_exactly_once(tmp_path):
+    # attempt 1: 2 replicas x 2; a non-writer member is killed (SIGKILL) mid-job
+    # killed right after the first durable commit (step 3 of 6), between commits: a rank killed while a gathered commit
+    # is in flight can leave the other ranks waiting for one another (see the note in notes/43-mesh.md §9)
+    spec = spec_for(tmp_path, sleep=0.3, checkpoint_interval=3)
+    mesh = {"replica": -1, "tp": 2}
+    procs = spawn_ranks(4, MESH_JOB, json.dumps(dict(spec, attempt=1, mesh=mesh)))
+    wait_for(lambda: committed_batches(spec["storage"]) > 0, 120, "the first durable commit")  # a real commit to resume
+    os.kill(procs[2].pid, signal.SIGKILL)
+    started = time.monotonic()
+    outcomes = wait_all(procs, timeout=60)
+    assert all(rc not in (None, 0) for rc, _, _ in outcomes), [(rc, err[-2000:]) for rc, _, err in outcomes]
+    assert time.monotonic() - started < 45
+    assert committed_batches(spec["storage"]) < BATCHES  # killed mid-job
+    # attempt 2: resumed on 1 replica x 2; its source raises in its 2nd batch while its peer waits in the forward's
+    # collective: the member watch ends the blocked peer after TBP_MESH_GRACE_S, and every rank exits
+    env = base_env(TBP_MESH_GRACE_S="2")
+    spec2 = dict(spec, attempt=2, mesh=mesh, raise_at=[0, 1], sleep=0)
+    procs = spawn_ranks(2, MESH_JOB, json.dumps(spec2), env=env)
+    started = time.monotonic()
+    outcomes = wait_all(procs, timeout=90)
+    elapsed = time.monotonic() - started
+    assert all(rc not in (None, 0) for rc, _, _ in outcomes), [(rc, err[-2000:]) for rc, _, err in outcomes]
+    assert elapsed < 60, elapsed
+    reports = read_reports(spec2, 2)
+    assert reports[0]["error"]["type"] == "ValueError", reports[0]["error"]  # the cause, not the peer it lost
+    assert outcomes[1][0] == 1 and "a member of replica 0 failed" in outcomes[1][2], outcomes[1][2][-3000:]
+    # attempt 3: the rest on 1 replica x 4 (another shape): every example exactly once, exact metrics
+    done, reports = run_attempt(spec, 3, 4, {"replica": 1, "tp": 4}, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert all(reports[rank]["result"]["metrics"] == exact_metrics() for rank in range(4))
+    check_outputs(Path(spec["storage"]))
