@@ -62,6 +62,7 @@ from torch_batch_process.engine.feed.device_memory import device_kind
 from torch_batch_process.engine.feed.error_handling import Placement, check_max_failures, guard_batches
 from torch_batch_process.engine.feed.failing_examples import FailureLog, Transactions
 from torch_batch_process.engine.feed.fitting import BatchFitter
+from torch_batch_process.engine.feed.in_flight import InFlight
 from torch_batch_process.engine.feed.inputs import open_input
 from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.feed.runner import BatchCall, BatchRunner
@@ -231,6 +232,17 @@ class JobRun:
             committed = latest.record_schema if latest is not None else (job.retry.schema if job.retry else None)
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
             self.records = RecordWriter(self.stager, self.current, self.rank, args.output_format, committed, sink)
+            self.failure_log = FailureLog(
+                self.stager, rank=self.rank, attempt=start.attempt, failed_before=failed_before(latest),
+                limit=args.failures.limit(self.plan.num_examples), failures_url=job.failures_url,
+                original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
+            )
+            self.in_flight = InFlight(  # batches in a generation engine (DESIGN §19), when the processor uses one
+                self.current, self.work, self.rank_failure,
+                torch.inference_mode if args.inference_mode else contextlib.nullcontext,
+                self.failure_log.record if args.failures.skip else None,
+            )
+            self._closing.callback(self.in_flight.close)
             self.context = TorchBatchProcessorContext(
                 device=env.device,
                 distributed=env.info,
@@ -240,6 +252,8 @@ class JobRun:
                 metrics_sink=self.work.add_line,
                 current=self.current,
                 write_rows=self.records.write,
+                use_engine=self.in_flight.use,
+                generate=self.in_flight.generate,
             )
             # the capabilities: each with its feed side and its commit participant
             failures = args.failures
@@ -247,11 +261,6 @@ class JobRun:
             stored_limits = latest.memory_limits if latest is not None and failures.split_on_oom else None
             self.fitter = BatchFitter.for_job(stored_limits, lengths, device_kind(env.device))
             """What fits in the device's memory (DESIGN §15): it learns only with ``on_oom="split"``."""
-            self.failure_log = FailureLog(
-                self.stager, rank=self.rank, attempt=start.attempt, failed_before=failed_before(latest),
-                limit=failures.limit(self.plan.num_examples), failures_url=job.failures_url,
-                original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
-            )
             self.summaries = ReducerSummaries(self.context.reducers, job.opener.store, latest)
             participants: list[Participant] = [RecordOutputs(self.records, latest)]
             if job.table_commits is not None:
@@ -331,6 +340,9 @@ class JobRun:
         if peers is not None:
             self._closing.callback(peers.close)
         decision = Decision.STOP if stop_now else self._steps(processor)
+        if self.in_flight.active:  # the batches in a generation engine: done, or drained within drain_s at a stop
+            self.in_flight.drain(None if decision is Decision.DONE else self.in_flight.drain_s)
+            self.in_flight.close()  # what did not finish is not committed: the resume generates it again
         scheduler.close()
         if peers is not None:
             peers.stop_watching()
@@ -356,12 +368,15 @@ class JobRun:
             call, feed, self.plan, args.failures, Transactions(self.stager, self.context.reducers, self.rank),
             self.failure_log, self.fitter, Placement(env.device, job.device_prefetch),
         )
-        runner = BatchRunner(call, self.plan, rank_failure, self.work, guards, watchdog.watch)
+        in_flight = self.in_flight
+        runner = BatchRunner(call, self.plan, rank_failure, self.work, guards, watchdog.watch, in_flight.owns)
         batches = DevicePrefetcher(feed, env.device, enabled=job.device_prefetch, error_of=feed.load_error)
         observer = job.observer
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
+                if in_flight.active:  # a generation engine: room for the next batch, the finished batches in
+                    in_flight.wait_for_room(lambda: signals.preempt_requested)
                 if has_batch and not rank_failure.failed and not runner.step(batches):
                     # no batch left for this rank (dynamic), or a stop seen at a claim
                     return scheduler.after_last(failed=rank_failure.failed)

@@ -59,6 +59,9 @@ class JobSpec:
     """Format of record shards: a resume in another format would mix formats (stored only when not the default)."""
     table: dict[str, Any] | None = None
     """The table target of record outputs (``table=``; its :meth:`~TableTarget.describe`), ``None``: shards."""
+    generation: dict[str, Any] | None = None
+    """A generation job's engine, model, tokenizer, sampling and prompt (``generation.Generate``'s class attribute
+    ``generation_fingerprint``), ``None``: no such processor."""
 
     @classmethod
     def of_call(cls, args: JobArguments, dataset_length: int, plan: dict[str, Any] | None) -> JobSpec:
@@ -72,6 +75,7 @@ class JobSpec:
             plan,
             output_format=args.output_format,
             table=args.table.describe() if args.table is not None else None,
+            generation=getattr(args.processor_cls, "generation_fingerprint", None),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -84,6 +88,7 @@ class JobSpec:
             **({"plan": self.plan} if self.plan is not None else {}),
             **({"output_format": self.output_format} if self.output_format != "parquet" else {}),
             **({"table": self.table} if self.table is not None else {}),
+            **({"generation": self.generation} if self.generation is not None else {}),
         }
 
     def differences(self, stored: dict[str, Any]) -> list[str]:
