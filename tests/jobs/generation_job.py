@@ -18,13 +18,12 @@ import traceback
 from pathlib import Path
 
 import torch
-from report_file import write_report
 
 from torch_batch_process import generation, torch_batch_process
 
-SPEC = json.loads(sys.argv[1])
-faulthandler.register(signal.SIGUSR1, all_threads=True)
 VOCAB, CONTEXT = 512, 96
+BUDGET = generation.CacheBudget(max_sequences=8, batch_tokens=64, page_size=16)
+SAMPLED = generation.Sampling(temperature=0.9, top_k=100, seed=7)
 
 
 def tiny_llama(device):
@@ -58,16 +57,18 @@ def collate(rows):
 
 
 def main():
+    from report_file import write_report
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    spec = json.loads(sys.argv[1])
     rank = int(os.environ.get("RANK", "0"))
     report = {"rank": rank}
-    sampling = generation.Sampling(temperature=0.9, top_k=100, seed=7) if SPEC.get("sampled") else None
     Gen = generation.Generate(
-        model=tiny_llama, prompt="ids", max_new_tokens="max_new", sampling=sampling, eos_token_id=(),
-        budget=generation.CacheBudget(max_sequences=8, batch_tokens=64, page_size=16),
-        columns=("token_ids", "finish_reason", "prompt_tokens", "completion_tokens"),
-        max_in_flight=SPEC.get("max_in_flight"), drain_s=SPEC.get("drain_s"), model_id="tiny-llama-seed0",
+        model=tiny_llama, prompt="ids", max_new_tokens="max_new", sampling=SAMPLED if spec.get("sampled") else None,
+        eos_token_id=(), budget=BUDGET, columns=("token_ids", "finish_reason", "prompt_tokens", "completion_tokens"),
+        max_in_flight=spec.get("max_in_flight"), drain_s=spec.get("drain_s"), model_id="tiny-llama-seed0",
     )
-    progress, slow_s = SPEC.get("progress"), SPEC.get("slow_s", 0.0)
+    progress, slow_s = spec.get("progress"), spec.get("slow_s", 0.0)
     if progress or slow_s:
         write = Gen._write
 
@@ -81,17 +82,17 @@ def main():
         Gen._write = slow_write
     try:
         result = torch_batch_process(
-            Gen, Prompts(SPEC["n"], SPEC.get("max_new", 24)), batch_size=SPEC.get("batch_size", 8),
-            storage_path=SPEC["storage"], schedule=SPEC.get("schedule", "static"),
-            checkpoint_interval=SPEC.get("checkpoint_interval", 2), dataloader_kwargs={"collate_fn": collate},
-            on_error=SPEC.get("on_error", "raise"),
+            Gen, Prompts(spec["n"], spec.get("max_new", 24)), batch_size=spec.get("batch_size", 8),
+            storage_path=spec["storage"], schedule=spec.get("schedule", "static"),
+            checkpoint_interval=spec.get("checkpoint_interval", 2), dataloader_kwargs={"collate_fn": collate},
+            on_error=spec.get("on_error", "raise"),
         )
         report["result"] = {"preempted": result.preempted, "processed": result.examples_processed}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-    report_dir = Path(SPEC["report_dir"])
+    report_dir = Path(spec["report_dir"])
     report_dir.mkdir(parents=True, exist_ok=True)
-    write_report(report_dir / f"attempt{SPEC.get('attempt', 1)}_rank{rank}.json", report)
+    write_report(report_dir / f"attempt{spec.get('attempt', 1)}_rank{rank}.json", report)
     sys.exit(1 if "error" in report else 0)
 
 
