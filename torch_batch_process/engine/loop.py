@@ -341,7 +341,8 @@ class JobRun:
             self._closing.callback(peers.close)
         decision = Decision.STOP if stop_now else self._steps(processor)
         if self.in_flight.active:  # the batches in a generation engine: done, or drained within drain_s at a stop
-            self.in_flight.drain(None if decision is Decision.DONE else self.in_flight.drain_s)
+            if decision in (Decision.DONE, Decision.STOP):
+                self.in_flight.drain(None if decision is Decision.DONE else self.in_flight.drain_s)
             self.in_flight.close()  # what did not finish is not committed: the resume generates it again
         scheduler.close()
         if peers is not None:
