@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 from harness import JOBS, spawn_ranks, wait_all
 
-from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process import (
+    InvalidArgumentError,
+    TorchBatchProcessor,
+    read_failures,
+    read_outputs,
+    torch_batch_process,
+)
 from torch_batch_process.generation import CacheBudget, Generate, Prompt, Sampling, TransformersEngine
 
 pytest.importorskip("transformers", minversion="5.24")
@@ -25,19 +31,20 @@ pytest.importorskip("psutil")
 from jobs.generation_job import BUDGET, SAMPLED, Prompts, tiny_llama  # noqa: E402 - after the skips
 
 GENERATION_JOB = JOBS / "generation_job.py"
-N, BATCH, MAX_NEW = 240, 8, 24
+N, BATCH, MAX_NEW = 160, 8, 24
+TOO_LONG = (5, 77, 150)  # prompts that fill the model's context: failing examples (on_error="skip")
 
 
 def answers_uninterrupted(n: int) -> dict[int, list[int]]:
     """The same prompts answered by one engine in one go, in this process: what every job must write."""
     prompts = Prompts(n, MAX_NEW)
     with TransformersEngine(tiny_llama("cpu"), sampling=SAMPLED, budget=BUDGET, eos_token_id=()) as engine:
-        engine.submit(Prompt(i, prompts[i]["ids"], prompts[i]["max_new"]) for i in range(n))
+        engine.submit(Prompt(i, prompts[i]["ids"], prompts[i]["max_new"]) for i in range(n) if i not in TOO_LONG)
         done: dict[int, list[int]] = {}
         deadline = time.monotonic() + 120
-        while len(done) < n and time.monotonic() < deadline:
+        while len(done) < n - len(TOO_LONG) and time.monotonic() < deadline:
             done.update((c.index, list(c.token_ids)) for c in engine.poll(timeout=1.0))
-    assert len(done) == n
+    assert len(done) == n - len(TOO_LONG)
     return done
 
 
@@ -51,7 +58,7 @@ def start(tmp_path: Path, world_size: int, attempt: int, **extra: Any) -> tuple[
     spec = {
         "storage": str(tmp_path / "storage"), "report_dir": str(tmp_path / "reports"), "n": N, "batch_size": BATCH,
         "max_new": MAX_NEW, "sampled": True, "max_in_flight": 32, "attempt": attempt,
-        "progress": str(tmp_path / f"progress{attempt}"), **extra,
+        "progress": str(tmp_path / f"progress{attempt}"), "too_long": TOO_LONG, "on_error": "skip", **extra,
     }
     return spawn_ranks(world_size, GENERATION_JOB, json.dumps(spec)), spec
 
@@ -75,7 +82,7 @@ def check_whole_batches(counts: Counter[int]) -> None:
     """Each index at most once, and only whole batches (a batch in flight at a stop is not committed at all)."""
     assert max(counts.values(), default=1) == 1, [i for i, c in counts.items() if c > 1]
     for batch in range(-(-N // BATCH)):
-        present = [i in counts for i in range(batch * BATCH, min((batch + 1) * BATCH, N))]
+        present = [i in counts for i in range(batch * BATCH, min((batch + 1) * BATCH, N)) if i not in TOO_LONG]
         assert all(present) or not any(present), f"batch {batch} committed in part: {present}"
 
 
@@ -83,7 +90,8 @@ def check_whole_batches(counts: Counter[int]) -> None:
 def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_path: Path) -> None:
     """2 ranks stopped by SIGTERM mid-job (drain of 0.2 s: batches still in flight are left uncommitted), resumed on 1
     rank killed with -9 mid-job, resumed on 2 ranks (dynamic schedule) to the end: every prompt once, in whole
-    batches at each stop, and every answer that of the same prompt answered uninterrupted."""
+    batches at each stop, and every answer that of the same prompt answered uninterrupted; the prompts that fill
+    the model's context are failing examples (on_error="skip"), recorded once."""
     expected = answers_uninterrupted(N)
 
     procs, spec = start(tmp_path, 2, 1, drain_s=0.2, slow_s=0.05)  # 1. SIGTERM both ranks mid-job
@@ -108,9 +116,13 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
     results = wait_all(procs, 150)
     assert [rc for rc, _, _ in results] == [0, 0], [err[-3000:] for _, _, err in results]
     counts, answers = committed(spec["storage"])
-    assert counts == Counter(range(N))
-    differing = [i for i in range(N) if answers[i] != expected[i]]
+    assert counts == Counter(i for i in range(N) if i not in TOO_LONG)
+    differing = [i for i in expected if answers[i] != expected[i]]
     assert not differing, f"{len(differing)} answers differ from the uninterrupted ones, e.g. index {differing[:5]}"
+    failures = read_failures(spec["storage"])  # the prompts too long: failing examples, once, naming index and lengths
+    assert [f["index"] for f in failures] == list(TOO_LONG), failures
+    assert all(f["error_type"] == "PromptFailedError" and f"index {f['index']} has 96 tokens" in f["message"]
+               for f in failures), failures
 
 
 def test_generate_refuses_bad_arguments_naming_them() -> None:

@@ -4,7 +4,7 @@ config with a fixed seed (no download), prompts of token ids made from the examp
 The spec comes as JSON in argv[1]: ``storage``, ``n`` (prompts), ``batch_size``, ``schedule``, ``sampled`` (seeded
 sampling, else greedy), ``max_in_flight``, ``drain_s``, ``max_new`` (longest answer), ``checkpoint_interval``,
 ``report_dir``, ``attempt``, ``progress`` (a file each rank appends one line to per delivered batch, for tests that
-kill or stop it mid-job), ``slow_s`` (seconds slept per delivered batch, so a test can catch it mid-job).
+kill or stop it mid-job), ``too_long`` (indices whose prompt fills the context), ``on_error``, ``slow_s`` (seconds slept per delivered batch, so a test can catch it mid-job).
 """
 
 import faulthandler
@@ -38,17 +38,18 @@ def tiny_llama(device):
 
 
 class Prompts(torch.utils.data.Dataset):
-    """Example i: 2-24 token ids and an answer of 1-``max_new`` tokens, both drawn from i."""
+    """Example i: 2-24 token ids and an answer of 1-``max_new`` tokens, both drawn from i; the indices in ``too_long``
+    get a prompt of the model's whole context (it cannot be answered: a failing example)."""
 
-    def __init__(self, n, max_new):
-        self.n, self.max_new = n, max_new
+    def __init__(self, n, max_new, too_long=()):
+        self.n, self.max_new, self.too_long = n, max_new, set(too_long)
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         rng = random.Random(i)
-        ids = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(2, 25))]
+        ids = [rng.randrange(1, VOCAB) for _ in range(CONTEXT if i in self.too_long else rng.randrange(2, 25))]
         return {"ids": ids, "max_new": rng.randrange(1, self.max_new + 1)}
 
 
@@ -82,7 +83,7 @@ def main():
         Gen._write = slow_write
     try:
         result = torch_batch_process(
-            Gen, Prompts(spec["n"], spec.get("max_new", 24)), batch_size=spec.get("batch_size", 8),
+            Gen, Prompts(spec["n"], spec.get("max_new", 24), spec.get("too_long", ())), batch_size=spec.get("batch_size", 8),
             storage_path=spec["storage"], schedule=spec.get("schedule", "static"),
             checkpoint_interval=spec.get("checkpoint_interval", 2), dataloader_kwargs={"collate_fn": collate},
             on_error=spec.get("on_error", "raise"),
