@@ -4,7 +4,8 @@ config with a fixed seed (no download), prompts of token ids made from the examp
 The spec comes as JSON in argv[1]: ``storage``, ``n`` (prompts), ``batch_size``, ``schedule``, ``sampled`` (seeded
 sampling, else greedy), ``max_in_flight``, ``drain_s``, ``max_new`` (longest answer), ``checkpoint_interval``,
 ``report_dir``, ``attempt``, ``progress`` (a file each rank appends one line to per delivered batch, for tests that
-kill or stop it mid-job), ``too_long`` (indices whose prompt fills the context), ``on_error``, ``slow_s`` (seconds slept per delivered batch, so a test can catch it mid-job).
+kill or stop it mid-job), ``too_long`` (indices whose prompt fills the context), ``on_error``,
+``slow_s`` (seconds slept per delivered batch, so a test can catch it mid-job).
 """
 
 import faulthandler
@@ -83,7 +84,8 @@ def main():
         Gen._write = slow_write
     try:
         result = torch_batch_process(
-            Gen, Prompts(spec["n"], spec.get("max_new", 24), spec.get("too_long", ())), batch_size=spec.get("batch_size", 8),
+            Gen, Prompts(spec["n"], spec.get("max_new", 24), spec.get("too_long", ())),
+            batch_size=spec.get("batch_size", 8),
             storage_path=spec["storage"], schedule=spec.get("schedule", "static"),
             checkpoint_interval=spec.get("checkpoint_interval", 2), dataloader_kwargs={"collate_fn": collate},
             on_error=spec.get("on_error", "raise"),
