@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import JOBS, spawn_ranks, wait_all
+from harness import JOBS, latest_commit_record, spawn_ranks, wait_all
 
 from torch_batch_process import (
     InvalidArgumentError,
@@ -119,6 +119,9 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
     assert counts == Counter(i for i in range(N) if i not in TOO_LONG)
     differing = [i for i in expected if answers[i] != expected[i]]
     assert not differing, f"{len(differing)} answers differ from the uninterrupted ones, e.g. index {differing[:5]}"
+    stats = latest_commit_record(spec["storage"])["stats"]
+    assert stats["generated_prompts"] == N, stats  # each prompt counted once over the 3 attempts, failed ones too
+    assert stats["completion_tokens"] == sum(len(answer) for answer in expected.values()), stats
     failures = read_failures(spec["storage"])  # the prompts too long: failing examples, once, naming index and lengths
     assert [f["index"] for f in failures] == list(TOO_LONG), failures
     assert all(f["error_type"] == "PromptFailedError" and f"index {f['index']} has 96 tokens" in f["message"]

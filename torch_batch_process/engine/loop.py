@@ -45,6 +45,7 @@ from torch_batch_process.engine.announce import (
 )
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.capabilities.failures_participant import FailingExamplesParticipant, failed_before
+from torch_batch_process.engine.capabilities.generation_participant import GenerationParticipant
 from torch_batch_process.engine.capabilities.memory_participant import MemoryLimitsParticipant
 from torch_batch_process.engine.capabilities.records_participant import RecordOutputs
 from torch_batch_process.engine.capabilities.table_participant import TableOutputs
@@ -269,6 +270,7 @@ class JobRun:
                 MemoryLimitsParticipant(self.fitter, latest),
                 FailingExamplesParticipant(self.failure_log, latest),
                 self.summaries,
+                GenerationParticipant(self.in_flight, latest),  # counts nothing unless the processor uses an engine
                 TimelineParticipant(self.world_size, job.observer),  # last: it times what the others do after a record
             ]
             scheduler = self.scheduler

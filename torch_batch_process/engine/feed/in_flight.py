@@ -92,10 +92,7 @@ class InFlight:
         self._batch_of: dict[int, int] = {}  # dataset index -> batch_idx, for the prompts in flight
         self._pending: tuple[BatchInFlight, list[Prompt]] | None = None  # submitted by process_batch, not yet sent
         self._delivering = False
-        self.prompts = 0
-        """Prompts completed in this call (failed included)."""
-        self.tokens_in = 0
-        self.tokens_out = 0
+        self._counts = [0, 0, 0]  # delivered since the last take_counts(): prompts (failed included), tokens in, out
         current.listeners.append(self._batch_finished)
 
     # ------------------------------------------------------------------ the context's side
@@ -212,9 +209,6 @@ class InFlight:
         for completion in completions:
             batch = self._batches[self._batch_of.pop(completion.index)]
             batch.completions[completion.index] = completion
-            self.prompts += 1
-            self.tokens_in += completion.prompt_tokens
-            self.tokens_out += completion.completion_tokens
             if len(batch.completions) == len(batch.indices):
                 complete.append(batch)
         for batch in complete:
@@ -239,6 +233,12 @@ class InFlight:
                 break
             self.pump(timeout=wait)
         return not self._batches
+
+    def take_counts(self) -> tuple[int, int, int]:
+        """Prompts (failed included), prompt tokens and answer tokens of the batches delivered since the previous
+        call: those of the batches in the rank's part, for its vote."""
+        counts, self._counts = self._counts, [0, 0, 0]
+        return counts[0], counts[1], counts[2]
 
     def close(self) -> None:
         """Stops the engine: what is still in flight is dropped (never committed: the resume generates it again)."""
@@ -287,3 +287,7 @@ class InFlight:
             part.timings["process"] += time.perf_counter() - t0
         if ok:
             part.add_batch(batch.batch_idx, len(answered))
+            counts = self._counts
+            counts[0] += len(batch.indices)
+            counts[1] += sum(c.prompt_tokens for c in batch.completions.values())
+            counts[2] += sum(c.completion_tokens for c in answered)
