@@ -17,13 +17,21 @@ import pytest
 from harness import JOBS, latest_commit_record, spawn_ranks, wait_all
 
 from torch_batch_process import (
+    BatchTimeoutError,
     InvalidArgumentError,
     TorchBatchProcessor,
     read_failures,
     read_outputs,
     torch_batch_process,
 )
-from torch_batch_process.generation import CacheBudget, Generate, Prompt, Sampling, TransformersEngine
+from torch_batch_process.generation import (
+    CacheBudget,
+    Generate,
+    GenerationEngine,
+    Prompt,
+    Sampling,
+    TransformersEngine,
+)
 
 pytest.importorskip("transformers", minversion="5.24")
 pytest.importorskip("psutil")
@@ -31,8 +39,8 @@ pytest.importorskip("psutil")
 from jobs.generation_job import BUDGET, SAMPLED, Prompts, tiny_llama  # noqa: E402 - after the skips
 
 GENERATION_JOB = JOBS / "generation_job.py"
-N, BATCH, MAX_NEW = 160, 8, 24
-TOO_LONG = (5, 77, 150)  # prompts that fill the model's context: failing examples (on_error="skip")
+N, BATCH, MAX_NEW = 200, 8, 24
+TOO_LONG = (5, 77, 190)  # prompts that fill the model's context: failing examples (on_error="skip")
 
 
 def answers_uninterrupted(n: int) -> dict[int, list[int]]:
@@ -94,8 +102,8 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
     the model's context are failing examples (on_error="skip"), recorded once."""
     expected = answers_uninterrupted(N)
 
-    procs, spec = start(tmp_path, 2, 1, drain_s=0.2, slow_s=0.05)  # 1. SIGTERM both ranks mid-job
-    wait_for_batches(spec, procs, 6)
+    procs, spec = start(tmp_path, 2, 1, drain_s=0.2, slow_s=0.3)  # 1. SIGTERM both ranks mid-job
+    wait_for_batches(spec, procs, 3)
     for proc in procs:
         proc.send_signal(signal.SIGTERM)
     results = wait_all(procs, 90)
@@ -105,12 +113,13 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
     check_whole_batches(counts)
     assert 0 < len(counts) < N, len(counts)
 
-    procs, spec = start(tmp_path, 1, 2, slow_s=0.05)  # 2. another world size, killed with -9 mid-job
-    wait_for_batches(spec, procs, 4)
+    procs, spec = start(tmp_path, 1, 2, slow_s=0.3)  # 2. another world size, killed with -9 mid-job
+    wait_for_batches(spec, procs, 2)
     procs[0].kill()
     wait_all(procs, 30)
     counts, _ = committed(spec["storage"])
     check_whole_batches(counts)
+    assert len(counts) < N - len(TOO_LONG), "stage 3 has batches left to generate"
 
     procs, spec = start(tmp_path, 2, 3, schedule="dynamic")  # 3. to the end
     results = wait_all(procs, 150)
@@ -185,3 +194,41 @@ def test_a_custom_processor_without_engine_or_with_wrong_prompts_fails_its_first
     with pytest.raises(InvalidArgumentError, match=message):
         torch_batch_process(processor, list(range(8)), batch_size=4, storage_path=str(tmp_path / "s"))
     assert not list((tmp_path / "s").glob("outputs/commit_*/rank_*/records/*"))
+
+
+class _StuckEngine(GenerationEngine):
+    """A backend whose generation never finishes (a hung kernel, a dead worker that does not say so)."""
+
+    def __init__(self) -> None:
+        super().__init__(context_length=64, vocab_size=100, eos_token_ids=())
+
+    def _enqueue(self, prompts: list[tuple[Prompt, int]]) -> None:
+        pass
+
+    def _collect(self, timeout: float | None) -> list[Any]:
+        time.sleep(min(timeout or 0.0, 0.2))
+        return []
+
+    def _partial(self) -> dict[int, list[int]]:
+        return {}
+
+    def _shutdown(self) -> None:
+        pass
+
+
+class _Stuck(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        context.use_generation_engine(_StuckEngine())
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        self.context.generate([Prompt(i, [1, 2], 4) for i in self.context.batch_indices], self.context.write)
+
+
+def test_a_stuck_engine_fails_the_job_after_batch_timeout(tmp_path: Path) -> None:
+    """A batch in flight longer than batch_timeout fails the job naming the batch, never a hang (its process_batch
+    returned long ago: the batch's time counts from its submission)."""
+    started = time.monotonic()
+    with pytest.raises(BatchTimeoutError, match=r"batch 0 has been in the generation engine for .* batch_timeout=1 s"):
+        torch_batch_process(_Stuck, list(range(8)), batch_size=4, storage_path=str(tmp_path / "s"), batch_timeout=1)
+    assert time.monotonic() - started < 60

@@ -241,7 +241,7 @@ class JobRun:
             self.in_flight = InFlight(  # batches in a generation engine (DESIGN §19), when the processor uses one
                 self.current, self.work, self.rank_failure,
                 torch.inference_mode if args.inference_mode else contextlib.nullcontext,
-                self.failure_log.record if args.failures.skip else None,
+                self.failure_log.record if args.failures.skip else None, args.failures.batch_timeout,
             )
             self._closing.callback(self.in_flight.close)
             self.context = TorchBatchProcessorContext(

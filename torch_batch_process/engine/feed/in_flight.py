@@ -32,7 +32,7 @@ from typing import Any
 from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.rank_failure import RankFailure
 from torch_batch_process.engine.work import RankWork
-from torch_batch_process.errors import BatchProcessError, InvalidArgumentError
+from torch_batch_process.errors import BatchProcessError, BatchTimeoutError, InvalidArgumentError
 from torch_batch_process.generation.engine import GenerationEngine
 from torch_batch_process.generation.requests import Completion, Prompt
 
@@ -69,6 +69,10 @@ class InFlight:
         inference: context manager factory ``on_done`` runs under (``torch.inference_mode`` or a null one).
         record_failure: ``on_error="skip"``: records a failed prompt as a failing example
             ``(batch_idx, index, phase, error)``; ``None``: a failed prompt fails the rank.
+        batch_timeout: ``batch_timeout``: seconds a batch may stay in flight, from its submission (it waits behind
+            the batches before it, at most ``max_in_flight`` prompts); longer fails the rank with
+            :class:`~torch_batch_process.errors.BatchTimeoutError` naming the batch (a stuck engine never hangs the
+            job). ``None``: no limit.
     """
 
     def __init__(
@@ -78,7 +82,9 @@ class InFlight:
         rank_failure: RankFailure,
         inference: Callable[[], contextlib.AbstractContextManager[Any]],
         record_failure: Callable[[int, int, str, BaseException], None] | None = None,
+        batch_timeout: float | None = None,
     ) -> None:
+        self._batch_timeout = batch_timeout
         self._current = current
         self._work = work
         self._rank_failure = rank_failure
@@ -214,7 +220,23 @@ class InFlight:
         for batch in complete:
             del self._batches[batch.batch_idx]
             self._deliver(batch)
+        if self._batch_timeout is not None and self._batches:
+            self._check_timeout(self._batch_timeout)
         return len(complete)
+
+    def _check_timeout(self, limit: float) -> None:
+        batch = min(self._batches.values(), key=lambda b: b.submitted)
+        waited = time.monotonic() - batch.submitted
+        if waited > limit:
+            self._rank_failure.record(
+                BatchTimeoutError(
+                    f"batch {batch.batch_idx} has been in the generation engine for {waited:.1f} s, more than "
+                    f"batch_timeout={limit:g} s ({len(batch.indices) - len(batch.completions)} of its "
+                    f"{len(batch.indices)} prompts unanswered): the engine is stuck, or batch_timeout is shorter than "
+                    "max_in_flight prompts take"
+                ),
+                "the generation engine",
+            )
 
     def wait_for_room(self, stopping: Callable[[], bool] | None = None) -> None:
         """Delivers the batches finished so far, then pumps until another batch may be submitted, the rank failed,
