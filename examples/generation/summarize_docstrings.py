@@ -17,7 +17,7 @@ Answers are greedy, or sampled with ``--temperature`` and a seed per dataset ind
 does not depend on which prompts shared the engine's steps, nor on an interruption. Interrupt it (Ctrl-C: the
 batches in flight get ``--drain-s`` seconds to finish, the rest is generated again on resume) and run the same
 command again: it resumes, on any number of processes. It ends with the commands that show the job (``tbp status``,
-``tbp report``). Requires ``pip install -e ".[examples]"``.
+``tbp report``). Requires ``pip install -e ".[examples,generation]"`` (transformers >= 5.24, psutil).
 """
 
 from __future__ import annotations
