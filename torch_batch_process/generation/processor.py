@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -286,8 +287,9 @@ def _tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any] | None:
     vocab = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else {}
     digest = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
     template = getattr(tokenizer, "chat_template", None) or ""
-    return {
-        "name": getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__,
+    name = str(getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__)
+    return {  # a folder by its name only: the job resumes where the files live elsewhere (the hash is the check)
+        "name": os.path.basename(name.rstrip("/")) if os.path.isabs(name) else name,
         "vocab_sha256": digest[:16],
         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()[:16] if template else None,
     }
