@@ -184,13 +184,18 @@ class _WrongPrompts(TorchBatchProcessor):
     [
         (_NoEngine, r"needs an engine: call context.use_generation_engine\(engine\)"),
         (_WrongPrompts, r"context.generate\(prompts=...\) takes generation.Prompt objects, got list"),
+        (
+            Generate(model=tiny_llama, prompt=lambda row: float(row), max_new_tokens=4, budget=BUDGET),
+            r"Generate\(prompt=...\): the prompt of index 0 is a float; a prompt is a str, chat messages",
+        ),
     ],
+    ids=["no engine", "not Prompt objects", "a float prompt"],
 )
 def test_a_custom_processor_without_engine_or_with_wrong_prompts_fails_its_first_batch(
     tmp_path: Path, processor: type[TorchBatchProcessor], message: str
 ) -> None:
-    """context.generate without an engine, or with what is not a Prompt: the job fails at the first batch, naming
-    what to fix, and commits nothing."""
+    """context.generate without an engine, or with what is not a Prompt, or Generate given a prompt of no known type:
+    the job fails at the first batch, naming what to fix, and commits nothing."""
     with pytest.raises(InvalidArgumentError, match=message):
         torch_batch_process(processor, list(range(8)), batch_size=4, storage_path=str(tmp_path / "s"))
     assert not list((tmp_path / "s").glob("outputs/commit_*/rank_*/records/*"))

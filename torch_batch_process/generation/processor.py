@@ -65,7 +65,8 @@ def Generate(  # noqa: N802 - it makes a processor class: named like one
     Args:
         model: ``device -> model`` (built on every rank, on its device), or a ``transformers`` causal language model
             (moved to the rank's device); with ``engine="vllm"`` a model name or folder.
-        prompt: the column holding each example's prompt, or ``row -> prompt``; a prompt is a string (tokenized
+        prompt: the column holding each example's prompt, or ``row -> prompt`` (``row``: the example, a dict of its
+            columns when the dataset yields dicts); a prompt is a string (tokenized
             with the tokenizer's special tokens), chat messages (a list of ``{"role", "content"}`` dicts: the
             tokenizer's chat template, with the generation prompt) or token ids (a list of ints, a 1-d tensor).
         max_new_tokens: the most tokens an answer holds: an int, a column name, or ``row -> int``.
@@ -217,20 +218,24 @@ def _build_engine(spec: _Spec, device: Any) -> GenerationEngine:
     )
 
 
-def _rows(batch: Any, n: int) -> list[dict[str, Any]]:
-    """The batch's examples as rows: from a dict of columns (the default ``collate_fn``'s) or a list of rows."""
+def _rows(batch: Any, n: int) -> list[Any]:
+    """The batch's examples: rows from a dict of columns (the default ``collate_fn``'s), else the batch's elements
+    (a list of rows from ``collate_fn=list``, or a tensor's rows)."""
     if isinstance(batch, dict):
         return [{name: values[i] for name, values in batch.items()} for i in range(n)]
-    if isinstance(batch, (list, tuple)) and len(batch) == n:
-        return [row if isinstance(row, dict) else {"value": row} for row in batch]
+    if hasattr(batch, "__len__") and len(batch) == n:
+        return list(batch)
     raise InvalidArgumentError(
-        f"Generate takes batches of rows (a dict of columns, or a list of dicts), got {type(batch).__name__}"
+        f"Generate takes batches of {n} examples (a dict of columns, a list of rows), got {type(batch).__name__}"
     )
 
 
-def _column(row: dict[str, Any], name: str) -> Any:
-    if name not in row:
-        raise InvalidArgumentError(f"Generate: the examples have no column {name!r} (columns: {sorted(row)})")
+def _column(row: Any, name: str) -> Any:
+    if not isinstance(row, dict) or name not in row:
+        have = sorted(row) if isinstance(row, dict) else f"an example of type {type(row).__name__}"
+        raise InvalidArgumentError(
+            f"Generate: the examples have no column {name!r} ({have}); pass a function row -> value instead"
+        )
     value = row[name]
     return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
 
