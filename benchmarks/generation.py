@@ -26,8 +26,9 @@ the prompts tokenized and the model built to every answer in hand):
   ``model.generate_batch`` would be the one-call form, but it takes one ``max_new_tokens`` for every prompt;
 - ``engine wrapper``: the same through :class:`~torch_batch_process.generation.TransformersEngine` (what the
   library's runner drives): its own cost over the engine;
-- ``library``: ``torch_batch_process`` with the ready generation processor (1 process now; 2 processes later):
-  not built yet (see notes/44-generation.md); :func:`library_contender` is where it goes. Listed as n/a.
+- ``library``: ``torch_batch_process`` with the ready processor ``generation.Generate`` (one process, in this
+  process; batches of ``--batch-size``, up to 4 x ``--max-sequences`` prompts in flight across batches), answers
+  read back from its Parquet shards (:func:`library_contender`). Two processes: not measured yet.
 
 The table gives tokens per second (answer tokens) per contender and the same-round ratios of the engine (and later
 the library) to each loop, median [min-max] over the rounds; and how many answers equal the dataset-order loop's
@@ -212,13 +213,27 @@ def engine_wrapper(work: Workload, temperature: float = 0.0) -> dict[int, list[i
     return answers
 
 
-def library_contender(work: Workload) -> dict[int, list[int]] | None:
-    """``torch_batch_process`` with the ready generation processor (phase 2 of issue 44). ``None``: not built yet.
+def library_contender(work: Workload) -> dict[int, list[int]]:
+    """``torch_batch_process`` with the ready processor (``generation.Generate``) over the same prompts, model, budget
+    and per-prompt ``max_new_tokens``, in batches of ``batch_size`` with the default ``max_in_flight`` (4 x the
+    engine's ``max_sequences`` prompts), into a fresh storage; the answers read back with ``read_outputs`` (the job
+    clock includes starting the job, writing, committing and reading the rows)."""
+    import tempfile
 
-    It will run ``torch_batch_process(generation.Generate, dataset_of(work), batch_size=work.batch_size,
-    storage_path=<fresh>, ...)`` with the same model, budget and per-prompt ``max_new_tokens``, then read the
-    answers back with ``read_outputs`` (the job clock includes writing and committing them)."""
-    return None
+    from torch_batch_process import generation, read_outputs, torch_batch_process
+
+    dataset = [{"ids": prompt, "max_new": work.max_new_tokens[i]} for i, prompt in enumerate(work.prompts)]
+    processor = generation.Generate(
+        model=work.model, prompt="ids", max_new_tokens="max_new", budget=work.budget, eos_token_id=(),
+        columns=("token_ids",), model_id="benchmark-llama-4x256",
+    )
+    with tempfile.TemporaryDirectory(prefix="tbp-bench-generation-") as storage:
+        torch_batch_process(
+            processor, dataset, batch_size=work.batch_size, storage_path=storage,
+            dataloader_kwargs={"collate_fn": list},
+        )
+        table = read_outputs(storage).to_pydict()
+    return dict(zip(table["index"], table["token_ids"], strict=True))
 
 
 def runners(work: Workload) -> dict[str, Callable[[], dict[int, list[int]] | None]]:

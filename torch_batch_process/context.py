@@ -65,6 +65,8 @@ class TorchBatchProcessorContext:
         write_rows: Callable[[Any], None] | None = None,
         mesh: Any = None,
         mesh_position: MeshPosition | None = None,
+        use_engine: Callable[..., None] | None = None,
+        generate: Callable[[Sequence[Any], Callable[[list[Any]], None]], None] | None = None,
     ) -> None:
         self.device = device
         self.mesh = mesh
@@ -76,6 +78,8 @@ class TorchBatchProcessorContext:
         self._current = current or CurrentBatch()
         self._upload_path = upload_path  # the rank's output stager's (outputs/stager.py)
         self._write_rows = write_rows  # the rank's record writer's (outputs/records.py)
+        self._use_engine = use_engine  # the rank's batches in flight (engine/feed/in_flight.py)
+        self._generate = generate
         self._tensorboard_path = tensorboard_path
         self._metrics_sink = metrics_sink
         self._reducers = ReducerRegistry()
@@ -177,6 +181,35 @@ class TorchBatchProcessorContext:
         if self._write_rows is None:
             raise RuntimeError("context.write() is not available in this context")
         self._write_rows(rows)
+
+    def use_generation_engine(
+        self, engine: Any, *, max_in_flight: int | None = None, drain_s: float | None = None
+    ) -> None:
+        """Makes ``engine`` (a :class:`~torch_batch_process.generation.GenerationEngine`) this rank's generation
+        engine: batches handed to it with :meth:`generate` stay in flight together (call it once, in ``__init__``).
+
+        Args:
+            engine: the engine (e.g. ``generation.TransformersEngine(model)``); the library stops it when the call
+                ends.
+            max_in_flight: prompts in flight at most (``None``: 4 x the engine's ``budget.max_sequences``); what a
+                kill -9 regenerates at most, and what a stop drains.
+            drain_s: at a stop (preemption), seconds to wait for the batches in flight to finish before the
+                closing commit (``None``: 30); the batches still in flight then are generated again on resume.
+        """
+        if self._use_engine is None:
+            raise RuntimeError("context.use_generation_engine() is not available in this context")
+        self._use_engine(engine, max_in_flight, drain_s)
+
+    def generate(self, prompts: Sequence[Any], on_done: Callable[[list[Any]], None]) -> None:
+        """Hands the current batch's prompts to the generation engine and returns at once (inside
+        ``process_batch``): one :class:`~torch_batch_process.generation.Prompt` per example of
+        :attr:`batch_indices`. When the batch's last prompt is answered, ``on_done(completions)`` runs on the main
+        thread, in the batch's order, failed prompts left out, with :attr:`batch_indices` set to the answered
+        indices, so it calls :meth:`write` as ``process_batch`` would; the batch is committed with those rows, once.
+        """
+        if self._generate is None:
+            raise RuntimeError("context.generate() is not available in this context")
+        self._generate(prompts, on_done)
 
     def report_metrics(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
         """Records metrics; they are written to ``<storage_path>/metrics.jsonl`` at the next commit.

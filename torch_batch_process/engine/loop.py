@@ -46,6 +46,7 @@ from torch_batch_process.engine.announce import (
 )
 from torch_batch_process.engine.building import build_processor
 from torch_batch_process.engine.capabilities.failures_participant import FailingExamplesParticipant, failed_before
+from torch_batch_process.engine.capabilities.generation_participant import GenerationParticipant
 from torch_batch_process.engine.capabilities.memory_participant import MemoryLimitsParticipant
 from torch_batch_process.engine.capabilities.mesh_participant import MemberFiles, MemberFilesParticipant
 from torch_batch_process.engine.capabilities.records_participant import RecordOutputs
@@ -64,6 +65,7 @@ from torch_batch_process.engine.feed.device_memory import device_kind
 from torch_batch_process.engine.feed.error_handling import Placement, check_max_failures, guard_batches
 from torch_batch_process.engine.feed.failing_examples import FailureLog, Transactions
 from torch_batch_process.engine.feed.fitting import BatchFitter
+from torch_batch_process.engine.feed.in_flight import InFlight
 from torch_batch_process.engine.feed.inputs import open_input
 from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_device_prefetch
 from torch_batch_process.engine.feed.replica import ReplicaFeed
@@ -256,6 +258,18 @@ class JobRun:
                 keeps_rows=self.writer,  # a replica's other members: rows checked, not kept (docs/mesh.md)
             )
             member_files = MemberFiles(mesh.position, self.stager.upload_path) if mesh is not None else None
+            self.failure_log = FailureLog(
+                self.stager, rank=self.rank, attempt=start.attempt, failed_before=failed_before(latest),
+                limit=args.failures.limit(self.plan.num_examples), failures_url=job.failures_url,
+                original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
+                keyed=stamp.failure_fields if stamp is not None else None,  # key=: a failure names its key and run
+            )
+            self.in_flight = InFlight(  # batches in a generation engine (DESIGN §19), when the processor uses one
+                self.current, self.work, self.rank_failure,
+                torch.inference_mode if args.inference_mode else contextlib.nullcontext,
+                self.failure_log.record if args.failures.skip else None, args.failures.batch_timeout,
+            )
+            self._closing.callback(self.in_flight.close)
             self.context = TorchBatchProcessorContext(
                 device=env.device,
                 distributed=env.info,
@@ -267,6 +281,8 @@ class JobRun:
                 write_rows=self.records.write,
                 mesh=mesh.device_mesh if mesh is not None else None,
                 mesh_position=mesh.position if mesh is not None else None,
+                use_engine=self.in_flight.use,
+                generate=self.in_flight.generate,
             )
             # the capabilities: each with its feed side and its commit participant
             failures = args.failures
@@ -274,12 +290,6 @@ class JobRun:
             stored_limits = latest.memory_limits if latest is not None and failures.split_on_oom else None
             self.fitter = BatchFitter.for_job(stored_limits, lengths, device_kind(env.device))
             """What fits in the device's memory (DESIGN §15): it learns only with ``on_oom="split"``."""
-            self.failure_log = FailureLog(
-                self.stager, rank=self.rank, attempt=start.attempt, failed_before=failed_before(latest),
-                limit=failures.limit(self.plan.num_examples), failures_url=job.failures_url,
-                original_batch=getattr(self.plan, "original_batch", None),  # a retry's plan keeps the original batches
-                keyed=stamp.failure_fields if stamp is not None else None,  # key=: a failure names its key and run
-            )
             self.summaries = ReducerSummaries(self.context.reducers, job.opener.store, latest, counts=self.writer)
             participants: list[Participant] = [RecordOutputs(self.records, latest)]
             if job.table_commits is not None:
@@ -290,6 +300,7 @@ class JobRun:
                 MemoryLimitsParticipant(self.fitter, latest),
                 FailingExamplesParticipant(self.failure_log, latest),
                 self.summaries,
+                GenerationParticipant(self.in_flight, latest),  # counts nothing unless the processor uses an engine
                 TimelineParticipant(self.world_size, job.observer),  # last: it times what the others do after a record
             ]
             scheduler = self.scheduler
@@ -368,6 +379,10 @@ class JobRun:
         if peers is not None:
             self._closing.callback(peers.close)
         decision = Decision.STOP if stop_now else self._steps(processor)
+        if self.in_flight.active:  # the batches in a generation engine: done, or drained within drain_s at a stop
+            if decision in (Decision.DONE, Decision.STOP):
+                self.in_flight.drain(None if decision is Decision.DONE else self.in_flight.drain_s)
+            self.in_flight.close()  # what did not finish is not committed: the resume generates it again
         scheduler.close()
         if peers is not None:
             peers.stop_watching()
@@ -404,7 +419,8 @@ class JobRun:
             call, feed, self.plan, args.failures, Transactions(self.stager, self.context.reducers, self.rank),
             self.failure_log, self.fitter, Placement(env.device, job.device_prefetch),
         )
-        runner = BatchRunner(call, self.plan, rank_failure, self.work, guards, watchdog.watch)
+        in_flight = self.in_flight
+        runner = BatchRunner(call, self.plan, rank_failure, self.work, guards, watchdog.watch, in_flight.owns)
         batches = DevicePrefetcher(feed, env.device, enabled=job.device_prefetch, error_of=feed.load_error)
         observer = job.observer
         try:
@@ -412,6 +428,8 @@ class JobRun:
             for step, has_batch in enumerate(scheduler.steps()):
                 if has_batch and replica is not None and not replica.members_ok(rank_failure):
                     has_batch = False  # a member of this replica failed: no member runs a batch that waits for it
+                if in_flight.active:  # a generation engine: room for the next batch, the finished batches in
+                    in_flight.wait_for_room(lambda: signals.preempt_requested)
                 if has_batch and not rank_failure.failed and not runner.step(batches):
                     # no batch left for this rank (dynamic), or a stop seen at a claim
                     return scheduler.after_last(failed=rank_failure.failed)

@@ -82,7 +82,8 @@ class TransformersEngine(GenerationEngine):
                 "transformers' continuous batching on a CPU reads the machine's memory with psutil: pip install "
                 "psutil (or torch-batch-process[generation])"
             )
-        self._manager = self._start(model)
+        with torch.inference_mode():  # the manager's loop runs in the mode it was started in: no autograd state
+            self._manager = self._start(model)
 
     def _start(self, model: Any) -> Any:
         """Builds the manager and its cache in this thread (so a cache too large raises here), then starts its loop."""

@@ -61,6 +61,9 @@ class JobSpec:
     """The table target of record outputs (``table=``; its :meth:`~TableTarget.describe`), ``None``: shards."""
     keyed: dict[str, Any] | None = None
     """A keyed job's key and version (``key=``, DESIGN §21), ``None``: not keyed."""
+    generation: dict[str, Any] | None = None
+    """A generation job's engine, model, tokenizer, sampling and prompt (``generation.Generate``'s class attribute
+    ``generation_fingerprint``), ``None``: no such processor."""
 
     @classmethod
     def of_call(cls, args: JobArguments, dataset_length: int, plan: dict[str, Any] | None) -> JobSpec:
@@ -75,6 +78,7 @@ class JobSpec:
             output_format=args.output_format,
             table=args.table.describe() if args.table is not None else None,
             keyed=args.keyed.describe() if args.keyed is not None else None,
+            generation=getattr(args.processor_cls, "generation_fingerprint", None),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -88,6 +92,7 @@ class JobSpec:
             **({"output_format": self.output_format} if self.output_format != "parquet" else {}),
             **({"table": self.table} if self.table is not None else {}),
             **({"keyed": self.keyed} if self.keyed is not None else {}),
+            **({"generation": self.generation} if self.generation is not None else {}),
         }
 
     def differences(self, stored: dict[str, Any]) -> list[str]:

@@ -110,6 +110,8 @@ class BatchRunner:
         work: the rank's work since its previous commit (a batch done joins its part).
         guards: what guards the batches.
         span: context manager factory timing a batch (``batch_timeout``), or ``None``.
+        in_flight: whether a batch went in flight in a generation engine (it joins the part when its last prompt
+            is answered: :class:`~torch_batch_process.engine.feed.in_flight.InFlight`), or ``None``.
     """
 
     def __init__(
@@ -120,7 +122,9 @@ class BatchRunner:
         work: RankWork,
         guards: Guards,
         span: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+        in_flight: Callable[[int], bool] | None = None,
     ) -> None:
+        self._in_flight = in_flight or _never
         self._call = call
         self._current = call.current
         self._plan = plan
@@ -193,7 +197,8 @@ class BatchRunner:
             seconds = time.perf_counter() - t0
             part.timings["process"] += seconds
             self._current.leave()
-        part.add_batch(batch_idx, len(indices), seconds)
+        if not self._in_flight(batch_idx):
+            part.add_batch(batch_idx, len(indices), seconds)
 
     def _run_pieces(
         self, batch_idx: int, pieces: list[Sequence[int]], loaded: list[Any], part: Part, *, whole: bool
@@ -239,6 +244,8 @@ class BatchRunner:
         if split and fitter is not None:
             fitter.split_batches += 1
         ran_whole = whole and not split and not failed
+        if self._in_flight(batch_idx):  # in a generation engine: joins the part when its last prompt is answered
+            return
         part.add_batch(batch_idx, succeeded, seconds if ran_whole else None)  # run whole: in the timeline
 
     def _attempt(self, batch_idx: int, indices: Sequence[int], batch: Any, part: Part, prefix: str) -> Exception | None:
@@ -279,3 +286,8 @@ class BatchRunner:
         where = f"loading batch {batch_idx}" if phase == "load" else f"process_batch(batch_idx={batch_idx})"
         self._rank_failure.record(error, where)
         return None
+
+
+def _never(batch_idx: int) -> bool:
+    """No batch goes in flight (no generation engine)."""
+    return False

@@ -1,0 +1,239 @@
+"""Generation jobs (DESIGN §19, issue 44 phase 2): ``generation.Generate`` in real jobs over a tiny random-weight Llama
+built from a config with a fixed seed (``tests/jobs/generation_job.py``): batches in flight in one continuous-batching
+engine per rank, committed once when their last prompt is answered; SIGTERM (drain within ``drain_s``, the rest left
+uncommitted) and kill -9 mid-job, resumed on other world sizes: every prompt answered once, the answers those of
+the same prompts answered uninterrupted (seeded sampling per dataset index). Bad inputs refused before any work."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import JOBS, latest_commit_record, spawn_ranks, wait_all
+
+from torch_batch_process import (
+    BatchTimeoutError,
+    InvalidArgumentError,
+    TorchBatchProcessor,
+    read_failures,
+    read_outputs,
+    torch_batch_process,
+)
+from torch_batch_process.generation import (
+    CacheBudget,
+    Generate,
+    GenerationEngine,
+    Prompt,
+    Sampling,
+    TransformersEngine,
+)
+
+pytest.importorskip("transformers", minversion="5.24")
+pytest.importorskip("psutil")
+
+from jobs.generation_job import BUDGET, SAMPLED, Prompts, tiny_llama  # noqa: E402 - after the skips
+
+GENERATION_JOB = JOBS / "generation_job.py"
+N, BATCH, MAX_NEW = 200, 8, 24
+TOO_LONG = (5, 77, 190)  # prompts that fill the model's context: failing examples (on_error="skip")
+
+
+def answers_uninterrupted(n: int) -> dict[int, list[int]]:
+    """The same prompts answered by one engine in one go, in this process: what every job must write."""
+    prompts = Prompts(n, MAX_NEW)
+    with TransformersEngine(tiny_llama("cpu"), sampling=SAMPLED, budget=BUDGET, eos_token_id=()) as engine:
+        engine.submit(Prompt(i, prompts[i]["ids"], prompts[i]["max_new"]) for i in range(n) if i not in TOO_LONG)
+        done: dict[int, list[int]] = {}
+        deadline = time.monotonic() + 120
+        while len(done) < n - len(TOO_LONG) and time.monotonic() < deadline:
+            done.update((c.index, list(c.token_ids)) for c in engine.poll(timeout=1.0))
+    assert len(done) == n - len(TOO_LONG)
+    return done
+
+
+def committed(storage: str) -> tuple[Counter[int], dict[int, list[int]]]:
+    """How often each index is committed, and its answer."""
+    table = read_outputs(storage).to_pydict()
+    return Counter(table["index"]), dict(zip(table["index"], table["token_ids"], strict=True))
+
+
+def start(tmp_path: Path, world_size: int, attempt: int, **extra: Any) -> tuple[list[Any], dict[str, Any]]:
+    spec = {
+        "storage": str(tmp_path / "storage"), "report_dir": str(tmp_path / "reports"), "n": N, "batch_size": BATCH,
+        "max_new": MAX_NEW, "sampled": True, "max_in_flight": 32, "attempt": attempt,
+        "progress": str(tmp_path / f"progress{attempt}"), "too_long": TOO_LONG, "on_error": "skip", **extra,
+    }
+    return spawn_ranks(world_size, GENERATION_JOB, json.dumps(spec)), spec
+
+
+def wait_for_batches(spec: dict[str, Any], procs: list[Any], batches: int, timeout: float = 120) -> None:
+    progress = Path(spec["progress"])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if progress.exists() and len(progress.read_text().split()) >= batches:
+            return
+        time.sleep(0.05)
+    outputs = wait_all(procs, 5)
+    raise AssertionError(f"no {batches} batches delivered: {[err[-2000:] for _, _, err in outputs]}")
+
+
+def report(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    return json.loads(Path(spec["report_dir"], f"attempt{spec['attempt']}_rank{rank}.json").read_text())
+
+
+def check_whole_batches(counts: Counter[int]) -> None:
+    """Each index at most once, and only whole batches (a batch in flight at a stop is not committed at all)."""
+    assert max(counts.values(), default=1) == 1, [i for i, c in counts.items() if c > 1]
+    for batch in range(-(-N // BATCH)):
+        present = [i in counts for i in range(batch * BATCH, min((batch + 1) * BATCH, N)) if i not in TOO_LONG]
+        assert all(present) or not any(present), f"batch {batch} committed in part: {present}"
+
+
+@pytest.mark.slow
+def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_path: Path) -> None:
+    """2 ranks stopped by SIGTERM mid-job (drain of 0.2 s: batches still in flight are left uncommitted), resumed on 1
+    rank killed with -9 mid-job, resumed on 2 ranks (dynamic schedule) to the end: every prompt once, in whole
+    batches at each stop, and every answer that of the same prompt answered uninterrupted; the prompts that fill
+    the model's context are failing examples (on_error="skip"), recorded once."""
+    expected = answers_uninterrupted(N)
+
+    procs, spec = start(tmp_path, 2, 1, drain_s=0.2, slow_s=0.3)  # 1. SIGTERM both ranks mid-job
+    wait_for_batches(spec, procs, 3)
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    results = wait_all(procs, 90)
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-3000:] for _, _, err in results]
+    assert all(report(spec, rank)["result"]["preempted"] for rank in (0, 1))
+    counts, _ = committed(spec["storage"])
+    check_whole_batches(counts)
+    assert 0 < len(counts) < N, len(counts)
+
+    procs, spec = start(tmp_path, 1, 2, slow_s=0.3)  # 2. another world size, killed with -9 mid-job
+    wait_for_batches(spec, procs, 2)
+    procs[0].kill()
+    wait_all(procs, 30)
+    counts, _ = committed(spec["storage"])
+    check_whole_batches(counts)
+    assert len(counts) < N - len(TOO_LONG), "stage 3 has batches left to generate"
+
+    procs, spec = start(tmp_path, 2, 3, schedule="dynamic")  # 3. to the end
+    results = wait_all(procs, 150)
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-3000:] for _, _, err in results]
+    counts, answers = committed(spec["storage"])
+    assert counts == Counter(i for i in range(N) if i not in TOO_LONG)
+    differing = [i for i in expected if answers[i] != expected[i]]
+    assert not differing, f"{len(differing)} answers differ from the uninterrupted ones, e.g. index {differing[:5]}"
+    stats = latest_commit_record(spec["storage"])["stats"]
+    assert stats["generated_prompts"] == N, stats  # each prompt counted once over the 3 attempts, failed ones too
+    assert stats["completion_tokens"] == sum(len(answer) for answer in expected.values()), stats
+    failures = read_failures(spec["storage"])  # the prompts too long: failing examples, once, naming index and lengths
+    assert [f["index"] for f in failures] == list(TOO_LONG), failures
+    assert all(f["error_type"] == "PromptFailedError" and f"index {f['index']} has 96 tokens" in f["message"]
+               for f in failures), failures
+
+
+def test_generate_refuses_bad_arguments_naming_them() -> None:
+    """Every bad argument of Generate is refused when the class is made, before any work, naming the argument."""
+    good: dict[str, Any] = {"model": tiny_llama, "prompt": "ids", "max_new_tokens": 8}
+    cases = [
+        ({"model": None}, "Generate(model=...)"),
+        ({"model": object()}, "Generate(model=...)"),
+        ({"prompt": 3}, "Generate(prompt=...)"),
+        ({"max_new_tokens": 0}, "Generate(max_new_tokens=...)"),
+        ({"sampling": {"temperature": 0.7}}, "Generate(sampling=...)"),
+        ({"budget": 64}, "Generate(budget=...)"),
+        ({"engine": "sglang"}, "Generate(engine='sglang')"),
+        ({"columns": ("text", "logits")}, "Generate(columns=...)"),
+        ({"columns": ("text",)}, "no tokenizer"),
+        ({"tokenizer": 5}, "Generate(tokenizer=...)"),
+    ]
+    for change, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            Generate(**{**good, **change})
+    with pytest.raises(InvalidArgumentError, match=r"Sampling.temperature|temperature"):
+        Sampling(temperature=-1.0)
+    with pytest.raises(InvalidArgumentError, match="CacheBudget.max_sequences"):
+        CacheBudget(max_sequences=0)
+    assert Generate(**good).generation_fingerprint["model"].endswith("tiny_llama")
+
+
+class _NoEngine(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        self.context.generate([Prompt(i, [1, 2], 4) for i in self.context.batch_indices], print)
+
+
+class _WrongPrompts(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        context.use_generation_engine(TransformersEngine(tiny_llama(context.device), budget=BUDGET))
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        self.context.generate([[1, 2, 3]] * len(self.context.batch_indices), print)
+
+
+@pytest.mark.parametrize(
+    ("processor", "message"),
+    [
+        (_NoEngine, r"needs an engine: call context.use_generation_engine\(engine\)"),
+        (_WrongPrompts, r"context.generate\(prompts=...\) takes generation.Prompt objects, got list"),
+        (
+            Generate(model=tiny_llama, prompt=lambda row: float(row), max_new_tokens=4, budget=BUDGET),
+            r"Generate\(prompt=...\): the prompt of index 0 is a float; a prompt is a str, chat messages",
+        ),
+    ],
+    ids=["no engine", "not Prompt objects", "a float prompt"],
+)
+def test_a_custom_processor_without_engine_or_with_wrong_prompts_fails_its_first_batch(
+    tmp_path: Path, processor: type[TorchBatchProcessor], message: str
+) -> None:
+    """context.generate without an engine, or with what is not a Prompt, or Generate given a prompt of no known type:
+    the job fails at the first batch, naming what to fix, and commits nothing."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        torch_batch_process(processor, list(range(8)), batch_size=4, storage_path=str(tmp_path / "s"))
+    assert not list((tmp_path / "s").glob("outputs/commit_*/rank_*/records/*"))
+
+
+class _StuckEngine(GenerationEngine):
+    """A backend whose generation never finishes (a hung kernel, a dead worker that does not say so)."""
+
+    def __init__(self) -> None:
+        super().__init__(context_length=64, vocab_size=100, eos_token_ids=())
+
+    def _enqueue(self, prompts: list[tuple[Prompt, int]]) -> None:
+        pass
+
+    def _collect(self, timeout: float | None) -> list[Any]:
+        time.sleep(min(timeout or 0.0, 0.2))
+        return []
+
+    def _partial(self) -> dict[int, list[int]]:
+        return {}
+
+    def _shutdown(self) -> None:
+        pass
+
+
+class _Stuck(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        context.use_generation_engine(_StuckEngine())
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        self.context.generate([Prompt(i, [1, 2], 4) for i in self.context.batch_indices], self.context.write)
+
+
+def test_a_stuck_engine_fails_the_job_after_batch_timeout(tmp_path: Path) -> None:
+    """A batch in flight longer than batch_timeout fails the job naming the batch, never a hang (its process_batch
+    returned long ago: the batch's time counts from its submission)."""
+    started = time.monotonic()
+    with pytest.raises(BatchTimeoutError, match=r"batch 0 has been in the generation engine for .* batch_timeout=1 s"):
+        torch_batch_process(_Stuck, list(range(8)), batch_size=4, storage_path=str(tmp_path / "s"), batch_timeout=1)
+    assert time.monotonic() - started < 60

@@ -1,0 +1,315 @@
+"""Batches in flight: a processor hands a batch's prompts to a generation engine and returns; the batch is done
+(its rows written, committable) when its last prompt has finished (DESIGN §19).
+
+A processor registers its engine once (``context.use_generation_engine(engine)`` in ``__init__``) and, in
+``process_batch``, submits one :class:`~torch_batch_process.generation.requests.Prompt` per example of the batch
+(``context.generate(prompts, on_done)``). :class:`InFlight` owns those batches:
+
+- a submission is held until ``process_batch`` returns, then goes to the engine (a ``process_batch`` that raises
+  submits nothing: its transaction is undone as any other);
+- the runner does not add a batch in flight to the rank's part (:meth:`InFlight.owns`); :meth:`InFlight.pump` does,
+  when the batch's last completion came back: ``on_done(completions)`` runs on the main thread with
+  ``context.batch_indices`` set to the batch's answered indices, its ``context.write`` rows join the rank's shard,
+  and the batch joins the same :class:`~torch_batch_process.engine.work.Part` as its rows. So a commit covers
+  completed batches only, in any order, each with its rows: exactly once as for any batch;
+- the loop waits for room (:meth:`has_room`: at most ``max_in_flight`` prompts submitted) before it loads the next
+  batch, pumps before each commit, drains when the rank's batches are done, and at a stop drains for at most
+  ``drain_s`` seconds: a batch still in flight then is not committed, and the resume generates it again.
+
+A prompt that cannot run (longer than the model's context, a token outside the vocabulary) comes back as a failed
+completion: with ``on_error="skip"`` it is a failing example (its row is absent, the batch completes without it),
+otherwise the rank fails naming its index and lengths (:class:`PromptFailedError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_batch_process.context import CurrentBatch
+from torch_batch_process.engine.rank_failure import RankFailure
+from torch_batch_process.engine.work import RankWork
+from torch_batch_process.errors import BatchProcessError, BatchTimeoutError, InvalidArgumentError
+from torch_batch_process.generation.engine import GenerationEngine
+from torch_batch_process.generation.requests import Completion, Prompt
+
+__all__ = ["DEFAULT_DRAIN_S", "BatchInFlight", "InFlight", "PromptFailedError"]
+
+DEFAULT_DRAIN_S = 30.0
+"""How long a stop (preemption) waits for the batches in flight to finish before the closing commit."""
+
+
+class PromptFailedError(BatchProcessError, RuntimeError):
+    """A prompt could not be answered (too long for the model's context, a token outside its vocabulary)."""
+
+
+@dataclass
+class BatchInFlight:
+    """One batch submitted to the engine, waiting for its last completion."""
+
+    batch_idx: int
+    indices: Sequence[int]
+    """The batch's dataset indices, in batch order."""
+    on_done: Callable[[list[Completion]], None]
+    submitted: float
+    """``time.monotonic()`` at submission."""
+    completions: dict[int, Completion] = field(default_factory=dict)
+
+
+class InFlight:
+    """The rank's batches in flight in its generation engine (see the module docstring).
+
+    Args:
+        current: the context's current batch (set around ``on_done``; tells the record writer the batch ended).
+        work: the rank's work (a completed batch joins its current part).
+        rank_failure: the rank's failure (an exception in ``on_done``, a failed prompt, a dead engine).
+        inference: context manager factory ``on_done`` runs under (``torch.inference_mode`` or a null one).
+        record_failure: ``on_error="skip"``: records a failed prompt as a failing example
+            ``(batch_idx, index, phase, error)``; ``None``: a failed prompt fails the rank.
+        batch_timeout: ``batch_timeout``: seconds a batch may stay in flight, from its submission (it waits behind
+            the batches before it, at most ``max_in_flight`` prompts); longer fails the rank with
+            :class:`~torch_batch_process.errors.BatchTimeoutError` naming the batch (a stuck engine never hangs the
+            job). ``None``: no limit.
+    """
+
+    def __init__(
+        self,
+        current: CurrentBatch,
+        work: RankWork,
+        rank_failure: RankFailure,
+        inference: Callable[[], contextlib.AbstractContextManager[Any]],
+        record_failure: Callable[[int, int, str, BaseException], None] | None = None,
+        batch_timeout: float | None = None,
+    ) -> None:
+        self._batch_timeout = batch_timeout
+        self._current = current
+        self._work = work
+        self._rank_failure = rank_failure
+        self._inference = inference
+        self._record_failure = record_failure
+        self.engine: GenerationEngine | None = None
+        self.limit = 0
+        """Prompts in flight at most (``max_in_flight``)."""
+        self.drain_s = DEFAULT_DRAIN_S
+        self._batches: dict[int, BatchInFlight] = {}
+        self._batch_of: dict[int, int] = {}  # dataset index -> batch_idx, for the prompts in flight
+        self._pending: tuple[BatchInFlight, list[Prompt]] | None = None  # submitted by process_batch, not yet sent
+        self._delivering = False
+        self._counts = [0, 0, 0]  # delivered since the last take_counts(): prompts (failed included), tokens in, out
+        current.listeners.append(self._batch_finished)
+
+    # ------------------------------------------------------------------ the context's side
+
+    def use(self, engine: GenerationEngine, max_in_flight: int | None = None, drain_s: float | None = None) -> None:
+        """``context.use_generation_engine``: the engine this rank's batches go to (once, in ``__init__``)."""
+        if not isinstance(engine, GenerationEngine):
+            raise InvalidArgumentError(
+                f"use_generation_engine(engine=...) takes a torch_batch_process.generation.GenerationEngine (e.g. "
+                f"TransformersEngine(model)), got {type(engine).__name__}"
+            )
+        if self.engine is not None and self.engine is not engine:
+            raise InvalidArgumentError("use_generation_engine() was already called: a processor uses one engine")
+        if max_in_flight is not None and (
+            isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
+        ):
+            raise InvalidArgumentError(f"max_in_flight must be None or an int >= 1 (prompts), got {max_in_flight!r}")
+        if drain_s is not None and (isinstance(drain_s, bool) or not isinstance(drain_s, (int, float)) or drain_s < 0):
+            raise InvalidArgumentError(f"generation_drain_s must be None or a number >= 0 (seconds), got {drain_s!r}")
+        self.engine = engine
+        budget = getattr(engine, "budget", None)
+        sequences = getattr(budget, "max_sequences", 64)
+        self.limit = max_in_flight if max_in_flight is not None else 4 * sequences
+        if drain_s is not None:
+            self.drain_s = float(drain_s)
+
+    def generate(self, prompts: Sequence[Prompt], on_done: Callable[[list[Completion]], None]) -> None:
+        """``context.generate``: hands the current batch's prompts to the engine once ``process_batch`` returns."""
+        if self.engine is None:
+            raise InvalidArgumentError(
+                "context.generate() needs an engine: call context.use_generation_engine(engine) in the processor's "
+                "__init__ first"
+            )
+        indices = self._current.indices
+        if indices is None or self._delivering:
+            raise RuntimeError("context.generate() is only available inside process_batch()")
+        if not callable(on_done):
+            raise InvalidArgumentError(f"context.generate(on_done=...) must be callable, got {type(on_done).__name__}")
+        if self._pending is not None:
+            raise RuntimeError(f"context.generate() was already called for batch {self._current.batch_idx}")
+        prompts = list(prompts)
+        for prompt in prompts:
+            if not isinstance(prompt, Prompt):
+                raise InvalidArgumentError(
+                    f"context.generate(prompts=...) takes generation.Prompt objects, got {type(prompt).__name__}"
+                )
+        given = [prompt.index for prompt in prompts]
+        if sorted(given) != sorted(indices) or len(set(given)) != len(given):
+            missing = sorted(set(indices) - set(given))[:5]
+            foreign = sorted(set(given) - set(indices))[:5]
+            raise InvalidArgumentError(
+                f"context.generate(prompts=...) needs exactly one Prompt per example of context.batch_indices (batch "
+                f"{self._current.batch_idx}): missing indices {missing}, foreign or repeated indices "
+                f"{foreign or sorted(i for i in set(given) if given.count(i) > 1)[:5]}"
+            )
+        batch_idx = self._current.batch_idx
+        assert batch_idx is not None
+        self._pending = (BatchInFlight(batch_idx, list(indices), on_done, time.monotonic()), prompts)
+
+    def _batch_finished(self, ok: bool) -> None:
+        """``process_batch`` returned (its prompts go to the engine) or raised (they are dropped)."""
+        pending, self._pending = self._pending, None
+        if pending is None or not ok:
+            return
+        batch, prompts = pending
+        previous = self._batches.get(batch.batch_idx)
+        if previous is not None:  # a batch run in parts (on_oom="split"): one batch, several submissions
+            previous.indices = list(previous.indices) + list(batch.indices)
+            batch = previous
+        assert self.engine is not None
+        self.engine.submit(prompts)
+        self._batches[batch.batch_idx] = batch
+        for prompt in prompts:
+            self._batch_of[prompt.index] = batch.batch_idx
+
+    # ------------------------------------------------------------------ the loop's side
+
+    @property
+    def active(self) -> bool:
+        """Whether the processor registered an engine."""
+        return self.engine is not None
+
+    def owns(self, batch_idx: int) -> bool:
+        """Whether batch ``batch_idx`` is in flight (the runner leaves it out of the part: :meth:`pump` adds it)."""
+        return batch_idx in self._batches
+
+    @property
+    def prompts_in_flight(self) -> int:
+        return len(self._batch_of)
+
+    @property
+    def batches_in_flight(self) -> int:
+        return len(self._batches)
+
+    def has_room(self) -> bool:
+        """Whether another batch may be submitted (fewer than ``max_in_flight`` prompts in flight)."""
+        return self.engine is None or len(self._batch_of) < self.limit
+
+    def oldest(self) -> float | None:
+        """When the oldest batch in flight was submitted (``time.monotonic()``), or ``None``."""
+        return min((b.submitted for b in self._batches.values()), default=None)
+
+    def pump(self, timeout: float = 0.0) -> int:
+        """Takes the completions the engine finished (waiting up to ``timeout`` seconds for one) and delivers every
+        batch whose last prompt came back; returns how many batches were delivered. A dead engine fails the rank."""
+        if self.engine is None or not self._batches or self._rank_failure.failed:
+            return 0
+        try:
+            completions = self.engine.poll(timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - EngineFailedError: every rank stops with it
+            self._rank_failure.record(exc, "the generation engine")
+            return 0
+        complete: list[BatchInFlight] = []
+        for completion in completions:
+            batch = self._batches[self._batch_of.pop(completion.index)]
+            batch.completions[completion.index] = completion
+            if len(batch.completions) == len(batch.indices):
+                complete.append(batch)
+        for batch in complete:
+            del self._batches[batch.batch_idx]
+            self._deliver(batch)
+        if self._batch_timeout is not None and self._batches:
+            self._check_timeout(self._batch_timeout)
+        return len(complete)
+
+    def _check_timeout(self, limit: float) -> None:
+        batch = min(self._batches.values(), key=lambda b: b.submitted)
+        waited = time.monotonic() - batch.submitted
+        if waited > limit:
+            self._rank_failure.record(
+                BatchTimeoutError(
+                    f"batch {batch.batch_idx} has been in the generation engine for {waited:.1f} s, more than "
+                    f"batch_timeout={limit:g} s ({len(batch.indices) - len(batch.completions)} of its "
+                    f"{len(batch.indices)} prompts unanswered): the engine is stuck, or batch_timeout is shorter than "
+                    "max_in_flight prompts take"
+                ),
+                "the generation engine",
+            )
+
+    def wait_for_room(self, stopping: Callable[[], bool] | None = None) -> None:
+        """Delivers the batches finished so far, then pumps until another batch may be submitted, the rank failed,
+        or ``stopping()`` (a preemption: the loop stops admitting at its next agreement)."""
+        self.pump(timeout=0.0)
+        while not self.has_room() and not self._rank_failure.failed and not (stopping is not None and stopping()):
+            self.pump(timeout=1.0)
+
+    def drain(self, deadline_s: float | None) -> bool:
+        """Pumps until no batch is in flight, for at most ``deadline_s`` seconds (``None``: until done); returns
+        whether none is left."""
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        while self._batches and not self._rank_failure.failed:
+            wait = 1.0 if end is None else min(1.0, end - time.monotonic())
+            if wait <= 0:
+                break
+            self.pump(timeout=wait)
+        return not self._batches
+
+    def take_counts(self) -> tuple[int, int, int]:
+        """Prompts (failed included), prompt tokens and answer tokens of the batches delivered since the previous
+        call: those of the batches in the rank's part, for its vote."""
+        counts, self._counts = self._counts, [0, 0, 0]
+        return counts[0], counts[1], counts[2]
+
+    def close(self) -> None:
+        """Stops the engine: what is still in flight is dropped (never committed: the resume generates it again)."""
+        engine, self.engine = self.engine, None
+        self._batches.clear()
+        self._batch_of.clear()
+        if self._batch_finished in self._current.listeners:
+            self._current.listeners.remove(self._batch_finished)
+        if engine is not None:
+            engine.stop()
+
+    # ------------------------------------------------------------------ delivering a batch
+
+    def _deliver(self, batch: BatchInFlight) -> None:
+        """``on_done`` for a complete batch (its failed prompts left out); the batch joins the rank's part."""
+        answered: list[Completion] = []
+        for index in batch.indices:
+            completion = batch.completions[index]
+            if not completion.failed:
+                answered.append(completion)
+                continue
+            error = PromptFailedError(completion.error or f"the prompt of index {index} failed")
+            if self._record_failure is None:
+                self._rank_failure.record(error, f"generating batch {batch.batch_idx}")
+                return
+            try:
+                self._record_failure(batch.batch_idx, index, "generate", error)
+            except Exception as exc:  # noqa: BLE001 - TooManyFailuresError
+                self._rank_failure.record(exc, f"generating batch {batch.batch_idx}")
+                return
+        part = self._work.part
+        t0 = time.perf_counter()
+        self._current.enter(batch.batch_idx, [c.index for c in answered])
+        self._delivering = True
+        ok = False
+        try:
+            with self._inference():
+                batch.on_done(answered)
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - every rank stops with it
+            self._rank_failure.record(exc, f"on_done of batch {batch.batch_idx}")
+        finally:
+            self._delivering = False
+            self._current.finish(ok)
+            self._current.leave()
+            part.timings["process"] += time.perf_counter() - t0
+        if ok:
+            part.add_batch(batch.batch_idx, len(answered))
+            counts = self._counts
+            counts[0] += len(batch.indices)
+            counts[1] += sum(c.prompt_tokens for c in batch.completions.values())
+            counts[2] += sum(c.completion_tokens for c in answered)
