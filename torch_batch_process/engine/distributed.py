@@ -117,7 +117,7 @@ def wait_together(rank: int, *works: Any) -> None:
             pending.remove(work)
         if pending:
             time.sleep(pause)
-            pause = min(2 * pause, 0.02)
+            pause = min(2 * pause, 0.005)  # a late wake-up delays the commit by at most this
 
 
 class Collectives:
