@@ -15,6 +15,7 @@ from harness import (
     assert_exactly_once,
     base_env,
     buffered_values,
+    committed_batches,
     free_port,
     job_spec,
     per_batch_values,
@@ -198,6 +199,22 @@ def test_a_killed_rank_makes_the_other_exit_promptly(tmp_path):
     outcomes = wait_all(procs, timeout=60)
     assert outcomes[0][0] not in (None, 0) and time.monotonic() - started < 30
     assert read_reports(spec, 1)[0]["error"]["type"] == "WorkerLostError"
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_a_commit_makes_every_other_rank_exit_promptly(tmp_path):
+    """3 ranks, a commit per step, one killed right after the first durable commit: rank 0 raises from the commit's
+    gather while rank 2's vote may still be waiting to be sent to it; gloo never fails that send, so rank 2 used to
+    wait for the collective timeout (in most runs) unless it waited for its flags' all_reduce too, which fails."""
+    spec = job_spec(tmp_path, n=120, batch_size=4, sleep=0.3, checkpoint_interval=1)
+    procs = spawn_ranks(3, GENERIC_JOB, json.dumps(dict(spec, attempt=1)))
+    wait_for(lambda: committed_batches(spec["storage"]) > 0, 90, "the first commit")
+    os.kill(procs[1].pid, signal.SIGKILL)
+    outcomes = wait_all(procs, timeout=30)
+    assert [rc for rc, _, _ in outcomes] == [1, -signal.SIGKILL, 1], [err[-3000:] for _, _, err in outcomes]
+    assert {rank: report["error"]["type"] for rank, report in read_reports(spec, 1).items()} == {
+        0: "WorkerLostError", 2: "WorkerLostError"
+    }
 
 
 class SignalledWhileBuilding(TorchBatchProcessor):

@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -45,7 +46,7 @@ from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFa
 
 __all__ = [
     "Collectives", "DistributedEnv", "PendingGather", "PendingMax", "RendezvousStore", "collective_timeout_s",
-    "peers_answering",
+    "peers_answering", "wait_together",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,27 @@ def peers_answering(rank: int) -> Iterator[None]:
         yield
     except (RuntimeError, ConnectionError, EOFError) as exc:
         raise WorkerLostError(f"rank {rank}: {LOST_HINT} ({exc})") from exc
+
+
+def wait_together(rank: int, *works: Any) -> None:
+    """Waits for asynchronous collectives started together (``None``: nothing to wait for), raising a
+    :class:`WorkerLostError` as soon as one of them fails, not after the others.
+
+    Why not one ``wait()`` after the other: gloo holds a send until its receiver asks for it, and a send whose
+    receiver raised (and exited) before asking is not failed when the connection closes: it waits for the
+    collective timeout (30 min). When a rank dies during a commit, a surviving rank's flags ``all_reduce`` fails
+    at once while its vote's send to rank 0, which had already given up, would hang.
+    """
+    pending = [work for work in works if work is not None]
+    pause = 0.0005  # the works usually completed during the step they overlapped: no wait at all
+    while pending:
+        for work in [work for work in pending if work.is_completed()]:
+            with peers_answering(rank):
+                work.wait()  # raises what made it fail
+            pending.remove(work)
+        if pending:
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)  # a late wake-up delays the commit by at most this
 
 
 class Collectives:
@@ -196,12 +218,16 @@ class PendingGather:
         with peers_answering(coll.rank):
             self._work = dist.gather(buffer, self._out, dst=0, group=coll.group, async_op=True)
 
+    @property
+    def work(self) -> Any:
+        """The gather in flight (``None`` for one process), for :func:`wait_together`."""
+        return self._work
+
     def wait(self) -> list[Any] | None:
         """Rank 0: every rank's object in rank order (``None`` for one that did not fit); the others: ``None``."""
         if self._coll.world_size == 1:
             return [self._obj]
-        with peers_answering(self._coll.rank):
-            self._work.wait()
+        wait_together(self._coll.rank, self._work)
         if self._out is None:
             return None
         objects: list[Any] = []
@@ -218,6 +244,11 @@ class PendingMax:
         self._values = values
         self._work = work
         self._rank = rank
+
+    @property
+    def work(self) -> Any:
+        """The all_reduce in flight (``None`` for one process or once waited for), for :func:`wait_together`."""
+        return self._work
 
     def wait(self) -> list[int]:
         if self._work is not None:

@@ -26,7 +26,7 @@ from torch_batch_process.engine.commit.keeper import RecordKeeper
 from torch_batch_process.engine.commit.payloads import Payloads
 from torch_batch_process.engine.commit.transport import VoteTransport
 from torch_batch_process.engine.commit.votes import Arrival, CommitFlags, Vote
-from torch_batch_process.engine.distributed import Collectives, PendingGather, PendingMax
+from torch_batch_process.engine.distributed import Collectives, PendingGather, PendingMax, wait_together
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.commit.publisher import Publisher
@@ -51,6 +51,7 @@ class PendingVotes:
 
     def wait(self) -> tuple[list[Vote], CommitFlags]:
         """Rank 0: every rank's vote; the others: their own. And the commit's flags, the same on every rank."""
+        wait_together(self._collectives.rank, self._gather.work, self._flags.work)  # a lost rank fails both at once
         votes = self._gather.wait()
         values = self._flags.wait()
         flags = CommitFlags(*(bool(v) for v in values[:3]), *values[3:])
