@@ -99,6 +99,7 @@ class _Done:
     """A collective that every rank started at the same step, done at once."""
 
     overflowed = False
+    work = None  # nothing in flight for distributed.wait_together to watch
 
     def __init__(self, result: Any) -> None:
         self._result = result
