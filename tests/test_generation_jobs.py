@@ -1,8 +1,9 @@
 """Generation jobs (DESIGN §19, issue 44 phase 2): ``generation.Generate`` in real jobs over a tiny random-weight Llama
 built from a config with a fixed seed (``tests/jobs/generation_job.py``): batches in flight in one continuous-batching
 engine per rank, committed once when their last prompt is answered; SIGTERM (drain within ``drain_s``, the rest left
-uncommitted) and kill -9 mid-job, resumed on other world sizes: every prompt answered once, the answers those of
-the same prompts answered uninterrupted (seeded sampling per dataset index). Bad inputs refused before any work."""
+uncommitted, their partial answers kept and continued by the resume) and kill -9 mid-job, resumed on other world
+sizes: every prompt answered once, the answers those of the same prompts answered uninterrupted (seeded sampling per
+dataset index). Bad inputs refused before any work."""
 
 from __future__ import annotations
 
@@ -96,10 +97,11 @@ def check_whole_batches(counts: Counter[int]) -> None:
 
 @pytest.mark.slow
 def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_path: Path) -> None:
-    """2 ranks stopped by SIGTERM mid-job (drain of 0.2 s: batches still in flight are left uncommitted), resumed on 1
-    rank killed with -9 mid-job, resumed on 2 ranks (dynamic schedule) to the end: every prompt once, in whole
-    batches at each stop, and every answer that of the same prompt answered uninterrupted; the prompts that fill
-    the model's context are failing examples (on_error="skip"), recorded once."""
+    """2 ranks stopped by SIGTERM mid-job (drain of 0.2 s: batches still in flight are left uncommitted, their answers
+    so far kept as partial answers), resumed on 1 rank (continuing them) killed with -9 mid-job, resumed on 2 ranks
+    (dynamic schedule) to the end: every prompt once, in whole batches at each stop, every answer that of the same
+    prompt answered uninterrupted, tokens reused from the partial answers; the prompts that fill the model's context
+    are failing examples (on_error="skip"), recorded once."""
     expected = answers_uninterrupted(N)
 
     procs, spec = start(tmp_path, 2, 1, drain_s=0.2, slow_s=0.3)  # 1. SIGTERM both ranks mid-job
@@ -112,6 +114,8 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
     counts, _ = committed(spec["storage"])
     check_whole_batches(counts)
     assert 0 < len(counts) < N, len(counts)
+    stopped = latest_commit_record(spec["storage"])  # the answers left in flight: kept, to be continued (item 8)
+    assert 1 <= len(stopped["partial_answers"]) <= 2, stopped
 
     procs, spec = start(tmp_path, 1, 2, slow_s=0.3)  # 2. another world size, killed with -9 mid-job
     wait_for_batches(spec, procs, 2)
@@ -131,6 +135,8 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
     stats = latest_commit_record(spec["storage"])["stats"]
     assert stats["generated_prompts"] == N, stats  # each prompt counted once over the 3 attempts, failed ones too
     assert stats["completion_tokens"] == sum(len(answer) for answer in expected.values()), stats
+    assert stats["reused_tokens"] > 0 and stats["resumed_prompts"] > 0, stats  # continued from the stop's answers
+    assert "partial_answers" not in latest_commit_record(spec["storage"])  # deleted with the job finished
     failures = read_failures(spec["storage"])  # the prompts too long: failing examples, once, naming index and lengths
     assert [f["index"] for f in failures] == list(TOO_LONG), failures
     assert all(f["error_type"] == "PromptFailedError" and f"index {f['index']} has 96 tokens" in f["message"]

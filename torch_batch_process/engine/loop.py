@@ -300,7 +300,8 @@ class JobRun:
                 MemoryLimitsParticipant(self.fitter, latest),
                 FailingExamplesParticipant(self.failure_log, latest),
                 self.summaries,
-                GenerationParticipant(self.in_flight, latest),  # counts nothing unless the processor uses an engine
+                # counts nothing unless the processor uses an engine; restores a stop's partial answers
+                GenerationParticipant(self.in_flight, latest, job.opener.store.storage, self.rank, start.attempt),
                 TimelineParticipant(self.world_size, job.observer),  # last: it times what the others do after a record
             ]
             scheduler = self.scheduler
@@ -380,8 +381,13 @@ class JobRun:
             self._closing.callback(peers.close)
         decision = Decision.STOP if stop_now else self._steps(processor)
         if self.in_flight.active:  # the batches in a generation engine: done, or drained within drain_s at a stop
-            if decision in (Decision.DONE, Decision.STOP):
-                self.in_flight.drain(None if decision is Decision.DONE else self.in_flight.drain_s)
+            if decision in (Decision.DONE, Decision.STOP):  # a preemption while draining: drain_s from then on
+                stopping, signals = decision is Decision.STOP, self.signals
+                drained = self.in_flight.drain(
+                    self.in_flight.drain_s if stopping else None, lambda: signals.preempt_requested
+                )
+                if not drained and (stopping or signals.preempt_requested):  # stored with the closing commit
+                    self.in_flight.keep_partial_answers()
             self.in_flight.close()  # what did not finish is not committed: the resume generates it again
         scheduler.close()
         if peers is not None:

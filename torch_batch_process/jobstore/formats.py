@@ -193,6 +193,9 @@ class CommitRecord:
     memory_limits: dict[str, Any] | None = None
     """What the job learned about the device's memory (the JSON form of
     :class:`~torch_batch_process.jobstore.memory_limits.MemoryLimits`); ``None``: nothing yet."""
+    partial_answers: list[str] = field(default_factory=list)
+    """A generation job's partial-answer files left by its stops (see
+    :mod:`torch_batch_process.generation.partial_answers`): hints, not needed to resume (:meth:`hint_files`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -215,6 +218,7 @@ class CommitRecord:
             "record_schema": self.record_schema.to_json() if self.record_schema is not None else None,
             **({"table": self.table} if self.table is not None else {}),
             "memory_limits": self.memory_limits,
+            **({"partial_answers": self.partial_answers} if self.partial_answers else {}),
         }
 
     @classmethod
@@ -243,6 +247,7 @@ class CommitRecord:
                 record_schema=_record_schema(value.get("record_schema"), where),
                 table=dict(value["table"]) if value.get("table") is not None else None,
                 memory_limits=_memory_limits(value.get("memory_limits")),
+                partial_answers=[str(rel) for rel in value.get("partial_answers") or []],
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."
@@ -251,6 +256,11 @@ class CommitRecord:
     def referenced_files(self) -> set[str]:
         """State files this record needs."""
         return {f for f in self.state_files if f} | set(self.frozen_state_files)
+
+    def hint_files(self) -> set[str]:
+        """Files this record names that a resume may do without (partial answers): kept while it is the latest,
+        deleted once superseded, never required."""
+        return set(self.partial_answers)
 
     def has_stage(self, stage: int) -> bool:
         """Whether the files of ``stage`` are committed by this record."""

@@ -26,6 +26,9 @@
     _tbp/scratch/                     local storage: folders being written (upload_path() blocks, record shards)
     _tbp/lock, _tbp/lock.json         the job lock of local storage (an OS file lock) and its holder
     _tbp/lease.json                   the job lease of object stores
+    _tbp/partials/<a>-rank_<r>.json   partial answers of the prompts rank r left unanswered at the stop of attempt a
+                                      (a generation job; a hint the resume continues, see
+                                      torch_batch_process.generation.partial_answers); named by the latest record
     _tbp/source_rows/<digest>.json    row counts of a streaming source's shards, counted once (see stream_counts)
 
 The job lock is the stored job's (:mod:`torch_batch_process.jobstore.job_lock`,
@@ -50,6 +53,7 @@ __all__ = [
     "LOCK_INFO_FILE",
     "METRICS_FILE",
     "OUTPUTS_DIR",
+    "PARTIALS_DIR",
     "RESULT_FILE",
     "RETRIES_DIR",
     "SCRATCH_DIR",
@@ -62,6 +66,7 @@ __all__ = [
     "number_name",
     "failures_file",
     "outputs_dir",
+    "partial_answers_file",
     "record_file",
     "segment_file",
     "segment_log_file",
@@ -94,6 +99,8 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 FAILURES_DIR = "failures"
 SOURCE_ROWS_DIR = f"{INTERNAL_DIR}/source_rows"
+PARTIALS_DIR = f"{INTERNAL_DIR}/partials"
+"""Partial answers a generation job's stop left (see :func:`partial_answers_file`)."""
 RETRIES_DIR = "retries"
 """``retries/<k>/``: the k-th ``retry_failed=True`` run, a job of its own (see the retry module)."""
 STAGED_FAILURES_NAME = "_tbp_failures.jsonl"
@@ -133,6 +140,11 @@ def outputs_dir(stage: int, rank: int | None = None) -> str:
     """The published files of stage ``stage`` (of one rank when ``rank`` is given)."""
     base = f"{OUTPUTS_DIR}/commit_{number_name(stage)}"
     return base if rank is None else f"{base}/rank_{rank}"
+
+
+def partial_answers_file(attempt: int, rank: int) -> str:
+    """The partial answers rank ``rank`` left at the stop of attempt ``attempt`` (a rank stops once an attempt)."""
+    return f"{PARTIALS_DIR}/{number_name(attempt)}-rank_{rank}.json"
 
 
 def failures_file(stage: int, rank: int) -> str:

@@ -28,6 +28,7 @@ from torch_batch_process.jobstore.layout import (
     LOCK_FILE,
     METRICS_FILE,
     OUTPUTS_DIR,
+    PARTIALS_DIR,
     RESULT_FILE,
     RETRIES_DIR,
     SCRATCH_DIR,
@@ -281,6 +282,10 @@ class JobStore:
         for name in self.storage.list(STATES_DIR):
             if f"{STATES_DIR}/{name}" not in keep_dirs:
                 self.storage.delete(f"{STATES_DIR}/{name}", recursive=True)
+        hints = latest.hint_files() if latest else set()
+        for name in self.storage.list(PARTIALS_DIR):
+            if f"{PARTIALS_DIR}/{name}" not in hints:
+                self.storage.delete(f"{PARTIALS_DIR}/{name}")  # a stop's partial answers its record never named
         last = latest.commit if latest else 0
         for name in self.storage.list(COMMITS_DIR):
             stem = name[: -len(".json")] if name.endswith(".json") else ""
@@ -314,10 +319,10 @@ class JobStore:
         One bulk delete on object stores, no listing (older leftovers are removed by :meth:`repair` at the
         start of an attempt).
         """
-        earlier: set[str] = set().union(*(r.referenced_files() for r in skipped))
+        earlier: set[str] = set().union(*(r.referenced_files() | r.hint_files() for r in skipped))
         if previous is not None:
-            earlier |= previous.referenced_files()
-        doomed = sorted(earlier - record.referenced_files())
+            earlier |= previous.referenced_files() | previous.hint_files()
+        doomed = sorted(earlier - record.referenced_files() - record.hint_files())
         files = [*doomed, record_file(previous.commit)] if previous is not None else doomed
         if not files:
             return
@@ -341,6 +346,7 @@ class JobStore:
             STAGING_DIR,
             SCRATCH_DIR,
             STATES_DIR,
+            PARTIALS_DIR,
             ATTEMPT_FILE,
             METRICS_FILE,
             TENSORBOARD_DIR,

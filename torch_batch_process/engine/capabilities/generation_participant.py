@@ -1,58 +1,109 @@
-"""Generation (DESIGN §19) as a commit participant: each vote carries the prompts and tokens of the batches its rank
-delivered since its previous vote (the batches in that vote: a batch still in flight counts only once it is
-committed); rank 0 adds them up over every attempt into the record's ``stats`` (``generated_prompts``, failed
-prompts included; ``prompt_tokens``; ``completion_tokens``), so the job's totals count each prompt once, whatever was
-generated again after a kill or a stop."""
+"""Generation (DESIGN §19) as a commit participant.
+
+**Counts.** Each vote carries the prompts and tokens of the batches its rank delivered since its previous vote (the
+batches in that vote: a batch still in flight counts only once it is committed); rank 0 adds them up over every
+attempt into the record's ``stats`` (``generated_prompts``, failed prompts included; ``prompt_tokens``;
+``completion_tokens``; ``resumed_prompts`` and ``reused_tokens``: answers that continued a partial answer, and that
+answer's tokens, generated once instead of twice), so the job's totals count each prompt once, whatever was
+generated again after a kill or a stop.
+
+**Partial answers** (:mod:`~torch_batch_process.generation.partial_answers`). At a stop the loop keeps the answers of
+the batches it leaves in flight (:meth:`~torch_batch_process.engine.feed.in_flight.InFlight.keep_partial_answers`);
+this participant's seal of the closing commit writes them to ``_tbp/partials/<attempt>-rank_<r>.json`` (durable
+before the vote) and its vote names the file; rank 0's records name every such file of the job's stops
+(``partial_answers``) until its final record, after which the record's garbage collection deletes them (a file no
+record names, left by a stop whose closing commit failed, is deleted by the next start's repair). At the start of an
+attempt every rank reads every file the latest record names (keyed by dataset index: any world size) and hands them
+to its batches in flight, which continue each one once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from torch_batch_process.engine.commit.participants import Participant, Payload, RecordDraft
 from torch_batch_process.engine.commit.votes import Vote
 from torch_batch_process.engine.feed.in_flight import InFlight
 from torch_batch_process.engine.work import Part
+from torch_batch_process.generation import partial_answers
 from torch_batch_process.jobstore.formats import CommitRecord
+from torch_batch_process.jobstore.layout import partial_answers_file
+from torch_batch_process.storage.base import Storage
 
 __all__ = ["STATS", "GeneratedTokens", "GenerationParticipant"]
 
-STATS = ("generated_prompts", "prompt_tokens", "completion_tokens")
+STATS = ("generated_prompts", "prompt_tokens", "completion_tokens", "resumed_prompts", "reused_tokens")
 """The record's ``stats`` this participant keeps (totals over every attempt)."""
 
 
 @dataclass(frozen=True)
 class GeneratedTokens(Payload):
-    """Prompts and tokens of the batches a rank delivered since its previous vote."""
+    """Prompts and tokens of the batches a rank delivered since its previous vote, and the file of the partial
+    answers it left at a stop."""
 
     key = "generation"
     prompts: int
     prompt_tokens: int
     completion_tokens: int
+    resumed_prompts: int = 0
+    reused_tokens: int = 0
+    partial_answers: str | None = None
+    """The rank's partial-answers file (relative to the storage), written by this closing commit's seal."""
 
 
 class GenerationParticipant(Participant):
-    """The generation counts' part in the commits (see the module docstring).
+    """The generation counts and partial answers' part in the commits (see the module docstring).
 
     Args:
-        in_flight: this rank's batches in flight (it counts what it delivered).
-        latest: the latest record of earlier attempts (rank 0 continues from its totals).
+        in_flight: this rank's batches in flight (it counts what it delivered, keeps what a stop abandons).
+        latest: the latest record of earlier attempts (rank 0 continues from its totals and partial answers).
+        storage: the job's storage (partial-answer files).
+        rank: this rank.
+        attempt: this attempt's number (names this rank's partial-answer file).
     """
 
-    def __init__(self, in_flight: InFlight, latest: CommitRecord | None) -> None:
+    def __init__(
+        self, in_flight: InFlight, latest: CommitRecord | None, storage: Storage, rank: int, attempt: int
+    ) -> None:
         self._in_flight = in_flight
+        self._storage = storage
+        self._file = partial_answers_file(attempt, rank)
+        self._written: str | None = None
         stats = latest.stats if latest is not None else {}
         self._totals = [int(stats.get(name, 0)) for name in STATS]  # rank 0
+        self._partials = list(latest.partial_answers) if latest is not None else []  # rank 0
+        if self._partials:
+            in_flight.restore(partial_answers.from_storage(storage.read_bytes, self._partials, storage.url_of))
+
+    # ------------------------------------------------------------------ every rank
+
+    def seal(self, closing: bool) -> None:
+        answers = self._in_flight.abandoned
+        if closing and answers and self._written is None:
+            self._storage.write_bytes(self._file, partial_answers.encode(answers), fsync=True)
+            self._written = self._file
 
     def contribute(self, part: Part, closing: bool) -> GeneratedTokens | None:
-        counts = self._in_flight.take_counts()
-        return GeneratedTokens(*counts) if any(counts) else None
+        counts = astuple(self._in_flight.take_counts())
+        written, self._written = self._written, None
+        if not any(counts) and written is None:
+            return None
+        return GeneratedTokens(*counts, partial_answers=written)
+
+    # ------------------------------------------------------------------ rank 0
 
     def merge(self, vote: Vote) -> None:
         payload = vote.payloads.get(GeneratedTokens)
-        if payload is not None:
-            for i, value in enumerate((payload.prompts, payload.prompt_tokens, payload.completion_tokens)):
-                self._totals[i] += value
+        if payload is None:
+            return
+        for i, value in enumerate(astuple(payload)[: len(STATS)]):
+            self._totals[i] += value
+        if payload.partial_answers is not None and payload.partial_answers not in self._partials:
+            self._partials.append(payload.partial_answers)
 
     def draft(self, draft: RecordDraft) -> None:
         if any(self._totals):
             draft.record.stats.update(zip(STATS, self._totals, strict=True))
+        # kept until the job is finished (a prompt may be continued by any later attempt); then deleted with the
+        # record they were last named by
+        draft.record.partial_answers = [] if draft.record.finished else list(self._partials)

@@ -14,7 +14,12 @@ A processor registers its engine once (``context.use_generation_engine(engine)``
   completed batches only, in any order, each with its rows: exactly once as for any batch;
 - the loop waits for room (:meth:`has_room`: at most ``max_in_flight`` prompts submitted) before it loads the next
   batch, pumps before each commit, drains when the rank's batches are done, and at a stop drains for at most
-  ``drain_s`` seconds: a batch still in flight then is not committed, and the resume generates it again.
+  ``drain_s`` seconds: a batch still in flight then is not committed, and the resume generates it again;
+- a stop keeps the answers of its unfinished batches (:meth:`InFlight.keep_partial_answers`: the tokens so far of
+  each prompt that started, the whole answer of one that finished in a batch that did not), which the generation
+  participant stores with the closing commit; a resumed rank continues them (:meth:`InFlight.restore`:
+  ``prompt + partial answer`` submitted with the rest of its ``max_new_tokens``), see
+  :mod:`~torch_batch_process.generation.partial_answers`.
 
 A prompt that cannot run (longer than the model's context, a token outside the vocabulary) comes back as a failed
 completion: with ``on_error="skip"`` it is a failing example (its row is absent, the batch completes without it),
@@ -24,6 +29,7 @@ otherwise the rank fails naming its index and lengths (:class:`PromptFailedError
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,9 +40,12 @@ from torch_batch_process.engine.rank_failure import RankFailure
 from torch_batch_process.engine.work import RankWork
 from torch_batch_process.errors import BatchProcessError, BatchTimeoutError, InvalidArgumentError
 from torch_batch_process.generation.engine import GenerationEngine
+from torch_batch_process.generation.partial_answers import PartialAnswer, PartialAnswers, prompt_digest
 from torch_batch_process.generation.requests import Completion, Prompt
 
-__all__ = ["DEFAULT_DRAIN_S", "BatchInFlight", "InFlight", "PromptFailedError"]
+__all__ = ["DEFAULT_DRAIN_S", "BatchInFlight", "GenerationCounts", "InFlight", "PromptFailedError"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_S = 30.0
 """How long a stop (preemption) waits for the batches in flight to finish before the closing commit."""
@@ -57,6 +66,23 @@ class BatchInFlight:
     submitted: float
     """``time.monotonic()`` at submission."""
     completions: dict[int, Completion] = field(default_factory=dict)
+    prompts: dict[int, Prompt] = field(default_factory=dict)
+    """The prompts as submitted (a resumed one with its ``answer_prefix``)."""
+
+
+@dataclass
+class GenerationCounts:
+    """What a rank's delivered batches hold (its vote's counts, then zeroed)."""
+
+    prompts: int = 0
+    """Prompts answered, failed ones included."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    """Answer tokens, partial answers continued included."""
+    resumed_prompts: int = 0
+    """Prompts whose answer continued a partial answer of an earlier attempt."""
+    reused_tokens: int = 0
+    """The tokens of those partial answers (generated once, not again)."""
 
 
 class InFlight:
@@ -98,7 +124,10 @@ class InFlight:
         self._batch_of: dict[int, int] = {}  # dataset index -> batch_idx, for the prompts in flight
         self._pending: tuple[BatchInFlight, list[Prompt]] | None = None  # submitted by process_batch, not yet sent
         self._delivering = False
-        self._counts = [0, 0, 0]  # delivered since the last take_counts(): prompts (failed included), tokens in, out
+        self._counts = GenerationCounts()  # delivered since the last take_counts()
+        self._resumable = PartialAnswers()  # partial answers of earlier attempts, continued once each
+        self.abandoned: dict[int, PartialAnswer] = {}
+        """The answers in progress a stop left (:meth:`keep_partial_answers`), for the closing commit."""
         current.listeners.append(self._batch_finished)
 
     # ------------------------------------------------------------------ the context's side
@@ -164,15 +193,18 @@ class InFlight:
         if pending is None or not ok:
             return
         batch, prompts = pending
+        assert self.engine is not None
+        if self._resumable:
+            prompts = self._resumable.resume(prompts, self.engine.vocab_size, self.engine.eos_token_ids)
         previous = self._batches.get(batch.batch_idx)
         if previous is not None:  # a batch run in parts (on_oom="split"): one batch, several submissions
             previous.indices = list(previous.indices) + list(batch.indices)
             batch = previous
-        assert self.engine is not None
         self.engine.submit(prompts)
         self._batches[batch.batch_idx] = batch
         for prompt in prompts:
             self._batch_of[prompt.index] = batch.batch_idx
+            batch.prompts[prompt.index] = prompt
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -245,22 +277,50 @@ class InFlight:
         while not self.has_room() and not self._rank_failure.failed and not (stopping is not None and stopping()):
             self.pump(timeout=1.0)
 
-    def drain(self, deadline_s: float | None) -> bool:
-        """Pumps until no batch is in flight, for at most ``deadline_s`` seconds (``None``: until done); returns
-        whether none is left."""
+    def drain(self, deadline_s: float | None, stopping: Callable[[], bool] | None = None) -> bool:
+        """Pumps until no batch is in flight, for at most ``deadline_s`` seconds (``None``: until done, or until
+        ``stopping()`` (a preemption while draining), from when on at most :attr:`drain_s`); returns whether none is
+        left."""
         end = None if deadline_s is None else time.monotonic() + deadline_s
         while self._batches and not self._rank_failure.failed:
+            if end is None and stopping is not None and stopping():
+                end = time.monotonic() + self.drain_s
             wait = 1.0 if end is None else min(1.0, end - time.monotonic())
             if wait <= 0:
                 break
             self.pump(timeout=wait)
         return not self._batches
 
-    def take_counts(self) -> tuple[int, int, int]:
-        """Prompts (failed included), prompt tokens and answer tokens of the batches delivered since the previous
-        call: those of the batches in the rank's part, for its vote."""
-        counts, self._counts = self._counts, [0, 0, 0]
-        return counts[0], counts[1], counts[2]
+    def take_counts(self) -> GenerationCounts:
+        """The counts of the batches delivered since the previous call: those of the batches in the rank's part, for
+        its vote."""
+        counts, self._counts = self._counts, GenerationCounts()
+        return counts
+
+    def restore(self, answers: PartialAnswers) -> None:
+        """The partial answers of earlier attempts' stops: a prompt submitted here with one continues it."""
+        self._resumable = answers
+
+    def keep_partial_answers(self) -> int:
+        """At a stop, once drained: keeps the answers of the batches still in flight (:attr:`abandoned`) before
+        :meth:`close` drops them; returns how many. An engine that cannot tell them (it failed) keeps none: they are
+        only a hint."""
+        answers: dict[int, tuple[int, ...]] = {}
+        for batch in self._batches.values():
+            answers.update((c.index, c.token_ids) for c in batch.completions.values() if not c.failed)
+        if self.engine is not None and self._batch_of and not self._rank_failure.failed:
+            try:
+                answers.update(self.engine.partial())
+            except Exception as exc:  # noqa: BLE001 - a hint: the resume then starts these prompts again
+                logger.warning("the answers in progress could not be read from the engine (%s): not kept", exc)
+        kept = {}
+        for batch in self._batches.values():
+            for index, prompt in batch.prompts.items():
+                tokens = answers.get(index)
+                if tokens:
+                    kept[index] = PartialAnswer(prompt_digest(prompt.token_ids), tuple(tokens))
+        self.abandoned = kept
+        return len(kept)
 
     def close(self) -> None:
         """Stops the engine: what is still in flight is dropped (never committed: the resume generates it again)."""
@@ -310,6 +370,11 @@ class InFlight:
         if ok:
             part.add_batch(batch.batch_idx, len(answered))
             counts = self._counts
-            counts[0] += len(batch.indices)
-            counts[1] += sum(c.prompt_tokens for c in batch.completions.values())
-            counts[2] += sum(c.completion_tokens for c in answered)
+            counts.prompts += len(batch.indices)
+            counts.prompt_tokens += sum(c.prompt_tokens for c in batch.completions.values())
+            counts.completion_tokens += sum(c.completion_tokens for c in answered)
+            for completion in answered:
+                prefix = len(batch.prompts[completion.index].answer_prefix)
+                if prefix:
+                    counts.resumed_prompts += 1
+                    counts.reused_tokens += prefix
