@@ -1,7 +1,7 @@
 """Generation jobs (DESIGN §19): continuous batching against the hand loop users write with ``model.generate``.
 
-    python -m benchmarks.generation                          # 3 rounds, 2,000 prompts
-    python -m benchmarks.generation --prompts 500 --rounds 3 # a loaded machine
+    python -m benchmarks.generation                          # 3 rounds, 2,000 prompts, 1 and 2 processes
+    python -m benchmarks.generation --prompts 500 --rounds 3 --processes 1 # a loaded machine
     python -m benchmarks.generation --contenders "loop: dataset order,engine alone"
 
 **Workload.** The docstrings of Python's standard library (whole docstrings, whitespace collapsed, in file order; no
@@ -28,7 +28,14 @@ the prompts tokenized and the model built to every answer in hand):
   library's runner drives): its own cost over the engine;
 - ``library``: ``torch_batch_process`` with the ready processor ``generation.Generate`` (one process, in this
   process; batches of ``--batch-size``, up to 4 x ``--max-sequences`` prompts in flight across batches), answers
-  read back from its Parquet shards (:func:`library_contender`). Two processes: not measured yet.
+  read back from its Parquet shards (:func:`library_contender`).
+
+**Two processes** (``--processes 1,2``): each contender runs under ``torchrun --nproc-per-node 2`` (this module's
+``--worker`` mode), each rank on one core: the loops' and the engines' prompts are dealt like the library's static
+schedule deals batches (batch ``b`` of the contender's order to rank ``b % 2``); the library runs the same call on
+both ranks. The job clock runs from a barrier after every rank built its model and prompts to a barrier after every
+rank has its answers (the library: its call, whose join and closing commit are collective); rank 0 gathers the
+answers.
 
 The table gives tokens per second (answer tokens) per contender and the same-round ratios of the engine (and later
 the library) to each loop, median [min-max] over the rounds; and how many answers equal the dataset-order loop's
@@ -50,7 +57,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.report import fmt_spread, machine, machine_line
+from benchmarks.report import fmt_spread, machine, machine_line, rotated
 from benchmarks.workloads import configure_process, minilm_dir, stdlib_docstrings
 
 CONTENDERS = (
@@ -136,6 +143,13 @@ def build_workload(n: int, batch_size: int, max_prompt_tokens: int, max_sequence
 # ------------------------------------------------------------------------------------------ contenders
 
 
+def dealt(order: list[int], batch_size: int, rank: int, world: int) -> list[int]:
+    """The prompts of ``order`` that rank ``rank`` of ``world`` gets: batches of ``batch_size``, batch ``b`` to rank
+    ``b % world`` (as the library's static schedule deals them), in order."""
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    return [i for b, batch in enumerate(batches) if b % world == rank for i in batch]
+
+
 def hand_loop(work: Workload, order: list[int]) -> dict[int, list[int]]:
     """``model.generate`` over left-padded batches of ``batch_size`` prompts taken in ``order``."""
     answers: dict[int, list[int]] = {}
@@ -159,9 +173,10 @@ def hand_loop(work: Workload, order: list[int]) -> dict[int, list[int]]:
     return answers
 
 
-def engine_alone(work: Workload, temperature: float = 0.0) -> dict[int, list[int]]:
+def engine_alone(work: Workload, temperature: float = 0.0, indices: list[int] | None = None) -> dict[int, list[int]]:
     """``transformers``' continuous batching manager over every prompt, sized like the library's engine
-    (``temperature > 0``: its own sampling, one ``torch.multinomial`` per step from one generator)."""
+    (``temperature > 0``: its own sampling, one ``torch.multinomial`` per step from one generator); ``indices``: those
+    prompts only (default all)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -180,9 +195,12 @@ def engine_alone(work: Workload, temperature: float = 0.0) -> dict[int, list[int
         )
         manager.start()
         try:
-            for i, prompt in enumerate(work.prompts):
-                manager.add_request(prompt, request_id=str(i), max_new_tokens=work.max_new_tokens[i], eos_token_id=-1)
-            while len(answers) < len(work.prompts):
+            chosen = list(range(len(work.prompts))) if indices is None else indices
+            for i in chosen:
+                manager.add_request(
+                    work.prompts[i], request_id=str(i), max_new_tokens=work.max_new_tokens[i], eos_token_id=-1
+                )
+            while len(answers) < len(chosen):
                 result = manager.get_result(timeout=60)
                 if result is None:
                     raise RuntimeError("the continuous batching manager returned nothing for 60 s")
@@ -195,7 +213,7 @@ def engine_alone(work: Workload, temperature: float = 0.0) -> dict[int, list[int
     return answers
 
 
-def engine_wrapper(work: Workload, temperature: float = 0.0) -> dict[int, list[int]]:
+def engine_wrapper(work: Workload, temperature: float = 0.0, indices: list[int] | None = None) -> dict[int, list[int]]:
     """The same through :class:`TransformersEngine`: submit every prompt, poll until all are back
     (``temperature > 0``: sampled, seeded per dataset index)."""
     from torch_batch_process.generation import Prompt, Sampling, TransformersEngine
@@ -204,7 +222,8 @@ def engine_wrapper(work: Workload, temperature: float = 0.0) -> dict[int, list[i
     sampling = Sampling(temperature=temperature)
     engine = TransformersEngine(work.model, sampling=sampling, budget=work.budget, eos_token_id=())
     with torch.inference_mode(), engine:
-        engine.submit(Prompt(i, prompt, work.max_new_tokens[i]) for i, prompt in enumerate(work.prompts))
+        chosen = range(len(work.prompts)) if indices is None else indices
+        engine.submit(Prompt(i, work.prompts[i], work.max_new_tokens[i]) for i in chosen)
         while engine.in_flight:
             for completion in engine.poll(timeout=60):
                 if completion.failed:
@@ -213,12 +232,15 @@ def engine_wrapper(work: Workload, temperature: float = 0.0) -> dict[int, list[i
     return answers
 
 
-def library_contender(work: Workload) -> dict[int, list[int]]:
+def library_contender(work: Workload, storage: str | None = None) -> dict[int, list[int]]:
     """``torch_batch_process`` with the ready processor (``generation.Generate``) over the same prompts, model, budget
     and per-prompt ``max_new_tokens``, in batches of ``batch_size`` with the default ``max_in_flight`` (4 x the
     engine's ``max_sequences`` prompts), into a fresh storage; the answers read back with ``read_outputs`` (the job
-    clock includes starting the job, writing, committing and reading the rows)."""
+    clock includes starting the job, writing, committing and reading the rows). ``storage``: a storage path shared by
+    the ranks of a several-process run (rank 0 reads the answers back; the others return ``{}``)."""
     import tempfile
+
+    import torch.distributed as dist
 
     from torch_batch_process import generation, read_outputs, torch_batch_process
 
@@ -227,29 +249,87 @@ def library_contender(work: Workload) -> dict[int, list[int]]:
         model=work.model, prompt="ids", max_new_tokens="max_new", budget=work.budget, eos_token_id=(),
         columns=("token_ids",), model_id="benchmark-llama-4x256",
     )
-    with tempfile.TemporaryDirectory(prefix="tbp-bench-generation-") as storage:
+    with tempfile.TemporaryDirectory(prefix="tbp-bench-generation-") as scratch:
+        where = storage or scratch
         torch_batch_process(
-            processor, dataset, batch_size=work.batch_size, storage_path=storage,
-            dataloader_kwargs={"collate_fn": list},
+            processor, dataset, batch_size=work.batch_size, storage_path=where, dataloader_kwargs={"collate_fn": list},
         )
-        table = read_outputs(storage).to_pydict()
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        table = read_outputs(where).to_pydict()
     return dict(zip(table["index"], table["token_ids"], strict=True))
 
 
-def runners(work: Workload) -> dict[str, Callable[[], dict[int, list[int]] | None]]:
-    n = len(work.prompts)
+def runners(
+    work: Workload, rank: int = 0, world: int = 1, storage: str | None = None
+) -> dict[str, Callable[[], dict[int, list[int]] | None]]:
+    """Each contender's run over this rank's share of the prompts (all of them with one process)."""
+    n, size = len(work.prompts), work.batch_size
     by_prompt = sorted(range(n), key=lambda i: (len(work.prompts[i]), i))
     by_answer = sorted(range(n), key=lambda i: (work.max_new_tokens[i], i))
+    mine = dealt(list(range(n)), size, rank, world)
     return {
-        "loop: dataset order": lambda: hand_loop(work, list(range(n))),
-        "loop: sorted by prompt length": lambda: hand_loop(work, by_prompt),
-        "loop: sorted by answer length": lambda: hand_loop(work, by_answer),
-        "engine alone": lambda: engine_alone(work),
-        "engine wrapper": lambda: engine_wrapper(work),
-        "library": lambda: library_contender(work),
-        "engine alone (sampled)": lambda: engine_alone(work, temperature=1.0),
-        "engine wrapper (sampled)": lambda: engine_wrapper(work, temperature=1.0),
+        "loop: dataset order": lambda: hand_loop(work, mine),
+        "loop: sorted by prompt length": lambda: hand_loop(work, dealt(by_prompt, size, rank, world)),
+        "loop: sorted by answer length": lambda: hand_loop(work, dealt(by_answer, size, rank, world)),
+        "engine alone": lambda: engine_alone(work, indices=mine),
+        "engine wrapper": lambda: engine_wrapper(work, indices=mine),
+        "library": lambda: library_contender(work, storage),
+        "engine alone (sampled)": lambda: engine_alone(work, temperature=1.0, indices=mine),
+        "engine wrapper (sampled)": lambda: engine_wrapper(work, temperature=1.0, indices=mine),
     }
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank of a several-process run of contender ``args.worker`` (under torchrun): rank 0 writes the job
+    clock's seconds and every rank's answers to ``args.out``."""
+    import json
+
+    import torch.distributed as dist
+
+    work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences)
+    dist.init_process_group("gloo")  # the library's call joins this group
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = runners(work, rank, world, args.storage)[args.worker]
+    dist.barrier()
+    started = time.perf_counter()
+    answers = run() or {}
+    dist.barrier()
+    elapsed = time.perf_counter() - started
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, answers)
+    if rank == 0:
+        merged = {i: a for part in gathered for i, a in part.items()}
+        with open(args.out, "w") as f:
+            json.dump({"seconds": elapsed, "answers": {str(i): a for i, a in merged.items()}}, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_processes(name: str, args: argparse.Namespace, processes: int) -> tuple[float, dict[int, list[int]]]:
+    """Contender ``name`` under ``torchrun --nproc-per-node processes``: its job seconds and answers."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tbp-bench-generation-") as scratch:
+        out = os.path.join(scratch, "result.json")
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+            "-m", "benchmarks.generation", "--worker", name, "--out", out, "--storage", os.path.join(scratch, "job"),
+            "--prompts", str(args.prompts), "--batch-size", str(args.batch_size),
+            "--max-sequences", str(args.max_sequences), "--max-prompt-tokens", str(args.max_prompt_tokens),
+            "--threads", str(args.threads),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} on {processes} processes failed:\n{done.stderr[-4000:]}")
+        with open(out) as f:
+            result = json.load(f)
+    return float(result["seconds"]), {int(i): a for i, a in result["answers"].items()}
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -259,14 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--processes", type=lambda text: [int(p) for p in text.split(",")], default=[1, 2],
+                        help="comma-separated process counts (default 1,2)")
     parser.add_argument("--batch-size", type=int, default=32, help="the hand loops' batch size")
     parser.add_argument("--max-sequences", type=int, default=64, help="the engine's CacheBudget.max_sequences")
     parser.add_argument("--max-prompt-tokens", type=int, default=192)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds a several-process run may take")
     parser.add_argument(
         "--contenders", type=lambda text: [name.strip() for name in text.split(",")], default=list(DEFAULT_CONTENDERS),
         help="comma-separated, from: " + "; ".join(CONTENDERS) + " (the last two: not by default)",
     )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one rank of a several-process run (torchrun)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--storage", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.contenders) - set(CONTENDERS)
     if unknown:
@@ -275,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if args.worker:
+        return worker(args)
     work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences)
     lengths = sorted(len(p) for p in work.prompts)
     answers = sorted(work.max_new_tokens)
@@ -283,64 +371,75 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.prompts} prompts of {lengths[0]}-{lengths[-1]} tokens (median {statistics.median(lengths):.0f}); "
         f"answers of {answers[0]}-{answers[-1]} tokens (median {statistics.median(answers):.0f}, mean "
         f"{statistics.mean(answers):.1f}, {work.answer_tokens:,} in all); loops: batches of {args.batch_size}; "
-        f"engine: {work.budget.resolved(work.model.config.max_position_embeddings)}; {args.threads} thread(s); "
-        "job clock"
+        f"engine: {work.budget.resolved(work.model.config.max_position_embeddings)}; {args.threads} thread(s) per "
+        "process; job clock"
     )
     jobs = runners(work)
     names = [name for name in CONTENDERS if name in args.contenders]
-    seconds: dict[str, list[float | None]] = {name: [] for name in names}
+    runs = [(name, processes) for processes in args.processes for name in names]
+    seconds: dict[tuple[str, int], list[float | None]] = {run: [] for run in runs}
     reference: dict[int, list[int]] | None = None
-    agreement: dict[str, list[int]] = {name: [] for name in names}
-    print(f"{'round':>5} " + " ".join(f"{name + ' tok/s':>34}" for name in names))
+    agreement: dict[tuple[str, int], list[int]] = {run: [] for run in runs}
+    label = {run: f"{run[0]} ({run[1]}p)" for run in runs}
+    print(f"{'round':>5} " + " ".join(f"{label[run] + ' tok/s':>38}" for run in runs))
     for index in range(args.rounds):
-        order = names[index % len(names) :] + names[: index % len(names)]
-        for name in order:
-            started = time.perf_counter()
-            result = jobs[name]()
-            elapsed = time.perf_counter() - started
+        for run in rotated(runs, index):
+            name, processes = run
+            if processes == 1:
+                started = time.perf_counter()
+                result = jobs[name]()
+                elapsed = time.perf_counter() - started
+            else:
+                elapsed, result = run_processes(name, args, processes)
             if result is None:
-                seconds[name].append(None)
+                seconds[run].append(None)
                 continue
             if sorted(result) != list(range(args.prompts)) or any(
                 len(result[i]) != work.max_new_tokens[i] for i in result
             ):
-                raise AssertionError(f"{name}: answers missing, duplicated or of the wrong length")
-            seconds[name].append(elapsed)
+                raise AssertionError(f"{label[run]}: answers missing, duplicated or of the wrong length")
+            seconds[run].append(elapsed)
             if name == "loop: dataset order" and reference is None:
                 reference = result
             if reference is not None and "sampled" not in name:
-                agreement[name].append(sum(result[i] == reference[i] for i in reference))
+                agreement[run].append(sum(result[i] == reference[i] for i in reference))
         print(
             f"{index:>5} "
             + " ".join(
-                f"{(work.answer_tokens / s if s else float('nan')):>34.1f}" if s else f"{'n/a':>34}"
-                for s in (seconds[name][-1] for name in names)
-            )
+                f"{(work.answer_tokens / s if s else float('nan')):>38.1f}" if s else f"{'n/a':>38}"
+                for s in (seconds[run][-1] if seconds[run] else None for run in runs)
+            ),
+            flush=True,
         )
     print()
-    print("| contender | job seconds | answer tokens/s | answers equal to the dataset-order loop's |")
-    print("|---|---|---|---|")
-    for name in names:
-        rate = [work.answer_tokens / s if s else None for s in seconds[name]]
-        agree = f"{min(agreement[name])}/{args.prompts}" if agreement[name] else "n/a"
-        print(f"| {name} | {fmt_spread(seconds[name], 1)} | {fmt_spread(rate, 1)} | {agree} |")
+    print("| contender | processes | job seconds | answer tokens/s | answers equal to the dataset-order loop's |")
+    print("|---|---|---|---|---|")
+    for run in runs:
+        rate = [work.answer_tokens / s if s else None for s in seconds[run]]
+        agree = f"{min(agreement[run])}/{args.prompts}" if agreement[run] else "n/a"
+        print(f"| {run[0]} | {run[1]} | {fmt_spread(seconds[run], 1)} | {fmt_spread(rate, 1)} | {agree} |")
     print()
-    print("| ratio (same round, job clock) | median [min-max] | goal (issue 44) |")
-    print("|---|---|---|")
+    print("| ratio (same round, job clock) | processes | median [min-max] | goal (issue 44) |")
+    print("|---|---|---|---|")
     goals = dict(zip(LOOPS, (">= 2.5", ">= 2", ">= 1.2"), strict=True))
-    if "engine alone (sampled)" in names and "engine wrapper (sampled)" in names:
-        pairs = zip(seconds["engine wrapper (sampled)"], seconds["engine alone (sampled)"], strict=True)
-        ratios = [b / a for a, b in pairs]
-        print(f"| speed, sampling seeded per index / transformers' own sampling | {fmt_spread(ratios, 2)} | |")
-    for fast in ("engine alone", "engine wrapper", "library"):
-        if fast not in names:
-            continue
-        for slow in [*LOOPS, "engine alone"]:
-            if slow not in names or slow == fast:
+    for processes in args.processes:
+        sampled = ("engine wrapper (sampled)", processes), ("engine alone (sampled)", processes)
+        if all(run in seconds for run in sampled):
+            ratios = [b / a if a and b else None for a, b in zip(*(seconds[run] for run in sampled), strict=True)]
+            print(
+                f"| speed, sampling seeded per index / transformers' own sampling | {processes} | "
+                f"{fmt_spread(ratios, 2)} | |"
+            )
+        for fast in ("engine alone", "engine wrapper", "library"):
+            if (fast, processes) not in seconds:
                 continue
-            ratios = [b / a if a and b else None for a, b in zip(seconds[fast], seconds[slow], strict=True)]
-            goal = goals.get(slow, ">= 0.9") if fast == "library" else ""
-            print(f"| {fast} / {slow} | {fmt_spread(ratios, 2)} | {goal} |")
+            for slow in [*LOOPS, "engine alone"]:
+                if (slow, processes) not in seconds or slow == fast:
+                    continue
+                pairs = zip(seconds[fast, processes], seconds[slow, processes], strict=True)
+                ratios = [b / a if a and b else None for a, b in pairs]
+                goal = goals.get(slow, ">= 0.9") if fast == "library" else ""
+                print(f"| {fast} / {slow} | {processes} | {fmt_spread(ratios, 2)} | {goal} |")
     return 0
 
 
