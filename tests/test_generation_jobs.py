@@ -8,6 +8,8 @@ dataset index). Bad inputs refused before any work."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import signal
 import time
 from collections import Counter
@@ -243,3 +245,44 @@ def test_a_stuck_engine_fails_the_job_after_batch_timeout(tmp_path: Path) -> Non
     with pytest.raises(BatchTimeoutError, match=r"batch 0 has been in the generation engine for .* batch_timeout=1 s"):
         torch_batch_process(_Stuck, list(range(8)), batch_size=4, storage_path=str(tmp_path / "s"), batch_timeout=1)
     assert time.monotonic() - started < 60
+
+
+def test_progress_status_and_report_show_prompts_and_tokens(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A generation job's `tbp status` and `tbp report` (the dashboard renders the same page) say prompts and
+    input/output tokens per second, per rank, from the generation participant's counts; the progress line adds the
+    committed prompts and tokens per second."""
+    from torch_batch_process.observe.progress import LogDisplay
+    from torch_batch_process.observe.report.data import read_job_data
+    from torch_batch_process.observe.report.page import build_model, render_page
+    from torch_batch_process.observe.status import format_status, read_status
+    from torch_batch_process.observe.token_rates import TokenRates
+
+    Gen = Generate(
+        model=tiny_llama, prompt="ids", max_new_tokens="max_new", eos_token_id=(), budget=BUDGET,
+        columns=("completion_tokens",), model_id="tiny-llama-seed0",
+    )
+    storage = str(tmp_path / "s")
+    torch_batch_process(
+        Gen, Prompts(24, 8), batch_size=4, storage_path=storage, checkpoint_interval=1, tensorboard=False,
+        dataloader_kwargs={"collate_fn": lambda rows: rows},
+    )
+    status = read_status(storage)
+    generation = status["generation"]
+    assert generation["generated_prompts"] == 24 and generation["ranks"][0]["rank"] == 0, generation
+    assert generation["ranks"][0]["tokens_out_per_s"] > 0, generation
+    assert generation["completion_tokens"] == sum(Prompts(24, 8)[i]["max_new"] for i in range(24))
+    text = format_status(status)
+    assert re.search(r"generation +24 prompts answered, .*\n +latest attempt: in \S+ tok/s, out \S+ tok/s", text), text
+    page = render_page(build_model(read_job_data(storage)))
+    assert "24 prompts answered" in page and "tok/s" in page
+
+    now = [0.0]
+    rates = TokenRates(clock=lambda: now[0])
+    display = LogDisplay(interval=1, total_examples=24, total_batches=6, initial_examples=0, initial_batches=0,
+                         clock=lambda: now[0])
+    display.extra = rates.text
+    rates.add(12, 2400, 620)
+    now[0] = 2.0
+    with caplog.at_level(logging.INFO, logger="torch_batch_process"):
+        display.show(12, 3)
+    assert "| 12 prompts, in 1.2k tok/s, out 310 tok/s |" in caplog.text, caplog.text

@@ -301,7 +301,9 @@ class JobRun:
                 FailingExamplesParticipant(self.failure_log, latest),
                 self.summaries,
                 # counts nothing unless the processor uses an engine; restores a stop's partial answers
-                GenerationParticipant(self.in_flight, latest, job.opener.store.storage, self.rank, start.attempt),
+                GenerationParticipant(
+                    self.in_flight, latest, job.opener.store.storage, self.rank, start.attempt, job.observer.generation
+                ),
                 TimelineParticipant(self.world_size, job.observer),  # last: it times what the others do after a record
             ]
             scheduler = self.scheduler

@@ -52,6 +52,7 @@ from torch_batch_process.observe.stragglers import RankInterval, StragglerDetect
 from torch_batch_process.observe.summary import summary_line
 from torch_batch_process.observe.tensorboard_feed import TensorBoardFeed
 from torch_batch_process.observe.timeline import RankActivity, Timeline
+from torch_batch_process.observe.token_rates import TokenRates
 from torch_batch_process.result import BatchProcessResult, to_jsonable
 from torch_batch_process.shell_commands import job_commands
 from torch_batch_process.storage.base import MirroredFolder
@@ -106,6 +107,9 @@ class JobObserver:
         self._tb: TensorBoardFeed | None = None
         self._uploader: MirroredFolder | None = tensorboard
         self._stragglers = StragglerDetector(options.straggler_ratio)
+        self.generation = TokenRates()
+        """A generation job's committed prompts and tokens (rank 0; its participant adds them), shown with the
+        progress."""
         self.next_step = NEVER
         """The loop calls :meth:`on_step` after a step ``>= next_step`` (the display or profiler is due)."""
         self._last_check = 0.0
@@ -203,6 +207,7 @@ class JobObserver:
             self._display = BarDisplay(name=self.job_name, **sizes)
         else:
             self._display = LogDisplay(interval=self.options.progress_interval, **sizes)
+        self._display.extra = self.generation.text
         self._next_show = time.monotonic() + self._display.refresh_s
 
     def _open_profiler(self) -> None:

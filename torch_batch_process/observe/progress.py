@@ -43,6 +43,12 @@ class ProgressDisplay:
     """Shows the job's progress; :meth:`show` is called every :attr:`refresh_s` seconds at most."""
 
     refresh_s: float = BAR_REFRESH_S
+    extra: Callable[[], str | None] | None = None
+    """What the display adds after the counts, when it says something (a generation job's prompts and tokens per
+    second: :class:`~torch_batch_process.observe.token_rates.TokenRates`)."""
+
+    def _extra(self) -> str | None:
+        return self.extra() if self.extra is not None else None
 
     def start_clock(self, examples: int, batches: int) -> None:
         """The attempt's first step is done, with ``examples`` and ``batches`` done: rates count from now."""
@@ -91,7 +97,8 @@ class BarDisplay(ProgressDisplay):
         )
 
     def _batches(self, batches: int) -> str:
-        return f"{batches}/{self.total_batches} batches"
+        extra = self._extra()
+        return f"{batches}/{self.total_batches} batches" + (f", {extra}" if extra else "")
 
     def start_clock(self, examples: int, batches: int) -> None:
         """Moves the bar to ``examples`` without counting them in its rate, and restarts its clock.
@@ -107,7 +114,7 @@ class BarDisplay(ProgressDisplay):
         bar.refresh()
 
     def show(self, examples: int, batches: int) -> None:
-        if batches != self._last_batches:
+        if batches != self._last_batches or self.extra is not None:
             self._bar.set_postfix_str(self._batches(batches), refresh=False)
             self._last_batches = batches
         delta = examples - self._bar.n
@@ -155,14 +162,16 @@ class LogDisplay(ProgressDisplay):
         rate = (examples - self._rate_base) / measured if measured > 0 else 0.0
         left = max(0, self.total_examples - examples)
         eta = format_duration(left / rate) if rate > 0 else "?"
+        extra = self._extra()
         logger.info(
-            "progress: %s | %d/%d examples, %d/%d batches | %.1f examples/s | elapsed %s, ETA %s",
+            "progress: %s | %d/%d examples, %d/%d batches | %.1f examples/s%s | elapsed %s, ETA %s",
             format_percent(examples, self.total_examples),
             examples,
             self.total_examples,
             batches,
             self.total_batches,
             rate,
+            f" | {extra}" if extra else "",
             format_duration(elapsed),
             eta,
         )

@@ -31,7 +31,10 @@ makes it finished, and ``result.json`` has none until it is run again), ``failed
 exception type, the first few by dataset index with their messages, the folder they are stored in, and
 ``error``: why the records cannot be read, else ``null``; ``tbp failures`` lists them all), ``runs`` (a keyed job's
 incremental runs, ``incremental=True``: ``{"run", "folder", "state", "counts", "examples_committed",
-"examples_total"}``, ``counts`` as ``BatchProcessResult.increment``; ``[]`` for other jobs).
+"examples_total"}``, ``counts`` as ``BatchProcessResult.increment``; ``[]`` for other jobs), ``generation`` (a
+generation job's ``generated_prompts``, ``prompt_tokens``, ``completion_tokens``, ``resumed_prompts`` and
+``reused_tokens`` over all attempts, and ``ranks``: the latest attempt's ``{"rank", "prompts", "tokens_in",
+"tokens_out", "tokens_in_per_s", "tokens_out_per_s"}`` per rank; ``null`` for other jobs).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from torch_batch_process.jobstore.memory_limits import MemoryLimits
 from torch_batch_process.jobstore.store import JobStore, lock_holder
 from torch_batch_process.observe.failures import current_failure_records, failure_summary
 from torch_batch_process.observe.progress import format_duration
+from torch_batch_process.observe.token_rates import GENERATION_STATS, format_rate, rates_per_rank
 from torch_batch_process.outputs.keyed.runs import counts_text, incremental_runs
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
@@ -172,8 +176,43 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "result_path": storage.url_of(RESULT_FILE) if finished and result is not None else None,
         "failed_examples": failures["count"],
         "failures": failures,
+        "generation": _generation(stats),
         "runs": incremental_runs(storage),
     }
+
+
+def _generation(stats: dict[str, Any]) -> dict[str, Any] | None:
+    """A generation job's prompts and tokens over all attempts, and the latest attempt's per rank with their tokens
+    per second (DESIGN §19); ``None`` for other jobs."""
+    if "generated_prompts" not in stats:
+        return None
+    totals = {name: int(stats.get(name, 0)) for name in GENERATION_STATS}
+    elapsed = stats.get("attempt_elapsed_s")
+    return {**totals, "ranks": rates_per_rank(stats.get("generation_ranks") or [], elapsed)}
+
+
+def generation_text(generation: dict[str, Any]) -> str:
+    """The ``generation`` line of ``tbp status`` (and the report's row)."""
+    text = (
+        f"{generation['generated_prompts']:,} prompts answered, {generation['prompt_tokens']:,} prompt tokens, "
+        f"{generation['completion_tokens']:,} answer tokens (all attempts)"
+    )
+    if generation.get("resumed_prompts"):
+        text += (
+            f"; {generation['resumed_prompts']:,} answers continued from a stop's partial answers "
+            f"({generation['reused_tokens']:,} tokens not generated again)"
+        )
+    ranks = [r for r in generation.get("ranks") or [] if r.get("tokens_out_per_s") is not None]
+    if ranks:
+        tokens_in = sum(r["tokens_in_per_s"] for r in ranks)
+        tokens_out = sum(r["tokens_out_per_s"] for r in ranks)
+        text += f"\nlatest attempt: in {format_rate(tokens_in)} tok/s, out {format_rate(tokens_out)} tok/s"
+        if len(ranks) > 1:
+            text += " (" + ", ".join(
+                f"rank {r['rank']}: in {format_rate(r['tokens_in_per_s'])}, out {format_rate(r['tokens_out_per_s'])}"
+                for r in ranks
+            ) + ")"
+    return text
 
 
 def _memory_limits(latest: CommitRecord | None) -> dict[str, Any] | None:
@@ -282,6 +321,8 @@ def format_status(status: dict[str, Any]) -> str:
             f"{status.get('split_batches', 0)} batch(es) run in parts, over all attempts)",
         ))
     lines.append(("failed", _failures_text(status)))
+    if status.get("generation"):
+        lines.append(("generation", generation_text(status["generation"])))
     for run in status.get("runs") or []:  # a keyed job's incremental runs (DESIGN §21)
         lines.append(("runs", counts_text(run)))
     for entry in status.get("provenance") or []:

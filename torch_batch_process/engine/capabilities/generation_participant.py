@@ -5,7 +5,10 @@ batches in that vote: a batch still in flight counts only once it is committed);
 attempt into the record's ``stats`` (``generated_prompts``, failed prompts included; ``prompt_tokens``;
 ``completion_tokens``; ``resumed_prompts`` and ``reused_tokens``: answers that continued a partial answer, and that
 answer's tokens, generated once instead of twice), so the job's totals count each prompt once, whatever was
-generated again after a kill or a stop.
+generated again after a kill or a stop. Rank 0 also keeps this attempt's counts per rank (``stats.generation_ranks``:
+``[rank, prompts, prompt tokens, answer tokens]``, what ``tbp status`` and ``tbp report`` turn into tokens per
+second per rank) and adds each vote's counts to the progress display's
+(:class:`~torch_batch_process.observe.token_rates.TokenRates`).
 
 **Partial answers** (:mod:`~torch_batch_process.generation.partial_answers`). At a stop the loop keeps the answers of
 the batches it leaves in flight (:meth:`~torch_batch_process.engine.feed.in_flight.InFlight.keep_partial_answers`);
@@ -28,11 +31,12 @@ from torch_batch_process.engine.work import Part
 from torch_batch_process.generation import partial_answers
 from torch_batch_process.jobstore.formats import CommitRecord
 from torch_batch_process.jobstore.layout import partial_answers_file
+from torch_batch_process.observe.token_rates import GENERATION_STATS, TokenRates
 from torch_batch_process.storage.base import Storage
 
 __all__ = ["STATS", "GeneratedTokens", "GenerationParticipant"]
 
-STATS = ("generated_prompts", "prompt_tokens", "completion_tokens", "resumed_prompts", "reused_tokens")
+STATS = GENERATION_STATS
 """The record's ``stats`` this participant keeps (totals over every attempt)."""
 
 
@@ -60,10 +64,17 @@ class GenerationParticipant(Participant):
         storage: the job's storage (partial-answer files).
         rank: this rank.
         attempt: this attempt's number (names this rank's partial-answer file).
+        rates: rank 0's progress counts (the observer's), or ``None``.
     """
 
     def __init__(
-        self, in_flight: InFlight, latest: CommitRecord | None, storage: Storage, rank: int, attempt: int
+        self,
+        in_flight: InFlight,
+        latest: CommitRecord | None,
+        storage: Storage,
+        rank: int,
+        attempt: int,
+        rates: TokenRates | None = None,
     ) -> None:
         self._in_flight = in_flight
         self._storage = storage
@@ -72,6 +83,8 @@ class GenerationParticipant(Participant):
         stats = latest.stats if latest is not None else {}
         self._totals = [int(stats.get(name, 0)) for name in STATS]  # rank 0
         self._partials = list(latest.partial_answers) if latest is not None else []  # rank 0
+        self._ranks: dict[int, list[int]] = {}  # rank 0: this attempt's prompts, tokens in and out per rank
+        self._rates = rates
         if self._partials:
             in_flight.restore(partial_answers.from_storage(storage.read_bytes, self._partials, storage.url_of))
 
@@ -98,12 +111,20 @@ class GenerationParticipant(Participant):
             return
         for i, value in enumerate(astuple(payload)[: len(STATS)]):
             self._totals[i] += value
+        counts = (payload.prompts, payload.prompt_tokens, payload.completion_tokens)
+        mine = self._ranks.setdefault(vote.rank, [0, 0, 0])
+        for i, value in enumerate(counts):
+            mine[i] += value
+        if self._rates is not None:
+            self._rates.add(*counts)
         if payload.partial_answers is not None and payload.partial_answers not in self._partials:
             self._partials.append(payload.partial_answers)
 
     def draft(self, draft: RecordDraft) -> None:
         if any(self._totals):
             draft.record.stats.update(zip(STATS, self._totals, strict=True))
+        if self._ranks:
+            draft.record.stats["generation_ranks"] = [[rank, *counts] for rank, counts in sorted(self._ranks.items())]
         # kept until the job is finished (a prompt may be continued by any later attempt); then deleted with the
         # record they were last named by
         draft.record.partial_answers = [] if draft.record.finished else list(self._partials)

@@ -37,6 +37,7 @@ from torch_batch_process.observe.report.series import (
     rank_totals,
     stragglers,
 )
+from torch_batch_process.observe.status import generation_text
 from torch_batch_process.shell_commands import pip_install
 
 __all__ = ["SECTIONS", "build_model", "plotly_bundle", "render_page"]
@@ -217,6 +218,8 @@ def _summary_html(data: JobData, runs: list[Attempt]) -> str:
         ("running time", _e(format_duration(running_s)) if runs else "n/a", "running_time"),
         ("last commit", _e(_when((status.get("last_commit") or {}).get("time"))), "last_commit"),
     ]
+    if status.get("generation"):  # a generation job: prompts, tokens, tokens per second per rank
+        rows.append(("generation", _e(generation_text(status["generation"])).replace("\n", "<br>"), "generation"))
     metrics = status.get("metrics")
     if metrics:
         text = ", ".join(f"{key}={_short(value)}" for key, value in sorted(metrics.items()))
