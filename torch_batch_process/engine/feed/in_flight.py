@@ -304,7 +304,8 @@ class InFlight:
     def keep_partial_answers(self) -> int:
         """At a stop, once drained: keeps the answers of the batches still in flight (:attr:`abandoned`) before
         :meth:`close` drops them; returns how many. An engine that cannot tell them (it failed) keeps none: they are
-        only a hint."""
+        only a hint. The batches the engine finished meanwhile are delivered first (the closing commit takes them)."""
+        self.pump(timeout=0.0)
         answers: dict[int, tuple[int, ...]] = {}
         for batch in self._batches.values():
             answers.update((c.index, c.token_ids) for c in batch.completions.values() if not c.failed)
