@@ -185,7 +185,8 @@ class JobObserver:
             if missing:  # a typo or a smaller world than planned: say it rather than profile nothing in silence
                 logger.warning(
                     "profile['ranks'] names rank(s) %s, which this job of %d rank(s) does not have; %s", missing,
-                    self.world_size, "nothing is profiled" if len(missing) == len(profile.ranks) else "they are skipped",
+                    self.world_size,
+                    "nothing is profiled" if len(missing) == len(profile.ranks) else "they are skipped",
                 )
         if profile is not None and profile.covers(self.rank) and remaining_batches:
             self._open_profiler()

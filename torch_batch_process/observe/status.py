@@ -290,9 +290,8 @@ def format_status(status: dict[str, Any]) -> str:
         )
     )
     last = status.get("last_commit")
-    lines.append(
-        ("last commit", f"#{last['commit']} {_when(last['time'], now)}, attempt {last['attempt']}" if last else "none yet")
-    )
+    last_text = f"#{last['commit']} {_when(last['time'], now)}, attempt {last['attempt']}" if last else "none yet"
+    lines.append(("last commit", last_text))
     tp = status.get("throughput")
     if tp and tp.get("examples_per_s") is not None:
         text = (
