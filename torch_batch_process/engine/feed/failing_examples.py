@@ -179,10 +179,17 @@ class Transactions:
             self._rank, ", ".join(custom) or "?", seconds * 1000,
         )
 
-    def keep(self, part: Part) -> MemberOutOfMemoryError | None:
+    def keep(self, part: Part) -> BaseException | None:
         """The attempt succeeded: its files join the stage. With ``agree``, unless another member of the replica ran
-        out of memory in the same attempt: it is then undone as a failed one, and the error returned."""
-        if self._agree is not None and self._agree(ATTEMPT_OK) == ATTEMPT_OUT_OF_MEMORY:
+        out of memory in the same attempt: it is then undone as a failed one, and a
+        :class:`~torch_batch_process.engine.feed.device_memory.MemberOutOfMemoryError` returned (a
+        :class:`~torch_batch_process.errors.MemberOutOfStepError` when the other members never came)."""
+        try:
+            agreed = self._agree(ATTEMPT_OK) if self._agree is not None else ATTEMPT_OK
+        except MemberOutOfStepError as stuck:  # the other members never came: this rank fails with it
+            self._discard(part)
+            return stuck
+        if agreed == ATTEMPT_OUT_OF_MEMORY:
             self._discard(part)
             return MemberOutOfMemoryError(
                 "another member of this rank's replica ran out of device memory in this attempt: every member runs "
@@ -194,14 +201,16 @@ class Transactions:
     def rollback(self, part: Part, error: BaseException) -> BaseException:
         """The attempt failed with ``error``: its files, reducer updates and metrics lines are discarded. Returns
         the attempt's error: ``error``, or with ``agree`` a
-        :class:`~torch_batch_process.errors.MemberOutOfStepError` when the other members did not come to the
-        exchange (they wait in a collective of the attempt this rank left)."""
+        :class:`~torch_batch_process.errors.MemberOutOfStepError` when this rank ran out of memory and the other
+        members did not come to the exchange (they wait in a collective of the attempt this rank left: the batch
+        cannot be split together). Another error stays the attempt's error (it fails the job either way)."""
         self._discard(part)
         if self._agree is not None:
+            out_of_memory = is_out_of_memory(error)
             try:
-                self._agree(ATTEMPT_OUT_OF_MEMORY if is_out_of_memory(error) else ATTEMPT_FAILED)
+                self._agree(ATTEMPT_OUT_OF_MEMORY if out_of_memory else ATTEMPT_FAILED)
             except MemberOutOfStepError as stuck:
-                return stuck
+                return stuck if out_of_memory else error
         return error
 
     def _discard(self, part: Part) -> None:
