@@ -71,6 +71,7 @@ from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 from torch_batch_process.sources.base import SourceChangedError
 
 __all__ = [
+    "ATTEMPT_FAILED", "ATTEMPT_OK", "ATTEMPT_OUT_OF_MEMORY",
     "FailingExamples", "FailureLog", "PartLoader", "SplitRoute", "Transactions", "check_total", "no_span",
     "too_many_message",
 ]
