@@ -76,6 +76,12 @@ class WorkerLostError(BatchProcessError, RuntimeError):
     """Contact with another rank was lost (it crashed, was killed, or the network failed)."""
 
 
+class MemberOutOfStepError(BatchProcessError, RuntimeError):
+    """``mesh=``: a member of a replica ran out of memory where the other members wait for it in a collective of the
+    model (inside a tensor-parallel forward), so the members cannot split the batch together; the job stops,
+    resumable (docs/mesh.md)."""
+
+
 LOST_HINT = (  # what a WorkerLostError tells the user to do
     "another rank of this job stopped answering (it crashed, was killed, or the network failed). "
     "The last commit is intact: run the job again to resume from it"

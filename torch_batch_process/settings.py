@@ -376,7 +376,8 @@ class Settings:
         "TBP_MESH_GRACE_S", _number("TBP_MESH_GRACE_S", 10.0, seconds=True), "10",
         "with `mesh=`: seconds a rank may stay in its steps once a member of its replica failed (it may be blocked in "
         "a collective with it, which nothing else releases); then it logs its stacks and exits with code 1, so that "
-        "every rank stops (docs/mesh.md)",
+        "every rank stops; also how long a rank waits for the others of its replica after an attempt of a batch "
+        "(`on_oom=\"split\"`) before it fails with `MemberOutOfStepError` (docs/mesh.md)",
     )
     storage_retries: int = variable(
         "TBP_STORAGE_RETRIES", _number("TBP_STORAGE_RETRIES", 5, integer=True, minimum=1), "5",

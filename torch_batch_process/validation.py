@@ -453,7 +453,7 @@ def validate_arguments(
         )
     if schedule == "dynamic":
         require_store_queues("schedule='dynamic'")
-    mesh_shape = validate_mesh(mesh, schedule, failures)
+    mesh_shape = validate_mesh(mesh, failures)
     if failures.batch_timeout is not None:
         require_store_queues("batch_timeout")
     check_output_format(output_format)
@@ -489,19 +489,14 @@ def validate_arguments(
     )
 
 
-def validate_mesh(mesh: Any, schedule: str, failures: FailureOptions) -> MeshShape | None:
-    """Checks ``mesh=`` (:func:`~torch_batch_process.mesh_shape.parse_mesh`) and what a mesh job cannot do yet: the
-    dynamic schedule (a replica's members would claim different batches) and ``on_error="skip"`` (one member
-    bisecting a batch alone leaves its peers waiting in their collectives). The world size is checked once the ranks
+def validate_mesh(mesh: Any, failures: FailureOptions) -> MeshShape | None:
+    """Checks ``mesh=`` (:func:`~torch_batch_process.mesh_shape.parse_mesh`) and what a mesh job cannot do yet:
+    ``on_error="skip"`` (one member bisecting a batch alone leaves its peers waiting in their collectives). The
+    world size is checked once the ranks
     joined (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`)."""
     shape = parse_mesh(mesh)
     if shape is None:
         return None
-    if schedule == "dynamic":
-        raise InvalidArgumentError(
-            f"schedule='dynamic' cannot be used with mesh={mesh!r} yet: the replicas take their batches in lockstep; "
-            "pass schedule='static' (the default) with a mesh"
-        )
     if failures.skip:
         raise InvalidArgumentError(
             f"on_error='skip' cannot be used with mesh={mesh!r} yet: a member that retries a batch in parts alone "

@@ -7,10 +7,14 @@ saw of its mesh.
 argv[1]: a JSON spec: ``storage``, ``report_dir``, ``attempt``, ``mesh`` (a dict: ``tp`` or ``pp`` inner), ``n``,
 ``batch_size``, ``layers``, ``checkpoint_interval``, and optionally:
 
+- ``schedule``: ``"static"`` (the default) or ``"dynamic"``;
 - ``sleep``: seconds per batch;
 - ``progress_file``: touched once a rank ran ``progress_after`` batches;
 - ``raise_at``: ``[rank, k]``: that rank raises in its ``k``-th batch of the attempt, before its forward, while the
   other members of its replica wait for it in the forward's collectives;
+- ``oom_above``: ``[rank, size, when]``: that rank raises ``torch.OutOfMemoryError`` for a batch (or part) of more
+  than ``size`` examples, ``"before"`` its forward (the other members then wait for it in the forward's collectives)
+  or ``"after"`` it;
 - ``upload``: ``"same"``: every member saves ``batch_<idx>.pt`` with ``upload_path()``; ``"member_only"``: the members
   that are not writers save ``member_<rank>.txt``, which no writer writes.
 
@@ -65,11 +69,22 @@ class TensorParallelJob(TorchBatchProcessor):
             "batches": [],
         }
 
+    @staticmethod
+    def out_of_memory(oom: list, rank: int, size: int) -> None:
+        if oom[0] == rank and size > oom[1]:
+            raise torch.OutOfMemoryError(f"simulated: rank {rank} holds at most {oom[1]} examples")
+
     def process_batch(self, batch, batch_idx):
         rank = self.context.distributed.rank
         if SPEC.get("raise_at") == [rank, len(self.seen["batches"])]:
             raise ValueError(f"rank {rank} fails in batch {batch_idx}")
+        self.seen.setdefault("sizes", []).append(len(batch))
+        oom = SPEC.get("oom_above")
+        if oom is not None and oom[2] == "before":
+            self.out_of_memory(oom, rank, len(batch))
         embeddings = self.model(self.context.to_device(batch))  # pipeline: None but on the last stage
+        if oom is not None and oom[2] == "after":
+            self.out_of_memory(oom, rank, len(batch))
         if embeddings is not None:
             self.context.write({"embedding": embeddings})
         upload = SPEC.get("upload")
@@ -98,6 +113,7 @@ def main() -> None:
             batch_size=SPEC["batch_size"],
             checkpoint_interval=SPEC.get("checkpoint_interval", 2),
             mesh=SPEC["mesh"],
+            schedule=SPEC.get("schedule", "static"),
             storage_path=SPEC["storage"],
             progress=False,
             tensorboard=False,

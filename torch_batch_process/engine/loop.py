@@ -245,6 +245,8 @@ class JobRun:
                 args.schedule, self.remaining, self.coll, args.checkpoint_interval, self.call_store,
                 job.units if mesh is not None else None,
             )
+            if mesh is not None and mesh.replica_group is not None:  # dynamic: the replica claims as one
+                self.scheduler.join_replica(source=mesh.position.is_source)
             self.stager = self._closing.enter_context(contextlib.closing(OutputStager(job.storage, self.rank)))
             self.current = CurrentBatch()
             latest = start.latest
@@ -394,7 +396,8 @@ class JobRun:
         scheduler.close()
         if peers is not None:
             peers.stop_watching()
-        lockstep = scheduler.kind == "static"  # Determined's semantics: every rank's hook runs at the closing commit
+        # Determined's semantics: every rank's hook runs at the closing commit (mesh=: every member of a replica)
+        lockstep = scheduler.kind == "static" or self.job.mesh is not None
         if decision in (Decision.STOP, Decision.DONE) and (lockstep or self.work.part.num_batches or stop_now):
             self._checkpoint_hook(processor)
         return self.committer.close(processor, preempt=decision is Decision.STOP or self.signals.preempt_requested)
@@ -424,7 +427,9 @@ class JobRun:
             processor, self.current, inference_mode=args.inference_mode, mode=job.autocast, no_grad=mesh is not None
         )
         guards = guard_batches(  # on_error="skip", on_oom="split" (engine/feed/error_handling.py)
-            call, feed, self.plan, args.failures, Transactions(self.stager, self.context.reducers, self.rank),
+            call, feed, self.plan, args.failures,
+            # mesh=: the members keep an attempt, or split it, together
+            Transactions(self.stager, self.context.reducers, self.rank, replica.agree_attempt if replica else None),
             self.failure_log, self.fitter, Placement(env.device, job.device_prefetch),
         )
         in_flight = self.in_flight
@@ -434,8 +439,8 @@ class JobRun:
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
-                if has_batch and replica is not None and not replica.members_ok(rank_failure):
-                    has_batch = False  # a member of this replica failed: no member runs a batch that waits for it
+                if has_batch and replica is not None:  # a member failed, or a stop the source saw: no batch
+                    has_batch = scheduler.follow(*replica.members_ok(rank_failure, scheduler.replica_mark()))
                 if in_flight.active:  # a generation engine: room for the next batch, the finished batches in
                     in_flight.wait_for_room(lambda: signals.preempt_requested)
                 if has_batch and not rank_failure.failed and not runner.step(batches):

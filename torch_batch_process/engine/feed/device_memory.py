@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-__all__ = ["device_kind", "forget_frames", "is_out_of_memory", "release_device_memory"]
+__all__ = ["MemberOutOfMemoryError", "device_kind", "forget_frames", "is_out_of_memory", "release_device_memory"]
 
 _OOM_TYPES: tuple[type[BaseException], ...] = tuple(
     {t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t}
@@ -29,9 +29,14 @@ _OOM_MESSAGES = (
 """Allocators that raise a plain ``RuntimeError`` when memory runs out say one of these."""
 
 
+class MemberOutOfMemoryError(RuntimeError):
+    """``mesh=``: another member of this rank's replica ran out of memory in the same attempt (this rank's attempt
+    succeeded and was undone), so every member splits the batch together."""
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says that the device's memory ran out (see the module docstring)."""
-    if isinstance(exc, _OOM_TYPES):
+    if isinstance(exc, (*_OOM_TYPES, MemberOutOfMemoryError)):
         return True
     if not isinstance(exc, RuntimeError):
         return False

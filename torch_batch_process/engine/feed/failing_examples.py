@@ -56,11 +56,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch
-from torch_batch_process.engine.feed.device_memory import is_out_of_memory
+from torch_batch_process.engine.feed.device_memory import MemberOutOfMemoryError, is_out_of_memory
 from torch_batch_process.engine.work import Part
 from torch_batch_process.errors import (
     BatchTimeoutError,
     LoaderWorkerDiedError,
+    MemberOutOfStepError,
     SchemaConflictError,
     TooManyFailuresError,
     WorkerLostError,
@@ -70,6 +71,7 @@ from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 from torch_batch_process.sources.base import SourceChangedError
 
 __all__ = [
+    "ATTEMPT_FAILED", "ATTEMPT_OK", "ATTEMPT_OUT_OF_MEMORY",
     "FailingExamples", "FailureLog", "PartLoader", "SplitRoute", "Transactions", "check_total", "no_span",
     "too_many_message",
 ]
@@ -126,6 +128,10 @@ def check_total(failed: int, limit: int | None, failures_url: str) -> None:
         raise TooManyFailuresError(too_many_message(failed, limit, failures_url))
 
 
+ATTEMPT_OK, ATTEMPT_OUT_OF_MEMORY, ATTEMPT_FAILED = 0, 1, 2
+"""What a member passes to its replica's exchange after an attempt (the largest wins)."""
+
+
 class Transactions:
     """Runs a rank's attempts (a batch, or a part of one) as transactions: what a failed attempt wrote or reported
     is undone (see the module docstring).
@@ -134,9 +140,16 @@ class Transactions:
         stager: the rank's output stager (an attempt's ``upload_path()`` blocks are held until it returns).
         reducers: the rank's reducers (restored after a failed attempt).
         rank: this rank (for the warning of a slow snapshot).
+        agree: ``mesh=``, a replica of several ranks: the members' exchange after each attempt
+            (:meth:`~torch_batch_process.engine.mesh.groups.JobMesh.agree_attempt`): an attempt is kept only when no
+            member ran out of memory in it, so that the members split a batch together (a member that split alone
+            would run its parts while its peers wait in the whole batch's collectives). ``None``: no exchange.
     """
 
-    def __init__(self, stager: OutputStager, reducers: ReducerRegistry, rank: int) -> None:
+    def __init__(
+        self, stager: OutputStager, reducers: ReducerRegistry, rank: int, agree: Callable[[int], int] | None = None
+    ) -> None:
+        self._agree = agree
         self._stager = stager
         self._reducers = reducers
         self._rank = rank
@@ -167,12 +180,41 @@ class Transactions:
             self._rank, ", ".join(custom) or "?", seconds * 1000,
         )
 
-    def keep(self) -> None:
-        """The attempt succeeded: its files join the stage."""
+    def keep(self, part: Part) -> BaseException | None:
+        """The attempt succeeded: its files join the stage. With ``agree``, unless another member of the replica ran
+        out of memory in the same attempt: it is then undone as a failed one, and a
+        :class:`~torch_batch_process.engine.feed.device_memory.MemberOutOfMemoryError` returned (a
+        :class:`~torch_batch_process.errors.MemberOutOfStepError` when the other members never came)."""
+        try:
+            agreed = self._agree(ATTEMPT_OK) if self._agree is not None else ATTEMPT_OK
+        except MemberOutOfStepError as stuck:  # the other members never came: this rank fails with it
+            self._discard(part)
+            return stuck
+        if agreed == ATTEMPT_OUT_OF_MEMORY:
+            self._discard(part)
+            return MemberOutOfMemoryError(
+                "another member of this rank's replica ran out of device memory in this attempt: every member runs "
+                "it in parts together"
+            )
         self._stager.release(keep=True)
+        return None
 
-    def rollback(self, part: Part) -> None:
-        """The attempt failed: its files, reducer updates and metrics lines are discarded."""
+    def rollback(self, part: Part, error: BaseException) -> BaseException:
+        """The attempt failed with ``error``: its files, reducer updates and metrics lines are discarded. Returns
+        the attempt's error: ``error``, or with ``agree`` a
+        :class:`~torch_batch_process.errors.MemberOutOfStepError` when this rank ran out of memory and the other
+        members did not come to the exchange (they wait in a collective of the attempt this rank left: the batch
+        cannot be split together). Another error stays the attempt's error (it fails the job either way)."""
+        self._discard(part)
+        if self._agree is not None:
+            out_of_memory = is_out_of_memory(error)
+            try:
+                self._agree(ATTEMPT_OUT_OF_MEMORY if out_of_memory else ATTEMPT_FAILED)
+            except MemberOutOfStepError as stuck:
+                return stuck if out_of_memory else error
+        return error
+
+    def _discard(self, part: Part) -> None:
         self._stager.release(keep=False)
         if self._saved:
             _restore(self._reducers, self._saved)
@@ -386,14 +428,14 @@ class FailingExamples:
             try:
                 self._process(batch, batch_idx)
             except BaseException as exc:
-                self.transactions.rollback(part)
+                error = self.transactions.rollback(part, exc)
                 if not self.recoverable(exc):
                     raise
-                return "process", exc
+                return "process", error
             finally:
                 self._current.leave()
-            self.transactions.keep()
-            return None
+            undone = self.transactions.keep(part)
+            return ("process", undone) if undone is not None else None
 
     def record(self, batch_idx: int, index: int, phase: str, error: BaseException) -> None:
         """Records example ``index`` of batch ``batch_idx`` as failing (see :meth:`FailureLog.record`)."""

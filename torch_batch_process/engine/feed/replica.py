@@ -7,6 +7,9 @@ per batch); the other members run no loader at all. The batch goes with its feed
 :class:`~torch_batch_process.engine.feed.batches.Cut` of a batch run in parts), so every member runs the same
 ``batch_idx`` with the same ``context.batch_indices``.
 
+Under the dynamic schedule the source claims the replica's batches as its loader asks for them (the other members
+claim none), and sends the end of its feed (no batch left, or a stop seen at a claim) as it sends a batch.
+
 A batch that fails to load on the source fails on every member: the members receive the failure (its type and
 message) and raise a :class:`~torch_batch_process.engine.feed.batches.LoadFailed` for that batch, so every rank of the
 replica records a failure at the same step. A member lost during the broadcast is that batch's failure too (a
@@ -46,12 +49,17 @@ class _Failed:
         self.message = f"{type(error).__name__}: {error}"
 
 
+class _End:
+    """What the source sends when its feed ended (the dynamic schedule: no batch left to claim, or a mark seen)."""
+
+
 class ReplicaFeed:
     """An iterator of ``(key, batch)`` like :class:`~torch_batch_process.engine.feed.batches.BatchFeed`, the same on
     every member of a replica (see the module docstring).
 
     Args:
-        order: the replica's batch order (the same on every member; what a member expects next).
+        order: the replica's batch order (the same on every member; what a member expects next; under the dynamic
+            schedule only the source claims, and the members learn the end of the batches from it).
         feed: this rank's feed; only the source's is started (the other members' loaders never run: no worker
             process, no batch loaded; a batch's parts run again after an out-of-memory error load with its dataset and
             ``collate_fn``).
@@ -81,7 +89,9 @@ class ReplicaFeed:
         expected = next(self._expected, -1) if self._expected is not None else -1
         if self._feed is not None:
             try:
-                item = next(self._feed)  # a StopIteration never happens under the static schedule's step count
+                item = next(self._feed)
+            except StopIteration:  # the dynamic schedule's end (never under the static schedule's step count)
+                item = _End()
             except LoadFailed as exc:
                 failed = exc
                 item = _Failed(exc.batch_idx, exc.error)
@@ -92,6 +102,8 @@ class ReplicaFeed:
             raise LoadFailed(failed.batch_idx if failed is not None else _id_of(item, expected), lost) from lost
         if failed is not None:
             raise failed
+        if isinstance(item, _End):
+            raise StopIteration
         if isinstance(item, _Failed):
             error = SourceLoadFailed(f"rank {self._source} (the replica's source) failed to load it: {item.message}")
             raise LoadFailed(item.batch_idx, error)

@@ -248,7 +248,9 @@ class BatchRunner:
             return
         part.add_batch(batch_idx, succeeded, seconds if ran_whole else None)  # run whole: in the timeline
 
-    def _attempt(self, batch_idx: int, indices: Sequence[int], batch: Any, part: Part, prefix: str) -> Exception | None:
+    def _attempt(
+        self, batch_idx: int, indices: Sequence[int], batch: Any, part: Part, prefix: str
+    ) -> BaseException | None:
         """Runs one loaded batch or piece as a transaction; returns its error."""
         guard = self._guard
         assert guard is not None
@@ -258,12 +260,10 @@ class BatchRunner:
             with self.span(batch_idx):
                 self._call(batch, batch_idx)
         except Exception as exc:  # noqa: BLE001 - handled by the caller
-            guard.transactions.rollback(part)
-            return exc
+            return guard.transactions.rollback(part, exc)
         finally:
             self._current.leave()
-        guard.transactions.keep()
-        return None
+        return guard.transactions.keep(part)  # mesh=: another member's out-of-memory error undoes it
 
     def _recover(
         self, batch_idx: int, indices: Sequence[int], error: BaseException | None, phase: str, part: Part

@@ -64,6 +64,19 @@ class Scheduler(abc.ABC):
     def post(self, decision: Decision) -> None:  # noqa: B027 - only schedules without per-step agreement
         """Tells every rank to stop or fail at its next batch, from any thread (dynamic schedule)."""
 
+    def join_replica(self, source: bool) -> None:  # noqa: B027 - the static schedule deals to replicas already
+        """``mesh=``: this rank is a member of a replica of several ranks, its first (``source``) or another."""
+
+    def replica_mark(self) -> int:
+        """What this rank adds to its replica's status exchange before each batch (``mesh=``): 0, or the code of a
+        decision the replica must take together (:data:`MARKS`)."""
+        return 0
+
+    def follow(self, members_ok: bool, mark: int) -> bool:
+        """The replica's status exchange before a step (``mesh=``): whether none of its members failed, and the
+        largest mark its members added. Returns whether this rank runs a batch in this step."""
+        return members_ok
+
     def close(self) -> None:  # noqa: B027 - optional
         """Releases what the scheduler holds."""
 
@@ -121,8 +134,19 @@ class StaticScheduler(Scheduler):
         self._agreement.drain()
 
 
+MARKS = {1: Decision.STOP, 2: Decision.FAIL}
+"""The codes of :meth:`Scheduler.replica_mark`."""
+
+
 class DynamicScheduler(Scheduler):
     """Batches taken on demand from a shared counter (see the module docstring).
+
+    With ``mesh=`` (:meth:`join_replica`), a replica claims as one: its first member (the source) claims, loads and
+    sends each batch to the others (:mod:`~torch_batch_process.engine.feed.replica`), which claim nothing; a stop
+    or failure mark the source saw at a claim reaches the members in the replica's status exchange before the next
+    step (:meth:`replica_mark`, :meth:`follow`), and every member takes that decision at that same step: no member
+    leaves the steps while another waits for it in a collective. A member's own stop or failure is posted to the
+    counter (every replica sees it at its next claim) and taken at the next exchange with its replica.
 
     Args:
         remaining: the batches this attempt processes; the ``i``-th claim takes the ``i``-th of them.
@@ -144,11 +168,31 @@ class DynamicScheduler(Scheduler):
         self.seen: Decision | None = None
         """A stop or failure mark seen at a claim."""
         self._claimed = 0
+        self._replica: bool | None = None
+        """``mesh=``: whether this rank is its replica's source (``None``: no replica of several ranks)."""
+        self._agreed: Decision | None = None
+        """``mesh=``: the decision the replica's status exchange agreed on."""
+
+    def join_replica(self, source: bool) -> None:
+        self._replica = source
+
+    def replica_mark(self) -> int:
+        if not self._replica or self.seen is None:
+            return 0
+        return 2 if self.seen is Decision.FAIL else 1
+
+    def follow(self, members_ok: bool, mark: int) -> bool:
+        agreed = Decision.FAIL if not members_ok else MARKS.get(mark)
+        if agreed is not None and self._agreed is not Decision.FAIL:
+            self._agreed = agreed
+        return self._agreed is None
 
     def _add(self, amount: int) -> int:
         return self._store.add(self.COUNTER, amount)
 
     def batch_ids(self) -> Iterator[int]:
+        if self._replica is False:
+            return  # a replica's other members run the batches its source claims
         while self.seen is None:
             value = self._add(1)
             if value >= self.FAIL_MARK:
@@ -167,6 +211,8 @@ class DynamicScheduler(Scheduler):
             yield True
 
     def decide(self, step: int, *, agreed_stop: bool, preempt: bool, failed: bool) -> Decision:
+        if self._replica is not None:
+            return self._decide_in_replica(agreed_stop=agreed_stop, preempt=preempt, failed=failed)
         if failed:
             self.post(Decision.FAIL)
             return Decision.FAIL
@@ -181,11 +227,28 @@ class DynamicScheduler(Scheduler):
             return Decision.COMMIT
         return Decision.CONTINUE
 
+    def _decide_in_replica(self, *, agreed_stop: bool, preempt: bool, failed: bool) -> Decision:
+        """The decision of a member of a replica: only what its replica agreed on ends its steps (see the class
+        docstring); its own failure or stop is posted and taken with the replica at the next exchange."""
+        if failed:
+            self.post(Decision.FAIL)
+        elif agreed_stop or preempt:
+            self.post(Decision.STOP)
+        if self._agreed is not None:
+            return self._agreed
+        if failed:
+            return Decision.CONTINUE  # no commit of a failed rank: the replica fails together at the next step
+        self._since_commit += 1
+        if self._since_commit >= self._interval:
+            self._since_commit = 0
+            return Decision.COMMIT
+        return Decision.CONTINUE
+
     def after_last(self, *, failed: bool) -> Decision:
         if failed:
             self.post(Decision.FAIL)
             return Decision.FAIL
-        return self.seen or Decision.DONE
+        return self.seen or self._agreed or Decision.DONE
 
     def post(self, decision: Decision) -> None:
         """Tells every rank to stop (``STOP``) or that a rank failed (``FAIL``), once per kind. Thread-safe
