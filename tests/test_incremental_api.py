@@ -67,7 +67,7 @@ def rows(path: Path) -> dict[int, tuple[str, int]]:
         ({"incremental": "yes"}, "incremental must be True or False"),
         ({"version": object()}, "version must be a JSON value"),
         ({"retry_failed": True, "on_error": "skip"}, "run it with incremental=True instead"),
-        ({"table": tables.lance("/tmp/never-written")}, "key= with table=.* is not supported yet"),
+        ({"table": tables.delta("memory:///never-written")}, "key= with table=.* is not supported yet"),
         ({"content": ["text"], "key": None}, "give key= too"),
     ],
 )

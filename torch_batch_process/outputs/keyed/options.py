@@ -117,10 +117,12 @@ def check_keyed_options(
             "retry_failed=True on a keyed job: run it with incremental=True instead (it processes the examples that "
             "failed, with those that are new or changed); drop retry_failed=True"
         )
-    if table is not None and (getattr(table, "kind", "") != "delta" or "://" in str(getattr(table, "uri", ""))):
+    if table is not None and (getattr(table, "kind", "") not in ("delta", "iceberg", "lance")
+                              or "://" in str(getattr(table, "uri", ""))):
         raise InvalidArgumentError(
             f"key= with table={table.describe_short()} is not supported yet: a keyed job's MERGE by key is built for "
-            "a local Delta table (tables.delta('/path')) so far; write shards (no table=), or drop key="
+            "local Delta and Lance tables (tables.delta('/path'), tables.lance('/path')) and Iceberg tables so far; "
+            "write shards (no table=), or drop key="
         )
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) or _is_source(dataset):
         raise InvalidArgumentError(

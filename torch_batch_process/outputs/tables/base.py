@@ -30,6 +30,7 @@ __all__ = [
     "TableTarget",
     "check_options",
     "check_storage_options",
+    "concat_keys",
     "data_file_name",
     "data_file_stage",
     "normalize_schema",
@@ -95,6 +96,13 @@ def check_storage_options(value: Any, what: str) -> dict[str, str] | None:
             f"{{'AWS_ENDPOINT_URL': 'http://...'}}), got {value!r:.200}"
         )
     return dict(value)
+
+
+def concat_keys(columns: list[Any]) -> Any:
+    """Chunked key columns (of a keyed job's new data files, DESIGN §21) as one array."""
+    import pyarrow as pa
+
+    return pa.chunked_array([c for column in columns for c in column.chunks], columns[0].type).combine_chunks()
 
 
 def normalize_schema(schema: Any, *, fixed_lists: bool, what: str, origin: str) -> Any:
@@ -166,7 +174,7 @@ class Table(ABC):
         self.target = target
         self.merge_key = merge_key
         """A keyed job's key column (``key=``, DESIGN §21): a transaction then also removes the rows its new files'
-        keys supersede (a MERGE by key; Delta only for now)."""
+        keys supersede (a MERGE by key)."""
 
     @abstractmethod
     def arrow_schema(self) -> Any:

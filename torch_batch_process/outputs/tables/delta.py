@@ -28,6 +28,7 @@ from torch_batch_process.outputs.tables.base import (
     TableTarget,
     check_options,
     check_storage_options,
+    concat_keys,
     data_file_stage,
     normalize_schema,
     require,
@@ -196,7 +197,7 @@ class DeltaTable(Table):
         column = self.merge_key
         assert column is not None
         added = {f["path"] for f in files}
-        keys = pc.unique(_concat_keys([
+        keys = pc.unique(concat_keys([
             pq.read_table(os.path.join(self._root, f["path"]), columns=[column]).column(column) for f in files
         ]))
         actions: list[Any] = []
@@ -269,13 +270,6 @@ class DeltaTable(Table):
         where = f" WHERE {' AND '.join(bounds)}" if bounds else ""
         reader = QueryBuilder().register("tbp_table", self._load()).execute(f"SELECT {names} FROM tbp_table{where}")
         return (pa.record_batch(batch) for batch in reader)
-
-
-def _concat_keys(columns: list[Any]) -> Any:
-    """Chunked key columns as one array."""
-    import pyarrow as pa
-
-    return pa.chunked_array([c for column in columns for c in column.chunks], columns[0].type).combine_chunks()
 
 
 def _orphan(name: str, job_id: str, committed: Callable[[int], bool]) -> bool:
