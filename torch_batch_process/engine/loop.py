@@ -251,7 +251,10 @@ class JobRun:
             committed = latest.record_schema if latest is not None else (job.retry.schema if job.retry else None)
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
             # key=: every row carries its key, content hash, version and run (§21)
-            stamp = RowStamp(args.keyed, args.dataset) if args.keyed is not None else None
+            stamp = (  # a table's MERGE also removes the rows of failed keys
+                RowStamp(args.keyed, args.dataset, sink.failed if sink is not None else None)
+                if args.keyed is not None else None
+            )
             self.records = RecordWriter(
                 self.stager, self.current, self.rank, args.output_format, committed, sink,
                 sole=self.world_size == 1, stamp=stamp,

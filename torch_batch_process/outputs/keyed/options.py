@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -157,11 +157,14 @@ class RowStamp:
     Args:
         options: the job's keyed options (its run).
         dataset: the map-style dataset (``dataset[i]`` gives the example whose key and hash are stored).
+        on_failed: called with the key of every failed example (a table target removes the key's row: its
+            :meth:`~torch_batch_process.outputs.tables.sink.TableSink.failed`).
     """
 
-    def __init__(self, options: KeyedOptions, dataset: Any) -> None:
+    def __init__(self, options: KeyedOptions, dataset: Any, on_failed: Callable[[Any], None] | None = None) -> None:
         self.options = options
         self.dataset = dataset
+        self.on_failed = on_failed
 
     def __call__(self, table: Any, indices: Sequence[int]) -> Any:
         """``table`` (one row per index of ``indices``, ``index`` first) with the key and ``_tbp_*`` columns."""
@@ -202,4 +205,6 @@ class RowStamp:
             key = self.options.spec.key_of(self.dataset[index], index)
         except Exception:  # noqa: BLE001 - the example itself fails to load: the record has no key
             return {}
+        if self.on_failed is not None:
+            self.on_failed(key)
         return {"key": key, RUN_FIELD: self.options.run}

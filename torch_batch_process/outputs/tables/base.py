@@ -31,6 +31,8 @@ __all__ = [
     "check_options",
     "check_storage_options",
     "concat_keys",
+    "merge_parts",
+    "tombstone",
     "data_file_name",
     "data_file_stage",
     "normalize_schema",
@@ -99,10 +101,32 @@ def check_storage_options(value: Any, what: str) -> dict[str, str] | None:
 
 
 def concat_keys(columns: list[Any]) -> Any:
-    """Chunked key columns (of a keyed job's new data files, DESIGN §21) as one array."""
+    """Key columns (chunked or not) (of a keyed job's new data files, DESIGN §21) as one array."""
     import pyarrow as pa
 
-    return pa.chunked_array([c for column in columns for c in column.chunks], columns[0].type).combine_chunks()
+    chunks = [c for column in columns for c in (column.chunks if hasattr(column, "chunks") else [column])]
+    return pa.chunked_array(chunks, columns[0].type).combine_chunks()
+
+
+TOMBSTONES = "tombstones"
+"""The descriptor entry of a keyed job's failed keys (DESIGN §21): no data file, keys whose rows leave the table."""
+
+
+def tombstone(keys: list[Any]) -> dict[str, Any]:
+    """The descriptor that travels with a stage's data files for the keys of examples whose processing failed in it:
+    the MERGE removes their rows (a changed example whose rerun failed is not served stale, as the shards'
+    failure tombstones do)."""
+    return {TOMBSTONES: list(keys), "rows": 0}
+
+
+def merge_parts(files: list[dict[str, Any]], key_type: Any) -> tuple[list[dict[str, Any]], Any]:
+    """A transaction's descriptors split into its data files and the keys its failures remove (an Arrow array of
+    ``key_type``; empty: none)."""
+    import pyarrow as pa
+
+    data = [f for f in files if TOMBSTONES not in f]
+    dropped = [key for f in files if TOMBSTONES in f for key in f[TOMBSTONES]]
+    return data, pa.array(dropped, key_type)
 
 
 def normalize_schema(schema: Any, *, fixed_lists: bool, what: str, origin: str) -> Any:

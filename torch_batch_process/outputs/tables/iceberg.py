@@ -30,6 +30,7 @@ from torch_batch_process.outputs.tables.base import (
     check_options,
     concat_keys,
     data_file_stage,
+    merge_parts,
     normalize_schema,
     require,
 )
@@ -193,8 +194,9 @@ class IcebergTable(Table):
         table = self._load()
         properties = {"tbp.job": job_id, "tbp.commit": str(key)}
         with table.transaction() as transaction:
-            if self.merge_key is not None and files:  # a keyed job: the new rows replace their keys' rows (§21)
-                self._merge(table, transaction, [f["path"] for f in files], properties, key)
+            if self.merge_key is not None:  # a keyed job: the new rows replace their keys' rows (§21)
+                data, dropped = merge_parts(files, self.arrow_schema().field(self.merge_key).type)
+                self._merge(table, transaction, [f["path"] for f in data], dropped, properties, key)
             else:
                 transaction.add_files(
                     [f["path"] for f in files],
@@ -203,9 +205,12 @@ class IcebergTable(Table):
                 )
             transaction.set_properties({_key_property(job_id): str(key)})
 
-    def _merge(self, table: Any, transaction: Any, paths: list[str], properties: dict[str, str], key: int) -> None:
+    def _merge(
+        self, table: Any, transaction: Any, paths: list[str], dropped: Any, properties: dict[str, str], key: int
+    ) -> None:
         """The MERGE by key of a keyed job, as one snapshot of the transaction that carries the job's key: the new
-        files are added, and every live file holding one of their keys is deleted and, when it keeps other rows,
+        files are added, and every live file holding one of their keys or of ``dropped`` (failed keys) is deleted
+        and, when it keeps other rows,
         added again rewritten without them (copy-on-write, as the Delta merge; measured as ``iceberg add+remove`` in
         ``benchmarks/incremental_tables.py``). Computed from the table as it is before the transaction, so a replay
         of an uncommitted transaction (the job's next start) computes the same; a rewritten file's name comes from
@@ -219,7 +224,7 @@ class IcebergTable(Table):
 
         column = self.merge_key
         assert column is not None
-        keys = pc.unique(concat_keys([self._read(table, path, [column]).column(column) for path in paths]))
+        keys = pc.unique(concat_keys([*(self._read(table, path, [column]).column(column) for path in paths), dropped]))
         doomed: list[Any] = []
         rewritten: list[str] = []
         if table.current_snapshot() is not None and len(keys):
@@ -244,6 +249,8 @@ class IcebergTable(Table):
                     writer = ParquetDataFile(table.io.new_output(target).create(overwrite=True), target, schema, 0)
                     writer.write_table(kept)
                     rewritten.append(writer.close()[0]["path"])
+        if not (doomed or paths):
+            return  # nothing to change: the transaction carries the job's key only
         if transaction.table_metadata.name_mapping() is None:  # what add_files does: files without field ids
             mapping = transaction.table_metadata.schema().name_mapping.model_dump_json()
             transaction.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING: mapping})

@@ -39,6 +39,7 @@ from torch_batch_process.outputs.tables.base import (
     check_options,
     check_storage_options,
     concat_keys,
+    merge_parts,
     normalize_schema,
     require,
 )
@@ -163,10 +164,13 @@ class LanceTable(Table):
 
         self.ensure(schema)
         dataset = self._load()
+        dropped = None
+        if self.merge_key is not None:  # a keyed job: its failures' keys (tombstones) leave the table too (§21)
+            files, dropped = merge_parts(files, self.arrow_schema().field(self.merge_key).type)
         fragments = [FragmentMetadata.from_json(json.dumps(f["fragment"])) for f in files]
         operation: Any = lance.LanceOperation.Append(fragments)
-        if self.merge_key is not None and fragments:  # a keyed job: the new rows replace their keys' rows (§21)
-            removed, updated = self._superseded(dataset, fragments)
+        if dropped is not None:  # a keyed job: the new rows replace their keys' rows (§21)
+            removed, updated = self._superseded(dataset, fragments, dropped)
             if removed or updated:
                 operation = lance.LanceOperation.Update(
                     removed_fragment_ids=removed, updated_fragments=updated, new_fragments=fragments
@@ -178,10 +182,11 @@ class LanceTable(Table):
         )
         lance.LanceDataset.commit(self._target.uri, transaction, storage_options=self._target.storage_options)
 
-    def _superseded(self, dataset: Any, fragments: list[Any]) -> tuple[list[int], list[Any]]:
+    def _superseded(self, dataset: Any, fragments: list[Any], dropped: Any) -> tuple[list[int], list[Any]]:
         """The MERGE by key of a keyed job, in the transaction that appends ``fragments`` (an ``Update``
-        operation): every fragment of the dataset holding one of their keys gets a deletion file for those rows
-        (``LanceFragment.delete``, uncommitted until the transaction), or is removed when none of its rows is left.
+        operation): every fragment of the dataset holding one of their keys or of ``dropped`` (failed keys) gets a
+        deletion file for those rows (``LanceFragment.delete``, uncommitted until the transaction), or is removed when
+        none of its rows is left.
         Returns the removed fragment ids and the updated fragments. Computed from the dataset version the
         transaction reads, so a replay of an uncommitted transaction (the job's next start) computes the same; the
         deletion files of a killed attempt are never referenced (Lance's clean-up removes them)."""
@@ -195,9 +200,11 @@ class LanceTable(Table):
             LanceFileReader(f"{root}/data/{data.path}", self._target.storage_options, columns=[column])
             .read_all().to_table().column(column)
             for fragment in fragments for data in fragment.files
-        ]))
+        ] + [dropped]))
         removed: list[int] = []
         updated: list[Any] = []
+        if not len(keys):
+            return removed, updated
         for fragment in dataset.get_fragments():
             stored = fragment.to_table(columns=[column]).column(column)
             hit = pc.is_in(stored, value_set=keys)
