@@ -69,6 +69,9 @@ def rows(path: Path) -> dict[int, tuple[str, int]]:
         ({"retry_failed": True, "on_error": "skip"}, "run it with incremental=True instead"),
         ({"table": tables.delta("memory:///never-written")}, "key= with table=.* is not supported yet"),
         ({"content": ["text"], "key": None}, "give key= too"),
+        ({"prune_missing": True, "key": None}, "prune_missing=True is for a keyed job"),
+        ({"prune_missing": True}, "give incremental=True too"),
+        ({"prune_missing": 1, "incremental": True}, "prune_missing must be True or False"),
     ],
 )
 def test_keyed_arguments_are_checked_before_any_work(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
@@ -196,3 +199,30 @@ def test_a_failed_key_leaves_the_table_until_its_rerun_succeeds(fmt: str, tmp_pa
         assert len(table_rows()) == 12 and table_rows()[5] == ("BAD5", 3)
     finally:
         FAILING.clear()
+
+
+@pytest.mark.parametrize("output", ["shards", "delta", "iceberg", "lance"])
+def test_prune_missing_removes_the_keys_gone_from_the_dataset(output: str, tmp_path: Path) -> None:
+    """Keys gone from the dataset are counted and kept by default; ``prune_missing=True`` removes them (shards: a
+    tombstone hides them; tables: deleted in the run's transaction, even when the run selects nothing); a removed
+    key that comes back is new."""
+    target = None if output == "shards" else table_target(output, tmp_path)
+    path, extra = tmp_path / "job", {} if target is None else {"table": target}
+
+    def stored() -> dict[int, str]:
+        read = read_outputs(target if target is not None else path, columns=["id", "value"]).to_pydict()
+        assert len(read["id"]) == len(set(read["id"])), "a key read back twice"
+        return dict(zip(read["id"], read["value"], strict=True))
+
+    call(path, data(12), **extra)
+    gone = [example for example in data(12, t4="x4") if example["id"] not in (2, 7)]
+    kept = call(path, gone, incremental=True, **extra)
+    assert (kept.increment["removed"], kept.increment["selected"]) == (2, 1) and set(stored()) == set(range(12))
+    pruned = call(path, gone, incremental=True, prune_missing=True, **extra)
+    assert (pruned.increment["removed"], pruned.increment["selected"]) == (2, 0) and not CALLS
+    assert stored() == {i: "X4" if i == 4 else f"T{i}" for i in range(12) if i not in (2, 7)}
+    if target is None:
+        assert sorted(r["id"] for b in iter_outputs(path, columns=["id"]) for r in b.to_pylist()) == sorted(stored())
+    back = call(path, [*gone, {"id": 2, "text": "b2"}], incremental=True, prune_missing=True, **extra)
+    assert (back.increment["new"], back.increment["removed"], back.increment["selected"]) == (1, 0, 1)
+    assert stored()[2] == "B2" and 7 not in stored() and len(stored()) == 11

@@ -93,9 +93,10 @@ class TableSink:
         with self._lock:
             self._files.extend(descriptors)
 
-    def failed(self, key: Any) -> None:
-        """A keyed job's example of ``key`` failed (its failure record is in the stage): the stage's MERGE removes
-        the key's row from the table, as a failure hides the key's older rows in shards (DESIGN §21)."""
+    def remove_key(self, key: Any) -> None:
+        """A keyed job's example of ``key`` failed (its failure record is in the stage), or the key left the dataset
+        of a ``prune_missing=True`` run: the stage's MERGE removes the key's row from the table, as a tombstone hides
+        the key's older rows in shards (DESIGN §21)."""
         with self._lock:
             self._failed.append(key)
 
