@@ -248,9 +248,11 @@ def must_show(output: str, rows: int, seed: int, timeout: float) -> dict[str, An
         check_final(spec, 3)
         report["run 3"] = {"attempts": attempts, "processed": len(given), "distinct": len(set(given)),
                            "selected": len(want)}
-        return report
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    except BaseException:
+        print(f"{output}: failed; its job, logs and table are kept in {folder}", file=sys.stderr)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
