@@ -200,6 +200,8 @@ def choose_run(args: JobArguments) -> RunChoice | None:
                 k, storage.read_bytes(f"{folder}/{SELECTION_FILE}"), counts, schema, first_batch,
                 int(first_stage or 1), _read_removed(storage, folder),
             )
+        if storage.exists(f"{folder}/{REMOVED_FILE}"):  # left by a start killed before job.json: planned again
+            storage.delete(f"{folder}/{REMOVED_FILE}")
         _repair(storage, args)
         with tempfile.TemporaryDirectory(prefix="tbp-removed-") as scratch:
             removed_to = os.path.join(scratch, "removed.arrows") if keyed.prune_missing else None

@@ -245,7 +245,7 @@ class IcebergTable(Table):
                 kept = rows.filter(pc.invert(pc.is_in(rows.column(column), value_set=keys)))
                 if kept.num_rows:
                     digest = hashlib.sha256(path.encode()).hexdigest()[:16]
-                    target = f"{self._data_folder()}/tbp-merge-{key:08d}-{digest}.parquet"
+                    target = f"{self._data_folder()}/tbp-{properties['tbp.job']}-merge{key:08d}-{digest}.parquet"
                     writer = ParquetDataFile(table.io.new_output(target).create(overwrite=True), target, schema, 0)
                     writer.write_table(kept)
                     rewritten.append(writer.close()[0]["path"])
