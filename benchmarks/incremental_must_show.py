@@ -209,7 +209,8 @@ def check_final(spec: dict[str, Any], run: int) -> None:
 
 def selected(run: int, rows: int) -> set[int]:
     """The indices run ``run`` must process: changed texts and appended examples."""
-    return {i for i in range(size(run, rows)) if i >= size(run - 1, rows) or text(i, run, rows) != text(i, run - 1, rows)}
+    before = size(run - 1, rows)
+    return {i for i in range(size(run, rows)) if i >= before or text(i, run, rows) != text(i, run - 1, rows)}
 
 
 def must_show(output: str, rows: int, seed: int, timeout: float) -> dict[str, Any]:
