@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in reports:
         second, third = r["run 2"], r["run 3"]
         attempts = "; ".join(
-            f"{a['world_size']} rank{'s' if a['world_size'] > 1 else ''}, " + (f"rank {a['killed']['rank']} killed at {a['killed']['batches_given']}"
-                                            if a["killed"] else "to the end") + f", {a['seconds']:.1f} s"
+            f"{a['world_size']} rank{'s' if a['world_size'] > 1 else ''}, "
+            + (f"rank {a['killed']['rank']} killed at {a['killed']['batches_given']}" if a["killed"] else "to the end")
+            + f", {a['seconds']:.1f} s"
             for a in third["attempts"]
         )
         print(f"| {r['output']} | {r['run 1']['seconds']:.1f} | {second['processed']:,} / {second['selected']:,}, "
