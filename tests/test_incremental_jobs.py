@@ -129,28 +129,54 @@ def test_incremental_run_killed_and_resumed_on_other_world_sizes(first_run: Path
     check_final(storage)
 
 
-def test_keyed_delta_table_killed_around_its_merge_transactions(tmp_path: Path) -> None:
-    """A keyed job into a Delta table: run 2's MERGE by key, killed right before its first table transaction
-    (between a durable record and the table's commit: the start of the next attempt replays it), resumed: every key
-    once in the table with its newest value, read with delta-rs' own reader."""
-    pytest.importorskip("deltalake")
-    import pyarrow as pa
-    from deltalake import DeltaTable, QueryBuilder
+def table_spec(fmt: str, tmp: Path) -> dict[str, Any]:
+    """A local table of format ``fmt`` (Iceberg: a SQL/sqlite catalog) for keyed_job.py."""
+    if fmt == "iceberg":
+        catalog = {"type": "sql", "uri": f"sqlite:///{tmp}/catalog.db", "warehouse": f"file://{tmp}/warehouse"}
+        return {"format": "iceberg", "identifier": "db.keyed", "catalog": catalog}
+    return {"format": fmt, "uri": str(tmp / f"table.{fmt}")}
 
-    n, table = 400, tmp_path / "table"
-    base = {"storage": str(tmp_path / "storage"), "delta": str(table), "batch_size": 10}
+
+def table_rows(spec: dict[str, Any]) -> dict[str, list]:
+    """The table's ``id``, ``value`` and ``_tbp_run`` columns, read with the format's own reader."""
+    import pyarrow as pa
+
+    columns = ["id", "value", "_tbp_run"]
+    if spec["format"] == "delta":
+        from deltalake import DeltaTable, QueryBuilder
+
+        query = 'SELECT id, value, "_tbp_run" FROM t'
+        return pa.table(QueryBuilder().register("t", DeltaTable(spec["uri"])).execute(query).read_all()).to_pydict()
+    if spec["format"] == "iceberg":
+        from pyiceberg.catalog import load_catalog
+
+        table = load_catalog("default", **spec["catalog"]).load_table(spec["identifier"])
+        return table.scan(selected_fields=tuple(columns)).to_arrow().to_pydict()
+    import lance
+
+    return lance.dataset(spec["uri"]).to_table(columns=columns).to_pydict()
+
+
+@pytest.mark.parametrize("fmt", ["delta", "iceberg", "lance"])
+def test_keyed_table_killed_around_its_merge_transactions(fmt: str, tmp_path: Path) -> None:
+    """A keyed job into a table: run 2's MERGE by key (Delta: add+remove; Iceberg: one overwrite snapshot; Lance: an
+    Update with deletion files), killed right before its first table transaction (between a durable record and the
+    table's commit: the next start replays it), then right after its second (the next start must not add it
+    again), resumed: every key once in the table with its newest value, read with the format's own reader."""
+    pytest.importorskip({"delta": "deltalake", "iceberg": "pyiceberg", "lance": "lance"}[fmt])
+    n, spec = 400, table_spec(fmt, tmp_path)
+    base = {"storage": str(tmp_path / "storage"), "table": spec, "batch_size": 10}
     run(tmp_path, {"n": n, **base}, 1)
     selected = set(range(0, n, EVERY)) | set(range(n, n + n // 10))
     shutil.rmtree(tmp_path / "calls")
-    for kill in ("before:1",):
-        killed = run(tmp_path, {"n": n, "changed_every": EVERY, "extra": n // 10, "kwargs": {"incremental": True},
-                                "table_kill": kill, **base}, 1, ok=False)
-        assert killed == []  # killed: no report
-    report = run(tmp_path, {"n": n, "changed_every": EVERY, "extra": n // 10, "kwargs": {"incremental": True},
-                            **base}, 1)[0]
+    again = {"n": n, "changed_every": EVERY, "extra": n // 10, "kwargs": {"incremental": True}, **base}
+    for kill in ("before:1", "after:2"):  # the resume's replay of the first is its transaction 1
+        assert run(tmp_path, {**again, "table_kill": kill}, 1, ok=False) == []  # killed: no report
+        between = table_rows(spec)["id"]
+        assert sorted(between) == list(range(len(between)))  # never a key twice, none lost
+    report = run(tmp_path, again, 1)[0]
     assert report["result"]["finished"] and {i for b in calls(tmp_path) for i in b} == selected
-    rows = pa.table(QueryBuilder().register("t", DeltaTable(str(table))).execute(
-        'SELECT id, value, "_tbp_run" FROM t').read_all()).to_pydict()
+    rows = table_rows(spec)
     assert sorted(rows["id"]) == list(range(n + n // 10))  # every key once
     for key, value, run_ in zip(rows["id"], rows["value"], rows["_tbp_run"], strict=True):
         assert value == (f"NEW{key}" if key >= n else f"T{key}-V2" if key % EVERY == 0 else f"T{key}")

@@ -65,6 +65,7 @@ def torch_batch_process(
     version: Any = None,
     incremental: bool = False,
     on_change: str = "refuse",
+    prune_missing: bool = False,
     mesh: dict[str, int] | None = None,
 ) -> BatchProcessResult:
     """Processes ``dataset`` with ``batch_processor_cls`` on every rank of the job, resumably.
@@ -161,6 +162,9 @@ def torch_batch_process(
         on_change: rows stored by another ``version``: ``"refuse"`` (default: the incremental run raises
             :class:`VersionChangedError` naming both versions, before any work) or ``"recompute"`` (processed
             again).
+        prune_missing: with ``incremental=True``, the stored keys that the dataset no longer has leave the outputs
+            (shards: hidden from ``read_outputs``; tables: deleted in the run's first transaction); default
+            ``False``: they are counted (``removed``) and kept.
         mesh: one model over several ranks (DESIGN §18, docs/mesh.md): a dict of dimension names to sizes, the outer
             one the replicas (data parallel; ``-1``: what the world size leaves), e.g. ``{"replica": -1, "tp": 2}``.
             Batches are dealt over the replicas, every rank of a replica gets the same batch (loaded by its first
@@ -214,7 +218,8 @@ def torch_batch_process(
             mesh=mesh,
         )
         keyed = check_keyed_options(
-            key, content, version, incremental, on_change, processor=qualified_name(args.processor_cls),
+            key, content, version, incremental, on_change, prune_missing=prune_missing,
+            processor=qualified_name(args.processor_cls),
             dataset=dataset, autocast=autocast, inference_mode=args.inference_mode,
             retry_failed=failures.retry_failed, table=table,
         )

@@ -6,7 +6,8 @@ torch_batch_process, e.g. ``incremental``), ``batch_size``, ``checkpoint_interva
 (each process appends the dataset indices of every batch it is given, one JSON line per batch, to
 ``calls-<pid>.jsonl`` before it processes it), ``report_dir`` (``rank_<r>.json``: the result, or the error),
 ``die_after`` (``{"rank": r, "batches": b}``: that rank SIGKILLs itself when it is given its ``b``-th batch, after
-noting it), ``delta`` (a local Delta table's path: the rows go there, ``table=tables.delta(path)``),
+noting it), ``delta`` (a local Delta table's path: the rows go there, ``table=tables.delta(path)``), ``table``
+(``{"format": "delta"|"lance", "uri": path}`` or ``{"format": "iceberg", "identifier": ..., "catalog": {...}}``),
 ``table_kill`` (``before:<k>`` / ``after:<k>``: the process SIGKILLs itself right before / after its ``k``-th
 table transaction, wrapping the library's own method). Example ``id`` has the text ``t<id>`` (``t<id>-v2`` once
 changed, ``new<id>`` appended); its row is ``value = text.upper()``.
@@ -65,6 +66,16 @@ def kill_around_table_transactions(wanted: str) -> None:
     TableCommits._transact = transact_or_die
 
 
+def table_option() -> dict:
+    """The ``table=`` option of the spec (none: shards)."""
+    spec = SPEC.get("table") or ({"format": "delta", "uri": SPEC["delta"]} if SPEC.get("delta") else None)
+    if spec is None:
+        return {}
+    if spec["format"] == "iceberg":
+        return {"table": tables.iceberg(spec["identifier"], catalog=spec["catalog"], commit_interval_s=0)}
+    return {"table": getattr(tables, spec["format"])(spec["uri"], commit_interval_s=0)}
+
+
 def main() -> None:
     if SPEC.get("table_kill"):
         kill_around_table_transactions(SPEC["table_kill"])
@@ -75,7 +86,7 @@ def main() -> None:
         result = torch_batch_process(
             Processor, dataset(), batch_size=SPEC["batch_size"], checkpoint_interval=SPEC["checkpoint_interval"],
             storage_path=SPEC["storage"], key="id", version=SPEC.get("version", "v1"), progress=False,
-            **({"table": tables.delta(SPEC["delta"])} if SPEC.get("delta") else {}), **SPEC.get("kwargs", {}),
+            **table_option(), **SPEC.get("kwargs", {}),
         )
     except Exception as exc:
         write_report(report, {"rank": rank, "error": f"{type(exc).__name__}: {exc}"})

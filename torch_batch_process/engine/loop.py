@@ -253,7 +253,13 @@ class JobRun:
             committed = latest.record_schema if latest is not None else (job.retry.schema if job.retry else None)
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
             # key=: every row carries its key, content hash, version and run (§21)
-            stamp = RowStamp(args.keyed, args.dataset) if args.keyed is not None else None
+            stamp = (  # a table's MERGE also removes the rows of failed keys
+                RowStamp(args.keyed, args.dataset, sink.remove_key if sink is not None else None)
+                if args.keyed is not None else None
+            )
+            if sink is not None and args.keyed is not None and self.rank == 0:  # prune_missing: every attempt's
+                for key in args.keyed.removed:  # first transaction deletes them (again: deleting is idempotent)
+                    sink.remove_key(key)
             self.records = RecordWriter(
                 self.stager, self.current, self.rank, args.output_format, committed, sink,
                 sole=self.world_size == 1, stamp=stamp,

@@ -53,7 +53,7 @@ from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
 from torch_batch_process.outputs.keyed.keys import KEY_COLUMN
-from torch_batch_process.outputs.keyed.runs import failed_keys
+from torch_batch_process.outputs.keyed.runs import failed_keys, removed_keys
 from torch_batch_process.outputs.keyed.shadow import RUN_COLUMN, Shadows, find_shadows
 from torch_batch_process.outputs.segment_log import read_log_batch, scan_log
 from torch_batch_process.outputs.segments import (
@@ -504,9 +504,10 @@ def _key_events(table: Any, key: str) -> list[Any]:
 
 
 def _tombstones(storage: Storage) -> list[Any]:
-    """The failures of a keyed job's runs: each hides its key's older rows (:func:`failed_keys`)."""
-    failed = failed_keys(storage)
-    return [] if failed is None else failed.to_batches()
+    """The failures of a keyed job's runs and the keys its ``prune_missing=True`` runs removed: each hides its
+    key's older rows (:func:`failed_keys`, :func:`removed_keys`)."""
+    return [batch for found in (failed_keys(storage), removed_keys(storage)) if found is not None
+            for batch in found.to_batches()]
 
 
 def _visible(table: Any, shadows: Shadows, part: int) -> Any:

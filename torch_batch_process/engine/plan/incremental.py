@@ -26,8 +26,11 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,7 +45,13 @@ from torch_batch_process.jobstore.retries import next_retry, retry_numbering, re
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
 from torch_batch_process.outputs.keyed.diff import plan_increment
 from torch_batch_process.outputs.keyed.options import HASH_FIELD, RUN_FIELD, VERSION_FIELD, KeyedOptions
-from torch_batch_process.outputs.keyed.runs import INCREMENT_FILE, SELECTION_FILE, failed_keys
+from torch_batch_process.outputs.keyed.runs import (
+    INCREMENT_FILE,
+    REMOVED_FILE,
+    SELECTION_FILE,
+    failed_keys,
+    removed_keys,
+)
 from torch_batch_process.outputs.keyed.selection import Selection
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
@@ -127,6 +136,8 @@ class RunChoice:
     schema: RecordSchema | None
     first_batch: int
     first_stage: int
+    removed: bytes | None = None
+    """The keys a ``prune_missing=True`` run removes (:data:`REMOVED_FILE`), ``None``: none."""
 
 
 def prepare_incremental(args: JobArguments, collectives: Collectives) -> Retry | None:
@@ -144,13 +155,18 @@ def prepare_incremental(args: JobArguments, collectives: Collectives) -> Retry |
     counts = choice.counts
     logger.info(
         "incremental run %d of job '%s': %s new, %s changed, %s recomputed, %s unchanged (%s keys gone from the "
-        "dataset, kept): %d example(s) to process, stored in %s", choice.k + 1, args.job_name, counts.get("new"),
+        "dataset, %s): %d example(s) to process, stored in %s", choice.k + 1, args.job_name, counts.get("new"),
         counts.get("changed"), counts.get("recompute"), counts.get("unchanged"), counts.get("removed"),
-        plan.selected, storage.url,
+        "removed" if counts.get("pruned") else "kept", plan.selected, storage.url,
     )
+    removed: list[Any] = []
+    if choice.removed is not None and args.table is not None:  # the table's first transaction deletes them
+        import pyarrow as pa
+
+        removed = pa.ipc.open_stream(choice.removed).read_all().column("key").to_pylist()
     run_args = dataclasses.replace(
         args, storage_path=storage.url, max_batches=None, lengths=None,
-        keyed=args.keyed.for_run(choice.k + 1, counts),
+        keyed=args.keyed.for_run(choice.k + 1, counts, removed),
     )
     return Retry(run_args, plan, storage, choice.schema, choice.first_stage)  # type: ignore[arg-type]
 
@@ -181,18 +197,34 @@ def choose_run(args: JobArguments) -> RunChoice | None:
             latest = latest_record_at(storage, folder)
             schema = latest.record_schema if latest is not None else _newest_schema(storage)
             return RunChoice(
-                k, storage.read_bytes(f"{folder}/{SELECTION_FILE}"), counts, schema, first_batch, int(first_stage or 1)
+                k, storage.read_bytes(f"{folder}/{SELECTION_FILE}"), counts, schema, first_batch,
+                int(first_stage or 1), _read_removed(storage, folder),
             )
+        if storage.exists(f"{folder}/{REMOVED_FILE}"):  # left by a start killed before job.json: planned again
+            storage.delete(f"{folder}/{REMOVED_FILE}")
         _repair(storage, args)
-        increment = _plan(storage, args, keyed)
-        counts = increment.counts.to_json() | {"versions": increment.versions}
+        with tempfile.TemporaryDirectory(prefix="tbp-removed-") as scratch:
+            removed_to = os.path.join(scratch, "removed.arrows") if keyed.prune_missing else None
+            increment = _plan(storage, args, keyed, removed_to)
+            removed = Path(increment.removed).read_bytes() if increment.removed is not None else None
+        counts = increment.counts.to_json() | {"versions": increment.versions, "pruned": keyed.prune_missing}
         storage.write_bytes(f"{folder}/{SELECTION_FILE}", increment.selection.to_bytes())
+        if removed is not None:  # before job.json, as the selection: a resume removes the same keys
+            storage.write_bytes(f"{folder}/{REMOVED_FILE}", removed)
         storage.write_bytes(f"{folder}/{INCREMENT_FILE}", json.dumps(counts).encode())
         return RunChoice(
-            k, increment.selection.to_bytes(), counts, _newest_schema(storage), first_batch, int(first_stage or 1)
+            k, increment.selection.to_bytes(), counts, _newest_schema(storage), first_batch, int(first_stage or 1),
+            removed,
         )
     finally:
         storage.close()
+
+
+def _read_removed(storage: Storage, folder: str) -> bytes | None:
+    try:
+        return storage.read_bytes(f"{folder}/{REMOVED_FILE}")
+    except FileNotFoundError:
+        return None
 
 
 def _key_batches(args: JobArguments, keyed: KeyedOptions) -> Iterator[Any]:
@@ -253,7 +285,7 @@ def _versions(storage: Storage) -> dict[str, Any]:
     return found
 
 
-def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
+def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions, removed_to: str | None) -> Any:
     """Plans the run: the stored rows (newest per key) against the dataset's keys and hashes."""
     import pyarrow as pa
 
@@ -286,6 +318,14 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
              pa.array([True] * failed.num_rows)],
             names=names,
         ))
+    gone = removed_keys(storage)  # a key removed by a prune_missing run has no row: new if it comes back
+    if gone is not None:
+        events.append(pa.record_batch(
+            [gone.column("key").combine_chunks(), pa.nulls(gone.num_rows, pa.int64()),
+             gone.column(RUN_FIELD).combine_chunks(), pa.nulls(gone.num_rows, pa.string()),
+             pa.array([False] * gone.num_rows), pa.array([True] * gone.num_rows)],
+            names=[*names, "removed"],
+        ))
     values = _versions(storage)
 
     def describe(digest: str) -> str:
@@ -294,6 +334,7 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions) -> Any:
     return plan_increment(
         _key_batches(args, keyed), itertools.chain(stored(), events), new_rows=args.dataset_length,
         stored_rows=_stored_rows(storage), version=keyed.digest, on_change=keyed.on_change, describe_version=describe,
+        removed_to=removed_to,
     )
 
 

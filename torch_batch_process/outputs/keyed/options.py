@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -68,6 +68,10 @@ class KeyedOptions:
     """The run that writes rows: 1 for the job's first run, ``k + 1`` for ``retries/<k>``."""
     increment: dict[str, Any] | None = field(default=None, compare=False)
     """The planner's counts of this run (``None``: the job's first run or a plain retry)."""
+    prune_missing: bool = False
+    """Stored keys the dataset no longer has leave the outputs (``prune_missing=True``)."""
+    removed: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    """This run's removed keys when it prunes them (a table's first transaction deletes them)."""
 
     @property
     def column(self) -> str:
@@ -78,9 +82,9 @@ class KeyedOptions:
         """What a job's spec keeps (its fingerprint): the key's identity and the run's version."""
         return {**self.spec.describe(), "column": self.column, "version": self.digest, "version_value": self.version}
 
-    def for_run(self, run: int, increment: dict[str, Any] | None = None) -> KeyedOptions:
-        """The same options for run ``run``."""
-        return replace(self, run=run, increment=increment)
+    def for_run(self, run: int, increment: dict[str, Any] | None = None, removed: Sequence[Any] = ()) -> KeyedOptions:
+        """The same options for run ``run`` (``removed``: the keys it prunes)."""
+        return replace(self, run=run, increment=increment, removed=tuple(removed))
 
 
 def check_keyed_options(
@@ -90,6 +94,7 @@ def check_keyed_options(
     incremental: Any,
     on_change: Any,
     *,
+    prune_missing: Any = False,
     processor: str,
     dataset: Any,
     autocast: Any,
@@ -102,25 +107,34 @@ def check_keyed_options(
         raise InvalidArgumentError(f"incremental must be True or False, got {incremental!r:.80}")
     if on_change not in ON_CHANGE:
         raise InvalidArgumentError(f"on_change must be one of {list(ON_CHANGE)}, got {on_change!r:.80}")
+    if not isinstance(prune_missing, bool):
+        raise InvalidArgumentError(f"prune_missing must be True or False, got {prune_missing!r:.80}")
     spec = check_key_spec(key, content)
     if spec is None:
         for name, value, default in (("version", version, None), ("incremental", incremental, False),
-                                     ("on_change", on_change, "refuse")):
+                                     ("on_change", on_change, "refuse"), ("prune_missing", prune_missing, False)):
             if value != default:
                 raise InvalidArgumentError(
                     f"{name}={value!r:.80} is for a keyed job: give key= too (the field of each example, or a "
                     "function of the example, that identifies it)"
                 )
         return None
+    if prune_missing and not incremental:
+        raise InvalidArgumentError(
+            "prune_missing=True removes the keys an incremental run no longer finds in the dataset: give "
+            "incremental=True too"
+        )
     if retry_failed:
         raise InvalidArgumentError(
             "retry_failed=True on a keyed job: run it with incremental=True instead (it processes the examples that "
             "failed, with those that are new or changed); drop retry_failed=True"
         )
-    if table is not None and (getattr(table, "kind", "") != "delta" or "://" in str(getattr(table, "uri", ""))):
+    if table is not None and (getattr(table, "kind", "") not in ("delta", "iceberg", "lance")
+                              or "://" in str(getattr(table, "uri", ""))):
         raise InvalidArgumentError(
             f"key= with table={table.describe_short()} is not supported yet: a keyed job's MERGE by key is built for "
-            "a local Delta table (tables.delta('/path')) so far; write shards (no table=), or drop key="
+            "local Delta and Lance tables (tables.delta('/path'), tables.lance('/path')) and Iceberg tables so far; "
+            "write shards (no table=), or drop key="
         )
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) or _is_source(dataset):
         raise InvalidArgumentError(
@@ -140,7 +154,7 @@ def check_keyed_options(
         sort_keys=True,
     )
     digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-    return KeyedOptions(spec, version, digest, incremental, on_change)
+    return KeyedOptions(spec, version, digest, incremental, on_change, prune_missing=prune_missing)
 
 
 def _is_source(dataset: Any) -> bool:
@@ -155,11 +169,14 @@ class RowStamp:
     Args:
         options: the job's keyed options (its run).
         dataset: the map-style dataset (``dataset[i]`` gives the example whose key and hash are stored).
+        on_failed: called with the key of every failed example (a table target removes the key's row: its
+            :meth:`~torch_batch_process.outputs.tables.sink.TableSink.failed`).
     """
 
-    def __init__(self, options: KeyedOptions, dataset: Any) -> None:
+    def __init__(self, options: KeyedOptions, dataset: Any, on_failed: Callable[[Any], None] | None = None) -> None:
         self.options = options
         self.dataset = dataset
+        self.on_failed = on_failed
 
     def __call__(self, table: Any, indices: Sequence[int]) -> Any:
         """``table`` (one row per index of ``indices``, ``index`` first) with the key and ``_tbp_*`` columns."""
@@ -200,4 +217,6 @@ class RowStamp:
             key = self.options.spec.key_of(self.dataset[index], index)
         except Exception:  # noqa: BLE001 - the example itself fails to load: the record has no key
             return {}
+        if self.on_failed is not None:
+            self.on_failed(key)
         return {"key": key, RUN_FIELD: self.options.run}

@@ -2,7 +2,8 @@
 
 An incremental run ``k + 1`` is stored like a ``retry_failed`` run, in ``retries/<k>/``
 (:mod:`torch_batch_process.engine.plan.incremental`), with two files of its own written before its ``job.json``:
-its selection (:data:`SELECTION_FILE`) and the planner's counts (:data:`INCREMENT_FILE`). Read-only here.
+its selection (:data:`SELECTION_FILE`) and the planner's counts (:data:`INCREMENT_FILE`), and, with
+``prune_missing=True``, the stored keys the dataset no longer has (:data:`REMOVED_FILE`). Read-only here.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
 from torch_batch_process.storage.base import Storage
 
-__all__ = ["INCREMENT_FILE", "SELECTION_FILE", "counts_text", "failed_keys", "incremental_runs"]
+__all__ = ["INCREMENT_FILE", "REMOVED_FILE", "SELECTION_FILE", "counts_text", "failed_keys", "incremental_runs",
+           "removed_keys"]
 
 SELECTION_FILE = "_tbp/selection.bin"
 """The run's selection (:class:`~torch_batch_process.outputs.keyed.selection.Selection`), in its folder."""
 INCREMENT_FILE = "_tbp/increment.json"
 """The planner's counts of the run (new, changed, unchanged...: ``IncrementCounts.to_json``), in its folder."""
+REMOVED_FILE = "_tbp/removed.arrows"
+"""The keys a ``prune_missing=True`` run removes (an Arrow IPC stream, column ``key``), in its folder."""
 
 
 def incremental_runs(storage: Storage) -> list[dict[str, Any]]:
@@ -56,7 +60,7 @@ def counts_text(run: dict[str, Any]) -> str:
         f"{c.get('changed', 0):,} changed, {c.get('failed', 0):,} failed before (retried), "
         f"{c.get('recompute', 0):,} recomputed, {c.get('unchanged', 0):,} unchanged; "
         f"{run['examples_committed']:,}/{run['examples_total']:,} processed"
-        + (f"; {gone:,} keys gone from the dataset (kept)" if gone else "")
+        + (f"; {gone:,} keys gone from the dataset ({'removed' if c.get('pruned') else 'kept'})" if gone else "")
     )
 
 
@@ -82,3 +86,23 @@ def failed_keys(storage: Storage) -> Any:
     import pyarrow as pa  # only here: tbp's status parser imports this module, and must stay light
 
     return pa.table({"key": keys, "_tbp_run": pa.array(runs, pa.int32())})
+
+
+def removed_keys(storage: Storage) -> Any:
+    """The keys that ``prune_missing=True`` runs removed, as a ``pyarrow.Table`` of ``key`` and ``_tbp_run`` (the run
+    that removed them): tombstones, like failures, from the moment the run's plan is stored. ``None``: none."""
+    tables = []
+    for k in retry_numbers(storage):
+        try:
+            data = storage.read_bytes(f"{RETRIES_DIR}/{k}/{REMOVED_FILE}")
+        except FileNotFoundError:
+            continue
+        import pyarrow as pa  # only here, as in failed_keys
+
+        keys = pa.ipc.open_stream(data).read_all().column("key")
+        tables.append(pa.table({"key": keys, "_tbp_run": pa.array([k + 1] * len(keys), pa.int32())}))
+    if not tables:
+        return None
+    import pyarrow as pa
+
+    return pa.concat_tables(tables)

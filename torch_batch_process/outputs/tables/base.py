@@ -30,6 +30,9 @@ __all__ = [
     "TableTarget",
     "check_options",
     "check_storage_options",
+    "concat_keys",
+    "merge_parts",
+    "tombstone",
     "data_file_name",
     "data_file_stage",
     "normalize_schema",
@@ -95,6 +98,35 @@ def check_storage_options(value: Any, what: str) -> dict[str, str] | None:
             f"{{'AWS_ENDPOINT_URL': 'http://...'}}), got {value!r:.200}"
         )
     return dict(value)
+
+
+def concat_keys(columns: list[Any]) -> Any:
+    """Key columns (chunked or not) (of a keyed job's new data files, DESIGN §21) as one array."""
+    import pyarrow as pa
+
+    chunks = [c for column in columns for c in (column.chunks if hasattr(column, "chunks") else [column])]
+    return pa.chunked_array(chunks, columns[0].type).combine_chunks()
+
+
+TOMBSTONES = "tombstones"
+"""The descriptor entry of a keyed job's failed keys (DESIGN §21): no data file, keys whose rows leave the table."""
+
+
+def tombstone(keys: list[Any]) -> dict[str, Any]:
+    """The descriptor that travels with a stage's data files for the keys of examples whose processing failed in it:
+    the MERGE removes their rows (a changed example whose rerun failed is not served stale, as the shards'
+    failure tombstones do)."""
+    return {TOMBSTONES: list(keys), "rows": 0}
+
+
+def merge_parts(files: list[dict[str, Any]], key_type: Any) -> tuple[list[dict[str, Any]], Any]:
+    """A transaction's descriptors split into its data files and the keys its failures remove (an Arrow array of
+    ``key_type``; empty: none)."""
+    import pyarrow as pa
+
+    data = [f for f in files if TOMBSTONES not in f]
+    dropped = [key for f in files if TOMBSTONES in f for key in f[TOMBSTONES]]
+    return data, pa.array(dropped, key_type)
 
 
 def normalize_schema(schema: Any, *, fixed_lists: bool, what: str, origin: str) -> Any:
@@ -166,7 +198,7 @@ class Table(ABC):
         self.target = target
         self.merge_key = merge_key
         """A keyed job's key column (``key=``, DESIGN §21): a transaction then also removes the rows its new files'
-        keys supersede (a MERGE by key; Delta only for now)."""
+        keys supersede (a MERGE by key)."""
 
     @abstractmethod
     def arrow_schema(self) -> Any:

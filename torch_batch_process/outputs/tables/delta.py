@@ -28,7 +28,9 @@ from torch_batch_process.outputs.tables.base import (
     TableTarget,
     check_options,
     check_storage_options,
+    concat_keys,
     data_file_stage,
+    merge_parts,
     normalize_schema,
     require,
 )
@@ -173,20 +175,26 @@ class DeltaTable(Table):
         self.ensure(schema)
         table = self._load()
         now = int(time.time() * 1000)
+        data, dropped = files, None
+        if self.merge_key is not None:  # a keyed job: its failures' keys (tombstones) leave the table too (§21)
+            data, dropped = merge_parts(files, self.arrow_schema().field(self.merge_key).type)
         actions = [
-            AddAction(f["path"], int(f["size"]), {}, now, True, json.dumps(_stats(f))) for f in files
+            AddAction(f["path"], int(f["size"]), {}, now, True, json.dumps(_stats(f))) for f in data
         ]
-        if self.merge_key is not None and files:  # a keyed job: the new rows replace their keys' rows (§21)
-            actions += self._superseded(table, files, job_id, key, now)
+        if dropped is not None:  # a keyed job: the new rows replace their keys' rows (§21)
+            actions += self._superseded(table, data, dropped, job_id, key, now)
         properties = CommitProperties(
             custom_metadata={"tbp.job": job_id, "tbp.commit": str(key)},
             app_transactions=[Transaction(_app_id(job_id), key)],
         )
         table.create_write_transaction(actions, mode="append", schema=table.schema(), commit_properties=properties)
 
-    def _superseded(self, table: Any, files: list[dict[str, Any]], job_id: str, key: int, now: int) -> list[Any]:
+    def _superseded(
+        self, table: Any, files: list[dict[str, Any]], dropped: Any, job_id: str, key: int, now: int
+    ) -> list[Any]:
         """The MERGE by key of a keyed job, in the transaction of ``files``: every live file holding a key of
-        ``files`` is removed, and re-added rewritten without those rows when it keeps others (copy-on-write, as
+        ``files`` or of ``dropped`` (failed keys) is removed, and re-added rewritten without those rows when it keeps
+        others (copy-on-write, as
         delta-rs' own ``merge``; measured in ``benchmarks/incremental_tables.py``). Computed from the table as it is
         before the transaction, so a replay of an uncommitted transaction (the job's start) computes the same."""
         import pyarrow.compute as pc
@@ -196,9 +204,12 @@ class DeltaTable(Table):
         column = self.merge_key
         assert column is not None
         added = {f["path"] for f in files}
-        keys = pc.unique(_concat_keys([
-            pq.read_table(os.path.join(self._root, f["path"]), columns=[column]).column(column) for f in files
+        keys = pc.unique(concat_keys([
+            *(pq.read_table(os.path.join(self._root, f["path"]), columns=[column]).column(column) for f in files),
+            dropped,
         ]))
+        if not len(keys):
+            return []
         actions: list[Any] = []
         for uri in table.file_uris():
             name = uri.rsplit("/", 1)[-1]
@@ -269,13 +280,6 @@ class DeltaTable(Table):
         where = f" WHERE {' AND '.join(bounds)}" if bounds else ""
         reader = QueryBuilder().register("tbp_table", self._load()).execute(f"SELECT {names} FROM tbp_table{where}")
         return (pa.record_batch(batch) for batch in reader)
-
-
-def _concat_keys(columns: list[Any]) -> Any:
-    """Chunked key columns as one array."""
-    import pyarrow as pa
-
-    return pa.chunked_array([c for column in columns for c in column.chunks], columns[0].type).combine_chunks()
 
 
 def _orphan(name: str, job_id: str, committed: Callable[[int], bool]) -> bool:

@@ -28,7 +28,9 @@ from torch_batch_process.outputs.tables.base import (
     Table,
     TableTarget,
     check_options,
+    concat_keys,
     data_file_stage,
+    merge_parts,
     normalize_schema,
     require,
 )
@@ -190,13 +192,81 @@ class IcebergTable(Table):
     def commit(self, files: list[dict[str, Any]], schema: Any, job_id: str, key: int) -> None:
         self.ensure(schema)
         table = self._load()
+        properties = {"tbp.job": job_id, "tbp.commit": str(key)}
         with table.transaction() as transaction:
-            transaction.add_files(
-                [f["path"] for f in files],
-                snapshot_properties={"tbp.job": job_id, "tbp.commit": str(key)},
-                check_duplicate_files=False,  # the key says which commits the table holds: no O(table) check
-            )
+            if self.merge_key is not None:  # a keyed job: the new rows replace their keys' rows (§21)
+                data, dropped = merge_parts(files, self.arrow_schema().field(self.merge_key).type)
+                self._merge(table, transaction, [f["path"] for f in data], dropped, properties, key)
+            else:
+                transaction.add_files(
+                    [f["path"] for f in files],
+                    snapshot_properties=properties,
+                    check_duplicate_files=False,  # the key says which commits the table holds: no O(table) check
+                )
             transaction.set_properties({_key_property(job_id): str(key)})
+
+    def _merge(
+        self, table: Any, transaction: Any, paths: list[str], dropped: Any, properties: dict[str, str], key: int
+    ) -> None:
+        """The MERGE by key of a keyed job, as one snapshot of the transaction that carries the job's key: the new
+        files are added, and every live file holding one of their keys or of ``dropped`` (failed keys) is deleted
+        and, when it keeps other rows,
+        added again rewritten without them (copy-on-write, as the Delta merge; measured as ``iceberg add+remove`` in
+        ``benchmarks/incremental_tables.py``). Computed from the table as it is before the transaction, so a replay
+        of an uncommitted transaction (the job's next start) computes the same; a rewritten file's name comes from
+        the file it replaces and the key, so a replay overwrites what a killed attempt left, unreferenced."""
+        import hashlib
+
+        import pyarrow.compute as pc
+        from pyiceberg.expressions import And, GreaterThanOrEqual, LessThanOrEqual
+        from pyiceberg.io.pyarrow import parquet_file_to_data_file
+        from pyiceberg.table import TableProperties
+
+        column = self.merge_key
+        assert column is not None
+        keys = pc.unique(concat_keys([*(self._read(table, path, [column]).column(column) for path in paths), dropped]))
+        doomed: list[Any] = []
+        rewritten: list[str] = []
+        if table.current_snapshot() is not None and len(keys):
+            bounds = pc.min_max(keys)  # files whose key statistics miss the new keys' range are not read
+            condition = And(GreaterThanOrEqual(column, bounds["min"].as_py()),
+                            LessThanOrEqual(column, bounds["max"].as_py()))
+            added = set(paths)
+            schema = self.arrow_schema()
+            for task in table.scan(row_filter=condition, selected_fields=(column,)).plan_files():
+                path = str(task.file.file_path)
+                if path in added:
+                    continue
+                hit = pc.is_in(self._read(table, path, [column]).column(column), value_set=keys)
+                if not pc.any(hit).as_py():
+                    continue
+                doomed.append(task.file)
+                rows = self._read(table, path, None).select(schema.names).cast(schema)
+                kept = rows.filter(pc.invert(pc.is_in(rows.column(column), value_set=keys)))
+                if kept.num_rows:
+                    digest = hashlib.sha256(path.encode()).hexdigest()[:16]
+                    target = f"{self._data_folder()}/tbp-{properties['tbp.job']}-merge{key:08d}-{digest}.parquet"
+                    writer = ParquetDataFile(table.io.new_output(target).create(overwrite=True), target, schema, 0)
+                    writer.write_table(kept)
+                    rewritten.append(writer.close()[0]["path"])
+        if not (doomed or paths):
+            return  # nothing to change: the transaction carries the job's key only
+        if transaction.table_metadata.name_mapping() is None:  # what add_files does: files without field ids
+            mapping = transaction.table_metadata.schema().name_mapping.model_dump_json()
+            transaction.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING: mapping})
+        snapshot = transaction.update_snapshot(snapshot_properties=properties)
+        with (snapshot.overwrite() if doomed else snapshot.fast_append()) as update:
+            for data_file in doomed:
+                update.delete_data_file(data_file)
+            for path in [*rewritten, *paths]:
+                update.append_data_file(parquet_file_to_data_file(table.io, transaction.table_metadata, path))
+
+    @staticmethod
+    def _read(table: Any, path: str, columns: list[str] | None) -> Any:
+        import pyarrow.parquet as pq
+
+        with table.io.new_input(path).open() as f:
+            return pq.read_table(f, columns=columns)
 
     def _filesystem(self) -> tuple[Any, str]:
         from pyiceberg.io.pyarrow import PyArrowFileIO

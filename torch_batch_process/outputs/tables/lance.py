@@ -38,6 +38,8 @@ from torch_batch_process.outputs.tables.base import (
     TableTarget,
     check_options,
     check_storage_options,
+    concat_keys,
+    merge_parts,
     normalize_schema,
     require,
 )
@@ -162,13 +164,63 @@ class LanceTable(Table):
 
         self.ensure(schema)
         dataset = self._load()
+        dropped = None
+        if self.merge_key is not None:  # a keyed job: its failures' keys (tombstones) leave the table too (§21)
+            files, dropped = merge_parts(files, self.arrow_schema().field(self.merge_key).type)
         fragments = [FragmentMetadata.from_json(json.dumps(f["fragment"])) for f in files]
+        operation: Any = lance.LanceOperation.Append(fragments)
+        if dropped is not None:  # a keyed job: the new rows replace their keys' rows (§21)
+            removed, updated = self._superseded(dataset, fragments, dropped)
+            if removed or updated:
+                operation = lance.LanceOperation.Update(
+                    removed_fragment_ids=removed, updated_fragments=updated, new_fragments=fragments
+                )
         transaction = lance.Transaction(
             read_version=dataset.version,
-            operation=lance.LanceOperation.Append(fragments),
+            operation=operation,
             transaction_properties={"tbp.job": job_id, "tbp.commit": str(key)},
         )
         lance.LanceDataset.commit(self._target.uri, transaction, storage_options=self._target.storage_options)
+
+    def _superseded(self, dataset: Any, fragments: list[Any], dropped: Any) -> tuple[list[int], list[Any]]:
+        """The MERGE by key of a keyed job, in the transaction that appends ``fragments`` (an ``Update``
+        operation): every fragment of the dataset holding one of their keys or of ``dropped`` (failed keys) gets a
+        deletion file for those rows (``LanceFragment.delete``, uncommitted until the transaction), or is removed when
+        none of its rows is left.
+        Returns the removed fragment ids and the updated fragments. Computed from the dataset version the
+        transaction reads, so a replay of an uncommitted transaction (the job's next start) computes the same; the
+        deletion files of a killed attempt are never referenced (Lance's clean-up removes them)."""
+        import pyarrow.compute as pc
+        from lance.file import LanceFileReader
+
+        column = self.merge_key
+        assert column is not None
+        root = self._target.uri.rstrip("/")
+        keys = pc.unique(concat_keys([
+            LanceFileReader(f"{root}/data/{data.path}", self._target.storage_options, columns=[column])
+            .read_all().to_table().column(column)
+            for fragment in fragments for data in fragment.files
+        ] + [dropped]))
+        removed: list[int] = []
+        updated: list[Any] = []
+        if not len(keys):
+            return removed, updated
+        for fragment in dataset.get_fragments():
+            stored = fragment.to_table(columns=[column]).column(column)
+            hit = pc.is_in(stored, value_set=keys)
+            found = pc.sum(hit).as_py() or 0
+            if not found:
+                continue
+            if found == len(stored):
+                removed.append(fragment.fragment_id)
+                continue
+            doomed = ", ".join(map(_literal, pc.filter(stored, hit).to_pylist()))
+            metadata = fragment.delete(f"{_quote(column)} IN ({doomed})")
+            if metadata is None:
+                removed.append(fragment.fragment_id)
+            else:
+                updated.append(metadata)
+        return removed, updated
 
     def remove_orphans(self, job_id: str, committed: Callable[[int], bool]) -> int:
         return 0  # see the module docstring: Lance's own clean-up removes them
@@ -189,6 +241,16 @@ class LanceTable(Table):
         bounds = [f"index >= {int(low)}"] if low is not None else []
         bounds += [f"index < {int(high)}"] if high is not None else []
         return iter(dataset.to_batches(columns=columns, filter=" AND ".join(bounds) or None))
+
+
+def _quote(column: str) -> str:
+    """A column name in a Lance SQL predicate."""
+    return "`" + column.replace("`", "``") + "`"
+
+
+def _literal(key: Any) -> str:
+    """A key (int or str) as a Lance SQL literal."""
+    return str(int(key)) if isinstance(key, int) else "'" + str(key).replace("'", "''") + "'"
 
 
 class _Fragments(DataFileWriter):

@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from torch_batch_process.jobstore.schema import RecordSchema, unify
-from torch_batch_process.outputs.tables.base import DataFileWriter, Table, data_file_name, normalize_schema
+from torch_batch_process.outputs.tables.base import DataFileWriter, Table, data_file_name, normalize_schema, tombstone
 
 __all__ = ["TableSink"]
 
@@ -46,6 +46,7 @@ class TableSink:
         self._schema: RecordSchema | None = None  # the rank's record schema: the table's
         self._lock = threading.Lock()
         self._files: list[dict[str, Any]] = []
+        self._failed: list[Any] = []  # a keyed job's keys whose examples failed in the stage (DESIGN §21)
 
     def conform(self, rows: Any, schema: RecordSchema, landing: Any) -> tuple[Any, RecordSchema]:
         """``rows`` cast to the table's schema, and that schema (the rank's record schema); raises
@@ -92,8 +93,17 @@ class TableSink:
         with self._lock:
             self._files.extend(descriptors)
 
+    def remove_key(self, key: Any) -> None:
+        """A keyed job's example of ``key`` failed (its failure record is in the stage), or the key left the dataset
+        of a ``prune_missing=True`` run: the stage's MERGE removes the key's row from the table, as a tombstone hides
+        the key's older rows in shards (DESIGN §21)."""
+        with self._lock:
+            self._failed.append(key)
+
     def take(self) -> list[dict[str, Any]]:
-        """The descriptors of the files closed since the last call (the stage being committed)."""
+        """The descriptors of the files closed since the last call (the stage being committed), with the stage's
+        failed keys (:func:`~torch_batch_process.outputs.tables.base.tombstone`)."""
         with self._lock:
             files, self._files = self._files, []
-        return files
+            failed, self._failed = self._failed, []
+        return files + [tombstone(failed)] if failed else files
