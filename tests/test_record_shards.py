@@ -258,7 +258,7 @@ def test_kill9_during_a_roll_over_then_resume_every_row_exactly_once(tmp_path, m
 
 @pytest.mark.slow
 def test_one_process_a_record_waits_for_the_rows_it_commits_appended_off_the_batch_thread(tmp_path):
-    # one process: a seal hands its append to the encoder thread; slowed down, the record must still wait for it
+    # one process: a seal queues its append, which the record writer makes; slowed down, the record still waits for it
     spec = _spec(tmp_path, die_after=6, die_at="after_slow_append")
     storage = spec["storage"]
     outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(spec), env=_env(1 << 20)), timeout=120)

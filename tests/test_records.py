@@ -872,6 +872,31 @@ def test_the_unification_rules(earlier, later, ragged, expected):
         assert RecordSchema.from_json(unified.to_json(), "x").schema.equals(unified.schema)
 
 
+def test_tensors_that_need_a_copy_and_strided_arrays_are_stored_with_their_values():
+    """The table of a batch's rows: tensors that require grad or hold bfloat16, and numpy views that are not
+    contiguous, keep their values (the common case, a contiguous CPU tensor, is taken without a copy)."""
+    from torch_batch_process.outputs.columns import rows_to_table
+
+    base = np.arange(12, dtype=np.float64)
+    weights = torch.arange(3, dtype=torch.float32, requires_grad=True) * 2
+    table = rows_to_table(
+        {
+            "grad": weights,
+            "bf16": torch.tensor([1.5, 2.5, -3.0], dtype=torch.bfloat16),
+            "strided": base[::4],
+            "transposed": base.reshape(2, 6).T[:3],
+            "plain": torch.tensor([7, 8, 9]),
+        },
+        range(10, 13),
+    )
+    assert table.column("index").to_pylist() == [10, 11, 12]
+    assert table.column("grad").to_pylist() == [0.0, 2.0, 4.0]
+    assert table.column("bf16").to_pylist() == [1.5, 2.5, -3.0] and pa.types.is_float32(table.schema.field("bf16").type)
+    assert table.column("strided").to_pylist() == [0.0, 4.0, 8.0]
+    assert table.column("transposed").to_pylist() == [[0.0, 6.0], [1.0, 7.0], [2.0, 8.0]]
+    assert table.column("plain").to_pylist() == [7, 8, 9]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["static", "dynamic"])
 def test_ranks_whose_rows_do_not_unify_fail_the_job_and_commit_nothing_unreadable(tmp_path, schedule):

@@ -18,6 +18,7 @@ pyarrow is imported by the functions that need it (see :func:`require_pyarrow`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,14 +53,19 @@ def require_pyarrow() -> Any:
 
 def _to_numpy(value: Any) -> Any:
     """A tensor as a numpy array (on the CPU); anything else unchanged."""
-    import torch
+    torch = sys.modules.get("torch")  # not imported: ``value`` is no tensor (this runs per column per batch)
+    if torch is None or not isinstance(value, torch.Tensor):
+        return value
+    if value.is_cpu and not value.requires_grad and value.dtype is not torch.bfloat16:
+        return value.numpy()  # the common case: no copy, no new tensor
+    value = value.detach()
+    if value.dtype == torch.bfloat16:
+        value = value.float()
+    return value.cpu().numpy()
 
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if value.dtype == torch.bfloat16:
-            value = value.float()
-        return value.cpu().numpy()
-    return value
+
+_ARROW_TYPES: dict[np.dtype, Any] = {}
+"""numpy dtype -> Arrow type, as ``pa.from_numpy_dtype`` gives it (looked up per column per batch)."""
 
 
 def _from_numpy(pa: Any, array: np.ndarray, landing: bool = False) -> Any:
@@ -67,12 +73,17 @@ def _from_numpy(pa: Any, array: np.ndarray, landing: bool = False) -> Any:
     ``landing``: ``array`` is pinned memory that a copy is still filling; its values are not read (zero-copy)."""
     if array.dtype.kind in "OUS":  # objects and strings: let Arrow infer from Python values
         return pa.array(array.tolist())
-    flat = np.ascontiguousarray(array).reshape(-1)
+    flat = array if array.ndim == 1 and array.flags.c_contiguous else np.ascontiguousarray(array).reshape(-1)
+    arrow_type = _ARROW_TYPES.get(flat.dtype)
+    if arrow_type is None:
+        arrow_type = _ARROW_TYPES[flat.dtype] = pa.from_numpy_dtype(flat.dtype)
     if landing:  # wraps the buffer as it is: nothing reads the values before the copy is done
-        values = pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), len(flat), [None, pa.py_buffer(flat)])
+        values = pa.Array.from_buffers(arrow_type, len(flat), [None, pa.py_buffer(flat)])
     else:
-        values = pa.array(flat, type=pa.from_numpy_dtype(flat.dtype))  # typed: zero-copy (untyped inference scans)
+        values = pa.array(flat, type=arrow_type)  # typed: zero-copy (untyped inference scans)
     shape = array.shape
+    if len(shape) == 1:
+        return values
     for level in range(len(shape) - 1, 0, -1):
         if shape[level]:
             values = pa.FixedSizeListArray.from_arrays(values, shape[level])

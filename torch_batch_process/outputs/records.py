@@ -100,9 +100,10 @@ class RecordWriter:
         schema: the job's record schema committed by earlier attempts (``None``: none yet).
         sink: a table target's data files (``None``: shards in the job's storage).
         sole: the job has one process, which also writes the commit records: on local storage a seal's rows are
-            appended to the segment log by the encoder thread, off the batch's path, and the record writer waits for
-            that append (:meth:`appended`) before the commit point (with several processes the vote itself must
-            follow the append: rank 0 cannot wait for another rank's thread).
+            queued for the segment log, and appended in order by the first thread that needs them (the record writer
+            before the commit point, :meth:`appended`; the encoder thread before a row group; the batch's thread when
+            the log closes), so a commit wakes no thread (with several processes the vote itself must follow the
+            append: rank 0 cannot wait for another rank's thread).
         stamp: a keyed job's columns added to each batch's rows (``key=``: :class:`~torch_batch_process.outputs.keyed.
             options.RowStamp`; ``None``: no key).
         keeps_rows: ``False`` on a replica's members other than its writer (``mesh=``): rows are checked, then
@@ -140,7 +141,7 @@ class RecordWriter:
         self._limit = SHARD_BYTES if sink is not None else shard_bytes()
         # local storage: segments are logs appended in place, one per shard (else a file per commit, uploaded)
         self._logs = sink is None and stager.storage.local_path(SEGMENTS_DIR) is not None
-        self._append_later = sole and self._logs  # a seal's append goes to the encoder thread (see ``sole``)
+        self._late = _LateAppends() if sole and self._logs else None  # a seal's append is queued (see ``sole``)
         self._log_name = (-1, -1)  # the (first stage, part) of the newest log opened
         self._segment: _SegmentFile | SegmentLog | None = None  # the stage's open segment part, or the open log
         self._parts: list[_SegmentFile] = []  # the stage's closed segment parts (segment files)
@@ -151,7 +152,6 @@ class RecordWriter:
         self._part_stage = -1
         self._encoder: ThreadPoolExecutor | None = None  # rows are written off the batch's path
         self._encoding: Future[None] | None = None
-        self._appending: Future[None] | None = None  # sole: the newest seal's append, handed to the encoder thread
         self.rows = 0
         self._taken_rows = 0
         self._rolled_rows = 0  # self.rows at the last roll-over: the rows since then are in segments only
@@ -281,7 +281,13 @@ class RecordWriter:
                     local = self._local("." + OUTPUT_FORMATS[self._format])
                     self._shard = ShardFile(local, self._schema.schema, self._format)
                 target = self._shard
-        segment = self._open_segment() if saving else None
+        segment: _SegmentFile | SegmentLog | _LateAppends | None = None
+        if saving and self._late is not None:  # in order with the seals' queued appends: the encoder makes them all
+            self._late.queue(self._open_segment(), saving, self._stager.stage)
+            landing = landing[len(saving) :]  # the queued rows' copies are waited for by their append
+            segment, saving = self._late, []
+        elif saving:
+            segment = self._open_segment()
         self._wait()
         if self._encoder is None:
             self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tbp-records")
@@ -293,15 +299,17 @@ class RecordWriter:
     def _encode(
         target: Any,
         group: Any,
-        segment: _SegmentFile | SegmentLog | None,
+        segment: _SegmentFile | SegmentLog | _LateAppends | None,
         stage: int,
         saving: list[Any],
         landing: list[CopiesDone],
     ) -> None:
         """On the encoder thread: waits for the rows' copies back from the device, then writes them."""
+        if isinstance(segment, _LateAppends):
+            segment.make()  # the queued appends first (the shard's rows include theirs: their copies are done then)
         for copies in landing:
             copies.wait()
-        if segment is not None:
+        if segment is not None and not isinstance(segment, _LateAppends):
             import pyarrow as pa
 
             segment.append(pa.concat_tables(saving) if len(saving) > 1 else saving[0], stage)  # one write
@@ -330,6 +338,8 @@ class RecordWriter:
 
     def _end_segment(self) -> None:
         """Closes the open segment part (stored at the next :meth:`seal`) or log (nothing more goes into it)."""
+        if self._late is not None:
+            self._late.make()  # the log's queued appends first
         segment, self._segment = self._segment, None
         if segment is None:
             return
@@ -389,10 +399,10 @@ class RecordWriter:
             self._close_table_file()
             return
         self._wait()
-        if self._append_later and self._unsaved:  # one process: the record writer waits for it (appended())
-            self._flush(shard=False)
-            self._appending = self._encoding
         saving, self._unsaved = self._unsaved, []
+        if saving and self._late is not None:  # one process: appended by the record writer (appended()), or earlier
+            self._late.queue(self._open_segment(), saving, self._stager.stage)
+            saving = []
         if saving:  # written here, not handed to the encoder thread: the vote waits for it anyway (a hand-over
             # and its wake-up cost more than the write of a few small tables: ~1 ms a commit on a busy machine)
             import pyarrow as pa
@@ -416,12 +426,11 @@ class RecordWriter:
             self._roll(stage)
 
     def appended(self) -> None:
-        """Waits until the rows of every stage sealed so far are in the segment log (any thread: the record writer's,
-        before a record that commits them is written); raises the append's error. Returns at once unless ``sole``:
-        then a seal's append is the encoder thread's."""
-        appending = self._appending
-        if appending is not None:
-            appending.result()
+        """Makes sure the rows of every stage sealed so far are in the segment log (any thread: the record writer's,
+        before a record that commits them is written): makes the queued appends; raises an append's error. Returns at
+        once unless ``sole``: then a seal's append is queued."""
+        if self._late is not None:
+            self._late.make()
 
     def segment_rows(self) -> list[int] | None:
         """After :meth:`seal`: ``[rows, stage]``, the rows this rank has in segments only (committed with the stages
@@ -472,12 +481,58 @@ class RecordWriter:
                 except Exception:  # noqa: BLE001 - the rows are dropped anyway
                     pass
         self._shard, self._segment, self._table_file = None, None, None
+        if self._late is not None:
+            self._late.drop()
         self._buffer, self._unsaved, self._pending, self._parts = [], [], None, []
         if self._batch_finished in self._current.listeners:  # the current batch holds this writer: no cycle left
             self._current.listeners.remove(self._batch_finished)
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
+
+
+class _LateAppends:
+    """One process on local storage: the seals' appends to the segment log, queued by the batch's thread and made in
+    order by the first thread that needs them (see ``sole`` of :class:`RecordWriter`). Queuing wakes no thread: the
+    record writer makes them before the record that commits their stages, at most every
+    :data:`~torch_batch_process.engine.commit.group_commit.RECORD_SPACING_S` (a hand-over to the encoder thread at each
+    commit cost two thread switches, most of a commit's time at tiny batches). After a failed append, every later call
+    of :meth:`make` raises its error: no record commits rows that are not in the log."""
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[SegmentLog | _SegmentFile, list[tuple[Any, CopiesDone]], int]] = []
+        self._queue_lock = threading.Lock()  # held briefly: the batch's thread never waits for an append
+        self._make_lock = threading.Lock()  # one maker at a time, in the order queued
+        self._error: BaseException | None = None
+
+    def queue(self, segment: SegmentLog | _SegmentFile, rows: list[tuple[Any, CopiesDone]], stage: int) -> None:
+        """Queues ``rows`` (tables with their copies back) for ``segment`` as rows of ``stage``."""
+        with self._queue_lock:
+            self._queued.append((segment, rows, stage))
+
+    def make(self) -> None:
+        """Appends everything queued so far, in order (any thread); raises the error of a failed append."""
+        import pyarrow as pa
+
+        with self._make_lock:
+            if self._error is not None:
+                raise self._error
+            with self._queue_lock:
+                queued, self._queued = self._queued, []
+            try:
+                for segment, rows, stage in queued:
+                    for _, copies in rows:
+                        copies.wait()
+                    tables = [table for table, _ in rows]
+                    segment.append(pa.concat_tables(tables) if len(tables) > 1 else tables[0], stage)
+            except BaseException as exc:
+                self._error = exc
+                raise
+
+    def drop(self) -> None:
+        """When the call ends: what is still queued was never committed."""
+        with self._queue_lock:
+            self._queued = []
 
 
 class _SegmentFile:

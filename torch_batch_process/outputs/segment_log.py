@@ -11,8 +11,8 @@ widen: a stream has one schema).
 The format is a plain Arrow IPC stream (any Arrow reader opens it): the schema, then one or more record batches per
 commit, each carrying the stage it belongs to in its custom metadata (``tbp_stage``), and the end-of-stream marker
 once the log is closed. The rows of stage ``s`` are appended (written to the file: a ``kill -9`` keeps them) before
-the rank's vote for ``s`` (one process: before the record that commits ``s``, which waits for the append made by the
-rank's encoder thread), so:
+the rank's vote for ``s`` (one process: before the record that commits ``s``, whose writer makes the appends the seals
+queued), so:
 
 - a batch counts iff the commit record commits its stage (:func:`read_log` takes that test), exactly as a segment
   file does;
@@ -42,7 +42,8 @@ _RESTORE = "Restore the job's storage from a copy, or run the job again in a new
 
 
 class SegmentLog:
-    """A segment log being appended (one thread at a time: the rank's batch thread or its encoder thread).
+    """A segment log being appended (one thread at a time: the rank's batch thread, its encoder thread or, one process,
+    its record writer).
 
     The file is created at the first rows (it must not exist: a log is never appended to by two writers)."""
 

@@ -70,8 +70,8 @@ class RecordOutputs(Participant):
 
     def before_record(self, record: CommitRecord) -> None:
         """One process: the rows of the stages sealed so far are in the segment log before the record commits them
-        (the seal handed their append to the encoder thread, :class:`~torch_batch_process.outputs.records.RecordWriter`
-        ``sole``)."""
+        (the seal queued their append; the record writer makes what is still queued,
+        :class:`~torch_batch_process.outputs.records.RecordWriter` ``sole``)."""
         self._writer.appended()
 
     def check(self, votes: Sequence[Vote]) -> None:
