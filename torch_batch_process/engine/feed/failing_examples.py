@@ -427,11 +427,11 @@ class FailingExamples:
             self._current.enter(batch_idx, piece)
             try:
                 self._process(batch, batch_idx)
-            except BaseException as exc:
-                error = self.transactions.rollback(part, exc)
+            except BaseException as exc:  # no local holds the error: its traceback holds this frame and the batch
                 if not self.recoverable(exc):
+                    self.transactions.rollback(part, exc)
                     raise
-                return "process", error
+                return "process", self.transactions.rollback(part, exc)
             finally:
                 self._current.leave()
             undone = self.transactions.keep(part)
