@@ -231,9 +231,13 @@ def _read_removed(storage: Storage, folder: str) -> bytes | None:
 def _key_batches(args: JobArguments, keyed: KeyedOptions) -> Iterator[Any]:
     """The dataset's keys and content hashes, in index order, a chunk of examples at a time. A streamed source is
     read shard after shard (its global row numbers: the plan's, :mod:`~torch_batch_process.engine.plan.streamed`),
-    so memory holds one chunk of rows."""
+    so memory holds one chunk of rows; a Parquet source with a named key and ``content=`` names decodes only those
+    columns (the hash is the same: it reads only them)."""
     dataset = args.dataset
     if isinstance(dataset, Source):
+        fields = keyed.spec.fields
+        if fields is not None and hasattr(dataset, "with_columns") and set(fields) <= set(dataset.columns):
+            dataset = dataset.with_columns(fields)  # Parquet: only the key and content= columns are decoded
         first = 0
         for shard in range(dataset.num_shards):
             rows = dataset.read(shard)
