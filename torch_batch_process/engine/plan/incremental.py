@@ -236,14 +236,18 @@ def _key_batches(args: JobArguments, keyed: KeyedOptions) -> Iterator[Any]:
     dataset = args.dataset
     if isinstance(dataset, Source):
         fields = keyed.spec.fields
-        if fields is not None and hasattr(dataset, "with_columns") and set(fields) <= set(dataset.columns):
-            dataset = dataset.with_columns(fields)  # Parquet: only the key and content= columns are decoded
-        first = 0
-        for shard in range(dataset.num_shards):
-            rows = dataset.read(shard)
-            while chunk := list(itertools.islice(rows, KEYS_PER_CHUNK)):
-                yield keyed.spec.key_batch(chunk, first)
-                first += len(chunk)
+        narrow = fields is not None and hasattr(dataset, "with_columns") and set(fields) <= set(dataset.columns)
+        source = dataset.with_columns(fields) if narrow else dataset  # Parquet: only key and content= are decoded
+        try:
+            first = 0
+            for shard in range(source.num_shards):
+                rows = source.read(shard)
+                while chunk := list(itertools.islice(rows, KEYS_PER_CHUNK)):
+                    yield keyed.spec.key_batch(chunk, first)
+                    first += len(chunk)
+        finally:
+            if narrow:  # its readers are its own (the user's source keeps its readers for the run)
+                source.close()
         return
     for first in range(0, args.dataset_length, KEYS_PER_CHUNK):
         stop = min(first + KEYS_PER_CHUNK, args.dataset_length)
