@@ -13,8 +13,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_incremental_api import table_target
 
-from torch_batch_process import TorchBatchProcessor, read_outputs, sources, tables, torch_batch_process
+from torch_batch_process import TorchBatchProcessor, read_outputs, sources, torch_batch_process
 
 CALLS: list[int] = []
 
@@ -51,14 +52,6 @@ def call(path: Path, data: Any, **kwargs: Any) -> Any:
     CALLS.clear()
     options = {"key": "id", "content": ["text"], "batch_size": 64, "storage_path": str(path), "progress": False}
     return torch_batch_process(Upper, data, **(options | kwargs))
-
-
-def table_target(fmt: str, tmp_path: Path) -> Any:
-    pytest.importorskip({"delta": "deltalake", "iceberg": "pyiceberg", "lance": "lance"}[fmt])
-    if fmt == "iceberg":
-        return tables.iceberg("db.keyed", catalog={"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
-                                                   "warehouse": f"file://{tmp_path}/warehouse"})
-    return getattr(tables, fmt)(str(tmp_path / f"table.{fmt}"))
 
 
 @pytest.mark.parametrize(
