@@ -1,7 +1,7 @@
 """Keyed jobs over streamed sources, in this process (one rank; DESIGN §21, issue 46): ``key=`` names a column of a
-Parquet or JSONL source, and an incremental run over changed and appended files calls ``process_batch`` on exactly
-the new and changed rows (global row numbers across the shards), every key then once with its newest value, in
-shards and in each table format (MERGE by key).
+Parquet, JSONL or ``Sharded`` source, and an incremental run over changed and appended files calls ``process_batch``
+on exactly the new and changed rows (global row numbers across the shards), every key then once with its newest
+value, in shards and in each table format (MERGE by key).
 """
 
 from __future__ import annotations
@@ -36,15 +36,22 @@ def write_files(folder: Path, rows: list[dict[str, Any]], per_file: int, fmt: st
     folder.mkdir(parents=True, exist_ok=True)
     for n, first in enumerate(range(0, len(rows), per_file)):
         chunk = rows[first:first + per_file]
-        if fmt == "parquet":
+        if fmt == "parquet":  # jsonl and sharded: JSON Lines files
             pq.write_table(pa.Table.from_pylist(chunk), folder / f"part-{n:03d}.parquet", row_group_size=100)
         else:
             (folder / f"part-{n:03d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in chunk))
 
 
+def open_jsonl(path: str) -> Any:
+    with open(path) as f:
+        yield from (json.loads(line) for line in f)
+
+
 def source(folder: Path, fmt: str) -> Any:
     if fmt == "parquet":
         return sources.parquet(str(folder / "*.parquet"))
+    if fmt == "sharded":  # row counts unknown: the planner and the plan count them
+        return sources.Sharded([str(path) for path in sorted(folder.glob("*.jsonl"))], open_jsonl)
     return sources.jsonl(str(folder / "*.jsonl"))
 
 
@@ -56,8 +63,8 @@ def call(path: Path, data: Any, **kwargs: Any) -> Any:
 
 @pytest.mark.parametrize(
     ("fmt", "output", "n"),
-    [("parquet", "shards", 3000), ("jsonl", "shards", 600), ("parquet", "delta", 600), ("parquet", "iceberg", 600),
-     ("parquet", "lance", 600)],
+    [("parquet", "shards", 3000), ("jsonl", "shards", 600), ("sharded", "shards", 600), ("parquet", "delta", 600),
+     ("parquet", "iceberg", 600), ("parquet", "lance", 600)],
 )
 def test_an_incremental_run_over_a_source_processes_exactly_the_new_and_changed_rows(
     fmt: str, output: str, n: int, tmp_path: Path
