@@ -18,6 +18,8 @@ from test_incremental_api import table_target
 from torch_batch_process import TorchBatchProcessor, read_outputs, sources, torch_batch_process
 
 CALLS: list[int] = []
+FAILING: set[str] = set()
+"""Texts the processor fails on (the test's 'bug', fixed between calls)."""
 
 
 class Upper(TorchBatchProcessor):
@@ -26,6 +28,8 @@ class Upper(TorchBatchProcessor):
 
     def process_batch(self, batch: Any, batch_idx: int) -> None:
         CALLS.extend(int(i) for i in self.context.batch_indices)
+        if FAILING & set(batch["text"]):
+            raise ValueError(f"cannot process {sorted(FAILING & set(batch['text']))}")
         self.context.write({"value": [text.upper() for text in batch["text"]]})
 
 
@@ -98,3 +102,24 @@ def test_an_incremental_run_over_a_source_processes_exactly_the_new_and_changed_
 
     third = call(job, source(folder, fmt), incremental=True, **extra)  # nothing changed: nothing runs
     assert CALLS == [] and third.increment["unchanged"] == len(new_rows)
+
+
+def test_a_failed_source_row_is_hidden_and_selected_again(tmp_path: Path) -> None:
+    """A changed row whose new run fails names its key in its failure record (read from the source by row number):
+    its stale row is no longer served, and the next incremental run (the bug fixed) selects it again."""
+    folder, job = tmp_path / "data", tmp_path / "job"
+    rows = [{"id": i, "text": f"t{i}"} for i in range(40)]
+    write_files(folder, rows, 10, "parquet")
+    call(job, source(folder, "parquet"), batch_size=4, on_error="skip")
+    write_files(folder, [{**row, "text": "bad" if row["id"] == 13 else row["text"]} for row in rows], 10, "parquet")
+    FAILING.add("bad")
+    try:
+        failed = call(job, source(folder, "parquet"), batch_size=4, on_error="skip", incremental=True)
+    finally:
+        FAILING.clear()
+    assert (failed.increment["changed"], failed.failed_examples) == (1, 1)
+    assert 13 not in read_outputs(job, columns=["id"]).column("id").to_pylist()  # not served with its stale value
+    fixed = call(job, source(folder, "parquet"), batch_size=4, on_error="skip", incremental=True)
+    assert (fixed.increment["failed"], fixed.increment["selected"]) == (1, 1) and CALLS == [13]
+    out = read_outputs(job, columns=["id", "value"]).to_pydict()
+    assert sorted(out["id"]) == list(range(40)) and dict(zip(out["id"], out["value"], strict=True))[13] == "BAD"
