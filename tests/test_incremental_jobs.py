@@ -129,6 +129,42 @@ def test_incremental_run_killed_and_resumed_on_other_world_sizes(first_run: Path
     check_final(storage)
 
 
+def write_parquet(folder: Path, changed: bool) -> str:
+    """The dataset of keyed_job.py as Parquet files of 500 rows (``changed``: every 10th text changed and the
+    appended rows in a file of their own); returns their glob."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for old in folder.glob("*.parquet"):
+        old.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": i, "text": f"t{i}-v2" if changed and i % EVERY == 0 else f"t{i}"} for i in range(N)]
+    rows += [{"id": i, "text": f"new{i}"} for i in range(N, N + EXTRA)] if changed else []
+    for first in range(0, len(rows), 500):
+        pq.write_table(pa.Table.from_pylist(rows[first:first + 500]), folder / f"part-{first:06d}.parquet",
+                       row_group_size=100)
+    return str(folder / "*.parquet")
+
+
+def test_incremental_run_over_a_parquet_source_killed_and_resumed_on_another_world_size(tmp_path: Path) -> None:
+    """key= names a column of a streamed source (DESIGN §21): run 1 on 1 rank; then 10% of the rows changed and
+    10% appended in a new file; run 2 killed by SIGKILL on 2 ranks, resumed on 3: exactly the selected rows (global
+    row numbers = ids here) processed, every key once with its newest value, never a key twice in between."""
+    storage, data = tmp_path / "storage", tmp_path / "data"
+    spec = {"storage": str(storage), "batch_size": 50, "n": N}
+    assert run(tmp_path, {**spec, "parquet": write_parquet(data, False)}, 1)[0]["result"]["finished"]
+    shutil.rmtree(tmp_path / "calls")
+    again = {**spec, "parquet": write_parquet(data, True), "kwargs": {"incremental": True}}
+    run(tmp_path, {**again, "die_after": {"rank": 1, "batches": 3}}, 2, ok=False)
+    between = read_outputs(storage, columns=["id", "_tbp_run"]).to_pydict()
+    assert len(between["id"]) == len(set(between["id"])) and set(range(N)) <= set(between["id"])
+    assert [r["state"] for r in read_status(str(storage))["runs"]] == ["unfinished"]
+    reports = run(tmp_path, again, 3)
+    assert reports[0]["result"]["finished"] and reports[0]["result"]["increment"]["selected"] == len(SELECTED)
+    assert {i for batch in calls(tmp_path) for i in batch} == SELECTED
+    check_final(storage)
+
+
 def table_spec(fmt: str, tmp: Path) -> dict[str, Any]:
     """A local table of format ``fmt`` (Iceberg: a SQL/sqlite catalog) for keyed_job.py."""
     if fmt == "iceberg":

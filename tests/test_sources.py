@@ -195,6 +195,12 @@ def test_parquet_columns_and_read_batches(local_parquet: tuple[str, list[list[di
     it.close()
     batch = next(source.read_batches(0, 1, 5))
     assert batch.column("id").to_pylist() == [r["id"] for r in expected[0][1:5]]
+    # a narrower view (a keyed job's planner: key and content columns) reads the same rows, only those columns
+    narrow = source.with_columns(["id"])
+    assert narrow.columns == ["id"] and narrow.shards() == source.shards() and source.columns == ["text", "id"]
+    assert list(narrow.read(1, 10, 12)) == [{"id": r["id"]} for r in expected[1][10:12]]
+    with pytest.raises(InvalidArgumentError, match="no column 'other'"):
+        source.with_columns(["other"])
 
 
 def test_parquet_arguments_and_storage_errors(tmp_path: Path, local_parquet: tuple[str, list[list[dict]]]) -> None:

@@ -149,9 +149,9 @@ def torch_batch_process(
             failing example with ``on_error="skip"``, else :class:`ExampleTooLargeError`. ``"raise"``: an
             out-of-memory error is an error like any other (see :mod:`torch_batch_process.engine.feed.oom`).
         key: makes the job *keyed* (DESIGN §21, ``docs/incremental.md``): the name of a field of each example (a
-            dict), or a function of the example, giving its key (an ``int`` or a ``str``, unique in the dataset:
-            duplicates are refused before any work). Every row ``context.write()`` stores then carries the key,
-            ``_tbp_hash`` (the example's content hash), ``_tbp_version`` and ``_tbp_run``.
+            dict; a column of a streamed source), or a function of the example, giving its key (an ``int`` or a
+            ``str``, unique in the dataset: duplicates are refused before any work). Every row ``context.write()``
+            stores then carries the key, ``_tbp_hash`` (the example's content hash), ``_tbp_version`` and ``_tbp_run``.
         content: what of an example is hashed: ``None`` (the whole example), a list of field names, or a function
             of the example.
         version: what the outputs depend on besides the examples (a model revision, a prompt's name: any JSON

@@ -9,8 +9,9 @@ torch_batch_process, e.g. ``incremental``), ``batch_size``, ``checkpoint_interva
 noting it), ``delta`` (a local Delta table's path: the rows go there, ``table=tables.delta(path)``), ``table``
 (``{"format": "delta"|"lance", "uri": path}`` or ``{"format": "iceberg", "identifier": ..., "catalog": {...}}``),
 ``table_kill`` (``before:<k>`` / ``after:<k>``: the process SIGKILLs itself right before / after its ``k``-th
-table transaction, wrapping the library's own method). Example ``id`` has the text ``t<id>`` (``t<id>-v2`` once
-changed, ``new<id>`` appended); its row is ``value = text.upper()``.
+table transaction, wrapping the library's own method), ``parquet`` (a glob of Parquet files the test wrote: the
+dataset is ``sources.parquet(glob)`` instead of the list, with ``content=["text"]``). Example ``id`` has the
+text ``t<id>`` (``t<id>-v2`` once changed, ``new<id>`` appended); its row is ``value = text.upper()``.
 """
 
 import json
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from report_file import write_report
 
-from torch_batch_process import TorchBatchProcessor, tables, torch_batch_process
+from torch_batch_process import TorchBatchProcessor, sources, tables, torch_batch_process
 
 SPEC = json.loads(sys.argv[1])
 
@@ -83,8 +84,10 @@ def main() -> None:
     report = Path(SPEC["report_dir"]) / f"rank_{rank}.json"
     Path(SPEC["calls_dir"]).mkdir(parents=True, exist_ok=True)
     try:
+        data = sources.parquet(SPEC["parquet"]) if SPEC.get("parquet") else dataset()
+        more = {"content": ["text"]} if SPEC.get("parquet") else {}
         result = torch_batch_process(
-            Processor, dataset(), batch_size=SPEC["batch_size"], checkpoint_interval=SPEC["checkpoint_interval"],
+            Processor, data, **more, batch_size=SPEC["batch_size"], checkpoint_interval=SPEC["checkpoint_interval"],
             storage_path=SPEC["storage"], key="id", version=SPEC.get("version", "v1"), progress=False,
             **table_option(), **SPEC.get("kwargs", {}),
         )

@@ -254,7 +254,7 @@ class JobRun:
             sink = TableSink(job.table, self.rank, start.job_id, start.attempt) if job.table is not None else None
             # key=: every row carries its key, content hash, version and run (§21)
             stamp = (  # a table's MERGE also removes the rows of failed keys
-                RowStamp(args.keyed, args.dataset, sink.remove_key if sink is not None else None)
+                RowStamp(args.keyed, job.input.examples(), sink.remove_key if sink is not None else None)
                 if args.keyed is not None else None
             )
             if sink is not None and args.keyed is not None and self.rank == 0:  # prune_missing: every attempt's

@@ -135,6 +135,20 @@ class ParquetSource(FileSource):
         """Row offset of the first row of each row group of ``shard``."""
         return self._starts[check_index("shard", shard)][:-1]
 
+    def with_columns(self, columns: Sequence[str]) -> ParquetSource:
+        """The same files and rows, reading only ``columns`` (some of this source's): a pass that needs a few
+        columns (a keyed job's planner: the key and ``content=`` columns) decodes only those. Its readers are its
+        own; no footer is read again."""
+        wanted = _check_columns(columns) or []
+        missing = [name for name in wanted if name not in self._columns]
+        if missing:
+            raise InvalidArgumentError(f"columns: the source has no column {missing[0]!r} (it has {self._columns})")
+        schema = pa.schema([self._schema.field(name) for name in wanted])
+        state = self.__getstate__() | {"_columns": wanted, "_schema": schema}
+        narrow = ParquetSource.__new__(ParquetSource)
+        narrow.__setstate__(state)
+        return narrow
+
     def read_batches(
         self, shard: int, start: int = 0, stop: int | None = None, batch_rows: int | None = None
     ) -> Iterator[pa.RecordBatch]:

@@ -62,6 +62,11 @@ class JobInput(abc.ABC):
         ``batch_ids()``, the scheduler or a view of it) and the loader's options. ``plan`` is the job's (a retry's
         plan holds scattered examples)."""
 
+    @abc.abstractmethod
+    def examples(self) -> Any:
+        """The examples by index in the main process, apart from the loader's reads (``key=``: the rows whose key and
+        content hash are stored, DESIGN §21)."""
+
     def opened(self) -> None:  # noqa: B027 - nothing to keep for most inputs
         """Once the job is open (rank 0 holds the job lock and the fingerprint matched): keeps what a resume reuses."""
 
@@ -98,6 +103,10 @@ class MapInput(JobInput):
         self, scheduler: Scheduler, loader_kwargs: dict[str, Any], plan: Plan
     ) -> tuple[Any, Any, dict[str, Any]]:
         return self.dataset, scheduler, loader_kwargs
+
+    def examples(self) -> Any:
+        """The dataset itself."""
+        return self.dataset
 
 
 class StreamInput(JobInput):
@@ -147,6 +156,11 @@ class StreamInput(JobInput):
             self.dataset.columnar = True
             loader_kwargs = {**loader_kwargs, "collate_fn": StreamCollate()}
         return self.dataset, order, loader_kwargs
+
+    def examples(self) -> StreamDataset:
+        """The rows by global row number, read as Python rows (runs of consecutive rows at once), with their own
+        readers: the loader's dataset may collate Parquet batches from Arrow columns."""
+        return StreamDataset(self.source, self.plan)
 
     def opened(self) -> None:
         """Keeps row counts counted now for the resumes."""

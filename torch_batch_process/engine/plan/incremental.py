@@ -53,6 +53,7 @@ from torch_batch_process.outputs.keyed.runs import (
     removed_keys,
 )
 from torch_batch_process.outputs.keyed.selection import Selection
+from torch_batch_process.sources.base import Source
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
 from torch_batch_process.storage.registry import open_storage
@@ -228,17 +229,46 @@ def _read_removed(storage: Storage, folder: str) -> bytes | None:
 
 
 def _key_batches(args: JobArguments, keyed: KeyedOptions) -> Iterator[Any]:
-    """The dataset's keys and content hashes, in index order, a chunk of examples at a time."""
+    """The dataset's keys and content hashes, in index order, a chunk of examples at a time. A streamed source is
+    read shard after shard (its global row numbers: the plan's, :mod:`~torch_batch_process.engine.plan.streamed`),
+    so memory holds one chunk of rows; a Parquet source with a named key and ``content=`` names decodes only those
+    columns (the hash is the same: it reads only them)."""
     dataset = args.dataset
+    if isinstance(dataset, Source):
+        fields = keyed.spec.fields
+        narrow = fields is not None and hasattr(dataset, "with_columns") and set(fields) <= set(dataset.columns)
+        source = dataset.with_columns(fields) if narrow else dataset  # Parquet: only key and content= are decoded
+        try:
+            first = 0
+            for shard in range(source.num_shards):
+                rows = source.read(shard)
+                while chunk := list(itertools.islice(rows, KEYS_PER_CHUNK)):
+                    yield keyed.spec.key_batch(chunk, first)
+                    first += len(chunk)
+        finally:
+            if narrow:  # its readers are its own (the user's source keeps its readers for the run)
+                source.close()
+        return
     for first in range(0, args.dataset_length, KEYS_PER_CHUNK):
         stop = min(first + KEYS_PER_CHUNK, args.dataset_length)
         yield keyed.spec.key_batch((dataset[i] for i in range(first, stop)), first)
 
 
+def _dataset_rows(args: JobArguments) -> int:
+    """The examples of the dataset: a streamed source's rows from its metadata, else counted (as its plan does)."""
+    dataset = args.dataset
+    if not isinstance(dataset, Source):
+        return args.dataset_length
+    return sum(
+        info.num_rows if info.num_rows is not None else dataset.count_rows(shard)
+        for shard, info in enumerate(dataset.shards())
+    )
+
+
 def _refuse_duplicates(args: JobArguments, keyed: KeyedOptions) -> None:
     """The first run's pass over the keys: two examples with one key are refused (naming it) before any work."""
     plan_increment(
-        _key_batches(args, keyed), [], new_rows=args.dataset_length, stored_rows=0, version=keyed.digest
+        _key_batches(args, keyed), [], new_rows=_dataset_rows(args), stored_rows=0, version=keyed.digest
     )
 
 
@@ -332,7 +362,7 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions, removed_to:
         return f"version: stored {values.get(digest)!r}, now {keyed.version!r}"
 
     return plan_increment(
-        _key_batches(args, keyed), itertools.chain(stored(), events), new_rows=args.dataset_length,
+        _key_batches(args, keyed), itertools.chain(stored(), events), new_rows=_dataset_rows(args),
         stored_rows=_stored_rows(storage), version=keyed.digest, on_change=keyed.on_change, describe_version=describe,
         removed_to=removed_to,
     )

@@ -74,6 +74,14 @@ class KeySpec:
         """The name of the key's column in the outputs: the field's name, or ``"key"`` for a key function."""
         return self.key if isinstance(self.key, str) else KEY_COLUMN
 
+    @property
+    def fields(self) -> tuple[str, ...] | None:
+        """The only fields of an example its key and hash read (a named key and ``content=`` names), ``None`` when
+        a function or the whole example is involved: a columnar source can read just these."""
+        if not isinstance(self.key, str) or not isinstance(self.content, tuple):
+            return None
+        return tuple(dict.fromkeys((self.key, *self.content)))
+
     def key_of(self, example: Any, index: int) -> int | str:
         """The key of ``example`` (dataset index ``index``, for messages)."""
         if isinstance(self.key, str):

@@ -136,10 +136,10 @@ def check_keyed_options(
             "local Delta and Lance tables (tables.delta('/path'), tables.lance('/path')) and Iceberg tables so far; "
             "write shards (no table=), or drop key="
         )
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) or _is_source(dataset):
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) and not _is_source(dataset):
         raise InvalidArgumentError(
-            f"key= needs a map-style dataset (with __len__ and __getitem__) for now, got {type(dataset).__name__}; "
-            "streamed sources are not keyed yet"
+            f"key= needs a map-style dataset (with __len__ and __getitem__) or a streamed source "
+            f"(torch_batch_process.sources), got {type(dataset).__name__}"
         )
     try:
         declared = json.dumps(version, sort_keys=True)
@@ -168,7 +168,9 @@ class RowStamp:
 
     Args:
         options: the job's keyed options (its run).
-        dataset: the map-style dataset (``dataset[i]`` gives the example whose key and hash are stored).
+        dataset: the examples by index (``dataset[i]``; with ``__getitems__``, a batch's rows are read at once: a
+            streamed source's :class:`~torch_batch_process.engine.feed.streams.StreamDataset`) whose key and hash
+            are stored.
         on_failed: called with the key of every failed example (a table target removes the key's row: its
             :meth:`~torch_batch_process.outputs.tables.sink.TableSink.failed`).
     """
@@ -188,8 +190,11 @@ class RowStamp:
                 f"context.write(): column {taken[0]!r} is reserved in a keyed job (the library stores it); rename it"
             )
         keys, hashes = [], []
-        for index in indices:
-            example = self.dataset[int(index)]
+        rows = [int(i) for i in indices]
+        # a streamed source's rows are read as runs of consecutive rows (StreamDataset), not one seek per row
+        examples = self.dataset.__getitems__(rows) if hasattr(self.dataset, "__getitems__") else None
+        for offset, index in enumerate(rows):
+            example = examples[offset] if examples is not None else self.dataset[index]
             keys.append(spec.key_of(example, int(index)))
             hashes.append(spec.hash_of(example, int(index)))
         key_column = key_array(keys, int(indices[0]) if len(indices) else 0)
