@@ -136,6 +136,14 @@ def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: 
         FAILING.clear()
         last = call(path, data(12, t3="bad3", t7="bad7", t5="bad5"), on_error="skip", incremental=True)
         assert (last.increment["failed"], last.increment["selected"]) == (1, 1) and rows(path)[5] == ("BAD5", 4)
+        from torch_batch_process.observe.report.data import read_job_data
+        from torch_batch_process.observe.report.page import build_model, render_page
+
+        page = render_page(build_model(read_job_data(str(path))))  # the report says each run's counts
+        assert "incremental runs" in page
+        for run, counts in ((2, "0 new, 0 changed, 2 failed before"), (3, "0 new, 1 changed, 0 failed before"),
+                            (4, "0 new, 0 changed, 1 failed before")):
+            assert f"run {run} (incremental, finished): 12 examples: {counts}" in page, (run, page[:2000])
     finally:
         FAILING.clear()
 

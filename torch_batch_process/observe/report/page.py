@@ -38,6 +38,7 @@ from torch_batch_process.observe.report.series import (
     stragglers,
 )
 from torch_batch_process.observe.status import generation_text
+from torch_batch_process.outputs.keyed.runs import counts_text
 from torch_batch_process.shell_commands import pip_install
 
 __all__ = ["SECTIONS", "build_model", "plotly_bundle", "render_page"]
@@ -220,6 +221,8 @@ def _summary_html(data: JobData, runs: list[Attempt]) -> str:
     ]
     if status.get("generation"):  # a generation job: prompts, tokens, tokens per second per rank
         rows.append(("generation", _e(generation_text(status["generation"])).replace("\n", "<br>"), "generation"))
+    if status.get("runs"):  # a keyed job's incremental runs (DESIGN §21): new, changed, failed-retried, unchanged
+        rows.append(("incremental runs", "<br>".join(_e(counts_text(run)) for run in status["runs"]), "runs"))
     metrics = status.get("metrics")
     if metrics:
         text = ", ".join(f"{key}={_short(value)}" for key, value in sorted(metrics.items()))
