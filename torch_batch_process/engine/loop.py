@@ -432,10 +432,12 @@ class JobRun:
         call = BatchCall(
             processor, self.current, inference_mode=args.inference_mode, mode=job.autocast, no_grad=mesh is not None
         )
+        agree = replica.agree_attempt if replica is not None and args.failures.split_on_oom else None
         guards = guard_batches(  # on_error="skip", on_oom="split" (engine/feed/error_handling.py)
             call, feed, self.plan, args.failures,
-            # mesh=: the members keep an attempt, or split it, together
-            Transactions(self.stager, self.context.reducers, self.rank, replica.agree_attempt if replica else None),
+            # mesh= with on_oom="split": the members keep an attempt, or split it, together (no exchange otherwise:
+            # only an out-of-memory split needs it, and it costs a collective per batch)
+            Transactions(self.stager, self.context.reducers, self.rank, agree),
             self.failure_log, self.fitter, Placement(env.device, job.device_prefetch),
         )
         in_flight = self.in_flight
