@@ -31,7 +31,6 @@ __all__ = [
     "check_options",
     "check_storage_options",
     "concat_keys",
-    "merge_parts",
     "tombstone",
     "data_file_name",
     "data_file_stage",
@@ -119,16 +118,6 @@ def tombstone(keys: list[Any]) -> dict[str, Any]:
     return {TOMBSTONES: list(keys), "rows": 0}
 
 
-def merge_parts(files: list[dict[str, Any]], key_type: Any) -> tuple[list[dict[str, Any]], Any]:
-    """A transaction's descriptors split into its data files and the keys its failures remove (an Arrow array of
-    ``key_type``; empty: none)."""
-    import pyarrow as pa
-
-    data = [f for f in files if TOMBSTONES not in f]
-    dropped = [key for f in files if TOMBSTONES in f for key in f[TOMBSTONES]]
-    return data, pa.array(dropped, key_type)
-
-
 def normalize_schema(schema: Any, *, fixed_lists: bool, what: str, origin: str) -> Any:
     """The Arrow schema of a table's data files for rows of ``schema`` (``index`` first).
 
@@ -199,6 +188,16 @@ class Table(ABC):
         self.merge_key = merge_key
         """A keyed job's key column (``key=``, DESIGN §21): a transaction then also removes the rows its new files'
         keys supersede (a MERGE by key)."""
+
+    def merge_parts(self, files: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any]:
+        """A keyed job's transaction descriptors split into its data files and the keys its failures remove (an
+        Arrow array of the key column's type; empty: none)."""
+        import pyarrow as pa
+
+        assert self.merge_key is not None
+        data = [f for f in files if TOMBSTONES not in f]
+        dropped = [key for f in files if TOMBSTONES in f for key in f[TOMBSTONES]]
+        return data, pa.array(dropped, self.arrow_schema().field(self.merge_key).type)
 
     @abstractmethod
     def arrow_schema(self) -> Any:

@@ -30,7 +30,6 @@ from torch_batch_process.outputs.tables.base import (
     check_storage_options,
     concat_keys,
     data_file_stage,
-    merge_parts,
     normalize_schema,
     require,
 )
@@ -177,7 +176,7 @@ class DeltaTable(Table):
         now = int(time.time() * 1000)
         data, dropped = files, None
         if self.merge_key is not None:  # a keyed job: its failures' keys (tombstones) leave the table too (§21)
-            data, dropped = merge_parts(files, self.arrow_schema().field(self.merge_key).type)
+            data, dropped = self.merge_parts(files)
         actions = [
             AddAction(f["path"], int(f["size"]), {}, now, True, json.dumps(_stats(f))) for f in data
         ]
@@ -192,11 +191,11 @@ class DeltaTable(Table):
     def _superseded(
         self, table: Any, files: list[dict[str, Any]], dropped: Any, job_id: str, key: int, now: int
     ) -> list[Any]:
-        """The MERGE by key of a keyed job, in the transaction of ``files``: every live file holding a key of
-        ``files`` or of ``dropped`` (failed keys) is removed, and re-added rewritten without those rows when it keeps
-        others (copy-on-write, as
-        delta-rs' own ``merge``; measured in ``benchmarks/incremental_tables.py``). Computed from the table as it is
-        before the transaction, so a replay of an uncommitted transaction (the job's start) computes the same."""
+        """The MERGE by key of a keyed job, in the transaction of ``files``: every live file holding a key of ``files``
+        or of ``dropped`` (failed keys) is removed, and re-added rewritten without those rows when it keeps others
+        (copy-on-write, as delta-rs' own ``merge``; measured in ``benchmarks/incremental_tables.py``). Computed from the
+        table as it is before the transaction, so a replay of an uncommitted transaction (the job's start) computes the
+        same."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
         from deltalake.transaction import AddAction, RemoveAction

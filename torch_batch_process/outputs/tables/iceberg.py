@@ -30,7 +30,6 @@ from torch_batch_process.outputs.tables.base import (
     check_options,
     concat_keys,
     data_file_stage,
-    merge_parts,
     normalize_schema,
     require,
 )
@@ -195,7 +194,7 @@ class IcebergTable(Table):
         properties = {"tbp.job": job_id, "tbp.commit": str(key)}
         with table.transaction() as transaction:
             if self.merge_key is not None:  # a keyed job: the new rows replace their keys' rows (§21)
-                data, dropped = merge_parts(files, self.arrow_schema().field(self.merge_key).type)
+                data, dropped = self.merge_parts(files)
                 self._merge(table, transaction, [f["path"] for f in data], dropped, properties, key)
             else:
                 transaction.add_files(
@@ -208,13 +207,12 @@ class IcebergTable(Table):
     def _merge(
         self, table: Any, transaction: Any, paths: list[str], dropped: Any, properties: dict[str, str], key: int
     ) -> None:
-        """The MERGE by key of a keyed job, as one snapshot of the transaction that carries the job's key: the new
-        files are added, and every live file holding one of their keys or of ``dropped`` (failed keys) is deleted
-        and, when it keeps other rows,
-        added again rewritten without them (copy-on-write, as the Delta merge; measured as ``iceberg add+remove`` in
-        ``benchmarks/incremental_tables.py``). Computed from the table as it is before the transaction, so a replay
-        of an uncommitted transaction (the job's next start) computes the same; a rewritten file's name comes from
-        the file it replaces and the key, so a replay overwrites what a killed attempt left, unreferenced."""
+        """The MERGE by key of a keyed job, as one snapshot of the transaction that carries the job's key: the new files
+        are added, and every live file holding one of their keys or of ``dropped`` (failed keys) is deleted and, when it
+        keeps other rows, added again rewritten without them (copy-on-write, as the Delta merge; measured as ``iceberg
+        add+remove`` in ``benchmarks/incremental_tables.py``). Computed from the table as it is before the transaction,
+        so a replay of an uncommitted transaction (the job's next start) computes the same; a rewritten file's name
+        comes from the file it replaces and the key, so a replay overwrites what a killed attempt left, unreferenced."""
         import hashlib
 
         import pyarrow.compute as pc

@@ -39,7 +39,6 @@ from torch_batch_process.outputs.tables.base import (
     check_options,
     check_storage_options,
     concat_keys,
-    merge_parts,
     normalize_schema,
     require,
 )
@@ -166,7 +165,7 @@ class LanceTable(Table):
         dataset = self._load()
         dropped = None
         if self.merge_key is not None:  # a keyed job: its failures' keys (tombstones) leave the table too (§21)
-            files, dropped = merge_parts(files, self.arrow_schema().field(self.merge_key).type)
+            files, dropped = self.merge_parts(files)
         fragments = [FragmentMetadata.from_json(json.dumps(f["fragment"])) for f in files]
         operation: Any = lance.LanceOperation.Append(fragments)
         if dropped is not None:  # a keyed job: the new rows replace their keys' rows (§21)
