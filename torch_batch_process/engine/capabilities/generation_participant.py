@@ -22,7 +22,7 @@ to its batches in flight, which continue each one once.
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 from torch_batch_process.engine.commit.participants import Participant, Payload, RecordDraft
 from torch_batch_process.engine.commit.votes import Vote
@@ -97,7 +97,7 @@ class GenerationParticipant(Participant):
             self._written = self._file
 
     def contribute(self, part: Part, closing: bool) -> GeneratedTokens | None:
-        counts = astuple(self._in_flight.take_counts())
+        counts = self._in_flight.take_counts().values()
         written, self._written = self._written, None
         if not any(counts) and written is None:
             return None
@@ -109,7 +109,9 @@ class GenerationParticipant(Participant):
         payload = vote.payloads.get(GeneratedTokens)
         if payload is None:
             return
-        for i, value in enumerate(astuple(payload)[: len(STATS)]):
+        values = (payload.prompts, payload.prompt_tokens, payload.completion_tokens, payload.resumed_prompts,
+                  payload.reused_tokens)
+        for i, value in enumerate(values):
             self._totals[i] += value
         counts = (payload.prompts, payload.prompt_tokens, payload.completion_tokens)
         mine = self._ranks.setdefault(vote.rank, [0, 0, 0])

@@ -91,7 +91,8 @@ class GatheredVotes(VoteTransport):
             vote.durable = self._writes.durable
 
     def send(self, vote: Vote, *, news: bool = False) -> bool:
-        counts = self._keeper.committed_counts() if self._keeper is not None else (0, 0)  # rank 0's, for progress
+        # rank 0's, for the other ranks' progress (one process: none to tell)
+        counts = self._keeper.committed_counts() if self._keeper is not None and not self._sole else (0, 0)
         self._pending = PendingVotes(self._collectives, vote, counts, news)
         return self._collectives.world_size == 1  # nothing to wait for: the record goes to the writer now
 

@@ -84,6 +84,10 @@ class GenerationCounts:
     reused_tokens: int = 0
     """The tokens of those partial answers (generated once, not again)."""
 
+    def values(self) -> tuple[int, int, int, int, int]:
+        """The counts in field order (``dataclasses.astuple`` deep-copies: ~15 µs at every commit of every job)."""
+        return self.prompts, self.prompt_tokens, self.completion_tokens, self.resumed_prompts, self.reused_tokens
+
 
 class InFlight:
     """The rank's batches in flight in its generation engine (see the module docstring).
