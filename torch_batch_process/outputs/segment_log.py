@@ -73,9 +73,7 @@ class SegmentLog:
             raise ValueError(f"{self.path}: rows of another schema ({table.schema}) than the log's ({self._schema})")
         metadata = {STAGE_KEY: str(stage).encode()}
         try:
-            # one IPC message per append: a commit's rows come as one small table per batch, and a message each
-            # cost twice the copy that joins them (12 vs 23 µs for 5 tables of 100 rows)
-            for batch in table.combine_chunks().to_batches():
+            for batch in table.to_batches():
                 self._writer.write_batch(batch, custom_metadata=metadata)
             self._sink.flush()  # in the file (a kill -9 keeps it) before the vote
         except BaseException:
