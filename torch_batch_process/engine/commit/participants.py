@@ -118,6 +118,19 @@ class Participants(Sequence[Participant]):
 
     def __init__(self, participants: Sequence[Participant]) -> None:
         self._all = tuple(participants)
+        # per moment, the participants that take part in it (override it): a commit of a tiny batch is mostly calls,
+        # and most participants keep most moments' default, which does nothing
+        self._seal = self._taking("seal")
+        self._contribute = self._taking("contribute")
+        self._learn = self._taking("learn")
+        self._check = self._taking("check")
+        self._merge = self._taking("merge")
+        self._share = self._taking("share")
+
+    def _taking(self, moment: str) -> tuple[Participant, ...]:
+        """The participants whose ``moment`` is not the base class's (which does nothing), in order."""
+        default = getattr(Participant, moment)
+        return tuple(p for p in self._all if getattr(getattr(p, moment), "__func__", None) is not default)
 
     def __getitem__(self, index: int) -> Participant:  # type: ignore[override]
         return self._all[index]
@@ -126,23 +139,23 @@ class Participants(Sequence[Participant]):
         return len(self._all)
 
     def seal(self, closing: bool) -> None:
-        for participant in self._all:
+        for participant in self._seal:
             participant.seal(closing)
 
     def contribute(self, part: Part, closing: bool) -> Payloads:
         """The payloads of this rank's vote."""
-        return Payloads([p for p in (each.contribute(part, closing) for each in self._all) if p is not None])
+        return Payloads([p for p in (each.contribute(part, closing) for each in self._contribute) if p is not None])
 
     def learn(self, shared: Payloads) -> None:
-        for participant in self._all:
+        for participant in self._learn:
             participant.learn(shared)
 
     def merge(self, votes: Sequence[Vote]) -> None:
         """Checks every vote with every participant, then merges them (none is merged when one is refused)."""
-        for participant in self._all:
+        for participant in self._check:
             participant.check(votes)
         for vote in votes:
-            for participant in self._all:
+            for participant in self._merge:
                 participant.merge(vote)
 
     def draft(self, draft: RecordDraft) -> None:
@@ -151,7 +164,7 @@ class Participants(Sequence[Participant]):
 
     def share(self) -> Payloads:
         """What rank 0 shares with every rank now (empty: nothing new)."""
-        return Payloads([p for p in (each.share() for each in self._all) if p is not None])
+        return Payloads([p for p in (each.share() for each in self._share) if p is not None])
 
     def before_record(self, record: CommitRecord) -> None:
         for participant in self._all:
