@@ -30,8 +30,9 @@ def child(rows: int, profiled: bool) -> dict:
 
     import pyarrow.parquet  # noqa: F401 - imported before the job, as in records_small
     import torch
+    from records_small import two_columns_processor  # run by path (see _run): this folder first on the path
 
-    from torch_batch_process import TorchBatchProcessor, torch_batch_process
+    from torch_batch_process import torch_batch_process
     from torch_batch_process.engine import loop
     from torch_batch_process.engine.commit import committer
 
@@ -56,16 +57,9 @@ def child(rows: int, profiled: bool) -> dict:
         if isinstance(owner, type) and hasattr(owner, "_checkpoint_hook"):
             owner._checkpoint_hook = measured(owner._checkpoint_hook)
 
-    class Write(TorchBatchProcessor):
-        def __init__(self, context):
-            self.context = context
-
-        def process_batch(self, batch, batch_idx):
-            self.context.write({"x": batch * 2, "y": batch * 0.5})
-
     with tempfile.TemporaryDirectory() as tmp:
-        result = torch_batch_process(Write, torch.arange(rows), batch_size=100, storage_path=f"{tmp}/job",
-                                     progress=False)
+        result = torch_batch_process(two_columns_processor(), torch.arange(rows), batch_size=100,
+                                     storage_path=f"{tmp}/job", progress=False)
     commits = len(seconds) // 2  # a hook and a commit each
     out = {"commits": commits, "cpu_us": statistics.median(
         seconds[i] + seconds[i + 1] for i in range(0, 2 * commits, 2)) * 1e6}

@@ -89,13 +89,10 @@ def _ablate(kind: str) -> dict:
     return {}
 
 
-def child_tbp(rows: int, batch_size: int, storage: str, ablate: str = "") -> dict:
-    import glob
-
-    import pyarrow.parquet  # noqa: F401 - imported before the clock, as in the hand loops (the library's is lazy)
-
-    from torch_batch_process import TorchBatchProcessor, torch_batch_process
-    from torch_batch_process.outputs.readback import OUTPUTS_GLOB
+def two_columns_processor() -> type:
+    """The library contenders' processor: ``context.write`` of two columns per batch (``x = batch * 2``,
+    ``y = batch * 0.5``); built on call, so that the library is imported in the measured process only."""
+    from torch_batch_process import TorchBatchProcessor
 
     class Write(TorchBatchProcessor):
         def __init__(self, context):
@@ -104,6 +101,18 @@ def child_tbp(rows: int, batch_size: int, storage: str, ablate: str = "") -> dic
         def process_batch(self, batch, batch_idx):
             self.context.write({"x": batch * 2, "y": batch * 0.5})
 
+    return Write
+
+
+def child_tbp(rows: int, batch_size: int, storage: str, ablate: str = "") -> dict:
+    import glob
+
+    import pyarrow.parquet  # noqa: F401 - imported before the clock, as in the hand loops (the library's is lazy)
+
+    from torch_batch_process import torch_batch_process
+    from torch_batch_process.outputs.readback import OUTPUTS_GLOB
+
+    Write = two_columns_processor()
     options = _ablate(ablate) if ablate else {}
     dataset = _dataset(rows)
     start = _clocks()
@@ -157,15 +166,9 @@ def child_s3(rows: int, batch_size: int, url: str, per_commit: bool) -> dict:
         os.environ["TBP_SHARD_BYTES"] = "1"
     import fsspec
 
-    from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+    from torch_batch_process import read_outputs, torch_batch_process
 
-    class Write(TorchBatchProcessor):
-        def __init__(self, context):
-            self.context = context
-
-        def process_batch(self, batch, batch_idx):
-            self.context.write({"x": batch * 2, "y": batch * 0.5})
-
+    Write = two_columns_processor()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         torch_batch_process(Write, _dataset(rows), batch_size=batch_size, storage_path=f"{tmp}/job", progress=False)
@@ -291,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         server = MotoServer()
         os.environ.update(server.env())
         try:
-            print("\nread_outputs on S3 (moto), jobs in batches of 10 with checkpoint_interval=5 (a commit per 50 rows)")
+            print("\nread_outputs on S3 (moto), jobs in batches of 10 with checkpoint_interval=5 "
+                  "(a commit per 50 rows)")
             print("| rows | layout | commits | shards | read_outputs (s) |")
             print("|---:|---|---:|---:|---:|")
             cases = [(args.s3_before_rows, "a shard per commit (before)", "1"),
