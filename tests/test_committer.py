@@ -29,7 +29,7 @@ from torch_batch_process.context import CurrentBatch
 from torch_batch_process.engine.capabilities.records_participant import RecordOutputs
 from torch_batch_process.engine.capabilities.timeline_participant import TimelineParticipant
 from torch_batch_process.engine.commit.committer import Outcome
-from torch_batch_process.engine.commit.participants import Participants
+from torch_batch_process.engine.commit.participants import Participant, Participants
 from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
 from torch_batch_process.engine.commit.wiring import CommitCall, make_committer
 from torch_batch_process.engine.distributed import RendezvousStore
@@ -254,3 +254,28 @@ def test_a_failing_record_write_makes_every_rank_raise_and_publishes_exactly_wha
     assert committed and len(committed) < 2 * BATCHES_PER_RANK
     assert published_batches(tmp_path) == committed  # published: exactly what the durable record commits, once
     assert published_stages(tmp_path) <= set(latest.output_stages)
+
+
+def test_participants_run_each_moment_on_those_that_take_part_in_it_in_order():
+    """Each moment skips the participants that keep its default (it does nothing), never one that overrides it, as a
+    subclass or an instance of its own; the order stays the participants' order."""
+    calls: list[tuple[str, str]] = []
+
+    class Merges(Participant):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def merge(self, vote: Any) -> None:
+            calls.append(("merge", self.name))
+
+    class Seals(Participant):
+        def seal(self, closing: bool) -> None:
+            calls.append(("seal", "b"))
+
+    own = Participant()
+    own.seal = lambda closing: calls.append(("seal", "d"))  # type: ignore[method-assign]
+    participants = Participants([Merges("a"), Seals(), Merges("c"), own])
+    participants.seal(False)
+    participants.merge([object(), object()])  # type: ignore[list-item]
+    assert calls == [("seal", "b"), ("seal", "d"), ("merge", "a"), ("merge", "c"), ("merge", "a"), ("merge", "c")]
+    assert len(participants) == 4 and participants.contribute(RankWork().take(), False) is not None
