@@ -276,6 +276,7 @@ class JobRun:
                 self.current, self.work, self.rank_failure,
                 torch.inference_mode if args.inference_mode else contextlib.nullcontext,
                 self.failure_log.record if args.failures.skip else None, args.failures.batch_timeout,
+                learn_budget=args.failures.split_on_oom,  # an engine out of memory restarts with a smaller budget
             )
             self._closing.callback(self.in_flight.close)
             self.context = TorchBatchProcessorContext(
@@ -310,7 +311,8 @@ class JobRun:
                 self.summaries,
                 # counts nothing unless the processor uses an engine; restores a stop's partial answers
                 GenerationParticipant(
-                    self.in_flight, latest, job.opener.store.storage, self.rank, start.attempt, job.observer.generation
+                    self.in_flight, latest, job.opener.store.storage, self.rank, start.attempt, job.observer.generation,
+                    device_kind(env.device),
                 ),
                 TimelineParticipant(self.world_size, job.observer),  # last: it times what the others do after a record
             ]

@@ -21,6 +21,16 @@ A processor registers its engine once (``context.use_generation_engine(engine)``
   ``prompt + partial answer`` submitted with the rest of its ``max_new_tokens``), see
   :mod:`~torch_batch_process.generation.partial_answers`.
 
+**The engine's budget, learned** (``on_oom="split"``, as DESIGN §15 for batches). When the engine's loop dies of an
+out-of-memory error (its :class:`~torch_batch_process.generation.engine.EngineFailedError`'s cause), a resizable
+engine is restarted with a smaller :class:`~torch_batch_process.generation.engine.CacheBudget` (:meth:`CacheBudget.
+smaller`: ``batch_tokens`` halved down to a page, then ``cache_tokens`` down to one context; again while a restart
+itself runs out of memory), and every prompt in flight without its completion is submitted again, as it was
+submitted first (a batch is still delivered once, when its last prompt is answered: nothing it holds was written
+yet). The budget it came to travels in the rank's next vote (:meth:`take_budget`) and is kept with the job, and a
+new attempt's engine starts from the job's (:meth:`start_from`, applied when the processor registers it), on any
+world size. At the floor, or without ``on_oom="split"``, the rank fails as before (resumable).
+
 A prompt that cannot run (longer than the model's context, a token outside the vocabulary) comes back as a failed
 completion: with ``on_error="skip"`` it is a failing example (its row is absent, the batch completes without it),
 otherwise the rank fails naming its index and lengths (:class:`PromptFailedError`).
@@ -36,10 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch
+from torch_batch_process.engine.feed.device_memory import is_out_of_memory
 from torch_batch_process.engine.rank_failure import RankFailure
 from torch_batch_process.engine.work import RankWork
 from torch_batch_process.errors import BatchProcessError, BatchTimeoutError, InvalidArgumentError
-from torch_batch_process.generation.engine import GenerationEngine
+from torch_batch_process.generation.engine import CacheBudget, EngineFailedError, GenerationEngine
 from torch_batch_process.generation.partial_answers import PartialAnswer, PartialAnswers, prompt_digest
 from torch_batch_process.generation.requests import Completion, Prompt
 
@@ -99,6 +110,8 @@ class InFlight:
             the batches before it, at most ``max_in_flight`` prompts); longer fails the rank with
             :class:`~torch_batch_process.errors.BatchTimeoutError` naming the batch (a stuck engine never hangs the
             job). ``None``: no limit.
+        learn_budget: ``on_oom="split"``: an engine that runs out of memory is restarted with a smaller budget (see
+            the module docstring); ``False``: the rank fails.
     """
 
     def __init__(
@@ -109,8 +122,13 @@ class InFlight:
         inference: Callable[[], contextlib.AbstractContextManager[Any]],
         record_failure: Callable[[int, int, str, BaseException], None] | None = None,
         batch_timeout: float | None = None,
+        learn_budget: bool = False,
     ) -> None:
         self._batch_timeout = batch_timeout
+        self._learn_budget = learn_budget
+        self._stored_budget: dict[str, int] | None = None  # what earlier attempts learned (start_from)
+        self._budget_news = False  # the engine's budget changed since the last take_budget()
+        self._engine_ooms = 0  # out-of-memory errors of the engine since the last take_budget()
         self._current = current
         self._work = work
         self._rank_failure = rank_failure
@@ -148,8 +166,9 @@ class InFlight:
         if drain_s is not None and (isinstance(drain_s, bool) or not isinstance(drain_s, (int, float)) or drain_s < 0):
             raise InvalidArgumentError(f"generation_drain_s must be None or a number >= 0 (seconds), got {drain_s!r}")
         self.engine = engine
-        budget = getattr(engine, "budget", None)
-        sequences = getattr(budget, "max_sequences", 64)
+        self._start_from_stored(engine)
+        budget = engine.budget
+        sequences = budget.max_sequences if budget is not None else 64
         self.limit = max_in_flight if max_in_flight is not None else 4 * sequences
         if drain_s is not None:
             self.drain_s = float(drain_s)
@@ -200,11 +219,15 @@ class InFlight:
         if previous is not None:  # a batch run in parts (on_oom="split"): one batch, several submissions
             previous.indices = list(previous.indices) + list(batch.indices)
             batch = previous
-        self.engine.submit(prompts)
         self._batches[batch.batch_idx] = batch
         for prompt in prompts:
             self._batch_of[prompt.index] = batch.batch_idx
             batch.prompts[prompt.index] = prompt
+        try:
+            self.engine.submit(prompts)
+        except EngineFailedError as exc:  # the loop died since the last pump
+            if not self._recovered(exc):
+                raise
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -241,7 +264,8 @@ class InFlight:
         try:
             completions = self.engine.poll(timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - EngineFailedError: every rank stops with it
-            self._rank_failure.record(exc, "the generation engine")
+            if not self._recovered(exc):
+                self._rank_failure.record(exc, "the generation engine")
             return 0
         complete: list[BatchInFlight] = []
         for completion in completions:
@@ -290,6 +314,74 @@ class InFlight:
                 break
             self.pump(timeout=wait)
         return not self._batches
+
+    # ------------------------------------------------------------------ the engine's budget (on_oom="split")
+
+    def start_from(self, learned: dict[str, int]) -> None:
+        """What earlier attempts learned (``cache_tokens``, ``batch_tokens``): the engine the processor registers
+        starts within it, before any prompt."""
+        self._stored_budget = learned
+
+    def take_budget(self) -> tuple[CacheBudget | None, int]:
+        """The engine's budget when it changed since the previous call (else ``None``), and the out-of-memory
+        errors it met meanwhile: what the rank's next vote carries."""
+        changed, self._budget_news = self._budget_news, False
+        ooms, self._engine_ooms = self._engine_ooms, 0
+        return (self.engine.budget if changed and self.engine is not None else None), ooms
+
+    def _start_from_stored(self, engine: GenerationEngine) -> None:
+        learned, budget = self._stored_budget, engine.budget
+        if not learned or budget is None or not engine.resizable or not self._learn_budget:
+            return
+        fitted = budget.at_most(learned["cache_tokens"], learned["batch_tokens"], engine.context_length)
+        if fitted != budget:
+            logger.info("the generation engine starts within the budget earlier attempts learned: %s",
+                        fitted.describe())
+            engine.restart(fitted)
+            self._budget_news = True
+
+    def _recovered(self, error: BaseException) -> bool:
+        """The engine died (``error``): when it ran out of memory and may learn, restarts it with a smaller budget
+        and submits again every prompt in flight without its completion; returns whether it did. At the floor, the
+        rank's failure says so."""
+        engine = self.engine
+        if not self._learn_budget or engine is None or not engine.resizable or not _memory_ran_out(error):
+            return False
+        budget = engine.budget
+        assert budget is not None
+        while True:
+            self._engine_ooms += 1
+            smaller = budget.smaller(engine.context_length)
+            if smaller is None:
+                failure = EngineFailedError(
+                    f"the generation engine ran out of memory at its smallest budget ({budget.describe()}): lower "
+                    "CacheBudget.max_sequences, use a smaller model or a device with more memory"
+                )
+                failure.__cause__ = error
+                self._rank_failure.record(failure, "the generation engine")
+                return True
+            try:
+                engine.restart(smaller)
+                break
+            except Exception as again:  # noqa: BLE001 - a restart whose cache does not fit either: smaller again
+                if not _memory_ran_out(again):
+                    self._rank_failure.record(again, "restarting the generation engine")
+                    return True
+                budget = smaller
+        self._budget_news = True
+        pending = [
+            prompt for batch in self._batches.values() for index, prompt in batch.prompts.items()
+            if index not in batch.completions
+        ]
+        logger.warning(
+            "the generation engine ran out of memory (%s): restarted with %s; its %d prompts in flight submitted "
+            "again", error.__cause__ or error, engine.budget.describe() if engine.budget else "?", len(pending),
+        )
+        try:
+            engine.submit(pending)
+        except Exception as exc:  # noqa: BLE001 - every rank stops with it
+            self._rank_failure.record(exc, "the generation engine")
+        return True
 
     def take_counts(self) -> GenerationCounts:
         """The counts of the batches delivered since the previous call: those of the batches in the rank's part, for
@@ -379,3 +471,16 @@ class InFlight:
                 if prefix:
                     counts.resumed_prompts += 1
                     counts.reused_tokens += prefix
+
+
+def _memory_ran_out(error: BaseException) -> bool:
+    """Whether ``error`` or one of its causes says the device's memory ran out (an out-of-memory error in the
+    engine's loop, or ``transformers``' check that a cache does not fit: a ``MemoryError``)."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, MemoryError) or is_out_of_memory(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
