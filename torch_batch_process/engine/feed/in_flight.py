@@ -13,8 +13,9 @@ A processor registers its engine once (``context.use_generation_engine(engine)``
   and the batch joins the same :class:`~torch_batch_process.engine.work.Part` as its rows. So a commit covers
   completed batches only, in any order, each with its rows: exactly once as for any batch;
 - the loop waits for room (:meth:`has_room`: at most ``max_in_flight`` prompts submitted) before it loads the next
-  batch, pumps before each commit, drains when the rank's batches are done, and at a stop drains for at most
-  ``drain_s`` seconds: a batch still in flight then is not committed, and the resume generates it again;
+  batch, pumps before each commit, drains when the rank's batches are done (committing as batches complete:
+  :mod:`~torch_batch_process.engine.final_drain`), and at a stop drains for at most ``drain_s`` seconds: a batch
+  still in flight then is not committed, and the resume generates it again;
 - a stop keeps the answers of its unfinished batches (:meth:`InFlight.keep_partial_answers`: the tokens so far of
   each prompt that started, the whole answer of one that finished in a batch that did not), which the generation
   participant stores with the closing commit; a resumed rank continues them (:meth:`InFlight.restore`:
@@ -301,15 +302,13 @@ class InFlight:
         while not self.has_room() and not self._rank_failure.failed and not (stopping is not None and stopping()):
             self.pump(timeout=1.0)
 
-    def drain(self, deadline_s: float | None, stopping: Callable[[], bool] | None = None) -> bool:
-        """Pumps until no batch is in flight, for at most ``deadline_s`` seconds (``None``: until done, or until
-        ``stopping()`` (a preemption while draining), from when on at most :attr:`drain_s`); returns whether none is
-        left."""
-        end = None if deadline_s is None else time.monotonic() + deadline_s
+    def drain(self, deadline_s: float) -> bool:
+        """At a stop: pumps until no batch is in flight, for at most ``deadline_s`` seconds; returns whether none is
+        left. (When the rank's steps are done, the loop drains with commits instead:
+        :mod:`~torch_batch_process.engine.final_drain`.)"""
+        end = time.monotonic() + deadline_s
         while self._batches and not self._rank_failure.failed:
-            if end is None and stopping is not None and stopping():
-                end = time.monotonic() + self.drain_s
-            wait = 1.0 if end is None else min(1.0, end - time.monotonic())
+            wait = min(1.0, end - time.monotonic())
             if wait <= 0:
                 break
             self.pump(timeout=wait)
