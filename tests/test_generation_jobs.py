@@ -148,36 +148,42 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
                for f in failures), failures
 
 
-@pytest.mark.slow
-def test_a_kill_during_the_final_drain_loses_only_what_the_drain_had_not_committed(tmp_path: Path) -> None:
-    """2 ranks submit all their batches at once (max_in_flight holds them), so their answers are delivered in the
-    final drain, slowly (1 s per batch); the drain commits as batches complete (checkpoint_interval=1): a kill -9 of
-    both ranks once 2 batches are committed, then a resume on 1 rank generates only the prompts of the batches not
-    committed (the attempt's own count), and every prompt is answered once."""
-    n = 64
-    procs, spec = start(
-        tmp_path, 2, 1, n=n, too_long=(), on_error="raise", max_in_flight=n, max_new=64, slow_s=1.0,
-        checkpoint_interval=1,
-    )
+def kill_once_committed(spec: dict[str, Any], procs: list[Any], batches: int) -> int:
+    """Kills every rank with -9 once the job's record holds ``batches`` batches; returns how many it holds then."""
     deadline = time.monotonic() + 120
-    while committed_batches(spec["storage"]) < 2 and time.monotonic() < deadline:
+    while committed_batches(spec["storage"]) < batches and time.monotonic() < deadline:
         assert all(p.poll() is None for p in procs), [err[-3000:] for _, _, err in wait_all(procs, 5)]
         time.sleep(0.05)
-    delivered = len(Path(spec["progress"]).read_text().split())
     for proc in procs:
         proc.kill()
     wait_all(procs, 30)
-    kept = committed_batches(spec["storage"])
-    assert 2 <= kept < n // BATCH, f"the drain committed {kept} batches ({delivered} delivered) before the kill"
+    return committed_batches(spec["storage"])
 
-    procs, spec = start(tmp_path, 1, 2, n=n, too_long=(), on_error="raise", max_new=64, checkpoint_interval=1)
+
+@pytest.mark.slow
+def test_a_kill_during_the_final_drain_loses_only_what_the_drain_had_not_committed(tmp_path: Path) -> None:
+    """2 ranks submit all their batches at once (max_in_flight holds them), so their answers are delivered in the
+    final drain, slowly (0.5 s per batch); the drain commits as batches complete (checkpoint_interval=1): both ranks
+    killed with -9 once 2 batches are committed (static schedule), resumed on 2 ranks (dynamic) killed again once 2
+    more are, then resumed on 1 rank, which generates only the prompts of the batches not committed (the attempt's
+    own count); every prompt answered once."""
+    n, batches = 96, 96 // BATCH
+    common = {"n": n, "too_long": (), "on_error": "raise", "max_in_flight": n, "max_new": 32, "checkpoint_interval": 1}
+    procs, spec = start(tmp_path, 2, 1, slow_s=0.5, **common)
+    kept = kill_once_committed(spec, procs, 2)
+    assert 2 <= kept < batches - 2, f"the static drain committed {kept} of {batches} batches before the kill"
+    procs, spec = start(tmp_path, 2, 2, slow_s=0.5, schedule="dynamic", **common)
+    before, kept = kept, kill_once_committed(spec, procs, kept + 2)
+    assert before + 2 <= kept < batches, f"the dynamic drain committed {kept - before} batches before the kill"
+
+    procs, spec = start(tmp_path, 1, 3, **common)
     results = wait_all(procs, 120)
     assert [rc for rc, _, _ in results] == [0], [err[-3000:] for _, _, err in results]
     counts, _ = committed(spec["storage"])
     assert counts == Counter(range(n))
-    record = latest_commit_record(spec["storage"])
-    assert record["stats"]["generation_ranks"] == [[0, n - kept * BATCH, ANY, ANY]], record["stats"]
-    assert record["stats"]["generated_prompts"] == n
+    stats = latest_commit_record(spec["storage"])["stats"]
+    assert stats["generation_ranks"] == [[0, n - kept * BATCH, ANY, ANY]], stats  # none generated twice
+    assert stats["generated_prompts"] == n
 
 
 def test_generate_refuses_bad_arguments_naming_them() -> None:
