@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,13 @@ import torch
 from harness import latest_commit_record
 
 from torch_batch_process import read_outputs, torch_batch_process
-from torch_batch_process.generation import CacheBudget, EngineFailedError, Generate, Prompt, TransformersEngine
+from torch_batch_process.generation import CacheBudget, EngineFailedError, Generate
+from torch_batch_process.observe.status import format_status, read_status
 
 pytest.importorskip("transformers", minversion="5.24")
 pytest.importorskip("psutil")
 
-from jobs.generation_job import BUDGET, Prompts, collate, tiny_llama  # noqa: E402 - after the skips
+from jobs.generation_job import BUDGET, Prompts, answered_at_once, collate, tiny_llama  # noqa: E402
 
 N, BATCH, MAX_NEW = 40, 4, 16
 LIMIT = 20
@@ -75,17 +75,6 @@ def run(storage: Path, stop_after: int | None, on_oom: str = "split") -> tuple[A
     return result, budgets
 
 
-def unconstrained() -> dict[int, list[int]]:
-    prompts = Prompts(N, MAX_NEW)
-    with TransformersEngine(tiny_llama("cpu"), budget=BUDGET, eos_token_id=()) as engine:
-        engine.submit(Prompt(i, prompts[i]["ids"], prompts[i]["max_new"]) for i in range(N))
-        done: dict[int, list[int]] = {}
-        deadline = time.monotonic() + 120
-        while len(done) < N and time.monotonic() < deadline:
-            done.update((c.index, list(c.token_ids)) for c in engine.poll(timeout=1.0))
-    return done
-
-
 def test_the_engine_budget_is_learned_kept_and_resumed_from(tmp_path: Path) -> None:
     with pytest.raises(EngineFailedError, match="simulated device"):  # on_oom="raise": the job fails
         run(tmp_path / "raise", None, on_oom="raise")
@@ -109,9 +98,13 @@ def test_the_engine_budget_is_learned_kept_and_resumed_from(tmp_path: Path) -> N
     assert budgets[0] == learned, "the resumed engine did not start from the learned budget"
     assert steps and max(steps) <= LIMIT, "the resumed engine ran a step above what was learned"
     assert second.ooms == 0 and second.generation_budget == kept
+    status = read_status(str(storage))  # tbp status (and the report, which shows the same line)
+    assert status["generation"]["budget"] == kept
+    line = f"KV cache {learned.cache_tokens:,} tokens, {learned.batch_tokens} tokens per step ({halvings} out-of-memory"
+    assert f"engine budget learned: {line} errors)" in format_status(status)
     table = read_outputs(str(storage)).to_pydict()
     assert Counter(table["index"]) == Counter(range(N))
-    expected = unconstrained()
+    expected = answered_at_once(N, MAX_NEW)
     answers = dict(zip(table["index"], table["token_ids"], strict=True))
     assert [i for i in expected if answers[i] != expected[i]] == []
 

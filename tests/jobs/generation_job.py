@@ -54,6 +54,21 @@ class Prompts(torch.utils.data.Dataset):
         return {"ids": ids, "max_new": rng.randrange(1, self.max_new + 1)}
 
 
+def answered_at_once(n, max_new, sampling=None, skip=()):
+    """The prompts of ``Prompts(n, max_new)`` but ``skip``, answered by one engine in one go in this process (no job,
+    no limit on the device): what a job over them must write, however it was stopped, killed or short of memory."""
+    prompts = Prompts(n, max_new)
+    wanted = [i for i in range(n) if i not in skip]
+    with generation.TransformersEngine(tiny_llama("cpu"), sampling=sampling, budget=BUDGET, eos_token_id=()) as engine:
+        engine.submit(generation.Prompt(i, prompts[i]["ids"], prompts[i]["max_new"]) for i in wanted)
+        done = {}
+        deadline = time.monotonic() + 120
+        while len(done) < len(wanted) and time.monotonic() < deadline:
+            done.update((c.index, list(c.token_ids)) for c in engine.poll(timeout=1.0))
+    assert len(done) == len(wanted), f"{len(wanted) - len(done)} prompts unanswered after 120 s"
+    return done
+
+
 def collate(rows):
     return rows  # a list of row dicts (token id lists of several lengths)
 

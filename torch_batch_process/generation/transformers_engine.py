@@ -45,6 +45,7 @@ __all__ = ["TransformersEngine"]
 
 _FAILED = 4  # transformers' RequestStatus.FAILED
 _HARD_STOP = 2  # its BackgroundThreadStatus.HARD_STOP: the loop is dying or dead
+_DYING_S = 10.0  # seconds a dying loop gets to record its error
 
 
 class TransformersEngine(GenerationEngine):
@@ -218,8 +219,14 @@ class TransformersEngine(GenerationEngine):
         return status.fatal_error is not None or status.local_status >= _HARD_STOP or not self._manager.is_running()
 
     def _raise_if_failed(self, force: bool = False, cause: str | None = None) -> None:
-        status = self._manager.background_thread_status
-        if force or status.fatal_error is not None or not self._manager.is_running():
+        manager = self._manager
+        status = manager.background_thread_status
+        if force or status.fatal_error is not None or not manager.is_running():
+            # the dying loop fails its requests before it records its error (the exception itself: what says out of
+            # memory), then its thread ends: wait for that, briefly, so the error is the cause of ours
+            thread = getattr(manager, "_generation_thread", None)
+            if status.fatal_error is None and thread is not None:
+                thread.join(timeout=_DYING_S)
             reason = status.fatal_error or cause or "it stopped"
             raise EngineFailedError(
                 f"transformers' generation loop died ({reason}); the {len(self._in_flight)} prompts in flight are "

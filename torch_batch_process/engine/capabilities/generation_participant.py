@@ -107,7 +107,7 @@ class GenerationParticipant(Participant):
             in_flight.restore(partial_answers.from_storage(storage.read_bytes, self._partials, storage.url_of))
         self._device = device
         stored = latest.generation_budget if latest is not None else None
-        self._budget: dict[str, Any] | None = stored if stored and stored.get("device") == device else None
+        self._budget: dict[str, Any] | None = dict(stored) if stored and stored.get("device") == device else None
         if self._budget is not None:
             in_flight.start_from(self._budget)
         self._ooms_before = int(stored.get("ooms", 0)) if stored else 0  # rank 0
