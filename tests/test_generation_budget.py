@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from harness import latest_commit_record
 
 from torch_batch_process import read_outputs, torch_batch_process
@@ -24,7 +23,14 @@ from torch_batch_process.observe.status import format_status, read_status
 pytest.importorskip("transformers", minversion="5.24")
 pytest.importorskip("psutil")
 
-from jobs.generation_job import BUDGET, Prompts, answered_at_once, collate, tiny_llama  # noqa: E402
+from jobs.generation_job import (  # noqa: E402 - after the skips
+    BUDGET,
+    Prompts,
+    answered_at_once,
+    collate,
+    on_small_device,
+    tiny_llama,
+)
 
 N, BATCH, MAX_NEW = 40, 4, 16
 LIMIT = 20
@@ -36,19 +42,7 @@ steps: list[int] = []
 
 def limited_llama(device: Any) -> Any:
     """The tests' tiny Llama on a device whose memory holds ``LIMIT`` tokens per forward step."""
-    model = tiny_llama(device)
-    base = type(model)
-
-    class OnSmallDevice(base):  # type: ignore[misc, valid-type]
-        def forward(self, input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
-            tokens = int(input_ids.shape[-1])
-            steps.append(tokens)
-            if tokens > LIMIT:
-                raise torch.OutOfMemoryError(f"simulated device: {tokens} tokens in one step, {LIMIT} fit")
-            return super().forward(input_ids, *args, **kwargs)
-
-    model.__class__ = OnSmallDevice
-    return model
+    return on_small_device(tiny_llama, LIMIT)(device, steps)
 
 
 def run(storage: Path, stop_after: int | None, on_oom: str = "split") -> tuple[Any, list[CacheBudget]]:

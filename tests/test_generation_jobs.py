@@ -152,10 +152,12 @@ def test_a_kill_during_the_final_drain_loses_only_what_the_drain_had_not_committ
     final drain, slowly (0.5 s per batch); the drain commits as batches complete (checkpoint_interval=1). Static
     schedule: both ranks killed with -9 once 2 batches are committed. Resumed on 2 ranks, dynamic schedule: its drain
     commits before its end too, and its ranks generate only the prompts of the batches not committed (the attempt's
-    own counts); every prompt answered once."""
+    own counts); every prompt answered once. On a simulated device too small for the given budget
+    (``on_oom="split"``): the first attempt's ranks learn a budget, kept in the record, and the resumed ranks start
+    within it (no out-of-memory error)."""
     n, batches = 96, 96 // BATCH
     common = {"n": n, "too_long": (), "on_error": "raise", "max_in_flight": n, "max_new": 32, "checkpoint_interval": 1,
-              "slow_s": 0.5}
+              "slow_s": 0.5, "oom_above": 20, "on_oom": "split"}  # and a device of 20 tokens per step (budget: 64)
     procs, spec = start(tmp_path, 2, 1, **common)
     deadline = time.monotonic() + 120
     while committed_batches(spec["storage"]) < 2 and time.monotonic() < deadline:
@@ -166,6 +168,8 @@ def test_a_kill_during_the_final_drain_loses_only_what_the_drain_had_not_committ
     wait_all(procs, 30)
     kept = committed_batches(spec["storage"])
     assert 2 <= kept < batches - 2, f"the static drain committed {kept} of {batches} batches before the kill"
+    learned = latest_commit_record(spec["storage"])["generation_budget"]  # both ranks' engines ran out of memory
+    assert learned["batch_tokens"] <= 20 and learned["ooms"] >= 2, learned
 
     procs, spec = start(tmp_path, 2, 2, schedule="dynamic", **common)
     seen = set()
@@ -180,6 +184,8 @@ def test_a_kill_during_the_final_drain_loses_only_what_the_drain_had_not_committ
     stats = latest_commit_record(spec["storage"])["stats"]
     assert sum(prompts for _, prompts, _, _ in stats["generation_ranks"]) == n - kept * BATCH, stats  # none twice
     assert stats["generated_prompts"] == n
+    result = report(spec, 0)["result"]  # the resumed ranks' engines started within the learned budget
+    assert result["ooms"] == 0 and result["generation_budget"] == learned, result
 
 
 def test_generate_refuses_bad_arguments_naming_them() -> None:

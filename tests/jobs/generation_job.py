@@ -5,7 +5,8 @@ The spec comes as JSON in argv[1]: ``storage``, ``n`` (prompts), ``batch_size``,
 sampling, else greedy), ``max_in_flight``, ``drain_s``, ``max_new`` (longest answer), ``checkpoint_interval``,
 ``report_dir``, ``attempt``, ``progress`` (a file each rank appends one line to per delivered batch, for tests that
 kill or stop it mid-job), ``too_long`` (indices whose prompt fills the context), ``on_error``,
-``slow_s`` (seconds slept per delivered batch, so a test can catch it mid-job).
+``slow_s`` (seconds slept per delivered batch, so a test can catch it mid-job), ``oom_above`` (a simulated device:
+a forward step of more tokens raises ``torch.OutOfMemoryError``), ``on_oom``.
 """
 
 import faulthandler
@@ -36,6 +37,29 @@ def tiny_llama(device):
         num_key_value_heads=2, max_position_embeddings=CONTEXT, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
     return LlamaForCausalLM(config).eval().to(device)
+
+
+def on_small_device(build, tokens):
+    """``build`` (device -> model) on a simulated device whose memory holds ``tokens`` tokens per forward step (more
+    raise a real ``torch.OutOfMemoryError``, inside the engine's loop as on a GPU); ``seen``, if given, gets each
+    step's tokens."""
+
+    def build_small(device, seen=None):
+        model = build(device)
+
+        class OnSmallDevice(type(model)):
+            def forward(self, input_ids=None, *args, **kwargs):
+                n = int(input_ids.shape[-1])
+                if seen is not None:
+                    seen.append(n)
+                if n > tokens:
+                    raise torch.OutOfMemoryError(f"simulated device: {n} tokens in one step, {tokens} fit")
+                return super().forward(input_ids, *args, **kwargs)
+
+        model.__class__ = OnSmallDevice
+        return model
+
+    return build_small
 
 
 class Prompts(torch.utils.data.Dataset):
@@ -80,8 +104,9 @@ def main():
     spec = json.loads(sys.argv[1])
     rank = int(os.environ.get("RANK", "0"))
     report = {"rank": rank}
+    model = on_small_device(tiny_llama, spec["oom_above"]) if spec.get("oom_above") else tiny_llama
     Gen = generation.Generate(
-        model=tiny_llama, prompt="ids", max_new_tokens="max_new", sampling=SAMPLED if spec.get("sampled") else None,
+        model=model, prompt="ids", max_new_tokens="max_new", sampling=SAMPLED if spec.get("sampled") else None,
         eos_token_id=(), budget=BUDGET, columns=("token_ids", "finish_reason", "prompt_tokens", "completion_tokens"),
         max_in_flight=spec.get("max_in_flight"), drain_s=spec.get("drain_s"), model_id="tiny-llama-seed0",
     )
@@ -103,9 +128,12 @@ def main():
             batch_size=spec.get("batch_size", 8),
             storage_path=spec["storage"], schedule=spec.get("schedule", "static"),
             checkpoint_interval=spec.get("checkpoint_interval", 2), dataloader_kwargs={"collate_fn": collate},
-            on_error=spec.get("on_error", "raise"),
+            on_error=spec.get("on_error", "raise"), on_oom=spec.get("on_oom", "raise"),
         )
-        report["result"] = {"preempted": result.preempted, "processed": result.examples_processed}
+        report["result"] = {
+            "preempted": result.preempted, "processed": result.examples_processed, "ooms": result.ooms,
+            "generation_budget": result.generation_budget,
+        }
     except Exception as exc:  # noqa: BLE001 - reported to the test
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
     report_dir = Path(spec["report_dir"])
