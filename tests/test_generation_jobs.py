@@ -149,15 +149,15 @@ def kill_once_committed(spec: dict[str, Any], procs: list[Any], batches: int) ->
 @pytest.mark.slow
 def test_a_kill_during_the_final_drain_loses_only_what_the_drain_had_not_committed(tmp_path: Path) -> None:
     """2 ranks submit all their batches at once (max_in_flight holds them), so their answers are delivered in the
-    final drain, slowly (0.5 s per batch); the drain commits as batches complete (checkpoint_interval=1). Static
+    final drain, slowly (0.3 s per batch); the drain commits as batches complete (checkpoint_interval=1). Static
     schedule: both ranks killed with -9 once 2 batches are committed. Resumed on 2 ranks, dynamic schedule: its drain
     commits before its end too, and its ranks generate only the prompts of the batches not committed (the attempt's
     own counts); every prompt answered once. On a simulated device too small for the given budget
     (``on_oom="split"``): the first attempt's ranks learn a budget, kept in the record, and the resumed ranks start
     within it (no out-of-memory error)."""
-    n, batches = 96, 96 // BATCH
+    n, batches = 64, 64 // BATCH
     common = {"n": n, "too_long": (), "on_error": "raise", "max_in_flight": n, "max_new": 32, "checkpoint_interval": 1,
-              "slow_s": 0.5, "oom_above": 20, "on_oom": "split"}  # and a device of 20 tokens per step (budget: 64)
+              "slow_s": 0.3, "oom_above": 20, "on_oom": "split"}  # and a device of 20 tokens per step (budget: 64)
     procs, spec = start(tmp_path, 2, 1, **common)
     deadline = time.monotonic() + 120
     while committed_batches(spec["storage"]) < 2 and time.monotonic() < deadline:

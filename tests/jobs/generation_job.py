@@ -128,7 +128,7 @@ def main():
             batch_size=spec.get("batch_size", 8),
             storage_path=spec["storage"], schedule=spec.get("schedule", "static"),
             checkpoint_interval=spec.get("checkpoint_interval", 2), dataloader_kwargs={"collate_fn": collate},
-            on_error=spec.get("on_error", "raise"), on_oom=spec.get("on_oom", "raise"),
+            on_error=spec.get("on_error", "raise"), on_oom=spec.get("on_oom", "split"),
         )
         report["result"] = {
             "preempted": result.preempted, "processed": result.examples_processed, "ooms": result.ooms,

@@ -2,15 +2,17 @@
 are delivered and committed every ``checkpoint_interval`` delivered batches (DESIGN §19), so a kill -9 during a long
 drain loses only what was delivered since the last commit, as during the steps.
 
-The ranks drain in rounds of :data:`ROUND_S` seconds, together: in a round each rank delivers what its engine
-finishes; at the round's end they take one element-wise MAX of four integers (a batch still in flight, a stop asked
-(SIGTERM, or a completed commit's votes), a failure, batches delivered since the last commit). When a rank has
-delivered ``checkpoint_interval`` batches since the last commit, every rank commits (``on_checkpoint_start()`` the
-same number of times on every rank, the gathered votes of the static schedule at the same round; the queued votes of
-the dynamic schedule just as well). The drain ends on every rank at the same round: when no batch is in flight
-anywhere (``DONE``: the closing commit follows), when a rank asked to stop (``STOP``: each rank then drains within
-``drain_s`` and keeps its partial answers, as at any stop), or when a rank failed (``FAIL``). A rank whose engine is
-empty waits for the others at the round's end, as it did at the closing commit.
+The ranks drain in rounds of at most :data:`ROUND_S` seconds, together: in a round each rank delivers what its
+engine finishes, up to ``checkpoint_interval`` batches (answered batches beyond wait for the next round, so that a
+commit never waits for a long run of deliveries); at the round's end they take one element-wise MAX of four integers
+(a batch still in flight, a stop asked (SIGTERM, or a completed commit's votes), a failure, batches delivered since
+the last commit). When a rank has delivered ``checkpoint_interval`` batches since the last commit, every rank
+commits (``on_checkpoint_start()`` the same number of times on every rank, the gathered votes of the static schedule
+at the same round; the queued votes of the dynamic schedule just as well). The drain ends on every rank at the same
+round: when no batch is in flight anywhere (``DONE``: the closing commit follows), when a rank asked to stop
+(``STOP``: each rank then drains within ``drain_s`` and keeps its partial answers, as at any stop), or when a rank
+failed (``FAIL``). A rank whose engine is empty, or that delivered ``checkpoint_interval`` batches, ends its round
+and waits for the others (at most a round), as it waited at the closing commit before.
 """
 
 from __future__ import annotations
@@ -52,11 +54,11 @@ def drain_committing(
     delivered = 0
     while True:
         end = time.monotonic() + ROUND_S
-        while in_flight.batches_in_flight and not failed() and not stopping():
+        while in_flight.batches_in_flight and delivered < interval and not failed() and not stopping():
             wait = end - time.monotonic()
             if wait <= 0:
                 break
-            delivered += in_flight.pump(timeout=min(wait, 1.0))
+            delivered += in_flight.pump(timeout=min(wait, 1.0), most=interval - delivered)
         stop = poll()
         left, stop, fail, most = collectives.start_max(
             [int(in_flight.batches_in_flight > 0), int(stop or stopping()), int(failed()), delivered]

@@ -22,15 +22,15 @@ A processor registers its engine once (``context.use_generation_engine(engine)``
   ``prompt + partial answer`` submitted with the rest of its ``max_new_tokens``), see
   :mod:`~torch_batch_process.generation.partial_answers`.
 
-**The engine's budget, learned** (``on_oom="split"``, as DESIGN §15 for batches). When the engine's loop dies of an
-out-of-memory error (its :class:`~torch_batch_process.generation.engine.EngineFailedError`'s cause), a resizable
-engine is restarted with a smaller :class:`~torch_batch_process.generation.engine.CacheBudget` (:meth:`CacheBudget.
-smaller`: ``batch_tokens`` halved down to a page, then ``cache_tokens`` down to one context; again while a restart
-itself runs out of memory), and every prompt in flight without its completion is submitted again, as it was
-submitted first (a batch is still delivered once, when its last prompt is answered: nothing it holds was written
-yet). The budget it came to travels in the rank's next vote (:meth:`take_budget`) and is kept with the job, and a
-new attempt's engine starts from the job's (:meth:`start_from`, applied when the processor registers it), on any
-world size. At the floor, or without ``on_oom="split"``, the rank fails as before (resumable).
+**The engine's budget, learned** (``on_oom="split"``, the default; as DESIGN §15 for batches). When the engine's
+loop dies of an out-of-memory error (its :class:`~torch_batch_process.generation.engine.EngineFailedError`'s cause),
+a resizable engine is restarted with a smaller :class:`~torch_batch_process.generation.engine.CacheBudget`
+(:meth:`CacheBudget.smaller`: ``batch_tokens`` halved down to a page, then ``cache_tokens`` down to one context;
+again while a restart itself runs out of memory), and every prompt in flight without its completion is submitted
+again, as it was submitted first (a batch is still delivered once, when its last prompt is answered: nothing it
+holds was written yet). The budget it came to travels in the rank's next vote (:meth:`take_budget`) and is kept with
+the job, and a new attempt's engine starts from the job's (:meth:`start_from`, applied when the processor registers
+it), on any world size. At the floor, or with ``on_oom="raise"``, the rank fails as before (resumable).
 
 A prompt that cannot run (longer than the model's context, a token outside the vocabulary) comes back as a failed
 completion: with ``on_error="skip"`` it is a failing example (its row is absent, the batch completes without it),
@@ -141,6 +141,7 @@ class InFlight:
         self.drain_s = DEFAULT_DRAIN_S
         self._batches: dict[int, BatchInFlight] = {}
         self._batch_of: dict[int, int] = {}  # dataset index -> batch_idx, for the prompts in flight
+        self._complete: list[BatchInFlight] = []  # answered, not delivered yet (pump(most=...)), in completion order
         self._pending: tuple[BatchInFlight, list[Prompt]] | None = None  # submitted by process_batch, not yet sent
         self._delivering = False
         self._counts = GenerationCounts()  # delivered since the last take_counts()
@@ -257,29 +258,33 @@ class InFlight:
         """When the oldest batch in flight was submitted (``time.monotonic()``), or ``None``."""
         return min((b.submitted for b in self._batches.values()), default=None)
 
-    def pump(self, timeout: float = 0.0) -> int:
-        """Takes the completions the engine finished (waiting up to ``timeout`` seconds for one) and delivers every
-        batch whose last prompt came back; returns how many batches were delivered. A dead engine fails the rank."""
+    def pump(self, timeout: float = 0.0, most: int | None = None) -> int:
+        """Takes the completions the engine finished (waiting up to ``timeout`` seconds for one when no batch is
+        complete yet) and delivers the batches whose last prompt came back, in the order they completed, at most
+        ``most`` of them (``None``: all; the others wait for the next call); returns how many it delivered. A dead
+        engine fails the rank."""
         if self.engine is None or not self._batches or self._rank_failure.failed:
             return 0
         try:
-            completions = self.engine.poll(timeout=timeout)
+            completions = self.engine.poll(timeout=0.0 if self._complete else timeout)
         except Exception as exc:  # noqa: BLE001 - EngineFailedError: every rank stops with it
             if not self._recovered(exc):
                 self._rank_failure.record(exc, "the generation engine")
             return 0
-        complete: list[BatchInFlight] = []
         for completion in completions:
             batch = self._batches[self._batch_of.pop(completion.index)]
             batch.completions[completion.index] = completion
             if len(batch.completions) == len(batch.indices):
-                complete.append(batch)
-        for batch in complete:
+                self._complete.append(batch)
+        delivered = 0
+        while self._complete and (most is None or delivered < most):
+            batch = self._complete.pop(0)
             del self._batches[batch.batch_idx]
             self._deliver(batch)
+            delivered += 1
         if self._batch_timeout is not None and self._batches:
             self._check_timeout(self._batch_timeout)
-        return len(complete)
+        return delivered
 
     def _check_timeout(self, limit: float) -> None:
         batch = min(self._batches.values(), key=lambda b: b.submitted)
@@ -419,6 +424,7 @@ class InFlight:
         engine, self.engine = self.engine, None
         self._batches.clear()
         self._batch_of.clear()
+        self._complete.clear()
         if self._batch_finished in self._current.listeners:
             self._current.listeners.remove(self._batch_finished)
         if engine is not None:
