@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import JOBS, latest_commit_record, spawn_ranks, wait_all
+from harness import JOBS, committed_batches, latest_commit_record, spawn_ranks, wait_all
 
 from torch_batch_process import (
     BatchTimeoutError,
@@ -39,24 +39,11 @@ from torch_batch_process.generation import (
 pytest.importorskip("transformers", minversion="5.24")
 pytest.importorskip("psutil")
 
-from jobs.generation_job import BUDGET, SAMPLED, Prompts, tiny_llama  # noqa: E402 - after the skips
+from jobs.generation_job import BUDGET, SAMPLED, Prompts, answered_at_once, tiny_llama  # noqa: E402 - after the skips
 
 GENERATION_JOB = JOBS / "generation_job.py"
 N, BATCH, MAX_NEW = 200, 8, 24
 TOO_LONG = (5, 77, 190)  # prompts that fill the model's context: failing examples (on_error="skip")
-
-
-def answers_uninterrupted(n: int) -> dict[int, list[int]]:
-    """The same prompts answered by one engine in one go, in this process: what every job must write."""
-    prompts = Prompts(n, MAX_NEW)
-    with TransformersEngine(tiny_llama("cpu"), sampling=SAMPLED, budget=BUDGET, eos_token_id=()) as engine:
-        engine.submit(Prompt(i, prompts[i]["ids"], prompts[i]["max_new"]) for i in range(n) if i not in TOO_LONG)
-        done: dict[int, list[int]] = {}
-        deadline = time.monotonic() + 120
-        while len(done) < n - len(TOO_LONG) and time.monotonic() < deadline:
-            done.update((c.index, list(c.token_ids)) for c in engine.poll(timeout=1.0))
-    assert len(done) == n - len(TOO_LONG)
-    return done
 
 
 def committed(storage: str) -> tuple[Counter[int], dict[int, list[int]]]:
@@ -104,7 +91,7 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
     (dynamic schedule) to the end: every prompt once, in whole batches at each stop, every answer that of the same
     prompt answered uninterrupted, tokens reused from the partial answers; the prompts that fill the model's context
     are failing examples (on_error="skip"), recorded once."""
-    expected = answers_uninterrupted(N)
+    expected = answered_at_once(N, MAX_NEW, SAMPLED, skip=TOO_LONG)
 
     procs, spec = start(tmp_path, 2, 1, drain_s=0.2, slow_s=0.3)  # 1. SIGTERM both ranks mid-job
     wait_for_batches(spec, procs, 3)
@@ -145,6 +132,60 @@ def test_generation_jobs_answer_every_prompt_once_across_sigterm_and_kill(tmp_pa
     assert [f["index"] for f in failures] == list(TOO_LONG), failures
     assert all(f["error_type"] == "PromptFailedError" and f"index {f['index']} has 96 tokens" in f["message"]
                for f in failures), failures
+
+
+def kill_once_committed(spec: dict[str, Any], procs: list[Any], batches: int) -> int:
+    """Kills every rank with -9 once the job's record holds ``batches`` batches; returns how many it holds then."""
+    deadline = time.monotonic() + 120
+    while committed_batches(spec["storage"]) < batches and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), [err[-3000:] for _, _, err in wait_all(procs, 5)]
+        time.sleep(0.05)
+    for proc in procs:
+        proc.kill()
+    wait_all(procs, 30)
+    return committed_batches(spec["storage"])
+
+
+@pytest.mark.slow
+def test_a_kill_during_the_final_drain_loses_only_what_the_drain_had_not_committed(tmp_path: Path) -> None:
+    """2 ranks submit all their batches at once (max_in_flight holds them), so their answers are delivered in the
+    final drain, slowly (0.3 s per batch); the drain commits as batches complete (checkpoint_interval=1). Static
+    schedule: both ranks killed with -9 once 2 batches are committed. Resumed on 2 ranks, dynamic schedule: its drain
+    commits before its end too, and its ranks generate only the prompts of the batches not committed (the attempt's
+    own counts); every prompt answered once. On a simulated device too small for the given budget
+    (``on_oom="split"``): the first attempt's ranks learn a budget, kept in the record, and the resumed ranks start
+    within it (no out-of-memory error)."""
+    n, batches = 64, 64 // BATCH
+    common = {"n": n, "too_long": (), "on_error": "raise", "max_in_flight": n, "max_new": 32, "checkpoint_interval": 1,
+              "slow_s": 0.3, "oom_above": 20, "on_oom": "split"}  # and a device of 20 tokens per step (budget: 64)
+    procs, spec = start(tmp_path, 2, 1, **common)
+    deadline = time.monotonic() + 120
+    while committed_batches(spec["storage"]) < 2 and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), [err[-3000:] for _, _, err in wait_all(procs, 5)]
+        time.sleep(0.05)
+    for proc in procs:
+        proc.kill()
+    wait_all(procs, 30)
+    kept = committed_batches(spec["storage"])
+    assert 2 <= kept < batches - 2, f"the static drain committed {kept} of {batches} batches before the kill"
+    learned = latest_commit_record(spec["storage"])["generation_budget"]  # both ranks' engines ran out of memory
+    assert learned["batch_tokens"] <= 20 and learned["ooms"] >= 2, learned
+
+    procs, spec = start(tmp_path, 2, 2, schedule="dynamic", **common)
+    seen = set()
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline + 120:
+        seen.add(committed_batches(spec["storage"]))
+        time.sleep(0.05)
+    results = wait_all(procs, 30)
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-3000:] for _, _, err in results]
+    assert any(kept < value < batches for value in seen), f"no commit in the dynamic drain: {sorted(seen)}"
+    counts, _ = committed(spec["storage"])
+    assert counts == Counter(range(n))
+    stats = latest_commit_record(spec["storage"])["stats"]
+    assert sum(prompts for _, prompts, _, _ in stats["generation_ranks"]) == n - kept * BATCH, stats  # none twice
+    assert stats["generated_prompts"] == n
+    result = report(spec, 0)["result"]  # the resumed ranks' engines started within the learned budget
+    assert result["ooms"] == 0 and result["generation_budget"] == learned, result
 
 
 def test_generate_refuses_bad_arguments_naming_them() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 from harness import latest_commit_record
 
 from torch_batch_process import read_outputs, torch_batch_process
-from torch_batch_process.generation import Generate, Prompt, Sampling, TransformersEngine
+from torch_batch_process.generation import Generate, Prompt
 from torch_batch_process.generation.partial_answers import (
     PartialAnswer,
     PartialAnswers,
@@ -29,21 +28,9 @@ from torch_batch_process.generation.partial_answers import (
 pytest.importorskip("transformers", minversion="5.24")
 pytest.importorskip("psutil")
 
-from jobs.generation_job import BUDGET, Prompts, collate, tiny_llama  # noqa: E402 - after the skips
+from jobs.generation_job import BUDGET, Prompts, answered_at_once, collate, tiny_llama  # noqa: E402
 
 N, BATCH, MAX_NEW = 40, 4, 64  # answers of up to 64 tokens: a stop catches some half written
-
-
-def uninterrupted(n: int, sampling: Sampling | None) -> dict[int, list[int]]:
-    """The prompts answered by one engine in one go: what the stopped and resumed job must write."""
-    prompts = Prompts(n, MAX_NEW)
-    with TransformersEngine(tiny_llama("cpu"), sampling=sampling, budget=BUDGET, eos_token_id=()) as engine:
-        engine.submit(Prompt(i, prompts[i]["ids"], prompts[i]["max_new"]) for i in range(n))
-        done: dict[int, list[int]] = {}
-        deadline = time.monotonic() + 120
-        while len(done) < n and time.monotonic() < deadline:
-            done.update((c.index, list(c.token_ids)) for c in engine.poll(timeout=1.0))
-    return done
 
 
 def run(storage: Path, stop_after: int | None) -> Any:
@@ -75,7 +62,7 @@ def test_a_stopped_job_continues_its_partial_answers_and_survives_a_damaged_file
     """Stopped twice mid-answer (drain_s=0), the first stop's file damaged before the second attempt: the second
     answers those prompts from their prompts (a warning), the third continues the second stop's partial answers.
     Every prompt once, every answer the uninterrupted one (greedy), tokens reused > 0, the files gone at the end."""
-    expected = uninterrupted(N, None)
+    expected = answered_at_once(N, MAX_NEW)
     storage = tmp_path / "storage"
 
     assert run(storage, stop_after=1).preempted

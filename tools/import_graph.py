@@ -90,7 +90,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 SUBLAYERS: dict[str, tuple[tuple[tuple[str, ...], ...], ...]] = {
     "engine": (
         # the loop on top: the lifecycle and its helpers
-        (("engine", "engine.loop", "engine.announce", "engine.building", "engine.results", "engine.same_call"),),
+        (
+            ("engine", "engine.loop", "engine.announce", "engine.building", "engine.final_drain", "engine.results",
+             "engine.same_call"),
+        ),
         # each capability's commit participant, between the feed's side of it and the commit
         (("engine.capabilities",),),
         # the feed and the commit, side by side: neither imports the other

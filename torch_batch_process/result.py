@@ -39,13 +39,17 @@ class BatchProcessResult:
         timings_per_rank: the same seconds for each rank (index = rank), to spot a slow one.
         failed_examples: examples that failed and were skipped (``on_error="skip"``), committed, over all
             attempts; listed in ``<storage_path>/failures/`` (``tbp failures STORAGE``).
-        ooms: out-of-memory errors this call's ranks met and recovered from (``on_oom="split"``, DESIGN §15).
+        ooms: out-of-memory errors this call's ranks met and recovered from (``on_oom="split"``, DESIGN §15), a
+            generation engine's included.
         split_batches: batches this call ran in parts to fit in the device's memory.
         memory_limits: what the job learned about the device's memory, over all attempts (``None``: it never ran
             out): ``unit`` (``"tokens"``, i.e. ``len(batch) * max length``, with ``bucket_by``; else
             ``"examples"``), ``budget`` (the largest size known to fit for the longest examples that met a
             limit: with ``bucket_by``, the ``max_tokens`` it learned), ``ranges`` (per length range: ``lengths``,
             ``fits``, ``oom``) and ``text`` (the same in one line, as logged).
+        generation_budget: the KV-cache budget a generation job's engine learned with ``on_oom="split"``, over all
+            attempts (``None``: it never ran out of memory): ``device``, ``cache_tokens``, ``batch_tokens``,
+            ``max_sequences``, ``page_size``, ``ooms``; a resumed job's engines start within it (DESIGN §19).
         increment: an incremental run's counts (``incremental=True``, DESIGN §21): ``total``, ``new``, ``changed``,
             ``recompute``, ``unchanged``, ``removed`` (keys gone from the dataset, kept), ``selected``...;
             ``None`` for other calls.
@@ -74,6 +78,7 @@ class BatchProcessResult:
     ooms: int = 0
     split_batches: int = 0
     memory_limits: dict[str, Any] | None = None
+    generation_budget: dict[str, Any] | None = None
     increment: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ The spec comes as JSON in argv[1]: ``storage``, ``n`` (prompts), ``batch_size``,
 sampling, else greedy), ``max_in_flight``, ``drain_s``, ``max_new`` (longest answer), ``checkpoint_interval``,
 ``report_dir``, ``attempt``, ``progress`` (a file each rank appends one line to per delivered batch, for tests that
 kill or stop it mid-job), ``too_long`` (indices whose prompt fills the context), ``on_error``,
-``slow_s`` (seconds slept per delivered batch, so a test can catch it mid-job).
+``slow_s`` (seconds slept per delivered batch, so a test can catch it mid-job), ``oom_above`` (a simulated device:
+a forward step of more tokens raises ``torch.OutOfMemoryError``), ``on_oom``.
 """
 
 import faulthandler
@@ -38,6 +39,29 @@ def tiny_llama(device):
     return LlamaForCausalLM(config).eval().to(device)
 
 
+def on_small_device(build, tokens):
+    """``build`` (device -> model) on a simulated device whose memory holds ``tokens`` tokens per forward step (more
+    raise a real ``torch.OutOfMemoryError``, inside the engine's loop as on a GPU); ``seen``, if given, gets each
+    step's tokens."""
+
+    def build_small(device, seen=None):
+        model = build(device)
+
+        class OnSmallDevice(type(model)):
+            def forward(self, input_ids=None, *args, **kwargs):
+                n = int(input_ids.shape[-1])
+                if seen is not None:
+                    seen.append(n)
+                if n > tokens:
+                    raise torch.OutOfMemoryError(f"simulated device: {n} tokens in one step, {tokens} fit")
+                return super().forward(input_ids, *args, **kwargs)
+
+        model.__class__ = OnSmallDevice
+        return model
+
+    return build_small
+
+
 class Prompts(torch.utils.data.Dataset):
     """Example i: 2-24 token ids and an answer of 1-``max_new`` tokens, both drawn from i; the indices in ``too_long``
     get a prompt of the model's whole context (it cannot be answered: a failing example)."""
@@ -54,6 +78,21 @@ class Prompts(torch.utils.data.Dataset):
         return {"ids": ids, "max_new": rng.randrange(1, self.max_new + 1)}
 
 
+def answered_at_once(n, max_new, sampling=None, skip=()):
+    """The prompts of ``Prompts(n, max_new)`` but ``skip``, answered by one engine in one go in this process (no job,
+    no limit on the device): what a job over them must write, however it was stopped, killed or short of memory."""
+    prompts = Prompts(n, max_new)
+    wanted = [i for i in range(n) if i not in skip]
+    with generation.TransformersEngine(tiny_llama("cpu"), sampling=sampling, budget=BUDGET, eos_token_id=()) as engine:
+        engine.submit(generation.Prompt(i, prompts[i]["ids"], prompts[i]["max_new"]) for i in wanted)
+        done = {}
+        deadline = time.monotonic() + 120
+        while len(done) < len(wanted) and time.monotonic() < deadline:
+            done.update((c.index, list(c.token_ids)) for c in engine.poll(timeout=1.0))
+    assert len(done) == len(wanted), f"{len(wanted) - len(done)} prompts unanswered after 120 s"
+    return done
+
+
 def collate(rows):
     return rows  # a list of row dicts (token id lists of several lengths)
 
@@ -65,8 +104,9 @@ def main():
     spec = json.loads(sys.argv[1])
     rank = int(os.environ.get("RANK", "0"))
     report = {"rank": rank}
+    model = on_small_device(tiny_llama, spec["oom_above"]) if spec.get("oom_above") else tiny_llama
     Gen = generation.Generate(
-        model=tiny_llama, prompt="ids", max_new_tokens="max_new", sampling=SAMPLED if spec.get("sampled") else None,
+        model=model, prompt="ids", max_new_tokens="max_new", sampling=SAMPLED if spec.get("sampled") else None,
         eos_token_id=(), budget=BUDGET, columns=("token_ids", "finish_reason", "prompt_tokens", "completion_tokens"),
         max_in_flight=spec.get("max_in_flight"), drain_s=spec.get("drain_s"), model_id="tiny-llama-seed0",
     )
@@ -88,9 +128,12 @@ def main():
             batch_size=spec.get("batch_size", 8),
             storage_path=spec["storage"], schedule=spec.get("schedule", "static"),
             checkpoint_interval=spec.get("checkpoint_interval", 2), dataloader_kwargs={"collate_fn": collate},
-            on_error=spec.get("on_error", "raise"),
+            on_error=spec.get("on_error", "raise"), on_oom=spec.get("on_oom", "split"),
         )
-        report["result"] = {"preempted": result.preempted, "processed": result.examples_processed}
+        report["result"] = {
+            "preempted": result.preempted, "processed": result.examples_processed, "ooms": result.ooms,
+            "generation_budget": result.generation_budget,
+        }
     except Exception as exc:  # noqa: BLE001 - reported to the test
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
     report_dir = Path(spec["report_dir"])

@@ -124,6 +124,13 @@ def log_memory(result: BatchProcessResult, auto: bool) -> None:
         )
     elif auto:
         logger.info("memory: max_tokens='auto' met no out-of-memory error: every batch ran whole")
+    budget = result.generation_budget
+    if budget is not None:
+        logger.info(
+            "memory: the generation engine's budget learned: KV cache %s tokens, %s tokens per step (%d "
+            "out-of-memory error(s) over all attempts); a resume starts its engines within it",
+            f"{budget['cache_tokens']:,}", f"{budget['batch_tokens']:,}", budget.get("ooms", 0),
+        )
 
 
 def describe_call(

@@ -71,6 +71,7 @@ from torch_batch_process.engine.feed.prefetch import DevicePrefetcher, validate_
 from torch_batch_process.engine.feed.replica import ReplicaFeed
 from torch_batch_process.engine.feed.runner import BatchCall, BatchRunner
 from torch_batch_process.engine.feed.watchdog import watch_batches
+from torch_batch_process.engine.final_drain import drain_committing
 from torch_batch_process.engine.mesh.groups import open_job_mesh
 from torch_batch_process.engine.mesh.members import MemberWatch
 from torch_batch_process.engine.plan.bucket_options import AUTO
@@ -276,6 +277,7 @@ class JobRun:
                 self.current, self.work, self.rank_failure,
                 torch.inference_mode if args.inference_mode else contextlib.nullcontext,
                 self.failure_log.record if args.failures.skip else None, args.failures.batch_timeout,
+                learn_budget=args.failures.split_on_oom,  # an engine out of memory restarts with a smaller budget
             )
             self._closing.callback(self.in_flight.close)
             self.context = TorchBatchProcessorContext(
@@ -310,7 +312,8 @@ class JobRun:
                 self.summaries,
                 # counts nothing unless the processor uses an engine; restores a stop's partial answers
                 GenerationParticipant(
-                    self.in_flight, latest, job.opener.store.storage, self.rank, start.attempt, job.observer.generation
+                    self.in_flight, latest, job.opener.store.storage, self.rank, start.attempt, job.observer.generation,
+                    device_kind(env.device),
                 ),
                 TimelineParticipant(self.world_size, job.observer),  # last: it times what the others do after a record
             ]
@@ -391,13 +394,7 @@ class JobRun:
             self._closing.callback(peers.close)
         decision = Decision.STOP if stop_now else self._steps(processor)
         if self.in_flight.active:  # the batches in a generation engine: done, or drained within drain_s at a stop
-            if decision in (Decision.DONE, Decision.STOP):  # a preemption while draining: drain_s from then on
-                stopping, signals = decision is Decision.STOP, self.signals
-                drained = self.in_flight.drain(
-                    self.in_flight.drain_s if stopping else None, lambda: signals.preempt_requested
-                )
-                if not drained and (stopping or signals.preempt_requested):  # stored with the closing commit
-                    self.in_flight.keep_partial_answers()
+            decision = self._final_drain(processor, decision)
             self.in_flight.close()  # what did not finish is not committed: the resume generates it again
         scheduler.close()
         if peers is not None:
@@ -462,8 +459,7 @@ class JobRun:
                     step, agreed_stop=agreed_stop, preempt=signals.preempt_requested, failed=rank_failure.failed
                 )
                 if decision is Decision.COMMIT:
-                    self._checkpoint_hook(processor)
-                    committer.commit(processor, preempt=signals.preempt_requested)
+                    self._commit(processor)
                 elif decision is not Decision.CONTINUE:
                     return decision
             return Decision.DONE
@@ -474,6 +470,26 @@ class JobRun:
             watchdog.steps_done()
             if members is not None:
                 members.steps_done()
+
+    def _final_drain(self, processor: TorchBatchProcessor, decision: Decision) -> Decision:
+        """When the steps end, the batches still in the rank's generation engine: drained by every rank together,
+        committed every ``checkpoint_interval`` delivered batches (:mod:`~torch_batch_process.engine.final_drain`;
+        every rank takes part, whatever its steps ended with, so that they leave at the same round with the same
+        decision); at a stop, drained within ``drain_s`` and the unfinished answers kept for the closing commit."""
+        in_flight, signals, failure, ended = self.in_flight, self.signals, self.rank_failure, decision
+        decision = drain_committing(
+            in_flight, self.coll, self.args.checkpoint_interval, partial(self._commit, processor), self.committer.poll,
+            stopping=lambda: ended is Decision.STOP or signals.preempt_requested,
+            failed=lambda: ended is Decision.FAIL or failure.failed,
+        )
+        if decision is Decision.STOP and not in_flight.drain(in_flight.drain_s):
+            in_flight.keep_partial_answers()  # stored with the closing commit
+        return decision
+
+    def _commit(self, processor: TorchBatchProcessor) -> None:
+        """A regular commit: ``on_checkpoint_start()``, then this rank's vote."""
+        self._checkpoint_hook(processor)
+        self.committer.commit(processor, preempt=self.signals.preempt_requested)
 
     def _checkpoint_hook(self, processor: TorchBatchProcessor) -> None:
         """``on_checkpoint_start()`` before a commit (a rank that failed already skips it; the base class's, which does

@@ -46,9 +46,10 @@ def job_result(
         commits=summary.commits,
         elapsed_s=summary.elapsed_s,
         failed_examples=summary.failed_examples,
-        ooms=summary.ooms,
+        ooms=summary.ooms + summary.engine_ooms,
         split_batches=summary.split_batches,
         memory_limits=summary.memory_limits,
+        generation_budget=summary.generation_budget,
         timings={key: round(value, 6) for key, value in summary.timings.items()},
         timings_per_rank=[{key: round(value, 6) for key, value in t.items()} for t in summary.timings_per_rank],
     )

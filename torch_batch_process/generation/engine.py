@@ -94,6 +94,37 @@ class CacheBudget:
         """Pages that hold ``tokens`` tokens."""
         return math.ceil(tokens / self.page_size)
 
+    def smaller(self, context_length: int) -> CacheBudget | None:
+        """The next budget to try after this one (resolved) ran out of device memory, or ``None`` at the floor.
+
+        First ``batch_tokens`` halves (it sets the activation peak of a step: the attention mask of non-flash
+        attention alone holds ``batch_tokens x (cache_tokens + batch_tokens)`` values) down to one page, then
+        ``cache_tokens`` halves (memory given back for the steps) down to one whole context (a sequence of the
+        whole context must still fit, else it would stall the engine). ``max_sequences`` stays: a step never holds
+        more sequences than tokens anyway."""
+        if self.batch_tokens > self.page_size:
+            return replace(self, batch_tokens=max(self.page_size, self.batch_tokens // 2))
+        floor = self.pages(context_length) * self.page_size
+        tokens = self.cache_tokens if self.cache_tokens is not None else floor
+        if tokens > floor:
+            return replace(self, cache_tokens=max(floor, self.pages(tokens // 2) * self.page_size))
+        return None
+
+    def at_most(self, cache_tokens: int, batch_tokens: int, context_length: int) -> CacheBudget:
+        """This budget (resolved) within ``cache_tokens`` and ``batch_tokens`` (what an earlier attempt learned),
+        never below one page per step nor one whole context in the cache."""
+        floor = self.pages(context_length) * self.page_size
+        cache = max(floor, min(self.cache_tokens or floor, self.pages(cache_tokens) * self.page_size))
+        return replace(self, cache_tokens=cache, batch_tokens=max(1, min(self.batch_tokens, batch_tokens)))
+
+    def describe(self) -> str:
+        """One line, as logged and shown by ``tbp status``."""
+        cache = f"{self.cache_tokens:,}" if self.cache_tokens is not None else "auto"
+        return (
+            f"KV cache {cache} tokens (pages of {self.page_size}), {self.batch_tokens:,} tokens per step, "
+            f"{self.max_sequences} sequences per step"
+        )
+
 
 def admit(
     prompt: Prompt, context_length: int, vocab_size: int, eos_token_ids: tuple[int, ...] = ()
@@ -142,6 +173,8 @@ class GenerationEngine(abc.ABC):
         self._ready: list[Completion] = []
         self._closed = False
         self._lock = threading.Lock()
+        self.budget: CacheBudget | None = None
+        """The cache's size as the engine runs (resolved; ``None``: the backend sizes itself)."""
 
     # ------------------------------------------------------------------ the interface
 
@@ -222,6 +255,30 @@ class GenerationEngine(abc.ABC):
             if prompt is not None and tokens:
                 answers[index] = prompt.answer_prefix + tuple(tokens)
         return answers
+
+    resizable = False
+    """Whether :meth:`restart` can give this engine another :class:`CacheBudget` (the job then learns one when the
+    engine runs out of device memory, ``on_oom="split"``)."""
+
+    def restart(self, budget: CacheBudget) -> None:
+        """Drops every prompt in flight (never returned: submit them again) and starts the engine again with
+        ``budget``, the model kept; only where :attr:`resizable`.
+
+        Raises:
+            EngineClosedError: the engine was stopped.
+            NotImplementedError: this backend cannot change its budget.
+        """
+        if self._closed:
+            raise EngineClosedError("this generation engine was stopped: it cannot restart")
+        if not self.resizable:
+            raise NotImplementedError(f"{type(self).__name__} cannot change its cache budget while it runs")
+        self._in_flight.clear()
+        self._ready.clear()
+        self._restart(budget)
+
+    def _restart(self, budget: CacheBudget) -> None:
+        """A resizable backend: stops generating (what is in flight is dropped) and starts again with ``budget``."""
+        raise NotImplementedError
 
     def stop(self) -> None:
         """Stops the engine at once: prompts in flight are dropped (never returned), its memory released.

@@ -17,6 +17,11 @@ What it relies on (``transformers`` 5.24, read in its source and checked by the 
   :func:`~torch_batch_process.generation.engine.admit` caps each answer there.
 - When the loop dies (an out-of-memory error, a kernel error) it fails every request with the same error and stops;
   this engine raises :class:`EngineFailedError` then, rather than reporting every prompt as failed.
+- When the device's memory runs out inside a step (``torch.OutOfMemoryError``, or a ``MemoryError``), the loop dies
+  like that too: the error is the cause of the :class:`EngineFailedError` (``status.fatal_error`` is the exception
+  itself), the only signal the engine gives. :meth:`restart` then builds a new manager with a smaller
+  :class:`CacheBudget` on the same model (``resizable``), so the job learns a budget that fits (``on_oom="split"``).
+  A full cache is no error: the loop evicts requests and prefills them again later (slower, never wrong).
 - ``manager.pause()`` parks the loop between steps, so the requests in progress can be read (:meth:`partial`).
 - Greedy answers are those of ``model.generate`` for the same prompt (checked); sampling uses
   :mod:`torch_batch_process.generation.transformers_sampler` (seeded per dataset index), since the manager's own
@@ -40,6 +45,7 @@ __all__ = ["TransformersEngine"]
 
 _FAILED = 4  # transformers' RequestStatus.FAILED
 _HARD_STOP = 2  # its BackgroundThreadStatus.HARD_STOP: the loop is dying or dead
+_DYING_S = 10.0  # seconds a dying loop gets to record its error
 
 
 class TransformersEngine(GenerationEngine):
@@ -82,8 +88,17 @@ class TransformersEngine(GenerationEngine):
                 "transformers' continuous batching on a CPU reads the machine's memory with psutil: pip install "
                 "psutil (or torch-batch-process[generation])"
             )
+        self._model = model
         with torch.inference_mode():  # the manager's loop runs in the mode it was started in: no autograd state
             self._manager = self._start(model)
+
+    resizable = True
+
+    def _restart(self, budget: CacheBudget) -> None:
+        self._shutdown()  # the old manager's cache and masks go first
+        self.budget = budget.resolved(self.context_length)
+        with torch.inference_mode():
+            self._manager = self._start(self._model)
 
     def _start(self, model: Any) -> Any:
         """Builds the manager and its cache in this thread (so a cache too large raises here), then starts its loop."""
@@ -91,6 +106,7 @@ class TransformersEngine(GenerationEngine):
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         budget = self.budget
+        assert budget is not None and budget.cache_tokens is not None  # resolved in __init__
         generation = GenerationConfig(
             do_sample=False,  # sampled answers: SeededSampler leaves one finite score per row
             max_new_tokens=budget.cache_tokens,
@@ -165,7 +181,9 @@ class TransformersEngine(GenerationEngine):
         return progress
 
     def _shutdown(self) -> None:
-        manager = self._manager
+        manager, self._manager = self._manager, None
+        if manager is None:  # a restart whose new cache did not fit
+            return
         try:
             manager.stop(block=True, timeout=60, hard_stop=True)
         finally:
@@ -201,8 +219,14 @@ class TransformersEngine(GenerationEngine):
         return status.fatal_error is not None or status.local_status >= _HARD_STOP or not self._manager.is_running()
 
     def _raise_if_failed(self, force: bool = False, cause: str | None = None) -> None:
-        status = self._manager.background_thread_status
-        if force or status.fatal_error is not None or not self._manager.is_running():
+        manager = self._manager
+        status = manager.background_thread_status
+        if force or status.fatal_error is not None or not manager.is_running():
+            # the dying loop fails its requests before it records its error (the exception itself: what says out of
+            # memory), then its thread ends: wait for that, briefly, so the error is the cause of ours
+            thread = getattr(manager, "_generation_thread", None)
+            if status.fatal_error is None and thread is not None:
+                thread.join(timeout=_DYING_S)
             reason = status.fatal_error or cause or "it stopped"
             raise EngineFailedError(
                 f"transformers' generation loop died ({reason}); the {len(self._in_flight)} prompts in flight are "

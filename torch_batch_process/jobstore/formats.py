@@ -196,6 +196,9 @@ class CommitRecord:
     partial_answers: list[str] = field(default_factory=list)
     """A generation job's partial-answer files left by its stops (see
     :mod:`torch_batch_process.generation.partial_answers`): hints, not needed to resume (:meth:`hint_files`)."""
+    generation_budget: dict[str, Any] | None = None
+    """The KV-cache budget a generation job's engines learned (``on_oom="split"``): ``device``, ``cache_tokens``,
+    ``batch_tokens``, ``max_sequences``, ``page_size``, ``ooms``; ``None``: none learned."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -219,6 +222,7 @@ class CommitRecord:
             **({"table": self.table} if self.table is not None else {}),
             "memory_limits": self.memory_limits,
             **({"partial_answers": self.partial_answers} if self.partial_answers else {}),
+            **({"generation_budget": self.generation_budget} if self.generation_budget is not None else {}),
         }
 
     @classmethod
@@ -248,6 +252,7 @@ class CommitRecord:
                 table=dict(value["table"]) if value.get("table") is not None else None,
                 memory_limits=_memory_limits(value.get("memory_limits")),
                 partial_answers=[str(rel) for rel in value.get("partial_answers") or []],
+                generation_budget=_generation_budget(value.get("generation_budget")),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             message = f"commit record {where} is not a valid record ({exc}). {CORRUPT_HINT}."
@@ -279,6 +284,16 @@ def _memory_limits(value: Any) -> dict[str, Any] | None:
     if value is not None:
         MemoryLimits.from_json(value)  # a ValueError names what is wrong
     return value
+
+
+def _generation_budget(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    budget = dict(value)
+    for name in ("cache_tokens", "batch_tokens"):
+        if not isinstance(budget.get(name), int) or budget[name] < 1:
+            raise ValueError(f"generation_budget.{name} is {budget.get(name)!r}, not a positive int")
+    return budget
 
 
 def qualified_name(cls: type) -> str:

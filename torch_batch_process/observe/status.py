@@ -34,7 +34,8 @@ incremental runs, ``incremental=True``: ``{"run", "folder", "state", "counts", "
 "examples_total"}``, ``counts`` as ``BatchProcessResult.increment``; ``[]`` for other jobs), ``generation`` (a
 generation job's ``generated_prompts``, ``prompt_tokens``, ``completion_tokens``, ``resumed_prompts`` and
 ``reused_tokens`` over all attempts, and ``ranks``: the latest attempt's ``{"rank", "prompts", "tokens_in",
-"tokens_out", "tokens_in_per_s", "tokens_out_per_s"}`` per rank; ``null`` for other jobs).
+"tokens_out", "tokens_in_per_s", "tokens_out_per_s"}`` per rank, and ``budget``: the record's
+``generation_budget``, what its engines learned with ``on_oom="split"``, or ``null``; ``null`` for other jobs).
 """
 
 from __future__ import annotations
@@ -176,19 +177,20 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "result_path": storage.url_of(RESULT_FILE) if finished and result is not None else None,
         "failed_examples": failures["count"],
         "failures": failures,
-        "generation": _generation(stats),
+        "generation": _generation(stats, latest),
         "runs": incremental_runs(storage),
     }
 
 
-def _generation(stats: dict[str, Any]) -> dict[str, Any] | None:
-    """A generation job's prompts and tokens over all attempts, and the latest attempt's per rank with their tokens
-    per second (DESIGN §19); ``None`` for other jobs."""
+def _generation(stats: dict[str, Any], latest: CommitRecord | None) -> dict[str, Any] | None:
+    """A generation job's prompts and tokens over all attempts, the latest attempt's per rank with their tokens
+    per second, and the engine's budget it learned (DESIGN §19); ``None`` for other jobs."""
     if "generated_prompts" not in stats:
         return None
     totals = {name: int(stats.get(name, 0)) for name in GENERATION_STATS}
     elapsed = stats.get("attempt_elapsed_s")
-    return {**totals, "ranks": rates_per_rank(stats.get("generation_ranks") or [], elapsed)}
+    budget = latest.generation_budget if latest is not None else None
+    return {**totals, "ranks": rates_per_rank(stats.get("generation_ranks") or [], elapsed), "budget": budget}
 
 
 def generation_text(generation: dict[str, Any]) -> str:
@@ -201,6 +203,12 @@ def generation_text(generation: dict[str, Any]) -> str:
         text += (
             f"; {generation['resumed_prompts']:,} answers continued from a stop's partial answers "
             f"({generation['reused_tokens']:,} tokens not generated again)"
+        )
+    budget = generation.get("budget")
+    if budget:
+        text += (
+            f"; engine budget learned: KV cache {budget['cache_tokens']:,} tokens, {budget['batch_tokens']:,} tokens "
+            f"per step ({budget.get('ooms', 0)} out-of-memory errors)"
         )
     ranks = [r for r in generation.get("ranks") or [] if r.get("tokens_out_per_s") is not None]
     if ranks:

@@ -18,11 +18,21 @@ before the vote) and its vote names the file; rank 0's records name every such f
 record names, left by a stop whose closing commit failed, is deleted by the next start's repair). At the start of an
 attempt every rank reads every file the latest record names (keyed by dataset index: any world size) and hands them
 to its batches in flight, which continue each one once.
+
+**The engine's budget** (``on_oom="split"``, DESIGN §15 and §19). A vote carries the engine's
+:class:`~torch_batch_process.generation.engine.CacheBudget` when it changed (a restart after an out-of-memory error,
+:class:`~torch_batch_process.engine.feed.in_flight.InFlight`) and the engine's out-of-memory errors; rank 0 keeps the
+smallest ``cache_tokens`` and ``batch_tokens`` any rank came to, per kind of device, in the record
+(``generation_budget``: ``device``, ``cache_tokens``, ``batch_tokens``, ``max_sequences``, ``page_size``,
+``ooms``), and every rank of a later attempt on the same kind of device starts its engine within it (on any world
+size: the budget is the job's, not a rank's). Ranks do not share it while they run: each learns from its own
+engine's errors (restarting an engine that did not fail would drop its work in progress).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch_batch_process.engine.commit.participants import Participant, Payload, RecordDraft
 from torch_batch_process.engine.commit.votes import Vote
@@ -53,6 +63,11 @@ class GeneratedTokens(Payload):
     reused_tokens: int = 0
     partial_answers: str | None = None
     """The rank's partial-answers file (relative to the storage), written by this closing commit's seal."""
+    engine_ooms: int = 0
+    """Out-of-memory errors of the rank's engine since its previous vote (each taught it a smaller budget)."""
+    budget: dict[str, int] | None = None
+    """The engine's budget when it changed since the rank's previous vote (``cache_tokens``, ``batch_tokens``,
+    ``max_sequences``, ``page_size``)."""
 
 
 class GenerationParticipant(Participant):
@@ -65,6 +80,8 @@ class GenerationParticipant(Participant):
         rank: this rank.
         attempt: this attempt's number (names this rank's partial-answer file).
         rates: rank 0's progress counts (the observer's), or ``None``.
+        device: the kind of device the engine runs on (a budget learned on another kind is not used, and is
+            replaced by what this attempt learns).
     """
 
     def __init__(
@@ -75,6 +92,7 @@ class GenerationParticipant(Participant):
         rank: int,
         attempt: int,
         rates: TokenRates | None = None,
+        device: str = "",
     ) -> None:
         self._in_flight = in_flight
         self._storage = storage
@@ -87,6 +105,13 @@ class GenerationParticipant(Participant):
         self._rates = rates
         if self._partials:
             in_flight.restore(partial_answers.from_storage(storage.read_bytes, self._partials, storage.url_of))
+        self._device = device
+        stored = latest.generation_budget if latest is not None else None
+        self._budget: dict[str, Any] | None = dict(stored) if stored and stored.get("device") == device else None
+        if self._budget is not None:
+            in_flight.start_from(self._budget)
+        self._ooms_before = int(stored.get("ooms", 0)) if stored else 0  # rank 0
+        self._ooms = 0  # rank 0: this call's
 
     # ------------------------------------------------------------------ every rank
 
@@ -99,9 +124,14 @@ class GenerationParticipant(Participant):
     def contribute(self, part: Part, closing: bool) -> GeneratedTokens | None:
         counts = self._in_flight.take_counts().values()
         written, self._written = self._written, None
-        if not any(counts) and written is None:
+        budget, ooms = self._in_flight.take_budget()
+        if not any(counts) and written is None and budget is None and not ooms:
             return None
-        return GeneratedTokens(*counts, partial_answers=written)
+        learned = None
+        if budget is not None:
+            learned = {name: getattr(budget, name) for name in ("cache_tokens", "batch_tokens", "max_sequences",
+                                                                  "page_size")}
+        return GeneratedTokens(*counts, partial_answers=written, engine_ooms=ooms, budget=learned)
 
     # ------------------------------------------------------------------ rank 0
 
@@ -121,6 +151,12 @@ class GenerationParticipant(Participant):
             self._rates.add(*counts)
         if payload.partial_answers is not None and payload.partial_answers not in self._partials:
             self._partials.append(payload.partial_answers)
+        self._ooms += payload.engine_ooms
+        if payload.budget is not None:
+            kept = self._budget if self._budget is not None else {**payload.budget, "device": self._device}
+            for name in ("cache_tokens", "batch_tokens"):
+                kept[name] = min(int(kept[name]), int(payload.budget[name]))
+            self._budget = kept
 
     def draft(self, draft: RecordDraft) -> None:
         if any(self._totals):
@@ -130,3 +166,8 @@ class GenerationParticipant(Participant):
         # kept until the job is finished (a prompt may be continued by any later attempt); then deleted with the
         # record they were last named by
         draft.record.partial_answers = [] if draft.record.finished else list(self._partials)
+        if self._budget is not None:
+            self._budget["ooms"] = self._ooms_before + self._ooms
+            draft.record.generation_budget = dict(self._budget)
+            draft.summary.generation_budget = dict(self._budget)
+        draft.summary.engine_ooms = self._ooms

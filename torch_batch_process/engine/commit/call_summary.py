@@ -26,6 +26,10 @@ class Summary:
     memory_limits: dict[str, Any] | None = None
     """What the job learned about the device's memory, over all attempts
     (:meth:`~torch_batch_process.jobstore.memory_limits.MemoryLimits.summary`); ``None``: nothing."""
+    engine_ooms: int = 0
+    """Out-of-memory errors the call's generation engines met (each restarted with a smaller budget)."""
+    generation_budget: dict[str, Any] | None = None
+    """The KV-cache budget a generation job learned, over all attempts (the record's ``generation_budget``)."""
     timings: dict[str, float] = field(default_factory=dict)
     timings_per_rank: list[dict[str, float]] = field(default_factory=list)
     elapsed_s: float = 0.0

@@ -13,13 +13,24 @@ A processor registers its engine once (``context.use_generation_engine(engine)``
   and the batch joins the same :class:`~torch_batch_process.engine.work.Part` as its rows. So a commit covers
   completed batches only, in any order, each with its rows: exactly once as for any batch;
 - the loop waits for room (:meth:`has_room`: at most ``max_in_flight`` prompts submitted) before it loads the next
-  batch, pumps before each commit, drains when the rank's batches are done, and at a stop drains for at most
-  ``drain_s`` seconds: a batch still in flight then is not committed, and the resume generates it again;
+  batch, pumps before each commit, drains when the rank's batches are done (committing as batches complete:
+  :mod:`~torch_batch_process.engine.final_drain`), and at a stop drains for at most ``drain_s`` seconds: a batch
+  still in flight then is not committed, and the resume generates it again;
 - a stop keeps the answers of its unfinished batches (:meth:`InFlight.keep_partial_answers`: the tokens so far of
   each prompt that started, the whole answer of one that finished in a batch that did not), which the generation
   participant stores with the closing commit; a resumed rank continues them (:meth:`InFlight.restore`:
   ``prompt + partial answer`` submitted with the rest of its ``max_new_tokens``), see
   :mod:`~torch_batch_process.generation.partial_answers`.
+
+**The engine's budget, learned** (``on_oom="split"``, the default; as DESIGN §15 for batches). When the engine's
+loop dies of an out-of-memory error (its :class:`~torch_batch_process.generation.engine.EngineFailedError`'s cause),
+a resizable engine is restarted with a smaller :class:`~torch_batch_process.generation.engine.CacheBudget`
+(:meth:`CacheBudget.smaller`: ``batch_tokens`` halved down to a page, then ``cache_tokens`` down to one context;
+again while a restart itself runs out of memory), and every prompt in flight without its completion is submitted
+again, as it was submitted first (a batch is still delivered once, when its last prompt is answered: nothing it
+holds was written yet). The budget it came to travels in the rank's next vote (:meth:`take_budget`) and is kept with
+the job, and a new attempt's engine starts from the job's (:meth:`start_from`, applied when the processor registers
+it), on any world size. At the floor, or with ``on_oom="raise"``, the rank fails as before (resumable).
 
 A prompt that cannot run (longer than the model's context, a token outside the vocabulary) comes back as a failed
 completion: with ``on_error="skip"`` it is a failing example (its row is absent, the batch completes without it),
@@ -36,10 +47,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_batch_process.context import CurrentBatch
+from torch_batch_process.engine.feed.device_memory import is_out_of_memory
 from torch_batch_process.engine.rank_failure import RankFailure
 from torch_batch_process.engine.work import RankWork
 from torch_batch_process.errors import BatchProcessError, BatchTimeoutError, InvalidArgumentError
-from torch_batch_process.generation.engine import GenerationEngine
+from torch_batch_process.generation.engine import CacheBudget, EngineFailedError, GenerationEngine
 from torch_batch_process.generation.partial_answers import PartialAnswer, PartialAnswers, prompt_digest
 from torch_batch_process.generation.requests import Completion, Prompt
 
@@ -103,6 +115,8 @@ class InFlight:
             the batches before it, at most ``max_in_flight`` prompts); longer fails the rank with
             :class:`~torch_batch_process.errors.BatchTimeoutError` naming the batch (a stuck engine never hangs the
             job). ``None``: no limit.
+        learn_budget: ``on_oom="split"``: an engine that runs out of memory is restarted with a smaller budget (see
+            the module docstring); ``False``: the rank fails.
     """
 
     def __init__(
@@ -113,8 +127,13 @@ class InFlight:
         inference: Callable[[], contextlib.AbstractContextManager[Any]],
         record_failure: Callable[[int, int, str, BaseException], None] | None = None,
         batch_timeout: float | None = None,
+        learn_budget: bool = False,
     ) -> None:
         self._batch_timeout = batch_timeout
+        self._learn_budget = learn_budget
+        self._stored_budget: dict[str, int] | None = None  # what earlier attempts learned (start_from)
+        self._budget_news = False  # the engine's budget changed since the last take_budget()
+        self._engine_ooms = 0  # out-of-memory errors of the engine since the last take_budget()
         self._current = current
         self._work = work
         self._rank_failure = rank_failure
@@ -126,6 +145,7 @@ class InFlight:
         self.drain_s = DEFAULT_DRAIN_S
         self._batches: dict[int, BatchInFlight] = {}
         self._batch_of: dict[int, int] = {}  # dataset index -> batch_idx, for the prompts in flight
+        self._complete: list[BatchInFlight] = []  # answered, not delivered yet (pump(most=...)), in completion order
         self._pending: tuple[BatchInFlight, list[Prompt]] | None = None  # submitted by process_batch, not yet sent
         self._delivering = False
         self._counts = GenerationCounts()  # delivered since the last take_counts()
@@ -152,8 +172,9 @@ class InFlight:
         if drain_s is not None and (isinstance(drain_s, bool) or not isinstance(drain_s, (int, float)) or drain_s < 0):
             raise InvalidArgumentError(f"generation_drain_s must be None or a number >= 0 (seconds), got {drain_s!r}")
         self.engine = engine
-        budget = getattr(engine, "budget", None)
-        sequences = getattr(budget, "max_sequences", 64)
+        self._start_from_stored(engine)
+        budget = engine.budget
+        sequences = budget.max_sequences if budget is not None else 64
         self.limit = max_in_flight if max_in_flight is not None else 4 * sequences
         if drain_s is not None:
             self.drain_s = float(drain_s)
@@ -204,11 +225,15 @@ class InFlight:
         if previous is not None:  # a batch run in parts (on_oom="split"): one batch, several submissions
             previous.indices = list(previous.indices) + list(batch.indices)
             batch = previous
-        self.engine.submit(prompts)
         self._batches[batch.batch_idx] = batch
         for prompt in prompts:
             self._batch_of[prompt.index] = batch.batch_idx
             batch.prompts[prompt.index] = prompt
+        try:
+            self.engine.submit(prompts)
+        except EngineFailedError as exc:  # the loop died since the last pump
+            if not self._recovered(exc):
+                raise
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -237,28 +262,33 @@ class InFlight:
         """When the oldest batch in flight was submitted (``time.monotonic()``), or ``None``."""
         return min((b.submitted for b in self._batches.values()), default=None)
 
-    def pump(self, timeout: float = 0.0) -> int:
-        """Takes the completions the engine finished (waiting up to ``timeout`` seconds for one) and delivers every
-        batch whose last prompt came back; returns how many batches were delivered. A dead engine fails the rank."""
+    def pump(self, timeout: float = 0.0, most: int | None = None) -> int:
+        """Takes the completions the engine finished (waiting up to ``timeout`` seconds for one when no batch is
+        complete yet) and delivers the batches whose last prompt came back, in the order they completed, at most
+        ``most`` of them (``None``: all; the others wait for the next call); returns how many it delivered. A dead
+        engine fails the rank."""
         if self.engine is None or not self._batches or self._rank_failure.failed:
             return 0
         try:
-            completions = self.engine.poll(timeout=timeout)
+            completions = self.engine.poll(timeout=0.0 if self._complete else timeout)
         except Exception as exc:  # noqa: BLE001 - EngineFailedError: every rank stops with it
-            self._rank_failure.record(exc, "the generation engine")
+            if not self._recovered(exc):
+                self._rank_failure.record(exc, "the generation engine")
             return 0
-        complete: list[BatchInFlight] = []
         for completion in completions:
             batch = self._batches[self._batch_of.pop(completion.index)]
             batch.completions[completion.index] = completion
             if len(batch.completions) == len(batch.indices):
-                complete.append(batch)
-        for batch in complete:
+                self._complete.append(batch)
+        delivered = 0
+        while self._complete and (most is None or delivered < most):
+            batch = self._complete.pop(0)
             del self._batches[batch.batch_idx]
             self._deliver(batch)
+            delivered += 1
         if self._batch_timeout is not None and self._batches:
             self._check_timeout(self._batch_timeout)
-        return len(complete)
+        return delivered
 
     def _check_timeout(self, limit: float) -> None:
         batch = min(self._batches.values(), key=lambda b: b.submitted)
@@ -281,19 +311,85 @@ class InFlight:
         while not self.has_room() and not self._rank_failure.failed and not (stopping is not None and stopping()):
             self.pump(timeout=1.0)
 
-    def drain(self, deadline_s: float | None, stopping: Callable[[], bool] | None = None) -> bool:
-        """Pumps until no batch is in flight, for at most ``deadline_s`` seconds (``None``: until done, or until
-        ``stopping()`` (a preemption while draining), from when on at most :attr:`drain_s`); returns whether none is
-        left."""
-        end = None if deadline_s is None else time.monotonic() + deadline_s
+    def drain(self, deadline_s: float) -> bool:
+        """At a stop: pumps until no batch is in flight, for at most ``deadline_s`` seconds; returns whether none is
+        left. (When the rank's steps are done, the loop drains with commits instead:
+        :mod:`~torch_batch_process.engine.final_drain`.)"""
+        end = time.monotonic() + deadline_s
         while self._batches and not self._rank_failure.failed:
-            if end is None and stopping is not None and stopping():
-                end = time.monotonic() + self.drain_s
-            wait = 1.0 if end is None else min(1.0, end - time.monotonic())
+            wait = min(1.0, end - time.monotonic())
             if wait <= 0:
                 break
             self.pump(timeout=wait)
         return not self._batches
+
+    # ------------------------------------------------------------------ the engine's budget (on_oom="split")
+
+    def start_from(self, learned: dict[str, int]) -> None:
+        """What earlier attempts learned (``cache_tokens``, ``batch_tokens``): the engine the processor registers
+        starts within it, before any prompt."""
+        self._stored_budget = learned
+
+    def take_budget(self) -> tuple[CacheBudget | None, int]:
+        """The engine's budget when it changed since the previous call (else ``None``), and the out-of-memory
+        errors it met meanwhile: what the rank's next vote carries."""
+        changed, self._budget_news = self._budget_news, False
+        ooms, self._engine_ooms = self._engine_ooms, 0
+        return (self.engine.budget if changed and self.engine is not None else None), ooms
+
+    def _start_from_stored(self, engine: GenerationEngine) -> None:
+        learned, budget = self._stored_budget, engine.budget
+        if not learned or budget is None or not engine.resizable or not self._learn_budget:
+            return
+        fitted = budget.at_most(learned["cache_tokens"], learned["batch_tokens"], engine.context_length)
+        if fitted != budget:
+            logger.info("the generation engine starts within the budget earlier attempts learned: %s",
+                        fitted.describe())
+            engine.restart(fitted)
+            self._budget_news = True
+
+    def _recovered(self, error: BaseException) -> bool:
+        """The engine died (``error``): when it ran out of memory and may learn, restarts it with a smaller budget
+        and submits again every prompt in flight without its completion; returns whether it did. At the floor, the
+        rank's failure says so."""
+        engine = self.engine
+        if not self._learn_budget or engine is None or not engine.resizable or not _memory_ran_out(error):
+            return False
+        budget = engine.budget
+        assert budget is not None
+        while True:
+            self._engine_ooms += 1
+            smaller = budget.smaller(engine.context_length)
+            if smaller is None:
+                failure = EngineFailedError(
+                    f"the generation engine ran out of memory at its smallest budget ({budget.describe()}): lower "
+                    "CacheBudget.max_sequences, use a smaller model or a device with more memory"
+                )
+                failure.__cause__ = error
+                self._rank_failure.record(failure, "the generation engine")
+                return True
+            try:
+                engine.restart(smaller)
+                break
+            except Exception as again:  # noqa: BLE001 - a restart whose cache does not fit either: smaller again
+                if not _memory_ran_out(again):
+                    self._rank_failure.record(again, "restarting the generation engine")
+                    return True
+                budget = smaller
+        self._budget_news = True
+        pending = [
+            prompt for batch in self._batches.values() for index, prompt in batch.prompts.items()
+            if index not in batch.completions
+        ]
+        logger.warning(
+            "the generation engine ran out of memory (%s): restarted with %s; its %d prompts in flight submitted "
+            "again", error.__cause__ or error, engine.budget.describe() if engine.budget else "?", len(pending),
+        )
+        try:
+            engine.submit(pending)
+        except Exception as exc:  # noqa: BLE001 - every rank stops with it
+            self._rank_failure.record(exc, "the generation engine")
+        return True
 
     def take_counts(self) -> GenerationCounts:
         """The counts of the batches delivered since the previous call: those of the batches in the rank's part, for
@@ -332,6 +428,7 @@ class InFlight:
         engine, self.engine = self.engine, None
         self._batches.clear()
         self._batch_of.clear()
+        self._complete.clear()
         if self._batch_finished in self._current.listeners:
             self._current.listeners.remove(self._batch_finished)
         if engine is not None:
@@ -383,3 +480,16 @@ class InFlight:
                 if prefix:
                     counts.resumed_prompts += 1
                     counts.reused_tokens += prefix
+
+
+def _memory_ran_out(error: BaseException) -> bool:
+    """Whether ``error`` or one of its causes says the device's memory ran out (an out-of-memory error in the
+    engine's loop, or ``transformers``' check that a cache does not fit: a ``MemoryError``)."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, MemoryError) or is_out_of_memory(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
