@@ -23,10 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BatchHeader", "broadcast_batch", "pack_batch", "unpack_batch"]
+__all__ = ["BatchHeader", "broadcast_batch", "pack_batch", "pack_message", "unpack_batch", "unpack_message"]
 
 _ALIGN = 16
 """Alignment of each tensor in the packed buffer (the largest element size, complex128's)."""
+
+_LENGTH = 8
+"""Bytes of a message's header length (:func:`pack_message`)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class BatchHeader:
         any dtype), and the buffer's length."""
         starts, end = [], 0
         for size in self.sizes:
-            start = -(-end // _ALIGN) * _ALIGN
+            start = _aligned(end)
             starts.append(start)
             end = start + size
         return starts, end
@@ -106,6 +109,28 @@ def unpack_batch(header: BatchHeader, buffer: torch.Tensor) -> Any:
     return _SlotUnpickler(io.BytesIO(header.structure), tensors).load()
 
 
+def pack_message(batch: Any) -> torch.Tensor:
+    """``batch`` as one self-describing ``uint8`` buffer: the header's length (8 bytes), the header pickled, then the
+    tensors' bytes (:func:`pack_batch`), each part aligned to :data:`_ALIGN` bytes. What a replica's step message
+    carries (:mod:`~torch_batch_process.engine.mesh.exchange`): no collective of its own for the header."""
+    header, tensors = pack_batch(batch)
+    structure = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+    start = _aligned(_LENGTH + len(structure))
+    message = torch.zeros(start + tensors.numel(), dtype=torch.uint8)
+    message[:_LENGTH].view(torch.int64)[0] = len(structure)
+    message[_LENGTH : _LENGTH + len(structure)] = torch.frombuffer(bytearray(structure), dtype=torch.uint8)
+    message[start:] = tensors
+    return message
+
+
+def unpack_message(message: torch.Tensor) -> Any:
+    """The batch that :func:`pack_message` packed (``message`` starting at an aligned address, as a slice of a
+    received buffer at an offset that is a multiple of :data:`_ALIGN`); its tensors are views into ``message``."""
+    length = int(message[:_LENGTH].view(torch.int64)[0])
+    header = pickle.loads(message[_LENGTH : _LENGTH + length].numpy().tobytes())
+    return unpack_batch(header, message[_aligned(_LENGTH + length) :])
+
+
 def broadcast_batch(batch: Any, group: dist.ProcessGroup | None, src: int) -> Any:
     """``batch`` of global rank ``src`` on every rank of ``group`` (``src`` passes its own batch back, unchanged).
 
@@ -126,6 +151,10 @@ def broadcast_batch(batch: Any, group: dist.ProcessGroup | None, src: int) -> An
     if buffer.numel():
         dist.broadcast(buffer, src=src, group=group)
     return batch if sender else unpack_batch(header, buffer)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
 
 
 def _numel(shape: tuple[int, ...]) -> int:
