@@ -17,7 +17,7 @@ from torch_batch_process.engine.mesh.broadcast import pack_message, unpack_messa
 from torch_batch_process.engine.mesh.exchange import INLINE_MAX
 
 sys.path.insert(0, str(JOBS))
-from mesh_exchange import FAIL_AT, LARGE_AT, MARK_AT, STEPS, batch  # noqa: E402
+from mesh_exchange import AGREE_AT, FAIL_AT, LARGE_AT, MARK_AT, STEPS, batch  # noqa: E402
 
 
 def test_a_packed_message_comes_back_equal_from_an_aligned_offset_of_a_larger_buffer():
@@ -32,19 +32,21 @@ def test_a_packed_message_comes_back_equal_from_an_aligned_offset_of_a_larger_bu
 
 @pytest.mark.slow
 def test_a_mark_and_a_failure_reach_every_member_at_the_step_they_were_raised(tmp_path):
-    """3 members: the source marks a stop at one step, the last member fails at another; every member receives the
-    same statuses at the same steps, and the source's batches (one larger than INLINE_MAX: sent after the statuses)."""
+    """3 members: the source marks a stop at one step, the last member fails at another, the members agree on an
+    attempt in between; every member receives the same statuses at the same steps, and the source's batches (one
+    larger than INLINE_MAX: sent after the statuses)."""
     done = run_torchrun(3, JOBS / "mesh_exchange.py", str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     received = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(3)]
     assert received[0] == received[1] == received[2]
     first, *steps = received[0]
-    assert first[:2] == [True, 0] and first[2] == pack_message(batch(0)).numel()
-    for step, (ok, mark, following, key, total, text) in enumerate(steps):
-        assert ok is (step != FAIL_AT) and mark == (1 if step == MARK_AT else 0), (step, ok, mark)
+    assert first == [False, 0, 0, pack_message(batch(0)).numel()]
+    assert steps.pop(AGREE_AT + 1) == [False, 1, 0, pack_message(batch(AGREE_AT + 1)).numel()]  # length unchanged
+    for step, (failed, code, mark, following, key, total, text) in enumerate(steps):
+        assert failed is (step == FAIL_AT) and code == 0 and mark == (1 if step == MARK_AT else 0), step
         assert following == (pack_message(batch(step + 1)).numel() if step + 1 < STEPS else 0)
         assert [key, total, text] == [step, int(batch(step)[1]["ids"].sum()), f"batch {step}"]
-    assert steps[LARGE_AT - 1][2] > INLINE_MAX
+    assert steps[LARGE_AT - 1][3] > INLINE_MAX
 
 
 @pytest.mark.slow

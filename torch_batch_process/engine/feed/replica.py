@@ -27,18 +27,21 @@ costs the same whatever the number of members (notes/43-mesh.md §6.2 measures b
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from torch_batch_process import settings
 from torch_batch_process.engine.distributed import peers_answering
 from torch_batch_process.engine.feed.batches import BatchFeed, LoadFailed, batch_id
+from torch_batch_process.engine.feed.failing_examples import ATTEMPT_FAILED
 from torch_batch_process.engine.mesh.broadcast import pack_message, unpack_message
-from torch_batch_process.engine.mesh.exchange import StepMessages
+from torch_batch_process.engine.mesh.exchange import StepMessages, StepStatus
 from torch_batch_process.engine.rank_failure import RankFailure
-from torch_batch_process.errors import WorkerLostError
+from torch_batch_process.errors import MemberOutOfStepError, WorkerLostError
 
 __all__ = ["ReplicaFeed", "SourceLoadFailed"]
 
@@ -69,7 +72,8 @@ class _Loaded(NamedTuple):
 
 class ReplicaFeed:
     """An iterator of ``(key, batch)`` like :class:`~torch_batch_process.engine.feed.batches.BatchFeed`, the same on
-    every member of a replica, each step's item brought by :meth:`exchange` (see the module docstring).
+    every member of a replica, each step's item brought by the replica's messages (see the module docstring):
+    :meth:`exchange` before each step, :meth:`agree_attempt` after each attempt with ``on_oom="split"``.
 
     Args:
         feed: this rank's feed; only the source's is started (the other members' loaders never run: no worker
@@ -77,18 +81,30 @@ class ReplicaFeed:
             ``collate_fn``).
         group: the library's gloo group of the replica's members.
         source: the global rank of the replica's source member.
+        rank_failure: this rank's failure (its status in each message).
+        mark: the source's mark for its replica (:meth:`~torch_batch_process.engine.schedule.scheduler.Scheduler
+            .replica_mark`), read once it loaded ahead: a stop or failure seen at a claim.
     """
 
-    def __init__(self, feed: BatchFeed, group: dist.ProcessGroup, source: int) -> None:
+    def __init__(
+        self, feed: BatchFeed, group: dist.ProcessGroup, source: int, rank_failure: RankFailure,
+        mark: Callable[[], int],
+    ) -> None:
         self._rank = dist.get_rank()
         self._feed = feed if self._rank == source else None
         self.loader = feed.loader
         self.watch = feed.watch
         self._source = source
+        self._rank_failure = rank_failure
+        self._mark = mark
         self._messages = StepMessages(group, source)
-        self._ahead: _Loaded | None = None
-        """The source: the batch the next message sends (its length went out with the last message)."""
+        self._ahead: deque[_Loaded] = deque()
+        """The source: batches loaded ahead, in order: the first goes with the next message (its length went out with
+        the last one), which announces the second's length."""
         self._started = False
+        self._next: tuple[bool, int, Any] | None = None
+        """The next step's message when it came with the last attempt's exchange: whether no member had failed, the
+        mark, the item."""
         self._step: _Loaded | Any = None
         """What the last exchange brought for this step (the source: its own :class:`_Loaded`)."""
         self.load_error = BatchFeed.load_error
@@ -97,33 +113,71 @@ class ReplicaFeed:
         if self._feed is not None:
             self._feed.start()
 
-    def exchange(self, rank_failure: RankFailure, mark: Callable[[], int]) -> tuple[bool, int]:
-        """Every member of the replica, at the same step before its batch: whether none of them has failed, and the
-        source's mark (``mark()``, read on the source once it loaded ahead: a stop or failure seen at a claim); the
-        step's batch is then this feed's next item. A replica whose member failed (in a hook, at a commit, in an
-        earlier batch) runs no batch, so that no member waits in a collective for a member that is not coming (the
-        ranks' agreement stops the job soon after). A member lost meanwhile is this rank's failure (a
+    def exchange(self) -> tuple[bool, int]:
+        """Every member of the replica, at the same step before its batch: whether none of them had failed, and the
+        source's mark; the step's batch is then this feed's next item. A replica whose member failed (in a hook, at a
+        commit, in an earlier batch) runs no batch, so that no member waits in a collective for a member that is not
+        coming (the ranks' agreement stops the job soon after). A member lost meanwhile is this rank's failure (a
         :class:`~torch_batch_process.errors.WorkerLostError`): it idles on in step with the other ranks, whose
-        agreement then stops every rank together."""
+        agreement then stops every rank together.
+
+        No collective when the last attempt's exchange (:meth:`agree_attempt`) brought this step's message already:
+        the members then run the batch they agreed on there, a member that failed since too (its failure reaches
+        them with the next message), so that none of them waits for it in the model's collectives."""
+        self._load_ahead()  # here, never in the attempt's exchange, whose wait is bounded by the grace
+        if self._next is not None:
+            (ok, mark, self._step), self._next = self._next, None
+            return ok, mark
         self._step = None
         first, self._started = not self._started, True
-        if first:  # the first message only announces the first batch's length
-            self._ahead = self._load()
-        loaded, code = self._ahead, 0
-        if loaded is not None:  # the source
-            self._ahead = self._load()
-            code = mark()
+        failed = self._rank_failure.failed
         try:
             with peers_answering(self._rank):
-                ok = not first or self._messages.exchange(rank_failure.failed, 0, _EMPTY, self._length(loaded)).ok
-                status = self._messages.exchange(
-                    rank_failure.failed, code, loaded.message if loaded else None, self._length(self._ahead)
-                )
+                if first:  # the first message only announces the first batch's length
+                    length = self._length(self._ahead[0]) if self._ahead else 0
+                    failed = self._messages.exchange(failed, 0, 0, _EMPTY, length).failed or failed
+                loaded, length, mark = self._next_batch()
+                status = self._messages.exchange(failed, 0, mark, self._message(loaded), length)
         except WorkerLostError as lost:
-            rank_failure.record(lost, f"exchanging the status of rank {self._rank}'s replica")
+            self._rank_failure.record(lost, f"exchanging the status of rank {self._rank}'s replica")
             return False, 0
-        self._step = loaded if loaded is not None else unpack_message(status.message)
-        return ok and status.ok, status.mark
+        self._step = self._item(loaded, status)
+        self._load_ahead()  # what the attempt's exchange sends and announces
+        return not status.failed, status.mark
+
+    def agree_attempt(self, code: int) -> int:
+        """Every member after an attempt of a batch or part (``on_oom="split"``): the largest of their ``code`` s
+        (:data:`~torch_batch_process.engine.feed.failing_examples.ATTEMPT_OK`, ``ATTEMPT_OUT_OF_MEMORY``,
+        ``ATTEMPT_FAILED``), so that they keep an attempt or split it together. A member lost: ``ATTEMPT_FAILED``.
+        After a step's first attempt the message also carries the next step's batch and statuses (an attempt that
+        failed counts as a member's failure), which :meth:`exchange` then hands out without a collective.
+
+        Raises:
+            MemberOutOfStepError: the other members did not come within ``TBP_MESH_GRACE_S``: they wait in a
+                collective of the attempt this rank left (an out-of-memory error inside a tensor-parallel forward),
+                which nothing releases but this rank's failure (the member watch then ends them).
+        """
+        grace_s = settings.current().mesh_grace_s
+        with_next = self._next is None
+        failed = self._rank_failure.failed
+        try:
+            if with_next:
+                loaded, length, mark = self._next_batch()
+                status = self._messages.exchange(failed, code, mark, self._message(loaded), length, grace_s)
+                ok = not status.failed and status.code != ATTEMPT_FAILED
+                self._next = (ok, status.mark, self._item(loaded, status))
+            else:
+                status = self._messages.agree(failed, code, grace_s)
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            if "timed out" not in str(exc):
+                return ATTEMPT_FAILED  # a member lost: the next exchange records it
+            raise MemberOutOfStepError(
+                f"rank {self._rank}: the other members of its replica did not reach the end of this attempt within "
+                f"TBP_MESH_GRACE_S={grace_s:g}s: they wait in a collective of the model that this rank left when it "
+                "ran out of memory, so the batch cannot be split on every member together; the replica stops (the "
+                f"job resumes). Lower batch_size or max_tokens, or pass on_oom='raise' ({exc})"
+            ) from exc
+        return status.code
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         return self
@@ -165,9 +219,33 @@ class ReplicaFeed:
             failed = LoadFailed(batch_id(item[0]), exc)
             return _Loaded(_Failed(failed.batch_idx, exc), pack_message(_Failed(failed.batch_idx, exc)), failed)
 
+    def _load_ahead(self) -> None:
+        """The source: two batches loaded ahead (the next message's and the one after, whose length it announces)."""
+        while self._feed is not None and len(self._ahead) < 2:
+            self._ahead.append(self._load())
+
+    def _next_batch(self) -> tuple[_Loaded | None, int, int]:
+        """The source: the batch a message carries, the length of the one after, and the mark (read after the loads'
+        claims); ``(None, 0, 0)`` on the other members."""
+        if self._feed is None:
+            return None, 0, 0
+        loaded = self._ahead.popleft()
+        return loaded, self._length(self._ahead[0]), self._mark()
+
+    def _item(self, loaded: _Loaded | None, status: StepStatus) -> Any:
+        """What a message brought for its step: the source's own :class:`_Loaded`, or the batch unpacked."""
+        if loaded is not None:
+            return loaded
+        assert status.message is not None
+        return unpack_message(status.message)
+
     @staticmethod
-    def _length(loaded: _Loaded | None) -> int:
-        return loaded.message.numel() if loaded is not None else 0
+    def _message(loaded: _Loaded | None) -> torch.Tensor | None:
+        return loaded.message if loaded is not None else None
+
+    @staticmethod
+    def _length(loaded: _Loaded) -> int:
+        return loaded.message.numel()
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
