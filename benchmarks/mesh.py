@@ -11,12 +11,14 @@ over the same batches, the replica's writer saving each batch's embeddings with 
 - ``hand loop``: ``examples/mesh/hand_loop.py``, what a user writes with torch alone (``init_device_mesh``, batches
   dealt to replicas, every member loading its replica's batches, no checkpoint, no resume);
 - ``torch_batch_process``: ``benchmarks/contenders/tbp_mesh.py``, ``mesh={"replica": -1, <mode>: 2}``, files through
-  ``upload_path()`` committed every 5 steps, each batch loaded by the replica's first member and broadcast to the
+  ``upload_path()`` committed every 5 steps, each batch loaded by the replica's first member and sent to the
   other (the hand loop has every member load it).
 
 With ``--base DIR`` a third contender, ``torch_batch_process (base)``, runs the library's contender of another checkout
 (``DIR/benchmarks/contenders/tbp_mesh.py``, with ``DIR`` first on the path): a before/after of a change measured in
-the same rounds, on the same load. Each run is a fresh torchrun with ``2 x replicas`` processes, the contenders in rotated order per round. Clocks: *job*
+the same rounds, on the same load.
+
+Each run is a fresh torchrun with ``2 x replicas`` processes, the contenders in rotated order per round. Clocks: *job*
 is from the moment the last process is ready (its imports done) to the moment the last one is done (examples per
 second over that); *end to end* is the whole command's wall time. Ratios are the library's over the hand loop's,
 per round, shown as median [min-max].

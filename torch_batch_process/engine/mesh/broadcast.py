@@ -2,12 +2,14 @@
 
 Every member of a replica must run the same batch: a tensor-parallel forward on different inputs gives wrong
 outputs without any error. Where the members do not each load the batch themselves, the first member loads it and
-:func:`broadcast_batch` sends it: any picklable structure (dicts, lists, tuples, a tokenizer's ``BatchEncoding``,
-dataclasses), whose tensors travel as raw bytes rather than pickled. The structure is pickled with every CPU tensor
-replaced by a slot (pickle's ``persistent_id``); a header (that pickle and each tensor's dtype and shape) goes out
-first, then the tensors' bytes packed into one buffer, so a batch costs three collectives whatever its number of
-tensors. The receivers' tensors are views into the received buffer (no copy); each is a CPU tensor equal to the
-sender's, contiguous, with the sender's dtype and shape.
+sends it: any picklable structure (dicts, lists, tuples, a tokenizer's ``BatchEncoding``, dataclasses), whose tensors
+travel as raw bytes rather than pickled. The structure is pickled with every CPU tensor replaced by a slot (pickle's
+``persistent_id``); the header (that pickle and each tensor's dtype and shape) and the tensors' bytes pack into one
+buffer (:func:`pack_message`), which the library sends inside the replica's step message
+(:mod:`~torch_batch_process.engine.mesh.exchange`: no collective of its own). :func:`broadcast_batch` sends a batch on
+its own (the header, then the tensors' bytes: three collectives whatever its number of tensors; what
+``benchmarks/mesh_feed.py`` measures against each member loading). The receivers' tensors are views into the
+received buffer (no copy); each is a CPU tensor equal to the sender's, contiguous, with the sender's dtype and shape.
 
 Tensors on a device are not sent (the library broadcasts before the copy to the device); a batch holding one is an
 error naming it.
