@@ -102,6 +102,7 @@ class ReplicaFeed:
         """The source: batches loaded ahead, in order: the first goes with the next message (its length went out with
         the last one), which announces the second's length."""
         self._started = False
+        self._ended = False
         self._next: tuple[bool, int, Any] | None = None
         """The next step's message when it came with the last attempt's exchange: whether no member had failed, the
         mark, the item."""
@@ -208,9 +209,11 @@ class ReplicaFeed:
             return None
         failed: LoadFailed | None = None
         try:
+            if self._ended:  # the loader is not asked again past its end
+                raise StopIteration
             item: Any = next(self._feed)
         except StopIteration:  # the dynamic schedule's end (the static schedule stops its steps before)
-            item = _End()
+            self._ended, item = True, _End()
         except LoadFailed as exc:
             failed, item = exc, _Failed(exc.batch_idx, exc.error)
         try:
