@@ -3,6 +3,7 @@
     python -m benchmarks.mesh                          # tensor parallel, 1 and 2 replicas of 2 ranks, 3 rounds
     python -m benchmarks.mesh --mode pp                # 2 pipeline stages, 4 microbatches
     python -m benchmarks.mesh --replicas 2 --rounds 1  # one configuration, one round
+    python -m benchmarks.mesh --base /tmp/before       # also another checkout's library job, in the same rounds
 
 Both contenders run the encoder of ``examples/mesh`` (4 blocks, dim 128, 32 tokens per example) split the same way
 over the same batches, the replica's writer saving each batch's embeddings with ``torch.save``:
@@ -10,8 +11,12 @@ over the same batches, the replica's writer saving each batch's embeddings with 
 - ``hand loop``: ``examples/mesh/hand_loop.py``, what a user writes with torch alone (``init_device_mesh``, batches
   dealt to replicas, every member loading its replica's batches, no checkpoint, no resume);
 - ``torch_batch_process``: ``benchmarks/contenders/tbp_mesh.py``, ``mesh={"replica": -1, <mode>: 2}``, files through
-  ``upload_path()`` committed every 5 steps, each batch loaded by the replica's first member and broadcast to the
+  ``upload_path()`` committed every 5 steps, each batch loaded by the replica's first member and sent to the
   other (the hand loop has every member load it).
+
+With ``--base DIR`` a third contender, ``torch_batch_process (base)``, runs the library's contender of another checkout
+(``DIR/benchmarks/contenders/tbp_mesh.py``, with ``DIR`` first on the path): a before/after of a change measured in
+the same rounds, on the same load.
 
 Each run is a fresh torchrun with ``2 x replicas`` processes, the contenders in rotated order per round. Clocks: *job*
 is from the moment the last process is ready (its imports done) to the moment the last one is done (examples per
@@ -37,6 +42,7 @@ from benchmarks.report import fmt_spread, machine, machine_line, new_results_dir
 GOAL = 0.95
 HAND = "hand loop"
 LIBRARY = "torch_batch_process"
+BASE = "torch_batch_process (base)"
 SCRIPTS = {HAND: ["examples/mesh/hand_loop.py"], LIBRARY: ["-m", "benchmarks.contenders.tbp_mesh"]}
 RUN_TIMEOUT_S = 900
 
@@ -69,8 +75,11 @@ def run_once(contender: str, replicas: int, args: argparse.Namespace, scratch: P
         "--report",
         str(report),
     ]
+    script = SCRIPTS[contender] if contender != BASE else [str(Path(args.base) / "benchmarks/contenders/tbp_mesh.py")]
+    if contender == BASE:  # the other checkout's library first on the path (a script: no cwd on sys.path)
+        launcher = ["env", f"PYTHONPATH={Path(args.base).resolve()}", *launcher]
     started = time.time()
-    code = run_logged([*launcher, *SCRIPTS[contender], *options], log, RUN_TIMEOUT_S)
+    code = run_logged([*launcher, *script, *options], log, RUN_TIMEOUT_S)
     wall = time.time() - started
     if code != 0:
         raise RuntimeError(f"{contender} failed ({'timeout' if code is None else f'exit code {code}'}); see {log}")
@@ -90,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--base", default="", help="another checkout (e.g. before a change): its library job runs "
+                        f"as the contender '{BASE}' in the same rounds")
     args = parser.parse_args(argv)
     contenders = [HAND, LIBRARY] if library_has_mesh() else [HAND]
+    if args.base:
+        contenders.append(BASE)
     results_dir = new_results_dir(f"mesh-{args.mode}")
     info = machine()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -116,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| replicas | contender | job (ex/s) | end to end (ex/s) | job ratio vs hand (goal >= {GOAL}) |")
     print("|---|---|---|---|---|")
     for replicas, per in runs.items():
-        for contender in (HAND, LIBRARY):
+        for contender in (HAND, LIBRARY, BASE):
             figures = per.get(contender)
+            if figures is None and contender == BASE:
+                continue
             if figures is None:
                 print(f"| {replicas} | {contender} | n/a (no mesh= yet) | n/a | n/a |")
                 continue

@@ -15,6 +15,7 @@ argv[1]: a JSON spec: ``storage``, ``report_dir``, ``attempt``, ``mesh`` (a dict
 - ``oom_above``: ``[rank, size, when]``: that rank raises ``torch.OutOfMemoryError`` for a batch (or part) of more
   than ``size`` examples, ``"before"`` its forward (the other members then wait for it in the forward's collectives)
   or ``"after"`` it;
+- ``stop_at``: ``[rank, k]``: that rank sends itself SIGTERM (a preemption) once it ran ``k`` batches of the attempt;
 - ``upload``: ``"same"``: every member saves ``batch_<idx>.pt`` with ``upload_path()``; ``"member_only"``: the members
   that are not writers save ``member_<rank>.txt``, which no writer writes.
 
@@ -97,6 +98,8 @@ class TensorParallelJob(TorchBatchProcessor):
         self.examples.update(len(self.context.batch_indices))
         self.index_sum.update(sum(self.context.batch_indices))
         self.seen["batches"].append(batch_idx)
+        if SPEC.get("stop_at") == [rank, len(self.seen["batches"])]:
+            os.kill(os.getpid(), signal.SIGTERM)
         if SPEC.get("sleep"):
             time.sleep(SPEC["sleep"])
         if SPEC.get("progress_file") and len(self.seen["batches"]) >= SPEC.get("progress_after", 2):

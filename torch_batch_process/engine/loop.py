@@ -421,34 +421,42 @@ class JobRun:
         feed = BatchFeed(dataset, self.plan, order, kwargs, env.device, self.fitter, watchdog.watch)
         members: MemberWatch | None = None  # mesh=: a failed member stops its replica (engine/mesh/members.py)
         replica = mesh if mesh is not None and mesh.replica_group is not None else None
+        replica_feed: ReplicaFeed | None = None
         if replica is not None:  # the replica's first member loads and sends
-            feed = ReplicaFeed(order, feed, replica.replica_group, replica.position.first_rank)
+            feed = replica_feed = ReplicaFeed(
+                feed, replica.replica_group, replica.position.first_rank, rank_failure, scheduler.replica_mark
+            )
             assert call_store is not None  # a replica of several ranks: a job of several ranks
             members = MemberWatch(replica.position, call_store(call_id), rank_failure)
             self._closing.callback(members.close)
         call = BatchCall(
             processor, self.current, inference_mode=args.inference_mode, mode=job.autocast, no_grad=mesh is not None
         )
-        agree = replica.agree_attempt if replica is not None and args.failures.split_on_oom else None
+        agree = replica_feed.agree_attempt if replica_feed is not None and args.failures.split_on_oom else None
         guards = guard_batches(  # on_error="skip", on_oom="split" (engine/feed/error_handling.py)
             call, feed, self.plan, args.failures,
-            # mesh= with on_oom="split": the members keep an attempt, or split it, together (no exchange otherwise:
-            # only an out-of-memory split needs it, and it costs a collective per batch)
+            # mesh= with on_oom="split": the members keep an attempt, or split it, together (the exchange after a
+            # step's first attempt carries the next step's batch too: engine/feed/replica.py)
             Transactions(self.stager, self.context.reducers, self.rank, agree),
             self.failure_log, self.fitter, Placement(env.device, job.device_prefetch),
         )
         in_flight = self.in_flight
         runner = BatchRunner(call, self.plan, rank_failure, self.work, guards, watchdog.watch, in_flight.owns)
-        batches = DevicePrefetcher(feed, env.device, enabled=job.device_prefetch, error_of=feed.load_error)
+        # a replica's batch comes with its step's message (engine/feed/replica.py), not copied to the device ahead
+        prefetch = job.device_prefetch and replica is None
+        batches = DevicePrefetcher(feed, env.device, enabled=prefetch, error_of=feed.load_error)
         observer = job.observer
         try:
             feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
-                if has_batch and replica is not None:  # a member failed, or a stop the source saw: no batch
-                    has_batch = scheduler.follow(*replica.members_ok(rank_failure, scheduler.replica_mark()))
+                if has_batch and replica_feed is not None:  # the step's batch; none if a member failed or saw a stop
+                    has_batch = scheduler.follow(*replica_feed.exchange())
                 if in_flight.active:  # a generation engine: room for the next batch, the finished batches in
                     in_flight.wait_for_room(lambda: signals.preempt_requested)
-                if has_batch and not rank_failure.failed and not runner.step(batches):
+                # a replica's members run the batch they agreed on, a member that failed since too (its failure
+                # reaches them with the next message: none of them waits for it in the model's collectives)
+                runs = has_batch and (replica_feed is not None or not rank_failure.failed)
+                if runs and not runner.step(batches):
                     # no batch left for this rank (dynamic), or a stop seen at a claim
                     return scheduler.after_last(failed=rank_failure.failed)
                 if step >= observer.next_step:  # progress display, profiler: an int compare per step

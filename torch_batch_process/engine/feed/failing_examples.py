@@ -141,8 +141,8 @@ class Transactions:
         reducers: the rank's reducers (restored after a failed attempt).
         rank: this rank (for the warning of a slow snapshot).
         agree: ``mesh=``, a replica of several ranks: the members' exchange after each attempt
-            (:meth:`~torch_batch_process.engine.mesh.groups.JobMesh.agree_attempt`): an attempt is kept only when no
-            member ran out of memory in it, so that the members split a batch together (a member that split alone
+            (:meth:`~torch_batch_process.engine.feed.replica.ReplicaFeed.agree_attempt`): an attempt is kept only when
+            no member ran out of memory in it, so that the members split a batch together (a member that split alone
             would run its parts while its peers wait in the whole batch's collectives). ``None``: no exchange.
     """
 

@@ -2,12 +2,14 @@
 
 Every member of a replica must run the same batch: a tensor-parallel forward on different inputs gives wrong
 outputs without any error. Where the members do not each load the batch themselves, the first member loads it and
-:func:`broadcast_batch` sends it: any picklable structure (dicts, lists, tuples, a tokenizer's ``BatchEncoding``,
-dataclasses), whose tensors travel as raw bytes rather than pickled. The structure is pickled with every CPU tensor
-replaced by a slot (pickle's ``persistent_id``); a header (that pickle and each tensor's dtype and shape) goes out
-first, then the tensors' bytes packed into one buffer, so a batch costs three collectives whatever its number of
-tensors. The receivers' tensors are views into the received buffer (no copy); each is a CPU tensor equal to the
-sender's, contiguous, with the sender's dtype and shape.
+sends it: any picklable structure (dicts, lists, tuples, a tokenizer's ``BatchEncoding``, dataclasses), whose tensors
+travel as raw bytes rather than pickled. The structure is pickled with every CPU tensor replaced by a slot (pickle's
+``persistent_id``); the header (that pickle and each tensor's dtype and shape) and the tensors' bytes pack into one
+buffer (:func:`pack_message`), which the library sends inside the replica's step message
+(:mod:`~torch_batch_process.engine.mesh.exchange`: no collective of its own). :func:`broadcast_batch` sends a batch on
+its own (the header, then the tensors' bytes: three collectives whatever its number of tensors; what
+``benchmarks/mesh_feed.py`` measures against each member loading). The receivers' tensors are views into the
+received buffer (no copy); each is a CPU tensor equal to the sender's, contiguous, with the sender's dtype and shape.
 
 Tensors on a device are not sent (the library broadcasts before the copy to the device); a batch holding one is an
 error naming it.
@@ -23,10 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BatchHeader", "broadcast_batch", "pack_batch", "unpack_batch"]
+__all__ = ["BatchHeader", "broadcast_batch", "pack_batch", "pack_message", "unpack_batch", "unpack_message"]
 
 _ALIGN = 16
 """Alignment of each tensor in the packed buffer (the largest element size, complex128's)."""
+
+_LENGTH = 8
+"""Bytes of a message's header length (:func:`pack_message`)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class BatchHeader:
         any dtype), and the buffer's length."""
         starts, end = [], 0
         for size in self.sizes:
-            start = -(-end // _ALIGN) * _ALIGN
+            start = _aligned(end)
             starts.append(start)
             end = start + size
         return starts, end
@@ -106,6 +111,28 @@ def unpack_batch(header: BatchHeader, buffer: torch.Tensor) -> Any:
     return _SlotUnpickler(io.BytesIO(header.structure), tensors).load()
 
 
+def pack_message(batch: Any) -> torch.Tensor:
+    """``batch`` as one self-describing ``uint8`` buffer: the header's length (8 bytes), the header pickled, then the
+    tensors' bytes (:func:`pack_batch`), each part aligned to :data:`_ALIGN` bytes. What a replica's step message
+    carries (:mod:`~torch_batch_process.engine.mesh.exchange`): no collective of its own for the header."""
+    header, tensors = pack_batch(batch)
+    structure = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+    start = _aligned(_LENGTH + len(structure))
+    message = torch.zeros(start + tensors.numel(), dtype=torch.uint8)
+    message[:_LENGTH].view(torch.int64)[0] = len(structure)
+    message[_LENGTH : _LENGTH + len(structure)] = torch.frombuffer(bytearray(structure), dtype=torch.uint8)
+    message[start:] = tensors
+    return message
+
+
+def unpack_message(message: torch.Tensor) -> Any:
+    """The batch that :func:`pack_message` packed (``message`` starting at an aligned address, as a slice of a
+    received buffer at an offset that is a multiple of :data:`_ALIGN`); its tensors are views into ``message``."""
+    length = int(message[:_LENGTH].view(torch.int64)[0])
+    header = pickle.loads(message[_LENGTH : _LENGTH + length].numpy().tobytes())
+    return unpack_batch(header, message[_aligned(_LENGTH + length) :])
+
+
 def broadcast_batch(batch: Any, group: dist.ProcessGroup | None, src: int) -> Any:
     """``batch`` of global rank ``src`` on every rank of ``group`` (``src`` passes its own batch back, unchanged).
 
@@ -126,6 +153,10 @@ def broadcast_batch(batch: Any, group: dist.ProcessGroup | None, src: int) -> An
     if buffer.numel():
         dist.broadcast(buffer, src=src, group=group)
     return batch if sender else unpack_batch(header, buffer)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -33,10 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torch_batch_process import settings
-from torch_batch_process.engine.distributed import peers_answering
-from torch_batch_process.engine.rank_failure import RankFailure
-from torch_batch_process.errors import InvalidArgumentError, MemberOutOfStepError, WorkerLostError
+from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
 __all__ = ["JobMesh", "build_job_mesh", "open_job_mesh"]
@@ -54,57 +51,6 @@ class JobMesh:
     """``context.mesh``: the user's dimension names, outer (the replicas) first."""
     replica_group: dist.ProcessGroup | None
     """The library's gloo group of this replica's members; ``None`` when a replica is one rank."""
-
-    def members_ok(self, rank_failure: RankFailure, mark: int = 0) -> tuple[bool, int]:
-        """Every member of this replica, at the same step before its batch: whether none of them has failed, and the
-        largest ``mark`` they passed (the dynamic schedule: a stop or failure its source saw at a claim). One small
-        ``all_reduce`` over the replica's group; a replica whose member failed (in a hook, at a commit, in an earlier
-        batch) then runs no batch, so that no member waits in a collective for a member that is not coming (the ranks'
-        agreement stops the job soon after). A member lost meanwhile is this rank's failure (a
-        :class:`~torch_batch_process.errors.WorkerLostError`): it idles on in step with the other ranks, whose
-        agreement then stops every rank together."""
-        if self.replica_group is None:
-            return not rank_failure.failed, mark
-        status = torch.tensor([int(rank_failure.failed), mark])
-        try:
-            with peers_answering(self.position.rank):
-                dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.replica_group)
-        except WorkerLostError as lost:
-            rank_failure.record(lost, f"exchanging the status of replica {self.position.replica_rank}")
-            return False, mark
-        return not int(status[0]), int(status[1])
-
-    def agree_attempt(self, code: int) -> int:
-        """Every member after an attempt of a batch or part (``on_oom="split"``): the largest of their ``code`` s
-        (:data:`~torch_batch_process.engine.feed.failing_examples.ATTEMPT_OK`, ``ATTEMPT_OUT_OF_MEMORY``,
-        ``ATTEMPT_FAILED``), so that they keep an attempt or split it together. A member lost: ``ATTEMPT_FAILED``.
-
-        Raises:
-            MemberOutOfStepError: the other members did not come within ``TBP_MESH_GRACE_S``: they wait in a
-                collective of the attempt this rank left (an out-of-memory error inside a tensor-parallel forward),
-                which nothing releases but this rank's failure (the member watch then ends them).
-        """
-        if self.replica_group is None:
-            return code
-        status = torch.tensor([code])
-        grace_s = settings.current().mesh_grace_s
-        try:
-            with peers_answering(self.position.rank):
-                work = dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.replica_group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=grace_s))
-        except WorkerLostError:
-            return 2
-        except (RuntimeError, ConnectionError) as exc:
-            if "timed out" not in str(exc):
-                return 2  # a member lost
-            raise MemberOutOfStepError(
-                f"rank {self.position.rank}: the other members of replica {self.position.replica_rank} did not reach "
-                f"the end of this attempt within TBP_MESH_GRACE_S={grace_s:g}s: they wait in "
-                "a collective of the model that this rank left when it ran out of memory, so the batch cannot be "
-                "split on every member together; the replica stops (the job resumes). Lower batch_size or "
-                f"max_tokens, or pass on_oom='raise' ({exc})"
-            ) from exc
-        return int(status.item())
 
     @property
     def units(self) -> tuple[int, int]:

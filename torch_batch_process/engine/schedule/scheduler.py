@@ -68,12 +68,12 @@ class Scheduler(abc.ABC):
         """``mesh=``: this rank is a member of a replica of several ranks, its first (``source``) or another."""
 
     def replica_mark(self) -> int:
-        """What this rank adds to its replica's status exchange before each batch (``mesh=``): 0, or the code of a
+        """What this rank adds to its replica's message before each batch (``mesh=``): 0, or the code of a
         decision the replica must take together (:data:`MARKS`)."""
         return 0
 
     def follow(self, members_ok: bool, mark: int) -> bool:
-        """The replica's status exchange before a step (``mesh=``): whether none of its members failed, and the
+        """The replica's message before a step (``mesh=``): whether none of its members failed, and the
         largest mark its members added. Returns whether this rank runs a batch in this step."""
         return members_ok
 
