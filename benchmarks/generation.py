@@ -3,6 +3,18 @@
     python -m benchmarks.generation                          # 3 rounds, 2,000 prompts, 1 and 2 processes
     python -m benchmarks.generation --prompts 500 --rounds 3 --processes 1 # a loaded machine
     python -m benchmarks.generation --contenders "loop: dataset order,engine alone"
+    python -m benchmarks.generation --preset must-show        # issue 44's must-show, smaller model (~45-50 min)
+    python -m benchmarks.generation --preset must-show --rounds 1 --processes 1   # one round of it (~7.5 min)
+
+``--layers``, ``--width``, ``--vocab`` (token ids taken modulo it) and ``--answer-median/-min/-max`` change the model
+and the answers' lengths (every contender gets the same); ``--preset must-show`` is 2,000 prompts, 3 rounds, 1 and 2
+processes, the five contenders of issue 44, a 2-layer Llama of width 256 over 4,096 ids, answers median 16 (4-128).
+How the ratios move with the model: the engine's cost per step has a fixed Python part (its scheduler, the step's
+tensors) beside the model's compute, which the hand loop's ``generate`` pays on 32 rows where the engine pays it
+on up to 64; the smaller the model, the more that fixed part weighs and the smaller the engine's lead over the loops
+(at 64 prompts, CPU seconds: engine alone / dataset-order loop 3.5x for 4 x 256 over 30,522 ids, 2.55x for
+2 x 128 over 30,522, 2.3x for 2 x 128 over 4,096; at 128 prompts, answers median 16: 2.47x for 4 x 256 over
+4,096, 2.36x for 2 x 256 over 4,096).
 
 **Workload.** The docstrings of Python's standard library (whole docstrings, whitespace collapsed, in file order; no
 download) as prompts ``"Summarize in one line: <docstring>"``, tokenized by all-MiniLM-L6-v2's tokenizer (the
@@ -72,6 +84,20 @@ CONTENDERS = (
 )
 DEFAULT_CONTENDERS = CONTENDERS[:6]
 LOOPS = CONTENDERS[:3]
+PRESETS: dict[str, dict[str, Any]] = {
+    # Issue 44's must-show in a time a shared 2-core machine allows: 2,000 prompts, 3 rounds, 1 and 2 processes, the
+    # three hand loops, the engine alone and the library; a smaller model (2 layers of width 256, 4,096 ids) and
+    # shorter answers (log-normal median 16, 4-128, the same skew) than the defaults, which take ~2 hours a round.
+    # Caveat (BENCHMARKS.md section 9): at this size the engine alone was only 1.34x the dataset-order loop in one
+    # 1-process round: the engine's fixed cost per step dominates a model this small; a larger model shows the goals.
+    "must-show": {
+        "prompts": 2000, "rounds": 3, "processes": [1, 2],
+        "contenders": ["loop: dataset order", "loop: sorted by prompt length", "loop: sorted by answer length",
+                       "engine alone", "library"],
+        "layers": 2, "width": 256, "vocab": 4096, "answer_median": 16, "answer_min": 4, "answer_max": 128,
+        "expected": "~45-50 minutes on 2 quiet cores (one 1-process round took 7.5 min at load 1-5)",
+    },
+}
 PREFIX = "Summarize in one line: "
 
 
@@ -105,20 +131,45 @@ def docstrings(limit: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(limit)]
 
 
-def answer_lengths(n: int, seed: int = 0) -> list[int]:
-    """Per-prompt ``max_new_tokens``: log-normal, median 32, clipped to 8-256 (long-tailed)."""
+@dataclass(frozen=True)
+class Shape:
+    """The model and the answers' lengths: what sets the run time (the prompts are the same in every shape)."""
+
+    layers: int = 4
+    width: int = 256
+    vocab: int = 0  # 0: the tokenizer's (30,522 ids); else the token ids are taken modulo ``vocab``
+    answer_median: int = 32
+    answer_min: int = 8
+    answer_max: int = 256
+
+    def describe(self) -> str:
+        vocab = f"{self.vocab:,} ids (token ids modulo {self.vocab})" if self.vocab else "30,522 ids"
+        return (
+            f"Llama {self.layers} layers x width {self.width} (heads {max(1, self.width // 64)}, feed-forward "
+            f"{4 * self.width}), {vocab}; answers log-normal median {self.answer_median}, "
+            f"{self.answer_min}-{self.answer_max}"
+        )
+
+
+def answer_lengths(n: int, seed: int = 0, shape: Shape = Shape()) -> list[int]:
+    """Per-prompt ``max_new_tokens``: log-normal (sigma 0.8) around ``shape.answer_median``, clipped to
+    ``answer_min``-``answer_max`` (long-tailed; by default median 32, 8-256)."""
     rng = random.Random(seed)
-    return [min(256, max(8, round(math.exp(rng.gauss(math.log(32), 0.8))))) for _ in range(n)]
+    median, low, high = math.log(shape.answer_median), shape.answer_min, shape.answer_max
+    return [min(high, max(low, round(math.exp(rng.gauss(median, 0.8))))) for _ in range(n)]
 
 
-def build_model(seed: int = 0, vocab_size: int = 30522, context: int = 512) -> Any:
-    """A 4-layer Llama of width 256 with random weights (seeded), EOS disabled, in eval mode."""
+def build_model(seed: int = 0, vocab_size: int = 30522, context: int = 512, shape: Shape = Shape()) -> Any:
+    """A Llama of ``shape`` (by default 4 layers of width 256) with random weights (seeded), EOS disabled, in eval
+    mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    heads = max(1, shape.width // 64)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=context, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        vocab_size=vocab_size, hidden_size=shape.width, intermediate_size=4 * shape.width,
+        num_hidden_layers=shape.layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=context, bos_token_id=None, eos_token_id=None, pad_token_id=0,
         attn_implementation="sdpa",
     )
     model = LlamaForCausalLM(config).eval()
@@ -127,7 +178,9 @@ def build_model(seed: int = 0, vocab_size: int = 30522, context: int = 512) -> A
     return model
 
 
-def build_workload(n: int, batch_size: int, max_prompt_tokens: int, max_sequences: int) -> Workload:
+def build_workload(
+    n: int, batch_size: int, max_prompt_tokens: int, max_sequences: int, shape: Shape = Shape()
+) -> Workload:
     from transformers import AutoTokenizer
 
     from torch_batch_process.generation import CacheBudget
@@ -135,9 +188,10 @@ def build_workload(n: int, batch_size: int, max_prompt_tokens: int, max_sequence
     tokenizer = AutoTokenizer.from_pretrained(str(minilm_dir()))
     texts = [PREFIX + text for text in docstrings(n)]
     encoded = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_prompt_tokens)["input_ids"]
-    model = build_model(vocab_size=tokenizer.vocab_size)
+    prompts = [[token % shape.vocab for token in ids] for ids in encoded] if shape.vocab else list(encoded)
+    model = build_model(vocab_size=shape.vocab or tokenizer.vocab_size, shape=shape)
     budget = CacheBudget(max_sequences=max_sequences, batch_tokens=512, page_size=32)
-    return Workload(list(encoded), answer_lengths(n), model, batch_size, budget)
+    return Workload(prompts, answer_lengths(n, shape=shape), model, batch_size, budget)
 
 
 # ------------------------------------------------------------------------------------------ contenders
@@ -247,7 +301,8 @@ def library_contender(work: Workload, storage: str | None = None) -> dict[int, l
     dataset = [{"ids": prompt, "max_new": work.max_new_tokens[i]} for i, prompt in enumerate(work.prompts)]
     processor = generation.Generate(
         model=work.model, prompt="ids", max_new_tokens="max_new", budget=work.budget, eos_token_id=(),
-        columns=("token_ids",), model_id="benchmark-llama-4x256",
+        columns=("token_ids",),
+        model_id=f"benchmark-llama-{work.model.config.num_hidden_layers}x{work.model.config.hidden_size}",
     )
     with tempfile.TemporaryDirectory(prefix="tbp-bench-generation-") as scratch:
         where = storage or scratch
@@ -287,7 +342,7 @@ def worker(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences)
+    work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences, shape_of(args))
     dist.init_process_group("gloo")  # the library's call joins this group
     rank, world = dist.get_rank(), dist.get_world_size()
     run = runners(work, rank, world, args.storage)[args.worker]
@@ -321,7 +376,7 @@ def run_processes(name: str, args: argparse.Namespace, processes: int) -> tuple[
             "-m", "benchmarks.generation", "--worker", name, "--out", out, "--storage", os.path.join(scratch, "job"),
             "--prompts", str(args.prompts), "--batch-size", str(args.batch_size),
             "--max-sequences", str(args.max_sequences), "--max-prompt-tokens", str(args.max_prompt_tokens),
-            "--threads", str(args.threads),
+            "--threads", str(args.threads), *shape_arguments(shape_of(args)),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -335,6 +390,19 @@ def run_processes(name: str, args: argparse.Namespace, processes: int) -> tuple[
 # ------------------------------------------------------------------------------------------ the table
 
 
+def shape_of(args: argparse.Namespace) -> Shape:
+    return Shape(args.layers, args.width, args.vocab, args.answer_median, args.answer_min, args.answer_max)
+
+
+def shape_arguments(shape: Shape) -> list[str]:
+    """``shape`` as this module's command-line options (for the workers of a several-process run)."""
+    return [
+        "--layers", str(shape.layers), "--width", str(shape.width), "--vocab", str(shape.vocab),
+        "--answer-median", str(shape.answer_median), "--answer-min", str(shape.answer_min),
+        "--answer-max", str(shape.answer_max),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=2000)
@@ -345,15 +413,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-sequences", type=int, default=64, help="the engine's CacheBudget.max_sequences")
     parser.add_argument("--max-prompt-tokens", type=int, default=192)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=Shape.layers, help="the model's decoder layers")
+    parser.add_argument("--width", type=int, default=Shape.width, help="the model's hidden size (heads of 64)")
+    parser.add_argument("--vocab", type=int, default=Shape.vocab, help="0: the tokenizer's 30,522 ids; else modulo")
+    parser.add_argument("--answer-median", type=int, default=Shape.answer_median)
+    parser.add_argument("--answer-min", type=int, default=Shape.answer_min)
+    parser.add_argument("--answer-max", type=int, default=Shape.answer_max)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds a several-process run may take")
     parser.add_argument(
         "--contenders", type=lambda text: [name.strip() for name in text.split(",")], default=list(DEFAULT_CONTENDERS),
         help="comma-separated, from: " + "; ".join(CONTENDERS) + " (the last two: not by default)",
     )
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS),
+        help="a named run (its settings replace the options above): must-show = issue 44's 2,000-prompt run",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one rank of a several-process run (torchrun)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--storage", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.preset:  # the preset's settings become the defaults: an option given beside it still wins
+        preset = dict(PRESETS[args.preset])
+        expected = preset.pop("expected")
+        parser.set_defaults(**preset)
+        args = parser.parse_args(argv)
+        if not args.worker:
+            print(f"preset {args.preset}: expected run time {expected} (for its own rounds and processes)", flush=True)
     unknown = set(args.contenders) - set(CONTENDERS)
     if unknown:
         parser.error(f"unknown contenders {sorted(unknown)}; choose from {list(CONTENDERS)}")
@@ -363,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     if args.worker:
         return worker(args)
-    work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences)
+    work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences, shape_of(args))
     lengths = sorted(len(p) for p in work.prompts)
     answers = sorted(work.max_new_tokens)
     print(machine_line(machine()))
