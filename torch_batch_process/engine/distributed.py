@@ -42,7 +42,6 @@ from torch_batch_process import settings
 from torch_batch_process.device import gpu_uuid, local_rank_device
 from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.engine.join import connect_timeout, join_job
-from torch_batch_process.engine.kept_groups import keep_groups_alive
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
 __all__ = [
@@ -340,14 +339,11 @@ class DistributedEnv:
         try:
             self.setup()
         except BaseException:
-            keep_groups_alive(self.control_group)
             self.teardown()
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is not None:  # peers may still wait in a collective: freeing a group could join forever
-            keep_groups_alive(self.control_group)
+    def __exit__(self, *exc: object) -> None:
         self.teardown()
 
     def setup(self) -> None:
