@@ -31,7 +31,7 @@ engine's errors (restarting an engine that did not fail would drop its work in p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch_batch_process.engine.commit.participants import Participant, Payload, RecordDraft
@@ -127,10 +127,7 @@ class GenerationParticipant(Participant):
         budget, ooms = self._in_flight.take_budget()
         if not any(counts) and written is None and budget is None and not ooms:
             return None
-        learned = None
-        if budget is not None:
-            learned = {name: getattr(budget, name) for name in ("cache_tokens", "batch_tokens", "max_sequences",
-                                                                  "page_size")}
+        learned = asdict(budget) if budget is not None else None
         return GeneratedTokens(*counts, partial_answers=written, engine_ooms=ooms, budget=learned)
 
     # ------------------------------------------------------------------ rank 0
