@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torch_batch_process.engine import in_flight
+
 __all__ = ["INLINE_MAX", "StepMessages", "StepStatus"]
 
 INLINE_MAX = 1 << 18
@@ -137,7 +139,9 @@ class StepMessages:
             dist.all_gather_single(gathered, chunk, group=self._group)
         else:
             work = dist.all_gather_single(gathered, chunk, group=self._group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            in_flight.started(work, self._group)
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))  # raising (a member late or lost): left in flight
+            in_flight.settled(work)
         chunks = gathered.view(self._members, chunk.numel())
         return chunks[:, :_STATUS].reshape(-1).view(torch.int64).view(self._members, _STATUS // 8), chunks
 
