@@ -35,3 +35,33 @@ def test_a_failed_call_whose_collectives_finished_exits_with_its_own_code():
     # rank 1 joins the collective late: rank 0's exit waits for it, then ends as the user's code says
     assert codes == [3, 0], outcomes
     assert "still wait on a peer" not in outcomes[0][2], outcomes[0]
+
+
+class _Work:
+    """Stands for a torch ``Work`` (only ``is_completed`` is read)."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_the_registry_forgets_finished_collectives_and_names_the_groups_of_those_in_flight():
+    from torch_batch_process.engine import in_flight
+
+    group = object()
+    done = [_Work(True) for _ in range(200)]  # dropped without waiting (a job that ended): never settled
+    stuck = _Work(False)
+    try:
+        for work in done:
+            in_flight.started(work, None)
+        in_flight.started(stuck, group)
+        assert len(in_flight._in_flight) <= in_flight._PRUNE_AT + 1  # bounded however many are dropped
+        assert in_flight.pending_groups() == [group]
+        stuck.done = True
+        assert in_flight.pending_groups() == []
+    finally:
+        for work in [*done, stuck]:
+            in_flight.settled(work)
+    assert not in_flight._in_flight

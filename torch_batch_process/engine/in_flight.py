@@ -40,6 +40,7 @@ only late joins within this) before it ends without waiting (see the module docs
 _lock = threading.Lock()
 _in_flight: dict[int, tuple[Any, dist.ProcessGroup | None]] = {}
 """``id(work)`` -> the work (kept alive while registered) and its group."""
+_PRUNE_AT = 64
 _kept: list[dist.ProcessGroup] = []
 _exit_hook_registered = False
 
@@ -47,6 +48,9 @@ _exit_hook_registered = False
 def started(work: Any, group: dist.ProcessGroup | None) -> None:
     """Registers an asynchronous collective of ``group`` (``None``: the default group) just started."""
     with _lock:
+        if len(_in_flight) >= _PRUNE_AT:  # one a caller dropped without waiting (a job that ended): forget the done
+            for key in [key for key, (other, _group) in _in_flight.items() if other.is_completed()]:
+                del _in_flight[key]
         _in_flight[id(work)] = (work, group)
 
 
