@@ -182,6 +182,25 @@ def test_two_replicas_of_two_give_the_outputs_of_one_process_each_example_once(t
 
 
 @pytest.mark.slow
+def test_the_dynamic_schedule_over_pipeline_stages_gives_the_outputs_of_one_process_each_example_once(tmp_path):
+    """Replicas of a 2-stage pipeline claim their batches (``schedule="dynamic"``): both stages of a replica run the
+    batches its first stage claimed, the replicas' batches are disjoint and cover the job, the metrics are exact and
+    the embeddings those of the whole encoder."""
+    spec = spec_for(tmp_path, schedule="dynamic", upload="same")
+    done, reports = run_attempt(spec, 1, 4, {"replica": -1, "pp": 2})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "schedule dynamic" in done.stdout + done.stderr  # the job's opening line
+    seen = {rank: reports[rank]["seen"] for rank in range(4)}
+    assert seen[0]["batches"] == seen[1]["batches"] and seen[2]["batches"] == seen[3]["batches"]  # stage by stage
+    assert sorted(seen[0]["batches"] + seen[2]["batches"]) == list(range(BATCHES))  # each batch by one replica
+    assert all(reports[rank]["result"]["metrics"] == exact_metrics() for rank in range(4))
+    check_outputs(Path(spec["storage"]))
+    files = sorted(Path(spec["storage"], "outputs").glob("commit_*/rank_*/batch_*.pt"))
+    assert sorted(int(f.stem.split("_")[1]) for f in files) == list(range(BATCHES))  # each batch's file once
+    assert {f.parent.name for f in files} <= {"rank_1", "rank_3"}  # from the last stages (the writers)
+
+
+@pytest.mark.slow
 def test_a_killed_member_then_a_raising_member_stop_every_rank_and_another_shape_resumes_exactly_once(tmp_path):
     # attempt 1: 2 replicas x 2; a non-writer member is killed (SIGKILL) mid-job
     # killed right after the first durable commit (step 3 of 6), between commits: a rank killed while a gathered commit
