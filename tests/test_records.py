@@ -897,6 +897,31 @@ def test_tensors_that_need_a_copy_and_strided_arrays_are_stored_with_their_value
     assert table.column("plain").to_pylist() == [7, 8, 9]
 
 
+def test_numeric_columns_wrapped_in_place_equal_what_pyarrow_builds():
+    """Plain numbers (native byte order, aligned) are wrapped as Arrow arrays without ``pa.array``'s dispatch: the
+    same types, values and nulls (a NaN stays a value) as ``pa.array``; other dtypes still go through it."""
+    from torch_batch_process.outputs.columns import rows_to_table
+
+    columns = {
+        "i8": np.array([-1, 0, 1], dtype=np.int8),
+        "u16": np.array([0, 1, 65535], dtype=np.uint16),
+        "f16": np.array([0.5, -1.0, 2.0], dtype=np.float16),
+        "f32": torch.tensor([float("nan"), 1.0, -0.0]),
+        "flags": np.array([True, False, True]),  # Arrow packs booleans in bits: not wrapped
+        "when": np.array(["2026-01-01", "2026-01-02", "2026-01-03"], dtype="datetime64[D]"),
+    }
+    table = rows_to_table(columns, [5, 3, 9])
+    assert table.column("index").to_pylist() == [5, 3, 9] and table.schema.field("index").type == pa.int64()
+    for name, value in columns.items():
+        expected = pa.array(np.asarray(value))
+        assert table.schema.field(name).type == expected.type, name
+        assert table.column(name).chunk(0).equals(expected) or name == "f32", name
+    f32 = table.column("f32").chunk(0)
+    assert f32.null_count == 0 and np.isnan(f32.to_numpy()[0]) and f32.to_pylist()[1:] == [1.0, -0.0]
+    with pytest.raises(InvalidArgumentError, match=r"column 'big' \(>i4\) cannot be stored"):  # as pa.array says
+        rows_to_table({"big": np.array([1, 2, 3], dtype=">i4")}, [0, 1, 2])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["static", "dynamic"])
 def test_ranks_whose_rows_do_not_unify_fail_the_job_and_commit_nothing_unreadable(tmp_path, schedule):

@@ -38,8 +38,15 @@ INDEX_COLUMN = "index"
 """The column the library adds to every row: the example's index in the dataset."""
 
 
+_PYARROW: Any = None
+"""pyarrow once imported (``require_pyarrow`` runs per ``context.write``: an import statement per batch costs ~1 us)."""
+
+
 def require_pyarrow() -> Any:
     """Imports pyarrow, or raises an ImportError that names the extra to install."""
+    global _PYARROW
+    if _PYARROW is not None:
+        return _PYARROW
     try:
         import pyarrow
         import pyarrow.parquet  # noqa: F401
@@ -48,6 +55,7 @@ def require_pyarrow() -> Any:
             "record outputs (context.write, read_outputs, iter_outputs, predict) need pyarrow: "
             f"{pip_install('records')} (or pip install pyarrow)"
         ) from exc
+    _PYARROW = pyarrow
     return pyarrow
 
 
@@ -77,7 +85,9 @@ def _from_numpy(pa: Any, array: np.ndarray, landing: bool = False) -> Any:
     arrow_type = _ARROW_TYPES.get(flat.dtype)
     if arrow_type is None:
         arrow_type = _ARROW_TYPES[flat.dtype] = pa.from_numpy_dtype(flat.dtype)
-    if landing:  # wraps the buffer as it is: nothing reads the values before the copy is done
+    if landing or (flat.dtype.kind in "iuf" and flat.dtype.isnative and flat.flags.aligned):
+        # wraps the buffer as it is (landing: nothing reads the values before the copy is done); for plain numbers
+        # this is what ``pa.array`` does, without its per-call dispatch (~0.5 us a column: this runs per batch)
         values = pa.Array.from_buffers(arrow_type, len(flat), [None, pa.py_buffer(flat)])
     else:
         values = pa.array(flat, type=arrow_type)  # typed: zero-copy (untyped inference scans)
@@ -214,7 +224,7 @@ def rows_to_table(
         )
     if ragged is not None:
         ragged.update(name for name, value in zip(names, rows.values(), strict=True) if _is_per_example_list(value))
-    arrays = [pa.array(_index_array(indices), type=pa.int64())]
+    arrays = [_from_numpy(pa, _index_array(indices))]
     arrays += [_column(pa, name, value, n, copies) for name, value in zip(names, rows.values(), strict=True)]
     return pa.Table.from_arrays(arrays, names=[INDEX_COLUMN, *names])
 

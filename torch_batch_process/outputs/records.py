@@ -127,7 +127,8 @@ class RecordWriter:
         self._current = current
         self._rank = rank
         self._format = output_format
-        self._pending: tuple[Any, CopiesDone, RecordSchema] | None = None  # the batch's rows, until it returns
+        # the batch's rows, until it returns: (table, its copies back, its ragged columns, batch_idx)
+        self._pending: tuple[Any, CopiesDone, frozenset[str], int] | None = None
         self._stamp = stamp
         self._buffer: list[tuple[Any, CopiesDone]] = []  # rows not in the shard yet (with their copies back)
         self._buffered = 0
@@ -174,16 +175,15 @@ class RecordWriter:
         table = rows_to_table(rows, self._current.indices, copies, ragged)
         if self._stamp is not None:
             table = self._stamp(table, self._current.indices)
-        schema = RecordSchema(table.schema, frozenset(ragged), f"batch {self._current.batch_idx} (rank {self._rank})")
-        self._pending = (table, copies.done(), schema)
+        self._pending = (table, copies.done(), frozenset(ragged), self._current.batch_idx)
 
     def _batch_finished(self, ok: bool) -> None:
         """The current batch returned (``ok``: its rows join the buffer) or raised (they are dropped)."""
         pending, self._pending = self._pending, None
         if not ok or pending is None or not self._keeps_rows:
             return
-        table, landing, schema = pending
-        table = self._conform(table, landing, schema)
+        table, landing, ragged, batch_idx = pending
+        table = self._conform(table, landing, ragged, batch_idx)
         size = table.get_total_buffer_size()
         self._buffer.append((table, landing))
         if self._sink is None:
@@ -196,16 +196,18 @@ class RecordWriter:
         if self._sink is not None and self._shard_bytes >= self._limit:
             self._close_table_file()
 
-    def _conform(self, table: Any, landing: CopiesDone, schema: RecordSchema) -> Any:
+    def _conform(self, table: Any, landing: CopiesDone, ragged: frozenset[str], batch_idx: int) -> Any:
         """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
         :mod:`torch_batch_process.jobstore.schema`; a wider type rewrites the open shard). A cast reads values: it
-        waits for the copies back first."""
+        waits for the copies back first. The batch's :class:`RecordSchema` is made only when its types are new (the
+        common case compares the table's schema with the rank's: no object per batch)."""
+        known = self._schema
+        if self._sink is None and known is not None and ragged <= known.ragged and table.schema.equals(known.schema):
+            return table  # the common case: types seen (and checked) before
+        schema = RecordSchema(table.schema, ragged, f"batch {batch_idx} (rank {self._rank})")
         if self._sink is not None:  # a table's types rule (outputs/tables/sink.py)
             table, self._schema = self._sink.conform(table, schema, landing)
             return table
-        known = self._schema
-        if known is not None and table.schema.equals(known.schema) and schema.ragged <= known.ragged:
-            return table  # the common case: types seen (and checked) before
         if self._format == "jsonl":
             _check_json_storable(schema)
         if known is None:
