@@ -325,3 +325,23 @@ def test_vllm_engine_round_trip(tmp_path: Any) -> None:  # pragma: no cover - ru
     for prompt in prompts[:20]:
         assert first[prompt.index].completion_tokens == min(prompt.max_new_tokens, CONTEXT - len(prompt.token_ids))
     assert answers(first) == answers(second)
+
+
+def test_a_rank_that_claims_its_batches_holds_only_what_its_engine_runs(model: Any) -> None:
+    """``max_in_flight``'s default: 4 x ``max_sequences`` when batches are dealt; ``max_sequences`` when the rank claims
+    them (``schedule="dynamic"``): holding more would queue prompts on one rank that another could run at the end."""
+    from torch_batch_process.context import CurrentBatch
+    from torch_batch_process.engine.feed.in_flight import InFlight
+    from torch_batch_process.engine.rank_failure import RankFailure
+    from torch_batch_process.engine.work import RankWork
+
+    with TransformersEngine(model, budget=BUDGET, eos_token_id=()) as engine:
+        sequences = engine.budget.max_sequences
+        limits = {}
+        for claims in (False, True):
+            feed = InFlight(CurrentBatch(), RankWork(), RankFailure(0), torch.inference_mode, claims=claims)
+            feed.use(engine)
+            limits[claims] = feed.limit
+            feed.use(engine, max_in_flight=3)  # the user's limit wins either way
+            assert feed.limit == 3
+    assert limits == {False: 4 * sequences, True: sequences}

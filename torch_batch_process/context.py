@@ -191,8 +191,9 @@ class TorchBatchProcessorContext:
         Args:
             engine: the engine (e.g. ``generation.TransformersEngine(model)``); the library stops it when the call
                 ends.
-            max_in_flight: prompts in flight at most (``None``: 4 x the engine's ``budget.max_sequences``); what a
-                kill -9 regenerates at most, and what a stop drains.
+            max_in_flight: prompts in flight at most (``None``: 4 x the engine's ``budget.max_sequences``; with
+                ``schedule="dynamic"`` on several ranks, ``budget.max_sequences``: a rank claims only what its engine
+                runs, so the ranks end together); what a kill -9 regenerates at most, and what a stop drains.
             drain_s: at a stop (preemption), seconds to wait for the batches in flight to finish before the
                 closing commit (``None``: 30); the batches still in flight then are generated again on resume.
         """

@@ -278,6 +278,7 @@ class JobRun:
                 torch.inference_mode if args.inference_mode else contextlib.nullcontext,
                 self.failure_log.record if args.failures.skip else None, args.failures.batch_timeout,
                 learn_budget=args.failures.split_on_oom,  # an engine out of memory restarts with a smaller budget
+                claims=dynamic,  # a rank that claims its batches holds no more than its engine runs at once
             )
             self._closing.callback(self.in_flight.close)
             self.context = TorchBatchProcessorContext(

@@ -79,7 +79,8 @@ def Generate(  # noqa: N802 - it makes a processor class: named like one
             tokenizer).
         eos_token_id: the token(s) ending an answer (``None``: the model's; ``()``: none).
         context_length: the most tokens a prompt and its answer hold (``None``: the model's).
-        max_in_flight: prompts in flight at most (``None``: 4 x ``budget.max_sequences``).
+        max_in_flight: prompts in flight at most (``None``: 4 x ``budget.max_sequences``; ``schedule="dynamic"`` on
+            several ranks: ``budget.max_sequences``).
         drain_s: at a stop, seconds to let the batches in flight finish (``None``: 30); the answers still being
             written then are kept with the stop's commit and continued by the resume (``docs/generation.md``).
         model_id: the model's name in the job's fingerprint; revision: its revision (both optional).

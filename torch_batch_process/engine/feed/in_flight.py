@@ -117,6 +117,10 @@ class InFlight:
             job). ``None``: no limit.
         learn_budget: ``on_oom="split"``: an engine that runs out of memory is restarted with a smaller budget (see
             the module docstring); ``False``: the rank fails.
+        claims: the rank claims its batches (``schedule="dynamic"``): by default it holds only what its engine runs
+            at once (``budget.max_sequences`` prompts, plus the batch that crosses it) instead of 4 times that, so
+            the batches it has not claimed yet stay with the job for whichever rank frees a sequence first (holding
+            more only queues prompts on this rank while another runs out of work at the end).
     """
 
     def __init__(
@@ -128,7 +132,9 @@ class InFlight:
         record_failure: Callable[[int, int, str, BaseException], None] | None = None,
         batch_timeout: float | None = None,
         learn_budget: bool = False,
+        claims: bool = False,
     ) -> None:
+        self._claims = claims
         self._batch_timeout = batch_timeout
         self._learn_budget = learn_budget
         self._stored_budget: dict[str, int] | None = None  # what earlier attempts learned (start_from)
@@ -175,7 +181,8 @@ class InFlight:
         self._start_from_stored(engine)
         budget = engine.budget
         sequences = budget.max_sequences if budget is not None else 64
-        self.limit = max_in_flight if max_in_flight is not None else 4 * sequences
+        default = sequences if self._claims else 4 * sequences  # see ``claims`` in the class docstring
+        self.limit = max_in_flight if max_in_flight is not None else default
         if drain_s is not None:
             self.drain_s = float(drain_s)
 
