@@ -33,9 +33,10 @@ __all__ = ["EXIT_WAIT_S", "keep_until_exit", "kept_groups", "pending_groups", "s
 
 logger = logging.getLogger(__name__)
 
-EXIT_WAIT_S = 10.0
+EXIT_WAIT_S = 2.0
 """Seconds a process whose failed call left a collective in flight waits at exit for it to finish (a peer that is
-only late joins within this) before it ends without waiting (see the module docstring)."""
+only late joins within this) before it ends without waiting (see the module docstring). Short: the usual collective
+left in flight is a send to a rank that died, which never finishes, and every survivor of a kill waits this long."""
 
 _lock = threading.Lock()
 _in_flight: dict[int, tuple[Any, dist.ProcessGroup | None]] = {}
