@@ -264,7 +264,7 @@ def test_random_kills_on_2x2_dynamic_then_3x2_resume_on_1x4_with_each_example_on
     those of the whole encoder on one process."""
     n, batch, config = 144, 4, EncoderConfig(layers=1)
     # A fixed default: seed 222 kills rank 2 of the 3 x 2 job 0.03 s after a commit, which left ranks waiting forever
-    # in 2 runs of 5 before engine/in_flight.py (a rank that raised joined its group's worker, blocked on a rank that
+    # in 2 runs of 5 before engine/pending_collectives.py (a rank that raised joined its group's worker, blocked on a rank that
     # waited on it: notes/43-mesh.md §11). Other seeds explore other moments.
     seed = int(os.environ.get("TBP_TEST_SEED", 222))
     print(f"TBP_TEST_SEED={seed} reruns these kills")  # shown when the test fails

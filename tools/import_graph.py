@@ -102,7 +102,7 @@ SUBLAYERS: dict[str, tuple[tuple[tuple[str, ...], ...], ...]] = {
         (("engine.plan",),),
         # the engine's core: the ranks' collectives and join, the device mesh's groups, a rank's work and failure
         (("engine.distributed", "engine.join", "engine.work", "engine.rank_failure", "engine.mesh"),),
-        (("engine.in_flight",),),
+        (("engine.pending_collectives",),),
     ),
 }
 """Sub-layers of a layer, top first; each a tuple of parts side by side (module name prefixes each), which may not

@@ -2,7 +2,7 @@
 control group and then fails inside the call (an exception leaves the ``with``), drops everything, collects garbage
 and exits with code 3. Rank 1, alive, never joins that collective (it sleeps ``SLEEP_S`` seconds, then exits), or with
 ``JOIN_AFTER_S`` set joins it that late. Freeing a gloo group joins its worker, which would wait on rank 1: rank 0
-must neither hang there nor at its exit (engine/in_flight.py, notes/43-mesh.md §11)."""
+must neither hang there nor at its exit (engine/pending_collectives.py, notes/43-mesh.md §11)."""
 
 import gc
 import os

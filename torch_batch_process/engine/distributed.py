@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch_batch_process import settings
 from torch_batch_process.device import gpu_uuid, local_rank_device
 from torch_batch_process.distributed_info import DistributedInfo
-from torch_batch_process.engine import in_flight
+from torch_batch_process.engine import pending_collectives
 from torch_batch_process.engine.join import connect_timeout, join_job
 from torch_batch_process.errors import LOST_HINT, InvalidArgumentError, WorkerFailedError, WorkerLostError
 
@@ -182,7 +182,7 @@ class Collectives:
         tensor = torch.tensor(values, dtype=torch.int64)
         with peers_answering(self.rank):
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        in_flight.started(work, self.group)
+        pending_collectives.started(work, self.group)
         return PendingMax(tensor, work, self.rank)
 
 
@@ -219,7 +219,7 @@ class PendingGather:
             self._out = [torch.empty_like(buffer) for _ in range(coll.world_size)]
         with peers_answering(coll.rank):
             self._work = dist.gather(buffer, self._out, dst=0, group=coll.group, async_op=True)
-        in_flight.started(self._work, coll.group)
+        pending_collectives.started(self._work, coll.group)
 
     @property
     def work(self) -> Any:
@@ -231,7 +231,7 @@ class PendingGather:
         if self._coll.world_size == 1:
             return [self._obj]
         wait_together(self._coll.rank, self._work)
-        in_flight.settled(self._work)
+        pending_collectives.settled(self._work)
         if self._out is None:
             return None
         objects: list[Any] = []
@@ -258,7 +258,7 @@ class PendingMax:
         if self._work is not None:
             with peers_answering(self._rank):
                 self._work.wait()
-            in_flight.settled(self._work)
+            pending_collectives.settled(self._work)
             self._work = None
         values = self._values.tolist() if isinstance(self._values, torch.Tensor) else self._values
         return [int(v) for v in values]
@@ -440,10 +440,11 @@ class DistributedEnv:
     def teardown(self, failed: bool = False) -> None:
         """Destroys this call's control group (the default group stays for later calls, see above); after a
         ``failed`` call that left a collective in flight, keeps its groups alive instead (destroying one would wait
-        on a peer that may never come: :mod:`~torch_batch_process.engine.in_flight`)."""
-        left = in_flight.pending_groups() if failed else []
+        on a peer that may never come: :mod:`~torch_batch_process.engine.pending_collectives`)."""
+        left = pending_collectives.pending_groups() if failed else []
         if left:
-            in_flight.keep_until_exit([*left, *([self.control_group] if self.control_group is not None else [])])
+            control = [self.control_group] if self.control_group is not None else []
+            pending_collectives.keep_until_exit([*left, *control])
             self._created_control = False
             self.control_group = None
             return

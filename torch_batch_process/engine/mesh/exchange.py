@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from torch_batch_process.engine import in_flight
+from torch_batch_process.engine import pending_collectives
 
 __all__ = ["INLINE_MAX", "StepMessages", "StepStatus"]
 
@@ -139,9 +139,9 @@ class StepMessages:
             dist.all_gather_single(gathered, chunk, group=self._group)
         else:
             work = dist.all_gather_single(gathered, chunk, group=self._group, async_op=True)
-            in_flight.started(work, self._group)
+            pending_collectives.started(work, self._group)
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))  # raising (a member late or lost): left in flight
-            in_flight.settled(work)
+            pending_collectives.settled(work)
         chunks = gathered.view(self._members, chunk.numel())
         return chunks[:, :_STATUS].reshape(-1).view(torch.int64).view(self._members, _STATUS // 8), chunks
 

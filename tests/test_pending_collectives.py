@@ -1,5 +1,5 @@
 """A rank that fails while a collective of the library's group is in flight neither hangs in the group's destructor
-nor at its exit (engine/in_flight.py; the mesh kill chain's hang of notes/43-mesh.md §11)."""
+nor at its exit (engine/pending_collectives.py; the mesh kill chain's hang of notes/43-mesh.md §11)."""
 
 import time
 
@@ -48,20 +48,20 @@ class _Work:
 
 
 def test_the_registry_forgets_finished_collectives_and_names_the_groups_of_those_in_flight():
-    from torch_batch_process.engine import in_flight
+    from torch_batch_process.engine import pending_collectives
 
     group = object()
     done = [_Work(True) for _ in range(200)]  # dropped without waiting (a job that ended): never settled
     stuck = _Work(False)
     try:
         for work in done:
-            in_flight.started(work, None)
-        in_flight.started(stuck, group)
-        assert len(in_flight._in_flight) <= in_flight._PRUNE_AT + 1  # bounded however many are dropped
-        assert in_flight.pending_groups() == [group]
+            pending_collectives.started(work, None)
+        pending_collectives.started(stuck, group)
+        assert len(pending_collectives._in_flight) <= pending_collectives._PRUNE_AT + 1  # bounded
+        assert pending_collectives.pending_groups() == [group]
         stuck.done = True
-        assert in_flight.pending_groups() == []
+        assert pending_collectives.pending_groups() == []
     finally:
         for work in [*done, stuck]:
-            in_flight.settled(work)
-    assert not in_flight._in_flight
+            pending_collectives.settled(work)
+    assert not pending_collectives._in_flight
