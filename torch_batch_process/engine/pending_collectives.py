@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["EXIT_WAIT_S", "keep_until_exit", "kept_groups", "pending_groups", "settled", "started"]
+__all__ = ["EXIT_WAIT_S", "keep_until_exit", "pending_groups", "settled", "started"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,7 @@ def started(work: Any, group: dist.ProcessGroup | None) -> None:
     """Registers an asynchronous collective of ``group`` (``None``: the default group) just started."""
     with _lock:
         if len(_in_flight) >= _PRUNE_AT:  # one a caller dropped without waiting (a job that ended): forget the done
-            for key in [key for key, (other, _group) in _in_flight.items() if other.is_completed()]:
-                del _in_flight[key]
+            _forget_completed()
         _in_flight[id(work)] = (work, group)
 
 
@@ -62,12 +61,16 @@ def settled(work: Any) -> None:
             _in_flight.pop(id(work), None)
 
 
+def _forget_completed() -> None:
+    """Unregisters the completed collectives (``_lock`` held)."""
+    for key in [key for key, (work, _group) in _in_flight.items() if work.is_completed()]:
+        del _in_flight[key]
+
+
 def _pending() -> list[tuple[Any, dist.ProcessGroup | None]]:
     """The registered collectives not completed yet (completed ones are forgotten on the way)."""
     with _lock:
-        for key, (work, _group) in list(_in_flight.items()):
-            if work.is_completed():
-                del _in_flight[key]
+        _forget_completed()
         return list(_in_flight.values())
 
 
@@ -94,12 +97,6 @@ def keep_until_exit(groups: list[dist.ProcessGroup]) -> None:
             atexit.register(_end_at_exit)
             _exit_hook_registered = True
     logger.debug("%d process group(s) kept alive: a failed call left a collective in flight", len(groups))
-
-
-def kept_groups() -> tuple[dist.ProcessGroup, ...]:
-    """The groups kept so far (for tests and diagnostics)."""
-    with _lock:
-        return tuple(_kept)
 
 
 def _destroy_kept() -> None:
