@@ -117,6 +117,24 @@ def row_value(row: Row, figures: dict[str, Any]) -> str:
     return " / ".join(fmt_value(figures.get(key), row.digits) for key in row.figures)
 
 
+def reproduced(old: Any, new: Any) -> str:
+    """Whether a new figure repeats a stored one: ``yes`` when the new median falls within the stored run's
+    [min–max] (issue 45: the head run twice in a row, every row within its stated spread of the other run), else
+    ``no`` with the relative distance to the nearer end of that spread; ``–`` when either is missing."""
+    if not isinstance(old, list) or not isinstance(new, list) or None in (old[0], new[0]):
+        return "–"
+    median, low, high = new[0], old[1], old[2]
+    if low <= median <= high:
+        return "yes"
+    end = low if median < low else high
+    return f"no ({(median - end) / abs(end):+.1%})" if end else "no"
+
+
+def row_reproduced(row: Row, old: dict[str, Any], new: dict[str, Any]) -> str:
+    """:func:`reproduced` for each of the row's figures, ``a / b / ...``."""
+    return " / ".join(reproduced(old.get(key), new.get(key)) for key in row.figures)
+
+
 def load_data(path: Path = DATA) -> dict[str, Any]:
     """The stored head: ``{"figures": {key: value}, "runs": {row key: {date, cpu, load, commit}}}``."""
     if not path.exists():
@@ -219,10 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         new.update({k: figures[k] for k in row.figures if k in figures})
         runs[row.key] = {"date": info["date"][:10], "cpu": f"{info['cpu']} x{info['cores']}", "load": load,
                          "commit": info["commit"], "seconds": round(seconds)}
-    print("| Figure | Clock | Old | New | Goal | Command |\n|---|---|---|---|---|---|")
+    print("| Figure | Clock | Old | New | New median within old spread | Goal | Command |\n"
+          "|---|---|---|---|---|---|---|")
     for row in args.selected:
-        print(f"| {row.figure} | {row.clock} | {row_value(row, old['figures'])} | {row_value(row, new)} | {row.goal} "
-              f"| `python -m {' '.join(row.command)}` |")
+        print(f"| {row.figure} | {row.clock} | {row_value(row, old['figures'])} | {row_value(row, new)} "
+              f"| {row_reproduced(row, old['figures'], new)} | {row.goal} | `python -m {' '.join(row.command)}` |")
     print(f"\nMachine: {info['cpu']}, {info['cores']} cores; commit {info['commit']}; {info['date']}; load before each "
           "command: " + "; ".join(f"{k} {v['load'].removeprefix('load average ')}" for k, v in runs.items()))
     if args.write:

@@ -55,3 +55,17 @@ def test_contenders_rotate_from_round_to_round() -> None:
     assert orders == [["tbp", "hand", "buffered"], ["hand", "buffered", "tbp"], ["buffered", "tbp", "hand"]]
     assert [order[0] for order in orders] == ["tbp", "hand", "buffered"], "each contender runs first once"
     assert rotated([], 4) == []
+
+
+def test_a_new_figure_is_checked_against_the_stored_run_s_spread() -> None:
+    from benchmarks.head import ROWS, reproduced, row_reproduced
+
+    assert reproduced([0.9, 0.85, 0.95], [0.93, 0.80, 1.0]) == "yes"  # the new median inside the old spread
+    assert reproduced([0.9, 0.85, 0.95], [0.95, 0.95, 0.95]) == "yes"  # ends included
+    assert reproduced([0.9, 0.87, 0.95], [0.861, 0.81, 0.88]) == "no (-1.0%)"  # under: distance to the low end
+    assert reproduced([294, 293, 294], [241, 233, 248]) == "no (-17.7%)"
+    assert reproduced([1.0, 1.0, 1.0], [1.1, 1.0, 1.2]) == "no (+10.0%)"
+    assert reproduced(None, [1.0, 1.0, 1.0]) == "–" and reproduced([1.0, 1.0, 1.0], None) == "–"
+    row = ROWS[0]
+    old = {row.figures[0]: [0.98, 0.88, 1.0], row.figures[1]: [0.99, 0.9, 1.0]}
+    assert row_reproduced(row, old, {row.figures[0]: [0.92, 0.91, 0.95]}) == "yes / –"
