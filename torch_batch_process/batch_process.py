@@ -16,7 +16,6 @@ from torch_batch_process.engine.same_call import call_values, check_same_call
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.environment import write_launch_state
 from torch_batch_process.failure_options import validate_failure_options
-from torch_batch_process.jobstore.formats import qualified_name
 from torch_batch_process.log import setup_logging
 from torch_batch_process.lost_workers import one_line_for_a_lost_peer
 from torch_batch_process.observe.options import resolve_observe_options
@@ -155,13 +154,14 @@ def torch_batch_process(
         content: what of an example is hashed: ``None`` (the whole example), a list of field names, or a function
             of the example.
         version: what the outputs depend on besides the examples (a model revision, a prompt's name: any JSON
-            value); stored with every row.
+            value, NaN excepted); stored with every row, in a digest with the processor's class (and a
+            ``generation.Generate`` processor's model, sampling, prompt...): a changed one is handled by ``on_change``.
         incremental: on a finished keyed job, process only the examples whose key is new, whose content changed,
             or that failed, as the job's next run (``<storage_path>/retries/<k>/``); ``read_outputs`` then gives
             every key once, with its newest values (see :mod:`torch_batch_process.engine.plan.incremental`).
         on_change: rows stored by another ``version``: ``"refuse"`` (default: the incremental run raises
-            :class:`VersionChangedError` naming both versions, before any work) or ``"recompute"`` (processed
-            again).
+            :class:`VersionChangedError` naming what changed, before any work) or ``"recompute"`` (processed
+            again; with ``incremental=True`` only).
         prune_missing: with ``incremental=True``, the stored keys that the dataset no longer has leave the outputs
             (shards: hidden from ``read_outputs``; tables: deleted in the run's first transaction); default
             ``False``: they are counted (``removed``) and kept.
@@ -219,7 +219,7 @@ def torch_batch_process(
         )
         keyed = check_keyed_options(
             key, content, version, incremental, on_change, prune_missing=prune_missing,
-            processor=qualified_name(args.processor_cls),
+            processor=args.processor_cls,
             dataset=dataset, autocast=autocast, inference_mode=args.inference_mode,
             retry_failed=failures.retry_failed, table=table,
         )
