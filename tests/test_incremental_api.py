@@ -142,6 +142,29 @@ def test_keyed_rows_version_change_refused_or_recomputed(tmp_path: Path) -> None
         call(plain, data(4), incremental=True)
 
 
+def test_an_unfinished_run_called_with_a_dataset_of_another_size_says_how_to_finish_it(tmp_path: Path) -> None:
+    """An unfinished incremental run resumes with the selection made when it started: a grown dataset is refused
+    before anything changes, saying to finish the run with its dataset (not "another job: pass resume=False", which
+    would erase every run); with it the run finishes, and the next one takes the grown dataset."""
+    path, changed = tmp_path / "job", data(12, t5="x5", t9="x9")
+    call(path, data(12))
+    FAILING.clear()
+    FAILING.add("x9")
+    try:
+        with pytest.raises(ValueError, match="cannot process"):
+            call(path, changed, incremental=True)  # on_error="raise": run 2 is left unfinished
+    finally:
+        FAILING.clear()
+    before = rows(path)
+    with pytest.raises(JobMismatchError, match=r"run 2 of the job .* is unfinished .* over 12 examples, but this "
+                                               r"dataset has 14\. Nothing was changed\. Call again with the dataset"):
+        call(path, [*changed, *data(14)[12:]], incremental=True)
+    assert not CALLS and rows(path) == before
+    assert call(path, changed, incremental=True).finished and rows(path)[9] == ("X9", 2)
+    grown = call(path, [*changed, *data(14)[12:]], incremental=True)
+    assert (grown.increment["new"], grown.increment["selected"]) == (2, 2) and len(rows(path)) == 14
+
+
 def test_a_generation_processors_sampling_is_part_of_the_runs_version(tmp_path: Path) -> None:
     """DESIGN §21: the version stored with each row covers what a ``generation.Generate`` processor declares (model,
     sampling, prompt...): answers to be drawn another way are refused, naming what changed, before anything is run or

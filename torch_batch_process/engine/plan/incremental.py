@@ -195,6 +195,7 @@ def choose_run(args: JobArguments) -> RunChoice | None:
                     "with retry_failed=True and the dataset it retried), then run incrementally"
                 )
             counts = storage.read_json(f"{folder}/{INCREMENT_FILE}")
+            _check_same_size(storage, folder, k, counts, args)
             latest = latest_record_at(storage, folder)
             schema = latest.record_schema if latest is not None else _newest_schema(storage)
             return RunChoice(
@@ -219,6 +220,20 @@ def choose_run(args: JobArguments) -> RunChoice | None:
         )
     finally:
         storage.close()
+
+
+def _check_same_size(storage: Storage, folder: str, k: int, counts: dict[str, Any], args: JobArguments) -> None:
+    """An unfinished run resumes with the selection made when it started, over that dataset: a dataset of another
+    size is refused here, saying what to do (the run's own fingerprint would refuse it as \"another job\", offering
+    resume=False, which erases every run of the job)."""
+    planned, now = counts.get("total"), _dataset_rows(args)
+    if isinstance(planned, int) and planned != now:
+        raise JobMismatchError(
+            f"incremental=True: run {k + 1} of the job at {storage.url} is unfinished (stopped, killed or failed); it "
+            f"resumes with the selection made when it started, over {planned:,} examples, but this dataset has "
+            f"{now:,}. Nothing was changed. Call again with the dataset it was planned over to finish it; the next "
+            f"incremental run then processes what changed since (its run folder: {storage.url_of(folder)})"
+        )
 
 
 def _read_removed(storage: Storage, folder: str) -> bytes | None:
