@@ -203,6 +203,7 @@ def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: 
         fixed = call(path, data(12, t3="bad3", t7="bad7"), on_error="skip", incremental=True)
         assert (fixed.increment["failed"], fixed.increment["selected"]) == (2, 2)
         assert sorted(i for b in CALLS for i in b) == [3, 7] and fixed.failed_examples == 0
+        assert read_outputs(fixed.storage_path).equals(read_outputs(path))  # the job's path, not retries/1's
         assert rows(path)[3] == ("BAD3", 2) and len(rows(path)) == 12
         FAILING.add("bad5")  # example 5 changes and its new run fails: its stale row is not served
         changed = call(path, data(12, t3="bad3", t7="bad7", t5="bad5"), on_error="skip", incremental=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch_batch_process import settings
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
@@ -24,6 +24,9 @@ from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.validation import validate_arguments
+
+if TYPE_CHECKING:
+    from torch_batch_process.engine.plan.retry import Retry
 
 __all__ = ["torch_batch_process"]
 
@@ -238,14 +241,15 @@ def torch_batch_process(
                 if failures.retry_failed:
                     from torch_batch_process.engine.plan.retry import prepare_retry
 
-                    result = run_job(args, env, observe, signals, prepare_retry(args, env.collectives))
+                    retry = prepare_retry(args, env.collectives)
+                    result = _as_the_jobs(run_job(args, env, observe, signals, retry), retry)
                 elif keyed is not None:  # key=: the job's own run, or an incremental run (engine/plan/incremental)
                     from torch_batch_process.engine.plan.incremental import prepare_incremental
 
                     run = prepare_incremental(args, env.collectives)
                     result = run_job(args, env, observe, signals, run)
                     if run is not None and run.args.keyed is not None:
-                        result = dataclasses.replace(result, increment=run.args.keyed.increment)
+                        result = dataclasses.replace(_as_the_jobs(result, run), increment=run.args.keyed.increment)
                 else:
                     result = run_job(args, env, observe, signals)
             except BaseException:
@@ -253,3 +257,11 @@ def torch_batch_process(
                 raise
             tell_launcher("finished" if result.finished else "preempted")  # the launcher words a late Ctrl-C by it
             return result
+
+
+def _as_the_jobs(result: BatchProcessResult, run: Retry) -> BatchProcessResult:
+    """The result of a run stored in ``retries/<k>/`` (``retry_failed=True``, ``incremental=True``) with the job's
+    storage path: its rows are the job's (published to the job's ``outputs/``), so ``read_outputs(result.storage_path)``
+    reads them there (the run's folder holds its commit records, not its shards)."""
+    parent = getattr(run.storage, "parent", None)  # a NestedStorage below the job's storage
+    return result if parent is None else dataclasses.replace(result, storage_path=parent.url)
