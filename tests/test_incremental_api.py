@@ -66,11 +66,13 @@ def rows(path: Path) -> dict[int, tuple[str, int]]:
         ({"on_change": "ignore"}, "on_change must be one of"),
         ({"incremental": "yes"}, "incremental must be True or False"),
         ({"version": object()}, "version must be a JSON value"),
+        ({"version": float("nan")}, "version must be a JSON value"),  # NaN != NaN: the job could never match
         ({"retry_failed": True, "on_error": "skip"}, "run it with incremental=True instead"),
         ({"table": tables.delta("memory:///never-written")}, "key= with table=.* is not supported yet"),
         ({"content": ["text"], "key": None}, "give key= too"),
         ({"prune_missing": True, "key": None}, "prune_missing=True is for a keyed job"),
         ({"prune_missing": True}, "give incremental=True too"),
+        ({"on_change": "recompute"}, "on_change='recompute' says what an incremental run does.*give incremental=True"),
         ({"prune_missing": 1, "incremental": True}, "prune_missing must be True or False"),
     ],
 )
@@ -90,6 +92,30 @@ def test_duplicate_and_bad_keys_are_refused_before_any_work(tmp_path: Path) -> N
     with pytest.raises(InvalidArgumentError, match="example 0 has the key 0.5 of type float"):
         call(tmp_path / "float", floats)
     assert not CALLS
+    # a key or content function that raises, and a str key that is not Unicode text (no UTF-8 for Arrow/Parquet):
+    # named, with the example, before any work
+    bad: list[tuple[dict[str, Any], list[dict[str, Any]], str]] = [
+        ({"key": lambda example: example["url"]}, data(6), r"key: the function .*<lambda> raised KeyError on example"),
+        ({"content": lambda example: example["body"]}, data(6), r"content: the function .* raised KeyError on exam"),
+        ({}, [{"id": "a\ud800b" if i == 4 else f"k{i}", "text": "t"} for i in range(6)],
+         "example 4 has the key 'a\\\\ud800b', which is not Unicode text"),
+    ]
+    for n, (kwargs, dataset, message) in enumerate(bad):
+        with pytest.raises(InvalidArgumentError, match=message):
+            call(tmp_path / f"bad{n}", dataset, **kwargs)
+        assert not CALLS and not (tmp_path / f"bad{n}" / "_tbp").exists()
+
+
+def test_a_version_is_kept_as_json_gives_it_back(tmp_path: Path) -> None:
+    """``version=`` is any JSON value, stored as JSON gives it back (a tuple as a list, int dict keys as strings): the
+    finished job called again with it returns its stored result, and its incremental runs match it."""
+    for n, version in enumerate([("model", 2), {1: "prompt"}]):
+        path = tmp_path / f"job{n}"
+        assert call(path, data(6), version=version).finished
+        again = call(path, data(6), version=version)
+        assert again.finished and not CALLS
+        grown = call(path, data(8), version=version, incremental=True)
+        assert (grown.increment["new"], grown.increment["unchanged"]) == (2, 6) and CALLS == [[6, 7]]
 
 
 def test_keyed_rows_version_change_refused_or_recomputed(tmp_path: Path) -> None:
@@ -116,6 +142,56 @@ def test_keyed_rows_version_change_refused_or_recomputed(tmp_path: Path) -> None
         call(plain, data(4), incremental=True)
 
 
+def test_an_unfinished_run_called_with_a_dataset_of_another_size_says_how_to_finish_it(tmp_path: Path) -> None:
+    """An unfinished incremental run resumes with the selection made when it started: a grown dataset is refused
+    before anything changes, saying to finish the run with its dataset (not "another job: pass resume=False", which
+    would erase every run); with it the run finishes, and the next one takes the grown dataset."""
+    path, changed = tmp_path / "job", data(12, t5="x5", t9="x9")
+    call(path, data(12))
+    FAILING.clear()
+    FAILING.add("x9")
+    try:
+        with pytest.raises(ValueError, match="cannot process"):
+            call(path, changed, incremental=True)  # on_error="raise": run 2 is left unfinished
+    finally:
+        FAILING.clear()
+    before = rows(path)
+    with pytest.raises(JobMismatchError, match=r"run 2 of the job .* is unfinished .* over 12 examples, but this "
+                                               r"dataset has 14\. Nothing was changed\. Call again with the dataset"):
+        call(path, [*changed, *data(14)[12:]], incremental=True)
+    assert not CALLS and rows(path) == before
+    assert call(path, changed, incremental=True).finished and rows(path)[9] == ("X9", 2)
+    grown = call(path, [*changed, *data(14)[12:]], incremental=True)
+    assert (grown.increment["new"], grown.increment["selected"]) == (2, 2) and len(rows(path)) == 14
+
+
+def test_a_generation_processors_sampling_is_part_of_the_runs_version(tmp_path: Path) -> None:
+    """DESIGN §21: the version stored with each row covers what a ``generation.Generate`` processor declares (model,
+    sampling, prompt...): answers to be drawn another way are refused, naming what changed, before anything is run or
+    changed, or recomputed when the user asks."""
+    pytest.importorskip("transformers")
+    from jobs.generation_job import BUDGET, tiny_llama
+
+    from torch_batch_process import generation
+
+    def generate(sampling: Any) -> Any:
+        return generation.Generate(model=tiny_llama, prompt="ids", max_new_tokens=2, eos_token_id=(), budget=BUDGET,
+                                   columns=("token_ids",), sampling=sampling, model_id="tiny")
+
+    prompts, path = [{"id": i, "ids": [1 + i, 2, 3]} for i in range(4)], tmp_path / "job"
+    options: dict[str, Any] = {"key": "id", "batch_size": 4, "storage_path": str(path), "progress": False,
+                               "dataloader_kwargs": {"collate_fn": list}}
+    torch_batch_process(generate(generation.Sampling()), prompts, **options)
+    stored = read_outputs(path)
+    sampled = generate(generation.Sampling(temperature=0.9, seed=3))
+    with pytest.raises(VersionChangedError, match=r"sampling: stored \{'kind': 'greedy'\}, now \{'kind': 'sampled'"):
+        torch_batch_process(sampled, prompts, incremental=True, **options)
+    assert read_outputs(path).equals(stored)
+    again = torch_batch_process(sampled, prompts, incremental=True, on_change="recompute", **options)
+    assert (again.increment["recompute"], again.increment["selected"]) == (4, 4)
+    assert set(read_outputs(path).column("_tbp_run").to_pylist()) == {2}
+
+
 def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: Path) -> None:
     path = tmp_path / "job"
     FAILING.clear()
@@ -127,6 +203,7 @@ def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: 
         fixed = call(path, data(12, t3="bad3", t7="bad7"), on_error="skip", incremental=True)
         assert (fixed.increment["failed"], fixed.increment["selected"]) == (2, 2)
         assert sorted(i for b in CALLS for i in b) == [3, 7] and fixed.failed_examples == 0
+        assert read_outputs(fixed.storage_path).equals(read_outputs(path))  # the job's path, not retries/1's
         assert rows(path)[3] == ("BAD3", 2) and len(rows(path)) == 12
         FAILING.add("bad5")  # example 5 changes and its new run fails: its stale row is not served
         changed = call(path, data(12, t3="bad3", t7="bad7", t5="bad5"), on_error="skip", incremental=True)

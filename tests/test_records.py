@@ -399,7 +399,7 @@ def test_predict_refuses_skipping_examples(tmp_path, option):
     assert not storage.exists()
 
 
-def test_predict_refuses_a_table_and_a_collate_fn_given_twice_before_any_work(tmp_path):
+def test_predict_refuses_a_table_a_key_and_a_collate_fn_given_twice_before_any_work(tmp_path):
     """predict(table=...) ran the whole job into the table, then failed reading shards that were never written;
     collate_fn given both ways silently dropped one."""
     from torch_batch_process import tables
@@ -407,6 +407,10 @@ def test_predict_refuses_a_table_and_a_collate_fn_given_twice_before_any_work(tm
     storage = tmp_path / "pred"
     with pytest.raises(InvalidArgumentError, match="predict\\(\\) does not take table="):
         predict(lambda b: b, list(range(4)), 2, storage_path=str(storage), table=tables.delta(str(tmp_path / "t")))
+    # key= (DESIGN §21): the outputs were read from the incremental run's folder (OutputCorruptError), and a keyed
+    # job's rows carry its key columns, not fn's outputs only
+    with pytest.raises(InvalidArgumentError, match="predict\\(\\) does not take key="):
+        predict(lambda b: b, [{"id": i} for i in range(4)], 2, storage_path=str(storage), key="id", incremental=True)
     with pytest.raises(InvalidArgumentError, match="collate_fn is given both"):
         predict(
             lambda b: b, list(range(4)), 2, storage_path=str(storage), collate_fn=torch.utils.data.default_collate,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch_batch_process import settings
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
@@ -16,7 +16,6 @@ from torch_batch_process.engine.same_call import call_values, check_same_call
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.environment import write_launch_state
 from torch_batch_process.failure_options import validate_failure_options
-from torch_batch_process.jobstore.formats import qualified_name
 from torch_batch_process.log import setup_logging
 from torch_batch_process.lost_workers import one_line_for_a_lost_peer
 from torch_batch_process.observe.options import resolve_observe_options
@@ -25,6 +24,9 @@ from torch_batch_process.outputs.tables.base import TableTarget
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.result import BatchProcessResult
 from torch_batch_process.validation import validate_arguments
+
+if TYPE_CHECKING:
+    from torch_batch_process.engine.plan.retry import Retry
 
 __all__ = ["torch_batch_process"]
 
@@ -155,13 +157,14 @@ def torch_batch_process(
         content: what of an example is hashed: ``None`` (the whole example), a list of field names, or a function
             of the example.
         version: what the outputs depend on besides the examples (a model revision, a prompt's name: any JSON
-            value); stored with every row.
+            value, NaN excepted); stored with every row, in a digest with the processor's class (and a
+            ``generation.Generate`` processor's model, sampling, prompt...): a changed one is handled by ``on_change``.
         incremental: on a finished keyed job, process only the examples whose key is new, whose content changed,
             or that failed, as the job's next run (``<storage_path>/retries/<k>/``); ``read_outputs`` then gives
             every key once, with its newest values (see :mod:`torch_batch_process.engine.plan.incremental`).
         on_change: rows stored by another ``version``: ``"refuse"`` (default: the incremental run raises
-            :class:`VersionChangedError` naming both versions, before any work) or ``"recompute"`` (processed
-            again).
+            :class:`VersionChangedError` naming what changed, before any work) or ``"recompute"`` (processed
+            again; with ``incremental=True`` only).
         prune_missing: with ``incremental=True``, the stored keys that the dataset no longer has leave the outputs
             (shards: hidden from ``read_outputs``; tables: deleted in the run's first transaction); default
             ``False``: they are counted (``removed``) and kept.
@@ -219,7 +222,7 @@ def torch_batch_process(
         )
         keyed = check_keyed_options(
             key, content, version, incremental, on_change, prune_missing=prune_missing,
-            processor=qualified_name(args.processor_cls),
+            processor=args.processor_cls,
             dataset=dataset, autocast=autocast, inference_mode=args.inference_mode,
             retry_failed=failures.retry_failed, table=table,
         )
@@ -238,14 +241,15 @@ def torch_batch_process(
                 if failures.retry_failed:
                     from torch_batch_process.engine.plan.retry import prepare_retry
 
-                    result = run_job(args, env, observe, signals, prepare_retry(args, env.collectives))
+                    retry = prepare_retry(args, env.collectives)
+                    result = _as_the_jobs(run_job(args, env, observe, signals, retry), retry)
                 elif keyed is not None:  # key=: the job's own run, or an incremental run (engine/plan/incremental)
                     from torch_batch_process.engine.plan.incremental import prepare_incremental
 
                     run = prepare_incremental(args, env.collectives)
                     result = run_job(args, env, observe, signals, run)
                     if run is not None and run.args.keyed is not None:
-                        result = dataclasses.replace(result, increment=run.args.keyed.increment)
+                        result = dataclasses.replace(_as_the_jobs(result, run), increment=run.args.keyed.increment)
                 else:
                     result = run_job(args, env, observe, signals)
             except BaseException:
@@ -253,3 +257,11 @@ def torch_batch_process(
                 raise
             tell_launcher("finished" if result.finished else "preempted")  # the launcher words a late Ctrl-C by it
             return result
+
+
+def _as_the_jobs(result: BatchProcessResult, run: Retry) -> BatchProcessResult:
+    """The result of a run stored in ``retries/<k>/`` (``retry_failed=True``, ``incremental=True``) with the job's
+    storage path: its rows are the job's (published to the job's ``outputs/``), so ``read_outputs(result.storage_path)``
+    reads them there (the run's folder holds its commit records, not its shards)."""
+    parent = getattr(run.storage, "parent", None)  # a NestedStorage below the job's storage
+    return result if parent is None else dataclasses.replace(result, storage_path=parent.url)

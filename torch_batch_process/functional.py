@@ -50,7 +50,8 @@ def predict(
             shared ``storage_path`` for several machines).
         **options: other keyword options of :func:`~torch_batch_process.torch_batch_process`
             (``checkpoint_interval``, ``dataloader_kwargs``, ``schedule``, ``bucket_by``, ``output_format``...);
-            not ``on_error="skip"`` nor ``retry_failed`` (a skipped example has no output to return in its place).
+            not ``on_error="skip"`` nor ``retry_failed`` (a skipped example has no output to return in its place),
+            nor ``table=`` or ``key=`` (their outputs are not this call's, one per example).
 
     Returns:
         On every rank: for a tensor-valued ``fn`` a tensor of shape ``(len(dataset), *per_example_shape)``; for a
@@ -82,6 +83,12 @@ def predict(
             "predict() does not take table=: it returns the outputs, read back from the job's own record shards. "
             "Call torch_batch_process(..., table=...) with a processor that calls context.write(), then "
             "read_outputs(table)"
+        )
+    if options.get("key") is not None:  # the other keyed options are refused without key= by the call
+        raise InvalidArgumentError(
+            "predict() does not take key=: it returns fn's outputs, one per example of this dataset in its order, "
+            "while a keyed job's outputs are its rows of every run (each key once, with its key columns). Call "
+            "torch_batch_process(..., key=...) with a processor that calls context.write(), then read_outputs()"
         )
     given = options.pop("dataloader_kwargs", None)
     if given is not None and not isinstance(given, Mapping):

@@ -20,7 +20,8 @@ class BatchProcessResult:
         preempted: the job stopped early on SIGTERM/SIGINT after committing; run it again to resume.
         finished: every batch of the job is processed and committed.
         already_finished: the job had finished before this call, which did no work.
-        storage_path: where the job's records and outputs are.
+        storage_path: where the job's records and outputs are (of a ``retry_failed=True`` or ``incremental=True`` run
+            too: the job's path, where its rows are read back, not its run folder ``retries/<k>``).
         outputs_path: where the committed ``upload_path()`` files are (``<storage_path>/outputs``).
         num_batches: global batches in the job (after ``max_batches``).
         num_examples: examples in those batches.

@@ -38,7 +38,7 @@ import numpy as np
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.engine.plan.retry import Retry, repair_finished_folders
 from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
-from torch_batch_process.jobstore.formats import JobInfo
+from torch_batch_process.jobstore.formats import JobInfo, qualified_name
 from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.retries import next_retry, retry_numbering, retry_numbers
@@ -195,6 +195,7 @@ def choose_run(args: JobArguments) -> RunChoice | None:
                     "with retry_failed=True and the dataset it retried), then run incrementally"
                 )
             counts = storage.read_json(f"{folder}/{INCREMENT_FILE}")
+            _check_same_size(storage, folder, k, counts, args)
             latest = latest_record_at(storage, folder)
             schema = latest.record_schema if latest is not None else _newest_schema(storage)
             return RunChoice(
@@ -219,6 +220,20 @@ def choose_run(args: JobArguments) -> RunChoice | None:
         )
     finally:
         storage.close()
+
+
+def _check_same_size(storage: Storage, folder: str, k: int, counts: dict[str, Any], args: JobArguments) -> None:
+    """An unfinished run resumes with the selection made when it started, over that dataset: a dataset of another
+    size is refused here, saying what to do (the run's own fingerprint would refuse it as \"another job\", offering
+    resume=False, which erases every run of the job)."""
+    planned, now = counts.get("total"), _dataset_rows(args)
+    if isinstance(planned, int) and planned != now:
+        raise JobMismatchError(
+            f"incremental=True: run {k + 1} of the job at {storage.url} is unfinished (stopped, killed or failed); it "
+            f"resumes with the selection made when it started, over {planned:,} examples, but this dataset has "
+            f"{now:,}. Nothing was changed. Call again with the dataset it was planned over to finish it; the next "
+            f"incremental run then processes what changed since (its run folder: {storage.url_of(folder)})"
+        )
 
 
 def _read_removed(storage: Storage, folder: str) -> bytes | None:
@@ -305,14 +320,29 @@ def _repair(storage: Storage, args: JobArguments) -> None:
     repair_finished_folders(storage, ["", *(f for f in folders if job_finished(storage, f))], args.storage_options)
 
 
-def _versions(storage: Storage) -> dict[str, Any]:
-    """Version digest -> the ``version=`` value of the runs that stored it."""
+def _versions(storage: Storage) -> dict[str, dict[str, Any]]:
+    """Version digest -> what the runs that stored it declared (:func:`_declared`)."""
     found = {}
     for folder in ["", *(f"{RETRIES_DIR}/{k}" for k in retry_numbers(storage))]:
-        keyed = _spec(storage, folder).get("keyed") or {}
+        spec = _spec(storage, folder)
+        keyed = spec.get("keyed") or {}
         if "version" in keyed:
-            found[keyed["version"]] = keyed.get("version_value")
+            declared = _declared(keyed.get("version_value"), spec.get("processor"), spec.get("generation"))
+            found[keyed["version"]] = declared
     return found
+
+
+def _declared(version: Any, processor: Any, generation: Any) -> dict[str, Any]:
+    """What a run declares of its version, by name: ``version=``, the processor, and each item of a generation
+    processor's fingerprint (``sampling``, ``model``...), to name the ones that changed in a refusal."""
+    return {"version": version, "processor": processor, **(generation if isinstance(generation, dict) else {})}
+
+
+def _changes(stored: dict[str, Any], now: dict[str, Any]) -> str:
+    """The declared items that differ, in words (``version`` alone when none does: ``autocast`` or
+    ``inference_mode`` changed)."""
+    names = [name for name in dict.fromkeys([*now, *stored]) if stored.get(name) != now.get(name)] or ["version"]
+    return "; ".join(f"{name}: stored {stored.get(name)!r}, now {now.get(name)!r}" for name in names)
 
 
 def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions, removed_to: str | None) -> Any:
@@ -357,9 +387,11 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions, removed_to:
             names=[*names, "removed"],
         ))
     values = _versions(storage)
+    now = _declared(keyed.version, qualified_name(args.processor_cls),
+                    getattr(args.processor_cls, "generation_fingerprint", None))
 
     def describe(digest: str) -> str:
-        return f"version: stored {values.get(digest)!r}, now {keyed.version!r}"
+        return _changes(values.get(digest, {}), now)
 
     return plan_increment(
         _key_batches(args, keyed), itertools.chain(stored(), events), new_rows=_dataset_rows(args),

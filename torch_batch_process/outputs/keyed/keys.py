@@ -96,14 +96,14 @@ class KeySpec:
                     f"(it has {sorted(map(str, example))[:20]})"
                 )
             return key_value(example[self.key], f"example {index}")
-        return key_value(self.key(example), f"example {index}")
+        return key_value(_apply(self.key, example, "key", index), f"example {index}")
 
     def hash_of(self, example: Any, index: int) -> int:
         """The content hash of ``example`` (dataset index ``index``, for messages)."""
         if self.content is None:
             return content_hash(example)
         if callable(self.content):
-            return content_hash(self.content(example))
+            return content_hash(_apply(self.content, example, "content", index))
         if not isinstance(example, Mapping):
             raise InvalidArgumentError(
                 f"content={list(self.content)}: example {index} is a {type(example).__name__}, not a dict; give a "
@@ -152,7 +152,31 @@ def key_array(keys: Sequence[int | str], first_index: int) -> Any:
                 f"key: example {first_index + offset} has a {type(key).__name__} key ({key!r:.80}) but example "
                 f"{first_index} has a {kind.__name__} key; every key of a job has one type"
             )
-    return pa.array(keys, pa.int64() if kind is int else pa.string())
+    try:
+        return pa.array(keys, pa.int64() if kind is int else pa.string())
+    except (UnicodeEncodeError, pa.ArrowException):
+        for offset, key in enumerate(keys):  # a str that is not Unicode text (a lone surrogate): no UTF-8 for it
+            try:
+                str(key).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidArgumentError(
+                    f"key: example {first_index + offset} has the key {key!r:.80}, which is not Unicode text "
+                    f"({exc.reason} at position {exc.start}): keys are stored as UTF-8; mend the text, or give a key "
+                    "function that does (e.g. key=lambda example: example['id'].encode('utf-8', 'replace').decode())"
+                ) from exc
+        raise
+
+
+def _apply(fn: Callable[[Any], Any], example: Any, argument: str, index: int) -> Any:
+    """``fn(example)``: a key or content function's value, or :class:`InvalidArgumentError` naming the function,
+    the example and what it raised (planning calls it on every example before any work)."""
+    try:
+        return fn(example)
+    except Exception as exc:  # noqa: BLE001 - the user's function: named with its error, which is chained
+        raise InvalidArgumentError(
+            f"{argument}: the function {_qualname(fn)} raised {type(exc).__name__} on example {index} ({exc!s:.200}); "
+            f"it must give every example's {argument}: mend the function (or the example)"
+        ) from exc
 
 
 def _qualname(fn: Callable[..., Any]) -> str:

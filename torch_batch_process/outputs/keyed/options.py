@@ -12,8 +12,10 @@ the key's name      int64 / string  the example's key (``key="id"``: ``id``; a k
 ``_tbp_run``        int32           the run that wrote it: 1 for the job's first run, ``k + 1`` for ``retries/<k>``
 ==================  ==============  ===========================================================================
 
-The *version* is a digest of what determines a row's values besides its content: the processor's qualified name,
-the user's ``version=`` (any JSON value: a model revision, a prompt's name), the hash scheme, ``autocast`` and
+The *version* is a digest of what determines a row's values besides its content: the processor's qualified name and,
+for a ``generation.Generate`` processor, what it declares (its ``generation_fingerprint``: engine, model, tokenizer,
+sampling, prompt...), the user's ``version=`` (any JSON value: a model revision, a prompt's name; kept as JSON gives it
+back, so a tuple is a list; NaN and infinities, which JSON lacks, are refused), the hash scheme, ``autocast`` and
 ``inference_mode``. Not the batch size, the world size or the schedule, which do not change the outputs.
 
 The key and hash of a processed example are computed in the main process when its batch's rows are written
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.jobstore.formats import qualified_name
 from torch_batch_process.outputs.columns import require_pyarrow
 from torch_batch_process.outputs.keyed.content_hash import HASH_SCHEME
 from torch_batch_process.outputs.keyed.diff import ON_CHANGE
@@ -95,14 +98,15 @@ def check_keyed_options(
     on_change: Any,
     *,
     prune_missing: Any = False,
-    processor: str,
+    processor: type,
     dataset: Any,
     autocast: Any,
     inference_mode: bool,
     retry_failed: bool,
     table: Any,
 ) -> KeyedOptions | None:
-    """Checks the keyed options of a call before any work; ``None`` when the job is not keyed."""
+    """Checks the keyed options of a call before any work; ``None`` when the job is not keyed (``processor``: the
+    processor class, whose name and declared fingerprint are part of the version)."""
     if not isinstance(incremental, bool):
         raise InvalidArgumentError(f"incremental must be True or False, got {incremental!r:.80}")
     if on_change not in ON_CHANGE:
@@ -124,6 +128,11 @@ def check_keyed_options(
             "prune_missing=True removes the keys an incremental run no longer finds in the dataset: give "
             "incremental=True too"
         )
+    if on_change != "refuse" and not incremental:  # else it would be a silent no-op: a plain call never recomputes
+        raise InvalidArgumentError(
+            f"on_change={on_change!r} says what an incremental run does with rows of another version: give "
+            "incremental=True too"
+        )
     if retry_failed:
         raise InvalidArgumentError(
             "retry_failed=True on a keyed job: run it with incremental=True instead (it processes the examples that "
@@ -141,16 +150,18 @@ def check_keyed_options(
             f"key= needs a map-style dataset (with __len__ and __getitem__) or a streamed source "
             f"(torch_batch_process.sources), got {type(dataset).__name__}"
         )
-    try:
-        declared = json.dumps(version, sort_keys=True)
+    try:  # allow_nan=False: NaN is no JSON, and NaN != NaN would make the stored job never match the call
+        declared = json.dumps(version, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(
-            f"version must be a JSON value (a str such as a model revision, a number, a list or dict of them), got "
-            f"{version!r:.80}"
+            f"version must be a JSON value (a str such as a model revision, a finite number, a list or dict of them), "
+            f"got {version!r:.80}"
         ) from exc
+    version = json.loads(declared)  # as stored in the job's spec (a tuple is a list): a resume compares equal
+    generation = getattr(processor, "generation_fingerprint", None)  # generation.Generate: model, sampling...
     fingerprint = json.dumps(
-        {"processor": processor, "version": declared, "hash": HASH_SCHEME, "autocast": autocast,
-         "inference_mode": inference_mode},
+        {"processor": qualified_name(processor), "version": declared, "hash": HASH_SCHEME, "autocast": autocast,
+         "inference_mode": inference_mode, **({"generation": generation} if generation is not None else {})},
         sort_keys=True,
     )
     digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
