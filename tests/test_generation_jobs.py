@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import signal
 import time
@@ -16,7 +17,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from harness import JOBS, committed_batches, latest_commit_record, spawn_ranks, wait_all
 
 from torch_batch_process import (
@@ -202,10 +205,29 @@ def test_generate_refuses_bad_arguments_naming_them() -> None:
         ({"columns": ("text", "logits")}, "Generate(columns=...)"),
         ({"columns": ("text",)}, "no tokenizer"),
         ({"tokenizer": 5}, "Generate(tokenizer=...)"),
+        # checked here too, not only when each rank builds its engine (after the job file is written)
+        ({"max_in_flight": 0}, "Generate(max_in_flight=...)"),
+        ({"max_in_flight": 2.5}, "Generate(max_in_flight=...)"),
+        ({"drain_s": -1}, "Generate(drain_s=...)"),
+        ({"drain_s": float("nan")}, "Generate(drain_s=...)"),
+        ({"drain_s": "30"}, "Generate(drain_s=...)"),
+        ({"context_length": 1}, "Generate(context_length=...)"),
+        ({"context_length": "96"}, "Generate(context_length=...)"),
+        ({"context_length": 96, "budget": CacheBudget(cache_tokens=64)}, "CacheBudget.cache_tokens=64 cannot hold"),
+        ({"eos_token_id": "</s>"}, "Generate(eos_token_id=...)"),
+        ({"eos_token_id": -1}, "Generate(eos_token_id=...)"),
+        ({"eos_token_id": (2, 2.5)}, "Generate(eos_token_id=...)"),
+        ({"model_id": 5}, "Generate(model_id=...)"),
+        ({"revision": object()}, "Generate(revision=...)"),
+        ({"engine": "vllm", "model": "org/model", "eos_token_id": 2}, "Generate(engine='vllm', eos_token_id=2)"),
+        ({"columns": "text"}, "Generate(columns=...) takes a sequence of column names"),
     ]
     for change, message in cases:
         with pytest.raises(InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
             Generate(**{**good, **change})
+    # token ids as a tensor or numpy ints: stored in the fingerprint as plain ints (JSON)
+    assert Generate(**good, eos_token_id=torch.tensor([2, 3])).generation_fingerprint["eos"] == [2, 3]
+    assert Generate(**good, eos_token_id=np.int64(2), drain_s=math.inf).generation_fingerprint["eos"] == 2
     with pytest.raises(InvalidArgumentError, match=r"Sampling.temperature|temperature"):
         Sampling(temperature=-1.0)
     with pytest.raises(InvalidArgumentError, match="CacheBudget.max_sequences"):
@@ -230,25 +252,43 @@ class _WrongPrompts(TorchBatchProcessor):
         self.context.generate([[1, 2, 3]] * len(self.context.batch_indices), print)
 
 
+_ROWS_OF_IDS = [{"ids": [1 + i, 2, 3, 4, 5, 6]} for i in range(8)]  # the default collate_fn transposes them
+
+
 @pytest.mark.parametrize(
-    ("processor", "message"),
+    ("processor", "dataset", "message"),
     [
-        (_NoEngine, r"needs an engine: call context.use_generation_engine\(engine\)"),
-        (_WrongPrompts, r"context.generate\(prompts=...\) takes generation.Prompt objects, got list"),
+        (_NoEngine, list(range(8)), r"needs an engine: call context.use_generation_engine\(engine\)"),
+        (_WrongPrompts, list(range(8)), r"context.generate\(prompts=...\) takes generation.Prompt objects, got list"),
         (
             Generate(model=tiny_llama, prompt=lambda row: float(row), max_new_tokens=4, budget=BUDGET),
+            list(range(8)),
             r"Generate\(prompt=...\): the prompt of index 0 is a float; a prompt is a str, chat messages",
         ),
+        (
+            Generate(
+                model=tiny_llama, prompt=lambda row: [1, 2, 3], max_new_tokens=lambda row: float(row) / 2, budget=BUDGET
+            ),
+            list(range(8)),
+            r"Generate\(max_new_tokens=...\): the example of index 0 asks for 0.0 new tokens; it must be an int >= 1",
+        ),
+        (
+            Generate(model=tiny_llama, prompt="ids", max_new_tokens=4, budget=BUDGET),
+            _ROWS_OF_IDS,
+            r"column 'ids' holds 6 values: the default collate_fn transposes .* pass dataloader_kwargs=",
+        ),
     ],
-    ids=["no engine", "not Prompt objects", "a float prompt"],
+    ids=["no engine", "not Prompt objects", "a float prompt", "a float max_new_tokens", "transposed token ids"],
 )
 def test_a_custom_processor_without_engine_or_with_wrong_prompts_fails_its_first_batch(
-    tmp_path: Path, processor: type[TorchBatchProcessor], message: str
+    tmp_path: Path, processor: type[TorchBatchProcessor], dataset: Any, message: str
 ) -> None:
-    """context.generate without an engine, or with what is not a Prompt, or Generate given a prompt of no known type:
-    the job fails at the first batch, naming what to fix, and commits nothing."""
+    """context.generate without an engine, or with what is not a Prompt, or Generate given a prompt of no known type,
+    a row asking for a non-integer number of new tokens, or token-id lists transposed by the default collate_fn (the
+    prompt of example i would be the batch's i-th tokens): the job fails at the first batch, naming what to fix, and
+    commits nothing."""
     with pytest.raises(InvalidArgumentError, match=message):
-        torch_batch_process(processor, list(range(8)), batch_size=4, storage_path=str(tmp_path / "s"))
+        torch_batch_process(processor, dataset, batch_size=4, storage_path=str(tmp_path / "s"))
     assert not list((tmp_path / "s").glob("outputs/commit_*/rank_*/records/*"))
 
 
@@ -279,6 +319,63 @@ class _Stuck(TorchBatchProcessor):
 
     def process_batch(self, batch: Any, batch_idx: int) -> None:
         self.context.generate([Prompt(i, [1, 2], 4) for i in self.context.batch_indices], self.context.write)
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer (256 ids, no special token: an empty string has no tokens) with a chat template, built
+    here (no download): any text that is valid Unicode has tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return tokenizer
+
+
+UNTRUSTED = [
+    "hello world",
+    "",  # no tokens: fails in the engine
+    "nul\x00byte\x00",
+    "lone \ud800 surrogate",  # no UTF-8 tokenizer encodes it: fails when tokenized
+    [{"role": "user", "content": "h\u00e9llo \U0001f642 \u4e2d\u6587 \x00"}],  # chat messages
+    "\U0001f642" * 30,  # 120 bytes: longer than the model's context (96)
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ok"}],
+    "\u202e right-to-left <script>alert(1)</script>",
+]
+
+
+def test_text_chat_and_untrusted_prompts_are_answered_or_failing_examples(tmp_path: Path) -> None:
+    """Prompts as text and as chat messages through a real tokenizer, and untrusted text (NUL bytes, a lone
+    surrogate, emoji and CJK, control characters, an empty string, one longer than the context), with
+    on_error="skip": every prompt that can run is answered once, with the token count of its chat template; the others
+    are failing examples naming their index; the batch they were in still writes the rest of its rows."""
+    tokenizer = byte_tokenizer()
+    Gen = Generate(
+        model=tiny_llama, tokenizer=tokenizer, prompt="p", max_new_tokens=4, eos_token_id=(), budget=BUDGET,
+        columns=("text", "finish_reason", "prompt_tokens", "completion_tokens"),
+    )
+    storage = str(tmp_path / "s")
+    torch_batch_process(
+        Gen, [{"p": p} for p in UNTRUSTED], batch_size=4, storage_path=storage, on_error="skip", tensorboard=False,
+        dataloader_kwargs={"collate_fn": list},
+    )
+    rows = read_outputs(storage).to_pylist()
+    assert [row["index"] for row in rows] == [0, 2, 4, 6, 7], rows
+    assert all(isinstance(row["text"], str) and row["completion_tokens"] == 4 for row in rows), rows
+    chat = tokenizer.apply_chat_template(UNTRUSTED[4], add_generation_prompt=True, return_dict=False)
+    expected = len("<user>h\u00e9llo \U0001f642 \u4e2d\u6587 \x00\n<assistant>".encode())
+    assert rows[2]["prompt_tokens"] == len(chat) == expected, (rows[2], chat)
+    failures = {f["index"]: f["message"] for f in read_failures(storage)}
+    assert sorted(failures) == [1, 3, 5], failures
+    assert "index 1 has no tokens" in failures[1] and "cannot encode the prompt of index 3" in failures[3]
+    assert "index 5 has 120 tokens" in failures[5], failures
 
 
 def test_a_stuck_engine_fails_the_job_after_batch_timeout(tmp_path: Path) -> None:

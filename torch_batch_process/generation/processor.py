@@ -25,13 +25,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.generation.engine import CacheBudget, GenerationEngine
+from torch_batch_process.generation.limits import check_drain_s, check_max_in_flight
 from torch_batch_process.generation.requests import Completion, Prompt
 from torch_batch_process.generation.sampling import Sampling
+from torch_batch_process.integers import is_int, is_integer
 from torch_batch_process.processor import TorchBatchProcessor
 
 __all__ = ["COLUMNS", "DEFAULT_COLUMNS", "Generate"]
@@ -77,13 +79,15 @@ def Generate(  # noqa: N802 - it makes a processor class: named like one
         budget: the engine's cache (:class:`CacheBudget`; default ``CacheBudget()``).
         columns: the row's columns among :data:`COLUMNS` (default :data:`DEFAULT_COLUMNS`, ``text`` only with a
             tokenizer).
-        eos_token_id: the token(s) ending an answer (``None``: the model's; ``()``: none).
+        eos_token_id: the token(s) ending an answer: an int or a tuple of ints (a list or a 1-d tensor too; ``None``:
+            the model's; ``()``: none; with ``engine="vllm"`` only ``None`` or ``()``).
         context_length: the most tokens a prompt and its answer hold (``None``: the model's).
         max_in_flight: prompts in flight at most (``None``: 4 x ``budget.max_sequences``; ``schedule="dynamic"`` on
             several ranks: ``budget.max_sequences``).
         drain_s: at a stop, seconds to let the batches in flight finish (``None``: 30); the answers still being
             written then are kept with the stop's commit and continued by the resume (``docs/generation.md``).
-        model_id: the model's name in the job's fingerprint; revision: its revision (both optional).
+        model_id: the model's name in the job's fingerprint; revision: its revision (both optional; with
+            ``engine="vllm"`` the revision vLLM loads).
 
     Raises:
         InvalidArgumentError: an argument has a wrong type or value (the message names it).
@@ -120,18 +124,43 @@ def Generate(  # noqa: N802 - it makes a processor class: named like one
         raise InvalidArgumentError(
             f"Generate(budget=...) must be a generation.CacheBudget, got {type(budget).__name__}"
         )
+    max_in_flight = check_max_in_flight(max_in_flight, "Generate")
+    drain_s = check_drain_s(drain_s, "Generate")
+    if context_length is not None and (not is_int(context_length) or context_length < 2):
+        raise InvalidArgumentError(
+            f"Generate(context_length=...) must be None (the model's max_position_embeddings) or an int >= 2 (the most "
+            f"tokens a prompt and its answer hold), got {context_length!r}"
+        )
+    if context_length is not None:
+        budget.resolved(context_length)  # a cache that cannot hold one whole context: refused now, not on every rank
+    eos_token_id = _eos_token_ids(eos_token_id)
+    if engine == "vllm" and eos_token_id not in (None, ()):
+        raise InvalidArgumentError(
+            f"Generate(engine='vllm', eos_token_id={eos_token_id!r}): vLLM takes None (the model's end-of-sequence "
+            "tokens) or () (none: answers run to max_new_tokens)"
+        )
+    for name, value in (("model_id", model_id), ("revision", revision)):
+        if value is not None and not (isinstance(value, str) and value):
+            raise InvalidArgumentError(
+                f"Generate({name}=...) must be None or a non-empty str (it names the model in the job's "
+                f"fingerprint), got {value!r}"
+            )
     tokenizer = _load_tokenizer(tokenizer)
+    if isinstance(columns, str):  # a tuple of its letters would be refused less clearly
+        raise InvalidArgumentError(
+            f"Generate(columns=...) takes a sequence of column names, e.g. ('text',), got {columns!r}"
+        )
     columns = tuple(columns) if columns is not None else tuple(
         c for c in DEFAULT_COLUMNS if c != "text" or tokenizer is not None
     )
     unknown = [c for c in columns if c not in COLUMNS]
-    if unknown or not columns or isinstance(columns, str):
+    if unknown or not columns:
         raise InvalidArgumentError(f"Generate(columns=...): choose among {COLUMNS}, got {columns!r}")
     if "text" in columns and tokenizer is None:
         raise InvalidArgumentError("Generate(columns=...) holds 'text' but no tokenizer was given to decode answers")
     spec = _Spec(
         model, prompt, max_new_tokens, tokenizer, sampling, engine, budget, columns, eos_token_id, context_length,
-        max_in_flight, drain_s,
+        max_in_flight, drain_s, revision,
     )
     fingerprint = {
         "engine": engine,
@@ -156,7 +185,7 @@ class _Spec:
     def __init__(self, *values: Any) -> None:
         (
             self.model, self.prompt, self.max_new_tokens, self.tokenizer, self.sampling, self.engine, self.budget,
-            self.columns, self.eos_token_id, self.context_length, self.max_in_flight, self.drain_s,
+            self.columns, self.eos_token_id, self.context_length, self.max_in_flight, self.drain_s, self.revision,
         ) = values
 
 
@@ -180,7 +209,12 @@ class _Generate(TorchBatchProcessor):
         for index, row in zip(indices, rows, strict=True):
             ids = _token_ids(spec.prompt(row) if callable(spec.prompt) else _column(row, spec.prompt), spec, index)
             limit = spec.max_new_tokens
-            limit = limit(row) if callable(limit) else _column(row, limit) if isinstance(limit, str) else limit
+            limit = _scalar(limit(row)) if callable(limit) else _column(row, limit) if isinstance(limit, str) else limit
+            if not is_integer(limit) or limit < 1:  # from the data: 2.5, True or 0 is no count of tokens
+                raise InvalidArgumentError(
+                    f"Generate(max_new_tokens=...): the example of index {index} asks for {limit!r} new tokens; "
+                    "it must be an int >= 1"
+                )
             prompts.append(Prompt(int(index), ids, int(limit)))
         self.context.generate(prompts, self._write)
 
@@ -204,7 +238,7 @@ def _build_engine(spec: _Spec, device: Any) -> GenerationEngine:
 
         return VLLMEngine(
             spec.model, sampling=spec.sampling, budget=spec.budget, context_length=spec.context_length,
-            eos_token_id=spec.eos_token_id,
+            eos_token_id=spec.eos_token_id, revision=spec.revision,  # the one the fingerprint names
         )
     from torch_batch_process.generation.transformers_engine import TransformersEngine
 
@@ -224,6 +258,17 @@ def _rows(batch: Any, n: int) -> list[Any]:
     """The batch's examples: rows from a dict of columns (the default ``collate_fn``'s), else the batch's elements
     (a list of rows from ``collate_fn=list``, or a tensor's rows)."""
     if isinstance(batch, dict):
+        for name, values in batch.items():
+            try:
+                size = len(values)
+            except TypeError:  # a scalar (a 0-d tensor): no value per example
+                size = None
+            if size != n:  # PyTorch's default collate_fn turns a column of lists into a list of per-position values
+                raise InvalidArgumentError(
+                    f"Generate takes batches of {n} examples, and the batch's column {name!r} holds {size} values: "
+                    "the default collate_fn transposes a column of lists (token ids, chat messages) into one value "
+                    "per position; pass dataloader_kwargs={'collate_fn': list} (a list of rows)"
+                )
         return [{name: values[i] for name, values in batch.items()} for i in range(n)]
     if hasattr(batch, "__len__") and len(batch) == n:
         return list(batch)
@@ -238,7 +283,11 @@ def _column(row: Any, name: str) -> Any:
         raise InvalidArgumentError(
             f"Generate: the examples have no column {name!r} ({have}); pass a function row -> value instead"
         )
-    value = row[name]
+    return _scalar(row[name])
+
+
+def _scalar(value: Any) -> Any:
+    """A 0-d tensor or array as its Python value (the default collate_fn makes a column of ints a tensor)."""
     return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
 
 
@@ -248,18 +297,44 @@ def _token_ids(prompt: Any, spec: _Spec, index: int) -> list[int]:
         prompt = prompt.tolist()
     if isinstance(prompt, str):
         if spec.tokenizer is None:
-            raise InvalidArgumentError(f"Generate: the prompt of index {index} is text but no tokenizer was given")
-        return list(spec.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            raise InvalidArgumentError(
+                f"Generate: the prompt of index {index} is text but no tokenizer was given: pass "
+                "Generate(tokenizer=...)"
+            )
+        try:
+            return list(spec.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        except Exception as exc:  # e.g. a lone surrogate, which no UTF-8 tokenizer encodes: that example's failure
+            raise InvalidArgumentError(
+                f"Generate: the tokenizer cannot encode the prompt of index {index} ({type(exc).__name__}: {exc})"
+            ) from exc
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         if spec.tokenizer is None:
-            raise InvalidArgumentError(f"Generate: the prompt of index {index} is chat messages but no tokenizer")
-        ids = spec.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
+            raise InvalidArgumentError(
+                f"Generate: the prompt of index {index} is chat messages but no tokenizer was given: pass "
+                "Generate(tokenizer=...)"
+            )
+        ids = spec.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # a BatchEncoding is no dict
+    if isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
+        return [int(t) for t in prompt]
     raise InvalidArgumentError(
         f"Generate(prompt=...): the prompt of index {index} is a {type(prompt).__name__}; a prompt is a str, chat "
         "messages (a list of {'role', 'content'} dicts) or token ids (a list of ints)"
+    )
+
+
+def _eos_token_ids(value: Any) -> int | tuple[int, ...] | None:
+    """``eos_token_id`` checked: ``None`` (the model's), an int >= 0, or token ids >= 0 (a tuple, a list, a 1-d
+    tensor or array; ``()``: none) as a tuple of Python ints (what the fingerprint stores)."""
+    if value is None or (is_integer(value) and value >= 0):
+        return None if value is None else int(value)
+    if hasattr(value, "tolist") and getattr(value, "ndim", 1) == 1:
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and all(is_integer(t) and t >= 0 for t in value):
+        return tuple(int(t) for t in value)
+    raise InvalidArgumentError(
+        f"Generate(eos_token_id=...) must be None (the model's end-of-sequence tokens), a token id >= 0, or a tuple "
+        f"of them (() for none: answers run to max_new_tokens), got {value!r}"
     )
 
 

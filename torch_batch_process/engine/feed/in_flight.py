@@ -52,6 +52,7 @@ from torch_batch_process.engine.rank_failure import RankFailure
 from torch_batch_process.engine.work import RankWork
 from torch_batch_process.errors import BatchProcessError, BatchTimeoutError, InvalidArgumentError
 from torch_batch_process.generation.engine import CacheBudget, EngineFailedError, GenerationEngine
+from torch_batch_process.generation.limits import check_drain_s, check_max_in_flight
 from torch_batch_process.generation.partial_answers import PartialAnswer, PartialAnswers, prompt_digest
 from torch_batch_process.generation.requests import Completion, Prompt
 
@@ -171,12 +172,8 @@ class InFlight:
             )
         if self.engine is not None and self.engine is not engine:
             raise InvalidArgumentError("use_generation_engine() was already called: a processor uses one engine")
-        if max_in_flight is not None and (
-            isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
-        ):
-            raise InvalidArgumentError(f"max_in_flight must be None or an int >= 1 (prompts), got {max_in_flight!r}")
-        if drain_s is not None and (isinstance(drain_s, bool) or not isinstance(drain_s, (int, float)) or drain_s < 0):
-            raise InvalidArgumentError(f"generation_drain_s must be None or a number >= 0 (seconds), got {drain_s!r}")
+        max_in_flight = check_max_in_flight(max_in_flight, "use_generation_engine")
+        drain_s = check_drain_s(drain_s, "use_generation_engine")
         self.engine = engine
         self._start_from_stored(engine)
         budget = engine.budget
@@ -184,7 +181,7 @@ class InFlight:
         default = sequences if self._claims else 4 * sequences  # see ``claims`` in the class docstring
         self.limit = max_in_flight if max_in_flight is not None else default
         if drain_s is not None:
-            self.drain_s = float(drain_s)
+            self.drain_s = drain_s
 
     def generate(self, prompts: Sequence[Prompt], on_done: Callable[[list[Completion]], None]) -> None:
         """``context.generate``: hands the current batch's prompts to the engine once ``process_batch`` returns."""
