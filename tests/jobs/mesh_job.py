@@ -121,7 +121,7 @@ def main() -> None:
             progress=False,
             tensorboard=False,
         )
-        report["result"] = {"finished": result.finished, "metrics": result.metrics}
+        report["result"] = {"finished": result.finished, "preempted": result.preempted, "metrics": result.metrics}
     except BaseException as exc:  # noqa: BLE001 - reported for the test
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
     report["seen"] = SEEN.get(rank)

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
-__all__ = ["JobMesh", "build_job_mesh", "open_job_mesh"]
+__all__ = ["JobMesh", "build_job_mesh", "check_job_mesh", "open_job_mesh"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,29 +88,38 @@ def build_job_mesh(layout: MeshLayout, device: torch.device, timeout: datetime.t
     return mesh
 
 
+def check_job_mesh(shape: MeshShape, world_size: int, device: torch.device) -> MeshLayout:
+    """``mesh=`` against the job whose ranks joined: its layout over ``world_size`` ranks
+    (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`) and, on GPUs, the job's NCCL group. Raises the same
+    :class:`~torch_batch_process.errors.InvalidArgumentError` on every rank; the call runs it as soon as the ranks
+    joined, before any planning or storage access (a keyed job's or a retry's included)."""
+    layout = shape.resolve(world_size)
+    if device.type == "cuda" and dist.is_initialized() and dist.get_backend() != "nccl":
+        raise InvalidArgumentError(
+            f"mesh={shape.describe()} on GPUs needs one process per GPU (the job's process group is "
+            f"{dist.get_backend()}, not NCCL): start as many processes per node as it has GPUs"
+        )
+    return layout
+
+
 def open_job_mesh(
     shape: MeshShape | None, world_size: int, device: torch.device, timeout: datetime.timedelta, local_size: int = 1
 ) -> JobMesh | None:
     """Every rank, at the same point of a call, once the ranks joined: the :class:`JobMesh` of ``mesh=`` (``None``
     without one).
 
-    The layout is checked first (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`: the same
+    The layout is checked first (:func:`check_job_mesh`, which the call already ran: the same
     :class:`~torch_batch_process.errors.InvalidArgumentError` on every rank, before any work). A job of one process
     has no process group: it gets a process group of its own (kept for the process's life, as the job's default
     group is), so that ``context.mesh`` is a real ``DeviceMesh`` (a 1 x 1 mesh on one GPU runs the NCCL path).
     ``local_size``: processes per node (rank 0 warns when a replica would span two nodes)."""
     if shape is None:
         return None
-    layout = shape.resolve(world_size)
+    layout = check_job_mesh(shape, world_size, device)
     if world_size == 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         extra: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
-    if device.type == "cuda" and dist.get_backend() != "nccl":
-        raise InvalidArgumentError(
-            f"mesh={shape.describe()} on GPUs needs one process per GPU (the job's process group is "
-            f"{dist.get_backend()}, not NCCL): start as many processes per node as it has GPUs"
-        )
     mesh = build_job_mesh(layout, device, timeout)
     if mesh.position.rank == 0 and layout.members > 1 and local_size % layout.members:
         logger.warning(
