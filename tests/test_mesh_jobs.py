@@ -284,6 +284,21 @@ def test_a_killed_member_then_a_raising_member_stop_every_rank_and_another_shape
     check_outputs(Path(spec["storage"]))
 
 
+@pytest.mark.slow
+def test_a_rank_killed_while_the_mesh_connects_stops_the_others_within_the_connect_timeout(tmp_path):
+    """kill -9 of a rank while the mesh's groups connect (its replica group; the device mesh's are connected): the other
+    waits no longer than the connect timeout (TBP_JOIN_TIMEOUT_S=8 here, 60 s by default; before: the collective
+    timeout, 30 min) and raises WorkerLostError saying so."""
+    spec = job_spec(tmp_path, n=8, batch_size=4, layers=1, attempt=1, mesh={"replica": -1, "tp": 2}, die_opening=1)
+    procs = spawn_ranks(2, MESH_JOB, json.dumps(spec), env=base_env(TBP_JOIN_TIMEOUT_S="8"))
+    started = time.monotonic()
+    outcomes = wait_all(procs, timeout=60)
+    assert [rc for rc, _, _ in outcomes] == [1, -signal.SIGKILL], outcomes[0][2][-3000:]
+    assert time.monotonic() - started < 45
+    error = read_reports(spec)[0]["error"]
+    assert error["type"] == "WorkerLostError" and "connecting the groups of mesh=" in error["message"], error
+
+
 def kill_one_at_random(spec: dict, nproc: int, mesh: dict, rng: random.Random, env: dict | None = None) -> int:
     """Runs ``nproc`` ranks of ``spec`` on ``mesh``, SIGKILLs one of them (chosen by ``rng``) at a moment drawn by
     ``rng`` once a commit newer than the start's is durable, and checks that every rank exits promptly, the job
@@ -361,25 +376,3 @@ def test_an_out_of_memory_error_on_one_member_splits_the_batch_on_every_member(t
     assert sizes[0][:2] == [4, 2] and max(sizes[0][2:]) == 2, sizes  # learned: later batches cut before they run
     check_outputs(Path(spec["storage"]), n, EncoderConfig(layers=1))
 
-
-@pytest.mark.slow
-def test_sigterm_to_one_member_preempts_every_rank_then_another_k_finishes_exactly_once(tmp_path):
-    """Preemption inside a replica (DESIGN §18): the writer of a 1 x 2 job (schedule="dynamic", its source claims)
-    sends itself SIGTERM after its 2nd batch: both members stop together, ``preempted=True`` on both, nothing failed,
-    the job unfinished; the rest on 2 replicas of one rank (another ``k``): every example once, each batch's file once,
-    exact metrics, the whole encoder's embeddings."""
-    n, config = 24, EncoderConfig(layers=1)
-    spec = job_spec(tmp_path, n=n, batch_size=4, layers=1, checkpoint_interval=2, schedule="dynamic", upload="same")
-    done, reports = run_attempt(dict(spec, stop_at=[1, 2]), 1, 2, {"replica": -1, "tp": 2})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert [(reports[r]["result"]["preempted"], reports[r]["result"]["finished"]) for r in range(2)] == [
-        (True, False), (True, False),
-    ]
-    assert reports[0]["seen"]["batches"] == reports[1]["seen"]["batches"]  # stopped at the same step
-    assert 0 < committed_batches(spec["storage"]) < -(-n // 4)
-    done, reports = run_attempt(spec, 2, 2, {"replica": -1, "tp": 1})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert all(reports[r]["result"]["metrics"] == {"examples": n, "index_sum": n * (n - 1) // 2} for r in range(2))
-    check_outputs(Path(spec["storage"]), n, config)
-    files = sorted(Path(spec["storage"], "outputs").glob("commit_*/rank_*/batch_*.pt"))
-    assert sorted(int(f.stem[6:]) for f in files) == list(range(-(-n // 4)))  # each batch's file once

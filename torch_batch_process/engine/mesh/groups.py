@@ -24,8 +24,10 @@ notes/43-mesh.md for what works on gloo and what does not.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.engine.join import connect_timeout
+from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
 from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
 __all__ = ["JobMesh", "build_job_mesh", "check_job_mesh", "open_job_mesh"]
@@ -78,14 +81,52 @@ def build_job_mesh(layout: MeshLayout, device: torch.device, timeout: datetime.t
     if built is not None and built[0] is world:
         return built[1]
     position = layout.position(dist.get_rank())
-    device_mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.names)
     replica_group = None
-    if layout.members > 1:
-        # every rank creates every replica's group (new_group is a collective over the default group), keeps its own
-        replica_group, _ = dist.new_subgroups_by_enumeration(layout.replicas(), timeout=timeout, backend="gloo")
+    # the groups connect under the connect timeout, then get the collective timeout (see _connecting)
+    settable = hasattr(dist, "set_timeout")
+    connect = connect_timeout() if settable else timeout
+    with _connecting(position.rank):
+        options = _gloo_options(device, layout, connect)
+        device_mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.names, backend_override=options)
+        if layout.members > 1:
+            # every rank creates every replica's group (new_group is a collective over the default group), keeps its
+            # own
+            replica_group, _ = dist.new_subgroups_by_enumeration(layout.replicas(), timeout=connect, backend="gloo")
+    if settable:
+        for group in [*(device_mesh.get_group(n) for n in layout.names if device.type == "cpu"), replica_group]:
+            if group is not None:
+                dist.set_timeout(timeout, group)
     mesh = JobMesh(layout, position, device_mesh, replica_group)
     _BUILT[key] = (world, mesh)
     return mesh
+
+
+@contextlib.contextmanager
+def _connecting(rank: int) -> Iterator[None]:
+    """Around the creation of the mesh's groups, which connect under the connect timeout
+    (:func:`~torch_batch_process.engine.join.connect_timeout`, as the library's own group does): a peer killed before
+    it connected would otherwise keep the others waiting for the collective timeout (30 min). Such a failure is a
+    :class:`~torch_batch_process.errors.WorkerLostError` saying so."""
+    try:
+        yield
+    except (RuntimeError, ConnectionError, TimeoutError) as exc:
+        raise WorkerLostError(
+            f"rank {rank}: connecting the groups of mesh= failed after every rank joined the job: a rank stopped "
+            f"meanwhile (see the other ranks' logs) ({type(exc).__name__}: {str(exc).strip()[:300]})"
+        ) from exc
+
+
+def _gloo_options(device: torch.device, layout: MeshLayout, connect: datetime.timedelta) -> dict[str, Any] | None:
+    """``init_device_mesh``'s ``backend_override`` on CPU: gloo groups created with the ``connect`` timeout (torch
+    gives them the default group's 30 min otherwise); ``None`` on GPUs (NCCL communicators)."""
+    if device.type != "cpu":
+        return None
+    options: dict[str, Any] = {}
+    for name in layout.names:
+        gloo = dist.ProcessGroupGloo._Options()
+        gloo._timeout = connect
+        options[name] = ("gloo", gloo)
+    return options
 
 
 def check_job_mesh(shape: MeshShape, world_size: int, device: torch.device) -> MeshLayout:
