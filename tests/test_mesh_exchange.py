@@ -53,7 +53,8 @@ def test_a_mark_and_a_failure_reach_every_member_at_the_step_they_were_raised(tm
 def test_a_member_preempted_under_the_dynamic_schedule_stops_its_replica_at_one_step_then_resumes_once(tmp_path):
     """1 replica x 2, dynamic schedule: the writer (not the source, which claims) is preempted in its 3rd batch; its
     stop reaches the source's claims and comes back in the replica's message: both members ran the same batches and
-    stop together (preempted, no error); the resume runs the rest: every index exactly once, exact metrics."""
+    stop together (preempted, no error); the resume, on 2 replicas of one rank (another k), runs the rest: every index
+    exactly once, exact metrics."""
     n = 40
     spec = job_spec(tmp_path, n=n, batch_size=4, layers=1, checkpoint_interval=2, schedule="dynamic",
                     mesh={"replica": 1, "tp": 2})
@@ -61,10 +62,11 @@ def test_a_member_preempted_under_the_dynamic_schedule_stops_its_replica_at_one_
     outcomes = wait_all(spawn_ranks(2, JOBS / "mesh_job.py", json.dumps(first), env=base_env()), timeout=120)
     assert [rc for rc, _, _ in outcomes] == [0, 0], [err[-3000:] for _, _, err in outcomes]
     reports = read_reports(first, 1)
-    assert all(reports[r]["result"]["finished"] is False for r in range(2)), reports
+    assert all(reports[r]["result"]["finished"] is False and reports[r]["result"]["preempted"] for r in range(2))
     ran = [reports[r]["seen"]["batches"] for r in range(2)]
     assert ran[0] == ran[1] and 3 <= len(ran[0]) < n // 4, ran  # the same batches, stopped early
-    done = run_torchrun(2, JOBS / "mesh_job.py", json.dumps(dict(spec, attempt=2)), timeout=120)
+    second = dict(spec, attempt=2, mesh={"replica": -1, "tp": 1})
+    done = run_torchrun(2, JOBS / "mesh_job.py", json.dumps(second), timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = read_reports(spec, 2)
     assert all(reports[r]["result"]["metrics"] == {"examples": n, "index_sum": n * (n - 1) // 2} for r in range(2))

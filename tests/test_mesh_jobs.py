@@ -25,11 +25,14 @@ from harness import (
     read_reports,
     run_torchrun,
     spawn_ranks,
+    tree_digest,
     wait_all,
     wait_for,
 )
 
-from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process import TorchBatchProcessor, generation, read_outputs, torch_batch_process
+from torch_batch_process.context import TorchBatchProcessorContext
+from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.engine.capabilities.mesh_participant import MemberFiles, MemberFilesParticipant, UploadedNames
 from torch_batch_process.engine.commit.payloads import Payloads
 from torch_batch_process.engine.commit.votes import Vote
@@ -69,6 +72,52 @@ def test_a_bad_mesh_is_refused_before_any_work(tmp_path, kwargs, message):
     with pytest.raises(InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
         torch_batch_process(Rows, list(range(4)), batch_size=2, storage_path=str(storage), progress=False, **kwargs)
     assert not storage.exists()
+
+
+class Ids(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"value": [int(i) for i in batch["id"]]})
+
+
+def test_a_mesh_the_world_cannot_hold_is_refused_before_a_keyed_run_or_a_retry_is_planned(tmp_path):
+    """The world-size check of ``mesh=`` comes before the planning of an incremental run (which writes its selection
+    under retries/) and of a retry (which repairs the finished job): nothing stored changes."""
+    storage, data = tmp_path / "store", [{"id": i, "text": f"t{i}"} for i in range(4)]
+    options = {"batch_size": 2, "storage_path": str(storage), "progress": False, "key": "id"}
+    torch_batch_process(Ids, data, **options)
+    before = tree_digest(storage)
+    more = [*data, {"id": 9, "text": "new"}]
+    for call in ({"incremental": True}, {"retry_failed": True, "key": None}):
+        with pytest.raises(InvalidArgumentError, match=r"mesh=\{'replica': -1, 'tp': 2\}: a replica has 2 ranks"):
+            torch_batch_process(Ids, more, mesh={"replica": -1, "tp": 2}, **(options | call))
+        assert tree_digest(storage) == before, call
+
+
+def test_a_generation_engine_is_refused_on_replicas_of_several_ranks(tmp_path):
+    """Each member would run an engine of its own on its own clock: refused before any work for ``Generate``, and at
+    ``context.use_generation_engine`` for a processor of one's own; a replica of one rank keeps its engine."""
+    Gen = generation.Generate(model=lambda device: pytest.fail("no model is built"), prompt="text", max_new_tokens=4)
+    storage = tmp_path / "store"
+    with pytest.raises(InvalidArgumentError, match=r"mesh=\{'replica': -1, 'tp': 2\}: a generation engine .* 2 ranks"):
+        torch_batch_process(Gen, [{"text": "a"}], storage_path=str(storage), mesh={"replica": -1, "tp": 2})
+    assert not storage.exists()
+    used = []
+
+    def context_of(rank: int, spec: dict) -> TorchBatchProcessorContext:
+        return TorchBatchProcessorContext(
+            device=torch.device("cpu"), distributed=DistributedInfo(rank, 2, rank, 2, 0, 1),
+            upload_path=lambda: pytest.fail("no upload"), storage_path=str(storage), tensorboard_path=tmp_path,
+            metrics_sink=lambda line: None, mesh_position=parse_mesh(spec).resolve(2).position(rank),
+            use_engine=lambda *engine: used.append(spec),
+        )
+
+    with pytest.raises(InvalidArgumentError, match="replicas have 2 ranks: each rank would run an engine"):
+        context_of(1, {"replica": -1, "tp": 2}).use_generation_engine(object())
+    context_of(0, {"replica": -1, "pp": 1}).use_generation_engine(object())
+    assert used == [{"replica": -1, "pp": 1}]
 
 
 def test_without_a_mesh_every_rank_is_a_replica_that_writes(tmp_path):
@@ -235,6 +284,21 @@ def test_a_killed_member_then_a_raising_member_stop_every_rank_and_another_shape
     check_outputs(Path(spec["storage"]))
 
 
+@pytest.mark.slow
+def test_a_rank_killed_while_the_mesh_connects_stops_the_others_within_the_connect_timeout(tmp_path):
+    """kill -9 of a rank while the mesh's groups connect (its replica group; the device mesh's are connected): the other
+    waits no longer than the connect timeout (TBP_JOIN_TIMEOUT_S=8 here, 60 s by default; before: the collective
+    timeout, 30 min) and raises WorkerLostError saying so."""
+    spec = job_spec(tmp_path, n=8, batch_size=4, layers=1, attempt=1, mesh={"replica": -1, "tp": 2}, die_opening=1)
+    procs = spawn_ranks(2, MESH_JOB, json.dumps(spec), env=base_env(TBP_JOIN_TIMEOUT_S="8"))
+    started = time.monotonic()
+    outcomes = wait_all(procs, timeout=60)
+    assert [rc for rc, _, _ in outcomes] == [1, -signal.SIGKILL], outcomes[0][2][-3000:]
+    assert time.monotonic() - started < 45
+    error = read_reports(spec)[0]["error"]
+    assert error["type"] == "WorkerLostError" and "connecting the groups of mesh=" in error["message"], error
+
+
 def kill_one_at_random(spec: dict, nproc: int, mesh: dict, rng: random.Random, env: dict | None = None) -> int:
     """Runs ``nproc`` ranks of ``spec`` on ``mesh``, SIGKILLs one of them (chosen by ``rng``) at a moment drawn by
     ``rng`` once a commit newer than the start's is durable, and checks that every rank exits promptly, the job
@@ -311,3 +375,4 @@ def test_an_out_of_memory_error_on_one_member_splits_the_batch_on_every_member(t
     assert sizes[0] == sizes[1], sizes  # every attempt on both members, of the same size
     assert sizes[0][:2] == [4, 2] and max(sizes[0][2:]) == 2, sizes  # learned: later batches cut before they run
     check_outputs(Path(spec["storage"]), n, EncoderConfig(layers=1))
+

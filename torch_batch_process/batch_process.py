@@ -12,6 +12,7 @@ from torch_batch_process import settings
 from torch_batch_process.arguments import DEFAULT_BUCKET_WINDOW
 from torch_batch_process.engine.distributed import DistributedEnv
 from torch_batch_process.engine.loop import run_job
+from torch_batch_process.engine.mesh.groups import check_job_mesh
 from torch_batch_process.engine.same_call import call_values, check_same_call
 from torch_batch_process.engine.schedule.preemption import SignalWatcher
 from torch_batch_process.environment import write_launch_state
@@ -235,6 +236,8 @@ def torch_batch_process(
         ) as env:
             setup_logging(env.info.rank)
             check_same_call(call_values(args), env.collectives)  # before any work: every rank, the same error
+            if args.mesh is not None:  # the world fits the mesh: before a keyed job's or a retry's planning
+                check_job_mesh(args.mesh, env.info.size, env.device)
             tell_launcher = write_launch_state if env.info.local_rank == 0 else (lambda state: None)
             tell_launcher("running")
             try:

@@ -14,7 +14,7 @@ from torch_batch_process import settings
 from torch_batch_process.device import to_device
 from torch_batch_process.distributed_info import DistributedInfo
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.mesh_shape import MeshPosition
+from torch_batch_process.mesh_shape import MeshPosition, generation_on_a_mesh
 from torch_batch_process.provenance import describe_checkpoint, describe_model_version
 from torch_batch_process.reducers import MetricReducer, ReducerRegistry
 from torch_batch_process.result import to_jsonable
@@ -199,6 +199,9 @@ class TorchBatchProcessorContext:
         """
         if self._use_engine is None:
             raise RuntimeError("context.use_generation_engine() is not available in this context")
+        position = self._position
+        if position is not None and position.members > 1:  # mesh=: an engine per member would step out of step
+            raise InvalidArgumentError(generation_on_a_mesh(position.members))
         self._use_engine(engine, max_in_flight, drain_s)
 
     def generate(self, prompts: Sequence[Any], on_done: Callable[[list[Any]], None]) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.integers import is_integer
 
-__all__ = ["MeshLayout", "MeshPosition", "MeshShape", "parse_mesh"]
+__all__ = ["MeshLayout", "MeshPosition", "MeshShape", "generation_on_a_mesh", "parse_mesh"]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -190,6 +190,21 @@ def parse_mesh(mesh: Any) -> MeshShape | None:
             f"mesh: dimension names must differ by more than case, got {', '.join(map(repr, duplicated))}"
         )
     return MeshShape(tuple(names), tuple(sizes))
+
+
+def generation_on_a_mesh(members: int) -> str:
+    """Why a generation engine (DESIGN §19) is refused on replicas of several ranks, and what to do instead: every
+    member would run an engine of its own, whose background loop steps on its own clock (a model split over the
+    members would meet its peers' collectives out of step and hang; a whole model on each member would generate every
+    prompt ``members`` times)."""
+    return (
+        f"a generation engine (generation.Generate, context.use_generation_engine) cannot run on a mesh= whose "
+        f"replicas have {members} ranks: each rank would run an engine of its own, stepping on its own clock, so a "
+        f"model split over them would wait on its peers out of step, and a whole model on each would answer every "
+        f"prompt {members} times. Run one rank per model (no mesh=, or inner sizes of 1), or an engine that splits "
+        f"the model over its GPUs itself (generation.VLLMEngine with tensor_parallel_size: docs/mesh.md, 'Engines "
+        f"that own their GPUs')"
+    )
 
 
 def _divisors(n: int) -> list[int]:

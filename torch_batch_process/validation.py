@@ -20,7 +20,7 @@ from torch_batch_process.environment import DEFAULT_ROOT, is_valid_job_name
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.failure_options import FailureOptions
 from torch_batch_process.integers import is_int, is_integer
-from torch_batch_process.mesh_shape import MeshShape, parse_mesh
+from torch_batch_process.mesh_shape import MeshShape, generation_on_a_mesh, parse_mesh
 from torch_batch_process.outputs.records import check_output_format
 from torch_batch_process.processor import TorchBatchProcessor
 from torch_batch_process.storage.registry import check_storage_options
@@ -453,7 +453,7 @@ def validate_arguments(
         )
     if schedule == "dynamic":
         require_store_queues("schedule='dynamic'")
-    mesh_shape = validate_mesh(mesh, failures)
+    mesh_shape = validate_mesh(mesh, failures, processor_cls)
     if failures.batch_timeout is not None:
         require_store_queues("batch_timeout")
     check_output_format(output_format)
@@ -489,11 +489,13 @@ def validate_arguments(
     )
 
 
-def validate_mesh(mesh: Any, failures: FailureOptions) -> MeshShape | None:
+def validate_mesh(mesh: Any, failures: FailureOptions, processor_cls: type[TorchBatchProcessor]) -> MeshShape | None:
     """Checks ``mesh=`` (:func:`~torch_batch_process.mesh_shape.parse_mesh`) and what a mesh job cannot do yet:
-    ``on_error="skip"`` (one member bisecting a batch alone leaves its peers waiting in their collectives). The
-    world size is checked once the ranks
-    joined (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`)."""
+    ``on_error="skip"`` (one member bisecting a batch alone leaves its peers waiting in their collectives), and a
+    :func:`~torch_batch_process.generation.Generate` processor on replicas of several ranks (each member would run an
+    engine of its own, see :meth:`~torch_batch_process.context.TorchBatchProcessorContext.use_generation_engine`).
+    The world size is checked once the ranks joined
+    (:func:`~torch_batch_process.engine.mesh.groups.check_job_mesh`)."""
     shape = parse_mesh(mesh)
     if shape is None:
         return None
@@ -503,4 +505,6 @@ def validate_mesh(mesh: Any, failures: FailureOptions) -> MeshShape | None:
             "leaves the other members of its replica waiting in their collectives; pass on_error='raise' (the "
             "default) with a mesh"
         )
+    if shape.members > 1 and getattr(processor_cls, "generation_fingerprint", None) is not None:
+        raise InvalidArgumentError(f"mesh={shape.describe()}: {generation_on_a_mesh(shape.members)}")
     return shape

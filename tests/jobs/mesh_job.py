@@ -16,6 +16,8 @@ argv[1]: a JSON spec: ``storage``, ``report_dir``, ``attempt``, ``mesh`` (a dict
   than ``size`` examples, ``"before"`` its forward (the other members then wait for it in the forward's collectives)
   or ``"after"`` it;
 - ``stop_at``: ``[rank, k]``: that rank sends itself SIGTERM (a preemption) once it ran ``k`` batches of the attempt;
+- ``die_opening``: that rank kills itself (SIGKILL) as the mesh's replica groups are created (the device mesh's are
+  connected), so that the others wait for it while they connect;
 - ``upload``: ``"same"``: every member saves ``batch_<idx>.pt`` with ``upload_path()``; ``"member_only"``: the members
   that are not writers save ``member_<rank>.txt``, which no writer writes.
 
@@ -108,6 +110,8 @@ class TensorParallelJob(TorchBatchProcessor):
 
 def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
+    if SPEC.get("die_opening") == rank:
+        torch.distributed.new_subgroups_by_enumeration = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     report = {"rank": rank}
     try:
         result = torch_batch_process(
@@ -121,7 +125,7 @@ def main() -> None:
             progress=False,
             tensorboard=False,
         )
-        report["result"] = {"finished": result.finished, "metrics": result.metrics}
+        report["result"] = {"finished": result.finished, "preempted": result.preempted, "metrics": result.metrics}
     except BaseException as exc:  # noqa: BLE001 - reported for the test
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
     report["seen"] = SEEN.get(rank)

@@ -24,8 +24,10 @@ notes/43-mesh.md for what works on gloo and what does not.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.engine.join import connect_timeout
+from torch_batch_process.errors import InvalidArgumentError, WorkerLostError
 from torch_batch_process.mesh_shape import MeshLayout, MeshPosition, MeshShape
 
-__all__ = ["JobMesh", "build_job_mesh", "open_job_mesh"]
+__all__ = ["JobMesh", "build_job_mesh", "check_job_mesh", "open_job_mesh"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +81,66 @@ def build_job_mesh(layout: MeshLayout, device: torch.device, timeout: datetime.t
     if built is not None and built[0] is world:
         return built[1]
     position = layout.position(dist.get_rank())
-    device_mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.names)
     replica_group = None
-    if layout.members > 1:
-        # every rank creates every replica's group (new_group is a collective over the default group), keeps its own
-        replica_group, _ = dist.new_subgroups_by_enumeration(layout.replicas(), timeout=timeout, backend="gloo")
+    # the groups connect under the connect timeout, then get the collective timeout (see _connecting)
+    settable = hasattr(dist, "set_timeout")
+    connect = connect_timeout() if settable else timeout
+    with _connecting(position.rank):
+        options = _gloo_options(device, layout, connect)
+        device_mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.names, backend_override=options)
+        if layout.members > 1:
+            # every rank creates every replica's group (new_group is a collective over the default group), keeps its
+            # own
+            replica_group, _ = dist.new_subgroups_by_enumeration(layout.replicas(), timeout=connect, backend="gloo")
+    if settable:
+        for group in [*(device_mesh.get_group(n) for n in layout.names if device.type == "cpu"), replica_group]:
+            if group is not None:
+                dist.set_timeout(timeout, group)
     mesh = JobMesh(layout, position, device_mesh, replica_group)
     _BUILT[key] = (world, mesh)
     return mesh
+
+
+@contextlib.contextmanager
+def _connecting(rank: int) -> Iterator[None]:
+    """Around the creation of the mesh's groups, which connect under the connect timeout
+    (:func:`~torch_batch_process.engine.join.connect_timeout`, as the library's own group does): a peer killed before
+    it connected would otherwise keep the others waiting for the collective timeout (30 min). Such a failure is a
+    :class:`~torch_batch_process.errors.WorkerLostError` saying so."""
+    try:
+        yield
+    except (RuntimeError, ConnectionError, TimeoutError) as exc:
+        raise WorkerLostError(
+            f"rank {rank}: connecting the groups of mesh= failed after every rank joined the job: a rank stopped "
+            f"meanwhile (see the other ranks' logs) ({type(exc).__name__}: {str(exc).strip()[:300]})"
+        ) from exc
+
+
+def _gloo_options(device: torch.device, layout: MeshLayout, connect: datetime.timedelta) -> dict[str, Any] | None:
+    """``init_device_mesh``'s ``backend_override`` on CPU: gloo groups created with the ``connect`` timeout (torch
+    gives them the default group's 30 min otherwise); ``None`` on GPUs (NCCL communicators)."""
+    if device.type != "cpu":
+        return None
+    options: dict[str, Any] = {}
+    for name in layout.names:
+        gloo = dist.ProcessGroupGloo._Options()
+        gloo._timeout = connect
+        options[name] = ("gloo", gloo)
+    return options
+
+
+def check_job_mesh(shape: MeshShape, world_size: int, device: torch.device) -> MeshLayout:
+    """``mesh=`` against the job whose ranks joined: its layout over ``world_size`` ranks
+    (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`) and, on GPUs, the job's NCCL group. Raises the same
+    :class:`~torch_batch_process.errors.InvalidArgumentError` on every rank; the call runs it as soon as the ranks
+    joined, before any planning or storage access (a keyed job's or a retry's included)."""
+    layout = shape.resolve(world_size)
+    if device.type == "cuda" and dist.is_initialized() and dist.get_backend() != "nccl":
+        raise InvalidArgumentError(
+            f"mesh={shape.describe()} on GPUs needs one process per GPU (the job's process group is "
+            f"{dist.get_backend()}, not NCCL): start as many processes per node as it has GPUs"
+        )
+    return layout
 
 
 def open_job_mesh(
@@ -94,23 +149,18 @@ def open_job_mesh(
     """Every rank, at the same point of a call, once the ranks joined: the :class:`JobMesh` of ``mesh=`` (``None``
     without one).
 
-    The layout is checked first (:meth:`~torch_batch_process.mesh_shape.MeshShape.resolve`: the same
+    The layout is checked first (:func:`check_job_mesh`, which the call already ran: the same
     :class:`~torch_batch_process.errors.InvalidArgumentError` on every rank, before any work). A job of one process
     has no process group: it gets a process group of its own (kept for the process's life, as the job's default
     group is), so that ``context.mesh`` is a real ``DeviceMesh`` (a 1 x 1 mesh on one GPU runs the NCCL path).
     ``local_size``: processes per node (rank 0 warns when a replica would span two nodes)."""
     if shape is None:
         return None
-    layout = shape.resolve(world_size)
+    layout = check_job_mesh(shape, world_size, device)
     if world_size == 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         extra: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
-    if device.type == "cuda" and dist.get_backend() != "nccl":
-        raise InvalidArgumentError(
-            f"mesh={shape.describe()} on GPUs needs one process per GPU (the job's process group is "
-            f"{dist.get_backend()}, not NCCL): start as many processes per node as it has GPUs"
-        )
     mesh = build_job_mesh(layout, device, timeout)
     if mesh.position.rank == 0 and layout.members > 1 and local_size % layout.members:
         logger.warning(
