@@ -26,8 +26,9 @@ def check_max_in_flight(value: Any, caller: str) -> int | None:
     """
     if value is not None and (not is_int(value) or value < 1):
         raise InvalidArgumentError(
-            f"{caller}(max_in_flight=...) must be None (the default: 4 x the engine's budget.max_sequences) or an int "
-            f">= 1 (prompts in flight at most), got {value!r}"
+            f"{caller}(max_in_flight=...) must be None (the default: 4 x the engine's budget.max_sequences; with "
+            f"schedule='dynamic' on several ranks, budget.max_sequences) or an int >= 1 (prompts in flight at most), "
+            f"got {value!r}"
         )
     return value
 
