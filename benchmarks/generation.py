@@ -180,7 +180,8 @@ def build_model(seed: int = 0, vocab_size: int = 30522, context: int = 512, shap
 
 
 def build_workload(
-    n: int, batch_size: int, max_prompt_tokens: int, max_sequences: int, shape: Shape = Shape()
+    n: int, batch_size: int, max_prompt_tokens: int, max_sequences: int, shape: Shape = Shape(),
+    batch_tokens: int | None = None,
 ) -> Workload:
     from transformers import AutoTokenizer
 
@@ -191,7 +192,7 @@ def build_workload(
     encoded = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_prompt_tokens)["input_ids"]
     prompts = [[token % shape.vocab for token in ids] for ids in encoded] if shape.vocab else list(encoded)
     model = build_model(vocab_size=shape.vocab or tokenizer.vocab_size, shape=shape)
-    budget = CacheBudget(max_sequences=max_sequences, batch_tokens=512, page_size=32)
+    budget = CacheBudget(max_sequences=max_sequences, batch_tokens=batch_tokens, page_size=32)
     return Workload(prompts, answer_lengths(n, shape=shape), model, batch_size, budget)
 
 
@@ -235,7 +236,7 @@ def engine_alone(work: Workload, temperature: float = 0.0, indices: list[int] | 
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    budget = work.budget.resolved(work.model.config.max_position_embeddings)
+    budget = resolved_budget(work)
     # sampled: the plain distribution (no top-k: GenerationConfig's default top_k=50 would add a warper)
     sampled = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {"do_sample": False}
     generation = GenerationConfig(eos_token_id=-1, pad_token_id=0, max_new_tokens=256, **sampled)
@@ -266,6 +267,14 @@ def engine_alone(work: Workload, temperature: float = 0.0, indices: list[int] | 
             manager.stop(block=True, timeout=60)
             manager.destroy()
     return answers
+
+
+def resolved_budget(work: Workload) -> Any:
+    """The engines' budget as the library's engine resolves it (``batch_tokens`` ``None``: its default for the
+    model's device)."""
+    from torch_batch_process.generation.transformers_engine import step_tokens
+
+    return work.budget.resolved(work.model.config.max_position_embeddings, step_tokens(work.model))
 
 
 def engine_wrapper(work: Workload, temperature: float = 0.0, indices: list[int] | None = None) -> dict[int, list[int]]:
@@ -346,7 +355,9 @@ def worker(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences, shape_of(args))
+    work = build_workload(
+        args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences, shape_of(args), args.batch_tokens
+    )
     dist.init_process_group("gloo")  # the library's call joins this group
     rank, world = dist.get_rank(), dist.get_world_size()
     run = runners(work, rank, world, args.storage)[args.worker]
@@ -380,6 +391,7 @@ def run_processes(name: str, args: argparse.Namespace, processes: int) -> tuple[
             "-m", "benchmarks.generation", "--worker", name, "--out", out, "--storage", os.path.join(scratch, "job"),
             "--prompts", str(args.prompts), "--batch-size", str(args.batch_size),
             "--max-sequences", str(args.max_sequences), "--max-prompt-tokens", str(args.max_prompt_tokens),
+            *(["--batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []),
             "--threads", str(args.threads), *shape_arguments(shape_of(args)),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -415,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated process counts (default 1,2)")
     parser.add_argument("--batch-size", type=int, default=32, help="the hand loops' batch size")
     parser.add_argument("--max-sequences", type=int, default=64, help="the engine's CacheBudget.max_sequences")
+    parser.add_argument(
+        "--batch-tokens", type=int, default=None,
+        help="the engine's CacheBudget.batch_tokens (default: the engine's own for the device: 128 on a CPU)",
+    )
     parser.add_argument("--max-prompt-tokens", type=int, default=192)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=Shape.layers, help="the model's decoder layers")
@@ -452,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     if args.worker:
         return worker(args)
-    work = build_workload(args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences, shape_of(args))
+    work = build_workload(
+        args.prompts, args.batch_size, args.max_prompt_tokens, args.max_sequences, shape_of(args), args.batch_tokens
+    )
     lengths = sorted(len(p) for p in work.prompts)
     answers = sorted(work.max_new_tokens)
     print(machine_line(machine()))
@@ -460,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.prompts} prompts of {lengths[0]}-{lengths[-1]} tokens (median {statistics.median(lengths):.0f}); "
         f"answers of {answers[0]}-{answers[-1]} tokens (median {statistics.median(answers):.0f}, mean "
         f"{statistics.mean(answers):.1f}, {work.answer_tokens:,} in all); loops: batches of {args.batch_size}; "
-        f"engine: {work.budget.resolved(work.model.config.max_position_embeddings)}; {args.threads} thread(s) per "
+        f"engine: {resolved_budget(work).describe()}; {args.threads} thread(s) per "
         "process; job clock"
     )
     jobs = runners(work)

@@ -17,6 +17,7 @@ import pytest
 from harness import latest_commit_record
 
 from torch_batch_process import read_outputs, torch_batch_process
+from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.generation import CacheBudget, EngineFailedError, Generate
 from torch_batch_process.observe.status import format_status, read_status
 
@@ -113,3 +114,27 @@ def test_budget_steps_down_to_its_floor() -> None:
     resolved = CacheBudget(cache_tokens=1024, batch_tokens=512, page_size=64).resolved(96)
     assert resolved.at_most(100, 48, 96) == CacheBudget(cache_tokens=128, batch_tokens=48, page_size=64)
     assert resolved.at_most(4096, 4096, 96) == resolved
+
+
+def test_a_budget_leaves_the_step_size_to_the_engine_which_keeps_it_small_on_a_cpu() -> None:
+    """``batch_tokens=None`` (the default): the engine's own step size; on a CPU, where ``transformers``' continuous
+    batching scores each token of a step against every token the step reads (a mask over the whole step), the small
+    one (BENCHMARKS.md section 9: 128 tokens a step ran 1.25x faster than 512); a budget's own value is kept."""
+    from torch_batch_process.generation import TransformersEngine
+    from torch_batch_process.generation.engine import BATCH_TOKENS, MASKED_BATCH_TOKENS
+    from torch_batch_process.generation.transformers_engine import step_tokens
+
+    model = tiny_llama("cpu")
+    assert CacheBudget().batch_tokens is None and "the engine's default" in CacheBudget().describe()
+    assert step_tokens(model) == MASKED_BATCH_TOKENS < BATCH_TOKENS
+    with TransformersEngine(model, eos_token_id=()) as engine:
+        assert engine.budget.batch_tokens == MASKED_BATCH_TOKENS, engine.budget
+        assert engine.budget == CacheBudget().resolved(engine.context_length, MASKED_BATCH_TOKENS)
+    with TransformersEngine(model, budget=CacheBudget(batch_tokens=256), eos_token_id=()) as engine:
+        assert engine.budget.batch_tokens == 256
+    assert CacheBudget(batch_tokens=300).resolved(96, 128).batch_tokens == 300
+    with pytest.raises(ValueError, match="resolve the budget first"):
+        CacheBudget().smaller(96)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(InvalidArgumentError, match="CacheBudget.batch_tokens must be None"):
+            CacheBudget(batch_tokens=bad)

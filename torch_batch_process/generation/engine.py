@@ -28,7 +28,25 @@ from types import TracebackType
 from torch_batch_process.errors import BatchProcessError, InvalidArgumentError
 from torch_batch_process.generation.requests import Completion, Prompt
 
-__all__ = ["CacheBudget", "EngineClosedError", "EngineFailedError", "GenerationEngine", "admit"]
+__all__ = [
+    "BATCH_TOKENS",
+    "MASKED_BATCH_TOKENS",
+    "CacheBudget",
+    "EngineClosedError",
+    "EngineFailedError",
+    "GenerationEngine",
+    "admit",
+]
+
+BATCH_TOKENS = 512
+"""``CacheBudget.batch_tokens`` left ``None``: tokens a step processes at most, where attention reads only each
+sequence's own cache (flash and paged kernels, vLLM)."""
+
+MASKED_BATCH_TOKENS = 128
+"""The same where the attention needs a mask over the whole step (``transformers``' SDPA and eager attention: its
+continuous batching on a CPU). Such a step scores each of its tokens against every token it reads, so its attention
+costs ``batch_tokens`` times the tokens in flight; smaller steps cut that product (a 4-layer Llama of width 256 on a
+CPU core: 128 tokens a step answered 800 prompts 1.25x faster than 512, BENCHMARKS.md section 9)."""
 
 
 class EngineFailedError(BatchProcessError, RuntimeError):
@@ -50,7 +68,10 @@ class CacheBudget:
       ``num_gpu_blocks_override * block_size``). ``None``: ``max_sequences`` sequences of 512 tokens, and at least
       one sequence of the model's whole context (a longer one could never run).
     - ``batch_tokens``: tokens one forward step processes at most (prompt chunks and one token per answer;
-      ``transformers``: ``max_batch_tokens``; vLLM: ``max_num_batched_tokens``).
+      ``transformers``: ``max_batch_tokens``; vLLM: ``max_num_batched_tokens``). ``None``: the engine's default
+      (:data:`BATCH_TOKENS`, or :data:`MASKED_BATCH_TOKENS` where the attention needs a mask: ``transformers`` on a
+      CPU, whose SDPA and eager attention score every token of a step against every token the step reads, the
+      other sequences' too, so a step's attention grows with ``batch_tokens`` times the tokens in flight).
     - ``page_size``: tokens per page of the paged cache (``transformers``: ``page_size``; vLLM: ``block_size``). A
       sequence wastes less than a page.
 
@@ -61,20 +82,24 @@ class CacheBudget:
 
     max_sequences: int = 64
     cache_tokens: int | None = None
-    batch_tokens: int = 512
+    batch_tokens: int | None = None
     page_size: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_sequences", "batch_tokens", "page_size"):
+        for name in ("max_sequences", "page_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"CacheBudget.{name} must be an int >= 1, got {value!r}")
-        value = self.cache_tokens
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise InvalidArgumentError(f"CacheBudget.cache_tokens must be None or an int >= 1, got {value!r}")
+        for name in ("cache_tokens", "batch_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidArgumentError(
+                    f"CacheBudget.{name} must be None (the engine's default) or an int >= 1, got {value!r}"
+                )
 
-    def resolved(self, context_length: int) -> CacheBudget:
-        """This budget with ``cache_tokens`` set and rounded up to whole pages, checked against the context.
+    def resolved(self, context_length: int, batch_tokens: int = 512) -> CacheBudget:
+        """This budget with ``cache_tokens`` set and rounded up to whole pages, checked against the context, and
+        ``batch_tokens`` set (``batch_tokens``: the engine's default, where this budget leaves it ``None``).
 
         Raises:
             InvalidArgumentError: ``cache_tokens`` cannot hold one sequence of the whole context.
@@ -88,7 +113,13 @@ class CacheBudget:
                 f"({context_length} tokens): raise cache_tokens, or pass a smaller context_length to the engine "
                 "(answers then stop at that length)"
             )
-        return replace(self, cache_tokens=self.pages(tokens) * self.page_size)
+        steps = self.batch_tokens if self.batch_tokens is not None else batch_tokens
+        return replace(self, cache_tokens=self.pages(tokens) * self.page_size, batch_tokens=steps)
+
+    def _steps(self) -> int:
+        if self.batch_tokens is None:
+            raise ValueError("CacheBudget.batch_tokens is None: resolve the budget first (CacheBudget.resolved)")
+        return self.batch_tokens
 
     def pages(self, tokens: int) -> int:
         """Pages that hold ``tokens`` tokens."""
@@ -102,8 +133,9 @@ class CacheBudget:
         ``cache_tokens`` halves (memory given back for the steps) down to one whole context (a sequence of the
         whole context must still fit, else it would stall the engine). ``max_sequences`` stays: a step never holds
         more sequences than tokens anyway."""
-        if self.batch_tokens > self.page_size:
-            return replace(self, batch_tokens=max(self.page_size, self.batch_tokens // 2))
+        steps = self._steps()
+        if steps > self.page_size:
+            return replace(self, batch_tokens=max(self.page_size, steps // 2))
         floor = self.pages(context_length) * self.page_size
         tokens = self.cache_tokens if self.cache_tokens is not None else floor
         if tokens > floor:
@@ -115,13 +147,14 @@ class CacheBudget:
         never below one page per step nor one whole context in the cache."""
         floor = self.pages(context_length) * self.page_size
         cache = max(floor, min(self.cache_tokens or floor, self.pages(cache_tokens) * self.page_size))
-        return replace(self, cache_tokens=cache, batch_tokens=max(1, min(self.batch_tokens, batch_tokens)))
+        return replace(self, cache_tokens=cache, batch_tokens=max(1, min(self._steps(), batch_tokens)))
 
     def describe(self) -> str:
         """One line, as logged and shown by ``tbp status``."""
         cache = f"{self.cache_tokens:,}" if self.cache_tokens is not None else "auto"
+        steps = f"{self.batch_tokens:,}" if self.batch_tokens is not None else "the engine's default"
         return (
-            f"KV cache {cache} tokens (pages of {self.page_size}), {self.batch_tokens:,} tokens per step, "
+            f"KV cache {cache} tokens (pages of {self.page_size}), {steps} tokens per step, "
             f"{self.max_sequences} sequences per step"
         )
 

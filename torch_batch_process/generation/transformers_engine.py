@@ -36,16 +36,31 @@ from typing import Any
 import torch
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.generation.engine import CacheBudget, EngineFailedError, GenerationEngine
+from torch_batch_process.generation.engine import (
+    BATCH_TOKENS,
+    MASKED_BATCH_TOKENS,
+    CacheBudget,
+    EngineFailedError,
+    GenerationEngine,
+)
 from torch_batch_process.generation.requests import Completion, Prompt
 from torch_batch_process.generation.sampling import Sampling, index_key
 from torch_batch_process.generation.transformers_sampler import KEY_ARG, PROMPT_TOKENS_ARG, seeded_processor_list
 
-__all__ = ["TransformersEngine"]
+__all__ = ["TransformersEngine", "step_tokens"]
 
 _FAILED = 4  # transformers' RequestStatus.FAILED
 _HARD_STOP = 2  # its BackgroundThreadStatus.HARD_STOP: the loop is dying or dead
 _DYING_S = 10.0  # seconds a dying loop gets to record its error
+
+
+def step_tokens(model: Any) -> int:
+    """Tokens a step processes at most where the budget leaves ``batch_tokens`` to the engine:
+    :data:`~torch_batch_process.generation.engine.MASKED_BATCH_TOKENS` for a model on a CPU (continuous batching runs
+    its attention as SDPA or eager over the whole step with a mask: flash kernels need a GPU), else
+    :data:`~torch_batch_process.generation.engine.BATCH_TOKENS`."""
+    implementation = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
+    return MASKED_BATCH_TOKENS if model.device.type == "cpu" and "flash" not in implementation else BATCH_TOKENS
 
 
 class TransformersEngine(GenerationEngine):
@@ -82,7 +97,7 @@ class TransformersEngine(GenerationEngine):
         context = _context_length(context_length, text_config)
         eos = _eos_ids(eos_token_id, model)
         super().__init__(context_length=context, vocab_size=int(text_config.vocab_size), eos_token_ids=eos)
-        self.budget = (budget if budget is not None else CacheBudget()).resolved(context)
+        self.budget = (budget if budget is not None else CacheBudget()).resolved(context, step_tokens(model))
         if model.device.type == "cpu" and importlib.util.find_spec("psutil") is None:
             raise InvalidArgumentError(
                 "transformers' continuous batching on a CPU reads the machine's memory with psutil: pip install "

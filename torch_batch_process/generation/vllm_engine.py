@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.generation.engine import CacheBudget, EngineFailedError, GenerationEngine
+from torch_batch_process.generation.engine import BATCH_TOKENS, CacheBudget, EngineFailedError, GenerationEngine
 from torch_batch_process.generation.requests import Completion, Prompt
 from torch_batch_process.generation.sampling import Sampling, index_key
 
@@ -86,7 +86,7 @@ class VLLMEngine(GenerationEngine):
         eos = () if self._ignore_eos else _config_eos(text_config.eos_token_id)
         super().__init__(context_length=context_length, vocab_size=int(text_config.vocab_size), eos_token_ids=eos)
         budget = budget if budget is not None else CacheBudget(page_size=16)
-        self.budget = budget.resolved(context_length)
+        self.budget = budget.resolved(context_length, BATCH_TOKENS)  # vLLM's attention reads each sequence's own pages
         arguments: dict[str, Any] = {
             "model": model,
             "tokenizer": tokenizer,
