@@ -63,6 +63,7 @@ from torch_batch_process.jobstore.store import JobStore, lock_holder
 from torch_batch_process.observe.failures import current_failure_records, failure_summary
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.observe.token_rates import GENERATION_STATS, format_rate, rates_per_rank
+from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.outputs.keyed.runs import counts_text, incremental_runs
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
@@ -265,7 +266,8 @@ def _load_latest(store: JobStore) -> CommitRecord | None:
 
 
 def format_status(status: dict[str, Any]) -> str:
-    """The human-readable report of :func:`read_status`'s object."""
+    """The human-readable report of :func:`read_status`'s object (what the job stored shown :func:`visible`: an
+    exception message's escape sequences neither act on the terminal nor fail to print)."""
     now = time.time()
     lines = [("job", f"'{status['job_name']}': {_spec_text(status['spec'])}; fingerprint {status['fingerprint']}")]
     lines.append(("storage", status["storage_path"]))
@@ -345,7 +347,7 @@ def format_status(status: dict[str, Any]) -> str:
                       "re-run writes it"))
     width = max(len(key) for key, _ in lines)
     indent = "\n" + " " * (width + 2)  # a value of several lines lines up under its first
-    return "\n".join(f"{key:<{width}}  {value.replace(chr(10), indent)}" for key, value in lines)
+    return visible("\n".join(f"{key:<{width}}  {value.replace(chr(10), indent)}" for key, value in lines))
 
 
 def _failures_text(status: dict[str, Any]) -> str:
