@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import tree_digest
 
 from torch_batch_process import (
     DuplicateKeyError,
@@ -163,6 +164,32 @@ def test_an_unfinished_run_called_with_a_dataset_of_another_size_says_how_to_fin
     assert call(path, changed, incremental=True).finished and rows(path)[9] == ("X9", 2)
     grown = call(path, [*changed, *data(14)[12:]], incremental=True)
     assert (grown.increment["new"], grown.increment["selected"]) == (2, 2) and len(rows(path)) == 14
+
+
+class Uploads(TorchBatchProcessor):
+    """Determined-style: the outputs are files written through upload_path(), no context.write() row."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        CALLS.append([int(i) for i in self.context.batch_indices])
+        with self.context.upload_path() as path:
+            (Path(path) / f"pred_{batch_idx}.txt").write_text(repr([text.upper() for text in batch["text"]]))
+
+
+def test_an_incremental_run_of_a_keyed_job_that_stored_no_row_is_refused(tmp_path: Path) -> None:
+    """Keys are stored with context.write() rows: a keyed job of upload_path() files has none, so its incremental run
+    found every example new and processed it again, its files written a second time. Refused, nothing changed."""
+    path = tmp_path / "job"
+    CALLS.clear()
+    torch_batch_process(Uploads, data(6), 4, None, 5, None, storage_path=str(path), key="id", progress=False)
+    before = tree_digest(path)
+    CALLS.clear()
+    with pytest.raises(InvalidArgumentError, match=r"processed 6 example\(s\) but stored no row with context.write"):
+        torch_batch_process(Uploads, data(7), 4, None, 5, None, storage_path=str(path), key="id", progress=False,
+                            incremental=True)
+    assert not CALLS and tree_digest(path) == before
 
 
 def test_a_generation_processors_sampling_is_part_of_the_runs_version(tmp_path: Path) -> None:
