@@ -287,6 +287,31 @@ def table_target(fmt: str, tmp_path: Path) -> Any:
     return getattr(tables, fmt)(str(tmp_path / f"table.{fmt}"))
 
 
+class Ticked(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        CALLS.append([int(i) for i in self.context.batch_indices])
+        self.context.write({"v`1": [text.upper() for text in batch["text"]]})
+
+
+def test_column_names_a_lance_table_cannot_hold_are_refused_naming_them(tmp_path: Path) -> None:
+    """Lance reads '.' and '`' in a column name as a nested field's path: key='a.b' (and a written column 'v`1') failed
+    with Lance's own OSError from the encoding thread after the first batch ran. key= is refused before any work; a
+    written column at its first batch, before the table is made."""
+    target = table_target("lance", tmp_path)
+    dotted = [{"a.b": i, "text": f"t{i}"} for i in range(4)]
+    with pytest.raises(InvalidArgumentError, match=r"key='a\.b': the lance table .* cannot hold a column of that name"):
+        call(tmp_path / "job", dotted, key="a.b", table=target)
+    assert not CALLS and not (tmp_path / "job").exists() and not (tmp_path / "table.lance").exists()
+    with pytest.raises(InvalidArgumentError, match=r"wrote a column named 'v`1', which the lance table .* rename it"):
+        torch_batch_process(Ticked, data(4), batch_size=4, storage_path=str(tmp_path / "job"), table=target,
+                            progress=False)
+    assert not (tmp_path / "table.lance").exists()
+    assert call(tmp_path / "job2", dotted, key=lambda example: example["a.b"], table=target).finished
+
+
 @pytest.mark.parametrize("fmt", ["delta", "iceberg", "lance"])
 def test_a_failed_key_leaves_the_table_until_its_rerun_succeeds(fmt: str, tmp_path: Path) -> None:
     """As in shards (a failure hides the key's older rows), a changed example whose rerun failed is not served
