@@ -166,6 +166,17 @@ def test_an_unfinished_run_called_with_a_dataset_of_another_size_says_how_to_fin
     assert (grown.increment["new"], grown.increment["selected"]) == (2, 2) and len(rows(path)) == 14
 
 
+def test_max_batches_caps_an_incremental_run_and_the_next_run_takes_the_rest(tmp_path: Path) -> None:
+    """max_batches (Determined's cap per rank, a smoke test's argument) was dropped by an incremental run, which then
+    processed its whole selection."""
+    path = tmp_path / "job"
+    call(path, data(4))
+    capped = call(path, data(12), incremental=True, max_batches=1)
+    assert capped.finished and CALLS == [[4, 5, 6, 7]] and sorted(rows(path)) == list(range(8))
+    rest = call(path, data(12), incremental=True)
+    assert rest.increment["new"] == 4 and CALLS == [[8, 9, 10, 11]] and sorted(rows(path)) == list(range(12))
+
+
 class Uploads(TorchBatchProcessor):
     """Determined-style: the outputs are files written through upload_path(), no context.write() row."""
 

@@ -165,9 +165,14 @@ def prepare_incremental(args: JobArguments, collectives: Collectives) -> Retry |
         import pyarrow as pa
 
         removed = pa.ipc.open_stream(choice.removed).read_all().column("key").to_pylist()
-    run_args = dataclasses.replace(
-        args, storage_path=storage.url, max_batches=None, lengths=None,
-        keyed=args.keyed.for_run(choice.k + 1, counts, removed),
+    if args.lengths is not None:  # said, not silently dropped: the selection is cut in index order
+        logger.warning(
+            "incremental run %d: bucket_by (and max_tokens) are not applied to a run's selection: its batches hold "
+            "batch_size=%d selected examples in dataset order (on_oom='split' still splits a batch that does not fit)",
+            choice.k + 1, args.batch_size,
+        )
+    run_args = dataclasses.replace(  # max_batches caps the run's batches per rank (the rest: the next run's)
+        args, storage_path=storage.url, lengths=None, keyed=args.keyed.for_run(choice.k + 1, counts, removed),
     )
     return Retry(run_args, plan, storage, choice.schema, choice.first_stage)  # type: ignore[arg-type]
 
