@@ -161,6 +161,10 @@ def test_an_unfinished_run_called_with_a_dataset_of_another_size_says_how_to_fin
                                                r"dataset has 14\. Nothing was changed\. Call again with the dataset"):
         call(path, [*changed, *data(14)[12:]], incremental=True)
     assert not CALLS and rows(path) == before
+    with pytest.raises(JobMismatchError, match=r"has an unfinished run \(.*retries/1\) that started with other "
+                                               r"settings \(batch_size.*Call again with the settings it started with"):
+        call(path, changed, incremental=True, batch_size=2)  # was: "pass resume=False", which erases every run
+    assert not CALLS and rows(path) == before
     assert call(path, changed, incremental=True).finished and rows(path)[9] == ("X9", 2)
     grown = call(path, [*changed, *data(14)[12:]], incremental=True)
     assert (grown.increment["new"], grown.increment["selected"]) == (2, 2) and len(rows(path)) == 14
