@@ -100,6 +100,8 @@ def test_duplicate_and_bad_keys_are_refused_before_any_work(tmp_path: Path) -> N
         ({"content": lambda example: example["body"]}, data(6), r"content: the function .* raised KeyError on exam"),
         ({}, [{"id": "a\ud800b" if i == 4 else f"k{i}", "text": "t"} for i in range(6)],
          "example 4 has the key 'a\\\\ud800b', which is not Unicode text"),
+        ({"key": "id\udcff"}, [{"id\udcff": i, "text": "t"} for i in range(6)],  # failed after the first batch
+         "key='id\\\\udcff': the name is not Unicode text"),
     ]
     for n, (kwargs, dataset, message) in enumerate(bad):
         with pytest.raises(InvalidArgumentError, match=message):
