@@ -7,7 +7,8 @@ that would act instead of being read. :func:`visible` writes each of those as it
 
 - control characters (C0 but newline and tab, DEL, C1): an escape sequence would move the cursor, recolour or
   clear the terminal, set its title or its clipboard (OSC 52); a carriage return would overwrite the line shown;
-- bidirectional controls (embeddings, overrides, isolates and marks): they reorder what a line seems to say;
+- bidirectional embeddings, overrides and isolates: they reorder what a line seems to say ("Trojan Source"); the
+  marks that right-to-left text itself uses (U+200E, U+200F, U+061C) are kept;
 - lone surrogates (a ``str`` decoded with ``surrogateescape``, a JSON ``\\ud800``): no UTF-8 holds them, so
   printing or writing them as UTF-8 raised ``UnicodeEncodeError`` and the command showed a traceback instead.
 
@@ -23,7 +24,7 @@ __all__ = ["visible"]
 
 _ACTING = re.compile(
     "[\x00-\x08\x0b-\x1f\x7f-\x9f"  # control characters but \t and \n
-    "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"  # bidirectional marks, embeddings, overrides, isolates
+    "\u202a-\u202e\u2066-\u2069"  # bidirectional embeddings, overrides and isolates (not the marks RTL text uses)
     "\ud800-\udfff]"  # lone surrogates
 )
 
