@@ -23,6 +23,7 @@ from torch_batch_process import (
     tables,
     torch_batch_process,
 )
+from torch_batch_process.observe.status import read_status
 
 FAILING: set[str] = set()
 """Texts the processor fails on (the test's 'bug', fixed between calls)."""
@@ -234,6 +235,8 @@ def test_a_generation_processors_sampling_is_part_of_the_runs_version(tmp_path: 
     again = torch_batch_process(sampled, prompts, incremental=True, on_change="recompute", **options)
     assert (again.increment["recompute"], again.increment["selected"]) == (4, 4)
     assert set(read_outputs(path).column("_tbp_run").to_pylist()) == {2}
+    generation_status = read_status(str(path))["generation"]  # the first run's alone, said to be "all attempts"
+    assert generation_status["generated_prompts"] == 8 and generation_status["completion_tokens"] == 16
 
 
 def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: Path) -> None:
