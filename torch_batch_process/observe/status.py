@@ -190,6 +190,8 @@ def _generation(storage: Storage, latest: CommitRecord | None) -> dict[str, Any]
     """A generation job's prompts and tokens over all attempts of the job and of its runs (``retries/<k>``: a keyed
     job's incremental runs, ``retry_failed`` runs), the newest one's latest attempt per rank with their tokens per
     second, and the engine's budget it learned (DESIGN §19); ``None`` for other jobs."""
+    if latest is None or "generated_prompts" not in latest.stats:  # not a generation job: its runs are not read
+        return None
     records = [latest, *(latest_record_at(storage, f"{RETRIES_DIR}/{k}") for k in retry_numbers(storage))]
     generating = [record for record in records if record is not None and "generated_prompts" in record.stats]
     if not generating:
