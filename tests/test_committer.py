@@ -34,7 +34,7 @@ from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
 from torch_batch_process.engine.commit.wiring import CommitCall, make_committer
 from torch_batch_process.engine.distributed import RendezvousStore
 from torch_batch_process.engine.plan.plans import ContiguousPlan
-from torch_batch_process.engine.rank_failure import RankFailure
+from torch_batch_process.engine.rank_failure import SENT_CHARS, RankFailure
 from torch_batch_process.engine.work import RankWork
 from torch_batch_process.errors import StorageError, WorkerFailedError
 from torch_batch_process.jobstore.layout import COMMITS_DIR, OUTPUTS_DIR, STAGING_DIR
@@ -254,6 +254,26 @@ def test_a_failing_record_write_makes_every_rank_raise_and_publishes_exactly_wha
     assert committed and len(committed) < 2 * BATCHES_PER_RANK
     assert published_batches(tmp_path) == committed  # published: exactly what the durable record commits, once
     assert published_stages(tmp_path) <= set(latest.output_stages)
+
+
+def test_a_failure_sent_to_the_other_ranks_is_cut_to_a_few_thousand_characters():
+    """A message holding a whole document was copied whole into the votes and into every other rank's
+    WorkerFailedError (twice: the message and the traceback's last line) and log; the failing rank's own error stays
+    whole."""
+    failing = RankFailure(1)
+    try:
+        raise ValueError("bad document: " + "d" * 1_000_000)
+    except ValueError as exc:
+        failing.record(exc, "process_batch of batch 3")
+    assert failing.info is not None and failing.info.message.startswith("bad document: ddd")
+    with pytest.raises(WorkerFailedError) as raised:
+        RankFailure(0).raise_for([None, failing.info])
+    text = str(raised.value)
+    assert len(text) < 3 * SENT_CHARS and text.count("more characters in the failing rank's own error") == 2, text
+    assert "in test_a_failure_sent_to_the_other_ranks_is_cut_to_a_few_thousand_characters" in text  # its frame
+    with pytest.raises(ValueError) as own:
+        failing.raise_for([None, failing.info])
+    assert len(str(own.value)) == len("bad document: ") + 1_000_000
 
 
 def test_participants_run_each_moment_on_those_that_take_part_in_it_in_order():

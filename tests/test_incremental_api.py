@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import tree_digest
 
 from torch_batch_process import (
     DuplicateKeyError,
@@ -22,6 +23,7 @@ from torch_batch_process import (
     tables,
     torch_batch_process,
 )
+from torch_batch_process.observe.status import read_status
 
 FAILING: set[str] = set()
 """Texts the processor fails on (the test's 'bug', fixed between calls)."""
@@ -99,6 +101,8 @@ def test_duplicate_and_bad_keys_are_refused_before_any_work(tmp_path: Path) -> N
         ({"content": lambda example: example["body"]}, data(6), r"content: the function .* raised KeyError on exam"),
         ({}, [{"id": "a\ud800b" if i == 4 else f"k{i}", "text": "t"} for i in range(6)],
          "example 4 has the key 'a\\\\ud800b', which is not Unicode text"),
+        ({"key": "id\udcff"}, [{"id\udcff": i, "text": "t"} for i in range(6)],  # failed after the first batch
+         "key='id\\\\udcff': the name is not Unicode text"),
     ]
     for n, (kwargs, dataset, message) in enumerate(bad):
         with pytest.raises(InvalidArgumentError, match=message):
@@ -160,9 +164,50 @@ def test_an_unfinished_run_called_with_a_dataset_of_another_size_says_how_to_fin
                                                r"dataset has 14\. Nothing was changed\. Call again with the dataset"):
         call(path, [*changed, *data(14)[12:]], incremental=True)
     assert not CALLS and rows(path) == before
+    with pytest.raises(JobMismatchError, match=r"has an unfinished run \(.*retries/1\) that started with other "
+                                               r"settings \(batch_size.*Call again with the settings it started with"):
+        call(path, changed, incremental=True, batch_size=2)  # was: "pass resume=False", which erases every run
+    assert not CALLS and rows(path) == before
     assert call(path, changed, incremental=True).finished and rows(path)[9] == ("X9", 2)
     grown = call(path, [*changed, *data(14)[12:]], incremental=True)
     assert (grown.increment["new"], grown.increment["selected"]) == (2, 2) and len(rows(path)) == 14
+
+
+def test_max_batches_caps_an_incremental_run_and_the_next_run_takes_the_rest(tmp_path: Path) -> None:
+    """max_batches (Determined's cap per rank, a smoke test's argument) was dropped by an incremental run, which then
+    processed its whole selection."""
+    path = tmp_path / "job"
+    call(path, data(4))
+    capped = call(path, data(12), incremental=True, max_batches=1)
+    assert capped.finished and CALLS == [[4, 5, 6, 7]] and sorted(rows(path)) == list(range(8))
+    rest = call(path, data(12), incremental=True)
+    assert rest.increment["new"] == 4 and CALLS == [[8, 9, 10, 11]] and sorted(rows(path)) == list(range(12))
+
+
+class Uploads(TorchBatchProcessor):
+    """Determined-style: the outputs are files written through upload_path(), no context.write() row."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        CALLS.append([int(i) for i in self.context.batch_indices])
+        with self.context.upload_path() as path:
+            (Path(path) / f"pred_{batch_idx}.txt").write_text(repr([text.upper() for text in batch["text"]]))
+
+
+def test_an_incremental_run_of_a_keyed_job_that_stored_no_row_is_refused(tmp_path: Path) -> None:
+    """Keys are stored with context.write() rows: a keyed job of upload_path() files has none, so its incremental run
+    found every example new and processed it again, its files written a second time. Refused, nothing changed."""
+    path = tmp_path / "job"
+    CALLS.clear()
+    torch_batch_process(Uploads, data(6), 4, None, 5, None, storage_path=str(path), key="id", progress=False)
+    before = tree_digest(path)
+    CALLS.clear()
+    with pytest.raises(InvalidArgumentError, match=r"processed 6 example\(s\) but stored no row with context.write"):
+        torch_batch_process(Uploads, data(7), 4, None, 5, None, storage_path=str(path), key="id", progress=False,
+                            incremental=True)
+    assert not CALLS and tree_digest(path) == before
 
 
 def test_a_generation_processors_sampling_is_part_of_the_runs_version(tmp_path: Path) -> None:
@@ -190,6 +235,8 @@ def test_a_generation_processors_sampling_is_part_of_the_runs_version(tmp_path: 
     again = torch_batch_process(sampled, prompts, incremental=True, on_change="recompute", **options)
     assert (again.increment["recompute"], again.increment["selected"]) == (4, 4)
     assert set(read_outputs(path).column("_tbp_run").to_pylist()) == {2}
+    generation_status = read_status(str(path))["generation"]  # the first run's alone, said to be "all attempts"
+    assert generation_status["generated_prompts"] == 8 and generation_status["completion_tokens"] == 16
 
 
 def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: Path) -> None:
@@ -258,6 +305,31 @@ def table_target(fmt: str, tmp_path: Path) -> Any:
         return tables.iceberg("db.keyed", catalog={"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
                                                    "warehouse": f"file://{tmp_path}/warehouse"})
     return getattr(tables, fmt)(str(tmp_path / f"table.{fmt}"))
+
+
+class Ticked(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        CALLS.append([int(i) for i in self.context.batch_indices])
+        self.context.write({"v`1": [text.upper() for text in batch["text"]]})
+
+
+def test_column_names_a_lance_table_cannot_hold_are_refused_naming_them(tmp_path: Path) -> None:
+    """Lance reads '.' and '`' in a column name as a nested field's path: key='a.b' (and a written column 'v`1') failed
+    with Lance's own OSError from the encoding thread after the first batch ran. key= is refused before any work; a
+    written column at its first batch, before the table is made."""
+    target = table_target("lance", tmp_path)
+    dotted = [{"a.b": i, "text": f"t{i}"} for i in range(4)]
+    with pytest.raises(InvalidArgumentError, match=r"key='a\.b': the lance table .* cannot hold a column of that name"):
+        call(tmp_path / "job", dotted, key="a.b", table=target)
+    assert not CALLS and not (tmp_path / "job").exists() and not (tmp_path / "table.lance").exists()
+    with pytest.raises(InvalidArgumentError, match=r"wrote a column named 'v`1', which the lance table .* rename it"):
+        torch_batch_process(Ticked, data(4), batch_size=4, storage_path=str(tmp_path / "job"), table=target,
+                            progress=False)
+    assert not (tmp_path / "table.lance").exists()
+    assert call(tmp_path / "job2", dotted, key=lambda example: example["a.b"], table=target).finished
 
 
 @pytest.mark.parametrize("fmt", ["delta", "iceberg", "lance"])

@@ -488,6 +488,62 @@ def test_status_counts_the_failures_left_after_retry_failed(tmp_path):
     assert status["failures"]["path"].endswith("retries/1/failures")
 
 
+HOSTILE = {  # what a failing example's message may hold: a prompt, a file name, a model's answer
+    1: "<script>alert(1)</script><img src=x onerror=alert(2)>",
+    2: "\x1b]52;c;cHduZWQ=\x07\x1b[2J\x1b[31mred",
+    3: "nul\x00byte",
+    4: "lone \ud800 surrogate",
+    5: "rtl \u202eexe.txt",
+}
+
+
+class Hostile(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        for index in self.context.batch_indices:
+            if index in HOSTILE:
+                raise ValueError(HOSTILE[index])
+        self.context.write({"n": list(self.context.batch_indices)})
+
+
+class Tags(HTMLParser):
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.feed(page)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+
+
+@needs_plotly
+def test_stored_text_that_would_act_is_shown_escaped_by_status_failures_and_report(tmp_path, capsys):
+    """A keyed job's failure messages and version= holding HTML, terminal escapes, NUL, a lone surrogate and a
+    right-to-left override: tbp status and tbp failures printed them raw (or died of UnicodeEncodeError), tbp report
+    died writing the page."""
+    storage = tmp_path / "job"
+    examples = [{"id": f"<b>{i}</b>", "text": HOSTILE.get(i, "")} for i in range(8)]
+    torch_batch_process(Hostile, examples, batch_size=4, storage_path=str(storage), key="id", on_error="skip",
+                        version="<script>v\ud800</script>", progress="off")
+    capsys.readouterr()
+    for command in ("status", "failures"):
+        assert cli.main([command, str(storage)]) == 0
+        text = capsys.readouterr().out
+        assert not re.search("[\x00-\x08\x0b-\x1f\x7f\u202e\ud800]", text), command
+        for shown in ("\\x1b]52;c;cHduZWQ=\\x07\\x1b[2J", "nul\\x00byte", "lone \\ud800 surrogate", "rtl \\u202eexe"):
+            assert shown in text, (command, shown)
+    output = tmp_path / "report.html"
+    assert cli.main(["report", str(storage), "-o", str(output)]) == 0
+    page = output.read_bytes().decode("utf-8")  # strict: valid UTF-8
+    assert Tags(page).tags.count("script") == 3 and "img" not in Tags(page).tags  # the page's own scripts only
+    messages = [row[6] for row in Page(page).rows["tbp-failures"]]
+    assert messages == ["<script>alert(1)</script><img src=x onerror=alert(2)>",
+                        "\\x1b]52;c;cHduZWQ=\\x07\\x1b[2J\\x1b[31mred", "nul\\x00byte",
+                        "lone \\ud800 surrogate", "rtl \\u202eexe.txt"]
+
+
 # --------------------------------------------------------------------------------------- dashboard
 
 

@@ -15,10 +15,25 @@ import traceback
 from dataclasses import dataclass
 
 from torch_batch_process.errors import LoaderWorkerDiedError, WorkerFailedError
+from torch_batch_process.observe.visible_text import visible
 
-__all__ = ["FailureInfo", "RankFailure"]
+__all__ = ["SENT_CHARS", "FailureInfo", "RankFailure"]
 
 logger = logging.getLogger(__name__)
+
+SENT_CHARS = 4000
+"""At most this many characters of a failure's message, and of each part of its traceback (a frame, the exception's
+line), travel to the other ranks: a message holding a whole prompt or document would otherwise be copied into the
+votes and into every other rank's :class:`WorkerFailedError` and log. The failing rank raises its own exception,
+whole."""
+
+
+def _sent(text: str) -> str:
+    """``text`` cut to :data:`SENT_CHARS` characters, saying how many were left out."""
+    if len(text) <= SENT_CHARS:
+        return text
+    end = "\n" if text.endswith("\n") else ""
+    return f"{text[:SENT_CHARS]}... ({len(text) - SENT_CHARS:,} more characters in the failing rank's own error){end}"
 
 
 @dataclass
@@ -56,15 +71,15 @@ class RankFailure:
             first = str(exc).strip().splitlines()
             logger.error(  # names the batch, which the exception re-raised at the end (the user's own) may not say
                 "rank %d: %s raised %s: %s; the job stops (the last commit stays: fix it and run the job again to "
-                "resume)", self.rank, where, type(exc).__name__, first[0][:300] if first else "",
+                "resume)", self.rank, where, type(exc).__name__, visible(first[0] if first else "", 300),
             )
             self.exception = exc
             self.info = FailureInfo(
                 rank=self.rank,
                 where=where,
                 type_name=type(exc).__name__,
-                message=str(exc),
-                traceback="".join(traceback.format_exception(exc)),
+                message=_sent(str(exc)),
+                traceback="".join(_sent(part) for part in traceback.format_exception(exc)),
             )
 
     def raise_for(self, infos: list[FailureInfo | None]) -> None:

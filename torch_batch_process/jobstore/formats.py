@@ -311,9 +311,18 @@ def parse_json(raw: bytes, where: str) -> Any:
         ) from exc
 
 
-def check_fingerprint(job: JobInfo, spec: JobSpec, url: str) -> None:
-    """Raises :class:`JobMismatchError` when the stored job is not this one."""
+def check_fingerprint(job: JobInfo, spec: JobSpec, url: str, run_of: str | None = None) -> None:
+    """Raises :class:`JobMismatchError` when the stored job is not this one (``run_of``: the URL of the job whose
+    unfinished run, ``retries/<k>``, is stored at ``url``: its advice is to finish the run, since ``resume=False``
+    would erase the whole job)."""
     differences = spec.differences(job.spec)
+    if differences and run_of is not None:
+        raise JobMismatchError(
+            f"the job at {run_of!r} has an unfinished run ({url}) that started with other settings "
+            f"({'; '.join(differences)}). Nothing was changed. Call again with the settings it started with to finish "
+            "it (a run resumes with its own plan); then the next run takes the new ones. resume=False would erase "
+            "the whole job, every run included"
+        )
     if differences:
         raise JobMismatchError(
             f"storage_path {url!r} holds another job ({'; '.join(differences)}). Nothing was changed. "

@@ -24,6 +24,7 @@ from torch_batch_process.jobstore.formats import CommitRecord, JobInfo, JobSpec,
 from torch_batch_process.jobstore.integrity import check_integrity, warn_of_strays
 from torch_batch_process.jobstore.store import JobStore, LeftoverRows
 from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.nested import NestedStorage
 
 __all__ = ["JobOpener", "Start", "TableReconciler"]
 
@@ -172,7 +173,8 @@ class JobOpener:
         job = self.store.load_job()
         latest = self.store.load_latest()
         if self.resume and job is not None:
-            check_fingerprint(job, self.spec, self.storage.url)
+            run_of = self.storage.parent.url if isinstance(self.storage, NestedStorage) else None  # retries/<k>
+            check_fingerprint(job, self.spec, self.storage.url, run_of)
             check_script(job, self.script, self.storage.url)  # a job of another script of the same name
             check_integrity(self.store, latest)  # damaged progress is an error, never a restart from zero
         if self.resume and job is None and (latest is not None or self.store.has_outputs()):

@@ -17,6 +17,7 @@ from torch_batch_process.errors import BatchProcessError, CheckpointCorruptError
 from torch_batch_process.jobstore.layout import FAILURES_DIR, JOB_FILE
 from torch_batch_process.jobstore.retries import current_failures_root
 from torch_batch_process.jobstore.store import latest_record_at
+from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.outputs.completeness import still_staged
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
@@ -180,5 +181,5 @@ def run_failures(args: argparse.Namespace) -> int:
         message = str(r.get("message", "")).splitlines()[0] if r.get("message") else ""
         error = f"{r.get('error_type')}: {message}"[:100]
         where = f"{r.get('index'):>10} {r.get('batch_idx'):>7} {r.get('attempt'):>7} {r.get('rank'):>4}"
-        print(f"{where}  {r.get('phase', ''):<7} {error}")
+        print(visible(f"{where}  {r.get('phase', ''):<7} {error}"))  # the message's escapes do not act
     return 0

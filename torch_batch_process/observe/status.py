@@ -33,7 +33,8 @@ exception type, the first few by dataset index with their messages, the folder t
 incremental runs, ``incremental=True``: ``{"run", "folder", "state", "counts", "examples_committed",
 "examples_total"}``, ``counts`` as ``BatchProcessResult.increment``; ``[]`` for other jobs), ``generation`` (a
 generation job's ``generated_prompts``, ``prompt_tokens``, ``completion_tokens``, ``resumed_prompts`` and
-``reused_tokens`` over all attempts, and ``ranks``: the latest attempt's ``{"rank", "prompts", "tokens_in",
+``reused_tokens`` over all attempts of the job and of its runs (incremental, ``retry_failed``), and ``ranks``: the
+newest run's latest attempt's ``{"rank", "prompts", "tokens_in",
 "tokens_out", "tokens_in_per_s", "tokens_out_per_s"}`` per rank, and ``budget``: the record's
 ``generation_budget``, what its engines learned with ``on_oom="split"``, or ``null``; ``null`` for other jobs).
 """
@@ -56,13 +57,16 @@ from torch_batch_process.jobstore.layout import (
     METRICS_FILE,
     OUTPUTS_DIR,
     RESULT_FILE,
+    RETRIES_DIR,
     TENSORBOARD_DIR,
 )
 from torch_batch_process.jobstore.memory_limits import MemoryLimits
-from torch_batch_process.jobstore.store import JobStore, lock_holder
+from torch_batch_process.jobstore.retries import retry_numbers
+from torch_batch_process.jobstore.store import JobStore, latest_record_at, lock_holder
 from torch_batch_process.observe.failures import current_failure_records, failure_summary
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.observe.token_rates import GENERATION_STATS, format_rate, rates_per_rank
+from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.outputs.keyed.runs import counts_text, incremental_runs
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
@@ -177,27 +181,32 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
         "result_path": storage.url_of(RESULT_FILE) if finished and result is not None else None,
         "failed_examples": failures["count"],
         "failures": failures,
-        "generation": _generation(stats, latest),
+        "generation": _generation(storage, latest),
         "runs": incremental_runs(storage),
     }
 
 
-def _generation(stats: dict[str, Any], latest: CommitRecord | None) -> dict[str, Any] | None:
-    """A generation job's prompts and tokens over all attempts, the latest attempt's per rank with their tokens
-    per second, and the engine's budget it learned (DESIGN §19); ``None`` for other jobs."""
-    if "generated_prompts" not in stats:
+def _generation(storage: Storage, latest: CommitRecord | None) -> dict[str, Any] | None:
+    """A generation job's prompts and tokens over all attempts of the job and of its runs (``retries/<k>``: a keyed
+    job's incremental runs, ``retry_failed`` runs), the newest one's latest attempt per rank with their tokens per
+    second, and the engine's budget it learned (DESIGN §19); ``None`` for other jobs."""
+    if latest is None or "generated_prompts" not in latest.stats:  # not a generation job: its runs are not read
         return None
-    totals = {name: int(stats.get(name, 0)) for name in GENERATION_STATS}
-    elapsed = stats.get("attempt_elapsed_s")
-    budget = latest.generation_budget if latest is not None else None
-    return {**totals, "ranks": rates_per_rank(stats.get("generation_ranks") or [], elapsed), "budget": budget}
+    records = [latest, *(latest_record_at(storage, f"{RETRIES_DIR}/{k}") for k in retry_numbers(storage))]
+    generating = [record for record in records if record is not None and "generated_prompts" in record.stats]
+    if not generating:
+        return None
+    totals = {name: sum(int(record.stats.get(name, 0)) for record in generating) for name in GENERATION_STATS}
+    newest = generating[-1]
+    ranks = rates_per_rank(newest.stats.get("generation_ranks") or [], newest.stats.get("attempt_elapsed_s"))
+    return {**totals, "ranks": ranks, "budget": newest.generation_budget}
 
 
 def generation_text(generation: dict[str, Any]) -> str:
     """The ``generation`` line of ``tbp status`` (and the report's row)."""
     text = (
         f"{generation['generated_prompts']:,} prompts answered, {generation['prompt_tokens']:,} prompt tokens, "
-        f"{generation['completion_tokens']:,} answer tokens (all attempts)"
+        f"{generation['completion_tokens']:,} answer tokens (all attempts and runs)"
     )
     if generation.get("resumed_prompts"):
         text += (
@@ -265,7 +274,8 @@ def _load_latest(store: JobStore) -> CommitRecord | None:
 
 
 def format_status(status: dict[str, Any]) -> str:
-    """The human-readable report of :func:`read_status`'s object."""
+    """The human-readable report of :func:`read_status`'s object (what the job stored shown :func:`visible`: an
+    exception message's escape sequences neither act on the terminal nor fail to print)."""
     now = time.time()
     lines = [("job", f"'{status['job_name']}': {_spec_text(status['spec'])}; fingerprint {status['fingerprint']}")]
     lines.append(("storage", status["storage_path"]))
@@ -345,7 +355,7 @@ def format_status(status: dict[str, Any]) -> str:
                       "re-run writes it"))
     width = max(len(key) for key, _ in lines)
     indent = "\n" + " " * (width + 2)  # a value of several lines lines up under its first
-    return "\n".join(f"{key:<{width}}  {value.replace(chr(10), indent)}" for key, value in lines)
+    return visible("\n".join(f"{key:<{width}}  {value.replace(chr(10), indent)}" for key, value in lines))
 
 
 def _failures_text(status: dict[str, Any]) -> str:

@@ -66,6 +66,7 @@ from torch_batch_process.errors import (
     TooManyFailuresError,
     WorkerLostError,
 )
+from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.outputs.stager import OutputStager
 from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 from torch_batch_process.sources.base import SourceChangedError
@@ -452,8 +453,10 @@ def no_span(batch_idx: int) -> contextlib.AbstractContextManager[Any]:
 
 
 def _first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message for a log line: :func:`visible` (its escapes do not act on the terminal)
+    and at most 300 characters (a message holding a whole prompt is in the failure record, not the log)."""
     lines = str(error).strip().splitlines()
-    return lines[0] if lines else ""
+    return visible(lines[0] if lines else "", 300)
 
 
 def _snapshot(reducers: ReducerRegistry) -> list[Any]:

@@ -165,9 +165,14 @@ def prepare_incremental(args: JobArguments, collectives: Collectives) -> Retry |
         import pyarrow as pa
 
         removed = pa.ipc.open_stream(choice.removed).read_all().column("key").to_pylist()
-    run_args = dataclasses.replace(
-        args, storage_path=storage.url, max_batches=None, lengths=None,
-        keyed=args.keyed.for_run(choice.k + 1, counts, removed),
+    if args.lengths is not None:  # said, not silently dropped: the selection is cut in index order
+        logger.warning(
+            "incremental run %d: bucket_by (and max_tokens) are not applied to a run's selection: its batches hold "
+            "batch_size=%d selected examples in dataset order (on_oom='split' still splits a batch that does not fit)",
+            choice.k + 1, args.batch_size,
+        )
+    run_args = dataclasses.replace(  # max_batches caps the run's batches per rank (the rest: the next run's)
+        args, storage_path=storage.url, lengths=None, keyed=args.keyed.for_run(choice.k + 1, counts, removed),
     )
     return Retry(run_args, plan, storage, choice.schema, choice.first_stage)  # type: ignore[arg-type]
 
@@ -202,6 +207,7 @@ def choose_run(args: JobArguments) -> RunChoice | None:
                 k, storage.read_bytes(f"{folder}/{SELECTION_FILE}"), counts, schema, first_batch,
                 int(first_stage or 1), _read_removed(storage, folder),
             )
+        _check_keys_stored(storage)
         if storage.exists(f"{folder}/{REMOVED_FILE}"):  # left by a start killed before job.json: planned again
             storage.delete(f"{folder}/{REMOVED_FILE}")
         _repair(storage, args)
@@ -302,6 +308,26 @@ def _check_same_key(storage: Storage, keyed: KeyedOptions) -> None:
         raise JobMismatchError(
             f"incremental=True: the job at {storage.url} is keyed otherwise ({named}); run it with its key and "
             "content, or start a new job (resume=False, or a new storage_path)"
+        )
+
+
+def _check_keys_stored(storage: Storage) -> None:
+    """A keyed job stores its keys with its ``context.write()`` rows: one whose processor wrote none (Determined-style
+    code whose outputs are ``upload_path()`` files) has no key stored, so a run would find every example new and
+    process it again, adding its files a second time. Refused before the run is planned."""
+    latest = latest_record_at(storage, "")
+    stats = latest.stats if latest is not None else {}
+    rows, examples = stats.get("record_rows"), stats.get("examples_committed")
+    if not (isinstance(rows, int) and isinstance(examples, int)):  # a job stored before rows were counted
+        return
+    done = examples - int(stats.get("failed_examples") or 0)
+    if rows == 0 and done > 0 and _stored_rows(storage) == 0:
+        raise InvalidArgumentError(
+            f"incremental=True: the keyed job at {storage.url} processed {done:,} example(s) but stored no row with "
+            "context.write(), and a keyed job keeps each example's key with its row: every example would be new to "
+            "this run and processed again (upload_path() files are not keyed: they would be written twice). Write "
+            "each example's outputs (or the names of its files) with context.write() in process_batch, then start "
+            "the job again (resume=False, or a new storage_path); or drop key= and incremental=True"
         )
 
 

@@ -38,6 +38,7 @@ from torch_batch_process.observe.report.series import (
     stragglers,
 )
 from torch_batch_process.observe.status import generation_text
+from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.outputs.keyed.runs import counts_text
 from torch_batch_process.shell_commands import pip_install
 
@@ -159,7 +160,8 @@ def _script_json(value: Any) -> str:
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    """``value`` as HTML text; :func:`visible`: a lone surrogate in a stored message would fail the page's UTF-8."""
+    return html.escape(visible(value), quote=True)
 
 
 # --------------------------------------------------------------------------------------- sections

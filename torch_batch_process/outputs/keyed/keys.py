@@ -167,6 +167,15 @@ def key_array(keys: Sequence[int | str], first_index: int) -> Any:
         raise
 
 
+def _is_text(name: str) -> bool:
+    """Whether ``name`` has a UTF-8 encoding (no lone surrogate)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _apply(fn: Callable[[Any], Any], example: Any, argument: str, index: int) -> Any:
     """``fn(example)``: a key or content function's value, or :class:`InvalidArgumentError` naming the function,
     the example and what it raised (planning calls it on every example before any work)."""
@@ -194,6 +203,12 @@ def check_key_spec(key: Any, content: Any) -> KeySpec | None:
             raise InvalidArgumentError(
                 f"key={key!r}: name a field of the examples (not empty, not 'index' nor a '_tbp_' column: the "
                 "library stores those)"
+            )
+        if not key.isascii() and not _is_text(key):  # it names the key's column, which Arrow stores as UTF-8
+            raise InvalidArgumentError(
+                f"key={key!r}: the name is not Unicode text (a lone surrogate, as a name decoded with "
+                "'surrogateescape' holds) and cannot name the key's column; give a key function instead "
+                f"(key=lambda example: example[{key!r}]: its column is then named 'key')"
             )
     elif not callable(key):
         raise InvalidArgumentError(

@@ -145,6 +145,12 @@ def check_keyed_options(
             "local Delta and Lance tables (tables.delta('/path'), tables.lance('/path')) and Iceberg tables so far; "
             "write shards (no table=), or drop key="
         )
+    problem = table.name_problem(spec.column) if table is not None else None
+    if problem is not None:  # the key's column: refused now, not by the table's format after the first batch ran
+        raise InvalidArgumentError(
+            f"key={spec.column!r}: {table.describe_short()} cannot hold a column of that name ({problem}); give a key "
+            f"function instead (key=lambda example: example[{spec.column!r}]: its column is then named 'key')"
+        )
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) and not _is_source(dataset):
         raise InvalidArgumentError(
             f"key= needs a map-style dataset (with __len__ and __getitem__) or a streamed source "

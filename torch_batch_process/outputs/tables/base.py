@@ -309,6 +309,10 @@ class TableTarget(ABC):
     def open(self, merge_key: str | None = None) -> Table:
         """The opened table (``merge_key``: a keyed job's key column, whose new rows replace their keys' rows)."""
 
+    def name_problem(self, name: str) -> str | None:
+        """Why the format cannot hold a column named ``name``; ``None`` when it can."""
+        return None
+
     def describe_short(self) -> str:
         """The table in messages."""
         where = self.describe()

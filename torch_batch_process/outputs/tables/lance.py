@@ -70,6 +70,11 @@ class LanceTableOutput(TableTarget):
     def open(self, merge_key: str | None = None) -> LanceTable:
         return LanceTable(self, merge_key)
 
+    def name_problem(self, name: str) -> str | None:
+        if "." in name or "`" in name:  # Lance refused them in write_fragments, after the batch ran
+            return "Lance reads '.' and '`' in a top-level column name as a path to a nested field"
+        return None
+
 
 def lance(
     uri: str | os.PathLike[str],

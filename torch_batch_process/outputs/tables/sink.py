@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from torch_batch_process.errors import SchemaConflictError
 from torch_batch_process.jobstore.schema import RecordSchema, unify
 from torch_batch_process.outputs.tables.base import DataFileWriter, Table, data_file_name, normalize_schema, tombstone
 
@@ -66,6 +67,7 @@ class TableSink:
         normalized = normalize_schema(arrow_schema, fixed_lists=self.table.fixed_lists, what=self._what,
                                       origin=schema.origin)
         if self._target is None:
+            self._check_names(normalized, schema.origin)
             self._target = self.table.ensure(normalized)  # creates the table from the first rows, else its schema
         table_schema = RecordSchema(self._target, schema.ragged, self._what)
         unified = unify(table_schema, RecordSchema(normalized, schema.ragged, schema.origin))  # names the column
@@ -75,14 +77,23 @@ class TableSink:
             if not unified.schema.field(name).type.equals(self._target.field(name).type)
         ]
         if wider:
-            from torch_batch_process.errors import SchemaConflictError
-
             raise SchemaConflictError(
                 f"context.write(): {schema.origin} wrote column(s) {', '.join(wider)} with a wider type than "
                 f"{self._what}; a table's column types are fixed by its first rows: write them with the table's "
                 "types (e.g. cast with .to(torch.int64) / .float() from the first batch on)"
             )
         self._seen = arrow_schema
+
+    def _check_names(self, arrow_schema: Any, origin: str) -> None:
+        """Column names the table's format cannot hold raise :class:`SchemaConflictError` naming them, before the
+        table is created or a row written (not the format's own error once the rows are encoded)."""
+        for name in arrow_schema.names:
+            problem = self.table.target.name_problem(name)
+            if problem is not None:
+                raise SchemaConflictError(
+                    f"context.write(): {origin} wrote a column named {name!r}, which {self._what} cannot hold "
+                    f"({problem}); rename it"
+                )
 
     def open(self, stage: int, part: int, schema: Any) -> DataFileWriter:
         """A new data file for rows of ``stage`` (the rank's ``part``-th of the stage)."""
