@@ -90,6 +90,7 @@ CASES = {
     "bucket_window without bucket_by": (dict(bucket_window=5), "bucket_window=5 needs bucket_by", ValueError),
     "resume not bool": (dict(resume="yes"), "resume", TypeError),
     "job_name bad": (dict(job_name="../escape"), "job_name", ValueError),
+    "job_name ending in a newline": (dict(job_name="job\n"), "job_name", ValueError),
     "storage_path empty": (dict(storage_path=""), "storage_path", ValueError),
     # DataLoader options the DataLoader itself only trips over once its workers start (after the job opened its
     # storage), or takes silently as truthy.

@@ -37,12 +37,13 @@ __all__ = [
 DEFAULT_ROOT = "tbp_runs"
 """Default storage: ``./tbp_runs/<job name>``."""
 
-JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+JOB_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""Matched whole (``fullmatch``: ``$`` would also take a name ending in a newline)."""
 
 
 def is_valid_job_name(name: Any) -> bool:
     """Whether ``name`` can name a job: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit."""
-    return isinstance(name, str) and bool(JOB_NAME_PATTERN.match(name))
+    return isinstance(name, str) and bool(JOB_NAME_PATTERN.fullmatch(name))
 
 
 def add_storage_arguments(parser: argparse.ArgumentParser) -> None:

@@ -66,7 +66,7 @@ _DETERMINED_ONLY = {
     "force_pull_image", "add_capabilities", "drop_capabilities", "environment_variables", "proxy_ports",
 }  # fmt: skip
 _SEARCH_TYPES = {"int", "double", "log", "categorical"}
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # matched whole: "$" also takes a trailing newline
 _PYTHON = re.compile(r"^(.*/)?python(\d+(\.\d+)?)?$")
 
 
@@ -369,7 +369,7 @@ def _environment(value: Any, lines: KeyLines) -> dict[str, str]:
         raise lines.error(path, f"must be a mapping NAME: value (or a list of 'NAME=value'), got {type_name(raw)}")
     variables: dict[str, str] = {}
     for where, name, val in pairs:
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
             raise lines.error(where, f"{name!r} is not a valid environment variable name")
         if isinstance(val, bool):
             val = "true" if val else "false"
