@@ -15,6 +15,7 @@ from torch_batch_process import (
     DuplicateKeyError,
     InvalidArgumentError,
     JobMismatchError,
+    OutputCorruptError,
     TorchBatchProcessor,
     VersionChangedError,
     iter_outputs,
@@ -223,6 +224,34 @@ def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: 
             assert f"run {run} (incremental, finished): 12 examples: {counts}" in page, (run, page[:2000])
     finally:
         FAILING.clear()
+
+
+def test_a_damaged_or_deleted_failures_file_is_an_error_never_a_failed_keys_stale_row(tmp_path: Path) -> None:
+    """A keyed job's failure records are its failed keys' newest events (tombstones): a failures file cut short, or
+    deleted, is an OutputCorruptError naming it on the read side and in the planner (it was a raw JSONDecodeError,
+    and a deleted file silently served the stale rows); restored, both read as before."""
+    path = tmp_path / "job"
+    call(path, data(8))
+    FAILING.update({"x5"})
+    try:
+        call(path, data(8, t5="x5"), on_error="skip", incremental=True)  # example 5 changed and its new run failed
+    finally:
+        FAILING.clear()
+    assert 5 not in rows(path)
+    (failures,) = (path / "retries" / "1" / "failures").glob("*.jsonl")
+    whole = failures.read_bytes()
+    for damage, message in ((whole[: len(whole) // 2], "this committed failures file cannot be read"),
+                            (None, r"committed 1 failure record\(s\), but its files hold 0")):
+        if damage is None:
+            failures.unlink()
+        else:
+            failures.write_bytes(damage)
+        for attempt in (lambda: read_outputs(path), lambda: call(path, data(8, t5="x5"), incremental=True)):
+            with pytest.raises(OutputCorruptError, match=message):
+                attempt()
+        assert not CALLS
+    failures.write_bytes(whole)
+    assert 5 not in rows(path) and len(rows(path)) == 7
 
 
 def test_a_keyed_delta_table_is_merged_by_key(tmp_path: Path) -> None:

@@ -8,12 +8,12 @@ its selection (:data:`SELECTION_FILE`) and the planner's counts (:data:`INCREMEN
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from torch_batch_process.jobstore.layout import FAILURES_DIR, RETRIES_DIR
+from torch_batch_process.jobstore.layout import RETRIES_DIR
 from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
+from torch_batch_process.outputs.failure_records import read_failure_records
 from torch_batch_process.storage.base import Storage
 
 __all__ = ["INCREMENT_FILE", "REMOVED_FILE", "SELECTION_FILE", "counts_text", "failed_keys", "incremental_runs",
@@ -68,19 +68,15 @@ def failed_keys(storage: Storage) -> Any:
     """The keys that failed in each run of a keyed job (``on_error="skip"``), as a ``pyarrow.Table`` of ``key`` and
     ``_tbp_run``: the *tombstones* that hide a key's older rows (a changed example whose new run failed is not
     served with its stale value) and that the planner selects again. ``None`` when there are none. Reads the
-    committed failure records of the job and of every ``retries/<k>/`` run."""
+    committed failure records of the job and of every ``retries/<k>/`` run, checked as ``read_failures`` checks
+    them (a damaged or missing file is an ``OutputCorruptError``, never a failed key served with its stale row)."""
     keys: list[Any] = []
     runs: list[int] = []
     for k in [0, *retry_numbers(storage)]:
-        folder = f"{RETRIES_DIR}/{k}/{FAILURES_DIR}" if k else FAILURES_DIR
-        for name in storage.list(folder):
-            if not name.endswith(".jsonl"):
-                continue
-            for line in storage.read_bytes(f"{folder}/{name}").decode("utf-8").splitlines():
-                record = json.loads(line) if line.strip() else {}
-                if isinstance(record, dict) and "key" in record:
-                    keys.append(record["key"])
-                    runs.append(int(record.get("_tbp_run", k + 1)))
+        for record in read_failure_records(storage, f"{RETRIES_DIR}/{k}" if k else ""):
+            if "key" in record:
+                keys.append(record["key"])
+                runs.append(int(record.get("_tbp_run", k + 1)))
     if not keys:
         return None
     import pyarrow as pa  # only here: tbp's status parser imports this module, and must stay light
