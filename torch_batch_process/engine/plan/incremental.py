@@ -27,7 +27,7 @@ import itertools
 import json
 import logging
 import os
-import tempfile
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +59,7 @@ from torch_batch_process.sources.base import Source
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
 from torch_batch_process.storage.registry import open_storage
+from torch_batch_process.storage.scratch import process_folder
 
 __all__ = ["RunChoice", "SelectionPlan", "choose_run", "prepare_incremental"]
 
@@ -204,10 +205,13 @@ def choose_run(args: JobArguments) -> RunChoice | None:
         if storage.exists(f"{folder}/{REMOVED_FILE}"):  # left by a start killed before job.json: planned again
             storage.delete(f"{folder}/{REMOVED_FILE}")
         _repair(storage, args)
-        with tempfile.TemporaryDirectory(prefix="tbp-removed-") as scratch:
+        scratch = process_folder("removed")  # a kill leaves it to the next process
+        try:
             removed_to = os.path.join(scratch, "removed.arrows") if keyed.prune_missing else None
             increment = _plan(storage, args, keyed, removed_to)
             removed = Path(increment.removed).read_bytes() if increment.removed is not None else None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         counts = increment.counts.to_json() | {"versions": increment.versions, "pruned": keyed.prune_missing}
         storage.write_bytes(f"{folder}/{SELECTION_FILE}", increment.selection.to_bytes())
         if removed is not None:  # before job.json, as the selection: a resume removes the same keys
