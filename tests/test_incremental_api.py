@@ -13,9 +13,11 @@ import pytest
 from harness import tree_digest
 
 from torch_batch_process import (
+    CheckpointCorruptError,
     DuplicateKeyError,
     InvalidArgumentError,
     JobMismatchError,
+    OutputCorruptError,
     TorchBatchProcessor,
     VersionChangedError,
     iter_outputs,
@@ -270,6 +272,65 @@ def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: 
             assert f"run {run} (incremental, finished): 12 examples: {counts}" in page, (run, page[:2000])
     finally:
         FAILING.clear()
+
+
+def test_a_damaged_or_deleted_failures_file_is_an_error_never_a_failed_keys_stale_row(tmp_path: Path) -> None:
+    """A keyed job's failure records are its failed keys' newest events (tombstones): a failures file cut short, or
+    deleted, is an OutputCorruptError naming it on the read side and in the planner (it was a raw JSONDecodeError,
+    and a deleted file silently served the stale rows); restored, both read as before."""
+    path = tmp_path / "job"
+    call(path, data(8))
+    FAILING.update({"x5"})
+    try:
+        call(path, data(8, t5="x5"), on_error="skip", incremental=True)  # example 5 changed and its new run failed
+    finally:
+        FAILING.clear()
+    assert 5 not in rows(path)
+    (failures,) = (path / "retries" / "1" / "failures").glob("*.jsonl")
+    whole = failures.read_bytes()
+    for damage, message in ((whole[: len(whole) // 2], "this committed failures file cannot be read"),
+                            (None, r"committed 1 failure record\(s\), but its files hold 0")):
+        if damage is None:
+            failures.unlink()
+        else:
+            failures.write_bytes(damage)
+        for attempt in (lambda: read_outputs(path), lambda: call(path, data(8, t5="x5"), incremental=True)):
+            with pytest.raises(OutputCorruptError, match=message):
+                attempt()
+        assert not CALLS
+    failures.write_bytes(whole)
+    assert 5 not in rows(path) and len(rows(path)) == 7
+
+
+def test_a_runs_damaged_plan_files_are_named_before_any_work(tmp_path: Path) -> None:
+    """An incremental run's plan files (its counts, selection and removed keys) cut short or garbled are a
+    CheckpointCorruptError naming the file, before anything is processed or changed: on the read side for the
+    removed keys (was a raw ArrowInvalid), and when the unfinished run resumes (a raw JSONDecodeError for the counts,
+    "another job: pass resume=False" for a selection whose bits changed). Restored, the run finishes."""
+    path, changed = tmp_path / "job", data(12, t5="x5", t9="x9")
+    call(path, data(14))
+    FAILING.add("x9")
+    try:
+        with pytest.raises(ValueError, match="cannot process"):
+            call(path, changed, incremental=True, prune_missing=True)  # run 2 (removes 12, 13) left unfinished
+    finally:
+        FAILING.clear()
+    plan = path / "retries" / "1" / "_tbp"
+    files = {name: (plan / name).read_bytes() for name in ("increment.json", "selection.bin", "removed.arrows")}
+    flipped = bytearray(files["selection.bin"])
+    flipped[-1] ^= 0x10  # another example selected: the same size, another digest
+    for name, damage in (("increment.json", files["increment.json"][:20]), ("selection.bin", bytes(flipped)),
+                         ("removed.arrows", files["removed.arrows"][:-40])):
+        (plan / name).write_bytes(damage)
+        with pytest.raises(CheckpointCorruptError, match=f"{plan / name}.* damaged|{plan / name} is corrupt"):
+            call(path, changed, incremental=True, prune_missing=True)
+        assert not CALLS
+        if name == "removed.arrows":
+            with pytest.raises(CheckpointCorruptError, match=str(plan / name)):
+                read_outputs(path)
+        (plan / name).write_bytes(files[name])
+    assert call(path, changed, incremental=True, prune_missing=True).finished
+    assert rows(path)[9] == ("X9", 2) and len(rows(path)) == 12
 
 
 def test_a_keyed_delta_table_is_merged_by_key(tmp_path: Path) -> None:

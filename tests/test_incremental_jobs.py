@@ -217,3 +217,53 @@ def test_keyed_table_killed_around_its_merge_transactions(fmt: str, tmp_path: Pa
     for key, value, run_ in zip(rows["id"], rows["value"], rows["_tbp_run"], strict=True):
         assert value == (f"NEW{key}" if key >= n else f"T{key}-V2" if key % EVERY == 0 else f"T{key}")
         assert run_ == (2 if key in selected else 1)
+
+
+PLAN_KILLED = """
+import os, signal, sys
+from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+class Rows(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"value": [text.upper() for text in batch["text"]]})
+
+seen, kill_at = [0], int(sys.argv[2])
+
+def key(example):  # the planner calls it for every example: the process dies in the middle of its pass
+    seen[0] += 1
+    if seen[0] == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return example["id"]
+
+rows = [{"id": i, "text": f"t{i}" + ("x" if kill_at and i % 2 else "")} for i in range(4000)]
+torch_batch_process(Rows, rows, batch_size=500, storage_path=sys.argv[1], key=key, incremental=True, progress=False)
+"""
+
+
+def test_a_kill_while_planning_leaves_no_spill_behind_once_the_run_resumes(tmp_path: Path) -> None:
+    """The planner spills the keys to local partition files (GBs at 10**8 keys): a kill -9 in the middle of its pass
+    leaves them, and the next start on the host removes them (they were left in the temporary folder for good, so
+    that repeated preemptions while planning filled the disk), then plans again and finishes exactly once."""
+    import subprocess
+    import sys
+
+    scratch, storage = tmp_path / "tmp", tmp_path / "job"
+    scratch.mkdir()
+    env = base_env(TMPDIR=str(scratch))
+
+    def call(kill_at: int) -> int:
+        command = [sys.executable, "-c", PLAN_KILLED, str(storage), str(kill_at)]
+        return subprocess.run(command, env=env, capture_output=True, timeout=120).returncode
+
+    assert call(0) == 0
+    assert call(3000) == -9  # in the planner's pass over the dataset, its partitions spilled
+    assert [p for p in scratch.iterdir() if "plan" in p.name], "the kill left the planner's spill"
+    assert call(-1) == 0
+    assert [p.name for p in scratch.iterdir() if "plan" in p.name] == []
+    table = read_outputs(storage, columns=["key", "value"]).to_pydict()  # a key function's column: "key"
+    assert sorted(table["key"]) == list(range(4000))
+    values = dict(zip(table["key"], table["value"], strict=True))
+    assert all(value == f"T{key}" + ("X" if key % 2 else "") for key, value in values.items())

@@ -11,6 +11,9 @@ An object store has no local folder, so three kinds of local files stand in for 
 
 Everything is removed when the storage closes. A process killed before that leaves its folders behind; the
 next process on the host that needs scratch space removes those of processes that are gone.
+
+The spill folders of a keyed job's planner and read-back (:func:`process_folder`: partitions of keys, up to a few
+GB for 10**8 keys) follow the same rule, so a kill -9 mid-plan does not leave them on the host for good.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from torch_batch_process.processes import pid_alive
 
-__all__ = ["AppendedFiles", "LocalScratch"]
+__all__ = ["AppendedFiles", "LocalScratch", "process_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +117,17 @@ class AppendedFiles:
         self._copies.clear()
 
 
-def _remove_orphans() -> None:
+def process_folder(name: str, parent: str | Path | None = None) -> Path:
+    """A new temporary folder of this process, ``<parent>/tbp-scratch-<pid>-<name>-...`` (default parent: the
+    system's temporary folder), made after removing the folders that processes now gone left there. Its maker
+    removes it; a process killed first leaves it to the next one."""
+    _remove_orphans(parent)
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{name}-", dir=parent))
+
+
+def _remove_orphans(parent: str | Path | None = None) -> None:
     """Removes the temporary folders of processes that are gone (killed before cleaning up)."""
-    root = Path(tempfile.gettempdir())
+    root = Path(parent) if parent is not None else Path(tempfile.gettempdir())
     for folder in root.glob(f"{TMP_PREFIX}*"):
         pid = folder.name[len(TMP_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):

@@ -27,7 +27,7 @@ import itertools
 import json
 import logging
 import os
-import tempfile
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,7 @@ import numpy as np
 
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.engine.plan.retry import Retry, repair_finished_folders
-from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
+from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, InvalidArgumentError, JobMismatchError
 from torch_batch_process.jobstore.formats import JobInfo, qualified_name
 from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
@@ -49,7 +49,9 @@ from torch_batch_process.outputs.keyed.runs import (
     INCREMENT_FILE,
     REMOVED_FILE,
     SELECTION_FILE,
+    decode_removed,
     failed_keys,
+    read_counts,
     removed_keys,
 )
 from torch_batch_process.outputs.keyed.selection import Selection
@@ -57,6 +59,7 @@ from torch_batch_process.sources.base import Source
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
 from torch_batch_process.storage.registry import open_storage
+from torch_batch_process.storage.scratch import process_folder
 
 __all__ = ["RunChoice", "SelectionPlan", "choose_run", "prepare_incremental"]
 
@@ -162,9 +165,7 @@ def prepare_incremental(args: JobArguments, collectives: Collectives) -> Retry |
     )
     removed: list[Any] = []
     if choice.removed is not None and args.table is not None:  # the table's first transaction deletes them
-        import pyarrow as pa
-
-        removed = pa.ipc.open_stream(choice.removed).read_all().column("key").to_pylist()
+        removed = decode_removed(choice.removed, storage.url_of(REMOVED_FILE)).to_pylist()
     if args.lengths is not None:  # said, not silently dropped: the selection is cut in index order
         logger.warning(
             "incremental run %d: bucket_by (and max_tokens) are not applied to a run's selection: its batches hold "
@@ -199,22 +200,24 @@ def choose_run(args: JobArguments) -> RunChoice | None:
                     f"{storage.url_of(folder)} is an unfinished retry_failed=True run; finish it first (call again "
                     "with retry_failed=True and the dataset it retried), then run incrementally"
                 )
-            counts = storage.read_json(f"{folder}/{INCREMENT_FILE}")
+            counts = read_counts(storage, f"{folder}/{INCREMENT_FILE}")
             _check_same_size(storage, folder, k, counts, args)
+            selection = _stored_selection(storage, folder)
+            removed = _read_removed(storage, folder)
             latest = latest_record_at(storage, folder)
             schema = latest.record_schema if latest is not None else _newest_schema(storage)
-            return RunChoice(
-                k, storage.read_bytes(f"{folder}/{SELECTION_FILE}"), counts, schema, first_batch,
-                int(first_stage or 1), _read_removed(storage, folder),
-            )
+            return RunChoice(k, selection, counts, schema, first_batch, int(first_stage or 1), removed)
         _check_keys_stored(storage)
         if storage.exists(f"{folder}/{REMOVED_FILE}"):  # left by a start killed before job.json: planned again
             storage.delete(f"{folder}/{REMOVED_FILE}")
         _repair(storage, args)
-        with tempfile.TemporaryDirectory(prefix="tbp-removed-") as scratch:
+        scratch = process_folder("removed")  # a kill leaves it to the next process
+        try:
             removed_to = os.path.join(scratch, "removed.arrows") if keyed.prune_missing else None
             increment = _plan(storage, args, keyed, removed_to)
             removed = Path(increment.removed).read_bytes() if increment.removed is not None else None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         counts = increment.counts.to_json() | {"versions": increment.versions, "pruned": keyed.prune_missing}
         storage.write_bytes(f"{folder}/{SELECTION_FILE}", increment.selection.to_bytes())
         if removed is not None:  # before job.json, as the selection: a resume removes the same keys
@@ -242,11 +245,31 @@ def _check_same_size(storage: Storage, folder: str, k: int, counts: dict[str, An
         )
 
 
+def _stored_selection(storage: Storage, folder: str) -> bytes:
+    """The selection of the started run in ``folder``, checked against the digest its ``job.json`` stored (a
+    damaged selection is a :class:`CheckpointCorruptError` naming it, not "another job": the run cannot resume
+    without the selection it began with)."""
+    rel = f"{folder}/{SELECTION_FILE}"
+    data = storage.read_bytes(rel)
+    digest = Selection.from_bytes(data, storage.url_of(rel)).digest()
+    stored = (_spec(storage, folder).get("plan") or {}).get("selection")
+    if stored is not None and stored != digest:
+        raise CheckpointCorruptError(
+            f"{storage.url_of(rel)} is not the selection the run's job file stored (digest {digest}, stored "
+            f"{stored}): it is damaged. {CORRUPT_HINT}."
+        )
+    return data
+
+
 def _read_removed(storage: Storage, folder: str) -> bytes | None:
+    """The removed-keys file of the started run in ``folder`` (checked: a damaged one is named), ``None``: none."""
+    rel = f"{folder}/{REMOVED_FILE}"
     try:
-        return storage.read_bytes(f"{folder}/{REMOVED_FILE}")
+        data = storage.read_bytes(rel)
     except FileNotFoundError:
         return None
+    decode_removed(data, storage.url_of(rel))
+    return data
 
 
 def _key_batches(args: JobArguments, keyed: KeyedOptions) -> Iterator[Any]:

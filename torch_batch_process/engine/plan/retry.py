@@ -43,6 +43,7 @@ from torch_batch_process.jobstore.layout import RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.retries import next_retry, open_job_folder, retry_numbering
 from torch_batch_process.jobstore.store import JobStore, latest_record_at
+from torch_batch_process.outputs.failure_records import read_failure_records
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
 from torch_batch_process.storage.registry import open_storage
@@ -119,8 +120,6 @@ def choose_retry(args: JobArguments) -> RetryChoice:
     failures and outputs published, their ``result.json`` written: :meth:`JobStore.repair_finished`), so that
     the failures read are all those committed.
     """
-    from torch_batch_process.observe.failures import read_failure_records
-
     storage = open_storage(args.storage_path, args.storage_options)
     try:
         k, source = next_retry(storage)

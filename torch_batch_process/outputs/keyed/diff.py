@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +55,7 @@ from torch_batch_process.outputs.columns import require_pyarrow
 from torch_batch_process.outputs.keyed.keys import HASH_COLUMN, KEY_COLUMN
 from torch_batch_process.outputs.keyed.partitions import KeyPartitions, key_kind, partition_count
 from torch_batch_process.outputs.keyed.selection import Selection
+from torch_batch_process.storage.scratch import process_folder
 
 __all__ = [
     "ON_CHANGE",
@@ -172,7 +172,7 @@ def plan_increment(
     if on_change not in ON_CHANGE:
         raise InvalidArgumentError(f"on_change must be one of {list(ON_CHANGE)}, got {on_change!r}")
     partitions = partition_count(new_rows + stored_rows, rows_per_partition)
-    folder = Path(tempfile.mkdtemp(prefix="tbp-plan-", dir=scratch))
+    folder = process_folder("plan", scratch)  # a kill leaves it to the next process
     try:
         planner = _Planner(folder, partitions, version, on_change)
         planner.spill_stored(stored)

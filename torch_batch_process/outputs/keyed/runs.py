@@ -3,21 +3,25 @@
 An incremental run ``k + 1`` is stored like a ``retry_failed`` run, in ``retries/<k>/``
 (:mod:`torch_batch_process.engine.plan.incremental`), with two files of its own written before its ``job.json``:
 its selection (:data:`SELECTION_FILE`) and the planner's counts (:data:`INCREMENT_FILE`), and, with
-``prune_missing=True``, the stored keys the dataset no longer has (:data:`REMOVED_FILE`). Read-only here.
+``prune_missing=True``, the stored keys the dataset no longer has (:data:`REMOVED_FILE`). Read-only here. A damaged
+counts or removed-keys file is a :class:`~torch_batch_process.errors.CheckpointCorruptError` naming it
+(:func:`read_counts`, :func:`decode_removed`): a resume and a read-back depend on them.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from torch_batch_process.jobstore.layout import FAILURES_DIR, RETRIES_DIR
+from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
+from torch_batch_process.jobstore.formats import parse_json
+from torch_batch_process.jobstore.layout import RETRIES_DIR
 from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
+from torch_batch_process.outputs.failure_records import read_failure_records
 from torch_batch_process.storage.base import Storage
 
-__all__ = ["INCREMENT_FILE", "REMOVED_FILE", "SELECTION_FILE", "counts_text", "failed_keys", "incremental_runs",
-           "removed_keys"]
+__all__ = ["INCREMENT_FILE", "REMOVED_FILE", "SELECTION_FILE", "counts_text", "decode_removed", "failed_keys",
+           "incremental_runs", "read_counts", "removed_keys"]
 
 SELECTION_FILE = "_tbp/selection.bin"
 """The run's selection (:class:`~torch_batch_process.outputs.keyed.selection.Selection`), in its folder."""
@@ -68,19 +72,15 @@ def failed_keys(storage: Storage) -> Any:
     """The keys that failed in each run of a keyed job (``on_error="skip"``), as a ``pyarrow.Table`` of ``key`` and
     ``_tbp_run``: the *tombstones* that hide a key's older rows (a changed example whose new run failed is not
     served with its stale value) and that the planner selects again. ``None`` when there are none. Reads the
-    committed failure records of the job and of every ``retries/<k>/`` run."""
+    committed failure records of the job and of every ``retries/<k>/`` run, checked as ``read_failures`` checks
+    them (a damaged or missing file is an ``OutputCorruptError``, never a failed key served with its stale row)."""
     keys: list[Any] = []
     runs: list[int] = []
     for k in [0, *retry_numbers(storage)]:
-        folder = f"{RETRIES_DIR}/{k}/{FAILURES_DIR}" if k else FAILURES_DIR
-        for name in storage.list(folder):
-            if not name.endswith(".jsonl"):
-                continue
-            for line in storage.read_bytes(f"{folder}/{name}").decode("utf-8").splitlines():
-                record = json.loads(line) if line.strip() else {}
-                if isinstance(record, dict) and "key" in record:
-                    keys.append(record["key"])
-                    runs.append(int(record.get("_tbp_run", k + 1)))
+        for record in read_failure_records(storage, f"{RETRIES_DIR}/{k}" if k else ""):
+            if "key" in record:
+                keys.append(record["key"])
+                runs.append(int(record.get("_tbp_run", k + 1)))
     if not keys:
         return None
     import pyarrow as pa  # only here: tbp's status parser imports this module, and must stay light
@@ -93,16 +93,49 @@ def removed_keys(storage: Storage) -> Any:
     that removed them): tombstones, like failures, from the moment the run's plan is stored. ``None``: none."""
     tables = []
     for k in retry_numbers(storage):
+        rel = f"{RETRIES_DIR}/{k}/{REMOVED_FILE}"
         try:
-            data = storage.read_bytes(f"{RETRIES_DIR}/{k}/{REMOVED_FILE}")
+            data = storage.read_bytes(rel)
         except FileNotFoundError:
             continue
         import pyarrow as pa  # only here, as in failed_keys
 
-        keys = pa.ipc.open_stream(data).read_all().column("key")
+        keys = decode_removed(data, storage.url_of(rel))
         tables.append(pa.table({"key": keys, "_tbp_run": pa.array([k + 1] * len(keys), pa.int32())}))
     if not tables:
         return None
     import pyarrow as pa
 
     return pa.concat_tables(tables)
+
+
+def decode_removed(data: bytes, where: str) -> Any:
+    """The keys of a removed-keys file (:data:`REMOVED_FILE`, at ``where``), a ``pyarrow.ChunkedArray``.
+
+    Raises:
+        CheckpointCorruptError: the file is not an Arrow stream with a ``key`` column (damaged): its keys would be
+            served again by a read-back, and deleted by none of the run's table transactions.
+    """
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(data).read_all().column("key")
+    except (pa.ArrowException, KeyError) as exc:  # ArrowInvalid (cut short, garbled); no "key" column
+        raise CheckpointCorruptError(
+            f"{where}: the keys this prune_missing=True run removes cannot be read ({exc}); it is damaged. "
+            f"{CORRUPT_HINT}."
+        ) from exc
+
+
+def read_counts(storage: Storage, rel: str) -> dict[str, Any]:
+    """The planner's counts of a run (:data:`INCREMENT_FILE`, at ``rel``).
+
+    Raises:
+        FileNotFoundError: there is none.
+        CheckpointCorruptError: it is not a JSON object (damaged): the run cannot check the dataset it resumes with.
+    """
+    where = storage.url_of(rel)
+    counts = parse_json(storage.read_bytes(rel), where)
+    if not isinstance(counts, dict):
+        raise CheckpointCorruptError(f"{where} is corrupt (not a JSON object). {CORRUPT_HINT}.")
+    return counts

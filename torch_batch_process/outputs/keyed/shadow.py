@@ -23,7 +23,6 @@ e.g. DuckDB: ``SELECT * FROM '<glob>' QUALIFY row_number() OVER (PARTITION BY id
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import numpy as np
 from torch_batch_process.outputs.columns import require_pyarrow
 from torch_batch_process.outputs.keyed.keys import KEY_COLUMN
 from torch_batch_process.outputs.keyed.partitions import KeyPartitions, key_kind, partition_count
+from torch_batch_process.storage.scratch import process_folder
 
 __all__ = ["RUN_COLUMN", "Shadows", "find_shadows"]
 
@@ -88,7 +88,7 @@ def find_shadows(
     """
     pa = require_pyarrow()
     partitions = partition_count(total_rows, rows_per_partition)
-    folder = Path(tempfile.mkdtemp(prefix="tbp-shadow-", dir=scratch))
+    folder = process_folder("shadow", scratch)  # a kill leaves it to the next process
     sizes: dict[int, int] = {}
     kind = ""  # "int" or "str": the first keys' (a keyed job's keys have one type)
     try:
