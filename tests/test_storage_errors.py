@@ -262,6 +262,61 @@ def test_retries_are_bounded_and_the_error_is_clear(moto_server, proxy, monkeypa
     assert proxy.failed == 2
 
 
+def test_an_endpoint_that_accepts_and_never_answers_is_a_bounded_error_not_a_hang(moto_server, monkeypatch):
+    """A stalled endpoint (a frozen proxy or server: connections accepted, nothing answered): every write is a read
+    timeout, retried a bounded number of times, then a StorageError. botocore's ``Expect: 100-continue`` on
+    file-like bodies (uploads; PUTs its checksums wrap) made aiohttp wait for the server's go-ahead with no timeout:
+    a job's writes, its lease renewal and its stop hung there for good."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:  # accepts, reads nothing, answers nothing
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    monkeypatch.setenv("TBP_STORAGE_RETRIES", "2")
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    options = {"client_kwargs": {"endpoint_url": endpoint}, "config_kwargs": {"read_timeout": 1, "connect_timeout": 1}}
+    storage = Storage("s3://stalled-bucket/job", options)
+    local = Path(os.environ.get("TMPDIR", "/tmp")) / f"tbp-stalled-{uuid.uuid4().hex}"
+    local.write_bytes(b"z" * 1000)
+    try:
+        for what, write in (
+            ("write", lambda: storage.write_bytes("a.json", b"{}")),
+            ("upload", lambda: storage.put_file(local, "b.bin")),
+        ):
+            outcome: list[BaseException] = []
+            attempt = threading.Thread(target=lambda o=outcome, w=write: o.append(_raised(w)), daemon=True)
+            started = time.monotonic()
+            attempt.start()
+            attempt.join(timeout=30)  # a hang fails the test instead of holding it
+            elapsed = time.monotonic() - started
+            assert outcome, f"{what}: still waiting after {elapsed:.0f}s"
+            error = outcome[0]
+            assert isinstance(error, StorageError), repr(error)
+            assert "after 2 attempts" in str(error) and "timeout" in str(error).lower(), error
+    finally:
+        local.unlink()
+        listener.close()
+        for connection in held:
+            connection.close()
+
+
+def _raised(call) -> BaseException:
+    try:
+        call()
+    except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+        return error
+    return AssertionError("no error")
+
+
 def test_job_completes_exactly_once_through_a_flaky_object_store(moto_server, proxy):
     url = f"s3://{moto_server.new_bucket()}/job"
     proxy.fail_randomly(0.1)  # one request in ten answers 503 Slow Down

@@ -46,6 +46,7 @@ class S3Storage(ObjectStorage):
     def _configure(self, fs: fsspec.AbstractFileSystem) -> None:
         if hasattr(fs, "retries"):
             fs.retries = 1  # our own instance (skip_instance_cache): the storage's _call is the retry policy
+        _without_expect_continue(fs)
 
     def _cat(self, path: str) -> bytes:
         return self.fs.cat_file(path, max_concurrency=1)  # one GET, no size probe first
@@ -118,3 +119,25 @@ class S3Storage(ObjectStorage):
 
     def conditional_writes(self) -> ConditionalWrites:
         return self
+
+
+def _without_expect_continue(fs: fsspec.AbstractFileSystem) -> None:
+    """Makes ``fs``'s requests go without ``Expect: 100-continue``, so that an endpoint that stalls is a read
+    timeout (then a retry, then a :class:`~torch_batch_process.storage.errors.StorageError`), never a hang.
+
+    botocore asks for ``100 Continue`` before the body of every PUT whose body is file-like (uploads, and any PUT
+    whose body its checksums wrap), and aiohttp waits for that answer with no timeout: an endpoint that accepts the
+    connection and never answers (a stalled proxy or server) held a write forever, a job's lease renewal and its
+    SIGTERM stop with it. Without the header the request is sent whole and s3fs's read timeout bounds the wait for
+    the answer. The header only saves sending a body the server would refuse. The session is the filesystem's own,
+    made here as s3fs would make it (a ``session=`` of the caller's is left as it is)."""
+    if getattr(fs, "session", False) is not None:  # not s3fs, or the caller's own session
+        return
+    from aiobotocore.session import AioSession
+    from botocore.handlers import add_expect_header
+
+    session = AioSession(**getattr(fs, "kwargs", {}))
+    session.unregister("before-call.s3", add_expect_header)
+    fs.session = session
+    fs._session_is_owned = True  # s3fs's: it may make a new one on an explicit refresh, as with its own
+
