@@ -626,3 +626,34 @@ def test_failures_a_kill_left_staged_are_named_by_a_warning_then_published_by_th
     again = torch_batch_process(_FailsOnThree, list(range(8)), batch_size=2, storage_path=str(storage), on_error="skip")
     assert again.already_finished
     assert [r["index"] for r in read_failures(str(storage))] == [3]
+
+
+class _FailsOnOdd(TorchBatchProcessor):
+    """Fails every batch holding an odd example while ``_FIXED`` is empty (the 'bug' fixed before the retry)."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        if not _FIXED and any(int(i) % 2 for i in self.context.batch_indices):
+            raise ValueError("odd")
+
+
+_FIXED: list[bool] = []
+
+
+def test_a_retry_says_bucket_by_is_not_applied_and_refuses_max_batches(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A retry dropped max_batches and bucket_by/max_tokens silently: a capped retry would forget the failures it
+    left (they are refused before any work), bucketing is said by a warning."""
+    options: dict[str, Any] = {
+        "batch_size": 2, "storage_path": str(tmp_path / "s"), "progress": False, "bucket_by": [1, 2, 3] * 2 + [1, 2],
+    }
+    _FIXED.clear()
+    assert torch_batch_process(_FailsOnOdd, list(range(8)), on_error="skip", **options).failed_examples > 0
+    with pytest.raises(InvalidArgumentError, match="max_batches=1 cannot cap a retry_failed=True run"):
+        torch_batch_process(_FailsOnOdd, list(range(8)), retry_failed=True, max_batches=1, **options)
+    _FIXED.append(True)
+    done = torch_batch_process(_FailsOnOdd, list(range(8)), retry_failed=True, **options)
+    assert done.failed_examples == 0 and "bucket_by (and max_tokens) are not applied to a retry" in caplog.text

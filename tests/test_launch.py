@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from itertools import pairwise
+from typing import Any
 
 import pytest
 from harness import (
@@ -30,6 +31,7 @@ from harness import (
     wait_for,
 )
 
+from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
 from torch_batch_process.launch.rank_prefix import split_lines
 from torch_batch_process.launch.slurm import first_host
 from torch_batch_process.launch.torch_distributed import RANK_PREFIX_SCRIPT, LaunchError, plan_launch, resolve_command
@@ -531,3 +533,34 @@ def test_a_sigterm_from_the_agent_after_a_worker_died_is_worded_so(tmp_path, mon
         "rank 0 stopped: rank 1 (pid 4242) died of SIGKILL. The last commit is intact: run the same command again to "
         "resume from it"
     )
+
+
+class _HangsUpAtItsThirdBatch(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        self.context.write({"i": [int(i) for i in self.context.batch_indices]})
+        if batch_idx == 2 and not HANGUPS:
+            signal.raise_signal(signal.SIGHUP)
+
+
+HANGUPS: list[int] = []
+"""SIGHUPs that reached the handler installed before the job (the script's own, or the default: death)."""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+def test_a_hangup_is_a_preemption_and_the_scripts_own_handler_is_put_back(tmp_path):
+    """SIGHUP (a terminal's hangup, which torchrun and the launcher forward to the workers) killed a rank without a
+    commit, while the launcher said the workers were asked to commit and stop."""
+    outer = signal.signal(signal.SIGHUP, lambda signum, frame: HANGUPS.append(signum))
+    try:
+        options = {"batch_size": 2, "storage_path": str(tmp_path / "s"), "checkpoint_interval": 1, "progress": False}
+        first = torch_batch_process(_HangsUpAtItsThirdBatch, list(range(12)), **options)
+        assert first.preempted and not first.finished and HANGUPS == []
+        signal.raise_signal(signal.SIGHUP)  # after the call: the script's own handler again
+        assert HANGUPS == [signal.SIGHUP]
+        second = torch_batch_process(_HangsUpAtItsThirdBatch, list(range(12)), **options)
+        assert second.finished and sorted(read_outputs(str(tmp_path / "s")).to_pydict()["i"]) == list(range(12))
+    finally:
+        signal.signal(signal.SIGHUP, outer)

@@ -670,3 +670,15 @@ def test_report_of_two_ranks_names_the_straggler_and_plots_every_rank(tmp_path):
     assert ranks["rank 1 (straggler)"][1] == "30" and ranks["rank 0"][1] == "30", "60 batches, 30 per rank"
     assert page.titles["batch_times"].startswith("Batch times (process_batch): 60 batches;")
     assert page.cells["examples"] == "240 of 240 (100.0%)"
+
+
+@needs_plotly
+def test_tbp_dashboard_shows_a_storage_path_that_would_act_escaped(tmp_path):
+    """A path with a lone surrogate (a name decoded with surrogateescape) killed tbp dashboard's start line with
+    UnicodeEncodeError, and its waiting page was never sent; escapes in it reached the terminal and the page raw."""
+    proc, url = _start_dashboard(tmp_path / "job\udcff\x1b[2J")
+    try:
+        code, body = _get(url)
+        assert code == 200 and b"Nothing to show yet for <code>" in body and b"job\\udcff\\x1b[2J</code>" in body
+    finally:
+        _stop(proc)

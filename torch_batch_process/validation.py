@@ -446,6 +446,12 @@ def validate_arguments(
             "retry_failed=True retries the failures of the job stored at storage_path, and resume=False would erase "
             "it: pass retry_failed=True alone to retry them, or resume=False alone to start the job afresh"
         )
+    if failures.retry_failed and max_batches is not None:  # a capped retry would drop the failures it left
+        raise InvalidArgumentError(
+            f"max_batches={max_batches!r} cannot cap a retry_failed=True run: the failures a retry records replace "
+            "the ones it retried, so the failures a capped retry left unprocessed would be forgotten; pass "
+            "retry_failed=True without max_batches"
+        )
     if schedule not in SCHEDULES:
         raise InvalidArgumentError(
             f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}: 'static' deals batches round-robin in "

@@ -1,7 +1,7 @@
 """The ``DataLoader``'s worker processes over a job's life: how they start, what reports their death, how they end.
 
-- **Start** (:class:`WorkerInit`, the loader's ``worker_init_fn``): a worker ignores SIGINT, and SIGTERM until
-  the feed closes (a preemption's SIGTERM to the whole process group must not end it before the main process
+- **Start** (:class:`WorkerInit`, the loader's ``worker_init_fn``): a worker ignores SIGINT and SIGHUP, and SIGTERM
+  until the feed closes (a preemption's SIGTERM to the whole process group must not end it before the main process
   commits; the main process stops it after committing); on Linux it gets SIGKILL when its rank's process ends,
   however that ends (``kill -9``, a second SIGTERM's stop at once): a worker stuck in a load never looks at its
   parent, as the loader's workers otherwise do between batches, and would outlive the job. Then the user's own
@@ -45,6 +45,8 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if hasattr(signal, "SIGHUP"):  # a terminal's hangup reaches the whole group: the rank commits and stops
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         _die_with_parent()
         if self.user_fn is not None:

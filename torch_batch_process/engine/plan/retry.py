@@ -101,10 +101,15 @@ def prepare_retry(args: JobArguments, collectives: Collectives) -> Retry:
         "retry %d of job '%s': %d failed example(s) to process again, stored in %s (outputs in %s)",
         choice.k, args.job_name, len(choice.indices), storage.url, storage.url_of("outputs"),
     )
+    if args.lengths is not None:  # said, not silently dropped: the failures are cut in index order
+        logger.warning(
+            "retry %d: bucket_by (and max_tokens) are not applied to a retry's failed examples: its batches hold "
+            "batch_size=%d of them in index order (on_oom='split' still splits a batch that does not fit)",
+            choice.k, args.batch_size,
+        )
     options = dataclasses.replace(args.failures, retry_failed=False)
-    retry_args = dataclasses.replace(
-        args, storage_path=storage.url, max_batches=None, lengths=None, failures=options
-    )
+    # max_batches is refused with retry_failed=True before any work (validation): a retry processes every failure
+    retry_args = dataclasses.replace(args, storage_path=storage.url, lengths=None, failures=options)
     plan = IndexPlan(
         choice.indices, args.batch_size, first_batch=choice.first_batch, first_stage=choice.first_stage,
         origins=choice.origins,

@@ -1,6 +1,7 @@
-"""Preemption: SIGTERM or SIGINT asks the job to commit and stop at the next agreed step boundary (~50 ms away).
+"""Preemption: SIGTERM, SIGINT or SIGHUP asks the job to commit and stop at the next agreed step boundary (~50 ms
+away).
 
-While a job runs, :class:`SignalWatcher` replaces the handlers of SIGTERM and SIGINT with one that
+While a job runs, :class:`SignalWatcher` replaces the handlers of SIGTERM, SIGINT and SIGHUP with one that
 only records the request; the loop then makes every rank agree to stop (see
 :mod:`torch_batch_process.engine.schedule.agreement`), commits and returns with ``preempted=True``. A second
 signal of the same kind stops the process at once the usual way (for an impatient Ctrl-C), without
@@ -24,12 +25,14 @@ from torch_batch_process.lost_workers import signal_origin
 
 logger = logging.getLogger(__name__)
 
-WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
+"""SIGHUP too: torchrun (and the launcher) forward it to the workers, and a terminal's hangup (a dropped ssh session)
+sends it: a worker died of it without a commit while the launcher said it was asked to commit and stop."""
 REPEAT_WINDOW_S = 2.0
 
 
 class SignalWatcher:
-    """Records SIGTERM/SIGINT while a job runs (main thread only; elsewhere it watches nothing)."""
+    """Records SIGTERM/SIGINT/SIGHUP while a job runs (main thread only; elsewhere it watches nothing)."""
 
     def __init__(self) -> None:
         self.requested: str | None = None
@@ -38,7 +41,7 @@ class SignalWatcher:
 
     def __enter__(self) -> SignalWatcher:
         if threading.current_thread() is not threading.main_thread():
-            logger.warning("torch_batch_process runs outside the main thread: SIGTERM/SIGINT will not preempt it")
+            logger.warning("torch_batch_process runs outside the main thread: SIGTERM/SIGINT/SIGHUP do not preempt it")
             return self
         for signum in WATCHED_SIGNALS:
             try:

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch_batch_process.environment import add_storage_arguments, command_storage_options
 from torch_batch_process.errors import BatchProcessError
+from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.shell_commands import pip_install, shell_path
 
 __all__ = [
@@ -147,7 +148,8 @@ def run_dashboard(args: argparse.Namespace) -> int:
     from torch_batch_process.observe.report.dashboard import serve_dashboard
 
     def ready(url: str) -> None:
-        print(f"tbp dashboard: serving {url} for the job at {args.storage_path} (updated every {args.refresh:g} s); "
+        shown = visible(args.storage_path)  # a path decoded with surrogateescape, or escapes: printed inert
+        print(f"tbp dashboard: serving {url} for the job at {shown} (updated every {args.refresh:g} s); "
               "Ctrl-C stops it", flush=True)
 
     try:

@@ -32,6 +32,7 @@ from typing import Any
 from torch_batch_process.errors import BatchProcessError
 from torch_batch_process.observe.report.data import read_job_data
 from torch_batch_process.observe.report.page import build_model, render_page
+from torch_batch_process.observe.visible_text import visible
 
 __all__ = ["HOST", "MAX_REQUESTS", "SOCKET_TIMEOUT_S", "Dashboard", "serve_dashboard"]
 
@@ -142,13 +143,15 @@ class _Server(ThreadingHTTPServer):
 
 
 def _waiting_page(storage_path: str, error: str | None, refresh_s: float) -> str:
+    """The page shown while nothing can be read; the path and the error are shown visible (a lone surrogate, as
+    a path decoded with ``surrogateescape`` holds, cannot be encoded in UTF-8: the page was never sent)."""
     import html
 
     return (
         '<!DOCTYPE html><html><head><meta charset="utf-8">'
         f'<meta http-equiv="refresh" content="{max(1, round(refresh_s))}"><title>tbp dashboard</title></head>'
-        f"<body><h1>tbp dashboard</h1><p>Nothing to show yet for <code>{html.escape(storage_path)}</code>: "
-        f"{html.escape(error or 'not read yet')}</p><p>This page reloads itself every {refresh_s:g} s.</p>"
+        f"<body><h1>tbp dashboard</h1><p>Nothing to show yet for <code>{html.escape(visible(storage_path))}</code>: "
+        f"{html.escape(visible(error or 'not read yet'))}</p><p>This page reloads itself every {refresh_s:g} s.</p>"
         "</body></html>"
     )
 
