@@ -562,5 +562,11 @@ def test_a_hangup_is_a_preemption_and_the_scripts_own_handler_is_put_back(tmp_pa
         assert HANGUPS == [signal.SIGHUP]
         second = torch_batch_process(_HangsUpAtItsThirdBatch, list(range(12)), **options)
         assert second.finished and sorted(read_outputs(str(tmp_path / "s")).to_pydict()["i"]) == list(range(12))
+        HANGUPS.clear()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # `nohup`: a hangup is ignored, the job runs to its end
+        options["storage_path"] = str(tmp_path / "nohup")
+        third = torch_batch_process(_HangsUpAtItsThirdBatch, list(range(12)), **options)
+        assert third.finished and not third.preempted
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, outer)

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 """SIGHUP too: torchrun (and the launcher) forward it to the workers, and a terminal's hangup (a dropped ssh session)
 sends it: a worker died of it without a commit while the launcher said it was asked to commit and stop."""
+_KEPT_IF_IGNORED = tuple(signum for signum in WATCHED_SIGNALS if signum.name == "SIGHUP")
+"""Signals left ignored where the process ignores them when the job starts (``nohup`` ignores SIGHUP; its children
+inherit that)."""
 REPEAT_WINDOW_S = 2.0
 
 
@@ -44,6 +47,8 @@ class SignalWatcher:
             logger.warning("torch_batch_process runs outside the main thread: SIGTERM/SIGINT/SIGHUP do not preempt it")
             return self
         for signum in WATCHED_SIGNALS:
+            if signum in _KEPT_IF_IGNORED and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # `nohup`: the user asked the job to outlive a hangup, not to stop at it
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except (ValueError, OSError):  # pragma: no cover - exotic embedding
