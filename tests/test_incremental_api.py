@@ -25,7 +25,7 @@ from torch_batch_process import (
     tables,
     torch_batch_process,
 )
-from torch_batch_process.observe.status import read_status
+from torch_batch_process.observe.status import format_status, read_status
 
 FAILING: set[str] = set()
 """Texts the processor fails on (the test's 'bug', fixed between calls)."""
@@ -306,7 +306,8 @@ def test_a_runs_damaged_plan_files_are_named_before_any_work(tmp_path: Path) -> 
     """An incremental run's plan files (its counts, selection and removed keys) cut short or garbled are a
     CheckpointCorruptError naming the file, before anything is processed or changed: on the read side for the
     removed keys (was a raw ArrowInvalid), and when the unfinished run resumes (a raw JSONDecodeError for the counts,
-    "another job: pass resume=False" for a selection whose bits changed). Restored, the run finishes."""
+    "another job: pass resume=False" for a selection whose bits changed); ``tbp status`` lists the run with damaged
+    counts, naming the file (it left the run out). Restored, the run finishes."""
     path, changed = tmp_path / "job", data(12, t5="x5", t9="x9")
     call(path, data(14))
     FAILING.add("x9")
@@ -328,6 +329,11 @@ def test_a_runs_damaged_plan_files_are_named_before_any_work(tmp_path: Path) -> 
         if name == "removed.arrows":
             with pytest.raises(CheckpointCorruptError, match=str(plan / name)):
                 read_outputs(path)
+        if name == "increment.json":  # tbp status lists the run and names the damaged file (it left it out)
+            (run,) = read_status(str(path))["runs"]
+            assert run["run"] == 2 and str(plan / name) in run["error"]
+            assert f"run 2 (incremental, unfinished): its planner's counts cannot be read: {plan / name}" in (
+                format_status(read_status(str(path))))
         (plan / name).write_bytes(files[name])
     assert call(path, changed, incremental=True, prune_missing=True).finished
     assert rows(path)[9] == ("X9", 2) and len(rows(path)) == 12

@@ -34,13 +34,18 @@ REMOVED_FILE = "_tbp/removed.arrows"
 def incremental_runs(storage: Storage) -> list[dict[str, Any]]:
     """The job's incremental runs, oldest first: ``run`` (2, 3...), ``folder``, ``state`` (``finished``,
     ``unfinished``: killed or running; ``planned``: killed before it started), ``counts`` (the planner's),
-    ``examples_committed`` and ``examples_total`` (of its selection)."""
+    ``examples_committed`` and ``examples_total`` (of its selection), and ``error``: ``None``, or why its counts
+    cannot be read (a damaged :data:`INCREMENT_FILE`: the run is listed, never left out of ``tbp status``)."""
     runs = []
     for k in retry_numbers(storage):
         folder = f"{RETRIES_DIR}/{k}"
-        counts = storage.read_json_object(f"{folder}/{INCREMENT_FILE}")
-        if counts is None:
+        error = None
+        try:
+            counts = read_counts(storage, f"{folder}/{INCREMENT_FILE}")
+        except FileNotFoundError:
             continue  # a retry_failed run
+        except CheckpointCorruptError as exc:
+            counts, error = {}, str(exc)
         latest = latest_record_at(storage, folder)
         started = storage.exists(f"{folder}/_tbp/job.json")
         state = "finished" if job_finished(storage, folder) else "unfinished" if started else "planned"
@@ -51,12 +56,16 @@ def incremental_runs(storage: Storage) -> list[dict[str, Any]]:
             "counts": counts,
             "examples_committed": int(latest.stats.get("examples_committed", 0)) if latest is not None else 0,
             "examples_total": int(counts.get("selected", 0)),
+            "error": error,
         })
     return runs
 
 
 def counts_text(run: dict[str, Any]) -> str:
     """One incremental run in words, for ``tbp status`` and the log."""
+    if run.get("error"):
+        return (f"run {run['run']} (incremental, {run['state']}): its planner's counts cannot be read: {run['error']}; "
+                f"{run['examples_committed']:,} examples processed")
     c = run["counts"]
     gone = int(c.get("removed", 0))
     return (
