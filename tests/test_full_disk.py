@@ -17,7 +17,7 @@ import pytest
 import torch
 from harness import commit_records
 
-from torch_batch_process import TorchBatchProcessor, read_outputs, torch_batch_process
+from torch_batch_process import StorageError, TorchBatchProcessor, read_outputs, tables, torch_batch_process
 
 N, BATCH = 20_000, 50  # 64 floats and a label a row: ~6 MB of Arrow data, three times the disk
 
@@ -71,10 +71,11 @@ def _committed_batches(storage: Path) -> list[int]:
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_records_on_a_full_disk_stop_at_once_then_resume_exactly_once(small_disk, fmt):
     storage = small_disk / "job"
-    with pytest.raises(OSError) as raised:
+    with pytest.raises(StorageError) as raised:  # an OSError naming the file, with the disk's errno (not pyarrow's own
         torch_batch_process(Rows, torch.arange(N), batch_size=BATCH, storage_path=str(storage), checkpoint_interval=2,
-                            output_format=fmt, progress=False)
+                            output_format=fmt, progress=False)  # error, which names neither the file nor the job)
     assert raised.value.errno == errno.ENOSPC, raised.value
+    assert "no space left" in str(raised.value) and str(storage) in str(raised.value), raised.value
     committed = _committed_batches(storage)
     assert 0 < len(committed) < N // BATCH
     index = read_outputs(storage).column("index").to_pylist()  # the last commit, readable on the full disk
@@ -107,3 +108,31 @@ def test_files_on_a_full_disk_stop_at_once_then_resume_exactly_once(small_disk):
     assert [p.name for p in files] == [f"batch_{g:05d}.pt" for g in range(N // BATCH)]
     values = torch.cat([torch.load(p)[:, 0] for p in files])
     assert values.tolist() == [float(i) for i in range(N)]
+
+
+class RandomRows(TorchBatchProcessor):
+    """Rows that do not compress (a table's Parquet files hold the constant rows of :class:`Rows` in kilobytes)."""
+
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def process_batch(self, batch, batch_idx) -> None:
+        values = [int(v) for v in batch]
+        self.context.write({"emb": torch.stack([torch.rand(64, generator=torch.Generator().manual_seed(v))
+                                                for v in values])})
+
+
+@pytest.mark.parametrize("kind", ["delta", "lance"])
+def test_a_table_on_a_full_disk_is_a_storage_error_naming_it_then_resumes_exactly_once(small_disk, kind):
+    pytest.importorskip("deltalake" if kind == "delta" else "lance")
+    target = getattr(tables, kind)(str(small_disk / "table"))
+    run = dict(batch_size=BATCH, storage_path=str(small_disk / "job"), checkpoint_interval=2, progress=False,
+               table=target)
+    with pytest.raises(StorageError) as raised:  # not the bare OSError of pyarrow or Lance, which names no table
+        torch_batch_process(RandomRows, torch.arange(N), **run)
+    assert raised.value.errno == errno.ENOSPC and "no space left" in str(raised.value), raised.value
+    assert str(small_disk / "table") in str(raised.value), raised.value
+
+    _grow(small_disk)
+    assert torch_batch_process(RandomRows, torch.arange(N), **run).finished
+    assert read_outputs(target).column("index").to_pylist() == list(range(N))

@@ -106,6 +106,31 @@ def test_to_device_recurses_and_converts_numpy():
     assert moved["n"] is None
 
 
+def _fast_tokenizer():
+    """A fast tokenizer built in memory (no download): its encodings give ``word_ids()``."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {"[UNK]": 0, "[PAD]": 1, "hello": 2, "world": 3}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def test_to_device_keeps_a_tokenizer_s_batch_encoding_whole():
+    """Determined code moves a fast tokenizer's output with ``context.to_device(tokens)`` and then asks it for
+    ``word_ids()``: the moved ``BatchEncoding`` keeps its encodings (as ``BatchEncoding.to(device)`` does), the
+    original is left as it was, and so does the device prefetcher's copy."""
+    from torch_batch_process.engine.feed.prefetch import _copy_ahead
+
+    tokens = _fast_tokenizer()(["hello world", "world"], padding=True, return_tensors="pt")
+    for moved in (to_device(tokens, "cpu"), _copy_ahead(tokens, torch.device("cpu"), set(), [], [False])):
+        assert type(moved) is type(tokens) and moved is not tokens
+        assert moved.word_ids(0) == [0, 1] and moved.word_ids(1) == [0, None]
+        assert moved.n_sequences == 1 and moved["input_ids"].tolist() == [[2, 3], [3, 1]]
+        assert moved.encodings is not None and moved.data is not tokens.data
+    assert tokens.word_ids(0) == [0, 1]
+
+
 def test_to_device_pinned_source_is_non_blocking(monkeypatch):
     calls = []
     original = torch.Tensor.to

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
+from collections import UserDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,11 +107,7 @@ def _to_device(data: Any, device: torch.device, warned_types: set[type]) -> Any:
     if isinstance(data, _PASSTHROUGH_TYPES):
         return data
     if isinstance(data, Mapping):
-        items = {key: _to_device(value, device, warned_types) for key, value in data.items()}
-        try:
-            return type(data)(items)  # type: ignore[call-arg]
-        except TypeError:
-            return items
+        return rebuild_mapping(data, {key: _to_device(value, device, warned_types) for key, value in data.items()})
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
         return type(data)(*(_to_device(value, device, warned_types) for value in data))
     if isinstance(data, (list, tuple)):
@@ -119,6 +117,24 @@ def _to_device(data: Any, device: torch.device, warned_types: set[type]) -> Any:
         return to(device)
     _warn_once(type(data), warned_types, type(data).__name__)
     return data
+
+
+def rebuild_mapping(data: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """A mapping of ``data``'s type holding ``items`` (``data``'s values moved), ``data`` left as it was.
+
+    A ``UserDict`` (a tokenizer's ``BatchEncoding``, an image processor's ``BatchFeature``) is copied with its
+    attributes, so what they hold besides the items stays (a fast tokenizer's encodings: ``word_ids()``,
+    ``char_to_token()``... keep working, as after ``BatchEncoding.to(device)``); another mapping type is built from
+    ``items``, or, when its constructor does not take them, a plain dict is returned.
+    """
+    if isinstance(data, UserDict):
+        clone = copy.copy(data)
+        clone.data = items
+        return clone
+    try:
+        return type(data)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items
 
 
 def _warn_once(kind: type, warned_types: set[type], description: str) -> None:

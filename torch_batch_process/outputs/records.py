@@ -48,6 +48,7 @@ from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.outputs.shard_file import ShardFile
 from torch_batch_process.outputs.shard_names import OUTPUT_FORMATS, RECORDS_DIR, shard_name
 from torch_batch_process.outputs.stager import OutputStager
+from torch_batch_process.storage.errors import file_error
 
 if TYPE_CHECKING:
     from torch_batch_process.context import CurrentBatch
@@ -549,16 +550,22 @@ class _SegmentFile:
         """Adds rows (of the segment's one ``stage``)."""
         import pyarrow as pa
 
-        if self._writer is None:
-            self._sink = pa.OSFile(os.fspath(self.path), "wb")
-            self._writer = pa.ipc.new_file(self._sink, table.schema)
-        self._writer.write_table(table)
+        try:
+            if self._writer is None:
+                self._sink = pa.OSFile(os.fspath(self.path), "wb")
+                self._writer = pa.ipc.new_file(self._sink, table.schema)
+            self._writer.write_table(table)
+        except OSError as exc:  # e.g. a full disk: a StorageError naming the file (pyarrow's names none)
+            raise file_error(os.fspath(self.path), "write the record segment", exc) from exc
 
     def close(self) -> None:
         if self._writer is not None:
             writer, self._writer = self._writer, None
-            writer.close()
-            self._sink.close()
+            try:
+                writer.close()
+                self._sink.close()
+            except OSError as exc:
+                raise file_error(os.fspath(self.path), "finish the record segment", exc) from exc
 
 
 def check_output_format(output_format: Any) -> None:

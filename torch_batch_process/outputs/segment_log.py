@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_batch_process.errors import OutputCorruptError
+from torch_batch_process.errors import OutputCorruptError, StorageError
+from torch_batch_process.storage.errors import file_error
 
 __all__ = ["STAGE_KEY", "LogScan", "SegmentLog", "read_log", "read_log_batch", "scan_log"]
 
@@ -63,9 +64,14 @@ class SegmentLog:
         if self._failed:
             raise RuntimeError(f"{self.path}: an earlier append to this segment log failed")
         if self._writer is None:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            self._file = pa.OSFile(self.path, "ab")
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                self._file = pa.OSFile(self.path, "ab")
+            except FileExistsError:  # never appended to by two writers
+                raise
+            except OSError as exc:  # e.g. a full disk: a StorageError naming the log, as every storage failure
+                raise file_error(self.path, "create the segment log", exc) from exc
             self._sink = pa.BufferedOutputStream(self._file, 1 << 16)
             self._schema = table.schema
             self._writer = pa.ipc.new_stream(self._sink, table.schema)
@@ -76,9 +82,11 @@ class SegmentLog:
             for batch in table.to_batches():
                 self._writer.write_batch(batch, custom_metadata=metadata)
             self._sink.flush()  # in the file (a kill -9 keeps it) before the vote
-        except BaseException:
+        except BaseException as exc:
             self._failed = True  # e.g. a full disk: the stage is never voted
             self._cut_back()
+            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+                raise file_error(self.path, "append rows to the segment log", exc) from exc
             raise
         self._whole = self._file.tell()
 

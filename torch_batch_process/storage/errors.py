@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -26,6 +27,8 @@ __all__ = [
     "RETRY_MAX_DELAY_S",
     "BACKEND_EXTRAS",
     "describe",
+    "error_number",
+    "file_error",
     "is_missing_backend",
     "missing_backend_hint",
     "is_missing_bucket",
@@ -103,16 +106,31 @@ def _class_names(exc: BaseException) -> set[str]:
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionRefusedError"}
 
 
+_ERRNO_TEXT = re.compile(r"(?:os error|errno) (\d+)", re.IGNORECASE)
+
+
+def error_number(exc: BaseException) -> int | None:
+    """The ``errno`` of an ``OSError``, also one that only says it in its message (Lance's Rust errors: ``No space
+    left on device (os error 28)``); ``None`` for anything else."""
+    if not isinstance(exc, OSError):
+        return None
+    if isinstance(exc.errno, int):
+        return exc.errno
+    found = _ERRNO_TEXT.search(str(exc))
+    return int(found.group(1)) if found else None
+
+
 def describe(exc: BaseException) -> str:
     """A short human cause for ``exc``: permission denied, missing bucket, unreachable..."""
     answer = _client_error(exc)
+    number = error_number(exc)
     if isinstance(exc, PermissionError) or (answer and answer[1] == 403):
         return f"permission denied ({exc})"
-    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+    if number == errno.EROFS:
         return f"read-only filesystem ({exc})"
-    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM):
+    if number in (errno.EACCES, errno.EPERM):
         return f"permission denied ({exc})"
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+    if number in (errno.ENOSPC, errno.EDQUOT):
         return f"no space left ({exc})"
     if _class_names(exc) & _UNREACHABLE:
         return f"cannot reach the storage endpoint ({type(exc).__name__}: {exc})"
@@ -122,8 +140,22 @@ def describe(exc: BaseException) -> str:
 
 
 def storage_error(url: str, action: str, exc: BaseException) -> StorageError:
-    """The error of a failed storage operation: the storage's URL, the action and the cause."""
-    return StorageError(f"storage {url!r}: cannot {action}: {describe(exc)}")
+    """The error of a failed storage operation: the storage's URL, the action and the cause (whose ``errno`` it
+    keeps: ``errno.ENOSPC`` for a full disk)."""
+    return _keep_errno(StorageError(f"storage {url!r}: cannot {action}: {describe(exc)}"), exc)
+
+
+def file_error(path: str, action: str, exc: BaseException) -> StorageError:
+    """The error of a failed write of a file the library writes itself (a record shard, a segment, a table's data
+    file): a :class:`StorageError` naming the file, the action and the cause, with the cause's ``errno`` (a full
+    disk: ``errno.ENOSPC``), instead of the bare ``OSError`` of pyarrow or Lance, which names neither."""
+    return _keep_errno(StorageError(f"cannot {action} {path!r}: {describe(exc)}"), exc)
+
+
+def _keep_errno(error: StorageError, cause: BaseException) -> StorageError:
+    """``error`` with the ``errno`` of ``cause`` (its message stays its own)."""
+    error.errno = error_number(cause)
+    return error
 
 
 BACKEND_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}

@@ -59,7 +59,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from torch_batch_process.device import to_device
+from torch_batch_process.device import rebuild_mapping, to_device
 from torch_batch_process.errors import InvalidArgumentError
 
 __all__ = ["DevicePrefetcher", "Lookahead", "validate_device_prefetch"]
@@ -206,10 +206,7 @@ def _copy_ahead(
         return data
     if isinstance(data, Mapping):
         items = {key: _copy_ahead(value, device, warned, tensors, deferred) for key, value in data.items()}
-        try:
-            return type(data)(items)  # type: ignore[call-arg]
-        except TypeError:
-            return items
+        return rebuild_mapping(data, items)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
         return type(data)(*(_copy_ahead(value, device, warned, tensors, deferred) for value in data))
     if isinstance(data, (list, tuple)):

@@ -34,6 +34,7 @@ from torch_batch_process.outputs.tables.base import (
     require,
 )
 from torch_batch_process.outputs.tables.parquet_files import ParquetDataFile
+from torch_batch_process.storage.errors import file_error
 from torch_batch_process.storage.urls import check_storage_url
 
 __all__ = ["DeltaTableOutput", "delta"]
@@ -148,14 +149,18 @@ class DeltaTable(Table):
         return self.arrow_schema()
 
     def open_file(self, name: str, schema: Any, stage: int) -> DataFileWriter:
+        shown = f"{self._target.uri.rstrip('/')}/{name}"  # errors name the file in its table
         if self._local:
-            os.makedirs(self._root, exist_ok=True)
             import pyarrow as pa
 
-            stream = pa.OSFile(os.path.join(self._root, name), mode="wb")  # closed by the data file
+            try:
+                os.makedirs(self._root, exist_ok=True)
+                stream = pa.OSFile(os.path.join(self._root, name), mode="wb")  # closed by the data file
+            except OSError as exc:  # e.g. a full disk
+                raise file_error(shown, "create the table's data file", exc) from exc
         else:  # delta-rs' own object store (the table's storage options); its stream takes bytes only
             stream = _BytesStream(self._handler()._handler.open_output_stream(name, None))
-        return ParquetDataFile(stream, name, schema, stage)
+        return ParquetDataFile(stream, name, schema, stage, shown=shown)
 
     def _handler(self) -> Any:
         from deltalake.fs import DeltaStorageHandler

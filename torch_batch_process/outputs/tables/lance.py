@@ -42,6 +42,7 @@ from torch_batch_process.outputs.tables.base import (
     normalize_schema,
     require,
 )
+from torch_batch_process.storage.errors import file_error
 from torch_batch_process.storage.urls import check_storage_url
 
 __all__ = ["LanceTableOutput", "lance"]
@@ -270,8 +271,12 @@ class _Fragments(DataFileWriter):
     def write_table(self, table: Any, row_group_size: int | None = None) -> None:
         from lance.fragment import write_fragments
 
-        for fragment in write_fragments(table, self._target.uri, schema=self._schema,
-                                        storage_options=self._target.storage_options):
+        try:
+            fragments = write_fragments(table, self._target.uri, schema=self._schema,
+                                        storage_options=self._target.storage_options)
+        except OSError as exc:  # Lance's IO error (a full disk...): a StorageError naming the table
+            raise file_error(self._target.uri, "write rows (fragments) to the Lance table", exc) from exc
+        for fragment in fragments:
             self._written.append({"fragment": fragment.to_json(), "rows": fragment.physical_rows,
                                   "stage": self._stage})
 

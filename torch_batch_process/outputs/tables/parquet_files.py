@@ -12,6 +12,7 @@ from typing import Any
 
 from torch_batch_process.outputs.columns import INDEX_COLUMN
 from torch_batch_process.outputs.tables.base import DataFileWriter
+from torch_batch_process.storage.errors import file_error
 
 __all__ = ["ParquetDataFile", "parquet_options"]
 
@@ -33,15 +34,20 @@ class ParquetDataFile(DataFileWriter):
         path: the file's path as the table names it (relative to a Delta table's root, a full URI for Iceberg).
         schema: the file's Arrow schema.
         stage: the stage whose rows it holds.
+        shown: the file as errors name it (default ``path``; a Delta table's: in its table).
     """
 
-    def __init__(self, stream: Any, path: str, schema: Any, stage: int) -> None:
+    def __init__(self, stream: Any, path: str, schema: Any, stage: int, *, shown: str | None = None) -> None:
         import pyarrow.parquet as pq
 
         self._stream = stream
         self._path = path
+        self._shown = shown or path
         self._stage = stage
-        self._writer = pq.ParquetWriter(stream, schema, **parquet_options(schema))
+        try:
+            self._writer = pq.ParquetWriter(stream, schema, **parquet_options(schema))
+        except OSError as exc:  # e.g. a full disk: a StorageError naming the file (pyarrow's names none)
+            raise file_error(self._shown, "create the table's data file", exc) from exc
         self._rows = 0
         self._low: int | None = None
         self._high: int | None = None
@@ -49,7 +55,10 @@ class ParquetDataFile(DataFileWriter):
     def write_table(self, table: Any, row_group_size: int | None = None) -> None:
         import pyarrow.compute as pc
 
-        self._writer.write_table(table, row_group_size=row_group_size or table.num_rows)
+        try:
+            self._writer.write_table(table, row_group_size=row_group_size or table.num_rows)
+        except OSError as exc:
+            raise file_error(self._shown, "write rows to the table's data file", exc) from exc
         if table.num_rows:
             bounds = pc.min_max(table.column(INDEX_COLUMN))
             low, high = bounds["min"].as_py(), bounds["max"].as_py()
@@ -58,9 +67,12 @@ class ParquetDataFile(DataFileWriter):
         self._rows += table.num_rows
 
     def close(self) -> list[dict[str, Any]]:
-        self._writer.close()
-        size = self._stream.tell()
-        self._stream.close()
+        try:
+            self._writer.close()
+            size = self._stream.tell()
+            self._stream.close()
+        except OSError as exc:
+            raise file_error(self._shown, "finish the table's data file", exc) from exc
         return [
             {"path": self._path, "size": size, "rows": self._rows, "stage": self._stage, "low": self._low,
              "high": self._high}
