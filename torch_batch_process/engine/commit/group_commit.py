@@ -103,10 +103,17 @@ class GroupCommit:
         return metrics
 
     def _prepare(self, group: list[PreparedRecord | _Merged]) -> list[PreparedRecord]:
-        """On the writer: the group's records, those merged on the main thread prepared now, in order."""
+        """On the writer: the group's records, those merged on the main thread prepared now, in order; only the
+        newest is written (:meth:`RecordKeeper.persist`), so the others of the group are prepared as skipped records
+        (:meth:`RecordKeeper.skip`: their numbers and lines)."""
         prepared = []
-        for each in group:
-            if isinstance(each, _Merged):
+        last = len(group) - 1
+        for i, each in enumerate(group):
+            if isinstance(each, _Merged) and i < last:
+                record = self._keeper.skip(each.lines)
+                record.prepared_at = each.merged_at
+                each = record
+            elif isinstance(each, _Merged):
                 record = self._keeper.prepare(each.lines)
                 record.prepared_at = each.merged_at
                 if record.metrics is not None:
