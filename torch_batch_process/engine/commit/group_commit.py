@@ -128,13 +128,17 @@ class GroupCommit:
         last_start = float("-inf")
         while True:
             with self._cond:
+                deadline = last_start + self._spacing_s
                 while not self._unwritten and not self._closed:
-                    self._idle = True
-                    self._cond.wait()
+                    # until the next write may start, it sleeps on that deadline, not idle: the commits made meanwhile
+                    # do not wake it (each wake-up is two thread switches on the batch's path, and the woken writer
+                    # would only wait for the deadline again); idle, with no deadline, the next put() wakes it
+                    pause = deadline - time.monotonic()
+                    self._idle = self._hurry or pause <= 0
+                    self._cond.wait(None if self._idle else pause)
                 self._idle = False
                 if not self._unwritten:
                     return
-                deadline = last_start + self._spacing_s
                 while not self._hurry and not self._closed and time.monotonic() < deadline:
                     self._cond.wait(deadline - time.monotonic())
                 group, self._unwritten = self._unwritten, []
