@@ -27,6 +27,11 @@ class RecordingKeeper:
         self.prepared_on = threading.current_thread()
         return SimpleNamespace(record=SimpleNamespace(commit=self.number), metrics={"lines": lines} if lines else None)
 
+    def skip(self, lines=None):  # a record of a group that is never written: its number only, no metrics
+        self.number += 1
+        self.skipped = getattr(self, "skipped", 0) + 1
+        return SimpleNamespace(record=SimpleNamespace(commit=self.number), metrics=None)
+
     def persist(self, *prepared):
         self.starts.append(time.monotonic())
         assert self.gate.wait(10)
@@ -55,13 +60,28 @@ def test_records_queued_during_a_write_are_written_as_one_and_all_become_durable
 def test_one_process_the_writer_prepares_merged_records_in_order_and_hands_their_metrics_back():
     keeper = RecordingKeeper()
     writes = GroupCommit(keeper, spacing_s=0.0)
-    for lines in ([], [{"n": 2}], []):  # a commit's votes merged on the main thread, their record left to the writer
+    for lines in ([], [], [{"n": 3}]):  # a commit's votes merged on the main thread, their record left to the writer
         writes.put_merged(lines)
     writes.settle()
     assert [n for group in keeper.groups for n in group] == [1, 2, 3] and writes.durable == 3
     assert keeper.prepared_on is not threading.current_thread()  # off the batch's thread
-    assert writes.take_metrics() == {"lines": [{"n": 2}]}  # the newest metrics prepared, once
+    assert writes.take_metrics() == {"lines": [{"n": 3}]}  # the newest metrics prepared, once
     assert writes.take_metrics() is None
+    writes.close()
+
+
+def test_one_process_only_the_written_record_of_a_group_is_prepared_in_full():
+    keeper = RecordingKeeper()
+    writes = GroupCommit(keeper, spacing_s=0.0)
+    keeper.gate.clear()  # the first write waits, so the next commits queue up behind it
+    writes.put_merged([])
+    time.sleep(0.1)
+    for _ in range(4):
+        writes.put_merged([{"n": 1}])
+    keeper.gate.set()
+    writes.settle()
+    assert keeper.groups == [[1], [2, 3, 4, 5]] and writes.durable == 5  # every number, in order
+    assert keeper.skipped == 3  # records 2-4 are never written: numbered and their lines kept, not prepared
     writes.close()
 
 

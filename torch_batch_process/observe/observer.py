@@ -289,6 +289,12 @@ class JobObserver:
         self._metrics_next = time.monotonic() + max(self.options.metrics_interval, METRICS_BUDGET * cost)
         return metrics
 
+    def on_skipped_record(self) -> None:
+        """Rank 0: a record of a group commit that is never written (a newer record of its group is, and carries the
+        stats and the ``metrics.jsonl`` records due): counted in the timeline's next point as :meth:`on_record` counts
+        a record."""
+        self._timeline.records += 1  # Timeline.count_record, inlined as in on_record
+
     def on_record(
         self,
         *,

@@ -103,10 +103,17 @@ class GroupCommit:
         return metrics
 
     def _prepare(self, group: list[PreparedRecord | _Merged]) -> list[PreparedRecord]:
-        """On the writer: the group's records, those merged on the main thread prepared now, in order."""
+        """On the writer: the group's records, those merged on the main thread prepared now, in order; only the
+        newest is written (:meth:`RecordKeeper.persist`), so the others of the group are prepared as skipped records
+        (:meth:`RecordKeeper.skip`: their numbers and lines)."""
         prepared = []
-        for each in group:
-            if isinstance(each, _Merged):
+        last = len(group) - 1
+        for i, each in enumerate(group):
+            if isinstance(each, _Merged) and i < last:
+                record = self._keeper.skip(each.lines)
+                record.prepared_at = each.merged_at
+                each = record
+            elif isinstance(each, _Merged):
                 record = self._keeper.prepare(each.lines)
                 record.prepared_at = each.merged_at
                 if record.metrics is not None:
@@ -121,13 +128,17 @@ class GroupCommit:
         last_start = float("-inf")
         while True:
             with self._cond:
+                deadline = last_start + self._spacing_s
                 while not self._unwritten and not self._closed:
-                    self._idle = True
-                    self._cond.wait()
+                    # until the next write may start, it sleeps on that deadline, not idle: the commits made meanwhile
+                    # do not wake it (each wake-up is two thread switches on the batch's path, and the woken writer
+                    # would only wait for the deadline again); idle, with no deadline, the next put() wakes it
+                    pause = deadline - time.monotonic()
+                    self._idle = self._hurry or pause <= 0
+                    self._cond.wait(None if self._idle else pause)
                 self._idle = False
                 if not self._unwritten:
                     return
-                deadline = last_start + self._spacing_s
                 while not self._hurry and not self._closed and time.monotonic() < deadline:
                     self._cond.wait(deadline - time.monotonic())
                 group, self._unwritten = self._unwritten, []

@@ -221,6 +221,32 @@ class RecordKeeper:
         all_lines.extend(observed_lines)
         return PreparedRecord(record, all_lines, record.result, metrics)
 
+    def skip(self, lines: list[MetricsLine]) -> PreparedRecord:
+        """A record of a group commit that is never written, because a newer record of its group is (records are
+        cumulative: :mod:`~torch_batch_process.engine.commit.group_commit`): its number, its votes' ``metrics.jsonl``
+        lines and the state files it would name (the written record's garbage collection deletes those it no longer
+        needs), without what only a written record carries (the participants' fields, stats, metrics so far, the
+        observer's progress and timeline records: those due go with the group's written record, :meth:`prepare`).
+
+        With one process the record writer prepares a group's records when it takes them, all from the same merged
+        state, so that only the newest differs from the others by more than its number (see
+        :meth:`~torch_batch_process.engine.commit.group_commit.GroupCommit.put_merged`); preparing each in full cost
+        ~50-150 us of Python a commit on the writer, which holds the interpreter's lock against the batch's thread."""
+        with self._mutex:
+            self.number += 1
+            self.summary.commits += 1
+            record = CommitRecord(
+                commit=self.number,
+                attempt=self._attempt,
+                world_size=len(self.state_files),
+                committed=self.committed,  # never written nor read: no snapshot
+                state_files=list(self.state_files),
+                frozen_state_files=list(self._summaries.frozen),
+                reducers=[],
+            )
+        self._observer.on_skipped_record()
+        return PreparedRecord(record, list(lines), None, None)
+
     def persist(self, *prepared: PreparedRecord, closing: bool = False) -> None:
         """Writes prepared records as one group commit: only the newest is written (records are cumulative, it
         commits everything the others would), then what the participants do once it is durable (a table target's
