@@ -8,7 +8,10 @@ claim) and the step's batch, packed (:func:`~torch_batch_process.engine.mesh.bro
 bytes). :meth:`ReplicaFeed.exchange` runs it; the step's ``next()`` then hands out the batch it brought. The batch goes
 with its feed key (its id, or the :class:`~torch_batch_process.engine.feed.batches.Cut` of a batch run in parts), so
 every member runs the same ``batch_idx`` with the same ``context.batch_indices``. The source loads one batch ahead:
-each message announces the next batch's length, so that no collective is spent on sizes.
+each message announces the next batch's length, so that no collective is spent on sizes. It loads while a message is
+in flight (its own chunk already on its way, before the wait that ``TBP_MESH_GRACE_S`` bounds), so that its loading
+overlaps the other members' work (the writer saving its outputs, a pipeline's last stage) instead of delaying the
+next forward, which every member starts together.
 
 Under the dynamic schedule the source claims the replica's batches as its loader asks for them (the other members
 claim none), and sends the end of its feed (no batch left, or a stop seen at a claim) as it sends a batch.
@@ -125,7 +128,7 @@ class ReplicaFeed:
         No collective when the last attempt's exchange (:meth:`agree_attempt`) brought this step's message already:
         the members then run the batch they agreed on there, a member that failed since too (its failure reaches
         them with the next message), so that none of them waits for it in the model's collectives."""
-        self._load_ahead()  # here, never in the attempt's exchange, whose wait is bounded by the grace
+        self._load_ahead()  # before the first message; the later ones load while they are in flight
         if self._next is not None:
             (ok, mark, self._step), self._next = self._next, None
             return ok, mark
@@ -138,12 +141,14 @@ class ReplicaFeed:
                     length = self._length(self._ahead[0]) if self._ahead else 0
                     failed = self._messages.exchange(failed, 0, 0, _EMPTY, length).failed or failed
                 loaded, length, mark = self._next_batch()
-                status = self._messages.exchange(failed, 0, mark, self._message(loaded), length)
+                # the source loads what the attempt's exchange sends and announces while this message is in flight
+                status = self._messages.exchange(
+                    failed, 0, mark, self._message(loaded), length, meanwhile=self._load_ahead
+                )
         except WorkerLostError as lost:
             self._rank_failure.record(lost, f"exchanging the status of rank {self._rank}'s replica")
             return False, 0
         self._step = self._item(loaded, status)
-        self._load_ahead()  # what the attempt's exchange sends and announces
         return not status.failed, status.mark
 
     def agree_attempt(self, code: int) -> int:
@@ -162,9 +167,11 @@ class ReplicaFeed:
         with_next = self._next is None
         failed = self._rank_failure.failed
         try:
-            if with_next:
+            if with_next:  # the source loads the batch after next while the message is in flight (see exchange())
                 loaded, length, mark = self._next_batch()
-                status = self._messages.exchange(failed, code, mark, self._message(loaded), length, grace_s)
+                status = self._messages.exchange(
+                    failed, code, mark, self._message(loaded), length, grace_s, meanwhile=self._load_ahead
+                )
                 ok = not status.failed and status.code != ATTEMPT_FAILED
                 self._next = (ok, status.mark, self._item(loaded, status))
             else:

@@ -26,6 +26,7 @@ ride in the chunks (every member would send as many bytes of padding): its messa
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +86,12 @@ class StepMessages:
         message: torch.Tensor | None = None,
         next_length: int = 0,
         timeout_s: float | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> StepStatus:
         """A message with a batch: this member's status against the others'; on the source also ``mark``, the batch
-        (``message``, of the length the last exchange announced) and the next batch's length.
+        (``message``, of the length the last exchange announced) and the next batch's length. ``meanwhile`` runs
+        while the message is in flight (the source loads its next batch there, off the members' critical path: this
+        member's chunk is on its way before it starts, and the wait that ``timeout_s`` bounds starts after it).
 
         Raises what ``torch.distributed`` raises when a member is gone, and a ``RuntimeError`` saying "timed out" when
         the others did not come within ``timeout_s`` (``None``: the group's timeout)."""
@@ -96,7 +100,8 @@ class StepMessages:
             raise ValueError(f"the batch has {_numel(message)} bytes, the last message announced {length}")
         inline = length <= INLINE_MAX
         fields, chunks = self._gather(
-            failed, code, mark, next_length, message if inline else None, _aligned(length) if inline else 0, timeout_s
+            failed, code, mark, next_length, message if inline else None, _aligned(length) if inline else 0, timeout_s,
+            meanwhile,
         )
         source = fields[self._source_index]
         received: torch.Tensor | None = None
@@ -124,9 +129,10 @@ class StepMessages:
         batch: torch.Tensor | None,
         room: int,
         timeout_s: float | None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ``all_gather`` of every member's chunk (its status, then ``room`` bytes: the source's ``batch``); the
-        members' status fields (one row each) and their chunks."""
+        """One ``all_gather`` of every member's chunk (its status, then ``room`` bytes: the source's ``batch``), with
+        ``meanwhile`` run while it is in flight; the members' status fields (one row each) and their chunks."""
         chunk = torch.zeros(_STATUS + room, dtype=torch.uint8)
         fields = chunk[:_STATUS].view(torch.int64)
         fields[_FAILED], fields[_CODE] = int(failed), code
@@ -135,12 +141,19 @@ class StepMessages:
             if batch is not None:
                 chunk[_STATUS : _STATUS + batch.numel()] = batch
         gathered = torch.empty(self._members * chunk.numel(), dtype=torch.uint8)
-        if timeout_s is None:
+        if timeout_s is None and meanwhile is None:
             dist.all_gather_single(gathered, chunk, group=self._group)
         else:
             work = dist.all_gather_single(gathered, chunk, group=self._group, async_op=True)
             pending_collectives.started(work, self._group)
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))  # raising (a member late or lost): left in flight
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            finally:
+                if timeout_s is None:
+                    work.wait()
+                else:  # raising (a member late or lost): left in flight
+                    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
             pending_collectives.settled(work)
         chunks = gathered.view(self._members, chunk.numel())
         return chunks[:, :_STATUS].reshape(-1).view(torch.int64).view(self._members, _STATUS // 8), chunks
