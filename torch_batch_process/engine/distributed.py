@@ -178,14 +178,19 @@ class Collectives:
         return PendingExchange(self, header, obj, capacity)
 
     def start_max(self, values: list[int]) -> PendingMax:
-        """Starts an asynchronous element-wise MAX all_reduce of small integers."""
+        """Starts an asynchronous element-wise MAX of small integers over the ranks.
+
+        It is an ``all_gather`` of every rank's integers, each rank taking the maximum itself: with gloo, a MAX
+        ``all_reduce`` of 3 integers cost 0.7-0.9 ms of CPU per rank and 2.7 ms of latency on 2 ranks, the
+        ``all_gather`` 0.5 ms and 1.5 ms (W x the integers' bytes: nothing beside a collective's fixed cost)."""
         if self.world_size == 1:  # nothing to reduce: no tensor (a commit of one process makes one per commit)
             return PendingMax(list(values), None, self.rank)
         tensor = torch.tensor(values, dtype=torch.int64)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64)
         with peers_answering(self.rank):
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            work = dist.all_gather_into_tensor(out, tensor, group=self.group, async_op=True)
         pending_collectives.started(work, self.group)
-        return PendingMax(tensor, work, self.rank)
+        return PendingMax(out.view(self.world_size, len(values)), work, self.rank)
 
 
 @dataclass
@@ -264,7 +269,8 @@ class PendingExchange:
 
 
 class PendingMax:
-    """An element-wise MAX all_reduce in flight (``values``: the tensor reduced, or the values of one process)."""
+    """An element-wise MAX in flight (``values``: every rank's integers, one row each, being gathered; or the values
+    of one process)."""
 
     def __init__(self, values: torch.Tensor | list[int], work: Any, rank: int) -> None:
         self._values = values
@@ -273,7 +279,7 @@ class PendingMax:
 
     @property
     def work(self) -> Any:
-        """The all_reduce in flight (``None`` for one process or once waited for), for :func:`wait_together`."""
+        """The collective in flight (``None`` for one process or once waited for), for :func:`wait_together`."""
         return self._work
 
     def wait(self) -> list[int]:
@@ -282,8 +288,9 @@ class PendingMax:
                 self._work.wait()
             pending_collectives.settled(self._work)
             self._work = None
-        values = self._values.tolist() if isinstance(self._values, torch.Tensor) else self._values
-        return [int(v) for v in values]
+        if isinstance(self._values, torch.Tensor):
+            return [max(column) for column in zip(*self._values.tolist(), strict=True)]
+        return [int(v) for v in self._values]
 
 
 class RendezvousStore:
