@@ -32,7 +32,7 @@ from torch_batch_process.engine.commit.committer import Outcome
 from torch_batch_process.engine.commit.participants import Participant, Participants
 from torch_batch_process.engine.commit.reducer_summaries import ReducerSummaries
 from torch_batch_process.engine.commit.wiring import CommitCall, make_committer
-from torch_batch_process.engine.distributed import RendezvousStore
+from torch_batch_process.engine.distributed import Exchanged, RendezvousStore
 from torch_batch_process.engine.plan.plans import ContiguousPlan
 from torch_batch_process.engine.rank_failure import SENT_CHARS, RankFailure
 from torch_batch_process.engine.work import RankWork
@@ -88,8 +88,9 @@ class FakeCollectives:
         gathered = self.all_gather(obj)
         return gathered if self.rank == 0 else None
 
-    def start_gather(self, obj: Any, capacity: int = 4096) -> _Done:
-        return _Done(self.gather(obj))  # every rank starts it at the same step: done at once
+    def start_exchange(self, header: list[int], obj: Any, capacity: int = 4096) -> _Done:
+        # every rank starts it at the same step: done at once
+        return _Done(Exchanged(self.all_gather(header), self.gather(obj), overflow=False))
 
     def start_max(self, values: list[int]) -> _Done:
         return _Done([max(column) for column in zip(*self.all_gather(values), strict=True)])
@@ -98,7 +99,6 @@ class FakeCollectives:
 class _Done:
     """A collective that every rank started at the same step, done at once."""
 
-    overflowed = False
     work = None  # nothing in flight for distributed.wait_together to watch
 
     def __init__(self, result: Any) -> None:

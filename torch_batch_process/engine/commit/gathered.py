@@ -1,15 +1,17 @@
 """Gathered votes (``schedule="static"``; one process too): every rank votes at the same step.
 
-The votes go to rank 0 with one asynchronous ``gather`` on the library's gloo group, and what every rank needs
-back (did a rank fail or ask to stop, which records are durable, how far the job is) travels in one small MAX
-``all_reduce`` of :class:`~torch_batch_process.engine.commit.votes.CommitFlags` started with it; both start at the
-commit's step boundary and complete at the next one, so that their latency overlaps with a step of work (one
-process: at once). Only rank 0 receives and unpickles the W votes (O(W) for rank 0, O(1) for every other rank; an
-``all_gather`` of the votes made it O(W) on every rank: at 32 ranks, 4.6 ms of CPU per rank and commit). Rank 0
-then merges the votes into the next record and queues it for its record writer thread, which writes the records
-that wait as one group commit (:mod:`~torch_batch_process.engine.commit.group_commit`; one process: the writer also
-prepares them, off the batch's path); its next commit's flags
-tell every rank the newest durable record, and each rank publishes the stages that record covers.
+The votes go to rank 0, and what every rank needs back (did a rank fail or ask to stop, which records are durable,
+how far the job is: :class:`~torch_batch_process.engine.commit.votes.CommitFlags`, each the MAX of the ranks'
+contributions) goes to every rank, with one asynchronous collective on the library's gloo group
+(:class:`~torch_batch_process.engine.distributed.PendingExchange`: each rank's flags and pickled vote in one
+fixed-size buffer, all-gathered; a gather and a MAX ``all_reduce`` took two, each a gloo op's fixed ~0.3 ms of CPU
+per rank). It starts at the commit's step boundary and completes at the next one, so that its latency overlaps with
+a step of work (one process: at once). Only rank 0 unpickles the W votes (O(W) for rank 0; every other rank reads
+the flags alone: an ``all_gather_object`` of the votes made it O(W) on every rank, at 32 ranks 4.6 ms of CPU per rank
+and commit). Rank 0 then merges the votes into the next record and queues it for its record writer thread, which writes
+the records that wait as one group commit (:mod:`~torch_batch_process.engine.commit.group_commit`; one process: the
+writer also prepares them, off the batch's path); its next commit's flags tell every rank the newest durable record,
+and each rank publishes the stages that record covers.
 
 What rank 0's participants share (memory limits, ``on_oom="split"``): when the votes rank 0 merged taught them
 something every rank must learn (:meth:`GatheredVotes.news`), rank 0 says so in its next commit's flags and every
@@ -26,7 +28,7 @@ from torch_batch_process.engine.commit.keeper import RecordKeeper
 from torch_batch_process.engine.commit.payloads import Payloads
 from torch_batch_process.engine.commit.transport import VoteTransport
 from torch_batch_process.engine.commit.votes import Arrival, CommitFlags, Vote
-from torch_batch_process.engine.distributed import Collectives, PendingGather, PendingMax, wait_together
+from torch_batch_process.engine.distributed import Collectives, PendingExchange
 
 if TYPE_CHECKING:
     from torch_batch_process.engine.commit.publisher import Publisher
@@ -37,26 +39,24 @@ logger = logging.getLogger(__name__)
 
 
 class PendingVotes:
-    """A commit's exchange in flight: the votes' gather to rank 0 and the flags' ``all_reduce``."""
+    """A commit's exchange in flight: one collective carries every rank's flags to every rank and its vote to rank 0
+    (:class:`~torch_batch_process.engine.distributed.PendingExchange`)."""
 
     def __init__(self, collectives: Collectives, vote: Vote, counts: tuple[int, int], shared: bool = False) -> None:
         self._collectives = collectives
         self._vote = vote
-        self._gather: PendingGather = collectives.start_gather(vote)
-        flags = [
-            int(vote.preempt), int(vote.failure is not None), int(self._gather.overflowed), vote.durable, *counts,
-            int(shared),
-        ]
-        self._flags: PendingMax = collectives.start_max(flags)
+        # each rank's contribution to the flags (CommitFlags' fields but overflow, which the exchange tells)
+        header = [int(vote.preempt), int(vote.failure is not None), vote.durable, *counts, int(shared)]
+        self._exchange: PendingExchange = collectives.start_exchange(header, vote)
 
     def wait(self) -> tuple[list[Vote], CommitFlags]:
         """Rank 0: every rank's vote; the others: their own. And the commit's flags, the same on every rank."""
-        wait_together(self._collectives.rank, self._gather.work, self._flags.work)  # a lost rank fails both at once
-        votes = self._gather.wait()
-        values = self._flags.wait()
-        flags = CommitFlags(*(bool(v) for v in values[:3]), *values[3:])
+        got = self._exchange.wait()  # a lost rank fails it on every rank
+        preempt, failed, durable, batches, examples, shared = (max(column) for column in zip(*got.headers, strict=True))
+        flags = CommitFlags(bool(preempt), bool(failed), got.overflow, durable, batches, examples, shared)
+        votes = got.objects
         if flags.overflow:  # every rank knows: all gather again, without the buffer's limit
-            logger.debug("a vote did not fit the gather buffer: the votes are gathered again")
+            logger.debug("a vote did not fit the exchange's buffer: the votes are gathered again")
             votes = self._collectives.gather(self._vote)
         if self._collectives.rank != 0:
             return [self._vote], flags

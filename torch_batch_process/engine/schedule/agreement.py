@@ -7,7 +7,7 @@ Because every rank then runs the same collectives in the same order, nothing han
 exits promptly with an error when one rank fails, even when no torchrun agent is there to kill the
 others.
 
-**On a time cadence, not every step.** An agreement is an asynchronous MAX all_reduce of three integers (the
+**On a time cadence, not every step.** An agreement is an asynchronous MAX of three integers over the ranks (the
 stop and failure flags, and how many steps each rank proposes until the next agreement), started at an agreed
 boundary ``a`` and read at the next boundary, ``a + 1``, so its latency overlaps with a step of work. Every rank
 proposes enough steps to make the next agreement come at least :func:`agreement_period_s` later (default
