@@ -188,7 +188,7 @@ class Collectives:
         tensor = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
         with peers_answering(self.rank):
-            work = dist.all_gather_into_tensor(out, tensor, group=self.group, async_op=True)
+            work = dist.all_gather_single(out, tensor, group=self.group, async_op=True)
         pending_collectives.started(work, self.group)
         return PendingMax(out.view(self.world_size, len(values)), work, self.rank)
 
@@ -237,7 +237,7 @@ class PendingExchange:
             self._sent[start : start + length] = data
         self._out = torch.empty(coll.world_size * self._size, dtype=torch.uint8)
         with peers_answering(coll.rank):
-            self._work = dist.all_gather_into_tensor(
+            self._work = dist.all_gather_single(
                 self._out, torch.frombuffer(self._sent, dtype=torch.uint8), group=coll.group, async_op=True
             )
         pending_collectives.started(self._work, coll.group)
