@@ -126,7 +126,9 @@ class RandomRows(TorchBatchProcessor):
 def test_a_table_on_a_full_disk_is_a_storage_error_naming_it_then_resumes_exactly_once(small_disk, kind):
     pytest.importorskip("deltalake" if kind == "delta" else "lance")
     target = getattr(tables, kind)(str(small_disk / "table"))
-    run = dict(batch_size=BATCH, storage_path=str(small_disk / "job"), checkpoint_interval=2, progress=False,
+    # the job's own storage on another disk: only the table's files fill this one (with both on it, which write meets
+    # the full disk first is a race, and a commit record's StorageError names the job, not the table)
+    run = dict(batch_size=BATCH, storage_path=str(small_disk.parent / "job"), checkpoint_interval=2, progress=False,
                table=target)
     with pytest.raises(StorageError) as raised:  # not the bare OSError of pyarrow or Lance, which names no table
         torch_batch_process(RandomRows, torch.arange(N), **run)
