@@ -15,6 +15,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import forkserver
+
 REPO = Path(__file__).resolve().parents[1]
 JOBS = Path(__file__).resolve().parent / "jobs"
 GENERIC_JOB = JOBS / "generic_job.py"
@@ -85,8 +87,12 @@ def spawn_ranks(
 
 def start_process(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     """Starts ``command`` from the repository root in a session of its own (so that a test can kill its
-    whole tree), with its output captured as text."""
-    return subprocess.Popen(
+    whole tree), with its output captured as text. A ``python SCRIPT``/``python -m MODULE`` command is forked by the
+    suite's fork server (torch already imported: :mod:`forkserver`) unless ``TBP_TEST_FORKSERVER=0``."""
+    popen: type[subprocess.Popen[str]] = subprocess.Popen
+    if forkserver.enabled() and forkserver.forkable(command, env):
+        popen = forkserver.ForkedPopen
+    return popen(
         command,
         env=env,
         stdout=subprocess.PIPE,
