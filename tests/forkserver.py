@@ -14,8 +14,9 @@ suite keeps it from mattering:
 - Variables read while torch is imported (``OMP_*``, ``MKL_*``, ``TORCH_*``, ``PYTORCH_*``, ``CUDA_*``, ``LD_*``,
   ``PYTHON*`` other than ``PYTHONPATH``/``PYTHONUNBUFFERED``) are the server's: a command whose environment differs
   from the server's in any of them is executed instead (:func:`forkable`).
-- String hashes share the server's seed across forked processes (``PYTHONHASHSEED`` cannot change after start);
-  ``random`` and numpy's global generator are reseeded in every child.
+- String hashes take their server's seed (``PYTHONHASHSEED`` cannot change after start): two servers take turns,
+  so consecutive processes (a job's ranks) hash differently; ``random`` and numpy's global generator are reseeded
+  in every child.
 - Signals: every handler is the interpreter's default in the child, and a signal the test process ignores is ignored
   in the child, as it would be across ``exec``.
 
@@ -134,17 +135,24 @@ class _Server:
             self._process.wait()
 
 
-_server: _Server | None = None
+_SERVERS = 2  # processes started one after the other (a job's ranks) alternate between them: see start()
+_servers: list[_Server | None] = [None] * _SERVERS
+_turn = 0
 _server_lock = threading.Lock()
 
 
 def start() -> _Server:
-    """The session's fork server, started on first use."""
-    global _server
+    """The next of the session's fork servers, started on first use. Two servers with their own string-hash seeds
+    take turns, so that a job's ranks do not all share one seed: with executed processes every rank has its own, and
+    a rank that orders a set of strings differently from its peers must still be caught."""
+    global _turn
     with _server_lock:
-        if _server is None or not _server.alive():
-            _server = _Server()
-        return _server
+        index = _turn % _SERVERS
+        _turn += 1
+        server = _servers[index]
+        if server is None or not server.alive():
+            server = _servers[index] = _Server()
+        return server
 
 
 def _receive_exactly(sock: socket.socket, size: int) -> bytes:

@@ -56,14 +56,26 @@ def run_torchrun(
     nproc: int, script: Path | str, *args: str, timeout: float = 180, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Runs ``script`` under torchrun with ``nproc`` local workers; returns the finished process."""
-    return subprocess.run(
-        torchrun_cmd(nproc, script, *args),
-        env=env or base_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=str(REPO),
-    )
+    return run_process(torchrun_cmd(nproc, script, *args), env or base_env(), timeout)
+
+
+def run_process(
+    command: list[str], env: dict[str, str], timeout: float, cwd: Path | str = REPO
+) -> subprocess.CompletedProcess[str]:
+    """:func:`subprocess.run` of ``command`` from ``cwd`` with its output captured as text, forked by
+    the suite's fork server where it can be (:func:`start_process`); on ``timeout`` the process is killed and
+    :class:`subprocess.TimeoutExpired` raised, as ``subprocess.run`` does."""
+    popen: type[subprocess.Popen[str]] = subprocess.Popen
+    if forkserver.enabled() and forkserver.forkable(command, env):
+        popen = forkserver.ForkedPopen
+    with popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd)) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            proc.kill()
+            expired.output, expired.stderr = proc.communicate()
+            raise
+        return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def spawn_ranks(
@@ -226,14 +238,7 @@ def run_generic(
         proc = run_torchrun(nproc, GENERIC_JOB, json.dumps(spec), timeout=timeout)
         return proc, read_reports(spec, attempt)
     if launcher == "plain" and nproc == 1:
-        proc = subprocess.run(
-            [sys.executable, str(GENERIC_JOB), json.dumps(spec)],
-            env=base_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=str(REPO),
-        )
+        proc = run_process([sys.executable, str(GENERIC_JOB), json.dumps(spec)], base_env(), timeout)
         return proc, read_reports(spec, attempt)
     procs = spawn_ranks(nproc, GENERIC_JOB, json.dumps(spec))
     return wait_all(procs, timeout), read_reports(spec, attempt)

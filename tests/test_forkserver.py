@@ -142,3 +142,13 @@ def test_an_environment_that_torch_reads_at_import_is_executed_not_forked(probe:
 
 def test_a_forked_process_starts_with_torch_imported(probe: Path) -> None:
     assert _run(probe, "ok")[1]["torch_preloaded"]
+
+
+def test_consecutive_processes_hash_strings_with_different_seeds(tmp_path: Path) -> None:
+    script = tmp_path / "hash.py"
+    script.write_text("print(hash('rank'))\n")
+    hashes = set()
+    for _ in range(2):
+        proc = start_process([sys.executable, str(script)], base_env())
+        hashes.add(proc.communicate(timeout=120)[0])
+    assert len(hashes) == 2
