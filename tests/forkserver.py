@@ -45,6 +45,7 @@ _IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH_",
 _RUNTIME_PYTHON_VARIABLES = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
 _PYTHON_IGNORES = frozenset({signal.SIGPIPE, signal.SIGXFSZ})  # what the interpreter itself ignores at start
 _STATUS = struct.Struct("!i")
+_REAP_WAIT_S = 30.0  # how long an ended process's status may take to come back from its server (it reaps at once)
 _LENGTH = struct.Struct("!Q")
 
 
@@ -204,7 +205,12 @@ class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]
         if self._status_fd < 0:
             return None
         if not block and not select.select([self._status_fd], [], [], 0)[0]:
-            return None
+            if not _has_exited(self.pid):
+                return None
+            # It has exited and the server is reaping it: its status is on the way. waitpid() on a child of ours
+            # would say so at once; so does this, so that a test's poll() never calls an ended process running.
+            if not select.select([self._status_fd], [], [], _REAP_WAIT_S)[0]:
+                return None
         data = b""
         while len(data) < _STATUS.size:
             part = os.read(self._status_fd, _STATUS.size - len(data))
@@ -235,6 +241,17 @@ class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]
             finally:
                 self._waitpid_lock.release()
         return self.returncode
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped by its server, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
 
 
 def _ignored_here(sig: signal.Signals) -> bool:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import forkserver
@@ -152,3 +153,22 @@ def test_consecutive_processes_hash_strings_with_different_seeds(tmp_path: Path)
         proc = start_process([sys.executable, str(script)], base_env())
         hashes.add(proc.communicate(timeout=120)[0])
     assert len(hashes) == 2
+
+
+def test_poll_says_a_process_ended_as_soon_as_it_has(probe: Path) -> None:
+    proc = start_process([sys.executable, str(probe), "sleep"], base_env())
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not _ended(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert proc.poll() == -signal.SIGKILL  # no window where it has ended but poll() says it runs
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
