@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
-from harness import JOBS, base_env, tbp_cmd, torchrun_cmd
+from harness import JOBS, base_env, run_process, tbp_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
 
 def test_determined_style_script_runs_unchanged_under_torchrun(tmp_path):
-    proc = subprocess.run(
-        torchrun_cmd(2, JOBS / "determined_style.py"), cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=240
-    )
+    proc = run_process(torchrun_cmd(2, JOBS / "determined_style.py"), base_env(), 240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     storage = tmp_path / "tbp_runs" / "determined_style"  # default storage: ./tbp_runs/<script stem>
     indices = []
@@ -29,16 +26,11 @@ def test_determined_style_script_runs_unchanged_under_torchrun(tmp_path):
 
 
 def test_distributed_context_and_provenance_of_determined_core_code(tmp_path):
-    proc = subprocess.run(
-        torchrun_cmd(2, JOBS / "determined_core_style.py"), cwd=tmp_path, env=base_env(), capture_output=True, text=True,
-        timeout=240,
-    )
+    proc = run_process(torchrun_cmd(2, JOBS / "determined_core_style.py"), base_env(), 240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     storage = tmp_path / "tbp_runs" / "determined_core_style"
     assert json.loads((storage / "result.json").read_text())["metrics"] == {"examples": 100}
-    status = subprocess.run(
-        [*tbp_cmd("status", str(storage), "--json")], env=base_env(), capture_output=True, text=True, timeout=120
-    )
+    status = run_process(tbp_cmd("status", str(storage), "--json"), base_env(), 120)
     assert status.returncode == 0, status.stderr
     provenance = json.loads(status.stdout)["provenance"]
     assert {"kind": "model_version", "model_id": 12, "model_version": 3, "name": "digits-cnn",
@@ -52,10 +44,7 @@ def test_distributed_context_and_provenance_of_determined_core_code(tmp_path):
 def test_every_distributed_context_method_of_determined_from_the_hooks(tmp_path):
     """``context.distributed`` has Determined's ``DistributedContext`` methods (``get_num_agents`` and the ``_local``
     collectives included), and they agree across ranks when called from ``on_checkpoint_start``/``on_finish``."""
-    proc = subprocess.run(
-        torchrun_cmd(2, JOBS / "determined_collectives.py", "33"), cwd=tmp_path, env=base_env(), capture_output=True,
-        text=True, timeout=240,
-    )
+    proc = run_process(torchrun_cmd(2, JOBS / "determined_collectives.py", "33"), base_env(), 240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outputs = tmp_path / "tbp_runs" / "determined_collectives" / "outputs"
     seen = {r: json.loads(next(outputs.rglob(f"collectives_{r}.json")).read_text()) for r in range(2)}
@@ -75,10 +64,8 @@ def test_rank_0_sees_every_rank_s_committed_files_in_on_finish_and_once_the_call
     closing commit without waiting for the others: rank 0 could run ``on_finish``, or return, first and miss another
     rank's last files.)"""
     report, finished = tmp_path / "seen.json", tmp_path / "finished.json"
-    proc = subprocess.run(
-        torchrun_cmd(2, JOBS / "finish_aggregates.py", "47", str(report), str(finished)), cwd=tmp_path,
-        env=base_env(), capture_output=True, text=True, timeout=240,
-    )
+    command = torchrun_cmd(2, JOBS / "finish_aggregates.py", "47", str(report), str(finished))
+    proc = run_process(command, base_env(), 240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(report.read_text()) == list(range(47))
     assert json.loads(finished.read_text()) == ["finished_rank0.txt", "finished_rank1.txt"]
