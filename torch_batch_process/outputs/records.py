@@ -43,6 +43,7 @@ from torch_batch_process.jobstore.layout import SCRATCH_DIR, SEGMENTS_DIR, segme
 from torch_batch_process.jobstore.schema import FIX_HINT, RecordSchema, unify
 from torch_batch_process.outputs.columns import rows_to_table
 from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
+from torch_batch_process.outputs.plain_columns import PlainColumns
 from torch_batch_process.outputs.segment_log import SegmentLog
 from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.outputs.shard_file import ShardFile
@@ -128,8 +129,10 @@ class RecordWriter:
         self._current = current
         self._rank = rank
         self._format = output_format
-        # the batch's rows, until it returns: (table, its copies back, its ragged columns, batch_idx)
-        self._pending: tuple[Any, CopiesDone, frozenset[str], int] | None = None
+        # the batch's rows, until it returns: (table, its copies back, its ragged columns, batch_idx, and the rows'
+        # signature when they are plain: True when the table came from ``_plain``, already in the rank's schema)
+        self._pending: tuple[Any, CopiesDone, frozenset[str], int, Any] | None = None
+        self._plain: PlainColumns | None = None  # the rank's plain batches' signature (outputs/plain_columns.py)
         self._stamp = stamp
         self._buffer: list[tuple[Any, CopiesDone]] = []  # rows not in the shard yet (with their copies back)
         self._buffered = 0
@@ -172,19 +175,34 @@ class RecordWriter:
                 f"context.write() was already called for batch {self._current.batch_idx}: write all the rows of a "
                 "batch in one call (one row per example of context.batch_indices)"
             )
+        indices = self._current.indices
+        plain = self._plain
+        if plain is not None and plain.schema is self._schema.schema:  # (the rank's types since: none widened)
+            table = plain.table(rows, indices)
+            if table is not None:  # the rank's signature: checked, in the rank's schema
+                self._pending = (table, _NO_COPIES, _NONE_RAGGED, self._current.batch_idx, True)
+                return
+        signature = None
+        if self._stamp is None and self._sink is None:  # a plain batch may start the short way (after its checks)
+            signature = PlainColumns.signature(rows, len(indices))
         copies, ragged = DeviceCopies(), set()
-        table = rows_to_table(rows, self._current.indices, copies, ragged)
+        table = rows_to_table(rows, indices, copies, ragged)
         if self._stamp is not None:
-            table = self._stamp(table, self._current.indices)
-        self._pending = (table, copies.done(), frozenset(ragged), self._current.batch_idx)
+            table = self._stamp(table, indices)
+        self._pending = (table, copies.done(), frozenset(ragged), self._current.batch_idx, signature)
 
     def _batch_finished(self, ok: bool) -> None:
         """The current batch returned (``ok``: its rows join the buffer) or raised (they are dropped)."""
         pending, self._pending = self._pending, None
         if not ok or pending is None or not self._keeps_rows:
             return
-        table, landing, ragged, batch_idx = pending
-        table = self._conform(table, landing, ragged, batch_idx)
+        table, landing, ragged, batch_idx, plain = pending
+        if plain is not True:
+            checked = table
+            table = self._conform(table, landing, ragged, batch_idx)
+            if plain is not None and table is checked:  # kept as it was: later batches like it take the short way
+                candidate = PlainColumns(*plain, self._schema.schema)
+                self._plain = candidate if candidate.fits(table) else None
         size = table.get_total_buffer_size()
         self._buffer.append((table, landing))
         if self._sink is None:
@@ -227,6 +245,7 @@ class RecordWriter:
                 ) from exc
         if not unified.schema.equals(known.schema):  # e.g. a column that was all None so far
             self._widen(unified.schema)
+            self._plain = None  # its tables have the old types
         self._schema = unified
         return table
 
@@ -492,6 +511,12 @@ class RecordWriter:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
+
+
+_NO_COPIES = CopiesDone([])
+"""The copies back of a plain batch's rows: none (CPU columns)."""
+
+_NONE_RAGGED: frozenset[str] = frozenset()
 
 
 class _LateAppends:
