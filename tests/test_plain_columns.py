@@ -131,3 +131,31 @@ def test_a_bad_batch_after_plain_ones_is_refused_as_before_and_its_rows_are_not_
     with pytest.raises(InvalidArgumentError, match=match):
         _run(tmp_path, BadLater, n=40, batch_size=4, checkpoint_interval=1)
     assert read_outputs(tmp_path / "storage").column("x").to_pylist() == list(range(12))
+
+
+class StopsAt6(Plain):
+    def process_batch(self, batch, batch_idx):
+        if batch_idx == 6:
+            raise RuntimeError("stops at batch 6")
+        super().process_batch(batch, batch_idx)
+
+
+def test_plain_rows_reach_the_segment_log_as_a_record_batch_per_batch_of_their_stage(tmp_path):
+    """The short way makes a table per few batches; the segment log still gets a record batch per batch, tagged with
+    its stage (the log's layout, test_record_shards.py), and a failed job's committed rows read back from it."""
+    import glob
+    import os
+
+    storage = tmp_path / "storage"
+    with pytest.raises(RuntimeError, match="stops at batch 6"):
+        _run(tmp_path, StopsAt6, n=40, batch_size=4)  # stages 1-3 of 2 batches each, then the failure
+    stages, rows = [], []
+    for path in sorted(glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrows"))):
+        with open(path, "rb") as file:
+            reader = pa.ipc.open_stream(file.read())
+        for batch, metadata in iter(reader.read_next_batch_with_custom_metadata, None):
+            stages.append(int(metadata[b"tbp_stage"]))
+            rows.append(batch.num_rows)
+    assert stages == [1, 1, 2, 2, 3, 3] and rows == [4] * 6
+    expected = rows_to_table(_columns(list(range(24))), range(24))
+    assert read_outputs(storage).to_pylist() == expected.to_pylist()

@@ -74,8 +74,9 @@ class PlainColumns:
         """Whether the table the long way made has the schema this signature's tables get (the rank's)."""
         return table.schema.equals(self.schema) and table.column_names == [INDEX_COLUMN, *self.names]
 
-    def table(self, rows: Any, indices: Sequence[int]) -> Any:
-        """The table of ``rows`` (the batch's examples ``indices``) when they have this signature, else ``None``."""
+    def arrays(self, rows: Any, indices: Sequence[int]) -> list[np.ndarray] | None:
+        """The columns of ``rows`` (the batch's examples ``indices``) as numpy arrays, ``index`` first, when they have
+        this signature, else ``None``. No Arrow object yet: :meth:`join` makes one table of several batches."""
         if type(rows) is not dict or len(rows) != len(self.names):
             return None
         n = len(indices)
@@ -92,9 +93,26 @@ class PlainColumns:
             if len(value) != n or not (value.flags.c_contiguous and value.flags.aligned):
                 return None
             arrays.append(value)
+        return arrays
+
+    def join(self, batches: list[list[np.ndarray]]) -> tuple[Any, list[Any]]:
+        """One table of the rows of ``batches`` (each the :meth:`arrays` of a batch, in order), in the rank's schema,
+        and its slices, one per batch (the tables the long way would have made: zero-copy views)."""
         pa = require_pyarrow()
-        columns = [
-            pa.Array.from_buffers(arrow_type, n, [None, pa.py_buffer(array)])
-            for arrow_type, array in zip(self._types, arrays, strict=True)
-        ]
-        return pa.Table.from_arrays(columns, schema=self.schema)
+        counts = [len(arrays[0]) for arrays in batches]
+        columns = batches[0] if len(batches) == 1 else [np.concatenate(column) for column in zip(*batches, strict=True)]
+        total = sum(counts)
+        table = pa.Table.from_arrays(
+            [
+                pa.Array.from_buffers(arrow_type, total, [None, pa.py_buffer(array)])
+                for arrow_type, array in zip(self._types, columns, strict=True)
+            ],
+            schema=self.schema,
+        )
+        if len(counts) == 1:
+            return table, [table]
+        slices, start = [], 0
+        for count in counts:
+            slices.append(table.slice(start, count))
+            start += count
+        return table, slices

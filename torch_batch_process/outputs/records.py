@@ -130,9 +130,10 @@ class RecordWriter:
         self._rank = rank
         self._format = output_format
         # the batch's rows, until it returns: (table, its copies back, its ragged columns, batch_idx, and the rows'
-        # signature when they are plain: True when the table came from ``_plain``, already in the rank's schema)
+        # signature when they are plain; True: a plain batch of ``_plain``'s signature, its numpy arrays for a table)
         self._pending: tuple[Any, CopiesDone, frozenset[str], int, Any] | None = None
         self._plain: PlainColumns | None = None  # the rank's plain batches' signature (outputs/plain_columns.py)
+        self._plain_rows: list[list[Any]] = []  # plain batches' arrays since the last table (see _join_plain)
         self._stamp = stamp
         self._buffer: list[tuple[Any, CopiesDone]] = []  # rows not in the shard yet (with their copies back)
         self._buffered = 0
@@ -178,9 +179,9 @@ class RecordWriter:
         indices = self._current.indices
         plain = self._plain
         if plain is not None and plain.schema is self._schema.schema:  # (the rank's types since: none widened)
-            table = plain.table(rows, indices)
-            if table is not None:  # the rank's signature: checked, in the rank's schema
-                self._pending = (table, _NO_COPIES, _NONE_RAGGED, self._current.batch_idx, True)
+            arrays = plain.arrays(rows, indices)
+            if arrays is not None:  # the rank's signature: checked, in the rank's schema
+                self._pending = (arrays, _NO_COPIES, _NONE_RAGGED, self._current.batch_idx, True)
                 return
         signature = None
         if self._stamp is None and self._sink is None:  # a plain batch may start the short way (after its checks)
@@ -197,23 +198,39 @@ class RecordWriter:
         if not ok or pending is None or not self._keeps_rows:
             return
         table, landing, ragged, batch_idx, plain = pending
-        if plain is not True:
+        if plain is True:  # a plain batch: its arrays join the next table of plain rows (_join_plain)
+            self._plain_rows.append(table)
+            size, rows = sum(array.nbytes for array in table), len(table[0])
+        else:
+            self._join_plain()  # the plain rows before it first: the buffer keeps the rows' order
             checked = table
             table = self._conform(table, landing, ragged, batch_idx)
             if plain is not None and table is checked:  # kept as it was: later batches like it take the short way
                 candidate = PlainColumns(*plain, self._schema.schema)
                 self._plain = candidate if candidate.fits(table) else None
-        size = table.get_total_buffer_size()
-        self._buffer.append((table, landing))
-        if self._sink is None:
-            self._unsaved.append((table, landing))
+            size, rows = table.get_total_buffer_size(), table.num_rows
+            self._buffer.append((table, landing))
+            if self._sink is None:
+                self._unsaved.append((table, landing))
         self._buffered += size
         self._shard_bytes += size
-        self.rows += table.num_rows
+        self.rows += rows
         if self._buffered >= ROW_GROUP_BYTES:
             self._flush(shard=True)
         if self._sink is not None and self._shard_bytes >= self._limit:
             self._close_table_file()
+
+    def _join_plain(self) -> None:
+        """The plain batches' rows since the last call, as one table in the buffer (one Arrow table per few batches
+        instead of one per batch: building Arrow objects is most of a tiny batch's ``write``); the segment gets its
+        slices, a record batch per batch as before."""
+        if not self._plain_rows:
+            return
+        batches, self._plain_rows = self._plain_rows, []
+        assert self._plain is not None  # the signature they were taken with (a new one starts after a join)
+        table, slices = self._plain.join(batches)
+        self._buffer.append((table, _NO_COPIES))
+        self._unsaved.extend((piece, _NO_COPIES) for piece in slices)
 
     def _conform(self, table: Any, landing: CopiesDone, ragged: frozenset[str], batch_idx: int) -> Any:
         """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
@@ -283,6 +300,7 @@ class RecordWriter:
         group), else they stay buffered for it."""
         import pyarrow as pa
 
+        self._join_plain()
         saving, self._unsaved = self._unsaved, []
         group: Any = None
         landing = [copies for _, copies in saving]
@@ -421,6 +439,7 @@ class RecordWriter:
             self._close_table_file()
             return
         self._wait()
+        self._join_plain()
         saving, self._unsaved = self._unsaved, []
         if saving and self._late is not None:  # one process: appended by the record writer (appended()), or earlier
             self._late.queue(self._open_segment(), saving, self._stager.stage)
@@ -505,7 +524,7 @@ class RecordWriter:
         self._shard, self._segment, self._table_file = None, None, None
         if self._late is not None:
             self._late.drop()
-        self._buffer, self._unsaved, self._pending, self._parts = [], [], None, []
+        self._buffer, self._unsaved, self._pending, self._parts, self._plain_rows = [], [], None, [], []
         if self._batch_finished in self._current.listeners:  # the current batch holds this writer: no cycle left
             self._current.listeners.remove(self._batch_finished)
         if self._folder is not None:
