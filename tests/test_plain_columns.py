@@ -140,9 +140,9 @@ class StopsAt6(Plain):
         super().process_batch(batch, batch_idx)
 
 
-def test_plain_rows_reach_the_segment_log_as_a_record_batch_per_batch_of_their_stage(tmp_path):
-    """The short way makes a table per few batches; the segment log still gets a record batch per batch, tagged with
-    its stage (the log's layout, test_record_shards.py), and a failed job's committed rows read back from it."""
+def test_plain_rows_reach_the_segment_log_as_a_record_batch_per_stage(tmp_path):
+    """The short way makes a table per few batches: a stage's plain rows are one record batch of the segment log, tagged
+    with its stage, and a failed job's committed rows read back from it."""
     import glob
     import os
 
@@ -156,6 +156,8 @@ def test_plain_rows_reach_the_segment_log_as_a_record_batch_per_batch_of_their_s
         for batch, metadata in iter(reader.read_next_batch_with_custom_metadata, None):
             stages.append(int(metadata[b"tbp_stage"]))
             rows.append(batch.num_rows)
-    assert stages == [1, 1, 2, 2, 3, 3] and rows == [4] * 6
+    # the job's first batch takes the long way (a table of its own), the others of its signature the short one; the long
+    # way alone gives a record batch per batch, [1, 1, 2, 2, 3, 3]
+    assert stages == [1, 1, 2, 3] and rows == [4, 4, 8, 8]
     expected = rows_to_table(_columns(list(range(24))), range(24))
     assert read_outputs(storage).to_pylist() == expected.to_pylist()

@@ -95,24 +95,15 @@ class PlainColumns:
             arrays.append(value)
         return arrays
 
-    def join(self, batches: list[list[np.ndarray]]) -> tuple[Any, list[Any]]:
-        """One table of the rows of ``batches`` (each the :meth:`arrays` of a batch, in order), in the rank's schema,
-        and its slices, one per batch (the tables the long way would have made: zero-copy views)."""
+    def join(self, batches: list[list[np.ndarray]]) -> Any:
+        """One table of the rows of ``batches`` (each the :meth:`arrays` of a batch, in order), in the rank's schema."""
         pa = require_pyarrow()
-        counts = [len(arrays[0]) for arrays in batches]
         columns = batches[0] if len(batches) == 1 else [np.concatenate(column) for column in zip(*batches, strict=True)]
-        total = sum(counts)
-        table = pa.Table.from_arrays(
+        rows = len(columns[0])
+        return pa.Table.from_arrays(
             [
-                pa.Array.from_buffers(arrow_type, total, [None, pa.py_buffer(array)])
+                pa.Array.from_buffers(arrow_type, rows, [None, pa.py_buffer(array)])
                 for arrow_type, array in zip(self._types, columns, strict=True)
             ],
             schema=self.schema,
         )
-        if len(counts) == 1:
-            return table, [table]
-        slices, start = [], 0
-        for count in counts:
-            slices.append(table.slice(start, count))
-            start += count
-        return table, slices

@@ -221,16 +221,16 @@ class RecordWriter:
             self._close_table_file()
 
     def _join_plain(self) -> None:
-        """The plain batches' rows since the last call, as one table in the buffer (one Arrow table per few batches
-        instead of one per batch: building Arrow objects is most of a tiny batch's ``write``); the segment gets its
-        slices, a record batch per batch as before."""
+        """The plain batches' rows since the last call, as one table (one Arrow table per few batches instead of one
+        per batch: building Arrow objects is most of a tiny batch's ``write``), for the shard and the segment (one
+        record batch in a segment log: a stage's rows may be one or more record batches)."""
         if not self._plain_rows:
             return
         batches, self._plain_rows = self._plain_rows, []
         assert self._plain is not None  # the signature they were taken with (a new one starts after a join)
-        table, slices = self._plain.join(batches)
+        table = self._plain.join(batches)
         self._buffer.append((table, _NO_COPIES))
-        self._unsaved.extend((piece, _NO_COPIES) for piece in slices)
+        self._unsaved.append((table, _NO_COPIES))
 
     def _conform(self, table: Any, landing: CopiesDone, ragged: frozenset[str], batch_idx: int) -> Any:
         """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
