@@ -47,8 +47,8 @@ class Plain(TorchBatchProcessor):
 
 def _run(tmp_path, processor, n=23, batch_size=4, **kwargs):
     kwargs.setdefault("checkpoint_interval", 2)
-    return torch_batch_process(processor, list(range(n)), batch_size=batch_size, progress=False,
-                               storage_path=str(tmp_path / "storage"), **kwargs)
+    kwargs.setdefault("storage_path", str(tmp_path / "storage"))
+    return torch_batch_process(processor, list(range(n)), batch_size=batch_size, progress=False, **kwargs)
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
@@ -161,3 +161,14 @@ def test_plain_rows_reach_the_segment_log_as_a_record_batch_per_stage(tmp_path):
     assert stages == [1, 1, 2, 3] and rows == [4, 4, 8, 8]
     expected = rows_to_table(_columns(list(range(24))), range(24))
     assert read_outputs(storage).to_pylist() == expected.to_pylist()
+
+
+def test_plain_rows_on_an_object_store_read_back_from_segment_files_and_shards(tmp_path, memory_url):
+    """An object store keeps a segment file per commit (no appends): plain rows read back the same from them (a failed
+    job's committed rows) and from the shards of a finished job."""
+    failed, done = f"{memory_url}/failed", f"{memory_url}/done"
+    with pytest.raises(RuntimeError, match="stops at batch 6"):
+        _run(tmp_path, StopsAt6, n=40, batch_size=4, storage_path=failed)
+    assert read_outputs(failed).to_pylist() == rows_to_table(_columns(list(range(24))), range(24)).to_pylist()
+    assert _run(tmp_path, Plain, storage_path=done).finished
+    assert read_outputs(done).to_pylist() == rows_to_table(_columns(list(range(23))), range(23)).to_pylist()
