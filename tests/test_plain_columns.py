@@ -10,6 +10,7 @@ import torch
 from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, read_outputs, torch_batch_process
 from torch_batch_process.outputs import records
 from torch_batch_process.outputs.columns import rows_to_table
+from torch_batch_process.outputs.plain_columns import PlainColumns
 
 pa = pytest.importorskip("pyarrow")
 
@@ -172,3 +173,25 @@ def test_plain_rows_on_an_object_store_read_back_from_segment_files_and_shards(t
     assert read_outputs(failed).to_pylist() == rows_to_table(_columns(list(range(24))), range(24)).to_pylist()
     assert _run(tmp_path, Plain, storage_path=done).finished
     assert read_outputs(done).to_pylist() == rows_to_table(_columns(list(range(23))), range(23)).to_pylist()
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [
+        [range(0, 3), range(3, 6), range(6, 9)],  # a contiguous plan's batches of one rank: one arange
+        [range(0, 3), range(6, 9)],  # another rank's batch between them
+        [range(0, 6, 2), range(6, 9)],  # a range with a step
+        [[5, 1, 7], range(3, 6)],  # a bucketed plan's indices
+        [range(4, 7)],
+    ],
+)
+def test_a_join_of_plain_batches_has_each_batch_s_indices_and_values_in_order(indices):
+    first = _columns([0, 1, 2])
+    plain = PlainColumns(*PlainColumns.signature(first, 3), rows_to_table(first, [0, 1, 2]).schema)
+    batches = [plain.arrays(_columns(list(part)), part) for part in indices]
+    table = plain.join(batches)
+    flat = [i for part in indices for i in part]
+    expected = pa.concat_tables([rows_to_table(_columns(list(part)), part) for part in indices])
+    assert table.schema.equals(expected.schema) and table.to_pylist() == expected.to_pylist()
+    assert table.column("index").to_pylist() == flat
+    assert sum(PlainColumns.nbytes(arrays) for arrays in batches) == table.get_total_buffer_size()

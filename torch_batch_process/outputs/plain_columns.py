@@ -74,13 +74,14 @@ class PlainColumns:
         """Whether the table the long way made has the schema this signature's tables get (the rank's)."""
         return table.schema.equals(self.schema) and table.column_names == [INDEX_COLUMN, *self.names]
 
-    def arrays(self, rows: Any, indices: Sequence[int]) -> list[np.ndarray] | None:
-        """The columns of ``rows`` (the batch's examples ``indices``) as numpy arrays, ``index`` first, when they have
-        this signature, else ``None``. No Arrow object yet: :meth:`join` makes one table of several batches."""
+    def arrays(self, rows: Any, indices: Sequence[int]) -> list[Any] | None:
+        """The batch's ``index`` (its ``range``, or its indices as a numpy array), then the columns of ``rows`` as numpy
+        arrays, when they have this signature, else ``None``. No Arrow object yet: :meth:`join` makes one table of
+        several batches."""
         if type(rows) is not dict or len(rows) != len(self.names):
             return None
         n = len(indices)
-        arrays = [index_array(indices)]
+        arrays: list[Any] = [indices if type(indices) is range else index_array(indices)]
         for (name, value), (kind, dtype), expected in zip(rows.items(), self.kinds, self.names, strict=True):
             if name != expected or type(value) is not kind or value.dtype != dtype:
                 return None
@@ -95,10 +96,19 @@ class PlainColumns:
             arrays.append(value)
         return arrays
 
-    def join(self, batches: list[list[np.ndarray]]) -> Any:
+    @staticmethod
+    def nbytes(arrays: list[Any]) -> int:
+        """The bytes of a batch's :meth:`arrays` in a table (its ``index``: 8 a row)."""
+        return 8 * len(arrays[0]) + sum(array.nbytes for array in arrays[1:])
+
+    def join(self, batches: list[list[Any]]) -> Any:
         """One table of the rows of ``batches`` (each the :meth:`arrays` of a batch, in order), in the rank's schema."""
         pa = require_pyarrow()
-        columns = batches[0] if len(batches) == 1 else [np.concatenate(column) for column in zip(*batches, strict=True)]
+        columns = [_joined_index([arrays[0] for arrays in batches])]
+        if len(batches) == 1:
+            columns += batches[0][1:]
+        else:
+            columns += [np.concatenate(column) for column in list(zip(*batches, strict=True))[1:]]
         rows = len(columns[0])
         return pa.Table.from_arrays(
             [
@@ -107,3 +117,13 @@ class PlainColumns:
             ],
             schema=self.schema,
         )
+
+
+def _joined_index(parts: list[Any]) -> np.ndarray:
+    """The ``index`` column of batches whose indices are ``parts`` (ranges or arrays): one ``arange`` when they are
+    consecutive ranges (a contiguous plan's batches of one rank, in a static schedule)."""
+    if all(type(part) is range and part.step == 1 for part in parts) and all(
+        before.stop == after.start for before, after in zip(parts, parts[1:], strict=False)  # one shorter
+    ):
+        return np.arange(parts[0].start, parts[-1].stop, dtype=np.int64)
+    return np.concatenate([index_array(part) for part in parts])

@@ -200,7 +200,7 @@ class RecordWriter:
         table, landing, ragged, batch_idx, plain = pending
         if plain is True:  # a plain batch: its arrays join the next table of plain rows (_join_plain)
             self._plain_rows.append(table)
-            size, rows = sum(array.nbytes for array in table), len(table[0])
+            size, rows = PlainColumns.nbytes(table), len(table[0])
         else:
             self._join_plain()  # the plain rows before it first: the buffer keeps the rows' order
             checked = table
