@@ -224,18 +224,22 @@ def _check_finished(storage: str, n: int, fmt: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("moment", "fmt"),
+    ("moment", "fmt", "plain"),
     [
-        ("before_record", "parquet"),
-        ("before_publish", "parquet"),
-        ("mid_delete", "parquet"),
-        ("roll_at_start", "parquet"),
-        ("before_publish", "jsonl"),
-        ("mid_delete", "jsonl"),
+        ("before_record", "parquet", False),
+        ("before_publish", "parquet", False),
+        ("mid_delete", "parquet", False),
+        ("roll_at_start", "parquet", False),
+        ("before_publish", "jsonl", False),
+        ("mid_delete", "jsonl", False),
+        # one number per example in each column: context.write's short way, a table per few batches
+        ("before_record", "parquet", True),
+        ("roll_at_start", "parquet", True),
+        ("mid_delete", "jsonl", True),
     ],
 )
-def test_kill9_during_a_roll_over_then_resume_every_row_exactly_once(tmp_path, moment, fmt):
-    spec = _spec(tmp_path, kwargs={"output_format": fmt}, die_after=6)
+def test_kill9_during_a_roll_over_then_resume_every_row_exactly_once(tmp_path, moment, fmt, plain):
+    spec = _spec(tmp_path, kwargs={"output_format": fmt}, die_after=6, plain=plain)
     storage = spec["storage"]
     # roll_at_start: the first attempt dies before the roll-over's record (its shard is never committed), so the
     # committed segments stay live; the next start rolls them into a shard and dies deleting them
@@ -257,9 +261,10 @@ def test_kill9_during_a_roll_over_then_resume_every_row_exactly_once(tmp_path, m
 
 
 @pytest.mark.slow
-def test_one_process_a_record_waits_for_the_rows_it_commits_appended_off_the_batch_thread(tmp_path):
+@pytest.mark.parametrize("plain", [False, True])
+def test_one_process_a_record_waits_for_the_rows_it_commits_appended_off_the_batch_thread(tmp_path, plain):
     # one process: a seal queues its append, which the record writer makes; slowed down, the record still waits for it
-    spec = _spec(tmp_path, die_after=6, die_at="after_slow_append")
+    spec = _spec(tmp_path, die_after=6, die_at="after_slow_append", plain=plain)
     storage = spec["storage"]
     outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(spec), env=_env(1 << 20)), timeout=120)
     assert outcomes[0][0] == -signal.SIGKILL, outcomes
@@ -269,10 +274,10 @@ def test_one_process_a_record_waits_for_the_rows_it_commits_appended_off_the_bat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
-def test_kill9_mid_append_to_a_segment_log_then_resume_every_row_exactly_once(tmp_path, fmt):
+@pytest.mark.parametrize(("fmt", "plain"), [("parquet", False), ("jsonl", False), ("parquet", True)])
+def test_kill9_mid_append_to_a_segment_log_then_resume_every_row_exactly_once(tmp_path, fmt, plain):
     # a shard of 1 MB: the job's rows stay in one segment log, appended at every commit
-    spec = _spec(tmp_path, kwargs={"output_format": fmt}, die_after=6, die_at="mid_append")
+    spec = _spec(tmp_path, kwargs={"output_format": fmt}, die_after=6, die_at="mid_append", plain=plain)
     storage = spec["storage"]
     outcomes = wait_all(spawn_ranks(1, RECORDS_JOB, json.dumps(spec), env=_env(1 << 20)), timeout=120)
     assert outcomes[0][0] == -signal.SIGKILL, outcomes
@@ -290,10 +295,13 @@ def test_kill9_mid_append_to_a_segment_log_then_resume_every_row_exactly_once(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "schedule"), [(1, "static"), (3, "static"), (3, "dynamic")])
-def test_two_ranks_killed_then_resumed_with_another_world_size(tmp_path, world, schedule):
+@pytest.mark.parametrize(
+    ("world", "schedule", "plain"),
+    [(1, "static", False), (3, "static", False), (3, "dynamic", False), (1, "dynamic", True)],
+)
+def test_two_ranks_killed_then_resumed_with_another_world_size(tmp_path, world, schedule, plain):
     progress = tmp_path / "progress"
-    spec = _spec(tmp_path, n=600, kwargs={"schedule": schedule}, sleep=0.02, progress_file=str(progress))
+    spec = _spec(tmp_path, n=600, kwargs={"schedule": schedule}, sleep=0.02, progress_file=str(progress), plain=plain)
     storage = spec["storage"]
     procs = spawn_ranks(2, RECORDS_JOB, json.dumps(spec), env=_env(1500))
     deadline = time.monotonic() + 90

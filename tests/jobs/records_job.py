@@ -5,7 +5,8 @@ The spec comes as JSON in argv[1]: ``n``, ``batch_size``, ``checkpoint_interval`
 batch, for tests that kill workers), ``report_dir``, ``die_at`` (the process SIGKILLs itself at that moment of a
 shard roll-over, see :func:`die_at`; ``die_after`` commits first); ``mode="predict"`` calls ``predict`` instead and stores
 what it returned on each rank. Example ``i`` gets the row ``emb=[i, i+0.5, -i]``, ``label="ex<i>"``,
-``parts=[i] * (i % 3)``; with ``conflict=True`` rank 1 writes ``label`` as ints (each rank sees one type). An
+``parts=[i] * (i % 3)`` (with ``plain=True`` instead ``x=2i`` and ``y=i/2``, tensors of one number per example: the
+short way of ``context.write``); with ``conflict=True`` rank 1 writes ``label`` as ints (each rank sees one type). An
 error is stored in the report (``error``: type and message) and the process exits with status 1.
 """
 
@@ -32,6 +33,17 @@ class Processor(TorchBatchProcessor):
         values = [int(v) for v in batch]
         ints = SPEC.get("conflict") and self.context.distributed.get_rank() == 1
         assert values == list(self.context.batch_indices), (values, list(self.context.batch_indices))
+        if SPEC.get("plain"):  # one number per example in each column: context.write's short way (plain_columns.py)
+            ids = torch.tensor(values)
+            self.context.write({"x": ids * 2, "y": ids.float() / 2})
+        else:
+            self._write_rich(values, ints)
+        if SPEC.get("sleep"):
+            time.sleep(SPEC["sleep"])
+        if SPEC.get("progress_file"):
+            Path(SPEC["progress_file"]).touch()
+
+    def _write_rich(self, values, ints):
         self.context.write(
             {
                 "emb": torch.stack([torch.tensor([v, v + 0.5, -v]) for v in values]),
@@ -39,10 +51,6 @@ class Processor(TorchBatchProcessor):
                 "parts": [[v] * (v % 3) for v in values],
             }
         )
-        if SPEC.get("sleep"):
-            time.sleep(SPEC["sleep"])
-        if SPEC.get("progress_file"):
-            Path(SPEC["progress_file"]).touch()
 
 
 def _die() -> None:

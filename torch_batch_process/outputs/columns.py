@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from torch_batch_process.outputs.copyback import DeviceCopies
 
-__all__ = ["INDEX_COLUMN", "column_to_numpy", "column_to_python", "require_pyarrow", "rows_to_table"]
+__all__ = ["INDEX_COLUMN", "column_to_numpy", "column_to_python", "index_array", "require_pyarrow", "rows_to_table"]
 
 INDEX_COLUMN = "index"
 """The column the library adds to every row: the example's index in the dataset."""
@@ -173,7 +173,7 @@ def _is_row_dicts(rows: Any) -> bool:
     return not rows or isinstance(rows[0], Mapping)
 
 
-def _index_array(indices: Sequence[int]) -> np.ndarray:
+def index_array(indices: Sequence[int]) -> np.ndarray:
     """The ``index`` column's values (a contiguous plan's ``range`` without iterating it in Python)."""
     if type(indices) is range:
         return np.arange(indices.start, indices.stop, indices.step, dtype=np.int64)
@@ -224,7 +224,7 @@ def rows_to_table(
         )
     if ragged is not None:
         ragged.update(name for name, value in zip(names, rows.values(), strict=True) if _is_per_example_list(value))
-    arrays = [_from_numpy(pa, _index_array(indices))]
+    arrays = [_from_numpy(pa, index_array(indices))]
     arrays += [_column(pa, name, value, n, copies) for name, value in zip(names, rows.values(), strict=True)]
     return pa.Table.from_arrays(arrays, names=[INDEX_COLUMN, *names])
 

@@ -43,6 +43,7 @@ from torch_batch_process.jobstore.layout import SCRATCH_DIR, SEGMENTS_DIR, segme
 from torch_batch_process.jobstore.schema import FIX_HINT, RecordSchema, unify
 from torch_batch_process.outputs.columns import rows_to_table
 from torch_batch_process.outputs.copyback import CopiesDone, DeviceCopies
+from torch_batch_process.outputs.plain_columns import PlainColumns
 from torch_batch_process.outputs.segment_log import SegmentLog
 from torch_batch_process.outputs.segments import shard_bytes
 from torch_batch_process.outputs.shard_file import ShardFile
@@ -128,8 +129,11 @@ class RecordWriter:
         self._current = current
         self._rank = rank
         self._format = output_format
-        # the batch's rows, until it returns: (table, its copies back, its ragged columns, batch_idx)
-        self._pending: tuple[Any, CopiesDone, frozenset[str], int] | None = None
+        # the batch's rows, until it returns: (table, its copies back, its ragged columns, batch_idx, and the rows'
+        # signature when they are plain; True: a plain batch of ``_plain``'s signature, its numpy arrays for a table)
+        self._pending: tuple[Any, CopiesDone, frozenset[str], int, Any] | None = None
+        self._plain: PlainColumns | None = None  # the rank's plain batches' signature (outputs/plain_columns.py)
+        self._plain_rows: list[list[Any]] = []  # plain batches' arrays since the last table (see _join_plain)
         self._stamp = stamp
         self._buffer: list[tuple[Any, CopiesDone]] = []  # rows not in the shard yet (with their copies back)
         self._buffered = 0
@@ -172,30 +176,61 @@ class RecordWriter:
                 f"context.write() was already called for batch {self._current.batch_idx}: write all the rows of a "
                 "batch in one call (one row per example of context.batch_indices)"
             )
+        indices = self._current.indices
+        plain = self._plain
+        if plain is not None and plain.schema is self._schema.schema:  # (the rank's types since: none widened)
+            arrays = plain.arrays(rows, indices)
+            if arrays is not None:  # the rank's signature: checked, in the rank's schema
+                self._pending = (arrays, _NO_COPIES, _NONE_RAGGED, self._current.batch_idx, True)
+                return
+        signature = None
+        if self._stamp is None and self._sink is None:  # a plain batch may start the short way (after its checks)
+            signature = PlainColumns.signature(rows, len(indices))
         copies, ragged = DeviceCopies(), set()
-        table = rows_to_table(rows, self._current.indices, copies, ragged)
+        table = rows_to_table(rows, indices, copies, ragged)
         if self._stamp is not None:
-            table = self._stamp(table, self._current.indices)
-        self._pending = (table, copies.done(), frozenset(ragged), self._current.batch_idx)
+            table = self._stamp(table, indices)
+        self._pending = (table, copies.done(), frozenset(ragged), self._current.batch_idx, signature)
 
     def _batch_finished(self, ok: bool) -> None:
         """The current batch returned (``ok``: its rows join the buffer) or raised (they are dropped)."""
         pending, self._pending = self._pending, None
         if not ok or pending is None or not self._keeps_rows:
             return
-        table, landing, ragged, batch_idx = pending
-        table = self._conform(table, landing, ragged, batch_idx)
-        size = table.get_total_buffer_size()
-        self._buffer.append((table, landing))
-        if self._sink is None:
-            self._unsaved.append((table, landing))
+        table, landing, ragged, batch_idx, plain = pending
+        if plain is True:  # a plain batch: its arrays join the next table of plain rows (_join_plain)
+            self._plain_rows.append(table)
+            size, rows = PlainColumns.nbytes(table), len(table[0])
+        else:
+            self._join_plain()  # the plain rows before it first: the buffer keeps the rows' order
+            checked = table
+            table = self._conform(table, landing, ragged, batch_idx)
+            if plain is not None and table is checked:  # kept as it was: later batches like it take the short way
+                candidate = PlainColumns(*plain, self._schema.schema)
+                self._plain = candidate if candidate.fits(table) else None
+            size, rows = table.get_total_buffer_size(), table.num_rows
+            self._buffer.append((table, landing))
+            if self._sink is None:
+                self._unsaved.append((table, landing))
         self._buffered += size
         self._shard_bytes += size
-        self.rows += table.num_rows
+        self.rows += rows
         if self._buffered >= ROW_GROUP_BYTES:
             self._flush(shard=True)
         if self._sink is not None and self._shard_bytes >= self._limit:
             self._close_table_file()
+
+    def _join_plain(self) -> None:
+        """The plain batches' rows since the last call, as one table (one Arrow table per few batches instead of one
+        per batch: building Arrow objects is most of a tiny batch's ``write``), for the shard and the segment (one
+        record batch in a segment log: a stage's rows may be one or more record batches)."""
+        if not self._plain_rows:
+            return
+        batches, self._plain_rows = self._plain_rows, []
+        assert self._plain is not None  # the signature they were taken with (a new one starts after a join)
+        table = self._plain.join(batches)
+        self._buffer.append((table, _NO_COPIES))
+        self._unsaved.append((table, _NO_COPIES))
 
     def _conform(self, table: Any, landing: CopiesDone, ragged: frozenset[str], batch_idx: int) -> Any:
         """``table`` with the shard's schema: the rank's schema so far unified with the batch's (see
@@ -227,6 +262,7 @@ class RecordWriter:
                 ) from exc
         if not unified.schema.equals(known.schema):  # e.g. a column that was all None so far
             self._widen(unified.schema)
+            self._plain = None  # its tables have the old types
         self._schema = unified
         return table
 
@@ -264,6 +300,7 @@ class RecordWriter:
         group), else they stay buffered for it."""
         import pyarrow as pa
 
+        self._join_plain()
         saving, self._unsaved = self._unsaved, []
         group: Any = None
         landing = [copies for _, copies in saving]
@@ -402,6 +439,7 @@ class RecordWriter:
             self._close_table_file()
             return
         self._wait()
+        self._join_plain()
         saving, self._unsaved = self._unsaved, []
         if saving and self._late is not None:  # one process: appended by the record writer (appended()), or earlier
             self._late.queue(self._open_segment(), saving, self._stager.stage)
@@ -486,12 +524,18 @@ class RecordWriter:
         self._shard, self._segment, self._table_file = None, None, None
         if self._late is not None:
             self._late.drop()
-        self._buffer, self._unsaved, self._pending, self._parts = [], [], None, []
+        self._buffer, self._unsaved, self._pending, self._parts, self._plain_rows = [], [], None, [], []
         if self._batch_finished in self._current.listeners:  # the current batch holds this writer: no cycle left
             self._current.listeners.remove(self._batch_finished)
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
+
+
+_NO_COPIES = CopiesDone([])
+"""The copies back of a plain batch's rows: none (CPU columns)."""
+
+_NONE_RAGGED: frozenset[str] = frozenset()
 
 
 class _LateAppends:
