@@ -249,11 +249,15 @@ def test_rank_0_dying_while_the_job_opens_fails_the_others_at_once(tmp_path):
 
 
 def test_votes_larger_than_the_gather_buffer_arrive_whole(tmp_path):
-    """A static commit's votes go to rank 0 in fixed-size buffers (engine/commit/gathered.py); a vote that does not fit (here
-    190 report_metrics records of a rank) is gathered again, all ranks together: every record arrives once."""
+    """A static commit's votes go to rank 0 in fixed-size buffers (engine/commit/gathered.py); a vote that does not
+    fit (here 190 report_metrics records of a rank) is gathered again, all ranks together: every record arrives
+    once."""
     import pickle
 
-    lines = [{"group": "inference", "steps_completed": g, "rank": 1, "metrics": {"batch_sum": g, "rank": 1}} for g in range(190)]
+    lines = [
+        {"group": "inference", "steps_completed": g, "rank": 1, "metrics": {"batch_sum": g, "rank": 1}}
+        for g in range(190)
+    ]
     assert len(pickle.dumps(lines)) > 4096  # the commit at step 190 overflows the buffer
     spec = job_spec(tmp_path, n=400, batch_size=1, checkpoint_interval=190, report_metrics=True, outputs="per_batch")
     proc, reports = run_generic(spec, nproc=2)
