@@ -7,6 +7,7 @@ tables show with what the job stored. Without Chromium those tests skip, saying 
 
 from __future__ import annotations
 
+import contextlib
 import html
 import importlib.util
 import json
@@ -19,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -547,12 +549,33 @@ def test_stored_text_that_would_act_is_shown_escaped_by_status_failures_and_repo
 # --------------------------------------------------------------------------------------- dashboard
 
 
+@contextlib.contextmanager
+def _children_get_sigint_at_its_default() -> Iterator[None]:
+    """Processes started inside start with SIGINT at its default even when this one ignores it.
+
+    pytest started in the background by a shell (``cmd &``, a CI step's ``nohup``) ignores SIGINT, and a child keeps
+    an ignored signal ignored across exec: ``tbp dashboard``, which by design leaves an ignored SIGINT ignored, then
+    never sees the test's Ctrl-C. A handled signal is reset to its default by exec, so this process handles SIGINT
+    (as Python does by default) while it starts the child. Nothing runs in the child between fork and exec (unlike
+    ``preexec_fn``, unsafe with threads: moto's, the fault proxy's); SIGINT is handled here for the few
+    milliseconds of the start only, and only when it was ignored."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:  # an int (1) when ignored at the start, == SIG_IGN
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _start_dashboard(storage: Path | str, *extra: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        tbp_cmd("dashboard", str(storage), "--port", "0", "--refresh", "0.5", *extra),
-        env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
-        start_new_session=True,  # stop_with_stacks kills its session
-    )
+    with _children_get_sigint_at_its_default():  # the test's SIGINT is its Ctrl-C, whatever started pytest
+        proc = subprocess.Popen(
+            tbp_cmd("dashboard", str(storage), "--port", "0", "--refresh", "0.5", *extra),
+            env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+            start_new_session=True,  # stop_with_stacks kills its session
+        )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert "serving http://127.0.0.1:" in line, line + (proc.stderr.read() if proc.poll() is not None else "")
