@@ -374,7 +374,7 @@ def chaos(tmp_path: Path, spec_table: dict, seed: int, storage: str, n: int = 12
         assert all(rc is not None for rc, _, _ in outcomes), "a rank hung"
         assert any(rc == -signal.SIGKILL for rc, _, _ in outcomes), [(rc, err[-2000:]) for rc, _, err in outcomes]
         assert not any("result" in r for r in read_reports(spec, attempt).values()), "the job finished: kill earlier"
-    procs = spawn_ranks(1, TABLE_JOB, json.dumps(dict(spec, attempt=len(kills) + 1)))
+    procs = spawn_ranks(1, TABLE_JOB, json.dumps(dict(spec, attempt=len(kills) + 1, sleep=0)))  # nothing to kill
     (rc, _, err), = wait_all(procs, timeout=180)
     assert rc == 0, err[-4000:]
     assert_each_index_once(spec_table, n)
