@@ -16,7 +16,7 @@ from harness import REPO, base_env, run_torchrun
 EXAMPLE = REPO / "examples" / "digits"
 sys.path.insert(0, str(EXAMPLE))
 
-from model import load_trained_model
+from model import load_trained_model  # noqa: E402
 from model import test_dataset as held_out_dataset  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -51,15 +51,19 @@ def check_run(output: str, storage: Path, truth: dict[int, tuple[int, int]]) -> 
     assert {r[0]: (r[1], r[2]) for r in rows} == truth
 
 
-def test_example_one_process(tmp_path, true_predictions):
-    storage = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE / "batch_inference.py"), "--storage", str(storage), "--batch-size", "50"],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+ONE_PROCESS = [sys.executable, str(EXAMPLE / "batch_inference.py"), "--batch-size", "50", "--storage"]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The example run once as one process (shared: the rerun test runs the same command again on its storage)."""
+    storage = tmp_path_factory.mktemp("one_process") / "run"
+    proc = subprocess.run([*ONE_PROCESS, str(storage)], env=base_env(), capture_output=True, text=True, timeout=180)
+    return proc, storage
+
+
+def test_example_one_process(one_process_run, true_predictions):
+    proc, storage = one_process_run
     assert proc.returncode == 0, proc.stderr
     check_run(proc.stdout, storage, true_predictions)
 
@@ -72,15 +76,12 @@ def test_example_two_processes_with_loader_workers(tmp_path, true_predictions):
     check_run(proc.stdout, storage, true_predictions)
 
 
-def test_example_rerun_says_it_had_finished_instead_of_processed_0(tmp_path):
-    storage = tmp_path / "run"
-    command = [sys.executable, str(REPO / "examples" / "digits" / "batch_inference.py"), "--storage", str(storage)]
-    command += ["--batch-size", "100"]
-    first = subprocess.run(command, capture_output=True, text=True, env=base_env(), timeout=300)
+def test_example_rerun_says_it_had_finished_instead_of_processed_0(one_process_run):
+    first, storage = one_process_run  # the first run of the command (shared with test_example_one_process)
     assert first.returncode == 0, first.stderr[-3000:]
     accuracy = re.search(r"Accuracy: (\d\.\d{4}) over (\d+) held-out digits", first.stdout)
     assert accuracy and "Processed " in first.stdout
-    again = subprocess.run(command, capture_output=True, text=True, env=base_env(), timeout=300)
+    again = subprocess.run([*ONE_PROCESS, str(storage)], capture_output=True, text=True, env=base_env(), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Processed " not in again.stdout, again.stdout
     expected = f"Already finished earlier: {accuracy.group(2)} examples, accuracy {accuracy.group(1)}"

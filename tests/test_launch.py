@@ -417,8 +417,10 @@ def test_ctrl_c_after_the_job_finished_is_not_reported_as_a_preemption(tmp_path)
     spec = job_spec(tmp_path, n=20, batch_size=2, sleep_after=60, attempt=1)
     proc = _start_generic(spec)
     try:
-        wait_for(lambda: (tmp_path / "reports" / "returned_rank0").exists() or proc.poll() is not None, 120,
-                 "the end of the job")
+        # both workers in their own code: a worker still in the call (its last steps) would take the SIGINT as a
+        # preemption, go on into its sleep, and be killed only at torchrun's --shutdown-timeout (30 s)
+        returned = [tmp_path / "reports" / f"returned_rank{rank}" for rank in (0, 1)]
+        wait_for(lambda: all(p.exists() for p in returned) or proc.poll() is not None, 120, "the end of the job")
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)

@@ -7,6 +7,7 @@ tables show with what the job stored. Without Chromium those tests skip, saying 
 
 from __future__ import annotations
 
+import contextlib
 import html
 import importlib.util
 import json
@@ -19,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -187,7 +189,8 @@ def test_histogram_bins_and_quantiles_are_within_a_bin_of_the_exact_values():
     assert histogram.from_json(json.loads(json.dumps(histogram.to_json(found)))) == found
     assert histogram.to_json({-22: 40, -20: 3, -19: 0}) == [-22, 40, 0, 3] and histogram.to_json({}) == []
     assert histogram.from_json([-22, 40, 0, 3]) == {-22: 40, -20: 3}
-    assert histogram.from_json("junk") == {} == histogram.from_json({"x": 1}) and histogram.from_json({"3": 2}) == {3: 2}
+    assert histogram.from_json("junk") == {} == histogram.from_json({"x": 1})
+    assert histogram.from_json({"3": 2}) == {3: 2}
 
 
 def test_a_part_counts_whole_batches_in_its_histogram():
@@ -357,7 +360,8 @@ def test_report_of_a_preempted_and_resumed_job_shows_its_real_numbers_in_the_bro
     assert {row[0]: row[4] for row in failures} == {"13": "process", "77": "load", "250": "process"}
     assert "cannot embed example 13" in failures[0][6] and failures[1][5] == "OSError"
     arguments = dict(page.rows["tbp-arguments"])
-    assert arguments["on_error"] == "skip" and arguments["checkpoint_interval"] == "3" and arguments["bucket_by"] == "true"
+    assert arguments["on_error"] == "skip" and arguments["checkpoint_interval"] == "3"
+    assert arguments["bucket_by"] == "true"
     assert [row[0] for row in page.rows["tbp-job-lines"]] == ["1", "2"]
 
 
@@ -423,7 +427,8 @@ def test_report_to_an_empty_or_unwritable_output_is_one_clear_line(tmp_path, cap
     (tmp_path / "file").write_text("x")
     assert cli.main(["report", str(storage), "-o", str(tmp_path / "file" / "r.html")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"tbp report: cannot write --output {str(tmp_path / 'file' / 'r.html')!r}") and err.count("\n") == 1
+    assert err.startswith(f"tbp report: cannot write --output {str(tmp_path / 'file' / 'r.html')!r}")
+    assert err.count("\n") == 1
 
 
 def test_report_without_output_goes_next_to_the_job_named_after_it_and_says_where(tmp_path, capsys, monkeypatch):
@@ -547,12 +552,33 @@ def test_stored_text_that_would_act_is_shown_escaped_by_status_failures_and_repo
 # --------------------------------------------------------------------------------------- dashboard
 
 
+@contextlib.contextmanager
+def _children_get_sigint_at_its_default() -> Iterator[None]:
+    """Processes started inside start with SIGINT at its default even when this one ignores it.
+
+    pytest started in the background by a shell (``cmd &``, a CI step's ``nohup``) ignores SIGINT, and a child keeps
+    an ignored signal ignored across exec: ``tbp dashboard``, which by design leaves an ignored SIGINT ignored, then
+    never sees the test's Ctrl-C. A handled signal is reset to its default by exec, so this process handles SIGINT
+    (as Python does by default) while it starts the child. Nothing runs in the child between fork and exec (unlike
+    ``preexec_fn``, unsafe with threads: moto's, the fault proxy's); SIGINT is handled here for the few
+    milliseconds of the start only, and only when it was ignored."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:  # an int (1) when ignored at the start, == SIG_IGN
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _start_dashboard(storage: Path | str, *extra: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        tbp_cmd("dashboard", str(storage), "--port", "0", "--refresh", "0.5", *extra),
-        env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
-        start_new_session=True,  # stop_with_stacks kills its session
-    )
+    with _children_get_sigint_at_its_default():  # the test's SIGINT is its Ctrl-C, whatever started pytest
+        proc = subprocess.Popen(
+            tbp_cmd("dashboard", str(storage), "--port", "0", "--refresh", "0.5", *extra),
+            env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+            start_new_session=True,  # stop_with_stacks kills its session
+        )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert "serving http://127.0.0.1:" in line, line + (proc.stderr.read() if proc.poll() is not None else "")
@@ -631,7 +657,9 @@ def test_dashboard_follows_a_running_job_from_before_its_start_to_its_end(tmp_pa
 
         def committed() -> int:
             code, body = _get(url + "data.json")
-            return int(_summary(json.loads(body)).split('<span class="num">', 1)[1].split("<", 1)[0]) if code == 200 else -1
+            if code != 200:
+                return -1
+            return int(_summary(json.loads(body)).split('<span class="num">', 1)[1].split("<", 1)[0])
 
         held = committed()
         assert 0 < held < 240, held
@@ -665,7 +693,8 @@ def test_report_of_two_ranks_names_the_straggler_and_plots_every_rank(tmp_path):
     page = Page(dom)
     check_clean(page, console)
     assert page.titles["ranks"].startswith("Ranks: rank 1 is a straggler (")
-    assert {"rank 0", "rank 1"} <= set(page.texts["throughput"]) and {"rank 0", "rank 1"} <= set(page.texts["batch_times"])
+    assert {"rank 0", "rank 1"} <= set(page.texts["throughput"])
+    assert {"rank 0", "rank 1"} <= set(page.texts["batch_times"])
     ranks = {row[0]: row for row in page.rows["tbp-ranks"]}
     assert ranks["rank 1 (straggler)"][1] == "30" and ranks["rank 0"][1] == "30", "60 batches, 30 per rank"
     assert page.titles["batch_times"].startswith("Batch times (process_batch): 60 batches;")

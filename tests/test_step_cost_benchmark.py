@@ -10,7 +10,9 @@ import pytest
 def test_step_cost_prints_a_row_per_variant(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks.step_cost import VARIANTS, main
 
-    variants = ["hand", "collective", "static", "dynamic"]
+    # one variant per branch of the benchmark's rank code: the hand loop, the collective alone, the library (the
+    # schedule is only an argument of the call there; each schedule's steps are the engine tests' subject)
+    variants = ["hand", "collective", "static"]
     assert main(["--batches", "40", "--rounds", "1", "--variants", ",".join(variants)]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| Variant")]

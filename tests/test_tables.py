@@ -203,7 +203,10 @@ def test_an_existing_table_is_appended_to_by_another_job(tmp_path):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_narrower_types_are_widened_and_wider_ones_refused_before_any_write(tmp_path, fmt):
     target = target_of(table_spec(fmt, tmp_path))
-    Embed.kind = {-1: lambda ids: torch.tensor(ids, dtype=torch.int64), 2: lambda ids: torch.tensor(ids, dtype=torch.int32)}
+    Embed.kind = {
+        -1: lambda ids: torch.tensor(ids, dtype=torch.int64),
+        2: lambda ids: torch.tensor(ids, dtype=torch.int32),
+    }
     try:
         run_job(tmp_path, target, n=16)  # batch 2's int32 counts go into the int64 column
         table = read_outputs(target)
@@ -374,7 +377,7 @@ def chaos(tmp_path: Path, spec_table: dict, seed: int, storage: str, n: int = 12
         assert all(rc is not None for rc, _, _ in outcomes), "a rank hung"
         assert any(rc == -signal.SIGKILL for rc, _, _ in outcomes), [(rc, err[-2000:]) for rc, _, err in outcomes]
         assert not any("result" in r for r in read_reports(spec, attempt).values()), "the job finished: kill earlier"
-    procs = spawn_ranks(1, TABLE_JOB, json.dumps(dict(spec, attempt=len(kills) + 1)))
+    procs = spawn_ranks(1, TABLE_JOB, json.dumps(dict(spec, attempt=len(kills) + 1, sleep=0)))  # nothing to kill
     (rc, _, err), = wait_all(procs, timeout=180)
     assert rc == 0, err[-4000:]
     assert_each_index_once(spec_table, n)
@@ -450,7 +453,9 @@ def test_table_transactions_are_paced_but_the_final_one_never_waits(tmp_path):
     paced = tables.lance(tmp_path / "fast.lance", commit_interval_s=0, compact=False)
     run_job(tmp_path / "two", paced, n=40, interval=1)
     fast = lance.dataset(str(tmp_path / "fast.lance"))
-    fast_keys = [(fast.read_transaction(v["version"]).transaction_properties or {}).get("tbp.commit") for v in fast.versions()]
+    fast_keys = [
+        (fast.read_transaction(v["version"]).transaction_properties or {}).get("tbp.commit") for v in fast.versions()
+    ]
     assert len([k for k in fast_keys if k]) > 1  # at most one per commit, several here
 
 
