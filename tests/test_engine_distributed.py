@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 import time
@@ -18,6 +17,7 @@ from harness import (
     job_spec,
     per_batch_values,
     run_generic,
+    run_process,
     spawn_ranks,
     wait_all,
 )
@@ -150,13 +150,8 @@ def test_user_initialized_group_is_reused_and_kept(tmp_path):
 
 def test_one_plain_process_without_any_env(tmp_path):
     spec = job_spec(tmp_path, n=9, batch_size=4)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "jobs" / "generic_job.py"), json.dumps(dict(spec, attempt=1))],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [sys.executable, str(REPO / "tests" / "jobs" / "generic_job.py"), json.dumps(dict(spec, attempt=1))]
+    proc = run_process(command, base_env(), 120)
     assert proc.returncode == 0, proc.stderr
     assert_exactly_once(committed_values(tmp_path / "storage"), 9)
 
@@ -174,7 +169,7 @@ def test_three_calls_in_one_script_with_two_processes(tmp_path, launcher):
     command = torchrun_cmd(2, script, str(tmp_path)) if launcher == "torchrun" else launcher_cmd(
         "--nproc-per-node", "2", sys.executable, script, str(tmp_path)
     )
-    proc = subprocess.run(command, env=base_env(), capture_output=True, text=True, timeout=180, cwd=str(REPO))
+    proc = run_process(command, base_env(), 180)
     assert proc.returncode == 0, _ok(proc)
     assert proc.stdout.count("ok") == 6, proc.stdout
 

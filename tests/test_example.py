@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, base_env, run_torchrun
+from harness import REPO, base_env, run_process, run_torchrun
 
 EXAMPLE = REPO / "examples" / "digits"
 sys.path.insert(0, str(EXAMPLE))
@@ -58,7 +58,7 @@ ONE_PROCESS = [sys.executable, str(EXAMPLE / "batch_inference.py"), "--batch-siz
 def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     """The example run once as one process (shared: the rerun test runs the same command again on its storage)."""
     storage = tmp_path_factory.mktemp("one_process") / "run"
-    proc = subprocess.run([*ONE_PROCESS, str(storage)], env=base_env(), capture_output=True, text=True, timeout=180)
+    proc = run_process([*ONE_PROCESS, str(storage)], base_env(), 180)
     return proc, storage
 
 
@@ -81,7 +81,7 @@ def test_example_rerun_says_it_had_finished_instead_of_processed_0(one_process_r
     assert first.returncode == 0, first.stderr[-3000:]
     accuracy = re.search(r"Accuracy: (\d\.\d{4}) over (\d+) held-out digits", first.stdout)
     assert accuracy and "Processed " in first.stdout
-    again = subprocess.run([*ONE_PROCESS, str(storage)], capture_output=True, text=True, env=base_env(), timeout=300)
+    again = run_process([*ONE_PROCESS, str(storage)], base_env(), 300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Processed " not in again.stdout, again.stdout
     expected = f"Already finished earlier: {accuracy.group(2)} examples, accuracy {accuracy.group(1)}"

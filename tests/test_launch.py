@@ -27,6 +27,7 @@ from harness import (
     launcher_cmd,
     read_pid,
     read_reports,
+    run_process,
     start_process,
     wait_for,
 )
@@ -338,14 +339,7 @@ _WORKER = textwrap.dedent(
 def _launch(tmp_path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    return subprocess.run(
-        launcher_cmd("--nproc-per-node", "2", "python3", str(script), *args),
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=str(REPO),
-    )
+    return run_process(launcher_cmd("--nproc-per-node", "2", "python3", str(script), *args), base_env(), timeout)
 
 
 @pytest.mark.slow
@@ -444,13 +438,8 @@ def test_sigterm_to_the_launcher_commits_stops_and_the_same_command_resumes_exac
     assert seconds < 20, f"the job took {seconds:.1f}s to stop"  # a commit, not torchrun's kill after 30s
 
     spec2 = dict(spec, attempt=2, sleep=0)
-    proc2 = subprocess.run(
-        launcher_cmd("--nproc-per-node", "2", "python3", str(GENERIC_JOB), json.dumps(spec2)),
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=str(REPO),
+    proc2 = run_process(
+        launcher_cmd("--nproc-per-node", "2", "python3", str(GENERIC_JOB), json.dumps(spec2)), base_env(), 180
     )
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert_exactly_once(committed_values(tmp_path / "storage"), 400)

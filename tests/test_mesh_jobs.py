@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from harness import (
     committed_batches,
     job_spec,
     read_reports,
+    run_process,
     run_torchrun,
     spawn_ranks,
     tree_digest,
@@ -193,9 +193,7 @@ def exact_metrics() -> dict:
 def test_a_one_process_mesh_gets_a_process_group_of_its_own(tmp_path):
     """A 1 x 1 mesh on one process (the NCCL path on one GPU; gloo here): the library makes the process group."""
     spec = job_spec(tmp_path, n=10, batch_size=4, layers=1, attempt=1, mesh={"replica": -1, "tp": 1})
-    done = subprocess.run(
-        [sys.executable, str(MESH_JOB), json.dumps(spec)], env=base_env(), capture_output=True, text=True, timeout=120
-    )
+    done = run_process([sys.executable, str(MESH_JOB), json.dumps(spec)], base_env(), 120)
     assert done.returncode == 0, done.stderr[-4000:]
     report = read_reports(spec)[0]
     assert report["result"]["metrics"] == {"examples": 10, "index_sum": 45}
