@@ -116,6 +116,47 @@ def test_write_and_read_back_every_kind_of_column(tmp_path, fmt):
     assert streamed[0].schema == table.schema
 
 
+class ReusedBuffers(TorchBatchProcessor):
+    """Writes from buffers it reuses for every batch (a tensor, a numpy array, a 2-d tensor), changed in place after
+    each write() returns: the rows must hold the values of the call, not the buffers' last ones. Without the 2-d
+    column (``plain``), the batches take ``context.write``'s short way (outputs/plain_columns.py)."""
+
+    plain = False
+
+    def __init__(self, context):
+        self.context = context
+        self.tensor = torch.zeros(4, dtype=torch.int64)
+        self.array = np.zeros(4, dtype=np.float32)
+        self.matrix = torch.zeros(4, 3)
+
+    def process_batch(self, batch, batch_idx):
+        n = len(batch)
+        self.tensor[:n] = batch * 10
+        self.array[:n] = batch.numpy() / 2
+        self.matrix[:n] = batch[:, None].float()
+        rows = {"t": self.tensor[:n], "a": self.array[:n]}
+        self.context.write(rows if ReusedBuffers.plain else dict(rows, m=self.matrix[:n]))
+        self.tensor.fill_(-1)  # what a processor may do before its next batch
+        self.array.fill(-1)
+        self.matrix.fill_(-1)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_hold_the_values_of_the_call_when_the_processor_reuses_its_buffers(tmp_path, fmt, plain, monkeypatch):
+    monkeypatch.setattr(ReusedBuffers, "plain", plain)
+    result = torch_batch_process(
+        ReusedBuffers, torch.arange(38), batch_size=4, checkpoint_interval=3, storage_path=str(tmp_path / "s"),
+        progress=False, output_format=fmt,
+    )  # fmt: skip
+    rows = read_outputs(result.storage_path).to_pylist()
+    assert [row["index"] for row in rows] == list(range(38))
+    assert [row["t"] for row in rows] == [10 * i for i in range(38)]
+    assert [row["a"] for row in rows] == [i / 2 for i in range(38)]
+    if not plain:
+        assert [row["m"] for row in rows] == [[float(i)] * 3 for i in range(38)]
+
+
 def test_jsonl_and_parquet_outputs_read_back_as_the_same_table(tmp_path):
     tables = {}
     for fmt in FORMATS:

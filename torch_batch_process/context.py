@@ -176,7 +176,8 @@ class TorchBatchProcessorContext:
                 number of examples (tensors of any per-example shape; strings, ints, floats, nested lists), or a
                 list of per-example dicts with the same keys. CUDA tensors are copied back asynchronously into
                 pinned memory (``write`` does not wait for the GPU; the rows are encoded once the copies land);
-                tensors on other devices are copied with ``.cpu()``.
+                tensors on other devices are copied with ``.cpu()``. The rows hold the values of the call: CPU
+                tensors and arrays are copied, so the processor may reuse or change them once ``write`` returns.
         """
         if self._write_rows is None:
             raise RuntimeError("context.write() is not available in this context")

@@ -65,7 +65,7 @@ def _to_numpy(value: Any) -> Any:
     if torch is None or not isinstance(value, torch.Tensor):
         return value
     if value.is_cpu and not value.requires_grad and value.dtype is not torch.bfloat16:
-        return value.numpy()  # the common case: no copy, no new tensor
+        return value.numpy()  # the common case: no new tensor (the column's values are copied once, into its table)
     value = value.detach()
     if value.dtype == torch.bfloat16:
         value = value.float()
@@ -85,12 +85,17 @@ def _from_numpy(pa: Any, array: np.ndarray, landing: bool = False) -> Any:
     arrow_type = _ARROW_TYPES.get(flat.dtype)
     if arrow_type is None:
         arrow_type = _ARROW_TYPES[flat.dtype] = pa.from_numpy_dtype(flat.dtype)
+    if not landing and np.may_share_memory(flat, array):
+        # the rows are what the column held at the call: a processor may change its tensor or array in place once
+        # write() has returned (a buffer it reuses per batch), while the table waits for its commit (a pinned copy
+        # still landing is the library's own memory)
+        flat = flat.copy()
     if landing or (flat.dtype.kind in "iuf" and flat.dtype.isnative and flat.flags.aligned):
         # wraps the buffer as it is (landing: nothing reads the values before the copy is done); for plain numbers
         # this is what ``pa.array`` does, without its per-call dispatch (~0.5 us a column: this runs per batch)
         values = pa.Array.from_buffers(arrow_type, len(flat), [None, pa.py_buffer(flat)])
     else:
-        values = pa.array(flat, type=arrow_type)  # typed: zero-copy (untyped inference scans)
+        values = pa.array(flat, type=arrow_type)  # typed
     shape = array.shape
     if len(shape) == 1:
         return values

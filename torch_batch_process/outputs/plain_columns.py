@@ -93,7 +93,7 @@ class PlainColumns:
                 return None
             if len(value) != n or not (value.flags.c_contiguous and value.flags.aligned):
                 return None
-            arrays.append(value)
+            arrays.append(value.copy())  # the values at the call: the processor may reuse its buffer (columns.py)
         return arrays
 
     @staticmethod
