@@ -34,6 +34,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -88,13 +89,14 @@ class _Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._socket = ours
         self._lock = threading.Lock()
+        self._log = tempfile.TemporaryFile()  # the server's own stderr (its children have their own streams)
         self._process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             env=_server_env(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self._log,  # a file, not a pipe: a pipe nobody reads would block the server once full
             start_new_session=True,
         )
         theirs.close()
@@ -105,8 +107,10 @@ class _Server:
             ready = b""
         if ready != b"R":
             self._process.kill()
-            _, err = self._process.communicate(timeout=30)
-            raise RuntimeError(f"the tests' fork server did not start: {err.decode(errors='replace')[-2000:]}")
+            self._process.wait(timeout=30)
+            self._log.seek(0)
+            err = self._log.read().decode(errors="replace")
+            raise RuntimeError(f"the tests' fork server did not start: {err[-2000:]}")
         ours.settimeout(60)
         atexit.register(self.stop)
 
@@ -134,6 +138,7 @@ class _Server:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+        self._log.close()
 
 
 _SERVERS = 2  # processes started one after the other (a job's ranks) alternate between them: see start()
