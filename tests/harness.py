@@ -65,9 +65,7 @@ def run_process(
     """:func:`subprocess.run` of ``command`` from ``cwd`` with its output captured as text, forked by
     the suite's fork server where it can be (:func:`start_process`); on ``timeout`` the process is killed and
     :class:`subprocess.TimeoutExpired` raised, as ``subprocess.run`` does."""
-    popen: type[subprocess.Popen[str]] = subprocess.Popen
-    if forkserver.enabled() and forkserver.forkable(command, env):
-        popen = forkserver.ForkedPopen
+    popen = _popen_class(command, env)
     with popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd)) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -97,13 +95,18 @@ def spawn_ranks(
     return procs
 
 
+def _popen_class(command: list[str], env: dict[str, str]) -> type[subprocess.Popen[str]]:
+    """``forkserver.ForkedPopen`` for a command the suite's fork server can start, else ``subprocess.Popen``."""
+    if forkserver.enabled() and forkserver.forkable(command, env):
+        return forkserver.ForkedPopen
+    return subprocess.Popen
+
+
 def start_process(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     """Starts ``command`` from the repository root in a session of its own (so that a test can kill its
     whole tree), with its output captured as text. A ``python SCRIPT``/``python -m MODULE`` command is forked by the
     suite's fork server (torch already imported: :mod:`forkserver`) unless ``TBP_TEST_FORKSERVER=0``."""
-    popen: type[subprocess.Popen[str]] = subprocess.Popen
-    if forkserver.enabled() and forkserver.forkable(command, env):
-        popen = forkserver.ForkedPopen
+    popen = _popen_class(command, env)
     return popen(
         command,
         env=env,
