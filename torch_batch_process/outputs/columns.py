@@ -85,11 +85,6 @@ def _from_numpy(pa: Any, array: np.ndarray, landing: bool = False) -> Any:
     arrow_type = _ARROW_TYPES.get(flat.dtype)
     if arrow_type is None:
         arrow_type = _ARROW_TYPES[flat.dtype] = pa.from_numpy_dtype(flat.dtype)
-    if not landing and np.may_share_memory(flat, array):
-        # the rows are what the column held at the call: a processor may change its tensor or array in place once
-        # write() has returned (a buffer it reuses per batch), while the table waits for its commit (a pinned copy
-        # still landing is the library's own memory)
-        flat = flat.copy()
     if landing or (flat.dtype.kind in "iuf" and flat.dtype.isnative and flat.flags.aligned):
         # wraps the buffer as it is (landing: nothing reads the values before the copy is done); for plain numbers
         # this is what ``pa.array`` does, without its per-call dispatch (~0.5 us a column: this runs per batch)
@@ -123,6 +118,11 @@ def _column(pa: Any, name: str, value: Any, n: int, copies: DeviceCopies | None 
                 f"context.write(): column {name!r} has shape {tuple(value.shape)}; its first dimension must be the "
                 f"batch's {n} example(s)"
             )
+        if not landing:
+            # the caller's memory (its array, or its tensor's): the rows are what the column held at the call, while a
+            # processor may change it in place once write() has returned (a buffer it reuses per batch) and the table
+            # waits for its commit; one C-ordered copy (a pinned copy still landing is the library's own memory)
+            value = value.copy()
         return _arrow_array(pa, name, value, landing)
     if not _is_per_example_list(value):
         raise InvalidArgumentError(
