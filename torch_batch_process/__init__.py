@@ -60,7 +60,7 @@ _EXPORTS: dict[str, str] = {
 }
 """Public name -> the module that defines it (imported on first access)."""
 
-_SUBMODULES = frozenset({"launch", "lengths", "pytorch", "sources", "tables"})
+_SUBMODULES = frozenset({"core", "launch", "lengths", "pytorch", "sources", "tables"})
 """Public sub-packages and modules reachable as attributes once the package is imported, as a user spells them
 (``torch_batch_process.sources.parquet(...)``; ``import torch_batch_process as det`` then
 ``det.pytorch.experimental``, Determined's ``import determined as det`` with only the import changed)."""
