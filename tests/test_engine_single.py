@@ -525,3 +525,35 @@ def test_batches_are_loaded_in_the_mode_process_batch_runs_in(tmp_path: Path, in
         inference_mode=inference_mode,
     )
     assert _SeesInference.seen == [(inference_mode, inference_mode)] * 3
+
+
+class _WorkerMode(torch.utils.data.Dataset):
+    """Each example is whether its loader worker made it under ``torch.inference_mode()``."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(torch.is_inference_mode_enabled())
+
+
+class _SeesWorkerMode(TorchBatchProcessor):
+    seen: list[bool] = []
+
+    def __init__(self, context):
+        pass
+
+    def process_batch(self, batch, batch_idx):
+        _SeesWorkerMode.seen.extend(bool(flag) for flag in batch)
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_loader_workers_load_in_the_mode_process_batch_runs_in(tmp_path: Path, inference_mode: bool) -> None:
+    """As in a hand loop whose loader iterator is made under ``torch.inference_mode()``: the workers (forked then)
+    load under it too, which makes each tensor op of ``__getitem__``/``collate_fn`` cheaper."""
+    _SeesWorkerMode.seen = []
+    torch_batch_process(
+        _SeesWorkerMode, _WorkerMode(), batch_size=4, storage_path=str(tmp_path / "s"), progress=False,
+        inference_mode=inference_mode, dataloader_kwargs={"num_workers": 1},
+    )
+    assert _SeesWorkerMode.seen == [inference_mode] * 6

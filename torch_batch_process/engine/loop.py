@@ -448,7 +448,8 @@ class JobRun:
         batches = DevicePrefetcher(feed, env.device, enabled=prefetch, error_of=feed.load_error)
         observer = job.observer
         try:
-            feed.start()
+            with call.inference():  # the loader's workers fork here and keep the mode: they load under it too
+                feed.start()
             for step, has_batch in enumerate(scheduler.steps()):
                 if has_batch and replica_feed is not None:  # the step's batch; none if a member failed or saw a stop
                     has_batch = scheduler.follow(*replica_feed.exchange())
