@@ -221,6 +221,12 @@ class ReplicaFeed:
             item: Any = next(self._feed)
         except StopIteration:  # the dynamic schedule's end (the static schedule stops its steps before)
             self._ended, item = True, _End()
+        except WorkerLostError as lost:  # a claim found the rendezvous store gone (rank 0's process hosts it)
+            # this rank's failure, which the replica's next message carries, and the end of its feed: raised here, it
+            # would leave the message in flight (this loads while it is) looking lost to this rank alone, while the
+            # other members received it and ran its batch, waiting for this rank in the model's collectives
+            self._rank_failure.record(lost, f"claiming the next batch of rank {self._rank}'s replica")
+            self._ended, item = True, _End()
         except LoadFailed as exc:
             failed, item = exc, _Failed(exc.batch_idx, exc.error)
         try:
