@@ -16,6 +16,9 @@ argv[1]: a JSON spec: ``storage``, ``report_dir``, ``attempt``, ``mesh`` (a dict
   than ``size`` examples, ``"before"`` its forward (the other members then wait for it in the forward's collectives)
   or ``"after"`` it;
 - ``stop_at``: ``[rank, k]``: that rank sends itself SIGTERM (a preemption) once it ran ``k`` batches of the attempt;
+- ``kill_at``: ``[killer, victim, k]``: rank ``killer`` SIGKILLs rank ``victim`` once it ran ``k`` batches of the
+  attempt, and goes on once the victim is gone (every rank writes its pid to ``pid_rank<r>`` in ``report_dir``);
+- ``on_oom``: the call's ``on_oom`` (default ``"split"``);
 - ``die_opening``: that rank kills itself (SIGKILL) as the mesh's replica groups are created (the device mesh's are
   connected), so that the others wait for it while they connect;
 - ``upload``: ``"same"``: every member saves ``batch_<idx>.pt`` with ``upload_path()``; ``"member_only"``: the members
@@ -102,14 +105,37 @@ class TensorParallelJob(TorchBatchProcessor):
         self.seen["batches"].append(batch_idx)
         if SPEC.get("stop_at") == [rank, len(self.seen["batches"])]:
             os.kill(os.getpid(), signal.SIGTERM)
+        if SPEC.get("kill_at") is not None and SPEC["kill_at"][::2] == [rank, len(self.seen["batches"])]:
+            kill_and_wait(SPEC["kill_at"][1])
         if SPEC.get("sleep"):
             time.sleep(SPEC["sleep"])
         if SPEC.get("progress_file") and len(self.seen["batches"]) >= SPEC.get("progress_after", 2):
             Path(SPEC["progress_file"]).touch()
 
 
+def pid_file(rank: int) -> Path:
+    return Path(SPEC["report_dir"]) / f"pid_rank{rank}"
+
+
+def kill_and_wait(victim: int) -> None:
+    """SIGKILLs rank ``victim`` and waits (10 s at most) until its process is gone, its connections closed."""
+    pid = int(pid_file(victim).read_text())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.01)
+
+
 def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
+    if SPEC.get("kill_at") is not None:
+        pid_file(rank).parent.mkdir(parents=True, exist_ok=True)
+        pid_file(rank).write_text(str(os.getpid()))
     if SPEC.get("die_opening") == rank:
         torch.distributed.new_subgroups_by_enumeration = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     report = {"rank": rank}
@@ -121,6 +147,7 @@ def main() -> None:
             checkpoint_interval=SPEC.get("checkpoint_interval", 2),
             mesh=SPEC["mesh"],
             schedule=SPEC.get("schedule", "static"),
+            on_oom=SPEC.get("on_oom", "split"),
             storage_path=SPEC["storage"],
             progress=False,
             tensorboard=False,

@@ -14,7 +14,9 @@ overlaps the other members' work (the writer saving its outputs, a pipeline's la
 next forward, which every member starts together.
 
 Under the dynamic schedule the source claims the replica's batches as its loader asks for them (the other members
-claim none), and sends the end of its feed (no batch left, or a stop seen at a claim) as it sends a batch.
+claim none), and sends the end of its feed (no batch left, or a stop seen at a claim) as it sends a batch. A claim that
+finds the job's rendezvous store gone (rank 0's process hosts it) is the source's failure, which the next message
+carries, and the end of its feed; the message in flight meanwhile stands (its batch runs on every member).
 
 A batch that fails to load (or to pack) on the source fails on every member: the members receive the failure (its
 type and message) and raise a :class:`~torch_batch_process.engine.feed.batches.LoadFailed` for that batch, so every rank
@@ -220,6 +222,12 @@ class ReplicaFeed:
                 raise StopIteration
             item: Any = next(self._feed)
         except StopIteration:  # the dynamic schedule's end (the static schedule stops its steps before)
+            self._ended, item = True, _End()
+        except WorkerLostError as lost:  # a claim found the rendezvous store gone (rank 0's process hosts it)
+            # this rank's failure, which the replica's next message carries, and the end of its feed: raised here, it
+            # would leave the message in flight (this loads while it is) looking lost to this rank alone, while the
+            # other members received it and ran its batch, waiting for this rank in the model's collectives
+            self._rank_failure.record(lost, f"claiming the next batch of rank {self._rank}'s replica")
             self._ended, item = True, _End()
         except LoadFailed as exc:
             failed, item = exc, _Failed(exc.batch_idx, exc.error)

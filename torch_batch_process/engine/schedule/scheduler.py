@@ -29,6 +29,7 @@ from typing import Any
 
 from torch_batch_process.engine.distributed import Collectives, RendezvousStore
 from torch_batch_process.engine.schedule.agreement import Decision, StepAgreement
+from torch_batch_process.errors import WorkerLostError
 from torch_batch_process.jobstore.ranges import IndexedRanges, RangeSet
 
 __all__ = ["BlockScheduler", "DynamicScheduler", "Scheduler", "StaticScheduler", "make_scheduler", "stream_scheduler"]
@@ -231,7 +232,13 @@ class DynamicScheduler(Scheduler):
         """The decision of a member of a replica: only what its replica agreed on ends its steps (see the class
         docstring); its own failure or stop is posted and taken with the replica at the next exchange."""
         if failed:
-            self.post(Decision.FAIL)
+            try:
+                self.post(Decision.FAIL)
+            except WorkerLostError:
+                # the store is gone (with rank 0's process): every other replica finds that at its next claim, and
+                # this rank's failure reaches its own members with the next message. Raised here, it would end this
+                # rank's steps while they run the batch the last message brought, waiting for it in its collectives
+                pass
         elif agreed_stop or preempt:
             self.post(Decision.STOP)
         if self._agreed is not None:
