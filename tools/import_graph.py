@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the call and the commands: what users import and run
-    ("entry", ("", "batch_process", "functional", "experimental", "pytorch", "launch", "tables", "validation")),
+    ("entry", ("", "batch_process", "core", "functional", "experimental", "pytorch", "launch", "tables", "validation")),
     # the engine: the loop and its components
     ("engine", ("engine",)),
     # generation engines behind one interface (continuous batching; the runner will drive them), sampling, requests
