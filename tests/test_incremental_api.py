@@ -459,3 +459,23 @@ def test_prune_missing_removes_the_keys_gone_from_the_dataset(output: str, tmp_p
         shutil.copy(next(runs.glob("*/_tbp/removed.arrows")), planned)
         again = call(path, [*gone, {"id": 2, "text": "b2"}], incremental=True)
         assert (again.increment["selected"], again.increment["removed"]) == (0, 0) and stored()[2] == "B2"
+
+
+def test_tbp_status_counts_the_failures_of_a_run_when_the_first_run_had_none(tmp_path: Path) -> None:
+    """The failures of an incremental run are the job's current failures (``tbp failures`` lists them, and the next
+    run selects them again): ``tbp status`` counts them too, and names a damaged failures file of that run, also when
+    the job's first run had no failure (it said ``failed none``, reading the first run's count only)."""
+    path = tmp_path / "job"
+    call(path, data(8))
+    FAILING.update({"x5"})
+    try:
+        call(path, data(8, t5="x5"), on_error="skip", incremental=True)  # example 5 changed and its new run failed
+    finally:
+        FAILING.clear()
+    status = read_status(str(path))
+    assert status["failed_examples"] == 1 and [f["index"] for f in status["failures"]["first"]] == [5], status
+    assert "1 example(s) skipped" in format_status(status)
+    (failures,) = (path / "retries" / "1" / "failures").glob("*.jsonl")
+    failures.write_bytes(failures.read_bytes()[:10])
+    status = read_status(str(path))
+    assert status["failed_examples"] == 1 and "cannot be read" in status["failures"]["error"], status["failures"]
