@@ -288,8 +288,14 @@ _ROWS_OF_IDS = [{"ids": [1 + i, 2, 3, 4, 5, 6]} for i in range(8)]  # the defaul
             _ROWS_OF_IDS,
             r"column 'ids' holds 6 values: the default collate_fn transposes .* pass dataloader_kwargs=",
         ),
+        (  # a model builder that returns no model (forgot its return): named, not an AttributeError on None
+            Generate(model=lambda device: None, prompt="ids", max_new_tokens=4, budget=BUDGET),
+            list(range(8)),
+            r"Generate\(model=...\): the function .*<lambda> returned NoneType, not a transformers causal language",
+        ),
     ],
-    ids=["no engine", "not Prompt objects", "a float prompt", "a float max_new_tokens", "transposed token ids"],
+    ids=["no engine", "not Prompt objects", "a float prompt", "a float max_new_tokens", "transposed token ids",
+         "a builder returning no model"],
 )
 def test_a_custom_processor_without_engine_or_with_wrong_prompts_fails_its_first_batch(
     tmp_path: Path, processor: type[TorchBatchProcessor], dataset: Any, message: str

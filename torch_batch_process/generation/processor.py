@@ -245,6 +245,12 @@ def _build_engine(spec: _Spec, device: Any) -> GenerationEngine:
     model = spec.model
     if not hasattr(model, "init_continuous_batching"):
         model = model(device)
+        if not callable(getattr(model, "init_continuous_batching", None)):  # before .eval(): named, not on None
+            raise InvalidArgumentError(
+                f"Generate(model=...): the function {_qualname(spec.model)} returned {type(model).__name__}, not a "
+                "transformers causal language model; it must return the model built on the device it is given "
+                "(e.g. lambda device: AutoModelForCausalLM.from_pretrained(path).to(device))"
+            )
     else:
         model = model.to(device)
     model.eval()
