@@ -365,6 +365,7 @@ UNTRUSTED = [
     "\U0001f642" * 30,  # 120 bytes: longer than the model's context (96)
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ok"}],
     "\u202e right-to-left <script>alert(1)</script>",
+    [{"role": "user", "content": "chat \ud800 surrogate"}],  # chat messages no UTF-8 tokenizer encodes
 ]
 
 
@@ -390,8 +391,9 @@ def test_text_chat_and_untrusted_prompts_are_answered_or_failing_examples(tmp_pa
     expected = len("<user>h\u00e9llo \U0001f642 \u4e2d\u6587 \x00\n<assistant>".encode())
     assert rows[2]["prompt_tokens"] == len(chat) == expected, (rows[2], chat)
     failures = {f["index"]: f["message"] for f in read_failures(storage)}
-    assert sorted(failures) == [1, 3, 5], failures
+    assert sorted(failures) == [1, 3, 5, 8], failures
     assert "index 1 has no tokens" in failures[1] and "cannot encode the prompt of index 3" in failures[3]
+    assert "cannot encode the prompt of index 8" in failures[8], failures  # was a raw TypeError naming no index
     assert "index 5 has 120 tokens" in failures[5], failures
 
 
