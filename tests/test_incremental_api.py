@@ -479,3 +479,21 @@ def test_tbp_status_counts_the_failures_of_a_run_when_the_first_run_had_none(tmp
     failures.write_bytes(failures.read_bytes()[:10])
     status = read_status(str(path))
     assert status["failed_examples"] == 1 and "cannot be read" in status["failures"]["error"], status["failures"]
+
+
+def test_an_incremental_run_with_another_output_format_or_table_than_its_job_is_refused(tmp_path: Path) -> None:
+    """A run's rows join the job's: a run called with another output_format was accepted and wrote the other format
+    (read_outputs then failed on 'record shards of several formats'; the documented Parquet glob missed its rows), one
+    called with another table= failed planning with the table library's raw error. Both are refused before anything
+    is planned or written, naming the argument and the job's value."""
+    path = tmp_path / "job"
+    call(path, data(8))
+    before = tree_digest(path)
+    for other, needle in (
+        ({"output_format": "jsonl"}, r"output_format: the job's 'parquet', this call's 'jsonl'"),
+        ({"table": tables.delta(str(tmp_path / "t"))}, r"table: the job's None, this call's \{'format': 'delta'"),
+    ):
+        with pytest.raises(JobMismatchError, match=needle):
+            call(path, data(10), incremental=True, **other)
+        assert tree_digest(path) == before and not CALLS and not (tmp_path / "t").exists()
+    assert call(path, data(10), incremental=True).increment["new"] == 2 and len(rows(path)) == 10
