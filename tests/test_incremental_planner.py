@@ -269,3 +269,12 @@ def test_a_full_scratch_disk_is_a_storage_error_naming_the_spill_file(tmp_path, 
         parts.add(pa.record_batch({"key": pa.array([1, 2], pa.int64())}))
         parts.close()
     assert caught.value.errno == errno.ENOSPC and "TMPDIR" in str(caught.value), caught.value
+
+
+def test_a_full_disk_while_writing_the_removed_keys_is_a_storage_error_naming_the_file():
+    """prune_missing=True writes the removed keys to a local file while the partitions are compared: a full disk there
+    was pyarrow's bare OSError too (/dev/full: a real ENOSPC)."""
+    stored = [_stored([f"k{i}" for i in range(10)], range(10))]
+    with pytest.raises(StorageError, match=r"'/dev/full'.*no space left") as caught:
+        _plan([f"k{i}" for i in range(0, 10, 2)], range(0, 10, 2), stored, removed_to="/dev/full")
+    assert caught.value.errno == errno.ENOSPC

@@ -26,7 +26,7 @@ from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.outputs.columns import require_pyarrow
 from torch_batch_process.storage.errors import file_error
 
-__all__ = ["FLUSH_ROWS", "KeyPartitions", "key_kind", "partition_count", "partition_of"]
+__all__ = ["FLUSH_ROWS", "KeyPartitions", "key_kind", "partition_count", "partition_of", "spill_error"]
 
 FLUSH_ROWS = 1 << 20
 """Rows buffered over all partitions before they are written out."""
@@ -187,7 +187,7 @@ class KeyPartitions:
                 parts = [b if isinstance(b, pa.Table) else pa.Table.from_batches([b]) for b in batches]
                 self._writers[partition].write_table(pa.concat_tables(parts).combine_chunks())
             except OSError as exc:  # e.g. a full disk: pyarrow's error names no file
-                raise _spill_error(self.path(partition), exc) from exc
+                raise spill_error(self.path(partition), exc) from exc
             self._buffers[partition] = []
         self._buffered = 0
 
@@ -199,7 +199,7 @@ class KeyPartitions:
                 try:
                     writer.close()
                 except OSError as exc:
-                    raise _spill_error(self.path(partition), exc) from exc
+                    raise spill_error(self.path(partition), exc) from exc
 
     def read(self, partition: int) -> Any:
         """Partition ``partition``'s rows as one ``pyarrow.Table`` (``None``: no rows), read into memory (not
@@ -216,10 +216,8 @@ class KeyPartitions:
             self.path(partition).unlink(missing_ok=True)
 
 
-def _spill_error(path: Path, exc: OSError) -> Exception:
+def spill_error(path: str | os.PathLike[str], exc: OSError) -> Exception:
     """The :class:`~torch_batch_process.errors.StorageError` of a spill file that cannot be written (naming it, with
     the disk's ``errno``): the keys are spilled under ``TMPDIR``, which must have room for them."""
-    return file_error(
-        str(path), "spill keys (a keyed job's planning and read-back spill them under TMPDIR: give it a folder with "
-        "room) to", exc,
-    )
+    action = "spill keys (a keyed job's planning and read-back spill them under TMPDIR: give it a folder with room) to"
+    return file_error(os.fspath(path), action, exc)
