@@ -245,6 +245,12 @@ def _build_engine(spec: _Spec, device: Any) -> GenerationEngine:
     model = spec.model
     if not hasattr(model, "init_continuous_batching"):
         model = model(device)
+        if not callable(getattr(model, "init_continuous_batching", None)):  # before .eval(): named, not on None
+            raise InvalidArgumentError(
+                f"Generate(model=...): the function {_qualname(spec.model)} returned {type(model).__name__}, not a "
+                "transformers causal language model; it must return the model built on the device it is given "
+                "(e.g. lambda device: AutoModelForCausalLM.from_pretrained(path).to(device))"
+            )
     else:
         model = model.to(device)
     model.eval()
@@ -304,22 +310,32 @@ def _token_ids(prompt: Any, spec: _Spec, index: int) -> list[int]:
         try:
             return list(spec.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         except Exception as exc:  # e.g. a lone surrogate, which no UTF-8 tokenizer encodes: that example's failure
-            raise InvalidArgumentError(
-                f"Generate: the tokenizer cannot encode the prompt of index {index} ({type(exc).__name__}: {exc})"
-            ) from exc
+            raise _cannot_encode(index, exc) from exc
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         if spec.tokenizer is None:
             raise InvalidArgumentError(
                 f"Generate: the prompt of index {index} is chat messages but no tokenizer was given: pass "
                 "Generate(tokenizer=...)"
             )
-        ids = spec.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        try:  # a message holding a lone surrogate fails as a text prompt does: that example's failure, named
+            ids = spec.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:
+            raise _cannot_encode(index, exc) from exc
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # a BatchEncoding is no dict
     if isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
         return [int(t) for t in prompt]
     raise InvalidArgumentError(
         f"Generate(prompt=...): the prompt of index {index} is a {type(prompt).__name__}; a prompt is a str, chat "
         "messages (a list of {'role', 'content'} dicts) or token ids (a list of ints)"
+    )
+
+
+def _cannot_encode(index: int, exc: Exception) -> InvalidArgumentError:
+    """The error of a prompt the tokenizer (or its chat template) cannot turn into tokens, naming its index."""
+    return InvalidArgumentError(
+        f"Generate: the tokenizer cannot encode the prompt of index {index} ({type(exc).__name__}: {exc})"
     )
 
 
