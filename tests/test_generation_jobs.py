@@ -239,6 +239,8 @@ def test_generate_refuses_bad_arguments_naming_them() -> None:
     # token ids as a tensor or numpy ints: stored in the fingerprint as plain ints (JSON)
     assert Generate(**good, eos_token_id=torch.tensor([2, 3])).generation_fingerprint["eos"] == [2, 3]
     assert Generate(**good, eos_token_id=np.int64(2), drain_s=math.inf).generation_fingerprint["eos"] == 2
+    assert Generate(**{**good, "max_new_tokens": np.int64(8)}).generation_fingerprint["max_new_tokens"] == 8
+    assert type(Generate(**{**good, "max_new_tokens": np.int64(8)}).spec.max_new_tokens) is int
     with pytest.raises(InvalidArgumentError, match=r"Sampling.temperature|temperature"):
         Sampling(temperature=-1.0)
     with pytest.raises(InvalidArgumentError, match="CacheBudget.max_sequences"):

@@ -17,13 +17,15 @@ a ``collate_fn`` that returns token ids moves it into the loader's workers: pass
 The job's fingerprint holds the engine, the model's name (``model_id``, else the model object's ``name_or_path``,
 else the callable's qualified name) and ``revision``, the tokenizer's name and a hash of its vocabulary, the
 sampling, ``max_new_tokens`` and the prompt: a resume with other values is refused. It does not hash the weights
-(too costly for large models): name a changed checkpoint with ``revision``.
+(too costly for large models): name a changed checkpoint with ``revision``; nor a function's code (``prompt`` and
+``max_new_tokens`` functions are held by their qualified names): name a changed prompt template with ``revision`` too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -107,12 +109,14 @@ def Generate(  # noqa: N802 - it makes a processor class: named like one
             f"Generate(prompt=...) must be a column name or a function row -> prompt, got {prompt!r}"
         )
     if not (isinstance(max_new_tokens, str) and max_new_tokens) and not callable(max_new_tokens) and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1
     ):
         raise InvalidArgumentError(
             f"Generate(max_new_tokens=...) must be an int >= 1, a column name or a function row -> int, got "
             f"{max_new_tokens!r}"
         )
+    if isinstance(max_new_tokens, numbers.Integral):
+        max_new_tokens = int(max_new_tokens)  # a numpy integer as the int it is (the fingerprint stores it)
     sampling = sampling if sampling is not None else Sampling()
     if not isinstance(sampling, Sampling):
         raise InvalidArgumentError(
