@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import JOBS, base_env, spawn_ranks, storage_fs, wait_all
+from harness import JOBS, base_env, spawn_ranks, storage_fs, tree_digest, wait_all
 
 import torch_batch_process as tbp
-from torch_batch_process import InvalidArgumentError, TorchBatchProcessor, torch_batch_process
+from torch_batch_process import InvalidArgumentError, JobMismatchError, TorchBatchProcessor, tables, torch_batch_process
 from torch_batch_process.launch.cli import main as cli_main
 from torch_batch_process.observe.failures import read_failures
 from torch_batch_process.observe.status import format_status, read_status
@@ -657,3 +657,36 @@ def test_a_retry_says_bucket_by_is_not_applied_and_refuses_max_batches(
     _FIXED.append(True)
     done = torch_batch_process(_FailsOnOdd, list(range(8)), retry_failed=True, **options)
     assert done.failed_examples == 0 and "bucket_by (and max_tokens) are not applied to a retry" in caplog.text
+
+
+class _WritesUnlessOdd(_FailsOnOdd):
+    """:class:`_FailsOnOdd` writing one row per example."""
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        super().process_batch(batch, batch_idx)
+        self.context.write({"x": [int(i) for i in self.context.batch_indices]})
+
+
+def test_a_retry_with_another_output_format_or_table_than_its_job_is_refused_before_any_work(tmp_path: Path) -> None:
+    """A retry's rows are published with the job's: one called with another output_format was accepted and wrote its
+    rows in the other format (read_outputs then failed on 'record shards of several formats'), one called with a
+    table= wrote them into that table, away from the job's shards. Both are refused before anything is written, naming
+    the argument; with the job's own, the retry runs."""
+    storage = tmp_path / "s"
+    options: dict[str, Any] = {"batch_size": 2, "storage_path": str(storage), "progress": False, "on_error": "skip"}
+    _FIXED.clear()
+    assert torch_batch_process(_WritesUnlessOdd, list(range(8)), **options).failed_examples == 4
+    _FIXED.append(True)
+    try:
+        before = tree_digest(storage)
+        for other, needle in (
+            ({"output_format": "jsonl"}, r"output_format: the job's 'parquet', this call's 'jsonl'"),
+            ({"table": tables.delta(str(tmp_path / "t"))}, r"table: the job's None, this call's \{'format': 'delta'"),
+        ):
+            with pytest.raises(JobMismatchError, match=needle):
+                torch_batch_process(_WritesUnlessOdd, list(range(8)), retry_failed=True, **options, **other)
+            assert tree_digest(storage) == before and not (tmp_path / "t").exists()
+        assert torch_batch_process(_WritesUnlessOdd, list(range(8)), retry_failed=True, **options).failed_examples == 0
+        assert tbp.read_outputs(storage).column("x").to_pylist() == list(range(8))
+    finally:
+        _FIXED.clear()

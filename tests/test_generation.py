@@ -281,6 +281,22 @@ def test_prompts_sampling_and_budget_check_their_arguments() -> None:
     assert Sampling().fingerprint() == {"kind": "greedy"}
 
 
+def test_one_sampling_has_one_fingerprint_however_its_numbers_are_spelled() -> None:
+    """``top_p=1`` and ``1.0``, numpy scalars: the same sampling, the same stored fingerprint (a resume compares it)."""
+    import json
+
+    import numpy as np
+
+    spelled = [
+        Sampling(temperature=1, top_k=5, top_p=1, seed=7),
+        Sampling(temperature=1.0, top_k=np.int64(5), top_p=np.float32(1.0), seed=np.uint64(7)),
+    ]
+    assert len({json.dumps(sampling.fingerprint(), sort_keys=True) for sampling in spelled}) == 1
+    assert spelled[0].fingerprint() == {"kind": "sampled", "temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 7}
+    with pytest.raises(InvalidArgumentError, match="top_k must be None or an int"):
+        Sampling(temperature=1.0, top_k=2.5)
+
+
 def test_inverse_transform_sampling_draws_from_the_processed_distribution() -> None:
     """``sample_tokens``: each token drawn with its probability after temperature, top-k and top-p; top-k of 1 is
     the argmax; the uniforms are deterministic, in [0, 1) and distinct per index and position."""

@@ -239,6 +239,8 @@ def test_generate_refuses_bad_arguments_naming_them() -> None:
     # token ids as a tensor or numpy ints: stored in the fingerprint as plain ints (JSON)
     assert Generate(**good, eos_token_id=torch.tensor([2, 3])).generation_fingerprint["eos"] == [2, 3]
     assert Generate(**good, eos_token_id=np.int64(2), drain_s=math.inf).generation_fingerprint["eos"] == 2
+    assert Generate(**{**good, "max_new_tokens": np.int64(8)}).generation_fingerprint["max_new_tokens"] == 8
+    assert type(Generate(**{**good, "max_new_tokens": np.int64(8)}).spec.max_new_tokens) is int
     with pytest.raises(InvalidArgumentError, match=r"Sampling.temperature|temperature"):
         Sampling(temperature=-1.0)
     with pytest.raises(InvalidArgumentError, match="CacheBudget.max_sequences"):
@@ -288,8 +290,14 @@ _ROWS_OF_IDS = [{"ids": [1 + i, 2, 3, 4, 5, 6]} for i in range(8)]  # the defaul
             _ROWS_OF_IDS,
             r"column 'ids' holds 6 values: the default collate_fn transposes .* pass dataloader_kwargs=",
         ),
+        (  # a model builder that returns no model (forgot its return): named, not an AttributeError on None
+            Generate(model=lambda device: None, prompt="ids", max_new_tokens=4, budget=BUDGET),
+            list(range(8)),
+            r"Generate\(model=...\): the function .*<lambda> returned NoneType, not a transformers causal language",
+        ),
     ],
-    ids=["no engine", "not Prompt objects", "a float prompt", "a float max_new_tokens", "transposed token ids"],
+    ids=["no engine", "not Prompt objects", "a float prompt", "a float max_new_tokens", "transposed token ids",
+         "a builder returning no model"],
 )
 def test_a_custom_processor_without_engine_or_with_wrong_prompts_fails_its_first_batch(
     tmp_path: Path, processor: type[TorchBatchProcessor], dataset: Any, message: str
@@ -359,6 +367,7 @@ UNTRUSTED = [
     "\U0001f642" * 30,  # 120 bytes: longer than the model's context (96)
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ok"}],
     "\u202e right-to-left <script>alert(1)</script>",
+    [{"role": "user", "content": "chat \ud800 surrogate"}],  # chat messages no UTF-8 tokenizer encodes
 ]
 
 
@@ -384,8 +393,9 @@ def test_text_chat_and_untrusted_prompts_are_answered_or_failing_examples(tmp_pa
     expected = len("<user>h\u00e9llo \U0001f642 \u4e2d\u6587 \x00\n<assistant>".encode())
     assert rows[2]["prompt_tokens"] == len(chat) == expected, (rows[2], chat)
     failures = {f["index"]: f["message"] for f in read_failures(storage)}
-    assert sorted(failures) == [1, 3, 5], failures
+    assert sorted(failures) == [1, 3, 5, 8], failures
     assert "index 1 has no tokens" in failures[1] and "cannot encode the prompt of index 3" in failures[3]
+    assert "cannot encode the prompt of index 8" in failures[8], failures  # was a raw TypeError naming no index
     assert "index 5 has 120 tokens" in failures[5], failures
 
 

@@ -459,3 +459,41 @@ def test_prune_missing_removes_the_keys_gone_from_the_dataset(output: str, tmp_p
         shutil.copy(next(runs.glob("*/_tbp/removed.arrows")), planned)
         again = call(path, [*gone, {"id": 2, "text": "b2"}], incremental=True)
         assert (again.increment["selected"], again.increment["removed"]) == (0, 0) and stored()[2] == "B2"
+
+
+def test_tbp_status_counts_the_failures_of_a_run_when_the_first_run_had_none(tmp_path: Path) -> None:
+    """The failures of an incremental run are the job's current failures (``tbp failures`` lists them, and the next
+    run selects them again): ``tbp status`` counts them too, and names a damaged failures file of that run, also when
+    the job's first run had no failure (it said ``failed none``, reading the first run's count only)."""
+    path = tmp_path / "job"
+    call(path, data(8))
+    FAILING.update({"x5"})
+    try:
+        call(path, data(8, t5="x5"), on_error="skip", incremental=True)  # example 5 changed and its new run failed
+    finally:
+        FAILING.clear()
+    status = read_status(str(path))
+    assert status["failed_examples"] == 1 and [f["index"] for f in status["failures"]["first"]] == [5], status
+    assert "1 example(s) skipped" in format_status(status)
+    (failures,) = (path / "retries" / "1" / "failures").glob("*.jsonl")
+    failures.write_bytes(failures.read_bytes()[:10])
+    status = read_status(str(path))
+    assert status["failed_examples"] == 1 and "cannot be read" in status["failures"]["error"], status["failures"]
+
+
+def test_an_incremental_run_with_another_output_format_or_table_than_its_job_is_refused(tmp_path: Path) -> None:
+    """A run's rows join the job's: a run called with another output_format was accepted and wrote the other format
+    (read_outputs then failed on 'record shards of several formats'; the documented Parquet glob missed its rows), one
+    called with another table= failed planning with the table library's raw error. Both are refused before anything
+    is planned or written, naming the argument and the job's value."""
+    path = tmp_path / "job"
+    call(path, data(8))
+    before = tree_digest(path)
+    for other, needle in (
+        ({"output_format": "jsonl"}, r"output_format: the job's 'parquet', this call's 'jsonl'"),
+        ({"table": tables.delta(str(tmp_path / "t"))}, r"table: the job's None, this call's \{'format': 'delta'"),
+    ):
+        with pytest.raises(JobMismatchError, match=needle):
+            call(path, data(10), incremental=True, **other)
+        assert tree_digest(path) == before and not CALLS and not (tmp_path / "t").exists()
+    assert call(path, data(10), incremental=True).increment["new"] == 2 and len(rows(path)) == 10

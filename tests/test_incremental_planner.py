@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import struct
 
@@ -10,11 +11,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from torch_batch_process.errors import InvalidArgumentError
+from torch_batch_process.errors import InvalidArgumentError, StorageError
 from torch_batch_process.outputs.keyed.content_hash import content_hash, encode
 from torch_batch_process.outputs.keyed.diff import DuplicateKeyError, VersionChangedError, plan_increment
 from torch_batch_process.outputs.keyed.keys import check_key_spec, key_value
-from torch_batch_process.outputs.keyed.partitions import partition_of
+from torch_batch_process.outputs.keyed.partitions import KeyPartitions, partition_of
 from torch_batch_process.outputs.keyed.selection import BLOCK_BITS, Selection
 
 
@@ -253,3 +254,27 @@ def test_partitions_are_sized_from_the_rows():
     from torch_batch_process.outputs.keyed.partitions import partition_count
 
     assert (partition_count(0, 10), partition_count(25, 10), partition_count(10**8, 1 << 21)) == (1, 3, 48)
+
+
+@pytest.mark.parametrize("flush_rows", [1, 1 << 20])  # a flush while adding rows, or the last one at close
+def test_a_full_scratch_disk_is_a_storage_error_naming_the_spill_file(tmp_path, flush_rows):
+    """The planner (and a keyed read-back) spills keys under TMPDIR: a full disk there was the bare OSError of pyarrow
+    ('Error writing bytes to file', naming no file). It is a StorageError naming the file and TMPDIR, with the disk's
+    errno (/dev/full: a real ENOSPC without root)."""
+    folder = tmp_path / "spill"
+    folder.mkdir()
+    (folder / "stored-0.arrows").symlink_to("/dev/full")
+    parts = KeyPartitions(folder, "stored", 1, flush_rows=flush_rows)
+    with pytest.raises(StorageError, match=r"stored-0\.arrows'.*no space left") as caught:
+        parts.add(pa.record_batch({"key": pa.array([1, 2], pa.int64())}))
+        parts.close()
+    assert caught.value.errno == errno.ENOSPC and "TMPDIR" in str(caught.value), caught.value
+
+
+def test_a_full_disk_while_writing_the_removed_keys_is_a_storage_error_naming_the_file():
+    """prune_missing=True writes the removed keys to a local file while the partitions are compared: a full disk there
+    was pyarrow's bare OSError too (/dev/full: a real ENOSPC)."""
+    stored = [_stored([f"k{i}" for i in range(10)], range(10))]
+    with pytest.raises(StorageError, match=r"'/dev/full'.*no space left") as caught:
+        _plan([f"k{i}" for i in range(0, 10, 2)], range(0, 10, 2), stored, removed_to="/dev/full")
+    assert caught.value.errno == errno.ENOSPC

@@ -17,13 +17,15 @@ a ``collate_fn`` that returns token ids moves it into the loader's workers: pass
 The job's fingerprint holds the engine, the model's name (``model_id``, else the model object's ``name_or_path``,
 else the callable's qualified name) and ``revision``, the tokenizer's name and a hash of its vocabulary, the
 sampling, ``max_new_tokens`` and the prompt: a resume with other values is refused. It does not hash the weights
-(too costly for large models): name a changed checkpoint with ``revision``.
+(too costly for large models): name a changed checkpoint with ``revision``; nor a function's code (``prompt`` and
+``max_new_tokens`` functions are held by their qualified names): name a changed prompt template with ``revision`` too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -107,12 +109,14 @@ def Generate(  # noqa: N802 - it makes a processor class: named like one
             f"Generate(prompt=...) must be a column name or a function row -> prompt, got {prompt!r}"
         )
     if not (isinstance(max_new_tokens, str) and max_new_tokens) and not callable(max_new_tokens) and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1
     ):
         raise InvalidArgumentError(
             f"Generate(max_new_tokens=...) must be an int >= 1, a column name or a function row -> int, got "
             f"{max_new_tokens!r}"
         )
+    if isinstance(max_new_tokens, numbers.Integral):
+        max_new_tokens = int(max_new_tokens)  # a numpy integer as the int it is (the fingerprint stores it)
     sampling = sampling if sampling is not None else Sampling()
     if not isinstance(sampling, Sampling):
         raise InvalidArgumentError(
@@ -245,6 +249,12 @@ def _build_engine(spec: _Spec, device: Any) -> GenerationEngine:
     model = spec.model
     if not hasattr(model, "init_continuous_batching"):
         model = model(device)
+        if not callable(getattr(model, "init_continuous_batching", None)):  # before .eval(): named, not on None
+            raise InvalidArgumentError(
+                f"Generate(model=...): the function {_qualname(spec.model)} returned {type(model).__name__}, not a "
+                "transformers causal language model; it must return the model built on the device it is given "
+                "(e.g. lambda device: AutoModelForCausalLM.from_pretrained(path).to(device))"
+            )
     else:
         model = model.to(device)
     model.eval()
@@ -304,22 +314,32 @@ def _token_ids(prompt: Any, spec: _Spec, index: int) -> list[int]:
         try:
             return list(spec.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         except Exception as exc:  # e.g. a lone surrogate, which no UTF-8 tokenizer encodes: that example's failure
-            raise InvalidArgumentError(
-                f"Generate: the tokenizer cannot encode the prompt of index {index} ({type(exc).__name__}: {exc})"
-            ) from exc
+            raise _cannot_encode(index, exc) from exc
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         if spec.tokenizer is None:
             raise InvalidArgumentError(
                 f"Generate: the prompt of index {index} is chat messages but no tokenizer was given: pass "
                 "Generate(tokenizer=...)"
             )
-        ids = spec.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        try:  # a message holding a lone surrogate fails as a text prompt does: that example's failure, named
+            ids = spec.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:
+            raise _cannot_encode(index, exc) from exc
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # a BatchEncoding is no dict
     if isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
         return [int(t) for t in prompt]
     raise InvalidArgumentError(
         f"Generate(prompt=...): the prompt of index {index} is a {type(prompt).__name__}; a prompt is a str, chat "
         "messages (a list of {'role', 'content'} dicts) or token ids (a list of ints)"
+    )
+
+
+def _cannot_encode(index: int, exc: Exception) -> InvalidArgumentError:
+    """The error of a prompt the tokenizer (or its chat template) cannot turn into tokens, naming its index."""
+    return InvalidArgumentError(
+        f"Generate: the tokenizer cannot encode the prompt of index {index} ({type(exc).__name__}: {exc})"
     )
 
 

@@ -17,6 +17,7 @@ which can flip a near-tie (greedy or sampled). See ``docs`` of the generation pr
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,22 +46,26 @@ class Sampling:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise InvalidArgumentError(f"Sampling.temperature must be a float >= 0 (0: greedy), got {t!r}")
         object.__setattr__(self, "temperature", float(t))
         k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
             raise InvalidArgumentError(f"Sampling.top_k must be None or an int >= 1, got {self.top_k!r}")
         p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+        if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
             raise InvalidArgumentError(f"Sampling.top_p must be None or a float in (0, 1], got {p!r}")
+        # one value, one spelling (top_p=1 and 1.0, numpy scalars): the fingerprint compares stored and new sampling
+        object.__setattr__(self, "top_k", None if k is None else int(k))
+        object.__setattr__(self, "top_p", None if p is None else float(p))
         if self.greedy and (self.top_k is not None or self.top_p is not None):
             raise InvalidArgumentError(
                 "Sampling.top_k and Sampling.top_p do nothing with temperature=0 (greedy decoding): drop them, or "
                 "set a temperature > 0 to sample"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _MASK:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed <= _MASK:
             raise InvalidArgumentError(f"Sampling.seed must be an int in [0, 2**64), got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:

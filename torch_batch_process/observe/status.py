@@ -61,7 +61,7 @@ from torch_batch_process.jobstore.layout import (
     TENSORBOARD_DIR,
 )
 from torch_batch_process.jobstore.memory_limits import MemoryLimits
-from torch_batch_process.jobstore.retries import retry_numbers
+from torch_batch_process.jobstore.retries import current_failures_root, retry_numbers
 from torch_batch_process.jobstore.store import JobStore, latest_record_at, lock_holder
 from torch_batch_process.observe.failures import current_failure_records, failure_summary
 from torch_batch_process.observe.progress import format_duration
@@ -133,7 +133,7 @@ def read_status(storage_path: str, storage_options: dict[str, Any] | None = None
     metrics, metrics_final = stats.get("metrics"), False
     if finished and (result or latest.result):
         metrics, metrics_final = (result or latest.result or {}).get("metrics", {}), True
-    failures = _failures(storage, int(stats.get("failed_examples") or 0))
+    failures = _failures(storage, latest)
 
     return {
         "job_name": job.job_name,
@@ -238,10 +238,14 @@ def _memory_limits(latest: CommitRecord | None) -> dict[str, Any] | None:
     return MemoryLimits.from_json(latest.memory_limits).summary()
 
 
-def _failures(storage: Storage, committed: int) -> dict[str, Any]:
-    """The ``failures`` entry: read from the failure files when the latest record counts any."""
+def _failures(storage: Storage, latest: CommitRecord | None) -> dict[str, Any]:
+    """The ``failures`` entry: read from the current failure files (the job's, or its latest finished run's:
+    ``retry_failed``, a keyed job's incremental run) when the latest record of their folder counts any."""
     summary: dict[str, Any] = failure_summary([])
     summary.update(path=storage.url_of(FAILURES_DIR), error=None)
+    root = current_failures_root(storage)
+    record = latest_record_at(storage, root) if root else latest
+    committed = int(record.stats.get("failed_examples") or 0) if record is not None else 0
     if committed <= 0:
         return summary
     try:

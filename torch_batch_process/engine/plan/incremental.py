@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from torch_batch_process.engine.plan.plans import Plan
-from torch_batch_process.engine.plan.retry import Retry, repair_finished_folders
+from torch_batch_process.engine.plan.retry import Retry, check_same_outputs, repair_finished_folders
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, InvalidArgumentError, JobMismatchError
 from torch_batch_process.jobstore.formats import JobInfo, qualified_name
 from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
@@ -191,6 +191,7 @@ def choose_run(args: JobArguments) -> RunChoice | None:
         if not keyed.incremental:
             return None  # the job's own fingerprint decides: its stored result, or another dataset refused
         _check_same_key(storage, keyed)
+        check_same_outputs(storage, args, "incremental=True")
         k, _ = next_retry(storage)
         folder = f"{RETRIES_DIR}/{k}"
         first_batch, first_stage = retry_numbering(storage, k)

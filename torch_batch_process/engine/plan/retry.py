@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.plan.plans import Plan
+from torch_batch_process.errors import JobMismatchError
 from torch_batch_process.jobstore.layout import RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.retries import next_retry, open_job_folder, retry_numbering
@@ -48,7 +50,15 @@ from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
 from torch_batch_process.storage.registry import open_storage
 
-__all__ = ["IndexPlan", "Retry", "RetryChoice", "choose_retry", "prepare_retry", "repair_finished_folders"]
+__all__ = [
+    "IndexPlan",
+    "Retry",
+    "RetryChoice",
+    "check_same_outputs",
+    "choose_retry",
+    "prepare_retry",
+    "repair_finished_folders",
+]
 
 if TYPE_CHECKING:
     from torch_batch_process.arguments import JobArguments
@@ -128,6 +138,7 @@ def choose_retry(args: JobArguments) -> RetryChoice:
     storage = open_storage(args.storage_path, args.storage_options)
     try:
         k, source = next_retry(storage)
+        check_same_outputs(storage, args, "retry_failed=True")
         repair_finished_folders(storage, list(dict.fromkeys(["", source])), args.storage_options)
         records = read_failure_records(storage, source)
         origins: dict[int, int] = {}
@@ -145,6 +156,30 @@ def choose_retry(args: JobArguments) -> RetryChoice:
         )
     finally:
         storage.close()
+
+
+def check_same_outputs(storage: Storage, args: JobArguments, call: str) -> None:
+    """A run stored in ``retries/<k>/`` (``retry_failed=True``, a keyed job's ``incremental=True`` run) publishes its
+    rows with the job's: its ``output_format`` and ``table`` must be the job's (another format would leave the job's
+    outputs in two formats, which ``read_outputs`` refuses to mix; another table would hold the run's rows apart from
+    the job's). ``call`` names the kind of run in the error.
+
+    Raises:
+        JobMismatchError: they differ (raised before anything is planned or written), naming each and the job's value.
+    """
+    job = JobStore(storage).load_job()
+    spec = job.spec if job is not None else {}
+    stored = {"output_format": spec.get("output_format", "parquet"), "table": spec.get("table")}
+    table = json.loads(json.dumps(args.table.describe())) if args.table is not None else None  # as the spec stores it
+    now = {"output_format": args.output_format, "table": table}
+    differ = [name for name in stored if stored[name] != now[name]]
+    if differ:
+        named = "; ".join(f"{name}: the job's {stored[name]!r}, this call's {now[name]!r}" for name in differ)
+        raise JobMismatchError(
+            f"{call}: the job at {storage.url} writes its rows elsewhere ({named}), and its runs write where it does. "
+            f"Nothing was changed. Call it with the job's {' and '.join(differ)}, or start a new job (resume=False, or "
+            "a new storage_path)"
+        )
 
 
 def repair_finished_folders(storage: Storage, folders: list[str], storage_options: dict[str, Any] | None) -> None:

@@ -53,7 +53,7 @@ import numpy as np
 from torch_batch_process.errors import InvalidArgumentError, JobMismatchError
 from torch_batch_process.outputs.columns import require_pyarrow
 from torch_batch_process.outputs.keyed.keys import HASH_COLUMN, KEY_COLUMN
-from torch_batch_process.outputs.keyed.partitions import KeyPartitions, key_kind, partition_count
+from torch_batch_process.outputs.keyed.partitions import KeyPartitions, key_kind, partition_count, spill_error
 from torch_batch_process.outputs.keyed.selection import Selection
 from torch_batch_process.storage.scratch import process_folder
 
@@ -364,14 +364,20 @@ class _Planner:
                 counts.removed += int(gone.sum())
                 if removed_to is not None and gone.any():
                     keys_gone = stored.column(KEY_COLUMN).filter(pa.array(gone))
-                    if removed_writer is None:
-                        schema = pa.schema([(KEY_COLUMN, keys_gone.type)])
-                        removed_writer = pa.ipc.new_stream(str(removed_to), schema)
-                    removed_writer.write_table(pa.table({KEY_COLUMN: keys_gone}))
+                    try:
+                        if removed_writer is None:
+                            schema = pa.schema([(KEY_COLUMN, keys_gone.type)])
+                            removed_writer = pa.ipc.new_stream(str(removed_to), schema)
+                        removed_writer.write_table(pa.table({KEY_COLUMN: keys_gone}))
+                    except OSError as exc:  # e.g. a full disk: pyarrow's error names no file
+                        raise spill_error(removed_to, exc) from exc
             self.new.remove(p)
             self.winners.remove(p)
-        if removed_writer is not None:
-            removed_writer.close()
+        if removed_writer is not None and removed_to is not None:
+            try:
+                removed_writer.close()
+            except OSError as exc:
+                raise spill_error(removed_to, exc) from exc
         return Increment(selection, counts, Path(removed_to) if removed_writer is not None else None)
 
 

@@ -24,8 +24,9 @@ import numpy as np
 
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.outputs.columns import require_pyarrow
+from torch_batch_process.storage.errors import file_error
 
-__all__ = ["FLUSH_ROWS", "KeyPartitions", "key_kind", "partition_count", "partition_of"]
+__all__ = ["FLUSH_ROWS", "KeyPartitions", "key_kind", "partition_count", "partition_of", "spill_error"]
 
 FLUSH_ROWS = 1 << 20
 """Rows buffered over all partitions before they are written out."""
@@ -180,19 +181,25 @@ class KeyPartitions:
         for partition, batches in enumerate(self._buffers):
             if not batches:
                 continue
-            if self._writers[partition] is None:
-                self._writers[partition] = pa.ipc.new_stream(str(self.path(partition)), self._schema)
-            parts = [b if isinstance(b, pa.Table) else pa.Table.from_batches([b]) for b in batches]
-            self._writers[partition].write_table(pa.concat_tables(parts).combine_chunks())
+            try:
+                if self._writers[partition] is None:
+                    self._writers[partition] = pa.ipc.new_stream(str(self.path(partition)), self._schema)
+                parts = [b if isinstance(b, pa.Table) else pa.Table.from_batches([b]) for b in batches]
+                self._writers[partition].write_table(pa.concat_tables(parts).combine_chunks())
+            except OSError as exc:  # e.g. a full disk: pyarrow's error names no file
+                raise spill_error(self.path(partition), exc) from exc
             self._buffers[partition] = []
         self._buffered = 0
 
     def close(self) -> None:
         """Writes what is buffered and closes the files (then :meth:`read` reads them)."""
         self._flush()
-        for writer in self._writers:
+        for partition, writer in enumerate(self._writers):
             if writer is not None:
-                writer.close()
+                try:
+                    writer.close()
+                except OSError as exc:
+                    raise spill_error(self.path(partition), exc) from exc
 
     def read(self, partition: int) -> Any:
         """Partition ``partition``'s rows as one ``pyarrow.Table`` (``None``: no rows), read into memory (not
@@ -207,3 +214,10 @@ class KeyPartitions:
         """Deletes partition ``partition``'s file (once it is compared)."""
         if self._writers[partition] is not None:
             self.path(partition).unlink(missing_ok=True)
+
+
+def spill_error(path: str | os.PathLike[str], exc: OSError) -> Exception:
+    """The :class:`~torch_batch_process.errors.StorageError` of a spill file that cannot be written (naming it, with
+    the disk's ``errno``): the keys are spilled under ``TMPDIR``, which must have room for them."""
+    action = "spill keys (a keyed job's planning and read-back spill them under TMPDIR: give it a folder with room) to"
+    return file_error(os.fspath(path), action, exc)
