@@ -14,46 +14,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch_batch_process.distributed_info import DistributedInfo
+from torch_batch_process.distributed_info import DistributedInfo, ObjectCollectives
 from torch_batch_process.errors import InvalidArgumentError
 
 __all__ = ["DistributedContext"]
 
 _RANK_NAMES = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
-
-
-class _DefaultGroupCollectives:
-    """Object collectives over torch.distributed's default process group (initialized by the caller or a job)."""
-
-    @staticmethod
-    def _dist() -> Any:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "DistributedContext's collectives run over torch.distributed's default process group, which is not "
-                "initialized: call torch.distributed.init_process_group() first, or use context.distributed inside "
-                "the processor (the job's own ranks)"
-            )
-        return dist
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        dist = self._dist()
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        dist = self._dist()
-        out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(obj, out, dst=0)
-        return out
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        dist = self._dist()
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
 
 
 class DistributedContext(DistributedInfo):
@@ -106,7 +72,7 @@ class DistributedContext(DistributedInfo):
                     f"DistributedContext's {index} must be in [0, {count}), got {index}={ranks[index]}, "
                     f"{count}={ranks[count]}"
                 )
-        super().__init__(**ranks, _collectives=_DefaultGroupCollectives())
+        super().__init__(**ranks)
         self.chief_ip = chief_ip
 
     @classmethod
@@ -131,17 +97,20 @@ class DistributedContext(DistributedInfo):
             cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(), chief_ip=chief_ip,
         )
 
-    def allgather(self, stuff: Any) -> list[Any]:
-        """Gathers a picklable object from every rank, on every rank (one process: ``[stuff]``)."""
-        return [stuff] if self.size < 2 else super().allgather(stuff)
+    def _coll(self) -> ObjectCollectives:
+        """The engine's collectives over torch.distributed's default process group, made when used (the caller or a
+        job initializes the group; one process needs none)."""
+        import torch.distributed as dist
 
-    def gather(self, stuff: Any) -> list[Any] | None:
-        """Gathers a picklable object from every rank on rank 0; the others get ``None`` (one process: ``[stuff]``)."""
-        return [stuff] if self.size < 2 else super().gather(stuff)
+        from torch_batch_process.engine.distributed import Collectives
 
-    def broadcast(self, stuff: Any) -> Any:
-        """Returns rank 0's ``stuff`` on every rank (one process: ``stuff``)."""
-        return stuff if self.size < 2 else super().broadcast(stuff)
+        if self.size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "DistributedContext's collectives run over torch.distributed's default process group, which is not "
+                "initialized: call torch.distributed.init_process_group() first, or use context.distributed inside "
+                "the processor (the job's own ranks)"
+            )
+        return Collectives(None, self.rank, self.size)
 
 
 def _ranks_from_environment(names: tuple[str, ...], method: str) -> dict[str, int]:
