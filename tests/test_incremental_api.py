@@ -274,17 +274,23 @@ def test_failed_examples_are_selected_again_and_hide_their_stale_rows(tmp_path: 
         FAILING.clear()
 
 
-def test_a_damaged_or_deleted_failures_file_is_an_error_never_a_failed_keys_stale_row(tmp_path: Path) -> None:
-    """A keyed job's failure records are its failed keys' newest events (tombstones): a failures file cut short, or
-    deleted, is an OutputCorruptError naming it on the read side and in the planner (it was a raw JSONDecodeError,
-    and a deleted file silently served the stale rows); restored, both read as before."""
+def a_job_whose_incremental_run_failed_example_5(tmp_path: Path) -> Path:
+    """A keyed job of 8 examples, then an incremental run where example 5 changed and failed (``on_error="skip"``)."""
     path = tmp_path / "job"
     call(path, data(8))
     FAILING.update({"x5"})
     try:
-        call(path, data(8, t5="x5"), on_error="skip", incremental=True)  # example 5 changed and its new run failed
+        call(path, data(8, t5="x5"), on_error="skip", incremental=True)
     finally:
         FAILING.clear()
+    return path
+
+
+def test_a_damaged_or_deleted_failures_file_is_an_error_never_a_failed_keys_stale_row(tmp_path: Path) -> None:
+    """A keyed job's failure records are its failed keys' newest events (tombstones): a failures file cut short, or
+    deleted, is an OutputCorruptError naming it on the read side and in the planner (it was a raw JSONDecodeError,
+    and a deleted file silently served the stale rows); restored, both read as before."""
+    path = a_job_whose_incremental_run_failed_example_5(tmp_path)
     assert 5 not in rows(path)
     (failures,) = (path / "retries" / "1" / "failures").glob("*.jsonl")
     whole = failures.read_bytes()
@@ -465,13 +471,7 @@ def test_tbp_status_counts_the_failures_of_a_run_when_the_first_run_had_none(tmp
     """The failures of an incremental run are the job's current failures (``tbp failures`` lists them, and the next
     run selects them again): ``tbp status`` counts them too, and names a damaged failures file of that run, also when
     the job's first run had no failure (it said ``failed none``, reading the first run's count only)."""
-    path = tmp_path / "job"
-    call(path, data(8))
-    FAILING.update({"x5"})
-    try:
-        call(path, data(8, t5="x5"), on_error="skip", incremental=True)  # example 5 changed and its new run failed
-    finally:
-        FAILING.clear()
+    path = a_job_whose_incremental_run_failed_example_5(tmp_path)
     status = read_status(str(path))
     assert status["failed_examples"] == 1 and [f["index"] for f in status["failures"]["first"]] == [5], status
     assert "1 example(s) skipped" in format_status(status)
