@@ -132,7 +132,8 @@ DETERMINED_DISTRIBUTED_JOB = textwrap.dedent(
     )
     d = distributed
     ranks = [d.get_rank(), d.get_size(), d.get_local_rank(), d.get_local_size(), d.get_cross_rank(), d.get_num_agents()]
-    print(json.dumps({"ranks": ranks, "gathered": d.allgather(d.get_rank())}))
+    record = json.dumps({"ranks": ranks, "gathered": d.allgather(d.get_rank())})
+    pathlib.Path(sys.argv[1], f"ranks-{d.get_rank()}.json").write_text(record)  # not stdout: the ranks' prints interleave
     """
 )
 
@@ -148,7 +149,7 @@ def test_determined_s_distributed_context_from_torch_distributed_runs_a_2_rank_j
     done = run_torchrun(2, script, str(tmp_path), timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "seen.json").read_text()) == list(range(12))
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("ranks-*.json"))]
     assert sorted(line["ranks"][0] for line in lines) == [0, 1]
     assert all(line["ranks"][1:] == [2, line["ranks"][0], 2, 0, 1] for line in lines), lines
     assert all(line["gathered"] == [0, 1] for line in lines), lines
