@@ -497,3 +497,22 @@ def test_an_incremental_run_with_another_output_format_or_table_than_its_job_is_
             call(path, data(10), incremental=True, **other)
         assert tree_digest(path) == before and not CALLS and not (tmp_path / "t").exists()
     assert call(path, data(10), incremental=True).increment["new"] == 2 and len(rows(path)) == 10
+
+
+@pytest.mark.parametrize("output", ["parquet", "jsonl", "delta", "iceberg", "lance"])
+def test_a_calls_outputs_compare_with_its_stored_spec_through_one_definition(output: str, tmp_path: Path) -> None:
+    """A run's outputs are checked against its job's (check_same_outputs) through JobSpec's own reading of what
+    to_json stores (output_format only when not the default, the table's description as JSON gives it back): it
+    re-derived both, so the two could drift apart. The spec a call stores reads back as that call's outputs."""
+    import json
+
+    from torch_batch_process.jobstore.formats import JobSpec
+    from torch_batch_process.validation import validate_arguments
+
+    table = table_target(output, tmp_path) if output in ("delta", "iceberg", "lance") else None
+    args = validate_arguments(Upper, data(4), 4, None, 5, None, str(tmp_path / "job"), None, "job", True, True,
+                              output_format="parquet" if table is not None else output, table=table)
+    stored = json.loads(json.dumps(JobSpec.of_call(args, 4, None).to_json()))  # as job.json holds it
+    assert JobSpec.stored_outputs(stored) == JobSpec.call_outputs(args)
+    assert ("output_format" in stored) == (output == "jsonl") and ("table" in stored) == (table is not None)
+    assert JobSpec.call_outputs(args)["table"] == (json.loads(json.dumps(table.describe())) if table else None)

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 RECORD_FORMAT = "torch_batch_process/commit/1"
 JOB_FORMAT = "torch_batch_process/job/1"
+DEFAULT_OUTPUT_FORMAT = "parquet"
+"""The record shards' format when a spec names none."""
 
 
 @dataclass
@@ -55,7 +57,7 @@ class JobSpec:
     """Module-qualified type of the dataset."""
     plan: dict[str, Any] | None = None
     """The plan's own fingerprint (``None``: contiguous batches; bucketing and streams say more)."""
-    output_format: str = "parquet"
+    output_format: str = DEFAULT_OUTPUT_FORMAT
     """Format of record shards: a resume in another format would mix formats (stored only when not the default)."""
     table: dict[str, Any] | None = None
     """The table target of record outputs (``table=``; its :meth:`~TableTarget.describe`), ``None``: shards."""
@@ -76,7 +78,7 @@ class JobSpec:
             qualified_name(type(args.dataset)),
             plan,
             output_format=args.output_format,
-            table=args.table.describe() if args.table is not None else None,
+            table=_table_of(args),
             keyed=args.keyed.describe() if args.keyed is not None else None,
             generation=getattr(args.processor_cls, "generation_fingerprint", None),
         )
@@ -89,11 +91,30 @@ class JobSpec:
             "max_batches": self.max_batches,
             "dataset_type": self.dataset_type,
             **({"plan": self.plan} if self.plan is not None else {}),
-            **({"output_format": self.output_format} if self.output_format != "parquet" else {}),
-            **({"table": self.table} if self.table is not None else {}),
+            **self.outputs_entries(self.output_format, self.table),
             **({"keyed": self.keyed} if self.keyed is not None else {}),
             **({"generation": self.generation} if self.generation is not None else {}),
         }
+
+    @staticmethod
+    def outputs_entries(output_format: str, table: dict[str, Any] | None) -> dict[str, Any]:
+        """Where a job writes its rows, as :meth:`to_json` stores it: ``output_format`` only when it is not the
+        default (job files of earlier versions have none), ``table`` only with one."""
+        return {
+            **({"output_format": output_format} if output_format != DEFAULT_OUTPUT_FORMAT else {}),
+            **({"table": table} if table is not None else {}),
+        }
+
+    @staticmethod
+    def stored_outputs(spec: dict[str, Any]) -> dict[str, Any]:
+        """``output_format`` and ``table`` of a stored spec (:meth:`to_json` read back), the defaults filled in."""
+        return {"output_format": spec.get("output_format", DEFAULT_OUTPUT_FORMAT), "table": spec.get("table")}
+
+    @classmethod
+    def call_outputs(cls, args: JobArguments) -> dict[str, Any]:
+        """:meth:`stored_outputs` of the spec a call with ``args`` stores (its table's description as JSON gives it
+        back): what a run stored with a job (``retries/<k>/``) compares with the job's."""
+        return cls.stored_outputs(json.loads(json.dumps(cls.outputs_entries(args.output_format, _table_of(args)))))
 
     def differences(self, stored: dict[str, Any]) -> list[str]:
         """Human-readable differences between this spec and a stored one."""
@@ -101,6 +122,11 @@ class JobSpec:
         keys = sorted(set(mine) | set(stored))
         changed = [key for key in keys if stored.get(key) != mine.get(key)]
         return [f"{key}: stored {stored.get(key)!r}, now {mine.get(key)!r}" for key in changed]
+
+
+def _table_of(args: JobArguments) -> dict[str, Any] | None:
+    """The call's table target as a spec names it (its description), ``None``: shards."""
+    return args.table.describe() if args.table is not None else None
 
 
 @dataclass

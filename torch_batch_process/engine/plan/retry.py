@@ -16,9 +16,10 @@ fingerprint, ``first_batch`` and ``first_stage``), so a resume of the retry numb
 
 The failures a retry records replace the ones it retried: the job's current failures are those of its latest
 finished retry (``retries/<k>/failures/``), else its own
-(:func:`~torch_batch_process.jobstore.retries.current_failures_root`); so a failure that succeeds in a retry is cleared, and one that fails again is listed once, by the retry, with the ``batch_idx`` of
-its batch in the job (the original batch; ``retry_batch_idx`` is the retry's). The result of a retry call is the
-retry job's (``failed_examples``: the failures left).
+(:func:`~torch_batch_process.jobstore.retries.current_failures_root`); so a failure that succeeds in a retry is
+cleared, and one that fails again is listed once, by the retry, with the ``batch_idx`` of its batch in the job (the
+original batch; ``retry_batch_idx`` is the retry's). The result of a retry call is the retry job's
+(``failed_examples``: the failures left).
 
 A job or retry is finished when its latest commit record is the final one
 (:func:`~torch_batch_process.jobstore.store.job_finished`); its
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.errors import JobMismatchError
+from torch_batch_process.jobstore.formats import JobSpec
 from torch_batch_process.jobstore.layout import RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.retries import next_retry, open_job_folder, retry_numbering
@@ -169,9 +170,7 @@ def check_same_outputs(storage: Storage, args: JobArguments, call: str) -> None:
     """
     job = JobStore(storage).load_job()
     spec = job.spec if job is not None else {}
-    stored = {"output_format": spec.get("output_format", "parquet"), "table": spec.get("table")}
-    table = json.loads(json.dumps(args.table.describe())) if args.table is not None else None  # as the spec stores it
-    now = {"output_format": args.output_format, "table": table}
+    stored, now = JobSpec.stored_outputs(spec), JobSpec.call_outputs(args)  # both as a stored spec holds them
     differ = [name for name in stored if stored[name] != now[name]]
     if differ:
         named = "; ".join(f"{name}: the job's {stored[name]!r}, this call's {now[name]!r}" for name in differ)
