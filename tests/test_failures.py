@@ -205,7 +205,34 @@ def test_an_exception_in_process_batch_of_a_one_process_job_is_logged_with_its_b
         torch_batch_process(_FailsOnSevens, list(range(40)), batch_size=4, storage_path=str(tmp_path / "s"),
                             progress=False)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert any("rank 0: process_batch(batch_idx=0) raised ValueError: bad value in [0, 1, 2, 3]" in m for m in errors), errors
+    line = "rank 0: process_batch(batch_idx=0) raised ValueError: bad value in [0, 1, 2, 3]"
+    assert any(line in m for m in errors), errors
+
+
+class _HangsInBatchOne(TorchBatchProcessor):
+    def __init__(self, context: Any) -> None:
+        pass
+
+    def process_batch(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1:
+            time.sleep(120)  # the watchdog interrupts it
+
+
+def test_a_batch_timeout_is_logged_once_saying_the_job_stops(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The log line of a rank's failure added "the job stops (...)" to a BatchTimeoutError whose message says it
+    already: the line said it twice. One clear line: the batch, the timeout, the job stopping, how to resume."""
+    from torch_batch_process import BatchTimeoutError
+
+    started = time.monotonic()
+    with pytest.raises(BatchTimeoutError, match="batch 1 on rank 0 ran longer than batch_timeout=1s"):
+        torch_batch_process(_HangsInBatchOne, list(range(12)), batch_size=4, storage_path=str(tmp_path / "s"),
+                            batch_timeout=1.0, progress=False)
+    assert time.monotonic() - started < 60
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    failure = [m for m in errors if "raised BatchTimeoutError" in m]
+    assert len(failure) == 1, [r.getMessage()[:300] for r in caplog.records]
+    assert failure[0].count("the job stops") == 1 and failure[0].count("resume") == 1, failure[0]
+    assert "(the last commit is intact: run it again to resume)" in failure[0], failure[0]
 
 
 @pytest.mark.slow
@@ -405,7 +432,7 @@ def test_retry_failed_processes_only_the_failures(tmp_path: Path) -> None:
     assert run_job(fixed, 1)[0][0] == 0
     assert report(fixed, 0, attempt=3)["result"]["failed_examples"] == 0
     assert read_failures(spec["storage"]) == []
-    assert output_counts(spec["storage"]) == Counter(range(N)), "every example's output once, over the job and its retries"
+    assert output_counts(spec["storage"]) == Counter(range(N)), "each example's output once, over the job and retries"
     second_retry = batch_numbers(spec["storage"]) - set(range(planned)) - first_retry
     assert second_retry and min(second_retry) > max(first_retry), "the second retry's after the first one's"
     assert max(batch_files(spec["storage"]).values()) == 1, "no batch_idx used twice"

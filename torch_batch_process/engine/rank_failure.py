@@ -17,9 +17,13 @@ from dataclasses import dataclass
 from torch_batch_process.errors import LoaderWorkerDiedError, WorkerFailedError
 from torch_batch_process.observe.visible_text import visible
 
-__all__ = ["SENT_CHARS", "FailureInfo", "RankFailure"]
+__all__ = ["JOB_STOPS", "SENT_CHARS", "FailureInfo", "RankFailure"]
 
 logger = logging.getLogger(__name__)
+
+JOB_STOPS = "the job stops"
+"""What the log line of a rank's failure adds, with how to resume, unless the exception says it already (the
+library's own that stop the job do: a batch timeout, too many failures): said once, never twice."""
 
 SENT_CHARS = 4000
 """At most this many characters of a failure's message, and of each part of its traceback (a frame, the exception's
@@ -69,9 +73,11 @@ class RankFailure:
             exc, where = died, "the DataLoader's workers"
         if self.exception is None:
             first = str(exc).strip().splitlines()
+            said = first[0] if first else ""
             logger.error(  # names the batch, which the exception re-raised at the end (the user's own) may not say
-                "rank %d: %s raised %s: %s; the job stops (the last commit stays: fix it and run the job again to "
-                "resume)", self.rank, where, type(exc).__name__, visible(first[0] if first else "", 300),
+                "rank %d: %s raised %s: %s%s", self.rank, where, type(exc).__name__, visible(said, 300),
+                "" if JOB_STOPS in said else f"; {JOB_STOPS} (the last commit stays: fix it and run the job again to "
+                "resume)",
             )
             self.exception = exc
             self.info = FailureInfo(

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch_batch_process.engine.rank_failure import JOB_STOPS
 from torch_batch_process.errors import BatchTimeoutError
 from torch_batch_process.log import end_process, thread_stacks
 
@@ -168,7 +169,7 @@ class BatchWatchdog:
         else:
             what = f"batch {batch} on rank {self.rank}"
         message = (
-            f"{what} ran longer than batch_timeout={self.timeout_s:g}s; the job stops "
+            f"{what} ran longer than batch_timeout={self.timeout_s:g}s; {JOB_STOPS} "
             "(the last commit is intact: run it again to resume)"
         )
         logger.error("rank %d: %s. Stacks of rank %d:\n%s", self.rank, message, self.rank, thread_stacks())
