@@ -361,3 +361,30 @@ def test_a_rank_that_claims_its_batches_holds_only_what_its_engine_runs(model: A
             feed.use(engine, max_in_flight=3)  # the user's limit wins either way
             assert feed.limit == 3
     assert limits == {False: 4 * sequences, True: sequences}
+
+
+def test_registering_the_same_engine_again_leaves_its_budget_as_it_is(
+    model: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The budget earlier attempts learned is applied once, when the processor registers its engine. Registering the
+    same engine again re-read it and applied it again: an engine the processor had restarted with a budget of its own
+    since was restarted once more (dropping its prompts in flight). Again it only takes the new arguments."""
+    from torch_batch_process.context import CurrentBatch
+    from torch_batch_process.engine.feed.in_flight import InFlight
+    from torch_batch_process.engine.rank_failure import RankFailure
+    from torch_batch_process.engine.work import RankWork
+
+    caplog.set_level(logging.INFO, logger="torch_batch_process.engine.feed.in_flight")
+    with TransformersEngine(model, budget=BUDGET, eos_token_id=()) as engine:
+        full = engine.budget
+        feed = InFlight(CurrentBatch(), RankWork(), RankFailure(0), torch.inference_mode, learn_budget=True)
+        feed.start_from({"cache_tokens": full.cache_tokens, "batch_tokens": full.batch_tokens // 4})
+        feed.use(engine)
+        assert engine.budget.batch_tokens == full.batch_tokens // 4, "the learned budget applied"
+        assert feed.take_budget()[0] == engine.budget  # the news of the first start travels once
+        engine.restart(full)  # the processor's own choice, after registering its engine
+        feed.use(engine, max_in_flight=3)
+        feed.use(engine, max_in_flight=3)
+        assert engine.budget == full and feed.limit == 3 and feed.take_budget() == (None, 0)
+    starts = [r for r in caplog.records if "starts within the budget" in r.getMessage()]
+    assert len(starts) == 1, [r.getMessage() for r in starts]

@@ -164,7 +164,9 @@ class InFlight:
     # ------------------------------------------------------------------ the context's side
 
     def use(self, engine: GenerationEngine, max_in_flight: int | None = None, drain_s: float | None = None) -> None:
-        """``context.use_generation_engine``: the engine this rank's batches go to (once, in ``__init__``)."""
+        """``context.use_generation_engine``: the engine this rank's batches go to (once, in ``__init__``). Called
+        again with the same engine, it takes the new ``max_in_flight`` and ``drain_s`` only: the engine starts within
+        the learned budget (:meth:`start_from`) once, when it is registered."""
         if not isinstance(engine, GenerationEngine):
             raise InvalidArgumentError(
                 f"use_generation_engine(engine=...) takes a torch_batch_process.generation.GenerationEngine (e.g. "
@@ -174,8 +176,9 @@ class InFlight:
             raise InvalidArgumentError("use_generation_engine() was already called: a processor uses one engine")
         max_in_flight = check_max_in_flight(max_in_flight, "use_generation_engine")
         drain_s = check_drain_s(drain_s, "use_generation_engine")
-        self.engine = engine
-        self._start_from_stored(engine)
+        if self.engine is None:  # the budget earlier attempts learned applies once, to the engine registered
+            self.engine = engine
+            self._start_from_stored(engine)
         budget = engine.budget
         sequences = budget.max_sequences if budget is not None else 64
         default = sequences if self._claims else 4 * sequences  # see ``claims`` in the class docstring
