@@ -516,3 +516,23 @@ def test_a_calls_outputs_compare_with_its_stored_spec_through_one_definition(out
     assert JobSpec.stored_outputs(stored) == JobSpec.call_outputs(args)
     assert ("output_format" in stored) == (output == "jsonl") and ("table" in stored) == (table is not None)
     assert JobSpec.call_outputs(args)["table"] == (json.loads(json.dumps(table.describe())) if table else None)
+
+
+@pytest.mark.parametrize("output", ["parquet", "jsonl", "delta", "iceberg", "lance"])
+def test_a_keyed_job_whose_keys_were_all_pruned_reads_back_empty_with_its_columns(output: str, tmp_path: Path) -> None:
+    """Every key gone from the dataset and pruned: read_outputs gave a table of the ``index`` column alone (the shards'
+    rows all hidden, their columns dropped with them). It has the job's columns and types, and no row."""
+    target = table_target(output, tmp_path) if output in ("delta", "iceberg", "lance") else None
+    path = tmp_path / "job"
+    extra: dict[str, Any] = {"table": target} if target is not None else {"output_format": output}
+    source = target if target is not None else path
+    call(path, data(6), **extra)
+    full = read_outputs(source)
+    named = read_outputs(source, columns=["value", "id"])
+    gone = call(path, data(0), incremental=True, prune_missing=True, **extra)
+    assert (gone.increment["removed"], gone.increment["selected"]) == (6, 0)
+    empty = read_outputs(source)
+    assert empty.num_rows == 0 and empty.schema == full.schema, (empty.schema, full.schema)
+    empty_named = read_outputs(source, columns=["value", "id"])
+    assert empty_named.num_rows == 0 and empty_named.schema == named.schema, empty_named.schema
+    assert [b.num_rows for b in iter_outputs(source)] in ([], [0])

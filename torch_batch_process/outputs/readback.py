@@ -673,9 +673,12 @@ def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted:
         )
         tables = [_visible(t, shadows, i).select(asked) if asked is not None else _visible(t, shadows, i)
                   for i, t in enumerate(tables)]
-    tables = [t for t in tables if t.num_rows]
-    if not tables:
+    found = [t for t in tables if t.num_rows]
+    if not found:
+        if tables:  # every row hidden (a keyed job's keys all pruned): no row, the columns a row would have
+            return _concat(tables).slice(0, 0)
         pa = require_pyarrow()
         return pa.table({INDEX_COLUMN: pa.array([], pa.int64())})
+    tables = found
     tables.sort(key=lambda t: int(_np(t.column(INDEX_COLUMN)).min()))
     return _sorted(_concat(tables))
