@@ -536,3 +536,57 @@ def test_a_keyed_job_whose_keys_were_all_pruned_reads_back_empty_with_its_column
     empty_named = read_outputs(source, columns=["value", "id"])
     assert empty_named.num_rows == 0 and empty_named.schema == named.schema, empty_named.schema
     assert [b.num_rows for b in iter_outputs(source)] in ([], [0])
+
+
+def test_the_jobs_failures_are_every_key_whose_newest_event_is_a_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tbp failures``, ``read_failures`` and ``tbp status`` of a keyed job listed its latest run's failures only: a
+    key that failed in an earlier run and that a run capped by max_batches did not reach (or that the dataset no longer
+    had) was not listed, yet the next run counted it as failed and ran it. They list every key currently failed: each
+    key's newest failure, none that succeeded since; the next run retries exactly those."""
+    from torch_batch_process import read_failures
+    from torch_batch_process.launch.cli import main as cli_main
+
+    def listed() -> list[tuple[int, int]]:
+        failures = read_failures(str(path))
+        status = read_status(str(path))
+        assert status["failed_examples"] == len(failures), (status["failures"], failures)
+        assert [f["index"] for f in status["failures"]["first"]] == [f["index"] for f in failures][:5]
+        assert cli_main(["failures", str(path)]) == 0
+        assert capsys.readouterr().out.startswith(f"{len(failures)} failed example(s)")
+        return [(f["key"], f["_tbp_run"]) for f in failures]
+
+    path = tmp_path / "job"
+    FAILING.clear()
+    FAILING.update({"bad3", "bad9"})
+    try:
+        assert call(path, data(12, t3="bad3", t9="bad9"), on_error="skip").failed_examples == 2
+        assert listed() == [(3, 1), (9, 1)]
+        FAILING.discard("bad3")  # 3 is fixed, example 5 changes and fails, 9 still fails but is not reached
+        FAILING.add("bad5")
+        dataset = data(12, t3="bad3", t5="bad5", t9="bad9")
+        capped = call(path, dataset, on_error="skip", incremental=True, max_batches=2, batch_size=1)
+        assert capped.increment["selected"] == 3 and CALLS == [[3], [5]] and capped.failed_examples == 1
+        assert listed() == [(5, 2), (9, 1)]
+        retried = path / "retries" / "1" / "_tbp" / "retried.arrows"
+        whole = retried.read_bytes()
+        retried.write_bytes(whole[: len(whole) // 2])  # damaged: named, never a guess at which failures are current
+        with pytest.raises(CheckpointCorruptError, match=r"retried\.arrows: the examples this run retried cannot be"):
+            read_failures(str(path))
+        retried.write_bytes(whole)
+        FAILING.clear()  # fixed: the next run retries the two listed keys, and none is left
+        rest = call(path, dataset, on_error="skip", incremental=True)
+        assert (rest.increment["failed"], rest.increment["selected"]) == (2, 2)
+        assert sorted(i for b in CALLS for i in b) == [5, 9] and listed() == []
+        FAILING.add("bad11")  # a key that fails, then leaves the dataset (kept): still failed, listed
+        assert call(path, data(12, t3="bad3", t5="bad5", t9="bad9", t11="bad11"), on_error="skip",
+                    incremental=True).failed_examples == 1
+        FAILING.clear()
+        without = call(path, data(11, t3="bad3", t5="bad5", t9="bad9"), on_error="skip", incremental=True)
+        assert without.increment["stored_failed"] == 1 and without.increment["selected"] == 0
+        assert listed() == [(11, 4)]
+        back = call(path, data(12, t3="bad3", t5="bad5", t9="bad9", t11="bad11"), on_error="skip", incremental=True)
+        assert (back.increment["failed"], back.increment["selected"]) == (1, 1) and listed() == []
+    finally:
+        FAILING.clear()

@@ -267,3 +267,26 @@ def test_a_kill_while_planning_leaves_no_spill_behind_once_the_run_resumes(tmp_p
     assert sorted(table["key"]) == list(range(4000))
     values = dict(zip(table["key"], table["value"], strict=True))
     assert all(value == f"T{key}" + ("X" if key % 2 else "") for key, value in values.items())
+
+
+def test_a_capped_run_on_two_ranks_leaves_the_failures_it_did_not_reach_listed(tmp_path: Path) -> None:
+    """The job's failures are each key's newest failure over its runs: a run capped by max_batches (per rank, here
+    2 ranks x 1 batch of 1) clears the failures it reached and leaves the one it did not, which ``read_failures`` and
+    ``tbp status`` still list and the next run retries."""
+    from torch_batch_process import read_failures
+
+    storage, n = tmp_path / "storage", 200
+    skip = {"on_error": "skip"}
+    run(tmp_path, {"n": n, "storage": str(storage), "fail_ids": [30, 90, 150], "kwargs": skip}, 2)
+    assert [f["key"] for f in read_failures(str(storage))] == [30, 90, 150]
+    capped = {"n": n, "storage": str(storage), "batch_size": 1, "kwargs": {**skip, "incremental": True,
+                                                                             "max_batches": 1}}
+    shutil.rmtree(tmp_path / "calls")
+    reports = run(tmp_path, capped, 2)
+    assert reports[0]["result"]["increment"]["selected"] == 3 and sorted(sum(calls(tmp_path), [])) == [30, 90]
+    assert [(f["key"], f["_tbp_run"]) for f in read_failures(str(storage))] == [(150, 1)]
+    assert read_status(str(storage))["failed_examples"] == 1
+    shutil.rmtree(tmp_path / "calls")
+    reports = run(tmp_path, {**capped, "kwargs": {**skip, "incremental": True}}, 2)
+    assert reports[0]["result"]["increment"]["failed"] == 1 and sum(calls(tmp_path), []) == [150]
+    assert read_failures(str(storage)) == [] and read_status(str(storage))["failed_examples"] == 0

@@ -10,7 +10,8 @@ noting it), ``delta`` (a local Delta table's path: the rows go there, ``table=ta
 (``{"format": "delta"|"lance", "uri": path}`` or ``{"format": "iceberg", "identifier": ..., "catalog": {...}}``),
 ``table_kill`` (``before:<k>`` / ``after:<k>``: the process SIGKILLs itself right before / after its ``k``-th
 table transaction, wrapping the library's own method), ``parquet`` (a glob of Parquet files the test wrote: the
-dataset is ``sources.parquet(glob)`` instead of the list, with ``content=["text"]``). Example ``id`` has the
+dataset is ``sources.parquet(glob)`` instead of the list, with ``content=["text"]``), ``fail_ids`` (ids whose batch
+raises ``ValueError``: failing examples with ``on_error="skip"`` in ``kwargs``). Example ``id`` has the
 text ``t<id>`` (``t<id>-v2`` once changed, ``new<id>`` appended); its row is ``value = text.upper()``.
 """
 
@@ -47,6 +48,9 @@ class Processor(TorchBatchProcessor):
         die = SPEC.get("die_after")
         if die and die["rank"] == self.context.distributed.get_rank() and self.batches >= die["batches"]:
             os.kill(os.getpid(), signal.SIGKILL)
+        failing = set(SPEC.get("fail_ids", ())) & {int(i) for i in batch["id"]}
+        if failing:
+            raise ValueError(f"cannot process ids {sorted(failing)}")
         self.context.write({"value": [text.upper() for text in batch["text"]]})
 
 

@@ -4,9 +4,11 @@ next, whose failures are the job's current ones, and where each retry's batch an
 A retry ``k`` is a job of its own stored in ``retries/<k>/`` below the job's storage path
 (:mod:`torch_batch_process.engine.plan.retry` runs one). The job's current failures are those of its latest
 finished retry, else its own: a failure that succeeds in a retry is cleared, one that fails again is listed once,
-by the retry. A retry's outputs are published to the job's own ``outputs/`` with stage numbers after every one
-used before (:func:`retry_numbering`; :func:`retry_first_stages` tells them apart), except a retry stored by an
-earlier version, whose outputs stay in its folder (:func:`open_job_folder`). Read-only: the read side
+by the retry (a keyed job's incremental runs, stored as retries too, keep each key's newest failure instead:
+:func:`torch_batch_process.outputs.keyed.runs.current_failures`). A retry's outputs are published to the job's own
+``outputs/`` with stage numbers after every one used before (:func:`retry_numbering`; :func:`retry_first_stages`
+tells them apart), except a retry stored by an earlier version, whose outputs stay in its folder
+(:func:`open_job_folder`). Read-only: the read side
 (``read_outputs``, ``read_failures``) uses it too.
 """
 

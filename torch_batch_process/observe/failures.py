@@ -18,6 +18,7 @@ from torch_batch_process.jobstore.layout import FAILURES_DIR, JOB_FILE
 from torch_batch_process.jobstore.retries import current_failures_root
 from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.outputs.failure_records import read_failure_records
+from torch_batch_process.outputs.keyed.runs import current_failures
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
 
@@ -27,6 +28,7 @@ __all__ = [
     "current_failure_records",
     "failure_summary",
     "first_line",
+    "is_keyed",
     "read_failures",
     "run_failures",
 ]
@@ -37,7 +39,9 @@ FIRST_FAILURES = 5
 
 def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The current failure records of the job at ``storage_path`` (those of its latest finished
-    ``retry_failed`` run, if any: see :mod:`torch_batch_process.jobstore.retries`), ordered by dataset index.
+    ``retry_failed`` run, if any: see :mod:`torch_batch_process.jobstore.retries`; a keyed job's: every key whose
+    newest event is a failure, over its runs: :func:`~torch_batch_process.outputs.keyed.runs.current_failures`),
+    ordered by dataset index.
 
     Raises:
         NoJobError: no job is stored at ``storage_path`` (as ``tbp status`` says).
@@ -52,10 +56,21 @@ def read_failures(storage_path: str, *, storage_options: dict[str, Any] | None =
 
 
 def current_failure_records(storage: Storage) -> tuple[str, list[dict[str, Any]]]:
-    """The folder (relative to ``storage``) holding the current failure records of the job stored in ``storage``,
-    and those records (see :func:`read_failures`)."""
+    """The folder (relative to ``storage``) holding the current failure records of the job stored in ``storage``
+    (a keyed job's latest finished run's, which holds the newest of them), and those records (see
+    :func:`read_failures`)."""
     root = current_failures_root(storage)
-    return f"{root}/{FAILURES_DIR}" if root else FAILURES_DIR, read_failure_records(storage, root)
+    folder = f"{root}/{FAILURES_DIR}" if root else FAILURES_DIR
+    if is_keyed(storage):
+        return folder, current_failures(storage)
+    return folder, read_failure_records(storage, root)
+
+
+def is_keyed(storage: Storage) -> bool:
+    """Whether the job stored in ``storage`` is keyed (``key=``; its failures are its keys', over its runs)."""
+    job = storage.read_json_object(JOB_FILE)
+    spec = job.get("spec") if job is not None else None
+    return isinstance(spec, dict) and isinstance(spec.get("keyed"), dict)
 
 
 def failure_summary(records: list[dict[str, Any]], first: int = FIRST_FAILURES) -> dict[str, Any]:
@@ -70,7 +85,8 @@ def failure_summary(records: list[dict[str, Any]], first: int = FIRST_FAILURES) 
         by_error[error] = by_error.get(error, 0) + 1
     shown = []
     for record in records[:first]:
-        entry = {key: record.get(key) for key in ("index", "batch_idx", "attempt", "rank", "phase", "error_type", "time")}
+        fields = ("index", "batch_idx", "attempt", "rank", "phase", "error_type", "time")
+        entry = {key: record.get(key) for key in fields}
         entry["message"] = first_line(record.get("message"))
         shown.append(entry)
     return {

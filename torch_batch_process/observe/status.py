@@ -63,7 +63,7 @@ from torch_batch_process.jobstore.layout import (
 from torch_batch_process.jobstore.memory_limits import MemoryLimits
 from torch_batch_process.jobstore.retries import current_failures_root, retry_numbers
 from torch_batch_process.jobstore.store import JobStore, latest_record_at, lock_holder
-from torch_batch_process.observe.failures import current_failure_records, failure_summary
+from torch_batch_process.observe.failures import current_failure_records, failure_summary, is_keyed
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.observe.token_rates import GENERATION_STATS, format_rate, rates_per_rank
 from torch_batch_process.observe.visible_text import visible
@@ -239,14 +239,15 @@ def _memory_limits(latest: CommitRecord | None) -> dict[str, Any] | None:
 
 
 def _failures(storage: Storage, latest: CommitRecord | None) -> dict[str, Any]:
-    """The ``failures`` entry: read from the current failure files (the job's, or its latest finished run's:
-    ``retry_failed``, a keyed job's incremental run) when the latest record of their folder counts any."""
+    """The ``failures`` entry: read from the current failure files (the job's, or its latest finished
+    ``retry_failed`` run's) when the latest record of their folder counts any; a keyed job's, over its runs (each
+    key's newest failure: an earlier run's may be current when the latest run has none)."""
     summary: dict[str, Any] = failure_summary([])
     summary.update(path=storage.url_of(FAILURES_DIR), error=None)
     root = current_failures_root(storage)
     record = latest_record_at(storage, root) if root else latest
     committed = int(record.stats.get("failed_examples") or 0) if record is not None else 0
-    if committed <= 0:
+    if committed <= 0 and not is_keyed(storage):  # a keyed job's earlier runs' failures may be current too
         return summary
     try:
         folder, records = current_failure_records(storage)

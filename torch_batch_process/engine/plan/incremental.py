@@ -11,11 +11,13 @@ the current ``version=`` before the dataset is read): :func:`~torch_batch_proces
 A key whose newest event is a failure (its records name their key) is selected again (``failed``).
 
 The run is a job of its own stored like a ``retry_failed`` run, in ``retries/<k>/`` (so it shares the job's
-numbering of batches and stages, its ``outputs/``, and "the job's current failures are its latest finished run's":
-:mod:`torch_batch_process.jobstore.retries`), with a :class:`SelectionPlan` over the selected indices; its rows
-carry ``_tbp_run = k + 1``. The selection is stored in ``retries/<k>/_tbp/selection.bin`` with the counts in
-``increment.json`` before the run's ``job.json``; a resume (after a kill, on any world size) reuses them: the
-selection is the run's plan, fixed at its start. A start killed before the run's ``job.json`` plans again.
+numbering of batches and stages and its ``outputs/``: :mod:`torch_batch_process.jobstore.retries`; the job's
+current failures are each key's newest failure over its finished runs:
+:func:`~torch_batch_process.outputs.keyed.runs.current_failures`), with a :class:`SelectionPlan` over the selected
+indices; its rows carry ``_tbp_run = k + 1``. The selection is stored in ``retries/<k>/_tbp/selection.bin`` with the
+counts in ``increment.json`` (and the examples selected as failed before in ``retried.arrows``) before the run's
+``job.json``; a resume (after a kill, on any world size) reuses them: the selection is the run's plan, fixed at its
+start. A start killed before the run's ``job.json`` plans again.
 
 Runs are sequential: a new one is planned only on a finished job whose latest run is finished.
 """
@@ -48,6 +50,7 @@ from torch_batch_process.outputs.keyed.options import HASH_FIELD, RUN_FIELD, VER
 from torch_batch_process.outputs.keyed.runs import (
     INCREMENT_FILE,
     REMOVED_FILE,
+    RETRIED_FILE,
     SELECTION_FILE,
     decode_removed,
     failed_keys,
@@ -209,20 +212,24 @@ def choose_run(args: JobArguments) -> RunChoice | None:
             schema = latest.record_schema if latest is not None else _newest_schema(storage)
             return RunChoice(k, selection, counts, schema, first_batch, int(first_stage or 1), removed)
         _check_keys_stored(storage)
-        if storage.exists(f"{folder}/{REMOVED_FILE}"):  # left by a start killed before job.json: planned again
-            storage.delete(f"{folder}/{REMOVED_FILE}")
+        for left in (REMOVED_FILE, RETRIED_FILE):  # left by a start killed before job.json: planned again
+            if storage.exists(f"{folder}/{left}"):
+                storage.delete(f"{folder}/{left}")
         _repair(storage, args)
         scratch = process_folder("removed")  # a kill leaves it to the next process
         try:
             removed_to = os.path.join(scratch, "removed.arrows") if keyed.prune_missing else None
-            increment = _plan(storage, args, keyed, removed_to)
+            increment = _plan(storage, args, keyed, removed_to, os.path.join(scratch, "retried.arrows"))
             removed = Path(increment.removed).read_bytes() if increment.removed is not None else None
+            retried = Path(increment.retried).read_bytes() if increment.retried is not None else None
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         counts = increment.counts.to_json() | {"versions": increment.versions, "pruned": keyed.prune_missing}
         storage.write_bytes(f"{folder}/{SELECTION_FILE}", increment.selection.to_bytes())
         if removed is not None:  # before job.json, as the selection: a resume removes the same keys
             storage.write_bytes(f"{folder}/{REMOVED_FILE}", removed)
+        if retried is not None:  # the failures the run clears (tbp failures), fixed with its selection
+            storage.write_bytes(f"{folder}/{RETRIED_FILE}", retried)
         storage.write_bytes(f"{folder}/{INCREMENT_FILE}", json.dumps(counts).encode())
         return RunChoice(
             k, increment.selection.to_bytes(), counts, _newest_schema(storage), first_batch, int(first_stage or 1),
@@ -395,7 +402,9 @@ def _changes(stored: dict[str, Any], now: dict[str, Any]) -> str:
     return "; ".join(f"{name}: stored {stored.get(name)!r}, now {now.get(name)!r}" for name in names)
 
 
-def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions, removed_to: str | None) -> Any:
+def _plan(
+    storage: Storage, args: JobArguments, keyed: KeyedOptions, removed_to: str | None, retried_to: str | None = None
+) -> Any:
     """Plans the run: the stored rows (newest per key) against the dataset's keys and hashes."""
     import pyarrow as pa
 
@@ -446,7 +455,7 @@ def _plan(storage: Storage, args: JobArguments, keyed: KeyedOptions, removed_to:
     return plan_increment(
         _key_batches(args, keyed), itertools.chain(stored(), events), new_rows=_dataset_rows(args),
         stored_rows=_stored_rows(storage), version=keyed.digest, on_change=keyed.on_change, describe_version=describe,
-        removed_to=removed_to,
+        removed_to=removed_to, retried_to=retried_to,
     )
 
 

@@ -130,6 +130,9 @@ class Increment:
     counts: IncrementCounts
     removed: Path | None = None
     """An Arrow IPC stream of the removed keys (column ``key``), when asked for (``removed_to``)."""
+    retried: Path | None = None
+    """An Arrow IPC stream of the examples selected because their key failed before (columns ``key`` and ``index``,
+    in no order), when asked for (``retried_to``): which failures the run may clear (``tbp failures``)."""
     versions: dict[str, int] = field(default_factory=dict)
     """Version -> the stored keys whose newest row has it."""
 
@@ -145,6 +148,7 @@ def plan_increment(
     scratch: str | Path | None = None,
     rows_per_partition: int = ROWS_PER_PARTITION,
     removed_to: str | Path | None = None,
+    retried_to: str | Path | None = None,
     describe_version: Callable[[str], str] | None = None,
 ) -> Increment:
     """Plans an incremental run (see the module docstring).
@@ -162,6 +166,8 @@ def plan_increment(
             this call is made in it and removed before returning.
         rows_per_partition: rows of both sides per partition (memory; see the module docstring).
         removed_to: where to write the removed keys (an Arrow IPC stream); ``None``: only counted.
+        retried_to: where to write the key and index of each ``failed`` example (an Arrow IPC stream, written even
+            when there is none); ``None``: only counted.
         describe_version: how to name a version in the refusal (e.g. the fingerprint keys that differ).
 
     Raises:
@@ -181,7 +187,7 @@ def plan_increment(
         if stale and on_change == "refuse":
             raise VersionChangedError(_refusal(version, stale, describe_version))
         planner.spill_new(new, new_rows)
-        increment = planner.compare(new_rows, removed_to)
+        increment = planner.compare(new_rows, removed_to, retried_to)
         increment.versions = versions
         return increment
     finally:
@@ -331,13 +337,14 @@ class _Planner:
 
     # ------------------------------------------------------------ comparing
 
-    def compare(self, new_rows: int, removed_to: str | Path | None) -> Increment:
+    def compare(self, new_rows: int, removed_to: str | Path | None, retried_to: str | Path | None = None) -> Increment:
         assert self.new is not None and self.winners is not None
         pa = require_pyarrow()
         selection = Selection(new_rows)
         counts = self.counts
         counts.total = new_rows
         removed_writer = None
+        retried: list[Any] = []  # (key, index) of the failed examples: few (failures), held until the end
         for p in range(self.partitions):
             new = self.new.read(p)
             stored = self.winners.read(p)
@@ -359,6 +366,8 @@ class _Planner:
                 counts.failed += int(tally[_FAILED])
                 counts.recompute += int(tally[_RECOMPUTE])
                 selection.add(_np(new.column("index"))[reasons != _UNCHANGED])
+                if retried_to is not None and (reasons == _FAILED).any():
+                    retried.append(new.select([KEY_COLUMN, "index"]).filter(pa.array(reasons == _FAILED)))
             if stored is not None:
                 gone = ~matched_stored & ~_np(stored.column("failed"))
                 counts.removed += int(gone.sum())
@@ -378,7 +387,24 @@ class _Planner:
                 removed_writer.close()
             except OSError as exc:
                 raise spill_error(removed_to, exc) from exc
-        return Increment(selection, counts, Path(removed_to) if removed_writer is not None else None)
+        if retried_to is not None:
+            self._write_retried(retried, retried_to)
+        return Increment(
+            selection, counts, Path(removed_to) if removed_writer is not None else None,
+            retried=Path(retried_to) if retried_to is not None else None,
+        )
+
+    def _write_retried(self, tables: list[Any], path: str | Path) -> None:
+        """Writes the failed examples' keys and indices (:attr:`Increment.retried`), an empty stream when none."""
+        pa = require_pyarrow()
+        kind = pa.large_string() if self.kind == "str" else pa.int64()
+        schema = pa.schema([(KEY_COLUMN, kind), ("index", pa.int64())])
+        try:
+            with pa.ipc.new_stream(str(path), schema) as writer:
+                for table in tables:
+                    writer.write_table(table.cast(schema))
+        except OSError as exc:  # e.g. a full disk: pyarrow's error names no file
+            raise spill_error(path, exc) from exc
 
 
 def _np(column: Any) -> np.ndarray:

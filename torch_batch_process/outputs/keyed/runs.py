@@ -13,15 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError
-from torch_batch_process.jobstore.formats import parse_json
-from torch_batch_process.jobstore.layout import RETRIES_DIR
+from torch_batch_process.jobstore.formats import JobInfo, parse_json
+from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
 from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
 from torch_batch_process.outputs.failure_records import read_failure_records
 from torch_batch_process.storage.base import Storage
 
-__all__ = ["INCREMENT_FILE", "REMOVED_FILE", "SELECTION_FILE", "counts_text", "decode_removed", "failed_keys",
-           "incremental_runs", "read_counts", "removed_keys"]
+__all__ = ["INCREMENT_FILE", "REMOVED_FILE", "RETRIED_FILE", "SELECTION_FILE", "counts_text", "current_failures",
+           "decode_removed", "failed_keys", "incremental_runs", "read_counts", "removed_keys"]
 
 SELECTION_FILE = "_tbp/selection.bin"
 """The run's selection (:class:`~torch_batch_process.outputs.keyed.selection.Selection`), in its folder."""
@@ -29,6 +29,10 @@ INCREMENT_FILE = "_tbp/increment.json"
 """The planner's counts of the run (new, changed, unchanged...: ``IncrementCounts.to_json``), in its folder."""
 REMOVED_FILE = "_tbp/removed.arrows"
 """The keys a ``prune_missing=True`` run removes (an Arrow IPC stream, column ``key``), in its folder."""
+RETRIED_FILE = "_tbp/retried.arrows"
+"""The examples the run selected because their key failed before (an Arrow IPC stream, columns ``key`` and
+``index``), in its folder: the earlier failures it clears, those of its planned batches (:func:`current_failures`).
+Runs of earlier versions have none."""
 
 
 def incremental_runs(storage: Storage) -> list[dict[str, Any]]:
@@ -95,6 +99,79 @@ def failed_keys(storage: Storage) -> Any:
     import pyarrow as pa  # only here: tbp's status parser imports this module, and must stay light
 
     return pa.table({"key": keys, "_tbp_run": pa.array(runs, pa.int32())})
+
+
+def current_failures(storage: Storage) -> list[dict[str, Any]]:
+    """A keyed job's current failure records: for each key whose newest event is a failure, that failure's record,
+    ordered by dataset index (then run). What ``tbp failures``, ``tbp status`` and ``read_failures`` list, and what
+    the next incremental run selects again (``failed``).
+
+    The job's failures first, then each finished run's in order: a run clears the earlier failures of the keys it
+    selected again (:data:`RETRIED_FILE`) within its planned batches (a run capped by ``max_batches`` leaves the
+    others, and those of keys gone from its dataset, listed), and adds its own. A run without that file (an earlier
+    version's) replaces them all, as before. An unfinished run adds nothing yet (its failures are the job's once it
+    finishes), as for ``retry_failed=True`` runs.
+
+    Raises:
+        OutputCorruptError: a failures file cannot be read (:func:`read_failure_records`).
+        CheckpointCorruptError: a run's :data:`RETRIED_FILE`, selection or ``job.json`` cannot be read.
+    """
+    current: dict[Any, dict[str, Any]] = {}
+    for k in [0, *retry_numbers(storage)]:
+        folder = f"{RETRIES_DIR}/{k}" if k else ""
+        if k:
+            if not job_finished(storage, folder):
+                continue
+            cleared = _cleared_keys(storage, folder)
+            if cleared is None:
+                current.clear()
+            for key in cleared or ():
+                current.pop(key, None)
+        for n, record in enumerate(read_failure_records(storage, folder)):
+            current[record["key"] if "key" in record else (folder, n)] = record
+    return sorted(current.values(),
+                  key=lambda r: (r.get("index", 0), r.get("_tbp_run", 0), r.get("attempt", 0)))
+
+
+def _cleared_keys(storage: Storage, folder: str) -> list[Any] | None:
+    """The keys whose earlier failures the finished run in ``folder`` cleared: those it selected again as failed
+    (:data:`RETRIED_FILE`) in its planned batches (a row or a failure of this run is their newest event now).
+    ``None``: the run stored no such file (a run of an earlier version)."""
+    rel = f"{folder}/{RETRIED_FILE}"
+    try:
+        data = storage.read_bytes(rel)
+    except FileNotFoundError:
+        return None
+    import pyarrow as pa  # only here, as in failed_keys
+
+    try:
+        retried = pa.ipc.open_stream(data).read_all()
+        keys, indices = retried.column("key").to_pylist(), retried.column("index").to_numpy()
+    except (pa.ArrowException, KeyError) as exc:
+        raise CheckpointCorruptError(
+            f"{storage.url_of(rel)}: the examples this run retried cannot be read ({exc}); it is damaged. "
+            f"{CORRUPT_HINT}."
+        ) from exc
+    reached = _reached(storage, folder)
+    if reached is None or not keys:
+        return keys
+    if reached == 0:
+        return []
+    from torch_batch_process.outputs.keyed.selection import Selection
+
+    rel = f"{folder}/{SELECTION_FILE}"
+    last = Selection.from_bytes(storage.read_bytes(rel), storage.url_of(rel)).take(reached - 1, 1)
+    if len(last) == 0:  # the planned batches hold every selected example
+        return keys
+    return [key for key, index in zip(keys, indices.tolist(), strict=True) if index <= int(last[0])]
+
+
+def _reached(storage: Storage, folder: str) -> int | None:
+    """How many of its selected examples (the first ones, in index order) the run's planned batches hold; ``None``:
+    all of them."""
+    rel = f"{folder}/{JOB_FILE}"
+    where = storage.url_of(rel)
+    return JobInfo.from_json(parse_json(storage.read_bytes(rel), where), where).planned_examples
 
 
 def removed_keys(storage: Storage) -> Any:
