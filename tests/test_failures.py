@@ -749,12 +749,14 @@ print(json.dumps({"preempted": result.preempted, "finished": result.finished}))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["sigterm"])
+@pytest.mark.parametrize("what", ["sigterm", "fork fails"])
 def test_loader_workers_that_meet_trouble_while_they_start_neither_fail_nor_hang_the_job(tmp_path: Path, what: str):
     """While a rank's DataLoader workers start: a preemption's SIGTERM to the job's process group that reaches a
     worker after torch set its own SIGTERM handler (which ends the worker) and before the library's worker_init_fn
     must not kill it: the rank commits and returns preempted=True (it failed with LoaderWorkerDiedError, or hung
-    at exit). A re-run finishes, each example once."""
+    at exit). A worker whose fork fails fails the job with that error, promptly: the workers started before it are
+    ended (they ignore SIGTERM, so the interpreter's exit waited for them forever). A re-run finishes, each example
+    once."""
     storage, flag = str(tmp_path / "storage"), str(tmp_path / "flag")
 
     def run(mode: str) -> subprocess.CompletedProcess[str]:

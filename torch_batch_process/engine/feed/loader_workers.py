@@ -7,7 +7,7 @@
   (a SIGTERM to the group while the workers start failed the job, or hung it). On Linux a worker gets SIGKILL when
   its rank's process ends, however that ends (``kill -9``, a second SIGTERM's stop at once): a worker stuck in a load
   never looks at its parent, as the loader's workers otherwise do between batches, and would outlive the job. Then
-  the user's own ``worker_init_fn`` runs.
+  the user's own ``worker_init_fn`` runs. When starting the loader fails, the workers it started are ended.
 - **Death** (:meth:`LoaderWorkers.started`): the loader's SIGCHLD handler raises its report of a dead worker
   (often the out-of-memory killer's doing) wherever the main thread happens to be: in ``process_batch``, in the
   middle of a commit or of a collective. While the job runs the report is kept instead and raised by the feed's
@@ -80,9 +80,15 @@ class LoaderWorkers:
 
     def start(self, loader: Any) -> Any:
         """``iter(loader)``: starts the loader's workers (see the module docstring) and returns its iterator."""
+        before = set(multiprocessing.active_children())
         blocked = _CAN_BLOCK and signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             iterator = iter(loader)
+        except BaseException:
+            for worker in set(multiprocessing.active_children()) - before:  # the workers it started, left running
+                worker.kill()
+                worker.join(timeout=_KILLED_JOIN_S)
+            raise
         finally:
             if blocked:  # a SIGTERM to this process meanwhile is handled now
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
