@@ -205,7 +205,8 @@ def test_an_exception_in_process_batch_of_a_one_process_job_is_logged_with_its_b
         torch_batch_process(_FailsOnSevens, list(range(40)), batch_size=4, storage_path=str(tmp_path / "s"),
                             progress=False)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert any("rank 0: process_batch(batch_idx=0) raised ValueError: bad value in [0, 1, 2, 3]" in m for m in errors), errors
+    expected = "rank 0: process_batch(batch_idx=0) raised ValueError: bad value in [0, 1, 2, 3]"
+    assert any(expected in m for m in errors), errors
 
 
 @pytest.mark.slow
@@ -405,7 +406,7 @@ def test_retry_failed_processes_only_the_failures(tmp_path: Path) -> None:
     assert run_job(fixed, 1)[0][0] == 0
     assert report(fixed, 0, attempt=3)["result"]["failed_examples"] == 0
     assert read_failures(spec["storage"]) == []
-    assert output_counts(spec["storage"]) == Counter(range(N)), "every example's output once, over the job and its retries"
+    assert output_counts(spec["storage"]) == Counter(range(N)), "each example's output once, over the job and retries"
     second_retry = batch_numbers(spec["storage"]) - set(range(planned)) - first_retry
     assert second_retry and min(second_retry) > max(first_retry), "the second retry's after the first one's"
     assert max(batch_files(spec["storage"]).values()) == 1, "no batch_idx used twice"
