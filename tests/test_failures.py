@@ -717,3 +717,91 @@ def test_a_retry_with_another_output_format_or_table_than_its_job_is_refused_bef
         assert tbp.read_outputs(storage).column("x").to_pylist() == list(range(8))
     finally:
         _FIXED.clear()
+
+
+
+_LOADER_WORKERS_STARTING = """
+import errno, json, multiprocessing, os, signal, sys
+from multiprocessing.context import ForkContext
+from torch.utils.data._utils import signal_handling
+from torch_batch_process import TorchBatchProcessor, torch_batch_process
+
+storage, flag, mode = sys.argv[1:4]
+torch_set = signal_handling._set_worker_signal_handlers
+
+
+def once():
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
+def worker_starting(*args):
+    # In a starting DataLoader worker, after torch set its SIGTERM handler and before the worker_init_fn: a
+    # preemption's SIGTERM to the job's process group (Kubernetes, Slurm) arrives now, once.
+    torch_set(*args)
+    if once():
+        os.killpg(0, signal.SIGTERM)
+
+
+class SecondForkFails(ForkContext):  # the second worker's fork fails, as at a container's process limit
+    class Process(ForkContext.Process):
+        def start(self):
+            if multiprocessing.active_children() and once():
+                raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+            super().start()
+
+
+kwargs = {"num_workers": 2}
+if mode == "sigterm":
+    signal_handling._set_worker_signal_handlers = worker_starting
+elif mode == "fork fails":
+    kwargs["multiprocessing_context"] = SecondForkFails()
+
+
+class Rows(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        self.context.write({"value": batch})
+
+
+result = torch_batch_process(Rows, list(range(24)), batch_size=4, checkpoint_interval=1, storage_path=storage,
+                             dataloader_kwargs=kwargs, progress=False)
+print(json.dumps({"preempted": result.preempted, "finished": result.finished}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["sigterm", "fork fails"])
+def test_loader_workers_that_meet_trouble_while_they_start_neither_fail_nor_hang_the_job(tmp_path: Path, what: str):
+    """While a rank's DataLoader workers start: a preemption's SIGTERM to the job's process group that reaches a
+    worker after torch set its own SIGTERM handler (which ends the worker) and before the library's worker_init_fn
+    must not kill it: the rank commits and returns preempted=True (it failed with LoaderWorkerDiedError, or hung
+    at exit). A worker whose fork fails fails the job with that error, promptly: the workers started before it are
+    ended (they ignore SIGTERM, so the interpreter's exit waited for them forever). A re-run finishes, each example
+    once."""
+    storage, flag = str(tmp_path / "storage"), str(tmp_path / "flag")
+
+    def run(mode: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", _LOADER_WORKERS_STARTING, storage, flag, mode], env=base_env(),
+            capture_output=True, text=True, timeout=120, start_new_session=True,  # the group is the job's alone
+        )
+
+    first = run(what)
+    assert Path(flag).exists(), "the trouble happened"
+    if what == "sigterm":
+        assert first.returncode == 0, first.stderr[-3000:]
+        assert json.loads(first.stdout.strip().splitlines()[-1]) == {"preempted": True, "finished": False}
+    else:
+        assert first.returncode == 1, first.stderr[-3000:]
+        assert "[Errno 11] Resource temporarily unavailable" in first.stderr, first.stderr[-3000:]
+    second = run("plain")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert json.loads(second.stdout.strip().splitlines()[-1]) == {"preempted": False, "finished": True}
+    values = tbp.read_outputs(storage)["value"].to_pylist()
+    assert sorted(values) == list(range(24)), values

@@ -26,6 +26,7 @@ from harness import (
     read_outputs,
     run_generic,
     storage_fs,
+    tree_digest,
 )
 from s3 import FaultProxy
 
@@ -320,3 +321,56 @@ def test_an_append_drops_a_last_line_cut_off_before_adding_its_own(storage_url, 
     whole = Storage(storage_url)
     whole.append("metrics.jsonl", b'{"f": 6}\n')  # whole lines stay as they are
     assert Storage(storage_url).read_bytes("metrics.jsonl") == kept + b'{"d": 4}\n{"e": 5}\n{"f": 6}\n'
+
+
+# ---------------------------------------------------------------- output names that look like glob patterns
+
+_GLOB_LIKE_NAMES = ("pred[0].pt", "pred0.pt", "b*.txt", "b1.txt", "b2.txt", "c?.txt", "c1.txt")
+"""Output file names with fsspec's glob characters (``[ ] * ?``), beside names such a pattern would match."""
+
+
+class GlobLikeNames(TorchBatchProcessor):
+    def __init__(self, context):
+        self.context = context
+
+    def process_batch(self, batch, batch_idx):
+        with self.context.upload_path() as path:
+            for name in _GLOB_LIKE_NAMES:
+                (path / f"{batch_idx}_{name}").write_text(f"{batch_idx} {name}")
+
+
+def test_output_names_with_glob_characters_are_published_as_named_on_every_backend(storage_url):
+    """A file named ``pred[0].pt`` (or ``b*.txt``, ``c?.txt``) is an ordinary object name: publishing a commit
+    moves each staged file by its own name, never as a pattern (which failed the commit on memory:// when no file
+    matched it, nested the file below a folder of its own name, or left staged files behind)."""
+    result = torch_batch_process(GlobLikeNames, list(range(4)), batch_size=2, checkpoint_interval=1,
+                                 storage_path=storage_url, progress=False)
+    assert result.finished
+    outputs = read_outputs(storage_url)
+    expected = {f"{b}_{name}": f"{b} {name}".encode() for b in range(2) for name in _GLOB_LIKE_NAMES}
+    assert {rel.split("/", 2)[2]: body for rel, body in outputs.items()} == expected, sorted(outputs)
+    assert all(rel.count("/") == 2 for rel in outputs), sorted(outputs)  # outputs/commit_<n>/rank_0/<name>
+    fs, root = storage_fs(storage_url)
+    staging = f"{root.rstrip('/')}/_tbp/staging"
+    left = fs.find(staging, withdirs=False) if fs.exists(staging) else []
+    assert left == [], left
+
+
+def test_a_storage_path_with_glob_characters_touches_only_its_own_job(storage_url):
+    """``<url>[1]`` is a folder of its own, not a pattern matching ``<url>1``: its commits publish its files, its
+    erase (``resume=False``) erases it and leaves the job at ``<url>1`` alone (fsspec's ``rm()`` matched the pattern:
+    on S3 the erase deleted the other job and kept this one's outputs, which a new run then doubled)."""
+    neighbour, own = f"{storage_url}1", f"{storage_url}[1]"
+    torch_batch_process(GlobLikeNames, list(range(4)), batch_size=2, storage_path=neighbour, progress=False)
+    before = tree_digest(neighbour)
+    for resume in (True, False):
+        result = torch_batch_process(GlobLikeNames, list(range(4)), batch_size=2, checkpoint_interval=1,
+                                     storage_path=own, resume=resume, progress=False)
+        assert result.finished and not result.already_finished
+    assert tree_digest(neighbour) == before
+    outputs = read_outputs(own)
+    names = sorted(rel.split("/", 2)[2] for rel in outputs)
+    assert names == sorted(f"{b}_{name}" for b in range(2) for name in _GLOB_LIKE_NAMES), sorted(outputs)
+    fs, root = storage_fs(own)
+    staging = f"{root.rstrip('/')}/_tbp/staging"
+    assert not fs.exists(staging) or fs.find(staging, withdirs=False) == []

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import posixpath
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +55,10 @@ T = TypeVar("T")
 _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}
 
 COPY_THREADS = 16
+
+_PATTERN_CHARACTERS = re.compile(r"[*?\[]")
+"""What fsspec's ``copy``/``rm`` read as a glob pattern in a path (``pred[0].pt``, ``s3://bucket/exp[1]``): paths with
+one are removed and copied one by one, by name (see :meth:`ObjectStorage.delete_files`)."""
 
 
 class ObjectStorage(Storage):
@@ -224,35 +229,40 @@ class ObjectStorage(Storage):
         self.remove_empty_folder(src)
 
     def _copy_object(self, source: str, target: str, size: int) -> None:
-        """Copies one object (filesystem paths) of ``size`` bytes, server-side where the backend can."""
-        self.fs.copy(source, target)
+        """Copies one object (filesystem paths) of ``size`` bytes, server-side where the backend can; by name
+        (``copy()`` would read ``[ ] * ?`` in the name as a pattern)."""
+        self.fs.cp_file(source, target)
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
         path = self.path(rel)
-
-        def _rm() -> None:
-            try:
-                self.fs.rm(path, recursive=recursive)
-            except FileNotFoundError as exc:
-                if is_missing_bucket(exc):
-                    raise
-
-        self._call(f"delete {rel!r}", _rm)
+        if _PATTERN_CHARACTERS.search(path):  # fsspec's rm() would delete what the path matches as a pattern
+            files = self._find_sizes(rel) if recursive else {"": 0}
+            self.delete_files([_below(rel, rel_file) for rel_file in files])
+            if recursive:
+                self.remove_empty_folder(rel)
+            return
+        self._call(f"delete {rel!r}", lambda: self._rm_missing_ok(lambda p: self.fs.rm(p, recursive=recursive), path))
 
     def delete_files(self, rels: list[str]) -> None:
-        """One bulk request per 1000 files on S3."""
-        if not rels:
-            return
+        """One bulk request per 1000 files on S3; a file whose path holds ``[ ] * ?`` is deleted on its own, by name
+        (fsspec's ``rm()`` reads such a path as a glob pattern: it deleted what the pattern matched, another job's
+        files under ``s3://bucket/exp1`` for ``s3://bucket/exp[1]``, and left the file itself)."""
         paths = [self.path(rel) for rel in rels]
+        plain = [path for path in paths if not _PATTERN_CHARACTERS.search(path)]
+        if plain:
+            self._call(f"delete {len(plain)} file(s)", lambda: self._rm_missing_ok(self.fs.rm, plain))
+        for path in paths:
+            if _PATTERN_CHARACTERS.search(path):
+                self._call(f"delete {path!r}", lambda path=path: self._rm_missing_ok(self.fs.rm_file, path))
 
-        def _rm() -> None:
-            try:
-                self.fs.rm(paths)
-            except FileNotFoundError as exc:
-                if is_missing_bucket(exc):
-                    raise
-
-        self._call(f"delete {len(rels)} file(s)", _rm)
+    @staticmethod
+    def _rm_missing_ok(remove: Callable[[Any], None], paths: Any) -> None:
+        """``remove(paths)``; files already gone are fine (a repeated move), a missing bucket is not."""
+        try:
+            remove(paths)
+        except FileNotFoundError as exc:
+            if is_missing_bucket(exc):
+                raise
 
     def remove_empty_folder(self, rel: str) -> None:
         """Object stores have no folders, but ``memory://`` keeps them after their files move (a published stage

@@ -127,9 +127,8 @@ class BatchFeed:
     def start(self) -> None:
         """Starts the loader (its workers fork here) and its first claims."""
         if self._iter is None:
-            self._iter = iter(self.loader)
+            self._iter = self._workers.start(self.loader)
             self._direct = _without_profiler_range(self._iter)
-            self._workers.started(self._iter)
 
     def __iter__(self) -> BatchFeed:
         return self

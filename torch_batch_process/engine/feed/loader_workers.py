@@ -1,11 +1,13 @@
 """The ``DataLoader``'s worker processes over a job's life: how they start, what reports their death, how they end.
 
-- **Start** (:class:`WorkerInit`, the loader's ``worker_init_fn``): a worker ignores SIGINT and SIGHUP, and SIGTERM
-  until the feed closes (a preemption's SIGTERM to the whole process group must not end it before the main process
-  commits; the main process stops it after committing); on Linux it gets SIGKILL when its rank's process ends,
-  however that ends (``kill -9``, a second SIGTERM's stop at once): a worker stuck in a load never looks at its
-  parent, as the loader's workers otherwise do between batches, and would outlive the job. Then the user's own
-  ``worker_init_fn`` runs.
+- **Start** (:meth:`LoaderWorkers.start` and :class:`WorkerInit`, the loader's ``worker_init_fn``): a worker ignores
+  SIGINT and SIGHUP, and SIGTERM until the feed closes (a preemption's SIGTERM to the whole process group must not end
+  it before the main process commits; the main process stops it after committing). The workers are forked with
+  SIGTERM blocked, and each unblocks it once its handler is set: in between, torch's own worker handler would end it
+  (a SIGTERM to the group while the workers start failed the job, or hung it). On Linux a worker gets SIGKILL when
+  its rank's process ends, however that ends (``kill -9``, a second SIGTERM's stop at once): a worker stuck in a load
+  never looks at its parent, as the loader's workers otherwise do between batches, and would outlive the job. Then
+  the user's own ``worker_init_fn`` runs. When starting the loader fails, the workers it started are ended.
 - **Death** (:meth:`LoaderWorkers.started`): the loader's SIGCHLD handler raises its report of a dead worker
   (often the out-of-memory killer's doing) wherever the main thread happens to be: in ``process_batch``, in the
   middle of a commit or of a collective. While the job runs the report is kept instead and raised by the feed's
@@ -35,6 +37,9 @@ _KILLED_JOIN_S = 5.0
 
 _PR_SET_PDEATHSIG = 1
 
+_CAN_BLOCK = hasattr(signal, "pthread_sigmask")
+"""Signal masks (POSIX): the workers are forked with SIGTERM blocked."""
+
 
 class WorkerInit:
     """The loader's ``worker_init_fn`` (see the module docstring), then the user's ``user_fn``."""
@@ -48,6 +53,8 @@ class WorkerInit:
         if hasattr(signal, "SIGHUP"):  # a terminal's hangup reaches the whole group: the rank commits and stops
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        if _CAN_BLOCK:  # forked with SIGTERM blocked (LoaderWorkers.start): one that came meanwhile reaches the handler
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         _die_with_parent()
         if self.user_fn is not None:
             self.user_fn(worker_id)
@@ -70,6 +77,23 @@ class LoaderWorkers:
         self.died: BaseException | None = None
         """The loader's report of a dead worker, kept until the feed's next batch raises it."""
         self._loader_handler: Any = None
+
+    def start(self, loader: Any) -> Any:
+        """``iter(loader)``: starts the loader's workers (see the module docstring) and returns its iterator."""
+        before = set(multiprocessing.active_children())
+        blocked = _CAN_BLOCK and signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            iterator = iter(loader)
+        except BaseException:
+            for worker in set(multiprocessing.active_children()) - before:  # the workers it started, left running
+                worker.kill()
+                worker.join(timeout=_KILLED_JOIN_S)
+            raise
+        finally:
+            if blocked:  # a SIGTERM to this process meanwhile is handled now
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        self.started(iterator)
+        return iterator
 
     def started(self, iterator: Any) -> None:
         """After the loader's iterator started its workers (and the loader set its SIGCHLD handler)."""
