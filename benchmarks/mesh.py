@@ -14,9 +14,9 @@ over the same batches, the replica's writer saving each batch's embeddings with 
   ``upload_path()`` committed every 5 steps, each batch loaded by the replica's first member and sent to the
   other (the hand loop has every member load it).
 
-With ``--base DIR`` a third contender, ``torch_batch_process (base)``, runs the library's contender of another checkout
-(``DIR/benchmarks/contenders/tbp_mesh.py``, with ``DIR`` first on the path): a before/after of a change measured in
-the same rounds, on the same load.
+With ``--base DIR`` a third contender, ``torch_batch_process (base)``, runs this checkout's library contender over
+another checkout's library (``DIR`` first on the path): a before/after of a change to the library measured in the same
+rounds, on the same load, with the same user code.
 
 Each run is a fresh torchrun with ``2 x replicas`` processes, the contenders in rotated order per round. Clocks: *job*
 is from the moment the last process is ready (its imports done) to the moment the last one is done (examples per
@@ -80,8 +80,10 @@ def run_once(contender: str, replicas: int, args: argparse.Namespace, scratch: P
         "--report",
         str(report),
     ]
-    script = SCRIPTS[contender] if contender != BASE else [str(Path(args.base) / "benchmarks/contenders/tbp_mesh.py")]
-    if contender == BASE:  # the other checkout's library first on the path (a script: no cwd on sys.path)
+    # the base: this checkout's contender (the same user code) over the other checkout's library, first on the path (a
+    # script: no cwd on sys.path)
+    script = SCRIPTS[contender] if contender != BASE else [str(REPO / "benchmarks/contenders/tbp_mesh.py")]
+    if contender == BASE:
         launcher = ["env", f"PYTHONPATH={Path(args.base).resolve()}", *launcher]
     started = time.time()
     code = run_logged([*launcher, *script, *options], log, RUN_TIMEOUT_S)
