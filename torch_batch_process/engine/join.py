@@ -214,7 +214,8 @@ class _Waker:
 
     It only shortens the main loop's pauses: what the loop decides still comes from its own looks at the store.
     :meth:`close` sets the keys that are not there yet (they are this rank's own: no other rank reads them) so that
-    the thread's wait returns, and joins it. A failed wait (the store gone) ends the thread; the loop then polls.
+    the thread's wait returns, and joins it (for at most :data:`_TELL_S`). A failed wait (the store gone) ends the
+    thread; the loop then polls.
     """
 
     def __init__(self, store: Any, keys: list[str], timeout_s: float) -> None:
@@ -240,7 +241,9 @@ class _Waker:
                 self._store.multi_set(self._keys, ["1"] * len(self._keys))
             except Exception:  # noqa: BLE001 - the store is gone: the thread's wait returns with an error
                 pass
-        self._thread.join()
+        # bounded: a store host that cannot be reached (no answer, no closed connection) would hold the thread's wait
+        # until its timeout; the join's error is then not delayed by it (a daemon thread, ended by its timeout)
+        self._thread.join(timeout=_TELL_S)
 
 
 class _Patience:
