@@ -63,7 +63,8 @@ CONNECT_TIMEOUT_S = 60.0
 """At most this long to connect the process groups once every rank has joined."""
 
 _POLL_S = 0.1
-"""The longest pause between two looks at the store while waiting."""
+"""The longest pause between two looks at the store while waiting (for the heartbeats, deadlines and verdicts: the
+step a rank waits for ends its pause at once, :class:`_Waker`)."""
 
 _FIRST_POLL_S = 0.002
 """The first pause after a step of the rendezvous; pauses then grow by half up to :data:`_POLL_S`, so ranks that
