@@ -14,14 +14,18 @@ over the same batches, the replica's writer saving each batch's embeddings with 
   ``upload_path()`` committed every 5 steps, each batch loaded by the replica's first member and sent to the
   other (the hand loop has every member load it).
 
-With ``--base DIR`` a third contender, ``torch_batch_process (base)``, runs the library's contender of another checkout
-(``DIR/benchmarks/contenders/tbp_mesh.py``, with ``DIR`` first on the path): a before/after of a change measured in
-the same rounds, on the same load.
+With ``--base DIR`` a third contender, ``torch_batch_process (base)``, runs this checkout's library contender over
+another checkout's library (``DIR`` first on the path): a before/after of a change to the library measured in the same
+rounds, on the same load, with the same user code.
 
 Each run is a fresh torchrun with ``2 x replicas`` processes, the contenders in rotated order per round. Clocks: *job*
 is from the moment the last process is ready (its imports done) to the moment the last one is done (examples per
 second over that); *end to end* is the whole command's wall time. Ratios are the library's over the hand loop's,
-per round, shown as median [min-max].
+per round, shown as median [min-max]. The job clock is split into its phases (from each rank's timestamps, the last
+rank's): the call to its first batch (process groups, the library's join and mesh, the model, the first batch), the
+steady steps (wall, and the main thread's CPU per step), the last batch to the return (the library's closing
+commits and teardown; the hand loop's clock stops before ``destroy_process_group``, as the library's stops after its
+own teardown but before the default group's, destroyed at exit).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import argparse
 import inspect
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -75,8 +80,10 @@ def run_once(contender: str, replicas: int, args: argparse.Namespace, scratch: P
         "--report",
         str(report),
     ]
-    script = SCRIPTS[contender] if contender != BASE else [str(Path(args.base) / "benchmarks/contenders/tbp_mesh.py")]
-    if contender == BASE:  # the other checkout's library first on the path (a script: no cwd on sys.path)
+    # the base: this checkout's contender (the same user code) over the other checkout's library, first on the path (a
+    # script: no cwd on sys.path)
+    script = SCRIPTS[contender] if contender != BASE else [str(REPO / "benchmarks/contenders/tbp_mesh.py")]
+    if contender == BASE:
         launcher = ["env", f"PYTHONPATH={Path(args.base).resolve()}", *launcher]
     started = time.time()
     code = run_logged([*launcher, *script, *options], log, RUN_TIMEOUT_S)
@@ -88,8 +95,18 @@ def run_once(contender: str, replicas: int, args: argparse.Namespace, scratch: P
     batches = -(-args.examples // args.batch_size)
     if len(reports) != nproc or files != batches:
         raise RuntimeError(f"{contender}: {len(reports)} reports, {files} batch files (expected {nproc}, {batches})")
-    job_s = max(r["end"] for r in reports) - max(r["start"] for r in reports)
-    return {"job": args.examples / job_s, "end_to_end": args.examples / wall}
+    start, end = max(r["start"] for r in reports), max(r["end"] for r in reports)
+    figures = {"job": args.examples / (end - start), "end_to_end": args.examples / wall}
+    if all(r.get("last_batch") for r in reports):  # the phases of the job clock (an older checkout's contender: none)
+        first, last = max(r["first_batch"] for r in reports), max(r["last_batch"] for r in reports)
+        batches = max(sum(r["batches"] for r in reports) // replicas - 1, 1)  # per replica, after the first
+        figures["phases"] = {
+            "to_first_batch_s": first - start,  # the call to its first batch: join, groups, mesh, model, 1st batch
+            "step_ms": 1000 * (last - first) / batches,  # the steady steps (wall)
+            "step_cpu_ms": 1000 * statistics.median(r["steady_cpu"] for r in reports) / batches,  # main thread
+            "after_last_batch_s": end - last,  # the last batch to the call's return: closing commits, teardown
+        }
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +159,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fmt_spread([f['end_to_end'] for f in figures])} | "
                 f"{'1' if contender == HAND else fmt_spread(ratios, 3)} |"
             )
+    print()
+    print("| replicas | contender | to the first batch (s) | step (ms) | step, main thread CPU (ms) | after the last "
+          "batch (s) |")
+    print("|---|---|---|---|---|---|")
+    for replicas, per in runs.items():
+        for contender, figures in per.items():
+            phases = [f["phases"] for f in figures if "phases" in f]
+            if phases:
+                cells = [fmt_spread([p[key] for p in phases], 3) for key in
+                         ("to_first_batch_s", "step_ms", "step_cpu_ms", "after_last_batch_s")]
+                print(f"| {replicas} | {contender} | {' | '.join(cells)} |")
     save_json(results_dir / "results.json", {"machine": info, "args": vars(args), "runs": runs})
     print(f"\nresults: {results_dir.relative_to(REPO)}")
     return 0

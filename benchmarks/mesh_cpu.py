@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios = [f["job"] / h["job"] for f, h in zip(figures, hand, strict=True)] if hand else []
             print(
                 f"| {replicas} | {spec} | {fmt_spread([f['job'] for f in figures])} | {fmt_spread(ratios, 3)} | "
+                f"{fmt_spread([f['to_first_batch_s'] for f in figures], 2)} | "
+                f"{fmt_spread([f['after_first_batch_s'] for f in figures], 2)} | "
                 f"{fmt_spread([f['window_cpu_per_process_s'] for f in figures], 2)} | "
                 f"{fmt_spread([f['window_cpu_per_batch_ms'] for f in figures], 1)} | "
                 f"{fmt_spread([statistics.mean(p['total_cpu_s'] for p in f['processes']) for f in figures], 2)} | "

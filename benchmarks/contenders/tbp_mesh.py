@@ -32,6 +32,8 @@ class MeshEncoder(TorchBatchProcessor):
     mode = "tp"
     microbatches = 4
     first_batch: float | None = None
+    last_batch: float | None = None
+    first_cpu = last_cpu = 0.0
     batches = 0
 
     def __init__(self, context: Any) -> None:
@@ -50,7 +52,9 @@ class MeshEncoder(TorchBatchProcessor):
                 index = torch.tensor(list(self.context.batch_indices))
                 torch.save({"index": index, "embedding": embeddings.cpu()}, Path(path) / f"batch_{batch_idx}.pt")
             MeshEncoder.batches += 1
-        MeshEncoder.first_batch = MeshEncoder.first_batch or time.time()
+        if MeshEncoder.first_batch is None:
+            MeshEncoder.first_batch, MeshEncoder.first_cpu = time.time(), time.thread_time()
+        MeshEncoder.last_batch, MeshEncoder.last_cpu = time.time(), time.thread_time()
 
 
 def main() -> None:
@@ -76,6 +80,8 @@ def main() -> None:
             "world_size": world,
             "start": start,
             "first_batch": MeshEncoder.first_batch,
+            "last_batch": MeshEncoder.last_batch,
+            "steady_cpu": MeshEncoder.last_cpu - MeshEncoder.first_cpu,
             "end": end,
             "batches": MeshEncoder.batches,
         }

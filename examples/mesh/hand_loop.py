@@ -71,14 +71,16 @@ def main(argv: list[str] | None = None) -> None:
     ]
     loader = DataLoader(dataset, batch_sampler=mine, pin_memory=cuda)
     args.out.mkdir(parents=True, exist_ok=True)
-    first = None
+    first = last = first_cpu = last_cpu = None
     with torch.no_grad():  # not inference_mode: DTensor then gathers instead of all-reducing (see notes/43-mesh.md)
         for indices, tokens in zip(mine, loader, strict=True):
             embeddings = model(tokens.to(device, non_blocking=True))
             if writer:
                 g = indices[0] // args.batch_size
                 torch.save({"index": torch.tensor(indices), "embedding": embeddings.cpu()}, args.out / f"batch_{g}.pt")
-            first = first or time.time()
+            if first is None:
+                first, first_cpu = time.time(), time.thread_time()
+            last, last_cpu = time.time(), time.thread_time()
     end = time.time()
     if args.report is not None:
         args.report.mkdir(parents=True, exist_ok=True)
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
             "world_size": world,
             "start": start,
             "first_batch": first,
+            "last_batch": last,
+            "steady_cpu": last_cpu - first_cpu if first_cpu is not None and last_cpu is not None else None,
             "end": end,
             "batches": len(mine) if writer else 0,
         }

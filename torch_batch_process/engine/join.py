@@ -26,6 +26,11 @@ deadline: a preemption usually signals every process of the job, and a rank stil
 dies of it, so it never comes; the ranks then fail promptly with :class:`~torch_batch_process.errors.WorkerLostError`
 (nothing was opened or written: the same command resumes).
 
+Each step of the handshake wakes the ranks waiting for it at once: a thread of each rank waits in the store (a
+blocking ``wait`` on its own connection) for the keys that end its waits, which the rank that completes a step
+sets, and cuts its main loop's pause short (the loop still looks at the store every :data:`_POLL_S` at most, for the
+heartbeats and deadlines). Before, a rank that had waited long slept up to :data:`_POLL_S` past each step.
+
 Once every rank has joined, the process groups are connected with a short timeout (:func:`connect_timeout`,
 at most 60 s: connecting takes well under a second per peer once everyone is there), which bounds the wait of a
 rank whose peer dies in that window, and the groups then get the collective timeout
@@ -58,12 +63,19 @@ CONNECT_TIMEOUT_S = 60.0
 """At most this long to connect the process groups once every rank has joined."""
 
 _POLL_S = 0.1
-"""The longest pause between two looks at the store while waiting."""
+"""The longest pause between two looks at the store while waiting (for the heartbeats, deadlines and verdicts: the
+step a rank waits for ends its pause at once, :class:`_Waker`)."""
 
 _FIRST_POLL_S = 0.002
 """The first pause after a step of the rendezvous; pauses then grow by half up to :data:`_POLL_S`, so ranks that
 start together open the job in milliseconds (a fixed 0.1 s pause cost each of the 2-3 steps up to 0.1 s: a fifth of
 a second on every multi-process start) and ranks that wait long poll the store ten times a second."""
+
+_LEAD_STEPS = ("joined", "acknowledged")
+"""The steps rank 0's waker waits for: every rank joined, every other rank acknowledged rank 0's ready."""
+
+_FOLLOW_STEPS = ("ready", "go")
+"""The steps another rank's waker waits for: rank 0's words."""
 
 _LAST_CONNECT_S = 5.0
 """The store's own connect timeout when the deadline has (nearly) passed but its host was found listening."""
@@ -179,17 +191,60 @@ def _wait_for_listener(
 
 
 class _Pause:
-    """The pauses of a polling loop: :data:`_FIRST_POLL_S` after each step, growing by half to :data:`_POLL_S`."""
+    """The pauses of a polling loop: :data:`_FIRST_POLL_S` after each step, growing by half to :data:`_POLL_S`; a
+    pause ends early when ``wake`` is set (then cleared)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake: threading.Event | None = None) -> None:
         self._next = _FIRST_POLL_S
+        self._wake = wake
 
     def reset(self) -> None:
         self._next = _FIRST_POLL_S
 
     def sleep(self) -> None:
-        time.sleep(self._next)
+        if self._wake is None:
+            time.sleep(self._next)
+        elif self._wake.wait(self._next):
+            self._wake.clear()
         self._next = min(_POLL_S, self._next * 1.5)
+
+
+class _Waker:
+    """A thread that waits in the store, on a connection of its own, for each of ``keys`` in turn (blocking ``wait``:
+    the store's server answers when the key is set, no polling) and sets :attr:`news` each time one is there.
+
+    It only shortens the main loop's pauses: what the loop decides still comes from its own looks at the store.
+    :meth:`close` sets the keys that are not there yet (they are this rank's own: no other rank reads them) so that
+    the thread's wait returns, and joins it (for at most :data:`_TELL_S`). A failed wait (the store gone) ends the
+    thread; the loop then polls.
+    """
+
+    def __init__(self, store: Any, keys: list[str], timeout_s: float) -> None:
+        self.news = threading.Event()
+        self._store = store
+        self._keys = keys
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._thread = threading.Thread(target=self._run, name="tbp-join-waker", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            store = self._store.clone()
+            for key in self._keys:
+                store.wait([key], self._timeout)
+                self.news.set()
+        except Exception:  # noqa: BLE001 - the store is gone or the wait ran out: the main loop finds out polling
+            return
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self._store.multi_set(self._keys, ["1"] * len(self._keys))
+            except Exception:  # noqa: BLE001 - the store is gone: the thread's wait returns with an error
+                pass
+        # bounded: a store host that cannot be reached (no answer, no closed connection) would hold the thread's wait
+        # until its timeout; the join's error is then not delayed by it (a daemon thread, ended by its timeout)
+        self._thread.join(timeout=_TELL_S)
 
 
 class _Patience:
@@ -233,9 +288,28 @@ class _Rendezvous:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"tbp_join/{restart}/"  # torchrun's agent store may serve several rounds
         self._stop = threading.Event()
+        self._wake: threading.Event | None = None
 
     def _key(self, name: str) -> str:
         return self.prefix + name
+
+    def _wake_key(self, rank: int, step: str) -> str:
+        """The key that ends ``rank``'s wait for ``step`` of the handshake (rank 0: ``joined``, every rank joined;
+        ``acknowledged``, every other rank acknowledged; another rank: ``ready`` and ``go``, rank 0's words)."""
+        return self._key(f"wake/{rank}/{step}")
+
+    def _waker_timeout_s(self) -> float:
+        """The longest a waker waits in the store: past the longest a follower waits (its loop ends the join before)."""
+        return self.deadline_s + 2 * self.silence_s + 60.0
+
+    def _wake_rank0(self, step: str) -> None:
+        self._request(lambda: self.store.set(self._wake_key(0, step), "1"))
+
+    def _wake_others(self, step: str) -> None:
+        """Rank 0: wakes every other rank for ``step`` (one request)."""
+        keys = [self._wake_key(r, step) for r in self._others()]
+        if keys:
+            self._request(lambda: self.store.multi_set(keys, ["1"] * len(keys)))
 
     def gloo_votes(self) -> int:
         """Ranks that voted for gloo (final once :meth:`wait` returned: every rank votes before it joins)."""
@@ -246,17 +320,26 @@ class _Rendezvous:
         shared = gpu is not None and self._request(lambda: self.store.add(self._key(f"gpu/{gpu}"), 1)) > 1
         self._request(lambda: self.store.add(self._key("gloo_votes"), int(gpu is None or shared)))  # before joined
         self._request(lambda: self.store.add(self._key(f"beat/{self.rank}"), 1))  # joined: beating before counted
-        self._request(lambda: self.store.add(self._key("joined"), 1))
-        beater = threading.Thread(target=self._beat, name="tbp-join-heartbeat", daemon=True)
-        beater.start()
+        # cuts this rank's pauses short when the step it waits for is there (started before this rank counts as
+        # joined, which may complete rank 0's first step)
+        steps = _LEAD_STEPS if self.rank == 0 else _FOLLOW_STEPS
+        waker = _Waker(self.store, [self._wake_key(self.rank, step) for step in steps], self._waker_timeout_s())
+        self._wake = waker.news
         try:
-            if self.rank == 0:
-                self._lead(started)
-            else:
-                self._follow(started)
+            if self._request(lambda: self.store.add(self._key("joined"), 1)) == self.world_size:
+                self._wake_rank0("joined")  # the last rank to join: rank 0 says ready at once
+            beater = threading.Thread(target=self._beat, name="tbp-join-heartbeat", daemon=True)
+            beater.start()
+            try:
+                if self.rank == 0:
+                    self._lead(started)
+                else:
+                    self._follow(started)
+            finally:
+                self._stop.set()
+                beater.join()  # no thread of the join outlives it
         finally:
-            self._stop.set()
-            beater.join()  # no thread of the join outlives it
+            waker.close()
         logger.debug("rank %d: every rank joined in %.2f s", self.rank, time.monotonic() - started)
 
     def _beat(self) -> None:
@@ -277,16 +360,18 @@ class _Rendezvous:
         watch = _Silence(self.silence_s)
         next_scan = 0.0
         ready = False
-        pause = _Pause()
+        pause = _Pause(self._wake)
         while True:
             if not ready:
                 joined = self._request(lambda: self.store.add(self._key("joined"), 0))
                 if joined >= self.world_size:
                     self._request(lambda: self.store.set(self._key("ready"), "1"))
+                    self._wake_others("ready")
                     ready = True
                     pause.reset()
             if ready and self._request(lambda: self.store.add(self._key("acknowledged"), 0)) >= self.world_size - 1:
                 self._request(lambda: self.store.set(self._key("go"), "1"))
+                self._wake_others("go")
                 return
             now = time.monotonic()
             if now >= next_scan:
@@ -324,10 +409,11 @@ class _Rendezvous:
         watch = _Silence(self.silence_s)
         next_scan = 0.0
         acknowledged = False
-        pause = _Pause()
+        pause = _Pause(self._wake)
         while True:
             if not acknowledged and self._request(lambda: self.store.check([self._key("ready")])):
-                self._request(lambda: self.store.add(self._key("acknowledged"), 1))
+                if self._request(lambda: self.store.add(self._key("acknowledged"), 1)) == self.world_size - 1:
+                    self._wake_rank0("acknowledged")  # the last to acknowledge: rank 0 says go at once
                 acknowledged = True
                 pause.reset()
             if acknowledged and self._request(lambda: self.store.check([self._key("go")])):
@@ -364,6 +450,8 @@ class _Rendezvous:
         raise it rather than a lost store."""
         try:
             self.store.set(self._key("failed"), message)
+            for step in _FOLLOW_STEPS:  # the others look at once (their loop reads the verdict, not these keys)
+                self._wake_others(step)
             until = time.monotonic() + _TELL_S
             while self.store.add(self._key("told"), 0) < waiting and time.monotonic() < until:
                 time.sleep(_POLL_S)

@@ -4,8 +4,10 @@
 where it is installed: about 0.13 s of CPU at the start of every call, and 0.2-0.3 s of a short job's time
 when the import runs beside a CPU-bound loop (measured on the data-bound CNN benchmark: ~10% of a 3-second
 job). The library writes few values (scalars at most every 10 seconds, a hyperparameter table once), so it
-writes the file itself, with the ``tensorboard`` package's generated protocol buffer classes (about 15 ms to
-import, no file-system layer):
+writes the file itself: the file's version and the scalars encoded here (a scalar's ``Event`` is four fields of
+protocol buffers' wire format), the text and hyperparameter summaries with the ``tensorboard`` package's generated
+protocol buffer classes, imported at their first use (35 ms of CPU: every call's first scalars, at the end of a
+short job, paid it before):
 
 - the file is named ``events.out.tfevents.<time>.<host>.<pid>.<n>`` (TensorBoard reads every file whose name
   holds ``tfevents``) and starts with an ``Event`` whose ``file_version`` is ``brain.Event:2``;
@@ -18,6 +20,7 @@ TensorBoard's own readers (``EventAccumulator``, the HParams tab) read these fil
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import socket
@@ -64,18 +67,17 @@ class EventFile:
     """
 
     def __init__(self, folder: Path) -> None:
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-
-        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        importlib.import_module("tensorboard.compat.proto")  # installed? (the package, not its classes: < 1 ms)
         folder.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_counter)}"
         self.path = folder / name
         self._file = open(self.path, "ab")  # noqa: SIM115 - open for the writer's life, closed by close()
-        self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self._write(_event(time.time(), 0, file_version="brain.Event:2"))
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """A scalar (TensorBoard's Scalars tab)."""
-        self._summary(step, self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)))
+        value_bytes = _string(1, tag) + _key(2, _FIXED32) + struct.pack("<f", float(value))  # Summary.Value
+        self._write(_event(time.time(), step, summary=_bytes(1, value_bytes)))  # Summary: its one value
 
     def text(self, tag: str, text: str, step: int) -> None:
         """A text, Markdown rendered (the Text tab, under ``<tag>/text_summary``)."""
@@ -111,17 +113,62 @@ class EventFile:
     def close(self) -> None:
         self._file.close()
 
+    @property
+    def _summary_pb2(self) -> Any:
+        from tensorboard.compat.proto import summary_pb2
+
+        return summary_pb2
+
     def _metadata(self, plugin: str, content: bytes) -> Any:
         plugin_data = self._summary_pb2.SummaryMetadata.PluginData(plugin_name=plugin, content=content)
         return self._summary_pb2.SummaryMetadata(plugin_data=plugin_data)
 
     def _summary(self, step: int, value: Any) -> None:
-        summary = self._summary_pb2.Summary(value=[value])
-        self._write(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        summary = self._summary_pb2.Summary(value=[value]).SerializeToString()
+        self._write(_event(time.time(), step, summary=summary))
 
-    def _write(self, event: Any) -> None:
-        data = event.SerializeToString()
+    def _write(self, data: bytes) -> None:
         header = struct.pack("<Q", len(data))
         self._file.write(
             header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
         )
+
+
+# -------------------------------------------------------------------------- protocol buffers' wire format
+
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+"""The wire types of the fields written here."""
+
+
+def _event(wall_time: float, step: int, *, file_version: str = "", summary: bytes = b"") -> bytes:
+    """A serialized ``Event``: ``wall_time`` (1, double), ``step`` (2, int64), ``file_version`` (3, string),
+    ``summary`` (5, a serialized ``Summary``); fields at their default value are left out, as protobuf does."""
+    data = _key(1, _FIXED64) + struct.pack("<d", wall_time)
+    if step:
+        data += _key(2, _VARINT) + _varint(step & 0xFFFFFFFFFFFFFFFF)  # int64: a negative one in ten bytes
+    if file_version:
+        data += _string(3, file_version)
+    if summary:
+        data += _bytes(5, summary)
+    return data
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+def _string(field: int, text: str) -> bytes:
+    return _bytes(field, text.encode("utf-8"))
+
+
+def _bytes(field: int, data: bytes) -> bytes:
+    return _key(field, _LENGTH) + _varint(len(data)) + data
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
