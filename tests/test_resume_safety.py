@@ -115,7 +115,9 @@ def test_kill_as_soon_as_the_result_appears_then_rerun_gives_every_output_once(t
 
 def test_missing_commit_records_are_refused_and_nothing_changes(tmp_path):
     storage = tmp_path / "store"
-    result = torch_batch_process(Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    result = torch_batch_process(
+        Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage)
+    )
     assert result.preempted and _committed(storage)
     shutil.rmtree(storage / "_tbp" / "commits")  # a partial copy: outputs and job file, no records
     before = tree_digest(storage)
@@ -230,7 +232,8 @@ def test_a_job_started_by_another_script_of_the_same_name_is_refused_before_any_
     again = _run_script(tmp_path, "a/job.py")  # the first script still gets its own job back
     assert json.loads(again.stdout.splitlines()[-1]) == {"seen": list(range(10)), "already_finished": True}
     fresh = _run_script(tmp_path, "b/job.py", TBP_JOB_NAME="b_job")  # the fix the message names
-    assert json.loads(fresh.stdout.splitlines()[-1]) == {"seen": [100 * i for i in range(10)], "already_finished": False}
+    expected = {"seen": [100 * i for i in range(10)], "already_finished": False}
+    assert json.loads(fresh.stdout.splitlines()[-1]) == expected
     adopted = _run_script(tmp_path, "b/job.py", TBP_ALLOW_SCRIPT_CHANGE="1")
     assert adopted.returncode == 0 and "resuming it from" in adopted.stderr, adopted.stderr[-2000:]
 
@@ -346,7 +349,9 @@ def test_a_committed_output_folder_deleted_by_hand_is_refused_at_resume_and_only
     tmp_path, caplog
 ):
     storage = tmp_path / "store"
-    result = torch_batch_process(Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    result = torch_batch_process(
+        Stopping, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage)
+    )
     assert result.preempted
     folders = sorted((storage / "outputs").glob("commit_*"))
     assert len(folders) >= 2
@@ -376,7 +381,9 @@ def test_output_folders_and_record_names_the_job_did_not_write_are_left_alone(tm
     stray.parent.mkdir(parents=True)
     stray.write_text("[]")
     (storage / "_tbp" / "commits" / "99.json").write_text("{not a record")
-    result = torch_batch_process(Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage))
+    result = torch_batch_process(
+        Writer, list(range(40)), batch_size=4, checkpoint_interval=2, storage_path=str(storage)
+    )
     assert result.finished and result.batches_skipped > 0
     assert "not covered by the job's commit records" in caplog.text and "commit_98" in caplog.text
     assert stray.exists()
@@ -584,3 +591,35 @@ def test_a_damaged_record_segment_file_is_named_at_resume_not_a_bare_pyarrow_err
     with pytest.raises(OutputCorruptError, match="cannot be read") as info:
         torch_batch_process(RowWriter, list(range(80)), **run)
     assert segment.rsplit("/", 1)[1] in str(info.value) and "resume=False" in str(info.value)
+
+
+_TWO_JOBS_ONE_SCRIPT = """
+import sys
+from torch_batch_process import JobMismatchError, TorchBatchProcessor, torch_batch_process
+class Embed(TorchBatchProcessor):
+    def process_batch(self, batch, batch_idx):
+        pass
+class Classify(TorchBatchProcessor):
+    def process_batch(self, batch, batch_idx):
+        pass
+torch_batch_process(Embed, list(range(8)), batch_size=4, progress=False, tensorboard=False)
+second = {} if sys.argv[1] == "default" else {"job_name": "classify"}
+try:
+    torch_batch_process(Classify, list(range(8)), batch_size=4, progress=False, tensorboard=False, **second)
+    print("second job ran")
+except JobMismatchError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_second_job_in_one_script_is_told_to_take_its_own_job_name(tmp_path):
+    """Two jobs in one script (Determined code calls ``torch_batch_process`` once per experiment) share the default
+    ./tbp_runs/<script stem>: the second is refused before any write, and the error names the way out."""
+    (tmp_path / "jobs.py").write_text(_TWO_JOBS_ONE_SCRIPT)
+    refused = _run_script(tmp_path, "jobs.py", "default")
+    assert refused.returncode == 0, refused.stderr[-3000:]
+    assert "refused:" in refused.stdout and "job_name" in refused.stdout, refused.stdout
+    assert "a second job in the same script needs one of its own" in refused.stdout, refused.stdout
+    named = _run_script(tmp_path, "jobs.py", "named")
+    assert named.returncode == 0 and "second job ran" in named.stdout, (named.stdout, named.stderr[-3000:])
+    assert (tmp_path / "tbp_runs" / "classify").is_dir()

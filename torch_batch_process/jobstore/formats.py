@@ -353,7 +353,9 @@ def check_fingerprint(job: JobInfo, spec: JobSpec, url: str, run_of: str | None 
         raise JobMismatchError(
             f"storage_path {url!r} holds another job ({'; '.join(differences)}). Nothing was changed. "
             "To resume it, run it with its original settings; to start this job afresh there, pass "
-            "resume=False (this erases the stored progress and outputs), or use a new storage_path."
+            "resume=False (this erases the stored progress and outputs), or use a new storage_path or job_name "
+            "(a second job in the same script needs one of its own: the default ./tbp_runs/<job_name> is named after "
+            "the script)."
         )
 
 
