@@ -543,3 +543,17 @@ def test_a_job_writes_event_files_without_importing_tensorboards_writer(tmp_path
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
     assert [step for step, _ in _scalar_tags(tmp_path / "s" / "tensorboard" / "rank_0")["m/x"]] == [1, 2, 3, 4]
+
+
+def test_event_file_takes_names_and_texts_utf8_cannot_hold(tmp_path):
+    """A metric name, hyperparameter or text with a lone surrogate (decoded from bad bytes with ``surrogateescape``)
+    turned the run's event files off; it is written with ``?`` in its place and the next scalars still land."""
+    pytest.importorskip("tensorboard")
+    from torch_batch_process.observe.tensorboard import TensorBoardLog
+
+    log = TensorBoardLog(tmp_path / "tb")
+    log.hparams({"model\udcff": "name\udcfe", "lr": 0.1}, step=0)
+    log.scalars({"loss\udcff": 1.5}, step=1, prefix="g")
+    log.scalars({"ok": 2.0}, step=2, prefix="g")
+    log.close()
+    assert _scalar_tags(tmp_path / "tb") == {"g/loss?": [(1, 1.5)], "g/ok": [(2, 2.0)]}

@@ -87,10 +87,10 @@ class EventFile:
         metadata = self._metadata("text", plugin_data_pb2.TextPluginData(version=0).SerializeToString())
         tensor = tensor_pb2.TensorProto(
             dtype="DT_STRING",
-            string_val=[text.encode("utf-8")],
+            string_val=[_utf8(text)],
             tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)]),
         )
-        value = self._summary_pb2.Summary.Value(tag=f"{tag}/text_summary", metadata=metadata, tensor=tensor)
+        value = self._summary_pb2.Summary.Value(tag=_text(f"{tag}/text_summary"), metadata=metadata, tensor=tensor)
         self._summary(step, value)
 
     def hparams(self, values: dict[str, float | str], step: int) -> None:
@@ -100,9 +100,9 @@ class EventFile:
         start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
         for key, value in values.items():
             if isinstance(value, str):
-                start.hparams[key].string_value = value
+                start.hparams[_text(key)].string_value = _text(value)
             else:
-                start.hparams[key].number_value = float(value)
+                start.hparams[_text(key)].number_value = float(value)
         content = plugin_data_pb2.HParamsPluginData(version=0, session_start_info=start).SerializeToString()
         metadata = self._metadata(HPARAMS_PLUGIN, content)
         self._summary(step, self._summary_pb2.Summary.Value(tag=SESSION_START_TAG, metadata=metadata))
@@ -158,7 +158,18 @@ def _key(field: int, wire_type: int) -> bytes:
 
 
 def _string(field: int, text: str) -> bytes:
-    return _bytes(field, text.encode("utf-8"))
+    return _bytes(field, _utf8(text))
+
+
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8, a character UTF-8 cannot hold (a lone surrogate: a name decoded from bad bytes) as ``?``:
+    event files hold UTF-8 strings, and one odd metric name must not end the run's event file."""
+    return text.encode("utf-8", "replace")
+
+
+def _text(text: str) -> str:
+    """``text`` as a string protocol buffers take (see :func:`_utf8`)."""
+    return _utf8(text).decode("utf-8")
 
 
 def _bytes(field: int, data: bytes) -> bytes:
