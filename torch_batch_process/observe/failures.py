@@ -18,7 +18,7 @@ from torch_batch_process.jobstore.layout import FAILURES_DIR, JOB_FILE
 from torch_batch_process.jobstore.retries import current_failures_root
 from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.outputs.failure_records import read_failure_records
-from torch_batch_process.outputs.keyed.runs import current_failures
+from torch_batch_process.outputs.keyed.runs import current_failures, keyed_column
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
 
@@ -28,7 +28,6 @@ __all__ = [
     "current_failure_records",
     "failure_summary",
     "first_line",
-    "is_keyed",
     "read_failures",
     "run_failures",
 ]
@@ -61,16 +60,9 @@ def current_failure_records(storage: Storage) -> tuple[str, list[dict[str, Any]]
     :func:`read_failures`)."""
     root = current_failures_root(storage)
     folder = f"{root}/{FAILURES_DIR}" if root else FAILURES_DIR
-    if is_keyed(storage):
+    if keyed_column(storage) is not None:  # its failures are its keys', over its runs
         return folder, current_failures(storage)
     return folder, read_failure_records(storage, root)
-
-
-def is_keyed(storage: Storage) -> bool:
-    """Whether the job stored in ``storage`` is keyed (``key=``; its failures are its keys', over its runs)."""
-    job = storage.read_json_object(JOB_FILE)
-    spec = job.get("spec") if job is not None else None
-    return isinstance(spec, dict) and isinstance(spec.get("keyed"), dict)
 
 
 def failure_summary(records: list[dict[str, Any]], first: int = FIRST_FAILURES) -> dict[str, Any]:

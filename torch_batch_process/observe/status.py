@@ -63,11 +63,11 @@ from torch_batch_process.jobstore.layout import (
 from torch_batch_process.jobstore.memory_limits import MemoryLimits
 from torch_batch_process.jobstore.retries import current_failures_root, retry_numbers
 from torch_batch_process.jobstore.store import JobStore, latest_record_at, lock_holder
-from torch_batch_process.observe.failures import current_failure_records, failure_summary, is_keyed
+from torch_batch_process.observe.failures import current_failure_records, failure_summary
 from torch_batch_process.observe.progress import format_duration
 from torch_batch_process.observe.token_rates import GENERATION_STATS, format_rate, rates_per_rank
 from torch_batch_process.observe.visible_text import visible
-from torch_batch_process.outputs.keyed.runs import counts_text, incremental_runs
+from torch_batch_process.outputs.keyed.runs import counts_text, incremental_runs, keyed_column
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.registry import open_storage
 
@@ -247,7 +247,7 @@ def _failures(storage: Storage, latest: CommitRecord | None) -> dict[str, Any]:
     root = current_failures_root(storage)
     record = latest_record_at(storage, root) if root else latest
     committed = int(record.stats.get("failed_examples") or 0) if record is not None else 0
-    if committed <= 0 and not is_keyed(storage):  # a keyed job's earlier runs' failures may be current too
+    if committed <= 0 and keyed_column(storage) is None:  # a keyed job's earlier runs' failures may be current too
         return summary
     try:
         folder, records = current_failure_records(storage)

@@ -53,7 +53,7 @@ from torch_batch_process.jobstore.store import latest_record_at
 from torch_batch_process.outputs.columns import INDEX_COLUMN, require_pyarrow
 from torch_batch_process.outputs.completeness import CommittedRows, check_rows, committed_rows
 from torch_batch_process.outputs.keyed.keys import KEY_COLUMN
-from torch_batch_process.outputs.keyed.runs import failed_keys, removed_keys
+from torch_batch_process.outputs.keyed.runs import failed_keys, keyed_column, removed_keys
 from torch_batch_process.outputs.keyed.shadow import RUN_COLUMN, Shadows, find_shadows
 from torch_batch_process.outputs.segment_log import read_log_batch, scan_log
 from torch_batch_process.outputs.segments import (
@@ -486,18 +486,6 @@ def _sorted(table: Any) -> Any:
     return table.take(np.argsort(index, kind="stable"))
 
 
-def _keyed_column(storage: Storage) -> str | None:
-    """The key's column of a keyed job (``key=``, DESIGN §21), ``None`` for another job."""
-    import json
-
-    try:
-        spec = json.loads(storage.read_bytes(JOB_FILE)).get("spec", {})
-    except (FileNotFoundError, NotAFileError, ValueError, AttributeError):
-        return None
-    keyed = spec.get("keyed") if isinstance(spec, dict) else None
-    return keyed.get("column") if isinstance(keyed, dict) else None
-
-
 def _key_events(table: Any, key: str) -> list[Any]:
     """A keyed part's rows as the events :func:`find_shadows` takes (columns ``key`` and ``_tbp_run``)."""
     return table.select([key, RUN_COLUMN]).rename_columns([KEY_COLUMN, RUN_COLUMN]).to_batches()
@@ -567,7 +555,7 @@ def _iter_outputs(
                 raise
     try:
         check_rows(storage, expected, ((run.shard, run.rows) for run in runs))  # before the first row is yielded
-        key = _keyed_column(storage)
+        key = keyed_column(storage)
         shadows = None
         if key is not None and schema is not None and key in schema.names:  # a keyed job: each key once (§21)
             shadows = find_shadows(
@@ -643,7 +631,7 @@ def _read_all(storage_path: Any, storage_options: dict[str, Any] | None, wanted:
     import pyarrow.parquet as pq
 
     storage, shards, typed, expected, committed = _open(storage_path, storage_options)
-    key = _keyed_column(storage)
+    key = keyed_column(storage)
     asked = wanted
     if key is not None and wanted is not None:  # shadowing needs the key and the run of every row
         wanted = [*wanted, *(c for c in (key, RUN_COLUMN) if c not in wanted)]

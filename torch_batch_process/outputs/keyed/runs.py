@@ -19,9 +19,10 @@ from torch_batch_process.jobstore.retries import retry_numbers
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
 from torch_batch_process.outputs.failure_records import read_failure_records
 from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.errors import NotAFileError
 
 __all__ = ["INCREMENT_FILE", "REMOVED_FILE", "RETRIED_FILE", "SELECTION_FILE", "counts_text", "current_failures",
-           "decode_removed", "failed_keys", "incremental_runs", "read_counts", "removed_keys"]
+           "decode_removed", "failed_keys", "incremental_runs", "keyed_column", "read_counts", "removed_keys"]
 
 SELECTION_FILE = "_tbp/selection.bin"
 """The run's selection (:class:`~torch_batch_process.outputs.keyed.selection.Selection`), in its folder."""
@@ -33,6 +34,18 @@ RETRIED_FILE = "_tbp/retried.arrows"
 """The examples the run selected because their key failed before (an Arrow IPC stream, columns ``key`` and
 ``index``), in its folder: the earlier failures it clears, those of its planned batches (:func:`current_failures`).
 Runs of earlier versions have none."""
+
+
+def keyed_column(storage: Storage) -> str | None:
+    """The key's column of the keyed job (``key=``, DESIGN §21) stored in ``storage``; ``None`` for another job, or
+    when its job file is missing or unreadable (what reads it for more says so)."""
+    try:
+        job = storage.read_json_object(JOB_FILE)
+    except NotAFileError:
+        return None
+    spec = job.get("spec") if job is not None else None
+    keyed = spec.get("keyed") if isinstance(spec, dict) else None
+    return keyed.get("column") if isinstance(keyed, dict) else None
 
 
 def incremental_runs(storage: Storage) -> list[dict[str, Any]]:
