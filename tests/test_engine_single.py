@@ -219,6 +219,43 @@ def test_corrupt_record_is_an_error_naming_the_file_and_storage_unchanged(store)
     assert tree_digest(store) == before
 
 
+class WithState(Recorder):
+    """A processor whose ``state_dict()`` holds a tensor: a flipped byte in it loads as another value."""
+
+    def state_dict(self):
+        return {"weights": torch.arange(256, dtype=torch.float32)}
+
+    def load_state_dict(self, state):
+        LOG["loaded"].append(state["weights"].tolist())
+
+
+class WithStateFailsAt7(WithState):
+    fail_at = 7
+
+
+WithStateFailsAt7.__qualname__ = "WithState"
+
+
+def test_a_flipped_byte_in_a_state_file_is_an_error_naming_it_not_another_state(storage):
+    import zipfile
+
+    store = str(storage)
+    with pytest.raises(RuntimeError):
+        torch_batch_process(WithStateFailsAt7, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=store)
+    state = sorted((storage / "_tbp" / "states").rglob("rank_0.pt"))[-1]
+    raw = bytearray(state.read_bytes())
+    with zipfile.ZipFile(state) as archive:  # the tensor's bytes: torch.load reads them back without their CRC-32
+        entry = next(info for info in archive.infolist() if info.filename.endswith("/data/0"))
+        with archive.open(entry) as opened:
+            start = opened._orig_compress_start  # where the entry's bytes begin in the file
+    raw[start + 4 * 100 + 3] ^= 0x01  # weights[100] = 100.0 becomes another float
+    state.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError, match="damaged") as info:
+        torch_batch_process(WithState, list(range(40)), batch_size=4, checkpoint_interval=3, storage_path=store)
+    assert str(state.relative_to(storage)) in str(info.value)
+    assert LOG["loaded"] == [] and LOG["calls"] == list(range(8))  # nothing loaded, nothing more processed
+
+
 def test_resume_false_starts_afresh(store):
     torch_batch_process(Recorder, list(range(10)), batch_size=2, storage_path=store)
     reset_log()
