@@ -17,7 +17,14 @@ import pytest
 import torch
 from harness import commit_records
 
-from torch_batch_process import StorageError, TorchBatchProcessor, read_outputs, tables, torch_batch_process
+from torch_batch_process import (
+    StorageError,
+    TorchBatchProcessor,
+    read_failures,
+    read_outputs,
+    tables,
+    torch_batch_process,
+)
 
 N, BATCH = 20_000, 50  # 64 floats and a label a row: ~6 MB of Arrow data, three times the disk
 
@@ -138,3 +145,50 @@ def test_a_table_on_a_full_disk_is_a_storage_error_naming_it_then_resumes_exactl
     _grow(small_disk)
     assert torch_batch_process(RandomRows, torch.arange(N), **run).finished
     assert read_outputs(target).column("index").to_pylist() == list(range(N))
+
+
+def _fill(disk: Path) -> None:
+    """Fills ``disk`` to the last byte (another process's file)."""
+    with open(disk / "filler", "ab", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+class FailsThenFills(TorchBatchProcessor):
+    """Example 5 fails (``on_error="skip"`` records it); the disk is full when the first commit stages that record."""
+
+    disk: Path | None = None  # set by the test for the first run
+
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def process_batch(self, batch, batch_idx) -> None:
+        if 5 in [int(v) for v in batch]:
+            raise ValueError("example 5 is bad")
+        self.context.write({"value": [int(v) for v in batch]})
+
+    def on_checkpoint_start(self) -> None:
+        if self.disk is not None:
+            _fill(self.disk)
+
+
+def test_failure_records_on_a_full_disk_are_a_storage_error_naming_them_then_resume_exactly_once(small_disk):
+    storage = small_disk / "job"
+    run = dict(batch_size=4, storage_path=str(storage), checkpoint_interval=2, on_error="skip", progress=False)
+    FailsThenFills.disk = small_disk
+    try:
+        with pytest.raises(StorageError) as raised:  # not the bare OSError of the stage's failures file, naming none
+            torch_batch_process(FailsThenFills, torch.arange(40), **run)
+    finally:
+        FailsThenFills.disk = None
+    assert raised.value.errno == errno.ENOSPC and "no space left" in str(raised.value), raised.value
+    assert str(storage) in str(raised.value) and "failure records" in str(raised.value), raised.value
+
+    (small_disk / "filler").unlink()
+    result = torch_batch_process(FailsThenFills, torch.arange(40), **run)
+    assert result.finished and result.failed_examples == 1
+    assert read_outputs(storage).column("index").to_pylist() == [i for i in range(40) if i != 5]
+    assert [f["index"] for f in read_failures(storage)] == [5]

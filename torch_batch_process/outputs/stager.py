@@ -35,6 +35,7 @@ from typing import Any
 from torch_batch_process.errors import InvalidArgumentError
 from torch_batch_process.jobstore.layout import SCRATCH_DIR, STAGED_FAILURES_NAME, staging_dir
 from torch_batch_process.storage.base import Storage
+from torch_batch_process.storage.errors import file_error
 
 __all__ = ["OutputStager"]
 
@@ -202,7 +203,10 @@ class OutputStager:
             lines, self._failures = self._failures, []
             folder = self._take_folder()
             path = folder / STAGED_FAILURES_NAME
-            path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+            try:
+                path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+            except OSError as exc:  # a full disk: the library's own file, named, with the disk's errno
+                raise file_error(str(path), "write the stage's failure records to", exc) from exc
             self._add(path, STAGED_FAILURES_NAME)
             with self._lock:
                 self._spare.append(folder)
