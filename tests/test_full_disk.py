@@ -192,3 +192,18 @@ def test_failure_records_on_a_full_disk_are_a_storage_error_naming_them_then_res
     assert result.finished and result.failed_examples == 1
     assert read_outputs(storage).column("index").to_pylist() == [i for i in range(40) if i != 5]
     assert [f["index"] for f in read_failures(storage)] == [5]
+
+
+def test_a_report_onto_a_full_disk_is_one_clear_line_and_leaves_no_part_of_it(small_disk, capsys):
+    pytest.importorskip("plotly")
+    from torch_batch_process.launch import cli
+
+    storage = small_disk.parent / "job"
+    assert torch_batch_process(Rows, torch.arange(40), batch_size=4, storage_path=str(storage), progress=False).finished
+    _fill(small_disk)
+    capsys.readouterr()
+    assert cli.main(["report", str(storage), "-o", str(small_disk / "report.html")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tbp report: cannot write --output {str(small_disk / 'report.html')!r}"), err
+    assert "No space left" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"], "no part of the page is left behind"

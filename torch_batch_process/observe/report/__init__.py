@@ -29,13 +29,19 @@ def build_report(storage_path: str, storage_options: dict[str, Any] | None = Non
 def write_report(storage_path: str, output: str, storage_options: dict[str, Any] | None = None) -> int:
     """Writes the report page of the job stored at ``storage_path`` to the local file ``output`` (atomically:
     written next to it, then renamed); returns its size in bytes."""
+    import contextlib
     import os
 
     page = build_report(storage_path, storage_options).encode("utf-8")
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
     partial = f"{output}.tmp-{os.getpid()}"
-    with open(partial, "wb") as file:
-        file.write(page)
-    os.replace(partial, output)
+    try:
+        with open(partial, "wb") as file:
+            file.write(page)
+        os.replace(partial, output)
+    except BaseException:  # a full disk: no part of the page left behind next to it
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
     return len(page)
