@@ -207,3 +207,28 @@ def test_a_report_onto_a_full_disk_is_one_clear_line_and_leaves_no_part_of_it(sm
     assert err.startswith(f"tbp report: cannot write --output {str(small_disk / 'report.html')!r}"), err
     assert "No space left" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"], "no part of the page is left behind"
+
+
+class Reports(TorchBatchProcessor):
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def process_batch(self, batch, batch_idx) -> None:
+        self.context.report_metrics("inference", batch_idx + 1, {"sum": float(sum(batch))})
+
+
+def test_a_full_tmpdir_loses_no_metrics_line_of_an_object_store_job(small_disk, memory_url, monkeypatch):
+    """metrics.jsonl of an object store is appended through a local copy in $TMPDIR: on a full $TMPDIR every append
+    failed (a warning) and the job finished without its metrics."""
+    import tempfile
+
+    import fsspec
+
+    monkeypatch.setenv("TMPDIR", str(small_disk))
+    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))  # as chosen when the process started: the disk had room
+    _fill(small_disk)
+    assert torch_batch_process(Reports, torch.arange(40), batch_size=4, storage_path=memory_url, checkpoint_interval=2,
+                               progress=False).finished
+    fs, root = fsspec.core.url_to_fs(memory_url)
+    lines = [json.loads(line) for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
+    assert sorted(line["steps_completed"] for line in lines if line["group"] == "inference") == list(range(1, 11))

@@ -81,14 +81,30 @@ class AppendedFiles:
         self._read = read
         self._write = write
         self._copies: dict[str, Path] = {}  # stored path -> local copy
+        self._warned: set[str] = set()  # stored paths whose local copy could not be kept (warned once)
         self._lock = threading.Lock()
 
     def append(self, rel: str, data: bytes) -> None:
-        """Appends ``data`` to the stored file ``rel`` (created when missing)."""
+        """Appends ``data`` to the stored file ``rel`` (created when missing).
+
+        When the local copy cannot be written (a full ``$TMPDIR``), this append is uploaded from memory (the stored
+        file's lines and ``data``, once) and the copy is dropped, so no line is lost nor cut; the next append reads
+        the file from storage again."""
         with self._lock:
-            copy = self._copy(rel)
-            with open(copy, "ab") as f:
-                f.write(data)
+            try:
+                copy = self._copy(rel)
+                with open(copy, "ab") as f:
+                    f.write(data)
+            except OSError as exc:
+                self._forget(rel)  # it may end in part of a line now
+                if rel not in self._warned:
+                    self._warned.add(rel)
+                    logger.warning(
+                        "cannot keep the local copy of %s in %s (%s): each append to it uploads it from memory",
+                        rel, tempfile.gettempdir(), exc,
+                    )
+                self._write(rel, self._stored_lines(rel) + data)
+                return
             self._write(rel, copy.read_bytes())
 
     def _copy(self, rel: str) -> Path:
@@ -97,18 +113,29 @@ class AppendedFiles:
             folder = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-append-"))
             copy = folder / posixpath.basename(rel)
             try:
-                stored = self._read(rel)
-                whole = stored[: stored.rfind(b"\n") + 1]  # a last line cut off (damage) is dropped
-                if len(whole) < len(stored):
-                    logger.warning("%s: dropping its last %d bytes, a line cut off", rel, len(stored) - len(whole))
-                copy.write_bytes(whole)
-            except FileNotFoundError:
-                copy.write_bytes(b"")
+                copy.write_bytes(self._stored_lines(rel))
             except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
             self._copies[rel] = copy
         return self._copies[rel]
+
+    def _stored_lines(self, rel: str) -> bytes:
+        """The whole lines of the stored file ``rel`` (empty when missing)."""
+        try:
+            stored = self._read(rel)
+        except FileNotFoundError:
+            return b""
+        whole = stored[: stored.rfind(b"\n") + 1]  # a last line cut off (damage) is dropped
+        if len(whole) < len(stored):
+            logger.warning("%s: dropping its last %d bytes, a line cut off", rel, len(stored) - len(whole))
+        return whole
+
+    def _forget(self, rel: str) -> None:
+        """Drops the local copy of ``rel``."""
+        copy = self._copies.pop(rel, None)
+        if copy is not None:
+            shutil.rmtree(copy.parent, ignore_errors=True)
 
     def close(self) -> None:
         """Removes the local copies (what they hold is stored)."""
