@@ -345,6 +345,61 @@ def test_a_runs_damaged_plan_files_are_named_before_any_work(tmp_path: Path) -> 
     assert rows(path)[9] == ("X9", 2) and len(rows(path)) == 12
 
 
+def test_a_finished_runs_missing_or_garbled_files_are_named_never_a_raw_error(tmp_path: Path) -> None:
+    """The files a keyed job's read side and next run read of each finished run (its job file, selection and retried
+    keys) and the job's own job file: deleted or garbled, each is a CheckpointCorruptError naming it (they were a raw
+    FileNotFoundError, pyarrow's OSError "Invalid flatbuffers message" or a JSONDecodeError from ``tbp status``,
+    ``tbp failures``, ``read_failures`` and the next run); so is an unfinished run's deleted counts file. Restored,
+    the job reads and runs on as before."""
+    from torch_batch_process import read_failures
+
+    path, dataset = tmp_path / "job", data(10, t5="x5")
+    FAILING.add("x5")
+    try:
+        call(path, dataset, on_error="skip")
+        call(path, dataset, on_error="skip", incremental=True)  # run 2 retries key 5, which fails again: finished
+    finally:
+        FAILING.clear()
+    run = path / "retries" / "1" / "_tbp"
+    CALLS.clear()
+
+    def garbled(raw: bytes) -> bytes:
+        middle = len(raw) // 2
+        return raw[:middle] + bytes(b ^ 0x5A for b in raw[middle:middle + 16]) + raw[middle + 16:]
+
+    for file, damage, side in ((run / "retried.arrows", garbled, "read"), (run / "selection.bin", None, "read"),
+                               (run / "job.json", None, "read"), (run / "job.json", garbled, "run"),
+                               (path / "_tbp" / "job.json", garbled, "run")):
+        whole = file.read_bytes()
+        if damage is None:
+            file.unlink()
+        else:
+            file.write_bytes(damage(whole))
+        with pytest.raises(CheckpointCorruptError, match=str(file)):
+            if side == "read":
+                read_failures(str(path))
+            else:
+                call(path, dataset, on_error="skip", incremental=True)
+        assert not CALLS
+        file.write_bytes(whole)
+    assert [f["key"] for f in read_failures(str(path))] == [5]
+
+    FAILING.add("x5")
+    try:
+        with pytest.raises(ValueError, match="cannot process"):  # run 3, left unfinished: key 5 fails without "skip"
+            call(path, dataset, incremental=True)
+    finally:
+        FAILING.clear()
+    counts = path / "retries" / "2" / "_tbp" / "increment.json"
+    whole = counts.read_bytes()
+    counts.unlink()
+    with pytest.raises(CheckpointCorruptError, match=str(counts)):
+        call(path, dataset, incremental=True)
+    assert not CALLS
+    counts.write_bytes(whole)
+    assert call(path, dataset, incremental=True).finished and rows(path)[5] == ("X5", 3)
+
+
 def test_a_keyed_delta_table_is_merged_by_key(tmp_path: Path) -> None:
     pytest.importorskip("deltalake")
     import pyarrow as pa

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.jobstore.formats import JobInfo
+from torch_batch_process.jobstore.formats import JobInfo, parse_json
 from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
 from torch_batch_process.jobstore.store import job_finished, latest_record_at
 from torch_batch_process.storage.base import Storage
@@ -108,10 +108,12 @@ def _stored_numbering(storage: Storage, folder: str) -> tuple[int, int | None] |
 
 def _job_info(storage: Storage, folder: str) -> JobInfo | None:
     rel = f"{folder}/{JOB_FILE}" if folder else JOB_FILE
+    where = storage.url_of(rel)
     try:
-        return JobInfo.from_json(storage.read_json(rel), storage.url_of(rel))
+        raw = storage.read_bytes(rel)
     except FileNotFoundError:
         return None
+    return JobInfo.from_json(parse_json(raw, where), where)  # damaged: CheckpointCorruptError naming it
 
 
 def open_job_folder(storage: Storage, folder: str, storage_options: dict[str, Any] | None = None) -> Storage:

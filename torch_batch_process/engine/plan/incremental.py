@@ -40,7 +40,7 @@ import numpy as np
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.engine.plan.retry import Retry, check_same_outputs, repair_finished_folders
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, InvalidArgumentError, JobMismatchError
-from torch_batch_process.jobstore.formats import JobInfo, qualified_name
+from torch_batch_process.jobstore.formats import JobInfo, parse_json, qualified_name
 from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.retries import next_retry, retry_numbering, retry_numbers
@@ -54,7 +54,7 @@ from torch_batch_process.outputs.keyed.runs import (
     SELECTION_FILE,
     decode_removed,
     failed_keys,
-    read_counts,
+    read_run_counts,
     removed_keys,
 )
 from torch_batch_process.outputs.keyed.selection import Selection
@@ -204,7 +204,7 @@ def choose_run(args: JobArguments) -> RunChoice | None:
                     f"{storage.url_of(folder)} is an unfinished retry_failed=True run; finish it first (call again "
                     "with retry_failed=True and the dataset it retried), then run incrementally"
                 )
-            counts = read_counts(storage, f"{folder}/{INCREMENT_FILE}")
+            counts = read_run_counts(storage, f"{folder}/{INCREMENT_FILE}")
             _check_same_size(storage, folder, k, counts, args)
             selection = _stored_selection(storage, folder)
             removed = _read_removed(storage, folder)
@@ -364,10 +364,12 @@ def _check_keys_stored(storage: Storage) -> None:
 
 def _spec(storage: Storage, folder: str) -> dict[str, Any]:
     rel = f"{folder}/{JOB_FILE}" if folder else JOB_FILE
+    where = storage.url_of(rel)
     try:
-        return JobInfo.from_json(storage.read_json(rel), storage.url_of(rel)).spec
+        raw = storage.read_bytes(rel)
     except FileNotFoundError:
         return {}
+    return JobInfo.from_json(parse_json(raw, where), where).spec  # damaged: CheckpointCorruptError naming it
 
 
 def _repair(storage: Storage, args: JobArguments) -> None:

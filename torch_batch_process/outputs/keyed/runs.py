@@ -22,7 +22,8 @@ from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.errors import NotAFileError
 
 __all__ = ["INCREMENT_FILE", "REMOVED_FILE", "RETRIED_FILE", "SELECTION_FILE", "counts_text", "current_failures",
-           "decode_removed", "failed_keys", "incremental_runs", "keyed_column", "read_counts", "removed_keys"]
+           "decode_removed", "failed_keys", "incremental_runs", "keyed_column", "read_counts", "read_run_counts",
+           "removed_keys"]
 
 SELECTION_FILE = "_tbp/selection.bin"
 """The run's selection (:class:`~torch_batch_process.outputs.keyed.selection.Selection`), in its folder."""
@@ -160,7 +161,7 @@ def _cleared_keys(storage: Storage, folder: str) -> list[Any] | None:
     try:
         retried = pa.ipc.open_stream(data).read_all()
         keys, indices = retried.column("key").to_pylist(), retried.column("index").to_numpy()
-    except (pa.ArrowException, KeyError) as exc:
+    except (pa.ArrowException, OSError, KeyError) as exc:  # garbled: pyarrow's OSError "Invalid flatbuffers message"
         raise CheckpointCorruptError(
             f"{storage.url_of(rel)}: the examples this run retried cannot be read ({exc}); it is damaged. "
             f"{CORRUPT_HINT}."
@@ -173,7 +174,7 @@ def _cleared_keys(storage: Storage, folder: str) -> list[Any] | None:
     from torch_batch_process.outputs.keyed.selection import Selection
 
     rel = f"{folder}/{SELECTION_FILE}"
-    last = Selection.from_bytes(storage.read_bytes(rel), storage.url_of(rel)).take(reached - 1, 1)
+    last = Selection.from_bytes(_run_file(storage, rel, "selection file"), storage.url_of(rel)).take(reached - 1, 1)
     if len(last) == 0:  # the planned batches hold every selected example
         return keys
     return [key for key, index in zip(keys, indices.tolist(), strict=True) if index <= int(last[0])]
@@ -184,7 +185,22 @@ def _reached(storage: Storage, folder: str) -> int | None:
     all of them."""
     rel = f"{folder}/{JOB_FILE}"
     where = storage.url_of(rel)
-    return JobInfo.from_json(parse_json(storage.read_bytes(rel), where), where).planned_examples
+    return JobInfo.from_json(parse_json(_run_file(storage, rel, "job file"), where), where).planned_examples
+
+
+def _run_file(storage: Storage, rel: str, what: str) -> bytes:
+    """The bytes of a file that a started run stores before its first batch (its job file, selection, counts).
+
+    Raises:
+        CheckpointCorruptError: it is missing (deleted, or not restored with the rest of the job).
+    """
+    try:
+        return storage.read_bytes(rel)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(
+            f"{storage.url_of(rel)}: this run's {what} is missing (deleted, or not restored with the rest of the "
+            f"job); the run's examples and failures cannot be told without it. {CORRUPT_HINT}."
+        ) from exc
 
 
 def removed_keys(storage: Storage) -> Any:
@@ -219,11 +235,24 @@ def decode_removed(data: bytes, where: str) -> Any:
 
     try:
         return pa.ipc.open_stream(data).read_all().column("key")
-    except (pa.ArrowException, KeyError) as exc:  # ArrowInvalid (cut short, garbled); no "key" column
+    except (pa.ArrowException, OSError, KeyError) as exc:  # cut short, garbled (an OSError); no "key" column
         raise CheckpointCorruptError(
             f"{where}: the keys this prune_missing=True run removes cannot be read ({exc}); it is damaged. "
             f"{CORRUPT_HINT}."
         ) from exc
+
+
+def read_run_counts(storage: Storage, rel: str) -> dict[str, Any]:
+    """:func:`read_counts` of a started run, whose counts must be there.
+
+    Raises:
+        CheckpointCorruptError: they are missing or damaged.
+    """
+    where = storage.url_of(rel)
+    counts = parse_json(_run_file(storage, rel, "count file"), where)
+    if not isinstance(counts, dict):
+        raise CheckpointCorruptError(f"{where} is corrupt (not a JSON object). {CORRUPT_HINT}.")
+    return counts
 
 
 def read_counts(storage: Storage, rel: str) -> dict[str, Any]:
