@@ -232,3 +232,43 @@ def test_a_full_tmpdir_loses_no_metrics_line_of_an_object_store_job(small_disk, 
     fs, root = fsspec.core.url_to_fs(memory_url)
     lines = [json.loads(line) for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
     assert sorted(line["steps_completed"] for line in lines if line["group"] == "inference") == list(range(1, 11))
+
+
+class BigFiles(TorchBatchProcessor):
+    """Each batch writes a 256-KiB file: more than the disk has left once the test filled it (small failure records
+    still fit)."""
+
+    disk: Path | None = None  # set by the test for the first run
+
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def process_batch(self, batch, batch_idx) -> None:
+        if batch_idx == 3 and self.disk is not None:
+            _fill(self.disk)
+            with open(self.disk / "filler", "r+b") as filler:  # 64 KiB left: a failure record fits, a file does not
+                filler.truncate(filler.seek(0, 2) - 64 * 1024)
+        with self.context.upload_path() as path:
+            (path / f"batch_{batch_idx:03d}.bin").write_bytes(bytes(256 * 1024))
+
+
+def test_a_full_disk_in_your_code_is_no_examples_failure_with_on_error_skip(small_disk):
+    """on_error="skip" recorded every example whose file met the full disk as a failure (bisected down to single
+    examples), and the job went on skipping them: it could finish with them all failed. A full disk (ENOSPC) stops
+    the job with your code's error; the resume, with room again, processes them."""
+    storage = small_disk / "job"
+    run = dict(batch_size=4, storage_path=str(storage), checkpoint_interval=2, on_error="skip", progress=False)
+    BigFiles.disk = small_disk
+    try:
+        with pytest.raises(OSError) as raised:
+            torch_batch_process(BigFiles, torch.arange(24), **run)
+    finally:
+        BigFiles.disk = None
+    assert raised.value.errno == errno.ENOSPC and not isinstance(raised.value, StorageError), raised.value
+    assert not (storage / "failures").exists() or not list((storage / "failures").iterdir())
+
+    (small_disk / "filler").unlink()
+    result = torch_batch_process(BigFiles, torch.arange(24), **run)
+    assert result.finished and result.failed_examples == 0
+    files = sorted(p.name for p in (storage / "outputs").rglob("batch_*.bin"))
+    assert files == [f"batch_{g:03d}.bin" for g in range(6)]
