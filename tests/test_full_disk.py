@@ -272,3 +272,27 @@ def test_a_full_disk_in_your_code_is_no_examples_failure_with_on_error_skip(smal
     assert result.finished and result.failed_examples == 0
     files = sorted(p.name for p in (storage / "outputs").rglob("batch_*.bin"))
     assert files == [f"batch_{g:03d}.bin" for g in range(6)]
+
+
+@pytest.mark.parametrize("kind", ["delta", "lance", "iceberg"])
+def test_a_table_created_on_a_full_disk_is_a_storage_error_naming_it_then_resumes_exactly_once(small_disk, kind):
+    """The table's first files (Delta's log, Lance's manifest, Iceberg's metadata) met the full disk as the format's
+    own OSError ("Generic LocalFileSystem error"), naming neither the table nor the cause."""
+    pytest.importorskip({"delta": "deltalake", "lance": "lance", "iceberg": "pyiceberg"}[kind])
+    if kind == "iceberg":
+        catalog = {"type": "sql", "uri": f"sqlite:///{small_disk.parent}/catalog.db",
+                   "warehouse": f"file://{small_disk}/warehouse"}
+        target, shown = tables.iceberg("db.rows", catalog=catalog), "db.rows"
+    else:
+        target, shown = getattr(tables, kind)(str(small_disk / "table")), str(small_disk / "table")
+    run = dict(batch_size=4, storage_path=str(small_disk.parent / "job"), checkpoint_interval=2, progress=False,
+               table=target)
+    _fill(small_disk)
+    with pytest.raises(StorageError) as raised:
+        torch_batch_process(RandomRows, torch.arange(40), **run)
+    assert raised.value.errno == errno.ENOSPC and "no space left" in str(raised.value), raised.value
+    assert f"create the {kind} table {shown!r}" in str(raised.value), raised.value
+
+    (small_disk / "filler").unlink()
+    assert torch_batch_process(RandomRows, torch.arange(40), **run).finished
+    assert read_outputs(target).column("index").to_pylist() == list(range(40))

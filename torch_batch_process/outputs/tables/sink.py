@@ -19,9 +19,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from torch_batch_process.errors import SchemaConflictError
+from torch_batch_process.errors import SchemaConflictError, StorageError
 from torch_batch_process.jobstore.schema import RecordSchema, unify
 from torch_batch_process.outputs.tables.base import DataFileWriter, Table, data_file_name, normalize_schema, tombstone
+from torch_batch_process.storage.errors import file_error
 
 __all__ = ["TableSink"]
 
@@ -68,7 +69,14 @@ class TableSink:
                                       origin=schema.origin)
         if self._target is None:
             self._check_names(normalized, schema.origin)
-            self._target = self.table.ensure(normalized)  # creates the table from the first rows, else its schema
+            try:
+                self._target = self.table.ensure(normalized)  # creates the table from the first rows, else its schema
+            except OSError as exc:  # its first files on a full disk: the format's own error names no table
+                if isinstance(exc, StorageError):
+                    raise
+                where = self.table.target.describe()
+                shown = str(where.get("uri") or where.get("identifier"))
+                raise file_error(shown, f"create the {self.table.target.kind} table", exc) from exc
         table_schema = RecordSchema(self._target, schema.ragged, self._what)
         unified = unify(table_schema, RecordSchema(normalized, schema.ragged, schema.origin))  # names the column
         wider = [
