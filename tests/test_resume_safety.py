@@ -575,7 +575,7 @@ def test_a_finished_job_with_its_state_files_gone_still_reports_its_stored_resul
 
 
 def test_a_damaged_record_segment_file_is_named_at_resume_not_a_bare_pyarrow_error(tmp_path):
-    """On object stores each commit's rows are a segment file; one that does not decode (cut short, zeroed) stops the
+    """On object stores each commit's rows are a segment file; one that does not decode (cut short, garbled) stops the
     resume's roll-over with an error naming it and what to do (pyarrow's own says "Not an Arrow file")."""
     import fsspec
 
@@ -587,10 +587,16 @@ def test_a_damaged_record_segment_file_is_named_at_resume_not_a_bare_pyarrow_err
         torch_batch_process(FailingRowWriter, list(range(80)), **run)
     fs, root = fsspec.core.url_to_fs(url)
     segment = sorted(fs.ls(f"{root}/_tbp/segments", detail=False))[1]
-    fs.pipe(segment, fs.cat(segment)[:100])
-    with pytest.raises(OutputCorruptError, match="cannot be read") as info:
-        torch_batch_process(RowWriter, list(range(80)), **run)
-    assert segment.rsplit("/", 1)[1] in str(info.value) and "resume=False" in str(info.value)
+    whole = fs.cat(segment)
+    middle = len(whole) // 2  # garbled: pyarrow's plain OSError "Invalid flatbuffers message" (it was raised bare)
+    garbled = whole[:middle] + bytes(b ^ 0x5A for b in whole[middle:middle + 16]) + whole[middle + 16:]
+    for damaged in (whole[:100], garbled):
+        fs.pipe(segment, damaged)
+        with pytest.raises(OutputCorruptError, match="cannot be read") as info:
+            torch_batch_process(RowWriter, list(range(80)), **run)
+        assert segment.rsplit("/", 1)[1] in str(info.value) and "resume=False" in str(info.value)
+    fs.pipe(segment, whole)
+    assert torch_batch_process(RowWriter, list(range(80)), **run).finished
 
 
 _TWO_JOBS_ONE_SCRIPT = """

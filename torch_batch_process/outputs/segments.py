@@ -140,18 +140,19 @@ def read_segment(storage: Storage, rel: str, committed: Callable[[int], bool]) -
     import pyarrow as pa
 
     with storage.open_input(rel) as f:
-        if rel.endswith(LOG_SUFFIX):
-            return read_log(f.read(), committed, storage.url_of(rel))
-        try:
-            return pa.ipc.open_file(f).read_all()
-        except pa.ArrowException as exc:  # pyarrow's error names no file ("Not an Arrow file")
-            from torch_batch_process.errors import OutputCorruptError
+        data = f.read()  # a storage error stays one; any error below is the file's
+    if rel.endswith(LOG_SUFFIX):
+        return read_log(data, committed, storage.url_of(rel))
+    try:
+        return pa.ipc.open_file(pa.py_buffer(data)).read_all()
+    except (pa.ArrowException, OSError) as exc:  # pyarrow's error names no file ("Not an Arrow file"; garbled: a
+        from torch_batch_process.errors import OutputCorruptError  # plain OSError, "Invalid flatbuffers message")
 
-            raise OutputCorruptError(
-                f"{storage.url_of(rel)}: this committed record segment cannot be read ({exc}); it is damaged and "
-                "committed record rows are lost with it. Restore it from a backup, or start the job afresh with "
-                "resume=False (this erases the stored progress and outputs) or a new storage_path"
-            ) from exc
+        raise OutputCorruptError(
+            f"{storage.url_of(rel)}: this committed record segment cannot be read ({exc}); it is damaged and "
+            "committed record rows are lost with it. Restore it from a backup, or start the job afresh with "
+            "resume=False (this erases the stored progress and outputs) or a new storage_path"
+        ) from exc
 
 
 def roll_leftovers(storage: Storage, record: CommitRecord | None) -> None:
