@@ -15,8 +15,8 @@ at its next start (local storage) or by the next job on the host (temporary fold
 Two files with the same path in the same stage of one rank would overwrite each other, so that is an error.
 
 With ``on_error="skip"`` or ``on_oom="split"`` (the default) the engine runs each batch (or part of one) between
-:meth:`OutputStager.hold` and :meth:`OutputStager.release`: the blocks of a batch that fails are discarded, those of one that succeeds join
-the stage; the parts of a split batch write under a sub-folder of their own (``prefix``, see
+:meth:`OutputStager.hold` and :meth:`OutputStager.release`: the blocks of a batch that fails are discarded, those of
+one that succeeds join the stage; the parts of a split batch write under a sub-folder of their own (``prefix``, see
 :mod:`torch_batch_process.engine.feed.failing_examples`). The failure records of the stage
 (:meth:`OutputStager.add_failure`) are written next to its files at :meth:`OutputStager.flush` and published to
 ``failures/``.
