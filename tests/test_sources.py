@@ -244,6 +244,26 @@ def test_parquet_arguments_and_storage_errors(tmp_path: Path, local_parquet: tup
     assert list(source.read(torch.tensor(2), 0)) == list(source.read(2))  # integer-like indices are fine
 
 
+def test_paths_whose_names_have_glob_characters_are_read_as_named(any_parquet: tuple[str, list[list[dict]]]) -> None:
+    """A file or folder named with ``[ ] * ?`` that exists is that file or folder, never a pattern matching others
+    (``exp[1]`` as a glob names ``exp1``: without the check, the decoys below were read in its place)."""
+    url, _ = any_parquet
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, use_listings_cache=False)
+    named, decoy = [{"id": 1, "text": "named", "score": 0.5}], [{"id": 2, "text": "decoy", "score": 0.25}]
+    for folder, rows in ((f"{root}/exp[1]", named), (f"{root}/exp1", decoy)):
+        fs.makedirs(folder, exist_ok=True)
+        write_parquet(fs, f"{folder}/a[0].parquet" if rows is named else f"{folder}/a0.parquet", rows, 10)
+    write_parquet(fs, f"{root}/exp1/a[0].parquet", decoy, 10)
+    fs.invalidate_cache()
+    for item in (f"{url}/exp[1]", f"{url}/exp[1]/a[0].parquet", [f"{url}/exp[1]/a[0].parquet"]):
+        assert [list(sources.parquet(item).read(0))] == [named], item
+    # a pattern that names no existing path stays a pattern (``exp[1]`` in it is the class ``[1]``: exp1's files)
+    pattern = sources.parquet(f"{url}/exp[1]/a*.parquet")
+    assert [row["text"] for k in range(len(pattern.shards())) for row in pattern.read(k)] == ["decoy", "decoy"]
+    with pytest.raises(InvalidArgumentError, match="matches no file"):
+        sources.parquet(f"{url}/exp[1]/b[0].parquet")
+
+
 def test_parquet_s3_errors(s3_url: str) -> None:
     with pytest.raises(InvalidArgumentError, match="matches no file"):
         sources.parquet(f"{s3_url}/none/*.parquet")

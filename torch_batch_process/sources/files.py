@@ -47,7 +47,8 @@ def list_files(
 
     Each item is a file, a glob (expanded and sorted by path) or a folder (its files whose name
     ends with one of ``suffixes``, recursively, sorted); items keep the order given. All items
-    must be on one filesystem.
+    must be on one filesystem. A path that exists as named is taken as named even when its name has
+    glob characters (``data[1].parquet``, a folder ``exp[1]``), never expanded to other files.
 
     Returns:
         ``(url of the first item, storage options, files)``; the first two re-create the filesystem
@@ -133,7 +134,7 @@ def _protocol(url: str) -> str:
 def _expand(fs: fsspec.AbstractFileSystem, item: str, suffixes: tuple[str, ...], kind: str) -> list[FileEntry]:
     _, path = _split(fs, item)
     try:
-        if any(ch in path for ch in _GLOB_CHARS):
+        if any(ch in path for ch in _GLOB_CHARS) and not fs.exists(path):
             infos = fs.glob(path, detail=True)
             files = sorted((info for info in infos.values() if info.get("type") != "directory"), key=_name)
             if not files:
