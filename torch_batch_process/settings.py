@@ -263,7 +263,6 @@ DEFAULT_PROGRESS_INTERVAL_S = 30.0
 DEFAULT_METRICS_INTERVAL_S = 60.0
 DEFAULT_STRAGGLER_RATIO = 0.5
 DEFAULT_AGREEMENT_S = 0.05
-DEFAULT_MESH_AGREEMENT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -372,12 +371,6 @@ class Settings:
         "seconds the static schedule aims at between two agreements of the ranks (whether to stop, commit or fail): "
         "a preemption or a failure stops every rank within this and a step; `0` agrees at every step boundary (a "
         "collective per step)",
-    )
-    mesh_agreement_s: float = variable(
-        "TBP_MESH_AGREEMENT_S", _number("TBP_MESH_AGREEMENT_S", DEFAULT_MESH_AGREEMENT_S, seconds=True), "0.5",
-        "with `mesh=` and replicas of several ranks, in place of `TBP_AGREEMENT_S`: seconds the static schedule aims "
-        "at between two agreements of every rank of every replica (a replica's members learn a failure of one of "
-        "them before each step, in the replica's own message)",
     )
     mesh_grace_s: float = variable(
         "TBP_MESH_GRACE_S", _number("TBP_MESH_GRACE_S", 10.0, seconds=True), "10",

@@ -110,7 +110,6 @@ class TensorParallelJob(TorchBatchProcessor):
         self.index_sum.update(sum(self.context.batch_indices))
         self.seen["batches"].append(batch_idx)
         if SPEC.get("stop_at") == [rank, len(self.seen["batches"])]:
-            self.seen["signal_time"] = time.time()  # the stop's latency: to every rank's end_time
             os.kill(os.getpid(), signal.SIGTERM)
         if SPEC.get("kill_at") is not None and SPEC["kill_at"][::2] == [rank, len(self.seen["batches"])]:
             kill_and_wait(SPEC["kill_at"][1])
@@ -163,7 +162,6 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001 - reported for the test
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
     report["seen"] = SEEN.get(rank)
-    report["end_time"] = time.time()
     folder = Path(SPEC["report_dir"])
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"attempt{SPEC['attempt']}_rank{rank}.json").write_text(json.dumps(report))

@@ -77,8 +77,7 @@ class StepAgreement:
 
     def __init__(self, collectives: Collectives, period_s: float | None = None) -> None:
         self._collectives = collectives
-        self.period_s = agreement_period_s() if period_s is None else period_s
-        """Seconds aimed at between two agreements (read at each agreement's start)."""
+        self._period = agreement_period_s() if period_s is None else period_s
         self._pending: PendingMax | None = None
         self._started = -1  # the step whose boundary started the agreement in flight
         self._next = 0  # the step whose boundary starts the next agreement (the same on every rank)
@@ -119,8 +118,7 @@ class StepAgreement:
         """Starts an agreement at ``step``'s boundary with this rank's flags and its proposal for the next one."""
         now = time.monotonic()
         per_step = (now - self._since) / max(1, step - self._since_step)
-        period = self.period_s
-        proposal = 1 if period <= 0 else min(MAX_GAP, max(1, math.ceil(period / max(per_step, 1e-6))))
+        proposal = 1 if self._period <= 0 else min(MAX_GAP, max(1, math.ceil(self._period / max(per_step, 1e-6))))
         self._since, self._since_step = now, step
         self._pending = self._collectives.start_max([int(preempt), int(failed), MAX_GAP - proposal])
         self._started = step

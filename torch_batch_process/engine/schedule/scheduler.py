@@ -27,7 +27,6 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from torch_batch_process import settings
 from torch_batch_process.engine.distributed import Collectives, RendezvousStore
 from torch_batch_process.engine.schedule.agreement import Decision, StepAgreement
 from torch_batch_process.errors import WorkerLostError
@@ -127,16 +126,6 @@ class StaticScheduler(Scheduler):
 
     def after_last(self, *, failed: bool) -> Decision:
         raise AssertionError("static steps end with decide(), never with an exhausted feed")  # pragma: no cover
-
-    def join_replica(self, source: bool) -> None:
-        """``mesh=``: the ranks agree every ``TBP_MESH_AGREEMENT_S`` (default 0.5 s) instead of ``TBP_AGREEMENT_S``.
-
-        A replica's members already learn a failure of one of them before each step, in the replica's own message
-        (:mod:`~torch_batch_process.engine.feed.replica`), and stop running batches together; what the agreement
-        adds is the other replicas, the preemption and the commits' timing. At a replica's step lengths (a model split
-        over ranks: tens of ms to seconds) the default period would make it a lockstep point of every rank of every
-        replica at nearly every step, which a hand-written loop never has (notes/43-mesh.md §16)."""
-        self._agreement.period_s = settings.current().mesh_agreement_s
 
     @property
     def claimed(self) -> int | None:
