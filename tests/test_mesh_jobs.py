@@ -334,6 +334,40 @@ def test_a_source_whose_claim_finds_the_store_gone_stops_with_its_replica(tmp_pa
     assert len(reports[2]["seen"]["batches"]) > 3  # and the one the message in flight carried
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("on_oom", ["split", "raise"])
+def test_a_member_raising_as_rank_0_dies_stops_every_rank_without_the_store(tmp_path, on_oom):
+    """Two faults at once on 2 replicas x 2 (tensor parallel): rank 3 SIGKILLs rank 0 (whose process hosts the
+    rendezvous store without torchrun), then raises in its 2nd batch, before its forward, while rank 2 waits for it in
+    the forward's collective; rank 3's process lives on after its call (a script that goes on after a failed call).
+    Nothing but the exit of rank 3's process or of rank 2's releases that collective, and the member watch learns a
+    member's failure from the store. Before: both watches stopped at the store's first error, rank 2 stayed in its
+    forward for as long as rank 3's process lived (gloo's collective timeout: 30 min). Now a rank still in its steps
+    TBP_MESH_GRACE_S after the store stopped answering ends its process (rank 2), which releases rank 3: it raises its
+    own exception, and every rank exits."""
+    spec = spec_for(
+        tmp_path, n=80, layers=1, raise_at=[3, 1, 0], linger=[3, 300], on_oom=on_oom, attempt=1,
+        mesh={"replica": -1, "tp": 2},
+    )
+    procs = spawn_ranks(4, MESH_JOB, json.dumps(spec), env=base_env(TBP_MESH_GRACE_S="2"))
+    try:
+        procs[0].wait(timeout=150)  # killed by rank 3
+    except subprocess.TimeoutExpired:
+        wait_all(procs, timeout=0)
+        pytest.fail("rank 3 never killed rank 0")
+    started = time.monotonic()
+    outcomes = wait_all(procs[1:3], timeout=60)
+    elapsed = time.monotonic() - started
+    try:
+        assert [rc for rc, _, _ in outcomes] == [1, 1], [(rc, err[-3000:]) for rc, _, err in outcomes]
+        assert elapsed < 30, elapsed
+        assert "the job's rendezvous store has not answered for" in outcomes[1][2], outcomes[1][2][-3000:]  # rank 2
+        wait_for(lambda: read_reports(spec).get(3) is not None, 30, "rank 3's call to return")
+    finally:
+        lingering = wait_all(procs[3:], timeout=0)  # rank 3 lingers: its process is killed here
+    assert read_reports(spec)[3]["error"]["type"] == "ValueError", lingering[0][2][-3000:]  # the cause
+
+
 def kill_one_at_random(spec: dict, nproc: int, mesh: dict, rng: random.Random, env: dict | None = None) -> int:
     """Runs ``nproc`` ranks of ``spec`` on ``mesh``, SIGKILLs one of them (chosen by ``rng``) at a moment drawn by
     ``rng`` once a commit newer than the start's is durable, and checks that every rank exits promptly, the job

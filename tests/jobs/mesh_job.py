@@ -11,13 +11,16 @@ argv[1]: a JSON spec: ``storage``, ``report_dir``, ``attempt``, ``mesh`` (a dict
 - ``sleep``: seconds per batch;
 - ``progress_file``: touched once a rank ran ``progress_after`` batches;
 - ``raise_at``: ``[rank, k]``: that rank raises in its ``k``-th batch of the attempt, before its forward, while the
-  other members of its replica wait for it in the forward's collectives;
+  other members of its replica wait for it in the forward's collectives; ``[rank, k, victim]``: it first SIGKILLs rank
+  ``victim`` and waits until it is gone (two faults at once: rank 0 hosts the rendezvous store without torchrun);
 - ``oom_above``: ``[rank, size, when]``: that rank raises ``torch.OutOfMemoryError`` for a batch (or part) of more
   than ``size`` examples, ``"before"`` its forward (the other members then wait for it in the forward's collectives)
   or ``"after"`` it;
 - ``stop_at``: ``[rank, k]``: that rank sends itself SIGTERM (a preemption) once it ran ``k`` batches of the attempt;
 - ``kill_at``: ``[killer, victim, k]``: rank ``killer`` SIGKILLs rank ``victim`` once it ran ``k`` batches of the
   attempt, and goes on once the victim is gone (every rank writes its pid to ``pid_rank<r>`` in ``report_dir``);
+- ``linger``: ``[rank, seconds]``: that rank's process lives on that long after its call returned or raised (its
+  report written), as a script that goes on after a failed call (a notebook, a retry loop) does;
 - ``on_oom``: the call's ``on_oom`` (default ``"split"``);
 - ``die_opening``: that rank kills itself (SIGKILL) as the mesh's replica groups are created (the device mesh's are
   connected), so that the others wait for it while they connect;
@@ -82,7 +85,10 @@ class TensorParallelJob(TorchBatchProcessor):
 
     def process_batch(self, batch, batch_idx):
         rank = self.context.distributed.rank
-        if SPEC.get("raise_at") == [rank, len(self.seen["batches"])]:
+        raise_at = SPEC.get("raise_at")
+        if raise_at is not None and raise_at[:2] == [rank, len(self.seen["batches"])]:
+            if len(raise_at) > 2:
+                kill_and_wait(raise_at[2])
             raise ValueError(f"rank {rank} fails in batch {batch_idx}")
         self.seen.setdefault("sizes", []).append(len(batch))
         oom = SPEC.get("oom_above")
@@ -133,7 +139,7 @@ def kill_and_wait(victim: int) -> None:
 
 def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
-    if SPEC.get("kill_at") is not None:
+    if SPEC.get("kill_at") is not None or len(SPEC.get("raise_at") or ()) > 2:
         pid_file(rank).parent.mkdir(parents=True, exist_ok=True)
         pid_file(rank).write_text(str(os.getpid()))
     if SPEC.get("die_opening") == rank:
@@ -159,6 +165,8 @@ def main() -> None:
     folder = Path(SPEC["report_dir"])
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"attempt{SPEC['attempt']}_rank{rank}.json").write_text(json.dumps(report))
+    if SPEC.get("linger") is not None and SPEC["linger"][0] == rank:
+        time.sleep(SPEC["linger"][1])
     sys.exit(1 if "error" in report else 0)
 
 

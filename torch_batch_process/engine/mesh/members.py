@@ -12,6 +12,15 @@ replica in the call's rendezvous store; a member that sees the mark and is still
 and stop with them) logs its stacks and ends its process with exit code 1, as ``batch_timeout``'s watchdog does. Its
 exit closes its connections, which releases whoever waited on it; the other ranks then see a lost rank and raise
 (the failing rank its own exception), so no rank waits for the collective timeout.
+
+**The store gone too.** Without torchrun the store lives in rank 0's process: when rank 0 dies while a member of
+another replica raised (two faults at once), no mark can be set or read, and a member blocked in a collective with
+the failed member would wait for gloo's collective timeout (30 min) for as long as that member's process lives (its
+script may go on after the failed call). So the watch also ends its process when the store has stopped answering for
+``TBP_MESH_GRACE_S`` seconds (every look since failed) and this rank is still in its steps: a job whose store is gone
+cannot commit again, and a rank that is not blocked leaves its steps within that time (it meets the lost rank at the
+ranks' next agreement or commit). A rank that failed itself waits twice as long, so that its peers, which wait on it,
+go first and it raises its own exception.
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ class MemberWatch:
         self._key = f"mesh/failed/{position.replica_rank}"
         self._stop = threading.Event()
         self._in_steps = True
+        self._store_error: BaseException | None = None
+        """The store's last error while it does not answer (``None``: it answered the last look)."""
         self._thread = threading.Thread(target=self._run, name="tbp-mesh-members", daemon=True)
         self._thread.start()
 
@@ -69,21 +80,26 @@ class MemberWatch:
 
     def _run(self) -> None:
         marked = False
-        seen_at: float | None = None
+        seen_at: float | None = None  # when this rank saw its replica marked failed
+        lost_at: float | None = None  # since when every look at the store failed
         while not self._stop.wait(POLL_S):
             try:
                 if self._rank_failure.failed:
-                    if not marked:
-                        marked = True
-                        self._store.add(self._key, 1)
-                    continue
-                if seen_at is None:
+                    # marks its replica once; then looks whether the store still answers
+                    self._store.add(self._key, 0 if marked else 1)
+                    marked = True
+                elif seen_at is None:
                     if int(self._store.add(self._key, 0)) > 0:
                         seen_at = time.monotonic()
                 elif self._in_steps and time.monotonic() - seen_at >= self._grace_s:
                     self._exit()
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
-                return
+                lost_at, self._store_error = None, None
+            except Exception as exc:  # noqa: BLE001 - the store does not answer: its host may be gone (see above)
+                self._store_error = exc
+                lost_at = time.monotonic() if lost_at is None else lost_at
+                wait_s = self._grace_s * (2 if self._rank_failure.failed else 1)
+                if self._in_steps and time.monotonic() - lost_at >= wait_s:
+                    self._exit_store_lost(time.monotonic() - lost_at)
 
     def _exit(self) -> None:
         position = self._position
@@ -94,3 +110,20 @@ class MemberWatch:
             position.rank, position.replica_rank, self._grace_s, position.rank, thread_stacks(),
         )
         end_process()
+
+    def _exit_store_lost(self, lost_s: float) -> None:
+        rank = self._position.rank
+        logger.error(
+            "rank %d: the job's rendezvous store has not answered for %.1fs (%s; its host, rank 0's process without "
+            "torchrun, is gone, so the job cannot commit again) and this rank is still in its steps (blocked in a "
+            "collective with a member that failed or left, which nothing else releases): ending the process so that "
+            "every rank stops. Stacks of rank %d:\n%s",
+            rank, lost_s, _describe(self._store_error), rank, thread_stacks(),
+        )
+        end_process()
+
+
+def _describe(error: BaseException | None) -> str:
+    """The store's error on one line."""
+    first = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
