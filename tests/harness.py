@@ -77,9 +77,9 @@ def run_process(
 
 
 def spawn_ranks(
-    world_size: int, script: Path | str, *args: str, env: dict[str, str] | None = None
+    world_size: int, script: Path | str, *args: str, env: dict[str, str] | None = None, cwd: Path | str = REPO
 ) -> list[subprocess.Popen[str]]:
-    """Starts ``world_size`` plain processes with the env contract (no torchrun agent)."""
+    """Starts ``world_size`` plain processes with the env contract (no torchrun agent), from ``cwd``."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -91,12 +91,17 @@ def spawn_ranks(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-        procs.append(start_process([sys.executable, str(script), *args], rank_env))
+        procs.append(start_process([sys.executable, str(script), *args], rank_env, cwd))
     return procs
 
 
 def run_ranks(
-    world_size: int, script: Path | str, *args: str, timeout: float = 180, env: dict[str, str] | None = None
+    world_size: int,
+    script: Path | str,
+    *args: str,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: Path | str = REPO,
 ) -> subprocess.CompletedProcess[str]:
     """Runs ``script`` as ``world_size`` plain processes with the env contract (:func:`spawn_ranks`: forked by the
     suite's fork server, no torchrun agent, no fresh ``import torch`` per rank) and returns one outcome as
@@ -104,7 +109,7 @@ def run_ranks(
     outputs one after the other. For a test whose claim is the job's, not torchrun's; on ``timeout`` the ranks are
     stopped and :class:`subprocess.TimeoutExpired` raised."""
     command = [sys.executable, str(script), *args]
-    outcomes = wait_all(spawn_ranks(world_size, script, *args, env=env), timeout)
+    outcomes = wait_all(spawn_ranks(world_size, script, *args, env=env, cwd=cwd), timeout)
     out, err = "".join(o for _, o, _ in outcomes), "".join(e for _, _, e in outcomes)
     if any(rc is None for rc, _, _ in outcomes):
         raise subprocess.TimeoutExpired(command, timeout, output=out, stderr=err)
@@ -119,10 +124,10 @@ def _popen_class(command: list[str], env: dict[str, str]) -> type[subprocess.Pop
     return subprocess.Popen
 
 
-def start_process(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    """Starts ``command`` from the repository root in a session of its own (so that a test can kill its
-    whole tree), with its output captured as text. A ``python SCRIPT``/``python -m MODULE`` command is forked by the
-    suite's fork server (torch already imported: :mod:`forkserver`) unless ``TBP_TEST_FORKSERVER=0``."""
+def start_process(command: list[str], env: dict[str, str], cwd: Path | str = REPO) -> subprocess.Popen[str]:
+    """Starts ``command`` from ``cwd`` (the repository root by default) in a session of its own (so that a test can
+    kill its whole tree), with its output captured as text. A ``python SCRIPT``/``python -m MODULE`` command is forked
+    by the suite's fork server (torch already imported: :mod:`forkserver`) unless ``TBP_TEST_FORKSERVER=0``."""
     popen = _popen_class(command, env)
     return popen(
         command,
@@ -130,7 +135,7 @@ def start_process(command: list[str], env: dict[str, str]) -> subprocess.Popen[s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=str(REPO),
+        cwd=str(cwd),
         start_new_session=True,
     )
 
