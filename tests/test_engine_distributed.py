@@ -30,10 +30,15 @@ def _ok(proc):
     return out[-4000:]
 
 
-@pytest.mark.parametrize("n,b,w,expected", [(50, 10, 2, [3, 2]), (50, 20, 2, [2, 1]), (7, 2, 3, [2, 1, 1])])
-def test_determined_call_count_table_under_torchrun(tmp_path, n, b, w, expected):
+@pytest.mark.parametrize(
+    "n,b,w,expected,launcher",
+    [(50, 10, 2, [3, 2], "ranks"), (50, 20, 2, [2, 1], "ranks"), (7, 2, 3, [2, 1, 1], "torchrun")],
+)
+def test_determined_call_count_table_under_torchrun_and_as_plain_ranks(tmp_path, n, b, w, expected, launcher):
+    """Determined's table of calls per rank; the three-rank row under torchrun (as Determined launches), the others
+    as plain ranks (the table is the loop's: one torchrun launch of it is enough)."""
     spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=1)
-    proc, reports = run_generic(spec, nproc=w)
+    proc, reports = run_generic(spec, nproc=w, launcher=launcher)
     assert proc.returncode == 0, _ok(proc)
     assert [len(reports[r]["calls"]) for r in range(w)] == expected
     # every rank ran the same number of commits, on_finish once, every global batch exactly once
