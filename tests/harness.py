@@ -77,9 +77,9 @@ def run_process(
 
 
 def spawn_ranks(
-    world_size: int, script: Path | str, *args: str, env: dict[str, str] | None = None
+    world_size: int, script: Path | str, *args: str, env: dict[str, str] | None = None, cwd: Path | str = REPO
 ) -> list[subprocess.Popen[str]]:
-    """Starts ``world_size`` plain processes with the env contract (no torchrun agent)."""
+    """Starts ``world_size`` plain processes with the env contract (no torchrun agent), from ``cwd``."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -91,8 +91,30 @@ def spawn_ranks(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-        procs.append(start_process([sys.executable, str(script), *args], rank_env))
+        procs.append(start_process([sys.executable, str(script), *args], rank_env, cwd))
     return procs
+
+
+def run_ranks(
+    world_size: int,
+    script: Path | str,
+    *args: str,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: Path | str = REPO,
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` as ``world_size`` plain processes with the env contract (:func:`spawn_ranks`: forked by the
+    suite's fork server, no torchrun agent, no fresh ``import torch`` per rank) and returns one outcome as
+    :func:`run_torchrun` does: status 0 when every rank exits 0, else the first rank's non-zero status; the ranks'
+    outputs one after the other. For a test whose claim is the job's, not torchrun's; on ``timeout`` the ranks are
+    stopped and :class:`subprocess.TimeoutExpired` raised."""
+    command = [sys.executable, str(script), *args]
+    outcomes = wait_all(spawn_ranks(world_size, script, *args, env=env, cwd=cwd), timeout)
+    out, err = "".join(o for _, o, _ in outcomes), "".join(e for _, _, e in outcomes)
+    if any(rc is None for rc, _, _ in outcomes):
+        raise subprocess.TimeoutExpired(command, timeout, output=out, stderr=err)
+    returncode = next((rc for rc, _, _ in outcomes if rc != 0), 0)
+    return subprocess.CompletedProcess(command, returncode, out, err)
 
 
 def _popen_class(command: list[str], env: dict[str, str]) -> type[subprocess.Popen[str]]:
@@ -102,10 +124,10 @@ def _popen_class(command: list[str], env: dict[str, str]) -> type[subprocess.Pop
     return subprocess.Popen
 
 
-def start_process(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    """Starts ``command`` from the repository root in a session of its own (so that a test can kill its
-    whole tree), with its output captured as text. A ``python SCRIPT``/``python -m MODULE`` command is forked by the
-    suite's fork server (torch already imported: :mod:`forkserver`) unless ``TBP_TEST_FORKSERVER=0``."""
+def start_process(command: list[str], env: dict[str, str], cwd: Path | str = REPO) -> subprocess.Popen[str]:
+    """Starts ``command`` from ``cwd`` (the repository root by default) in a session of its own (so that a test can
+    kill its whole tree), with its output captured as text. A ``python SCRIPT``/``python -m MODULE`` command is forked
+    by the suite's fork server (torch already imported: :mod:`forkserver`) unless ``TBP_TEST_FORKSERVER=0``."""
     popen = _popen_class(command, env)
     return popen(
         command,
@@ -113,7 +135,7 @@ def start_process(command: list[str], env: dict[str, str]) -> subprocess.Popen[s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=str(REPO),
+        cwd=str(cwd),
         start_new_session=True,
     )
 
@@ -235,11 +257,15 @@ def assert_exactly_once(counts: Counter[int], n: int) -> None:
 def run_generic(
     spec: dict[str, Any], nproc: int = 2, *, attempt: int = 1, timeout: float = 180, launcher: str = "torchrun"
 ) -> tuple[subprocess.CompletedProcess[str] | list[tuple[int | None, str, str]], dict[int, dict[str, Any]]]:
-    """Runs ``jobs/generic_job.py`` with ``spec``; returns the process outcome and the reports."""
+    """Runs ``jobs/generic_job.py`` with ``spec``; returns the process outcome and the reports. ``launcher``:
+    ``torchrun``, ``ranks`` (plain processes, one outcome as torchrun's: :func:`run_ranks`) or ``plain`` (a list of
+    the ranks' outcomes)."""
     spec = dict(spec, attempt=attempt)
     if launcher == "torchrun":
         proc = run_torchrun(nproc, GENERIC_JOB, json.dumps(spec), timeout=timeout)
         return proc, read_reports(spec, attempt)
+    if launcher == "ranks":
+        return run_ranks(nproc, GENERIC_JOB, json.dumps(spec), timeout=timeout), read_reports(spec, attempt)
     if launcher == "plain" and nproc == 1:
         proc = run_process([sys.executable, str(GENERIC_JOB), json.dumps(spec)], base_env(), timeout)
         return proc, read_reports(spec, attempt)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from harness import JOBS, base_env, run_process, tbp_cmd, torchrun_cmd
+from harness import JOBS, base_env, run_process, run_ranks, tbp_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def test_determined_style_script_runs_unchanged_under_torchrun(tmp_path):
 
 
 def test_distributed_context_and_provenance_of_determined_core_code(tmp_path):
-    proc = run_process(torchrun_cmd(2, JOBS / "determined_core_style.py"), base_env(), 240, cwd=tmp_path)
+    proc = run_ranks(2, JOBS / "determined_core_style.py", timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     storage = tmp_path / "tbp_runs" / "determined_core_style"
     assert json.loads((storage / "result.json").read_text())["metrics"] == {"examples": 100}
@@ -44,7 +44,7 @@ def test_distributed_context_and_provenance_of_determined_core_code(tmp_path):
 def test_every_distributed_context_method_of_determined_from_the_hooks(tmp_path):
     """``context.distributed`` has Determined's ``DistributedContext`` methods (``get_num_agents`` and the ``_local``
     collectives included), and they agree across ranks when called from ``on_checkpoint_start``/``on_finish``."""
-    proc = run_process(torchrun_cmd(2, JOBS / "determined_collectives.py", "33"), base_env(), 240, cwd=tmp_path)
+    proc = run_ranks(2, JOBS / "determined_collectives.py", "33", timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outputs = tmp_path / "tbp_runs" / "determined_collectives" / "outputs"
     seen = {r: json.loads(next(outputs.rglob(f"collectives_{r}.json")).read_text()) for r in range(2)}
@@ -64,8 +64,7 @@ def test_rank_0_sees_every_rank_s_committed_files_in_on_finish_and_once_the_call
     closing commit without waiting for the others: rank 0 could run ``on_finish``, or return, first and miss another
     rank's last files.)"""
     report, finished = tmp_path / "seen.json", tmp_path / "finished.json"
-    command = torchrun_cmd(2, JOBS / "finish_aggregates.py", "47", str(report), str(finished))
-    proc = run_process(command, base_env(), 240, cwd=tmp_path)
+    proc = run_ranks(2, JOBS / "finish_aggregates.py", "47", str(report), str(finished), timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(report.read_text()) == list(range(47))
     assert json.loads(finished.read_text()) == ["finished_rank0.txt", "finished_rank1.txt"]

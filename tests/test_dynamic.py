@@ -67,7 +67,7 @@ def test_dynamic_under_torchrun_and_a_resume_with_the_static_schedule(tmp_path):
     assert reports[0]["result"]["num_batches"] == 60
     # The schedule is not part of the job's fingerprint: the same job resumes (and re-runs) with the other one.
     static = dict(spec, kwargs={"schedule": "static"})
-    proc, reports = run_generic(static, nproc=2, attempt=2, launcher="torchrun", timeout=180)
+    proc, reports = run_generic(static, nproc=2, attempt=2, launcher="ranks", timeout=180)  # the resume: plain ranks
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert reports[0]["result"]["already_finished"]
 

@@ -30,10 +30,15 @@ def _ok(proc):
     return out[-4000:]
 
 
-@pytest.mark.parametrize("n,b,w,expected", [(50, 10, 2, [3, 2]), (50, 20, 2, [2, 1]), (7, 2, 3, [2, 1, 1])])
-def test_determined_call_count_table_under_torchrun(tmp_path, n, b, w, expected):
+@pytest.mark.parametrize(
+    "n,b,w,expected,launcher",
+    [(50, 10, 2, [3, 2], "ranks"), (50, 20, 2, [2, 1], "ranks"), (7, 2, 3, [2, 1, 1], "torchrun")],
+)
+def test_determined_call_count_table_under_torchrun_and_as_plain_ranks(tmp_path, n, b, w, expected, launcher):
+    """Determined's table of calls per rank; the three-rank row under torchrun (as Determined launches), the others
+    as plain ranks (the table is the loop's: one torchrun launch of it is enough)."""
     spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=1)
-    proc, reports = run_generic(spec, nproc=w)
+    proc, reports = run_generic(spec, nproc=w, launcher=launcher)
     assert proc.returncode == 0, _ok(proc)
     assert [len(reports[r]["calls"]) for r in range(w)] == expected
     # every rank ran the same number of commits, on_finish once, every global batch exactly once
@@ -52,7 +57,7 @@ def test_determined_call_count_table_under_torchrun(tmp_path, n, b, w, expected)
 
 def test_reducers_are_reduced_over_ranks_on_every_rank(tmp_path):
     spec = job_spec(tmp_path, n=10, batch_size=2, outputs="none")
-    proc, reports = run_generic(spec, nproc=2)
+    proc, reports = run_generic(spec, nproc=2, launcher="ranks")
     assert proc.returncode == 0, _ok(proc)
     for r in (0, 1):
         metrics = reports[r]["result"]["metrics"]
@@ -62,11 +67,11 @@ def test_reducers_are_reduced_over_ranks_on_every_rank(tmp_path):
 
 def test_max_batches_per_rank_and_too_large_warns(tmp_path):
     spec = job_spec(tmp_path, n=100, batch_size=5, max_batches=2)
-    proc, reports = run_generic(spec, nproc=2)
+    proc, reports = run_generic(spec, nproc=2, launcher="ranks")
     assert proc.returncode == 0, _ok(proc)
     assert reports[0]["calls"] == [0, 2] and reports[1]["calls"] == [1, 3]
     spec = job_spec(tmp_path / "big", n=20, batch_size=5, max_batches=50)
-    proc, reports = run_generic(spec, nproc=2)
+    proc, reports = run_generic(spec, nproc=2, launcher="ranks")
     assert proc.returncode == 0, _ok(proc)
     assert "max_batches=50" in proc.stderr
     assert sorted(reports[0]["calls"] + reports[1]["calls"]) == [0, 1, 2, 3]
@@ -75,7 +80,7 @@ def test_max_batches_per_rank_and_too_large_warns(tmp_path):
 def test_failed_job_resumes_with_only_uncommitted_batches(tmp_path):
     n, b = 60, 3  # 20 batches, 10 steps on 2 ranks
     spec = job_spec(tmp_path, n=n, batch_size=b, checkpoint_interval=2, fail_batch=9, fail_rank=1, outputs="both")
-    proc, reports = run_generic(spec, nproc=2)
+    proc, reports = run_generic(spec, nproc=2, launcher="ranks")
     assert proc.returncode != 0
     assert reports[1]["error"]["type"] == "RuntimeError"
     assert reports[0]["error"]["type"] == "WorkerFailedError" and "rank 1" in reports[0]["error"]["message"]
@@ -86,7 +91,7 @@ def test_failed_job_resumes_with_only_uncommitted_batches(tmp_path):
     expected = sorted(v for g in committed for v in range(g * b, min((g + 1) * b, n)))
     assert sorted(per_batch_values(tmp_path / "storage").elements()) == expected
     spec.pop("fail_batch")
-    proc, reports2 = run_generic(spec, nproc=2, attempt=2)
+    proc, reports2 = run_generic(spec, nproc=2, attempt=2, launcher="ranks")
     assert proc.returncode == 0, _ok(proc)
     second_calls = reports2[0]["calls"] + reports2[1]["calls"]
     result = reports2[0]["result"]
@@ -255,7 +260,7 @@ def test_votes_larger_than_the_gather_buffer_arrive_whole(tmp_path):
     ]
     assert len(pickle.dumps(lines)) > 4096  # the commit at step 190 overflows the buffer
     spec = job_spec(tmp_path, n=400, batch_size=1, checkpoint_interval=190, report_metrics=True, outputs="per_batch")
-    proc, reports = run_generic(spec, nproc=2)
+    proc, reports = run_generic(spec, nproc=2, launcher="ranks")
     assert proc.returncode == 0, _ok(proc)
     records = [json.loads(row) for row in (tmp_path / "storage" / "metrics.jsonl").read_text().splitlines()]
     reported = sorted((r["rank"], r["steps_completed"]) for r in records if r["group"] == "inference")

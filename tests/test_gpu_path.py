@@ -590,14 +590,15 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def run_benchmark(*args: str, env: dict[str, str] | None = None, code: str | None = None) -> Any:
+    """``python -m benchmarks.gpu ARGS`` (forked by the suite's fork server: torch already imported) or ``python -c
+    CODE`` (executed), from the repository root."""
     import os
-    import subprocess
     import sys
 
+    from harness import run_process
+
     command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "benchmarks.gpu", *args]
-    return subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
-    )
+    return run_process(command, {**os.environ, **(env or {})}, 120, cwd=REPO)
 
 
 def test_benchmark_help_and_dry_run_work_without_a_gpu() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import JOBS, base_env, job_spec, read_reports, run_torchrun, spawn_ranks, wait_all
+from harness import JOBS, base_env, job_spec, read_reports, run_ranks, spawn_ranks, wait_all
 
 from torch_batch_process import read_outputs
 from torch_batch_process.engine.mesh.broadcast import pack_message, unpack_message
@@ -35,7 +35,7 @@ def test_a_mark_and_a_failure_reach_every_member_at_the_step_they_were_raised(tm
     """3 members: the source marks a stop at one step, the last member fails at another, the members agree on an
     attempt in between; every member receives the same statuses at the same steps, and the source's batches (one
     larger than INLINE_MAX: sent after the statuses)."""
-    done = run_torchrun(3, JOBS / "mesh_exchange.py", str(tmp_path), timeout=120)
+    done = run_ranks(3, JOBS / "mesh_exchange.py", str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     received = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(3)]
     assert received[0] == received[1] == received[2]
@@ -66,7 +66,7 @@ def test_a_member_preempted_under_the_dynamic_schedule_stops_its_replica_at_one_
     ran = [reports[r]["seen"]["batches"] for r in range(2)]
     assert ran[0] == ran[1] and 3 <= len(ran[0]) < n // 4, ran  # the same batches, stopped early
     second = dict(spec, attempt=2, mesh={"replica": -1, "tp": 1})
-    done = run_torchrun(2, JOBS / "mesh_job.py", json.dumps(second), timeout=120)
+    done = run_ranks(2, JOBS / "mesh_job.py", json.dumps(second), timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = read_reports(spec, 2)
     assert all(reports[r]["result"]["metrics"] == {"examples": n, "index_sum": n * (n - 1) // 2} for r in range(2))

@@ -24,7 +24,7 @@ from harness import (
     job_spec,
     read_reports,
     run_process,
-    run_torchrun,
+    run_ranks,
     spawn_ranks,
     tree_digest,
     wait_all,
@@ -182,7 +182,7 @@ def spec_for(tmp_path: Path, **spec) -> dict:
 
 def run_attempt(spec: dict, attempt: int, nproc: int, mesh: dict, timeout: float = 150):
     spec = dict(spec, attempt=attempt, mesh=mesh)
-    done = run_torchrun(nproc, MESH_JOB, json.dumps(spec), timeout=timeout)
+    done = run_ranks(nproc, MESH_JOB, json.dumps(spec), timeout=timeout)
     return done, read_reports(spec, attempt)
 
 
@@ -409,7 +409,7 @@ def test_random_kills_on_2x2_dynamic_then_3x2_resume_on_1x4_with_each_example_on
     kill_one_at_random(dict(spec, attempt=1, schedule="dynamic"), 4, {"replica": -1, "tp": 2}, rng)
     kill_one_at_random(dict(spec, attempt=2), 6, {"replica": -1, "tp": 2}, rng)
     spec3 = dict(spec, attempt=3, mesh={"replica": 1, "tp": 4}, sleep=0, schedule="dynamic")
-    done = run_torchrun(4, MESH_JOB, json.dumps(spec3), timeout=150)
+    done = run_ranks(4, MESH_JOB, json.dumps(spec3), timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     reports = read_reports(spec3, 3)
     assert all(reports[r]["result"]["metrics"] == {"examples": n, "index_sum": n * (n - 1) // 2} for r in range(4))
@@ -438,7 +438,7 @@ def test_an_out_of_memory_error_on_one_member_splits_the_batch_on_every_member(t
     reports = read_reports(spec1, 1)
     assert reports[1]["error"]["type"] == "MemberOutOfStepError", reports[1]["error"]
     spec2 = dict(spec, attempt=2, oom_above=[1, 2, "after"])
-    done = run_torchrun(2, MESH_JOB, json.dumps(spec2), timeout=120)
+    done = run_ranks(2, MESH_JOB, json.dumps(spec2), timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     reports = read_reports(spec2, 2)
     assert all(reports[r]["result"]["metrics"] == {"examples": n, "index_sum": n * (n - 1) // 2} for r in range(2))

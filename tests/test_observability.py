@@ -342,7 +342,7 @@ def test_straggler_is_named_and_timings_are_per_rank(tmp_path):
         tmp_path, n=240, batch_size=4, checkpoint_interval=5, outputs="none", sleep_rank={"1": 0.05},
         report_metrics=True, kwargs={"progress": "log", "progress_interval": 0.5},
     )
-    proc, reports = run_generic(spec, nproc=2)
+    proc, reports = run_generic(spec, nproc=2, launcher="ranks")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "WARNING rank 1 is a straggler" in proc.stderr, proc.stderr[-4000:]
     assert "rank 0 is a straggler" not in proc.stderr

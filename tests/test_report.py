@@ -685,7 +685,7 @@ def test_report_of_two_ranks_names_the_straggler_and_plots_every_rank(tmp_path):
         tmp_path, n=240, batch_size=4, checkpoint_interval=5, outputs="none", sleep_rank={"1": 0.04},
         kwargs={"progress": "off"},
     )
-    proc, reports = run_generic(spec, nproc=2)
+    proc, reports = run_generic(spec, nproc=2, launcher="ranks")
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = tmp_path / "report.html"
     assert cli.main(["report", spec["storage"], "-o", str(output)]) == 0

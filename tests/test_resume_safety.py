@@ -22,6 +22,7 @@ from harness import (
     job_spec,
     per_batch_values,
     run_generic,
+    run_process,
     spawn_ranks,
     tree_digest,
     wait_all,
@@ -207,6 +208,12 @@ def _run_script(cwd: Path, *command: str, **env: str) -> subprocess.CompletedPro
     )
 
 
+def _run_forked_script(cwd: Path, script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT`` from ``cwd``, forked by the suite's fork server (torch already imported: a test whose claim
+    is not how the interpreter starts; see the next test for ``python -m`` and moved checkouts, executed)."""
+    return run_process([sys.executable, script], base_env(**env), 120, cwd=cwd)
+
+
 def test_a_job_started_by_another_script_of_the_same_name_is_refused_before_any_write(tmp_path):
     """Issue 26 item 1: a/job.py and b/job.py, started from one folder, share ./tbp_runs/job by default; the
     processor (__main__.P) and the dataset's length are the same, so the fingerprint cannot tell them apart. The
@@ -214,11 +221,11 @@ def test_a_job_started_by_another_script_of_the_same_name_is_refused_before_any_
     for name, scale in (("a", 1), ("b", 100)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "job.py").write_text(_SAME_STEM_JOB.format(scale=scale))
-    first = _run_script(tmp_path, "a/job.py")
+    first = _run_forked_script(tmp_path, "a/job.py")
     assert first.returncode == 0, first.stderr[-3000:]
     assert json.loads(first.stdout.splitlines()[-1]) == {"seen": list(range(10)), "already_finished": False}
     stored = tree_digest(tmp_path / "tbp_runs" / "job")
-    second = _run_script(tmp_path, "b/job.py")
+    second = _run_forked_script(tmp_path, "b/job.py")
     assert second.returncode != 0 and second.stdout == "", second.stdout
     assert "JobMismatchError" in second.stderr
     message = second.stderr.strip().splitlines()[-1]
@@ -229,12 +236,12 @@ def test_a_job_started_by_another_script_of_the_same_name_is_refused_before_any_
     job_file = json.loads((tmp_path / "tbp_runs" / "job" / "_tbp" / "job.json").read_text())
     assert job_file["script"] == str((tmp_path / "a" / "job.py").resolve())
 
-    again = _run_script(tmp_path, "a/job.py")  # the first script still gets its own job back
+    again = _run_forked_script(tmp_path, "a/job.py")  # the first script still gets its own job back
     assert json.loads(again.stdout.splitlines()[-1]) == {"seen": list(range(10)), "already_finished": True}
-    fresh = _run_script(tmp_path, "b/job.py", TBP_JOB_NAME="b_job")  # the fix the message names
+    fresh = _run_forked_script(tmp_path, "b/job.py", TBP_JOB_NAME="b_job")  # the fix the message names
     expected = {"seen": [100 * i for i in range(10)], "already_finished": False}
     assert json.loads(fresh.stdout.splitlines()[-1]) == expected
-    adopted = _run_script(tmp_path, "b/job.py", TBP_ALLOW_SCRIPT_CHANGE="1")
+    adopted = _run_forked_script(tmp_path, "b/job.py", TBP_ALLOW_SCRIPT_CHANGE="1")
     assert adopted.returncode == 0 and "resuming it from" in adopted.stderr, adopted.stderr[-2000:]
 
 

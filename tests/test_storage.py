@@ -296,7 +296,7 @@ def test_torchrun_job_on_s3_fails_then_resumes_with_another_world_size(tmp_path,
 @pytest.mark.slow
 def test_memory_storage_is_refused_with_several_ranks(tmp_path):
     spec = job_spec(tmp_path, n=10, batch_size=2, storage="memory://tbp-two-ranks/job")
-    proc, reports = run_generic(spec, nproc=2)
+    proc, reports = run_generic(spec, nproc=2, launcher="ranks")
     assert proc.returncode != 0
     for rank in (0, 1):
         error = reports[rank]["error"]
