@@ -51,13 +51,16 @@ class Small(TorchBatchProcessor):
 
 
 def _log_stages(storage, rank: int) -> list[int]:
-    """The stages of the record batches in rank ``rank``'s segment logs (a torn last batch ends a log)."""
+    """The stages of the record batches of rows in rank ``rank``'s segment logs (a torn last batch ends a log; each
+    append's seal, a batch of no rows holding its checksum, is left out)."""
     stages = []
     for path in sorted(glob.glob(os.path.join(storage, "_tbp", "segments", f"*-rank_{rank}-*.arrows"))):
         try:
             reader = pa.ipc.open_stream(Path(path).read_bytes())
             while True:
-                stages.append(int(reader.read_next_batch_with_custom_metadata()[1][b"tbp_stage"]))
+                metadata = reader.read_next_batch_with_custom_metadata()[1]
+                if b"tbp_crc32" not in metadata:
+                    stages.append(int(metadata[b"tbp_stage"]))
         except (StopIteration, pa.ArrowException, OSError):
             continue
     return stages

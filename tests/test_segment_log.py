@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import glob
 import os
+import struct
 
 import pytest
 
 from torch_batch_process import TorchBatchProcessor, iter_outputs, read_outputs, torch_batch_process
 from torch_batch_process.errors import OutputCorruptError
-from torch_batch_process.outputs.segment_log import STAGE_KEY, SegmentLog, read_log, read_log_batch, scan_log
+from torch_batch_process.outputs.segment_log import CRC_KEY, STAGE_KEY, SegmentLog, read_log, read_log_batch, scan_log
 
 pa = pytest.importorskip("pyarrow")
 
@@ -50,8 +51,9 @@ def test_a_closed_log_is_a_plain_arrow_stream_with_each_batch_stage(tmp_path):
             batch, metadata = reader.read_next_batch_with_custom_metadata()
         except StopIteration:
             break
-        stages.append(int(metadata[STAGE_KEY]))
-    assert stages == [1, 2, 3, 4]
+        stages.append((int(metadata[STAGE_KEY]), batch.num_rows, CRC_KEY in metadata))
+    # each append: its rows, then its seal (no rows; the CRC-32 of the append's messages)
+    assert stages == [(stage, rows, seal) for stage in (1, 2, 3, 4) for rows, seal in ((3, False), (0, True))]
     assert pa.ipc.open_stream(data).read_all().num_rows == 12
 
 
@@ -59,15 +61,16 @@ def test_a_log_cut_anywhere_keeps_every_whole_batch_and_never_raises(tmp_path):
     data = _write_log(tmp_path / "log.arrows", close=False)  # a log being appended: no end-of-stream marker
     whole = pa.BufferReader(data)
     reader = pa.ipc.open_stream(whole)
-    ends = []
+    ends = []  # where each append (its rows and its seal) ends
     for _ in range(4):
+        reader.read_next_batch()
         reader.read_next_batch()
         ends.append(whole.tell())
     assert ends[-1] == len(data)
     for cut in range(len(data) + 1):
-        kept = _index(read_log(data[:cut], lambda stage: True, "log"))
-        batches = sum(1 for end in ends if end <= cut)
-        assert kept == [i for stage in range(1, batches + 1) for i in range(stage * 10, stage * 10 + 3)], cut
+        whole_appends = sum(1 for end in ends if end <= cut)  # the one being appended at the cut is not committed
+        kept = _index(read_log(data[:cut], lambda stage, whole=whole_appends: stage <= whole, "log"))
+        assert kept == [i for stage in range(1, whole_appends + 1) for i in range(stage * 10, stage * 10 + 3)], cut
 
 
 def test_damage_before_the_end_of_a_log_raises_naming_it(tmp_path):
@@ -83,6 +86,33 @@ def test_damage_before_the_end_of_a_log_raises_naming_it(tmp_path):
     ):
         with pytest.raises(OutputCorruptError, match="my-log.arrows.*damaged"):
             read_log(damaged, lambda stage: True, "my-log.arrows")
+
+
+def test_a_flipped_byte_inside_a_value_of_a_log_raises_instead_of_reading_another_value(tmp_path):
+    """Arrow checks no checksum: without the seals' CRC-32, a flipped byte of a committed value read back (and rolled
+    into a published shard) as another value."""
+    log = SegmentLog(str(tmp_path / "log.arrows"))
+    for stage in (1, 2):
+        log.append(pa.table({"index": pa.array([stage], pa.int64()), "x": [1234.5 * stage]}), stage)
+    log.close()
+    data = (tmp_path / "log.arrows").read_bytes()
+    assert read_log(data, lambda stage: True, "log").column("x").to_pylist() == [1234.5, 2469.0]
+    for value in (1234.5, 2469.0):  # a value of the first append, then of the second
+        at = data.index(struct.pack("<d", value))
+        damaged = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
+        assert pa.ipc.open_stream(damaged).read_all().column("x").to_pylist() != [1234.5, 2469.0]  # Arrow reads it
+        with pytest.raises(OutputCorruptError, match="my-log.arrows.*damaged.*CRC-32"):
+            read_log(damaged, lambda stage: True, "my-log.arrows")
+
+
+def test_a_log_without_seals_from_an_earlier_version_is_read_as_before(tmp_path):
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, _rows(0).schema) as writer:
+        for stage in (1, 2, 3):
+            for batch in _rows(stage * 10).to_batches():
+                writer.write_batch(batch, custom_metadata={STAGE_KEY: str(stage).encode()})
+    data = sink.getvalue().to_pybytes()
+    assert _index(read_log(data, lambda stage: stage != 2, "log")) == [10, 11, 12, 30, 31, 32]
 
 
 def test_each_batch_of_a_log_decodes_from_its_own_bytes_and_the_schema(tmp_path):
@@ -149,6 +179,29 @@ def test_a_job_on_local_storage_appends_one_log_per_shard_and_a_damaged_log_fail
     assert not os.listdir(os.path.join(storage, "_tbp", "segments"))
 
 
+def test_a_flipped_byte_in_a_committed_value_of_a_job_s_log_fails_the_read_and_the_resume(tmp_path, monkeypatch):
+    storage = str(tmp_path / "storage")
+    run = dict(batch_size=2, checkpoint_interval=1, storage_path=storage, progress=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        torch_batch_process(_Writes, list(range(20)), **run)
+    (log,) = glob.glob(os.path.join(storage, "_tbp", "segments", "*.arrows"))
+    data = open(log, "rb").read()
+    at = data.index(struct.pack("<d", 7.0))  # example 7's value, committed by the fourth commit
+    with open(log, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x40]))
+    with pytest.raises(OutputCorruptError, match="00000001-rank_0-0.arrows.*damaged"):
+        read_outputs(storage)
+    monkeypatch.setattr(_Writes, "fail_at", None)
+    with pytest.raises(OutputCorruptError, match="00000001-rank_0-0.arrows.*damaged"):
+        torch_batch_process(_Writes, list(range(20)), **run)  # never rolled into a published shard as another value
+    with open(log, "r+b") as f:  # the copy restored: the job resumes, every value as computed
+        f.seek(at)
+        f.write(bytes([data[at]]))
+    assert torch_batch_process(_Writes, list(range(20)), **run).finished
+    assert read_outputs(storage).column("x").to_pylist() == [float(i) for i in range(20)]
+
+
 _FAILED_APPEND = r"""
 import os, resource, signal, sys
 import pyarrow as pa
@@ -203,7 +256,9 @@ def test_iter_outputs_reads_a_live_log_batch_by_batch_in_index_order(tmp_path, m
     import torch_batch_process.outputs.readback as readback
 
     read_batch = readback.read_log_batch
-    monkeypatch.setattr(readback, "read_log_batch", lambda schema, message: loaded.append(1) or read_batch(schema, message))
+    monkeypatch.setattr(
+        readback, "read_log_batch", lambda schema, message: loaded.append(1) or read_batch(schema, message)
+    )
     streamed = [b.column("index").to_pylist() for b in iter_outputs(storage, batch_rows=7)]
     assert [i for b in streamed for i in b] == list(range(30)) and all(len(b) <= 7 for b in streamed)
     assert len(loaded) == 15  # one load per committed batch (15 commits of one batch), never the whole log

@@ -20,11 +20,16 @@ queued), so:
   record): its stage is not committed, and :func:`read_log` ignores such a *torn tail*. A damaged message that is
   whole (bytes follow it) raises :class:`~torch_batch_process.errors.OutputCorruptError` instead: committed rows may
   be behind it.
+- each append ends with a *seal*: a record batch of no rows whose custom metadata (``tbp_crc32``) holds the CRC-32 of
+  the append's messages. Arrow checks no checksum, so a flipped byte inside a value would otherwise be read (and rolled
+  into a published shard) as another value; a reader checks each seal, and damage is an ``OutputCorruptError``.
+  A log without seals (written by an earlier version) is read unchecked.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,10 +37,13 @@ from typing import Any
 from torch_batch_process.errors import OutputCorruptError, StorageError
 from torch_batch_process.storage.errors import file_error
 
-__all__ = ["STAGE_KEY", "LogScan", "SegmentLog", "read_log", "read_log_batch", "scan_log"]
+__all__ = ["CRC_KEY", "STAGE_KEY", "LogScan", "SegmentLog", "read_log", "read_log_batch", "scan_log"]
 
 STAGE_KEY = b"tbp_stage"
 """The custom metadata key of a record batch's stage."""
+
+CRC_KEY = b"tbp_crc32"
+"""The custom metadata key of a seal: the CRC-32 (decimal) of the append's messages before it."""
 
 _CONTINUATION = 0xFFFFFFFF
 
@@ -56,6 +64,7 @@ class SegmentLog:
         self._schema: Any = None
         self._failed = False  # an append raised: the log is cut back to its last whole append, nothing more goes in
         self._whole = 0  # the file's size after its last whole append
+        self._read_fd: int | None = None  # reads an append back for its seal's checksum
 
     def append(self, table: Any, stage: int) -> None:
         """Appends ``table``'s rows as rows of ``stage`` (the schema of the log's first rows)."""
@@ -81,6 +90,9 @@ class SegmentLog:
         try:
             for batch in table.to_batches():
                 self._writer.write_batch(batch, custom_metadata=metadata)
+            self._sink.flush()
+            seal = {STAGE_KEY: metadata[STAGE_KEY], CRC_KEY: str(self._crc_since(self._whole)).encode()}
+            self._writer.write_batch(self._empty(), custom_metadata=seal)
             self._sink.flush()  # in the file (a kill -9 keeps it) before the vote
         except BaseException as exc:
             self._failed = True  # e.g. a full disk: the stage is never voted
@@ -89,6 +101,23 @@ class SegmentLog:
                 raise file_error(self.path, "append rows to the segment log", exc) from exc
             raise
         self._whole = self._file.tell()
+
+    def _crc_since(self, offset: int) -> int:
+        """The CRC-32 of the file's bytes from ``offset`` to its end (just written: read back from the page cache)."""
+        crc, end = 0, self._file.tell()
+        if self._read_fd is None:
+            self._read_fd = os.open(self.path, os.O_RDONLY)
+        while offset < end:
+            chunk = os.pread(self._read_fd, min(end - offset, 1 << 24), offset)
+            if not chunk:
+                raise OSError(f"{self.path}: shorter than written ({offset} of {end} bytes)")
+            crc, offset = zlib.crc32(chunk, crc), offset + len(chunk)
+        return crc
+
+    def _empty(self) -> Any:
+        import pyarrow as pa
+
+        return pa.RecordBatch.from_pylist([], schema=self._schema)
 
     def _cut_back(self) -> None:
         """After a failed append: the file ends at its last whole append again (best effort: readers ignore a
@@ -101,7 +130,8 @@ class SegmentLog:
     def close(self) -> None:
         """Ends the stream (its end-of-stream marker; after a failed append the log ends at its last whole one
         instead) and closes the file; nothing more is appended."""
-        writer, sink, file, self._writer, self._sink, self._file = self._writer, self._sink, self._file, None, None, None
+        writer, sink, file = self._writer, self._sink, self._file
+        self._writer, self._sink, self._file = None, None, None
         try:
             if writer is not None and not self._failed:
                 writer.close()
@@ -115,6 +145,9 @@ class SegmentLog:
             finally:
                 if file is not None and not file.closed:
                     file.close()
+                if self._read_fd is not None:
+                    os.close(self._read_fd)
+                    self._read_fd = None
                 if self._failed:
                     self._cut_back()
 
@@ -148,6 +181,9 @@ def scan_log(data: Any, committed: Callable[[int], bool], name: str) -> LogScan 
     source = pa.BufferReader(buffer)
     scan = None
     end = 0  # where the messages read so far end
+    sealed = 0  # where the messages the last seal covers end (the first seal covers the schema's message too)
+    unsealed: list[tuple[int, int, Any]] = []  # committed batches after the last seal
+    seals = 0
     try:
         reader = pa.ipc.open_stream(source)
         end = source.tell()
@@ -158,20 +194,43 @@ def scan_log(data: Any, committed: Callable[[int], bool], name: str) -> LogScan 
             except StopIteration:  # the end-of-stream marker: written last, when the log was closed
                 if source.tell() < buffer.size:
                     raise OutputCorruptError(
-                        f"{name}: the segment log is damaged: an end of stream at byte {end}, {buffer.size - end} bytes "
-                        f"before its end; committed record rows may be lost. {_RESTORE}"
+                        f"{name}: the segment log is damaged: an end of stream at byte {end}, "
+                        f"{buffer.size - end} bytes before its end; committed record rows may be lost. {_RESTORE}"
                     ) from None
                 break
             start, end = end, source.tell()
-            if committed(_stage(metadata, name)):
-                scan.batches.append((start, end, batch))
+            stage = _stage(metadata, name)
+            if batch.num_rows == 0 and CRC_KEY in metadata:
+                _check_seal(data, sealed, start, metadata[CRC_KEY], name)
+                scan.batches += unsealed
+                unsealed, sealed, seals = [], end, seals + 1
+            elif committed(stage):
+                unsealed.append((start, end, batch))
     except (pa.ArrowException, OSError) as exc:
         if not _torn(buffer, end):
             raise OutputCorruptError(
                 f"{name}: the segment log is damaged at byte {end} ({exc}); committed record rows may be lost. "
                 f"{_RESTORE}"
             ) from exc
+    if scan is not None and unsealed:
+        if seals:  # an append's batches are committed only after its seal is written
+            raise OutputCorruptError(
+                f"{name}: the segment log is damaged: committed record rows after byte {sealed} have no seal (their "
+                f"checksum). {_RESTORE}"
+            )
+        scan.batches += unsealed  # a log of an earlier version: no seals to check
     return scan
+
+
+def _check_seal(data: Any, start: int, end: int, expected: bytes, name: str) -> None:
+    """Raises :class:`OutputCorruptError` unless the CRC-32 of ``data[start:end]`` (an append's messages) is the one
+    its seal holds."""
+    found = zlib.crc32(memoryview(data)[start:end])
+    if str(found).encode() != bytes(expected):
+        raise OutputCorruptError(
+            f"{name}: the segment log is damaged between bytes {start} and {end} (its CRC-32 is {found}, its seal "
+            f"says {bytes(expected).decode(errors='replace')}): committed record rows would be read wrong. {_RESTORE}"
+        )
 
 
 def read_log(data: Any, committed: Callable[[int], bool], name: str) -> Any:
