@@ -88,11 +88,13 @@ class SegmentLog:
             raise ValueError(f"{self.path}: rows of another schema ({table.schema}) than the log's ({self._schema})")
         metadata = {STAGE_KEY: str(stage).encode()}
         try:
-            for batch in table.to_batches():
+            batches = table.to_batches()
+            for batch in batches:
                 self._writer.write_batch(batch, custom_metadata=metadata)
             self._sink.flush()
             seal = {STAGE_KEY: metadata[STAGE_KEY], CRC_KEY: str(self._crc_since(self._whole)).encode()}
-            self._writer.write_batch(self._empty(), custom_metadata=seal)
+            # no rows: a slice of the last batch (free, and its dictionaries, if any, stay the stream's)
+            self._writer.write_batch(batches[-1].slice(0, 0) if batches else self._empty(), custom_metadata=seal)
             self._sink.flush()  # in the file (a kill -9 keeps it) before the vote
         except BaseException as exc:
             self._failed = True  # e.g. a full disk: the stage is never voted
