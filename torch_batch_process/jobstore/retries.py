@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch_batch_process.errors import InvalidArgumentError
-from torch_batch_process.jobstore.formats import JobInfo, parse_json
-from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
-from torch_batch_process.jobstore.store import job_finished, latest_record_at
+from torch_batch_process.jobstore.layout import RETRIES_DIR
+from torch_batch_process.jobstore.store import job_finished, job_info_at, latest_record_at
 from torch_batch_process.storage.base import Storage
 from torch_batch_process.storage.nested import NestedStorage
 from torch_batch_process.storage.registry import open_storage
@@ -79,12 +78,12 @@ def retry_numbering(storage: Storage, k: int) -> tuple[int, int | None]:
     stored = _stored_numbering(storage, f"{RETRIES_DIR}/{k}")
     if stored is not None:
         return stored
-    job = _job_info(storage, "")
+    job = job_info_at(storage)
     first_batch = job.planned_batches if job is not None else 0
     first_stage = 1
     for folder in ["", *(f"{RETRIES_DIR}/{j}" for j in retry_numbers(storage) if j < k)]:
         if folder:
-            earlier = _job_info(storage, folder)
+            earlier = job_info_at(storage, folder)
             if earlier is not None:
                 began = (earlier.spec.get("plan") or {}).get("first_batch", 0)
                 first_batch = max(first_batch, int(began) + earlier.planned_batches)
@@ -97,23 +96,13 @@ def retry_numbering(storage: Storage, k: int) -> tuple[int, int | None]:
 def _stored_numbering(storage: Storage, folder: str) -> tuple[int, int | None] | None:
     """The numbering a retry stored when it began (``(0, None)``: one of an earlier version); ``None`` when it
     stored nothing yet."""
-    info = _job_info(storage, folder)
+    info = job_info_at(storage, folder)
     if info is None:
         return None
     plan = info.spec.get("plan") or {}
     if "first_stage" not in plan:
         return 0, None
     return int(plan.get("first_batch", 0)), int(plan["first_stage"])
-
-
-def _job_info(storage: Storage, folder: str) -> JobInfo | None:
-    rel = f"{folder}/{JOB_FILE}" if folder else JOB_FILE
-    where = storage.url_of(rel)
-    try:
-        raw = storage.read_bytes(rel)
-    except FileNotFoundError:
-        return None
-    return JobInfo.from_json(parse_json(raw, where), where)  # damaged: CheckpointCorruptError naming it
 
 
 def open_job_folder(storage: Storage, folder: str, storage_options: dict[str, Any] | None = None) -> Storage:

@@ -50,8 +50,8 @@ from torch_batch_process.storage.base import TMP_MARKER, Storage
 from torch_batch_process.storage.errors import NotAFileError, storage_error
 
 __all__ = [
-    "JobStore", "LeftoverRows", "job_finished", "latest_record_at", "lock_holder", "output_stage", "take_job_lock",
-    "unpublished_stages_at",
+    "JobStore", "LeftoverRows", "job_finished", "job_info_at", "latest_record_at", "lock_holder", "output_stage",
+    "take_job_lock", "unpublished_stages_at",
 ]
 
 logger = logging.getLogger(__name__)
@@ -105,12 +105,7 @@ class JobStore:
 
     def load_job(self) -> JobInfo | None:
         """The stored job info, ``None`` for a fresh storage path."""
-        where = self.storage.url_of(JOB_FILE)
-        try:
-            raw = _read(self.storage, JOB_FILE, "job file")
-        except FileNotFoundError:
-            return None
-        return JobInfo.from_json(parse_json(raw, where), where)
+        return job_info_at(self.storage)
 
     def record_numbers(self) -> list[int]:
         """Numbers of the commit records present, ascending."""
@@ -371,6 +366,22 @@ def job_finished(storage: Storage, root: str = "") -> bool:
         return True
     latest = latest_record_at(storage, root)
     return latest is not None and latest.finished
+
+
+def job_info_at(storage: Storage, root: str = "") -> JobInfo | None:
+    """The job info stored in folder ``root`` of ``storage`` (a retry's or an incremental run's: ``retries/<k>``);
+    ``None`` when it has none yet.
+
+    Raises:
+        CheckpointCorruptError: the job file is damaged (not JSON, not a job's) or not a file.
+    """
+    rel = f"{root}/{JOB_FILE}" if root else JOB_FILE
+    where = storage.url_of(rel)
+    try:
+        raw = _read(storage, rel, "job file")
+    except FileNotFoundError:
+        return None
+    return JobInfo.from_json(parse_json(raw, where), where)
 
 
 def latest_record_at(storage: Storage, root: str = "") -> CommitRecord | None:

@@ -40,11 +40,11 @@ import numpy as np
 from torch_batch_process.engine.plan.plans import Plan
 from torch_batch_process.engine.plan.retry import Retry, check_same_outputs, repair_finished_folders
 from torch_batch_process.errors import CORRUPT_HINT, CheckpointCorruptError, InvalidArgumentError, JobMismatchError
-from torch_batch_process.jobstore.formats import JobInfo, parse_json, qualified_name
+from torch_batch_process.jobstore.formats import qualified_name
 from torch_batch_process.jobstore.layout import JOB_FILE, RETRIES_DIR
 from torch_batch_process.jobstore.ranges import RangeSet
 from torch_batch_process.jobstore.retries import next_retry, retry_numbering, retry_numbers
-from torch_batch_process.jobstore.store import job_finished, latest_record_at
+from torch_batch_process.jobstore.store import job_finished, job_info_at, latest_record_at
 from torch_batch_process.outputs.keyed.diff import plan_increment
 from torch_batch_process.outputs.keyed.options import HASH_FIELD, RUN_FIELD, VERSION_FIELD, KeyedOptions
 from torch_batch_process.outputs.keyed.runs import (
@@ -363,13 +363,8 @@ def _check_keys_stored(storage: Storage) -> None:
 
 
 def _spec(storage: Storage, folder: str) -> dict[str, Any]:
-    rel = f"{folder}/{JOB_FILE}" if folder else JOB_FILE
-    where = storage.url_of(rel)
-    try:
-        raw = storage.read_bytes(rel)
-    except FileNotFoundError:
-        return {}
-    return JobInfo.from_json(parse_json(raw, where), where).spec  # damaged: CheckpointCorruptError naming it
+    info = job_info_at(storage, folder)  # damaged: CheckpointCorruptError naming it
+    return info.spec if info is not None else {}
 
 
 def _repair(storage: Storage, args: JobArguments) -> None:
