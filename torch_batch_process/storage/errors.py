@@ -32,6 +32,7 @@ __all__ = [
     "is_missing_backend",
     "missing_backend_hint",
     "is_missing_bucket",
+    "is_out_of_space",
     "is_precondition_failed",
     "is_transient",
     "retry_attempts",
@@ -120,6 +121,14 @@ def error_number(exc: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from or while handling, is a full disk or quota."""
+    return any(error_number(cause) in _NO_SPACE for cause in _causes(exc))
+
+
 def describe(exc: BaseException) -> str:
     """A short human cause for ``exc``: permission denied, missing bucket, unreachable..."""
     answer = _client_error(exc)
@@ -130,7 +139,7 @@ def describe(exc: BaseException) -> str:
         return f"read-only filesystem ({exc})"
     if number in (errno.EACCES, errno.EPERM):
         return f"permission denied ({exc})"
-    if number in (errno.ENOSPC, errno.EDQUOT):
+    if number in _NO_SPACE:
         return f"no space left ({exc})"
     if _class_names(exc) & _UNREACHABLE:
         return f"cannot reach the storage endpoint ({type(exc).__name__}: {exc})"
@@ -252,7 +261,9 @@ def with_retries(
             raise
         except FileNotFoundError as exc:
             if is_missing_bucket(exc):
-                raise StorageError(f"storage {url!r}: cannot {action}: the bucket {bucket!r} does not exist ({exc})") from exc
+                raise StorageError(
+                    f"storage {url!r}: cannot {action}: the bucket {bucket!r} does not exist ({exc})"
+                ) from exc
             raise
         except StorageError:
             raise
@@ -260,7 +271,8 @@ def with_retries(
             pause = min(delay, RETRY_MAX_DELAY_S) * (0.5 + random.random())
             if attempt < attempts and is_transient(exc) and time.monotonic() + pause < deadline:
                 logger.warning(
-                    "storage %s: %s failed (%s); retry %d/%d in %.1fs", url, action, describe(exc), attempt, attempts - 1, pause
+                    "storage %s: %s failed (%s); retry %d/%d in %.1fs",
+                    url, action, describe(exc), attempt, attempts - 1, pause,
                 )
                 time.sleep(pause)
                 delay *= 2

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import logging
 import time
 import traceback
@@ -71,11 +70,12 @@ from torch_batch_process.observe.visible_text import visible
 from torch_batch_process.outputs.stager import OutputStager
 from torch_batch_process.reducers import ReducerRegistry, SimpleReducer
 from torch_batch_process.sources.base import SourceChangedError
+from torch_batch_process.storage.errors import is_out_of_space
 
 __all__ = [
     "ATTEMPT_FAILED", "ATTEMPT_OK", "ATTEMPT_OUT_OF_MEMORY",
     "FailingExamples", "FailureLog", "PartLoader", "SplitRoute", "Transactions", "check_total", "no_span",
-    "out_of_space", "too_many_message",
+    "too_many_message",
 ]
 
 SLOW_SNAPSHOT_S = 0.005
@@ -95,23 +95,6 @@ FATAL = (
 shard that holds fewer rows than counted fails the job as with ``on_error="raise"``; a row that cannot be
 decoded, e.g. a JSONL line that is not JSON, is that row's failure; a dead ``DataLoader`` worker is reported by the
 loader as a ``RuntimeError``, which :meth:`FailingExamples.recoverable` tells apart)."""
-
-
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-def out_of_space(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from or while handling) is a full disk or quota: no example's
-    fault, so it fails the job even with ``on_error="skip"`` (recorded as failures, every example processed while the
-    disk stays full would be skipped, and the job could finish with them all failed)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, OSError) and current.errno in _NO_SPACE:
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
 
 
 _NAMED = 5
@@ -392,12 +375,14 @@ class FailingExamples:
 
     @staticmethod
     def recoverable(exc: BaseException) -> bool:
-        """Whether ``exc`` is an example's failure (else it fails the job)."""
+        """Whether ``exc`` is an example's failure (else it fails the job). A full disk or quota is no example's fault:
+        recorded as failures, every example processed while the disk stays full would be skipped, and the job could
+        finish with them all failed."""
         return (
             isinstance(exc, Exception)
             and not isinstance(exc, FATAL)
             and not LoaderWorkerDiedError.reports(exc)
-            and not out_of_space(exc)
+            and not is_out_of_space(exc)
         )
 
     # ------------------------------------------------------------------ bisection
