@@ -71,9 +71,9 @@ class TableSink:
             self._check_names(normalized, schema.origin)
             try:
                 self._target = self.table.ensure(normalized)  # creates the table from the first rows, else its schema
+            except StorageError:
+                raise
             except OSError as exc:  # its first files on a full disk: the format's own error names no table
-                if isinstance(exc, StorageError):
-                    raise
                 where = self.table.target.describe()
                 shown = str(where.get("uri") or where.get("identifier"))
                 raise file_error(shown, f"create the {self.table.target.kind} table", exc) from exc
