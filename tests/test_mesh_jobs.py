@@ -298,6 +298,20 @@ def test_a_rank_killed_while_the_mesh_connects_stops_the_others_within_the_conne
     assert error["type"] == "WorkerLostError" and "connecting the groups of mesh=" in error["message"], error
 
 
+def _spawn_until_rank_0_killed(
+    spec: dict, killer: int, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
+    """Starts the 4 ranks of ``spec`` and waits until rank ``killer`` has killed rank 0 (whose process hosts the
+    rendezvous store); fails the test, stopping every rank, when that does not happen within 150 s."""
+    procs = spawn_ranks(4, MESH_JOB, json.dumps(spec), env=env)
+    try:
+        procs[0].wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        wait_all(procs, timeout=0)
+        pytest.fail(f"rank {killer} never killed rank 0")
+    return procs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("on_oom", ["split", "raise"])
 def test_a_source_whose_claim_finds_the_store_gone_stops_with_its_replica(tmp_path, on_oom):
@@ -313,12 +327,7 @@ def test_a_source_whose_claim_finds_the_store_gone_stops_with_its_replica(tmp_pa
         tmp_path, n=80, layers=1, schedule="dynamic", kill_at=[2, 0, 3], on_oom=on_oom, attempt=1,
         mesh={"replica": -1, "tp": 2},
     )  # 20 batches: claims are left when rank 2 ran 3; its 3rd step is not a commit's (checkpoint_interval=2)
-    procs = spawn_ranks(4, MESH_JOB, json.dumps(spec))
-    try:
-        procs[0].wait(timeout=150)  # killed by rank 2
-    except subprocess.TimeoutExpired:
-        wait_all(procs, timeout=0)
-        pytest.fail("rank 2 never killed rank 0")
+    procs = _spawn_until_rank_0_killed(spec, killer=2)
     started = time.monotonic()
     outcomes = wait_all(procs, timeout=60)
     elapsed = time.monotonic() - started
@@ -349,12 +358,7 @@ def test_a_member_raising_as_rank_0_dies_stops_every_rank_without_the_store(tmp_
         tmp_path, n=80, layers=1, raise_at=[3, 1, 0], linger=[3, 300], on_oom=on_oom, attempt=1,
         mesh={"replica": -1, "tp": 2},
     )
-    procs = spawn_ranks(4, MESH_JOB, json.dumps(spec), env=base_env(TBP_MESH_GRACE_S="2"))
-    try:
-        procs[0].wait(timeout=150)  # killed by rank 3
-    except subprocess.TimeoutExpired:
-        wait_all(procs, timeout=0)
-        pytest.fail("rank 3 never killed rank 0")
+    procs = _spawn_until_rank_0_killed(spec, killer=3, env=base_env(TBP_MESH_GRACE_S="2"))
     started = time.monotonic()
     outcomes = wait_all(procs[1:3], timeout=60)
     elapsed = time.monotonic() - started
